@@ -1,0 +1,218 @@
+"""Safe checkpoints: safetensors for tensors, JSON for everything else, written atomically. Never pickle.
+
+A checkpoint is a directory:
+
+    model.safetensors   the weights (tied weights stored once, no `_orig_mod.` prefixes)
+    config.json         the GPTConfig
+    tokenizer files     whatever `Tokenizer.save` writes (optional)
+    ...                 the trainer adds optimizer.safetensors and state.json
+
+A run directory holds `checkpoints/step-NNNNNNN/` directories and optionally `checkpoints/best/`.
+`resolve_checkpoint` turns a run, a checkpoint or a Hugging Face directory into something loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptlab.config import GPTConfig
+from gptlab.errors import GptlabError
+from gptlab.model import GPT
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+CHECKPOINTS_DIR = "checkpoints"
+BEST_NAME = "best"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Atomic writes
+# ---------------------------------------------------------------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (no-op where directories can't be opened, e.g. Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_dir(target: str | Path, write: Callable[[Path], None]) -> Path:
+    """Fill a fresh temporary directory with `write(tmp)`, fsync every file, then rename it to `target`.
+
+    A crash at any point leaves either the previous `target` or the new one, never a half-written one.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        if target.exists():  # replace: move the old one aside first so the rename itself is atomic
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a text file through a temporary file, fsync and rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model weights
+# ---------------------------------------------------------------------------------------------------------------------
+def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU."""
+    model = unwrap_model(model)
+    state = model.state_dict()
+    if getattr(model, "config", None) is not None and model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as transformer.wte.weight
+    return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain GPT under torch.compile's OptimizedModule and DDP/FSDP wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def write_model(directory: Path, model: torch.nn.Module, tokenizer: Any = None) -> None:
+    """Write weights, config and (optionally) the tokenizer into an existing directory."""
+    plain = unwrap_model(model)
+    save_file(model_state_dict(plain), str(directory / MODEL_FILE), metadata={"format": "pt", "library": "gptlab"})
+    (directory / CONFIG_FILE).write_text(json.dumps(plain.config.to_dict(), indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(directory)
+
+
+def save_model(path: str | Path, model: torch.nn.Module, tokenizer: Any = None) -> Path:
+    """Save a model (and tokenizer) as a checkpoint directory, atomically."""
+    return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer))
+
+
+def load_gptlab_model(directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> GPT:
+    config = GPTConfig.load(directory / CONFIG_FILE)
+    with torch.device("meta"):
+        model = GPT(config)
+    state = load_file(str(directory / MODEL_FILE), device=str(device))
+    if config.tie_embeddings:
+        state.setdefault("lm_head.weight", state["transformer.wte.weight"])
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the shared Parameter; re-tie
+    model.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Finding checkpoints
+# ---------------------------------------------------------------------------------------------------------------------
+def is_hf_dir(path: Path) -> bool:
+    cfg = path / CONFIG_FILE
+    if not cfg.is_file():
+        return False
+    try:
+        return "model_type" in json.loads(cfg.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's step checkpoints, oldest first (complete ones only: temporary directories are skipped)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    steps = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / MODEL_FILE).is_file()]
+    return sorted(steps, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
+    """A checkpoint directory (or Hugging Face directory) from a run, checkpoint or HF path.
+
+    For a run directory, `prefer="best"` picks the best-validation checkpoint when there is one, else the latest;
+    `prefer="latest"` picks the latest step.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise GptlabError(f"{path} does not exist: pass a run directory, a checkpoint directory or a Hugging Face one")
+    if path.is_file():
+        if path.name == MODEL_FILE:
+            return path.parent
+        raise GptlabError(f"{path} is a file: pass the directory that holds {MODEL_FILE} and {CONFIG_FILE}")
+    if (path / MODEL_FILE).is_file() and (path / CONFIG_FILE).is_file() or is_hf_dir(path):
+        return path
+    best = path / CHECKPOINTS_DIR / BEST_NAME
+    steps = list_step_checkpoints(path)
+    if prefer == "best" and (best / MODEL_FILE).is_file():
+        return best
+    if steps:
+        return steps[-1]
+    if (best / MODEL_FILE).is_file():
+        return best
+    raise GptlabError(f"no checkpoint found in {path}: expected {MODEL_FILE} + {CONFIG_FILE}, a run directory "
+                      f"with {CHECKPOINTS_DIR}/step-*/, or a Hugging Face model directory")
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, prefer: str = "best"
+) -> tuple[GPT, Any]:
+    """Load (model, tokenizer) from a run, checkpoint or Hugging Face directory; tokenizer is None if none saved."""
+    directory = resolve_checkpoint(path, prefer=prefer)
+    if is_hf_dir(directory):
+        from gptlab.interop import from_hf
+
+        model = from_hf(directory, device=device, dtype=dtype)
+    else:
+        model = load_gptlab_model(directory, device=device, dtype=dtype)
+    return model, _try_load_tokenizer(directory)
+
+
+def _try_load_tokenizer(directory: Path) -> Any:
+    from gptlab.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(directory)
+    except GptlabError:
+        return None

@@ -1,0 +1,353 @@
+"""The model: causality, gradients, attention paths, KV cache, parameter counts, input errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gptlab import GPT, GPTConfig, KVCache, parameter_breakdown
+
+SMALL = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32)
+
+
+def small(**overrides) -> GPTConfig:
+    return GPTConfig(**{**SMALL, **overrides})
+
+
+def build(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(small(**overrides)).eval()
+    # move every weight off its init (norm weights of 1, zero biases) so a wrongly wired weight shows
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+GRID = list(itertools.product(("layernorm", "rmsnorm"), ("learned", "rope", "none"), ("gelu", "swiglu", "relu2"),
+                              ("pre", "post", "parallel")))
+
+
+@pytest.mark.parametrize("norm,position,mlp,block", GRID)
+def test_causality_over_every_architecture(norm, position, mlp, block):
+    model = build(norm=norm, position=position, mlp=mlp, block=block, n_kv_head=2, qk_norm=position == "rope")
+    idx = torch.randint(0, 97, (2, 16))
+    t = 7
+    changed = idx.clone()
+    changed[:, t + 1 :] = torch.randint(0, 97, (2, 16 - t - 1))
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(changed)
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])  # the later positions do see the change
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    t=st.integers(0, 14),
+    seq=st.lists(st.integers(0, 96), min_size=16, max_size=16),
+    n_kv_head=st.sampled_from([1, 2, 4]),
+    position=st.sampled_from(["learned", "rope", "none"]),
+)
+def test_causality_property(t, seq, n_kv_head, position):
+    model = _cached_model(n_kv_head, position)
+    idx = torch.tensor([seq])
+    changed = idx.clone()
+    changed[0, t + 1 :] = (changed[0, t + 1 :] + 1) % 97
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(changed)
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+
+
+_MODELS: dict = {}
+
+
+def _cached_model(n_kv_head: int, position: str) -> GPT:
+    key = (n_kv_head, position)
+    if key not in _MODELS:
+        _MODELS[key] = build(n_kv_head=n_kv_head, position=position)
+    return _MODELS[key]
+
+
+@pytest.mark.parametrize("preset_like", [dict(), dict(norm="rmsnorm", position="rope", mlp="swiglu", bias=False,
+                                                       tie_embeddings=False, n_kv_head=2, qk_norm=True)])
+def test_every_parameter_gets_a_gradient_and_initial_loss_is_ln_vocab(preset_like):
+    torch.manual_seed(0)
+    config = GPTConfig(**{**SMALL, "vocab_size": 1000, **preset_like})
+    model = GPT(config)
+    idx = torch.randint(0, 1000, (4, 32))
+    targets = torch.randint(0, 1000, (4, 32))
+    _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(1000)) < 0.1 * math.log(1000)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_loss_ignores_minus_one_targets():
+    model = build()
+    idx = torch.randint(0, 97, (2, 10))
+    targets = torch.randint(0, 97, (2, 10))
+    targets[:, :4] = -1
+    logits, loss = model(idx, targets)
+    expected = F.cross_entropy(logits[:, 4:].reshape(-1, 97), targets[:, 4:].reshape(-1))
+    assert torch.allclose(loss, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_sdpa_equals_manual_attention(n_kv_head, position):
+    model = build(n_kv_head=n_kv_head, position=position)
+    idx = torch.randint(0, 97, (3, 20))
+    with torch.no_grad():
+        fused, _ = model(idx)
+        manual, _, weights = model(idx, return_attention=True)
+    assert (fused - manual).abs().max() < 1e-5
+    assert len(weights) == 2 and weights[0].shape == (3, 4, 20, 20)
+    w = weights[0]
+    assert torch.allclose(w.sum(-1), torch.ones(3, 4, 20), atol=1e-5)  # each row a distribution
+    assert torch.all(w.triu(diagonal=1) == 0)  # nothing attends to the future
+    model.config.attention = "manual"  # the config switch takes the same path
+    with torch.no_grad():
+        switched, _ = model(idx)
+    assert torch.equal(switched, manual)
+
+
+def test_manual_attention_matches_a_reference_computation():
+    """One layer's attention against softmax(QK^T/sqrt(d))V written out with einsum and GQA by hand."""
+    model = build(n_kv_head=2, position="none", n_layer=1)
+    attn = model.transformer.h[0].attn
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        out, w = attn(x, None, None, None, manual=True)
+        q, k, v = attn.c_attn(x).split([32, 16, 16], dim=-1)
+        q = q.view(2, 9, 4, 8)
+        k = k.view(2, 9, 2, 8).repeat_interleave(2, dim=2)
+        v = v.view(2, 9, 2, 8).repeat_interleave(2, dim=2)
+        scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(8)
+        scores = scores + torch.full((9, 9), float("-inf")).triu(1)
+        ref_w = scores.softmax(-1)
+        ref = attn.c_proj(torch.einsum("bhts,bshd->bthd", ref_w, v).reshape(2, 9, 32))
+    assert torch.allclose(w, ref_w, atol=1e-6)
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_rope_matches_complex_rotation():
+    """RoPE rotates dim pairs (i, i + half) by angle pos * base^(-2i/rot): compare with complex multiplication."""
+    from gptlab.model import apply_rope, rope_tables
+
+    config = small(position="rope", rotary_fraction=0.5)  # head 8, rotary 4: the last 4 dims pass through
+    x = torch.randn(1, 4, 6, 8)
+    pos = torch.arange(6)[None]
+    out = apply_rope(x, *rope_tables(config, pos))
+    half = 2
+    freqs = 1.0 / (config.rope_base ** (torch.arange(0, 4, 2).float() / 4))
+    z = torch.complex(x[..., :half], x[..., half:4]) * torch.polar(torch.ones(6, half), pos[0, :, None] * freqs)
+    assert torch.allclose(out[..., :half], z.real, atol=1e-6)
+    assert torch.allclose(out[..., half:4], z.imag, atol=1e-6)
+    assert torch.equal(out[..., 4:], x[..., 4:])
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu", "relu2"])
+def test_mlp_matches_its_formula(mlp):
+    model = build(mlp=mlp, n_layer=1)
+    m = model.transformer.h[0].mlp
+    x = torch.randn(3, 32)
+    w1, b1, w2, b2 = m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias
+    with torch.no_grad():
+        h = x @ w1.T + b1
+        if mlp == "gelu":  # GPT-2's tanh approximation, written out
+            h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+        elif mlp == "relu2":
+            h = torch.clamp(h, min=0) ** 2
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            h = gate * torch.sigmoid(gate) * up
+        assert torch.allclose(m(x), h @ w2.T + b2, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", ["pre", "post", "parallel"])
+def test_block_layouts_match_their_formulas(block):
+    model = build(block=block, n_layer=1, position="none")
+    b = model.transformer.h[0]
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        out, _ = b(x, None, None, None, False)
+
+        def attn(z):
+            return b.attn(z, None, None, None, False)[0]
+
+        if block == "pre":
+            h = x + attn(b.ln_1(x))
+            ref = h + b.mlp(b.ln_2(h))
+        elif block == "parallel":
+            ref = x + attn(b.ln_1(x)) + b.mlp(b.ln_2(x))
+        else:
+            h = b.ln_1(x + attn(x))
+            ref = b.ln_2(h + b.mlp(h))
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_rmsnorm_and_softcap():
+    model = build(norm="rmsnorm", logit_softcap=2.0)
+    x = torch.randn(2, 3, 32)
+    norm = model.transformer.ln_f
+    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+    assert torch.allclose(norm(x), ref, atol=1e-5)
+    with torch.no_grad():
+        logits, _ = model(torch.randint(0, 97, (2, 8)))
+    assert logits.abs().max() < 2.0
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_kv_cache_equals_full_forward(n_kv_head, position):
+    model = build(n_kv_head=n_kv_head, position=position)
+    idx = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(model.config, batch_size=2)
+        pieces = [model(idx[:, :10], kv_cache=cache)[0]]  # prefill, then one token at a time
+        for t in range(10, 24):
+            pieces.append(model(idx[:, t : t + 1], kv_cache=cache)[0])
+    assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-5
+    assert cache.lengths.tolist() == [24, 24]
+
+
+def test_kv_cache_rows_at_different_lengths():
+    """Right-padded prompts prefilled together, rows rewound to their own lengths, decode as if alone."""
+    model = build(n_kv_head=2, position="rope")
+    a = torch.randint(0, 97, (1, 12))
+    b = torch.randint(0, 97, (1, 5))
+    with torch.no_grad():
+        cache = KVCache(model.config, batch_size=2)
+        padded = torch.cat([a, torch.cat([b, torch.zeros(1, 7, dtype=torch.long)], dim=1)])
+        logits, _ = model(padded, kv_cache=cache)
+        cache.lengths[1] = 5
+        nxt = torch.tensor([[3], [4]])
+        step, _ = model(nxt, kv_cache=cache)
+        ref_a, _ = model(torch.cat([a, nxt[:1]], dim=1))
+        ref_b, _ = model(torch.cat([b, nxt[1:]], dim=1))
+    assert (logits[1, 4] - ref_b[0, 4]).abs().max() < 1e-5
+    assert (step[0, 0] - ref_a[0, -1]).abs().max() < 1e-5
+    assert (step[1, 0] - ref_b[0, -1]).abs().max() < 1e-5
+
+
+def test_kv_cache_needs_no_grad_and_room():
+    model = build()
+    cache = KVCache(model.config, batch_size=1, max_len=8)
+    with pytest.raises(ValueError, match="no_grad"):
+        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 8 tokens"):
+        model(torch.zeros(1, 9, dtype=torch.long), kv_cache=cache)
+
+
+# --- parameter counts: the figures transformers' num_parameters() reports for the same architectures ---------------
+@pytest.mark.parametrize("name,count", [
+    ("gpt2", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080),
+    ("gpt2-xl", 1_557_611_200), ("gpt-neox-20b", 20_554_567_680),
+])
+def test_parameter_counts_match_transformers(name, count):
+    counts = parameter_breakdown(GPTConfig.preset(name))
+    assert counts["total"] == count
+    assert sum(v for k, v in counts.items() if k != "total") == count
+
+
+def test_breakdown_matches_a_materialized_model_and_counts_tied_weights_once():
+    for tie in (True, False):
+        config = small(tie_embeddings=tie)
+        model = GPT(config)
+        counts = parameter_breakdown(config)
+        assert counts["total"] == sum(p.numel() for p in model.parameters()) == model.num_parameters()
+        assert counts["head"] == (0 if tie else 97 * 32)
+        assert counts["embeddings"] == 97 * 32 + 32 * 32  # tokens + learned positions
+
+
+def test_gpt2_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("gpt2", n_layer=4, vocab_size=1000))
+    c_proj = model.transformer.h[0].attn.c_proj.weight.std().item()
+    c_fc = model.transformer.h[0].mlp.c_fc.weight.std().item()
+    assert abs(c_fc - 0.02) < 0.001
+    assert abs(c_proj - 0.02 / math.sqrt(8)) < 0.0005
+    assert model.transformer.h[0].attn.c_attn.bias.abs().sum() == 0
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_dropout_active_only_in_training():
+    model = build(dropout=0.5)
+    idx = torch.randint(0, 97, (2, 8))
+    model.train()
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+    model.eval()
+    assert torch.equal(model(idx)[0], model(idx)[0])
+
+
+def test_optimizer_groups_decay_matrices_only():
+    model = build(bias=True, tie_embeddings=False)
+    decay, no_decay = model.optimizer_groups(weight_decay=0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    ids = {id(p) for p in decay["params"]}
+    assert id(model.transformer.wte.weight) not in ids and id(model.lm_head.weight) not in ids
+    assert id(model.transformer.h[0].attn.c_attn.weight) in ids
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    decay_emb, _ = model.optimizer_groups(0.1, decay_embeddings=True)
+    assert id(model.transformer.wte.weight) in {id(p) for p in decay_emb["params"]}
+
+
+# --- errors ----------------------------------------------------------------------------------------------------------
+def test_input_errors_are_clear():
+    model = build()
+    with pytest.raises(ValueError, match="exceeds the model's block_size 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token id 97 is outside \[0, 97\)"):
+        model(torch.tensor([[1, 97]]))
+    with pytest.raises(ValueError, match=r"token id -1 is outside"):
+        model(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="shape"):
+        model(torch.zeros(4, dtype=torch.long))
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="n_embd=30 is not divisible by n_head=4"):
+        small(n_embd=30)
+    with pytest.raises(ValueError, match="n_head=4 is not divisible by n_kv_head=3"):
+        small(n_kv_head=3)
+    with pytest.raises(ValueError, match="norm='batchnorm'"):
+        small(norm="batchnorm")
+    with pytest.raises(ValueError, match="unknown preset"):
+        GPTConfig.preset("gpt5")
+    with pytest.raises(ValueError, match="unknown GPTConfig field"):
+        GPTConfig.from_dict({"n_layers": 3})
+
+
+def test_presets_and_overrides():
+    config = GPTConfig.preset("pocket", n_layer=2)
+    assert (config.n_layer, config.n_head, config.n_kv_head, config.n_embd, config.block_size) == (2, 6, 2, 384, 256)
+    assert (config.norm, config.position, config.mlp) == ("rmsnorm", "rope", "relu2")
+    assert config.hidden_size == 1536 and config.hidden_size % 64 == 0
+    swiglu = GPTConfig.preset("pocket-swiglu")
+    assert swiglu.hidden_size == 1024  # 8/3 * 384 = 1024, already a multiple of 256
+    assert GPTConfig.preset("pythia-70m").rotary_dim == 16  # 25% of head size 64
+    assert "gpt-neox-20b" in GPTConfig.presets()
+    assert GPTConfig.from_dict(config.to_dict()) == config
+
+
+def test_info_command(capsys):
+    from gptlab.cli import main
+
+    assert main(["info", "gpt2"]) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808" in out
+    assert main(["info", "nope"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
