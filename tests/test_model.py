@@ -351,3 +351,24 @@ def test_info_command(capsys):
     assert "124,439,808" in out
     assert main(["info", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    splits=st.lists(st.integers(1, 6), min_size=1, max_size=5),  # at most 30 <= block_size
+    n_kv_head=st.sampled_from([1, 2, 4]),
+    position=st.sampled_from(["learned", "rope"]),
+)
+def test_cache_equals_no_cache_property(splits, n_kv_head, position):
+    """Feeding a sequence through the cache in arbitrary chunks gives the logits of one full forward."""
+    model = _cached_model(n_kv_head, position)
+    total = sum(splits)
+    idx = torch.randint(0, 97, (2, total))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(model.config, batch_size=2)
+        pieces, start = [], 0
+        for n in splits:
+            pieces.append(model(idx[:, start : start + n], kv_cache=cache)[0])
+            start += n
+    assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-5
