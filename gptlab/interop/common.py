@@ -1,0 +1,220 @@
+"""Shared pieces of the Hugging Face bridge: reading config.json and weight files, RoPE settings in both
+config schemas, and `Rule`s, the two-way map between one gptlab tensor and the Hugging Face tensor(s) it is
+made of.
+
+Nothing here imports `transformers`: a Hugging Face directory is just JSON plus safetensors (or torch .bin
+files, which are read with `weights_only=True`, never unpickled).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from gptlab.errors import GptlabError
+
+SUPPORTED_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM")
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+_MISSING = object()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config.json
+# ------------------------------------------------------------------------------------------------------------
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise GptlabError(f"{path} not found: a Hugging Face model directory needs config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GptlabError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise GptlabError(f"{path} should hold a JSON object, not {type(config).__name__}")
+    return config
+
+
+def get(config: dict[str, Any], *keys: str, default: Any = _MISSING) -> Any:
+    """The first of `keys` that config.json sets (to something other than null); `default` if none does,
+    else a one-line error naming the first key."""
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is _MISSING:
+        raise GptlabError(f"config.json has no {keys[0]!r}, which a {config.get('model_type')} model needs")
+    return default
+
+
+def rope_settings(config: dict[str, Any]) -> tuple[float, float | None]:
+    """(rope_theta, partial_rotary_factor or None) from either config schema.
+
+    transformers 4.x writes `rope_theta` (Llama) or `rotary_emb_base` + `rotary_pct` (NeoX) at the top level
+    and `rope_scaling` for the non-default variants; 5.x nests everything in `rope_parameters`. Scaled
+    variants (linear, dynamic, llama3, yarn, ...) change the frequencies or the attention scale, which gptlab
+    does not implement, so they are refused rather than silently run as plain RoPE.
+    """
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise GptlabError(f"config.json's rope parameters should be an object, got {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise GptlabError("per-layer-type rope parameters are not supported: gptlab has one RoPE for all")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise GptlabError(f"rope_type {kind!r} is not supported: gptlab implements plain RoPE only "
+                          "(no linear/dynamic/llama3/yarn/longrope scaling)")
+    theta = get({**config, **params}, "rope_theta", "rotary_emb_base", default=10000.0)
+    fraction = get({**config, **params}, "partial_rotary_factor", "rotary_pct", default=None)
+    return float(theta), None if fraction is None else float(fraction)
+
+
+def unsupported_export(switch: str, why: str) -> GptlabError:
+    return GptlabError(f"cannot export to Hugging Face: {switch} has no equivalent in GPT-2, Llama or "
+                       f"GPT-NeoX ({why})")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Weight files
+# ------------------------------------------------------------------------------------------------------------
+def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory, on the CPU: single or sharded safetensors, else single or
+    sharded pytorch_model.bin (loaded with weights_only=True)."""
+    if (directory / SAFETENSORS_FILE).is_file():
+        return _load_safetensors(directory / SAFETENSORS_FILE)
+    if (directory / SAFETENSORS_INDEX).is_file():
+        return _load_shards(directory, SAFETENSORS_INDEX, _load_safetensors)
+    if (directory / BIN_FILE).is_file():
+        return _load_bin(directory / BIN_FILE)
+    if (directory / BIN_INDEX).is_file():
+        return _load_shards(directory, BIN_INDEX, _load_bin)
+    raise GptlabError(f"no weights in {directory}: expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, "
+                      f"{BIN_FILE} or {BIN_INDEX}")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise GptlabError(f"cannot read {path}: {e}") from None
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:  # weights_only: tensors and plain containers only, so a malicious pickle cannot run code
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise GptlabError(f"cannot read {path} as a weights-only torch file: {e}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise GptlabError(f"{path} does not hold a flat state dict of tensors")
+    return state
+
+
+def _load_shards(directory: Path, index_name: str, load: Callable[[Path], dict]) -> dict[str, torch.Tensor]:
+    index = directory / index_name
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise GptlabError(f"cannot read the shard index {index}: {e!r}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        if Path(name).name != name:  # the index lists sibling files; refuse paths that point elsewhere
+            raise GptlabError(f"{index} names a shard outside its directory: {name!r}")
+        if not (directory / name).is_file():
+            raise GptlabError(f"shard {name} listed in {index} is missing")
+        tensors.update(load(directory / name))
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Rules: one gptlab tensor <-> the Hugging Face tensor(s) it is made of
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    ours: str
+    theirs: tuple[str, ...]
+    join: Callable[[list[torch.Tensor]], torch.Tensor]  # Hugging Face tensors -> ours
+    split: Callable[[torch.Tensor], list[torch.Tensor]]  # ours -> Hugging Face tensors
+
+
+def same(ours: str, theirs: str) -> Rule:
+    return Rule(ours, (theirs,), lambda ts: ts[0], lambda t: [t])
+
+
+def transposed(ours: str, theirs: str) -> Rule:
+    """GPT-2's Conv1D stores weights as (in, out), nn.Linear as (out, in)."""
+    return Rule(ours, (theirs,), lambda ts: ts[0].t(), lambda t: [t.t()])
+
+
+def concatenated(ours: str, theirs: tuple[str, ...], sizes: list[int]) -> Rule:
+    """Several Hugging Face projections stacked along the output dim into one of our fused ones."""
+    return Rule(ours, theirs, lambda ts: torch.cat(ts, dim=0), lambda t: list(t.split(sizes, dim=0)))
+
+
+def regrouped(ours: str, theirs: str, outer: int, inner: int, size: int) -> Rule:
+    """Output rows grouped as (outer, inner, size) there and (inner, outer, size) here, e.g. GPT-NeoX's
+    per-head [q k v] blocks vs our [all q | all k | all v]: a transpose of the first two row axes."""
+
+    def swap(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return t.reshape(a, b, size, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    return Rule(ours, (theirs,), lambda ts: swap(ts[0], outer, inner), lambda t: [swap(t, inner, outer)])
+
+
+def to_ours(rules: list[Rule], tensors: dict[str, torch.Tensor], ignore: re.Pattern, where: Path) -> dict:
+    """Apply `rules` to a Hugging Face state dict. Any tensor no rule consumes (other than buffers matching
+    `ignore`) is an error: it means the checkpoint has a part gptlab would silently drop."""
+    state, used = {}, set()
+    for rule in rules:
+        missing = [name for name in rule.theirs if name not in tensors]
+        if missing:
+            raise GptlabError(f"{where} lacks weight {missing[0]!r}")
+        state[rule.ours] = rule.join([tensors[name] for name in rule.theirs])
+        used.update(rule.theirs)
+    extra = sorted(name for name in tensors if name not in used and not ignore.search(name))
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise GptlabError(f"{where} has weights gptlab has no place for: {extra[0]!r}{more}")
+    return state
+
+
+def to_theirs(rules: list[Rule], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Apply `rules` backwards: our state dict -> a Hugging Face one (contiguous, ready for safetensors)."""
+    leftover = set(state) - {rule.ours for rule in rules}
+    if leftover:  # a bug in a family's rules, not a user error
+        raise AssertionError(f"export rules miss {sorted(leftover)}")
+    tensors = {}
+    for rule in rules:
+        for name, t in zip(rule.theirs, rule.split(state[rule.ours]), strict=True):
+            tensors[name] = t.contiguous()
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Small shared mappings
+# ------------------------------------------------------------------------------------------------------------
+# transformers' activation names -> F.gelu's `approximate`; gelu_new / gelu_fast / gelu_pytorch_tanh are three
+# spellings of the same tanh formula
+GELU_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+def gelu_approximate(activation: str) -> str:
+    if activation not in GELU_APPROXIMATE:
+        raise GptlabError(f"activation {activation!r} is not supported here; expected one of "
+                          f"{', '.join(GELU_APPROXIMATE)}")
+    return GELU_APPROXIMATE[activation]
+
+
+def keep(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The identity `normalize` step, for families whose checkpoints always use one naming."""
+    return tensors

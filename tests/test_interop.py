@@ -1,0 +1,346 @@
+"""Hugging Face interop: tiny random transformers models -> gptlab -> transformers, logits compared both ways.
+
+Every weight is perturbed off its init first (norm weights off 1, biases off 0), so a missed, transposed or
+mis-ordered tensor shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptlab import GPT, GPTConfig
+from gptlab.checkpoint import load_gptlab_model, load_model, save_model
+from gptlab.cli import main
+from gptlab.errors import GptlabError
+from gptlab.interop import config_from_hf, config_to_hf, from_hf, save_hf
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+TOL = 1e-4
+VOCAB = 160
+
+
+# --- building small transformers models ---------------------------------------------------------------------
+def _hf_model(arch: str, **kw) -> torch.nn.Module:
+    common = dict(vocab_size=kw.pop("vocab_size", VOCAB), hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=None, eos_token_id=None, **kw)
+        cls = transformers.GPT2LMHeadModel
+    elif arch == "llama":
+        cfg = transformers.LlamaConfig(**common, intermediate_size=96, rope_theta=5000.0, **kw)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPTNeoXConfig(**common, intermediate_size=128, rotary_emb_base=5000.0, **kw)
+        cls = transformers.GPTNeoXForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # off the init: norm weights away from 1, biases away from 0
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _save(model: torch.nn.Module, directory: Path, layout: str) -> Path:
+    """Write `model` as transformers would: one safetensors file, safetensors shards, or (as 4.x did with
+    safe_serialization=False, which 5.x no longer writes) one or two pytorch_model*.bin files."""
+    if layout == "safetensors":
+        model.save_pretrained(directory)
+    elif layout == "sharded":
+        model.save_pretrained(directory, max_shard_size="40KB")
+        assert (directory / "model.safetensors.index.json").is_file()
+    else:
+        model.config.save_pretrained(directory)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        if layout == "bin":
+            torch.save(state, directory / "pytorch_model.bin")
+        else:  # bin-sharded
+            names = sorted(state)
+            halves = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+                      "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+            for file, keys in halves.items():
+                torch.save({k: state[k] for k in keys}, directory / file)
+            weight_map = {k: f for f, keys in halves.items() for k in keys}
+            (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _max_diff(ours: GPT, theirs: torch.nn.Module) -> float:
+    ids = _ids()
+    return (ours(ids)[0] - theirs(ids).logits).abs().max().item()
+
+
+CASES = {
+    "gpt2": ("gpt2", {}, "safetensors"),
+    "gpt2-exact-gelu-untied-bin": ("gpt2", dict(activation_function="gelu", tie_word_embeddings=False),
+                                   "bin"),
+    "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True), "safetensors"),
+    "llama-gqa-untied-sharded": ("llama", dict(num_key_value_heads=2), "sharded"),
+    "llama-mqa-tied-bin-sharded": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True),
+                                   "bin-sharded"),
+    "llama-mqa-untied-bias": ("llama", dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+                              "safetensors"),
+    "neox-parallel-rot0.25": ("neox", dict(use_parallel_residual=True, rotary_pct=0.25), "safetensors"),
+    "neox-sequential-rot1.0-sharded": ("neox", dict(use_parallel_residual=False, rotary_pct=1.0), "sharded"),
+    "neox-parallel-rot1.0-tanh-tied": ("neox", dict(rotary_pct=1.0, hidden_act="gelu_new",
+                                                    tie_word_embeddings=True), "safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_round_trip(case: str, tmp_path: Path) -> None:
+    arch, kw, layout = CASES[case]
+    hf = _hf_model(arch, **kw)
+    src = _save(hf, tmp_path / "hf", layout)
+
+    ours = from_hf(src)
+    assert ours.num_parameters() == hf.num_parameters()
+    assert ours.config.tie_embeddings == hf.config.tie_word_embeddings
+    assert _max_diff(ours, hf) <= TOL
+
+    save_hf(ours, tmp_path / "out")
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(back) is type(hf)
+    assert back.num_parameters() == ours.num_parameters()
+    assert _max_diff(ours, back.eval()) <= TOL
+
+
+def test_export_then_import_gptlab_presets(tmp_path: Path) -> None:
+    """Models born in gptlab (not from transformers) export and come back with the same config."""
+    for preset in ("tiny", "pythia-70m", "gpt2"):
+        cfg = GPTConfig.preset(preset, n_layer=1, n_embd=64, n_head=4, mlp_hidden=96, vocab_size=VOCAB,
+                               block_size=32, dropout=0.0, n_kv_head=None if preset != "tiny" else 2)
+        torch.manual_seed(0)
+        model = GPT(cfg).eval()
+        save_hf(model, tmp_path / preset)
+        back = from_hf(tmp_path / preset)
+        assert back.config == cfg
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / preset).eval()
+        assert _max_diff(model, hf) <= TOL
+
+
+def test_gpt2_in_the_original_openai_layout(tmp_path: Path) -> None:
+    """openai-community/gpt2's files: no `transformer.` prefix (saved from GPT2Model), causal-mask buffers."""
+    hf = _hf_model("gpt2")
+    hf.config.save_pretrained(tmp_path)
+    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    for i in range(hf.config.n_layer):
+        state[f"h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    assert _max_diff(from_hf(tmp_path), hf) <= TOL
+
+
+def test_import_needs_no_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _save(_hf_model("neox"), tmp_path / "hf", "safetensors")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # any `import transformers` now fails
+    model = GPT.from_hf(src, dtype="bfloat16")
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    model.save_hf(tmp_path / "out")
+    assert from_hf(tmp_path / "out").config == model.config
+
+
+# --- config schemas -----------------------------------------------------------------------------------------
+_LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=300, hidden_size=64,
+                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True)
+_NEOX_BASE = dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", vocab_size=300, hidden_size=64,
+                  intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, hidden_act="gelu_fast", use_parallel_residual=True)
+
+
+def test_config_schemas_4x_and_5x_agree() -> None:
+    llama_4x = dict(_LLAMA_BASE, rope_theta=50000.0, rope_scaling=None)
+    llama_5x = dict(_LLAMA_BASE, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    assert config_from_hf(llama_4x) == config_from_hf(llama_5x)
+    assert config_from_hf(llama_5x).rope_base == 50000.0
+
+    neox_4x = dict(_NEOX_BASE, rotary_pct=0.5, rotary_emb_base=20000)
+    neox_5x = dict(_NEOX_BASE, rope_parameters={"rope_type": "default", "rope_theta": 20000.0,
+                                                "partial_rotary_factor": 0.5})
+    cfg = config_from_hf(neox_4x)
+    assert cfg == config_from_hf(neox_5x)
+    assert (cfg.rotary_fraction, cfg.rope_base, cfg.gelu_approximate, cfg.block) == (0.5, 20000.0, "tanh",
+                                                                                     "parallel")
+    assert config_from_hf(_NEOX_BASE).rotary_fraction == 0.25  # NeoX's default rotary_pct
+
+
+@pytest.mark.parametrize("cfg", [
+    GPTConfig.preset("tiny"), GPTConfig.preset("pythia-70m", n_layer=1), GPTConfig.preset("gpt2", n_layer=1),
+    GPTConfig.preset("pythia-70m", rotary_fraction=0.3, n_head=4, block="pre"),  # 38 of 128 dims rotate
+])
+def test_written_config_reads_back_in_both(cfg: GPTConfig) -> None:
+    hf = config_to_hf(cfg)
+    assert config_from_hf(hf).replace(name=cfg.name) == cfg
+    # transformers 5.x reads it, and also reads the 4.x (top-level) rope keys alone, as a 4.x reader would use
+    for keys in (hf, {k: v for k, v in hf.items() if k != "rope_parameters"}):
+        parsed = transformers.AutoConfig.for_model(**{k: v for k, v in keys.items() if k != "architectures"})
+        rope = getattr(parsed, "rope_parameters", None) or {}
+        if cfg.position == "rope":
+            assert rope["rope_theta"] == cfg.rope_base
+            if cfg.norm == "layernorm":
+                assert int(cfg.head_size * rope["partial_rotary_factor"]) == cfg.rotary_dim
+
+
+def test_odd_rotary_dims_export_as_the_even_count_both_use() -> None:
+    cfg = GPTConfig.preset("pythia-70m", n_layer=1, rotary_fraction=0.36)  # int(64 * 0.36) = 23 -> 22
+    back = config_from_hf(config_to_hf(cfg))
+    assert back.rotary_dim == cfg.rotary_dim == 22
+
+
+def test_gpt2_ids_only_for_the_gpt2_vocabulary() -> None:
+    assert config_to_hf(GPTConfig.preset("gpt2", n_layer=1))["eos_token_id"] == 50256
+    small = config_to_hf(GPTConfig.preset("gpt2", n_layer=1, vocab_size=VOCAB))
+    assert small["bos_token_id"] is None and small["eos_token_id"] is None
+
+
+# --- errors -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, message", [
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "llama3"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
+    (dict(head_dim=32), "head_dim"),
+    (dict(attention_bias=True, mlp_bias=False), "mlp_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+    (dict(hidden_size="64"), "LlamaForCausalLM"),
+])
+def test_config_errors(change: dict, message: str) -> None:
+    with pytest.raises(GptlabError, match=message):
+        config_from_hf(dict(_LLAMA_BASE, **change))
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"]}))
+    with pytest.raises(GptlabError) as e:
+        from_hf(tmp_path)
+    for name in ("T5ForConditionalGeneration", "GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM"):
+        assert name in str(e.value)
+
+
+def test_missing_and_broken_weights(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(_LLAMA_BASE))
+    with pytest.raises(GptlabError, match="no weights"):
+        from_hf(tmp_path)
+    with pytest.raises(GptlabError, match="not a directory"):
+        from_hf(tmp_path / "missing")
+    src = _save(_hf_model("llama"), tmp_path / "hf", "safetensors")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(GptlabError, match="up_proj"):
+        from_hf(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    (src / "model.safetensors").unlink()
+    _hf_model("llama").save_pretrained(src / "other")
+    (src / "other" / "model.safetensors").rename(src / "model.safetensors")
+    with pytest.raises(GptlabError, match="shape"):
+        from_hf(src)
+    (src / "config.json").write_text("{not json")
+    with pytest.raises(GptlabError, match="cannot read"):
+        from_hf(src)
+
+
+def test_unknown_weights_are_refused(tmp_path: Path) -> None:
+    src = _save(_hf_model("llama"), tmp_path / "hf", "safetensors")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(GptlabError, match="q_norm"):
+        from_hf(src)
+
+
+@pytest.mark.parametrize("change, switch", [
+    (dict(qk_norm=True), "qk_norm"),
+    (dict(mlp="relu2"), "relu2"),
+    (dict(logit_softcap=30.0), "logit_softcap"),
+    (dict(block="post"), "block=post"),
+    (dict(position="learned"), "norm=rmsnorm with position=learned"),
+    (dict(mlp="gelu"), "mlp=gelu with norm=rmsnorm"),
+    (dict(rotary_fraction=0.5), "rotary_fraction"),
+    (dict(norm="layernorm", mlp="gelu", bias=False), "bias=False"),
+])
+def test_export_refuses_switches_without_equivalent(change: dict, switch: str, tmp_path: Path) -> None:
+    model = GPT(GPTConfig.preset("tiny", **change))
+    with pytest.raises(GptlabError, match=switch):
+        save_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --- gptlab convert -----------------------------------------------------------------------------------------
+def test_convert_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    hf = _hf_model("llama", num_key_value_heads=2)
+    src = _save(hf, tmp_path / "hf", "safetensors")
+
+    assert main(["convert", str(src), str(tmp_path / "ckpt")]) == 0
+    assert "gptlab checkpoint" in capsys.readouterr().out
+    ours = load_gptlab_model(tmp_path / "ckpt")
+    assert _max_diff(ours, hf) <= TOL
+    assert _max_diff(load_model(src)[0], hf) <= TOL  # everything that loads checkpoints reads HF dirs too
+
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert back.dtype == torch.bfloat16
+    assert _max_diff(ours, back.float().eval()) <= 0.05  # bf16 weights
+
+    # a run directory resolves to its latest checkpoint
+    save_model(tmp_path / "run" / "checkpoints" / "step-0000010", ours)
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "from-run")]) == 0
+    assert _max_diff(ours, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "from-run")) <= TOL
+
+
+def test_convert_carries_the_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from gptlab.tokenizer import HFTokenizer
+
+    tok = HFTokenizer.train(["the quick brown fox jumps over the lazy dog. "] * 20, vocab_size=VOCAB + 140)
+    hf = _hf_model("neox", vocab_size=tok.vocab_size, bos_token_id=tok.eot_id, eos_token_id=tok.eot_id)
+    src = _save(hf, tmp_path / "hf", "safetensors")
+    tok.save(src)
+    (src / "tokenizer_meta.json").unlink()  # a plain transformers directory: tokenizer.json + its config
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+    assert main(["convert", str(src), str(tmp_path / "ckpt")]) == 0
+    assert (tmp_path / "ckpt" / "tokenizer.json").is_file()
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    assert "tokenizer" in capsys.readouterr().out
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    text = "the lazy fox"
+    assert hf_tok(text)["input_ids"] == tok.encode(text)
+    assert hf_tok.eos_token_id == tok.eot_id
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == tok.eot_id
+
+
+def test_convert_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "error:" in capsys.readouterr().err
+
+    save_model(tmp_path / "ckpt", GPT(GPTConfig.preset("pocket", n_layer=1)))  # relu2: no HF equivalent
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+    assert "mlp=relu2" in capsys.readouterr().err
+
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    save_model(tmp_path / "tiny", GPT(GPTConfig.preset("tiny")))
+    assert main(["convert", str(tmp_path / "tiny"), str(tmp_path / "precious")]) == 2
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+    assert main(["convert", str(tmp_path / "tiny"), str(tmp_path / "tiny" / "hf")]) == 2
