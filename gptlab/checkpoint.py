@@ -34,9 +34,9 @@ CHECKPOINTS_DIR = "checkpoints"
 BEST_NAME = "best"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Atomic writes
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 def fsync_dir(path: Path) -> None:
     """Make a rename inside `path` durable (no-op where directories can't be opened, e.g. Windows)."""
     try:
@@ -95,9 +95,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Model weights
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU."""
     model = unwrap_model(model)
@@ -121,7 +121,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 def write_model(directory: Path, model: torch.nn.Module, tokenizer: Any = None) -> None:
     """Write weights, config and (optionally) the tokenizer into an existing directory."""
     plain = unwrap_model(model)
-    save_file(model_state_dict(plain), str(directory / MODEL_FILE), metadata={"format": "pt", "library": "gptlab"})
+    metadata = {"format": "pt", "library": "gptlab"}
+    save_file(model_state_dict(plain), str(directory / MODEL_FILE), metadata=metadata)
     (directory / CONFIG_FILE).write_text(json.dumps(plain.config.to_dict(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(directory)
@@ -132,7 +133,9 @@ def save_model(path: str | Path, model: torch.nn.Module, tokenizer: Any = None) 
     return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer))
 
 
-def load_gptlab_model(directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> GPT:
+def load_gptlab_model(
+    directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> GPT:
     config = GPTConfig.load(directory / CONFIG_FILE)
     with torch.device("meta"):
         model = GPT(config)
@@ -141,14 +144,15 @@ def load_gptlab_model(directory: Path, device: str | torch.device = "cpu", dtype
         state.setdefault("lm_head.weight", state["transformer.wte.weight"])
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_embeddings:
-        model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the shared Parameter; re-tie
+        # assign=True replaced the shared Parameter: re-tie
+        model.lm_head.weight = model.transformer.wte.weight
     model.to(device=device, dtype=dtype)
     return model.eval()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Finding checkpoints
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 def is_hf_dir(path: Path) -> bool:
     cfg = path / CONFIG_FILE
     if not cfg.is_file():
@@ -164,19 +168,20 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    steps = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / MODEL_FILE).is_file()]
+    steps = [p for p in root.iterdir() if p.name.startswith("step-") and (p / MODEL_FILE).is_file()]
     return sorted(steps, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
 def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     """A checkpoint directory (or Hugging Face directory) from a run, checkpoint or HF path.
 
-    For a run directory, `prefer="best"` picks the best-validation checkpoint when there is one, else the latest;
-    `prefer="latest"` picks the latest step.
+    For a run directory, `prefer="best"` picks the best-validation checkpoint when there is one, else the
+    latest; `prefer="latest"` picks the latest step.
     """
     path = Path(path)
     if not path.exists():
-        raise GptlabError(f"{path} does not exist: pass a run directory, a checkpoint directory or a Hugging Face one")
+        raise GptlabError(f"{path} does not exist: pass a run directory, a checkpoint directory or a "
+                          "Hugging Face one")
     if path.is_file():
         if path.name == MODEL_FILE:
             return path.parent
@@ -191,14 +196,17 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
         return steps[-1]
     if (best / MODEL_FILE).is_file():
         return best
-    raise GptlabError(f"no checkpoint found in {path}: expected {MODEL_FILE} + {CONFIG_FILE}, a run directory "
-                      f"with {CHECKPOINTS_DIR}/step-*/, or a Hugging Face model directory")
+    raise GptlabError(f"no checkpoint found in {path}: expected {MODEL_FILE} + {CONFIG_FILE}, a run "
+                      f"directory with {CHECKPOINTS_DIR}/step-*/, or a Hugging Face model directory")
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, prefer: str = "best"
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    prefer: str = "best",
 ) -> tuple[GPT, Any]:
-    """Load (model, tokenizer) from a run, checkpoint or Hugging Face directory; tokenizer is None if none saved."""
+    """Load (model, tokenizer) from a run, checkpoint or Hugging Face directory (tokenizer: None if none)."""
     directory = resolve_checkpoint(path, prefer=prefer)
     if is_hf_dir(directory):
         from gptlab.interop import from_hf
@@ -216,3 +224,112 @@ def _try_load_tokenizer(directory: Path) -> Any:
         return load_tokenizer(directory)
     except GptlabError:
         return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Training checkpoints: weights + optimizer state (safetensors) + trainer state (JSON)
+# ------------------------------------------------------------------------------------------------------------
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+TOKENIZER_FILES = ("tokenizer_meta.json", "tokenizer.json")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def optimizer_to_flat(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Optimizer state as flat tensors `opt{i}.{param}.{name}`, plus JSON-able param groups and scalars."""
+    tensors: dict[str, torch.Tensor] = {}
+    described: list[dict] = []
+    for i, opt in enumerate(optimizers):
+        sd = opt.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for pid, state in sd["state"].items():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"opt{i}.{pid}.{name}"] = value.detach().contiguous().cpu()
+                else:
+                    scalars.setdefault(str(pid), {})[name] = value
+        described.append({"type": type(opt).__name__, "param_groups": sd["param_groups"], "scalars": scalars})
+    return tensors, described
+
+
+def optimizer_from_flat(
+    optimizers: list[torch.optim.Optimizer], tensors: dict[str, torch.Tensor], described: list[dict]
+) -> None:
+    """Inverse of `optimizer_to_flat`: load the saved state into freshly built optimizers."""
+    if len(described) != len(optimizers):
+        raise GptlabError(
+            f"the checkpoint has {len(described)} optimizer(s), this run builds {len(optimizers)}"
+        )
+    for i, (opt, desc) in enumerate(zip(optimizers, described, strict=True)):
+        if desc["type"] != type(opt).__name__:
+            raise GptlabError(
+                f"the checkpoint's optimizer {i} is {desc['type']}, this run uses {type(opt).__name__}"
+            )
+        state: dict[int, dict[str, Any]] = {}
+        prefix = f"opt{i}."
+        for key, value in tensors.items():
+            if key.startswith(prefix):
+                pid, name = key[len(prefix) :].split(".", 1)
+                state.setdefault(int(pid), {})[name] = value
+        for pid, values in desc["scalars"].items():
+            state.setdefault(int(pid), {}).update(values)
+        # JSON turned tuples (betas, ns_coefficients) into lists: turn them back, all but the param ids
+        groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+                  for g in desc["param_groups"]]
+        opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def save_training_checkpoint(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    state: dict[str, Any],
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write a resumable checkpoint atomically: model.safetensors, config.json, optimizer.safetensors,
+    state.json
+    and the tokenizer files copied from `tokenizer_dir` (the data directory)."""
+    tensors, described = optimizer_to_flat(optimizers)
+
+    def write(tmp: Path) -> None:
+        write_model(tmp, model)
+        save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"library": "gptlab"})
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "optimizers": described}, indent=1) + "\n")
+        for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+
+    return atomic_write_dir(directory, write)
+
+
+def load_training_checkpoint(
+    directory: str | Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """Load weights into `model` and state into `optimizers`, in place; returns state.json's trainer state."""
+    directory = Path(directory)
+    plain = unwrap_model(model)
+    weights = load_file(str(directory / MODEL_FILE))
+    if getattr(plain, "config", None) is not None and plain.config.tie_embeddings:
+        weights.setdefault("lm_head.weight", weights["transformer.wte.weight"])
+    with torch.no_grad():
+        plain.load_state_dict(
+            weights, strict=True
+        )  # copies into the existing parameters: optimizers stay valid
+    state = json.loads((directory / STATE_FILE).read_text())
+    device = next(plain.parameters()).device
+    tensors = load_file(str(directory / OPTIMIZER_FILE), device=str(device))
+    optimizer_from_flat(optimizers, tensors, state.pop("optimizers"))
+    return state
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step checkpoints, and leftovers of interrupted writes."""
+    for old in list_step_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    for tmp in root.glob(".*.tmp-*") if root.is_dir() else []:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,129 @@
+"""Validation loss over a whole split, and `gptlab eval`.
+
+The split is cut into non-overlapping windows of block_size tokens; window w predicts tokens w*T+1 .. w*T+T
+from
+the ones before it inside the window, so every token but the first is scored exactly once (the last, shorter
+window
+included). Loss is the mean cross-entropy in nats over those targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gptlab.errors import GptlabError
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean cross-entropy (nats) per scored token
+    tokens: int  # targets scored
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: torch.nn.Module,
+    data: np.ndarray,
+    block_size: int,
+    batch_size: int = 64,
+    max_tokens: int | None = None,
+    device: str | torch.device = "cpu",
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> EvalResult:
+    """Mean loss of `model` over `data` (1-D token ids), scoring each target once; `max_tokens` scores a
+    prefix.
+
+    `autocast` is an optional context (e.g. torch.autocast) to run the forward passes under.
+    """
+    n_targets = len(data) - 1
+    if max_tokens is not None:
+        n_targets = min(n_targets, max_tokens)
+    if n_targets < 1:
+        raise GptlabError(f"cannot evaluate on {len(data)} token(s): need at least 2")
+    was_training = model.training
+    model.eval()
+    T = block_size
+    n_full = n_targets // T
+    total = 0.0  # summed in float64 so 100k+ per-token losses add up exactly enough
+    windows = np.asarray(data[: n_full * T + 1]).astype(np.int64)
+    with autocast or contextlib.nullcontext():
+        for start in range(0, n_full, batch_size):
+            stop = min(start + batch_size, n_full)
+            x = torch.from_numpy(windows[start * T : stop * T].reshape(-1, T))
+            y = torch.from_numpy(windows[start * T + 1 : stop * T + 1].reshape(-1, T))
+            _, loss = model(x.to(device), y.to(device))
+            total += float(loss) * y.numel()
+        rest = n_targets - n_full * T
+        if rest:  # the last, shorter window
+            tail = np.asarray(data[n_full * T : n_targets + 1]).astype(np.int64)
+            x, y = torch.from_numpy(tail[:-1])[None], torch.from_numpy(tail[1:])[None]
+            _, loss = model(x.to(device), y.to(device))
+            total += float(loss) * rest
+    model.train(was_training)
+    return EvalResult(loss=total / n_targets, tokens=n_targets)
+
+
+def split_bytes(data_dir: str, split: str, data: np.ndarray) -> int | None:
+    """UTF-8 bytes of a split's scored targets (tokens 1..N-1), by decoding them; None without a tokenizer."""
+    from gptlab.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(data_dir)
+    except GptlabError:
+        return None
+    return len(tok.decode_bytes(np.asarray(data[1:]).tolist()))
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """`gptlab eval RUN_OR_CHECKPOINT --data DATA_DIR [--split val] [--json]` (arguments in gptlab/cli.py)."""
+    from gptlab.checkpoint import load_model
+    from gptlab.data import load_split, read_meta
+
+    meta = read_meta(args.data)
+    data = load_split(args.data, args.split)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, _ = load_model(args.checkpoint, device=device)
+    if model.config.vocab_size < int(meta["vocab_size"]):
+        raise GptlabError(
+            f"the model's vocabulary ({model.config.vocab_size}) is smaller than the data's "
+            f"({meta['vocab_size']}): was it trained on another tokenizer?"
+        )
+    autocast = None
+    if args.dtype != "float32":
+        autocast = torch.autocast(torch.device(device).type, dtype=getattr(torch, args.dtype))
+        model.set_attention_dtype(torch.float32)
+    block_size = model.config.block_size if args.block_size is None else args.block_size
+    result = evaluate_loss(
+        model, data, block_size, batch_size=args.batch_size, device=device, autocast=autocast
+    )
+    n_bytes = split_bytes(args.data, args.split, data)
+    bpb = result.loss * result.tokens / (math.log(2) * n_bytes) if n_bytes else None
+    out = {
+        f"{args.split}_loss": result.loss,
+        "perplexity": result.perplexity,
+        "bits_per_byte": bpb,
+        "tokens": result.tokens,
+        "bytes": n_bytes,
+        "block_size": block_size,
+        "split": args.split,
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        bpb_text = f"{bpb:.4f}" if bpb is not None else "n/a (no tokenizer in the data directory)"
+        print(
+            f"{args.split} loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  bits/byte {bpb_text}  "
+            f"({result.tokens:,} tokens, block_size {block_size})"
+        )
+    return 0

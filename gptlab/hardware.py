@@ -1,0 +1,86 @@
+"""This machine's peak matmul throughput, measured once and cached, for model FLOPs utilization (MFU).
+
+MFU against a datasheet number (an A100's 312 TFLOP/s) says nothing on a laptop CPU. Instead a short probe
+times
+large square matmuls in fp32 and bf16 on the training device and thread count, and caches the best rate in
+~/.cache/gptlab/hardware.json (GPTLAB_CACHE_DIR overrides the folder). MFU is then "share of what this
+machine's
+matmul kernels reach", honest for comparing recipes on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+CACHE_FILE = "hardware.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GPTLAB_CACHE_DIR") or Path.home() / ".cache" / "gptlab")
+
+
+def _device_key(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:  # the CPU model, on Linux
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    return f"{device.type}|{name}|threads={torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}"
+
+
+def _probe(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
+    """Best FLOP/s of n x n x n matmuls over about `seconds`."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b  # warm-up: kernel selection, page faults
+    sync()
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        sync()
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def peak_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """Peak matmul FLOP/s of `device` in `dtype`: measured once (a fraction of a second), then cached."""
+    device = torch.device(device)
+    key = _device_key(device, dtype)
+    path = cache_dir() / CACHE_FILE
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        return float(cached[key])
+    n = 4096 if device.type == "cuda" else 1024
+    flops = _probe(device, dtype, n, seconds=0.5 if device.type == "cuda" else 0.25)
+    cached[key] = flops
+    try:
+        from gptlab.checkpoint import atomic_write_text
+
+        atomic_write_text(path, json.dumps(cached, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only home: measure again next time
+    return flops
+
+
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, block_size: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward + backward) plus attention's score and value matmuls
+    (6 * n_layer * T * C for causal attention averaged over positions, as in the PaLM appendix)."""
+    return 6 * n_params + 6 * n_layer * block_size * n_embd

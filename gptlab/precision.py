@@ -1,0 +1,91 @@
+"""How forward and backward run: fp32, autocast (bf16 / fp16 with loss scaling), or bf16 working weights.
+
+The optimizer always owns fp32 master weights (the model passed in). Three modes:
+- float32:   forward/backward on the masters.
+- autocast:  forward/backward on the masters under torch.autocast; fp16 adds a GradScaler against underflow.
+             Used on GPUs and under DDP/FSDP.
+- working:   (bf16 on a single CPU process) a bf16 copy of the model runs forward/backward; after backward its
+             gradients are copied into the masters' .grad in fp32, and after the optimizer step the masters
+             are
+             cast back into the copy. Measured faster on CPU than autocast, which re-casts every weight in
+             every
+             forward and keeps the casts for backward.
+In the low-precision modes attention runs in fp32 by default (`attention_fp32`): CPU bf16 attention backward
+is
+several times slower than fp32 at small widths, and fp32 softmax is more accurate anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+
+class Precision:
+    def __init__(
+        self, model: torch.nn.Module, dtype: str, device: str, attention_fp32: bool, distributed: bool
+    ) -> None:
+        self.master = model
+        self.device_type = torch.device(device).type
+        self.dtype = getattr(torch, dtype)
+        self.mode = "float32"
+        if dtype != "float32":
+            cpu_bf16 = self.dtype == torch.bfloat16 and self.device_type == "cpu"
+            self.mode = "working" if cpu_bf16 and not distributed else "autocast"
+        self.scaler = None
+        if self.dtype == torch.float16:
+            self.scaler = torch.amp.GradScaler(self.device_type)
+        self.working = None
+        if self.mode == "working":
+            self.working = copy.deepcopy(model).to(self.dtype)
+            self._pairs = list(zip(self.working.parameters(), model.parameters(), strict=True))
+        if attention_fp32 and self.mode != "float32":
+            self.train_module.set_attention_dtype(torch.float32)
+
+    @property
+    def train_module(self) -> torch.nn.Module:
+        """The module forward/backward run on."""
+        return self.working if self.working is not None else self.master
+
+    eval_module = train_module
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mode == "autocast":
+            return torch.autocast(self.device_type, dtype=self.dtype)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizers: list[torch.optim.Optimizer], grad_clip: float) -> None:
+        """Gradients to the masters, unscale, clip, step, zero the gradients, refresh the working weights."""
+        params = [p for _, p in self._pairs] if self.working is not None else None
+        if self.working is not None:
+            for w, m in self._pairs:
+                if w.grad is not None:
+                    m.grad = w.grad.to(torch.float32)
+                    w.grad = None
+        if self.scaler is not None:
+            for opt in optimizers:
+                self.scaler.unscale_(opt)
+        if grad_clip > 0:
+            params = params or [p for p in self.master.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+        for opt in optimizers:
+            if self.scaler is not None:
+                self.scaler.step(opt)
+            else:
+                opt.step()
+        if self.scaler is not None:
+            self.scaler.update()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.sync_weights()
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """Copy the fp32 masters into the working weights (after a step or a checkpoint load)."""
+        if self.working is not None:
+            torch._foreach_copy_([w for w, _ in self._pairs], [m for _, m in self._pairs])

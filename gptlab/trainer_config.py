@@ -1,0 +1,300 @@
+"""`TrainConfig`: every knob of `gptlab train`, read from a flat TOML recipe and `--key value` overrides.
+
+A recipe names a model preset (`model = "speedrun-char"`) and may override any `GPTConfig` field at the top
+level
+(`n_layer = 4`); all other keys are training settings, the fields of `TrainConfig` below. Values are checked
+against
+the field's type, so a typo or a wrong type is a one-line error instead of a silent default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gptlab.config import GPTConfig
+from gptlab.errors import GptlabError
+
+
+@dataclass
+class TrainConfig:
+    # --- model ---
+    model: str = "tiny"  # a preset name (`gptlab info` lists them); GPTConfig fields below it override it
+    init_from: str | None = None  # fine-tune: a run, checkpoint or Hugging Face directory (replaces `model`)
+    # --- batch ---
+    batch_size: int = (
+        32  # sequences per optimizer step in total: split over processes and grad_accum micro-steps
+    )
+    grad_accum: int = 1
+    # --- length of the run ---
+    max_steps: int = 1000
+    max_time: float | None = None  # seconds of training loop; when set the LR schedule follows elapsed time
+    # --- optimizer ---
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest
+    lr: float = 1e-3  # AdamW's peak learning rate
+    min_lr: float = 0.0  # where the decay ends, as a fraction of the peak learning rate
+    warmup_steps: int = 10
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # wsd = warmup, stable, linear decay
+    decay_fraction: float = 0.5  # wsd: the share of the run spent decaying
+    weight_decay: float = 0.1  # AdamW decay, on hidden matrices only
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    muon_lr: float = 0.02  # scaled per matrix by sqrt(max(1, rows/cols)) (torch's "original" adjust_lr_fn)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_weight_decay: float = 0.0
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    # --- evaluation, logging, checkpoints ---
+    eval_interval: int = 0  # steps between validation passes; 0 = only at the end
+    eval_tokens: int | None = None  # None = the whole validation split
+    eval_batch_size: int = 64
+    log_interval: int = 10
+    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # step checkpoints kept (checkpoints/best/ is kept besides)
+    tensorboard: bool = True  # also write TensorBoard events when `torch.utils.tensorboard` imports
+    # --- execution ---
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attention_fp32: bool = (
+        True  # under bf16/fp16, compute attention in fp32 (CPU bf16 attention backward is slow)
+    )
+    compile: bool = False
+    seed: int = 1337
+    device: str = "auto"  # auto = cuda when available, else cpu
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+    fsdp: bool = False  # under torchrun: shard with FSDP2 (fully_shard) instead of DDP
+    # GPTConfig overrides given in the recipe or on the command line (filled by `load_train_config`)
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def model_config(self, vocab_size: int | None = None) -> GPTConfig:
+        """The GPTConfig: the preset with the overrides applied, and the data's vocabulary size if given."""
+        fields = dict(self.model_overrides)
+        if vocab_size is not None:
+            fields["vocab_size"] = vocab_size
+        try:
+            return GPTConfig.preset(self.model, **fields)
+        except ValueError as e:
+            raise GptlabError(str(e)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["adam_betas"] = list(self.adam_betas)
+        return d
+
+    def hash(self, ignore: frozenset[str] = frozenset()) -> str:
+        d = {k: v for k, v in self.to_dict().items() if k not in ignore}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Keys that may change when a run is resumed: they affect how long it runs and what it records, not the
+# trajectory.
+RESUMABLE_CHANGES = frozenset(
+    {
+        "max_steps",
+        "max_time",
+        "eval_interval",
+        "eval_tokens",
+        "eval_batch_size",
+        "log_interval",
+        "checkpoint_interval",
+        "keep_last",
+        "tensorboard",
+        "threads",
+        "device",
+        "compile",
+    }
+)
+
+_TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "model_overrides"}
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(GPTConfig) if f.name not in ("vocab_size", "name")}
+
+
+def _types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Values: parse command-line strings and check TOML values against a field's type
+# ------------------------------------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"list of {len(typing.get_args(tp))} numbers"
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
+    """`value` as type `tp`: strings are parsed when `from_text` (command line), else the type must match."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if value in args:
+            return value
+    elif type(None) in args:  # Optional[X]
+        if value is None or (from_text and str(value).strip().lower() in ("none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        for a in inner:
+            try:
+                return coerce(key, value, a, from_text)
+            except GptlabError:
+                pass
+    elif origin is tuple:
+        items = value
+        if from_text and isinstance(value, str):
+            items = [s for s in value.strip("[]() ").split(",") if s.strip()]
+        if isinstance(items, (list, tuple)) and len(items) == len(args):
+            return tuple(coerce(key, v, a, from_text) for v, a in zip(items, args, strict=True))
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and isinstance(value, str):
+            try:
+                return _parse_bool(value)
+            except ValueError:
+                pass
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_text and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_text and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise GptlabError(f"{key} = {value!r}: expected {_type_name(tp)}")
+
+
+def _field_type(key: str) -> Any:
+    if key in _TRAIN_FIELDS:
+        return _types(TrainConfig)[key]
+    return _types(GPTConfig)[key]
+
+
+def _unknown_key(key: str, where: str) -> GptlabError:
+    known = sorted(set(_TRAIN_FIELDS) | _MODEL_FIELDS)
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see configs/*.toml for the keys"
+    return GptlabError(f"unknown key {key!r} {where}{hint}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Loading a recipe
+# ------------------------------------------------------------------------------------------------------------
+def _load_toml(path: Path) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    if not path.is_file():
+        raise GptlabError(f"config file {path} not found (recipes live in configs/*.toml)")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise GptlabError(f"{path} is not valid TOML: {e}") from None
+
+
+def parse_overrides(extra: list[str]) -> dict[str, str]:
+    """`--key value` / `--key=value` pairs from the command line (dashes or underscores) as raw strings."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise GptlabError(f"unexpected argument {arg!r}: overrides are written --key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra) or (extra[i + 1].startswith("--") and len(extra[i + 1]) > 2):
+                raise GptlabError(f"--{key} needs a value")
+            value = extra[i + 1]
+            i += 1
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def build_train_config(
+    values: dict[str, Any], overrides: dict[str, str] | None = None, where: str = "in the config"
+) -> TrainConfig:
+    """A TrainConfig from TOML values (type-checked) and command-line overrides (parsed by field type)."""
+    train: dict[str, Any] = {}
+    model: dict[str, Any] = {}
+    items = [(k, v, False, where) for k, v in values.items()]
+    items += [(k, v, True, "on the command line") for k, v in (overrides or {}).items()]
+    for key, value, from_text, origin in items:
+        if key in _TRAIN_FIELDS:
+            train[key] = coerce(key, value, _field_type(key), from_text)
+        elif key in _MODEL_FIELDS:
+            model[key] = coerce(key, value, _field_type(key), from_text)
+        else:
+            raise _unknown_key(key, origin)
+    cfg = TrainConfig(**train, model_overrides=model)
+    validate(cfg)
+    return cfg
+
+
+def load_train_config(path: str | Path, extra: list[str] | None = None) -> TrainConfig:
+    path = Path(path)
+    values = _load_toml(path)
+    nested = [k for k, v in values.items() if isinstance(v, dict)]
+    if nested:
+        raise GptlabError(f"{path}: tables like [{nested[0]}] are not used; write every key at the top level")
+    return build_train_config(values, parse_overrides(extra or []), where=f"in {path}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """One-line errors for values that have the right type but make no sense."""
+    positive = ("batch_size", "grad_accum", "max_steps", "eval_batch_size", "log_interval", "keep_last")
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise GptlabError(f"{key} must be at least 1, got {getattr(cfg, key)}")
+    for key in (
+        "warmup_steps",
+        "eval_interval",
+        "checkpoint_interval",
+        "weight_decay",
+        "grad_clip",
+        "lr",
+        "muon_lr",
+    ):
+        if getattr(cfg, key) < 0:
+            raise GptlabError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if not 0.0 <= cfg.min_lr <= 1.0:
+        raise GptlabError(f"min_lr is a fraction of the peak learning rate: expected 0..1, got {cfg.min_lr}")
+    if not 0.0 <= cfg.decay_fraction <= 1.0:
+        raise GptlabError(f"decay_fraction must be in [0, 1], got {cfg.decay_fraction}")
+    if cfg.max_time is not None and cfg.max_time <= 0:
+        raise GptlabError(f"max_time must be positive seconds, got {cfg.max_time}")
+    if cfg.batch_size % cfg.grad_accum:
+        raise GptlabError(f"batch_size {cfg.batch_size} is not divisible by grad_accum {cfg.grad_accum}")
+    cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read

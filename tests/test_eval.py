@@ -1,0 +1,87 @@
+"""Whole-split evaluation against a manual computation, and `gptlab eval`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _train_helpers import make_data
+
+from gptlab.checkpoint import save_model
+from gptlab.cli import main
+from gptlab.config import GPTConfig
+from gptlab.data import load_split
+from gptlab.evaluate import evaluate_loss
+from gptlab.model import GPT
+
+
+def manual_loss(model: GPT, data: np.ndarray, T: int) -> tuple[float, int]:
+    """Every target once: window by window, token by token, summed in float64."""
+    total, count = 0.0, 0
+    ids = torch.from_numpy(np.asarray(data).astype(np.int64))
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, T):
+            x = ids[start : start + T]
+            y = ids[start + 1 : start + T + 1]
+            x = x[: len(y)]
+            logits, _ = model(x[None])
+            losses = F.cross_entropy(logits[0].double(), y, reduction="none")
+            total += float(losses.sum())
+            count += len(y)
+    return total / count, count
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, GPT, tuple[float, int]]:
+    root = tmp_path_factory.mktemp("eval")
+    data = make_data(root, chars=30_000)
+    torch.manual_seed(0)
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=vocab))
+    save_model(root / "ckpt", model.eval())
+    return data, root / "ckpt", model, manual_loss(model, load_split(data, "val"), 16)
+
+
+def test_evaluate_loss_matches_manual_computation(setup) -> None:
+    data_dir, _, model, (expected, count) = setup
+    val = load_split(data_dir, "val")
+    assert (len(val) - 1) % 16 != 0  # the last window is a partial one
+    for batch_size in (7, 64):
+        result = evaluate_loss(model, val, 16, batch_size=batch_size)
+        assert result.tokens == count == len(val) - 1
+        assert result.loss == pytest.approx(expected, abs=1e-5)
+    prefix = evaluate_loss(model, val, 16, max_tokens=100)
+    assert prefix.tokens == 100
+    assert prefix.loss == pytest.approx(manual_loss(model, val[:101], 16)[0], abs=1e-5)
+
+
+def test_eval_cli_json_matches_manual(setup, capsys) -> None:
+    data_dir, ckpt, _, (expected, count) = setup
+    assert main(["eval", str(ckpt), "--data", str(data_dir), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    val = load_split(data_dir, "val")
+    text = (data_dir.parent / "text.txt").read_text(encoding="utf-8")
+    n_bytes = len(text[-(len(val) - 1) :].encode("utf-8"))  # the scored targets: all val chars but the first
+    assert out["val_loss"] == pytest.approx(expected, abs=1e-5)
+    assert out["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert out["tokens"] == count and out["bytes"] == n_bytes
+    assert out["bits_per_byte"] == pytest.approx(expected * count / (math.log(2) * n_bytes), rel=1e-5)
+
+
+def test_eval_cli_bf16_is_close(setup, capsys) -> None:
+    data_dir, ckpt, _, (expected, _) = setup
+    assert main(["eval", str(ckpt), "--data", str(data_dir), "--json", "--dtype", "bfloat16"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] == pytest.approx(expected, abs=2e-2)
+
+
+def test_eval_cli_errors_are_one_line(setup, tmp_path: Path, capsys) -> None:
+    data_dir, ckpt, _, _ = setup
+    assert main(["eval", str(tmp_path / "nothing"), "--data", str(data_dir)]) == 2
+    assert main(["eval", str(ckpt), "--data", str(tmp_path / "nodata")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)

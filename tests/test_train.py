@@ -1,0 +1,326 @@
+"""The trainer: a falling loss, metrics, exact resume after SIGKILL, SIGTERM checkpoints, batches that don't
+depend
+on how they are split, overrides and one-line CLI errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _train_helpers import make_data, write_recipe
+from safetensors.torch import load_file
+
+from gptlab.checkpoint import list_step_checkpoints
+from gptlab.cli import main
+from gptlab.config import GPTConfig
+from gptlab.errors import GptlabError
+from gptlab.model import GPT
+from gptlab.train import global_batch, micro_batch
+from gptlab.trainer_config import build_train_config, parse_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_data(tmp_path_factory.mktemp("train_data"))
+
+
+def train(recipe: Path, data: Path, out: Path, *extra: str) -> int:
+    return main(["train", str(recipe), "--data", str(data), "--out", str(out), "--quiet", *extra])
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli_subprocess(*argv: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "gptlab.cli", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+# --- a real run ---------------------------------------------------------------------------------------------
+def test_short_run_loss_falls_and_writes_metrics_and_checkpoints(tmp_path: Path, data: Path) -> None:
+    run = tmp_path / "run"
+    assert train(write_recipe(tmp_path), data, run) == 0
+    rows = metrics(run)
+    train_rows = [r for r in rows if "train_loss" in r]
+    assert {"step", "train_loss", "lr", "tokens_per_sec", "elapsed_sec", "mfu"} <= set(train_rows[0])
+    assert [r["step"] for r in train_rows] == list(range(5, 41, 5))
+    assert train_rows[-1]["train_loss"] < train_rows[0]["train_loss"] - 0.3
+    val_rows = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in val_rows] == [20, 40] and val_rows[-1]["val_loss"] < math.log(59)
+    assert all(0 < r["mfu"] < 1 and r["tokens_per_sec"] > 0 for r in train_rows)
+    # checkpoint layout: safetensors + JSON only, the best one too, and the resolved config
+    (step_dir,) = list_step_checkpoints(run)
+    assert step_dir.name == "step-0000040"
+    assert sorted(p.name for p in step_dir.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+        "tokenizer_meta.json",
+    ]
+    state = json.loads((step_dir / "state.json").read_text())
+    assert state["step"] == 40 and state["best_val_loss"] == pytest.approx(val_rows[-1]["val_loss"])
+    assert (run / "checkpoints" / "best" / "model.safetensors").is_file()
+    resolved = json.loads((run / "config.resolved.json").read_text())
+    assert (
+        resolved["model"]["vocab_size"] == json.loads((data / "meta.json").read_text())["vocab_size"]
+        and resolved["train"]["max_steps"] == 40
+    )
+    assert not any("_orig_mod" in k for k in load_file(step_dir / "model.safetensors"))
+
+
+def test_bf16_run_trains_and_its_eval_matches_fp32(tmp_path: Path, data: Path) -> None:
+    run = tmp_path / "run"
+    assert train(write_recipe(tmp_path), data, run, "--dtype", "bfloat16", "--optimizer", "muon") == 0
+    val_bf16 = [r["val_loss"] for r in metrics(run) if "val_loss" in r][-1]
+    from gptlab.checkpoint import load_model
+    from gptlab.data import load_split
+    from gptlab.evaluate import evaluate_loss
+
+    model, _ = load_model(run / "checkpoints" / "step-0000040")
+    val_fp32 = evaluate_loss(model, load_split(data, "val"), 32, max_tokens=2048).loss
+    assert val_bf16 < 3.5 and abs(val_bf16 - val_fp32) < 0.02
+
+
+def test_existing_run_needs_resume_and_resume_checks_the_config(tmp_path: Path, data: Path, capsys) -> None:
+    recipe, run = write_recipe(tmp_path), tmp_path / "run"
+    assert train(recipe, data, run, "--max-steps", "10", "--eval-interval", "0") == 0
+    capsys.readouterr()
+    assert train(recipe, data, run, "--max-steps", "10") == 2
+    assert "--resume" in capsys.readouterr().err
+    assert train(recipe, data, run, "--max-steps", "12", "--lr", "1e-2", "--resume") == 2
+    err = capsys.readouterr().err.strip()
+    assert "lr" in err and "\n" not in err
+    assert (
+        train(recipe, data, run, "--max-steps", "12", "--eval-interval", "0", "--resume") == 0
+    )  # whitelisted
+    assert [p.name for p in list_step_checkpoints(run)] == ["step-0000010", "step-0000012"]
+
+
+def test_non_finite_loss_stops_with_the_step_named(tmp_path: Path, data: Path, capsys) -> None:
+    rc = train(
+        write_recipe(tmp_path),
+        data,
+        tmp_path / "run",
+        "--lr",
+        "1e30",
+        "--grad-clip",
+        "0",
+        "--warmup-steps",
+        "0",
+        "--schedule",
+        "constant",
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "at step" in err and "no checkpoint" in err
+
+
+# --- exact resume and signals -------------------------------------------------------------------------------
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"run ended early: {proc.communicate()}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path: Path, data: Path) -> None:
+    # fp32, dropout on (the torch RNG must be restored too), Muon + AdamW, a decaying schedule
+    recipe = write_recipe(
+        tmp_path,
+        max_steps=150,
+        checkpoint_interval=10,
+        eval_interval=50,
+        dropout=0.1,
+        optimizer="muon",
+        schedule="wsd",
+        log_interval=25,
+    )
+    run = tmp_path / "run"
+    proc = cli_subprocess("train", str(recipe), "--data", str(data), "--out", str(run), "--quiet")
+    _wait_for(lambda: len(list_step_checkpoints(run)) >= 1, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = int(list_step_checkpoints(run)[-1].name.split("-")[1])
+    assert killed_at < 150
+    # the resumed and the reference runs go in-process (same thread count: recipe threads = 1) to save
+    # start-ups
+    assert train(recipe, data, run, "--resume") == 0
+    ref = tmp_path / "ref"
+    assert train(recipe, data, ref) == 0
+    final_ref = load_file(ref / "checkpoints" / "step-0000150" / "model.safetensors")
+    final = load_file(run / "checkpoints" / "step-0000150" / "model.safetensors")
+    assert final.keys() == final_ref.keys()
+    assert all(torch.equal(final[k], final_ref[k]) for k in final)
+    # the metrics of the resumed run continue where the checkpoint left off, without duplicates
+    steps = [r["step"] for r in metrics(run) if "train_loss" in r]
+    assert steps == [r["step"] for r in metrics(ref) if "train_loss" in r]
+
+
+def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path: Path, data: Path) -> None:
+    recipe = write_recipe(tmp_path, max_steps=1000000, eval_interval=0)
+    run = tmp_path / "run"
+    proc = cli_subprocess("train", str(recipe), "--data", str(data), "--out", str(run))
+    _wait_for(lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size > 0, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    (ckpt,) = list_step_checkpoints(run)
+    assert "SIGTERM" in err and f"--out {run}" in err and err.strip().endswith("--resume")
+    assert str(ckpt) in err
+
+
+# --- batches ------------------------------------------------------------------------------------------------
+def test_global_batch_is_a_pure_function_of_seed_and_step() -> None:
+    data = np.arange(1000, dtype=np.uint16)
+    a, b = global_batch(data, 1, 5, 8, 16), global_batch(data, 1, 5, 8, 16)
+    assert torch.equal(a, b) and a.shape == (8, 17) and a.dtype == torch.int64
+    assert not torch.equal(a, global_batch(data, 1, 6, 8, 16))
+    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(8, 16, dtype=torch.int64))  # contiguous windows
+    assert int(a.max()) <= 999
+    # splitting over 2 processes x 2 micro-steps covers the global batch exactly once, in order
+    parts = [micro_batch(a, r, 2, m, 2) for r in range(2) for m in range(2)]
+    assert torch.equal(torch.cat(parts), a)
+
+
+def test_grad_accum_gives_the_same_gradient() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=50))
+    windows = global_batch(np.random.default_rng(0).integers(0, 50, 500).astype(np.uint16), 3, 0, 8, 16)
+
+    def grads(accum: int) -> list[torch.Tensor]:
+        model.zero_grad()
+        for m in range(accum):
+            rows = micro_batch(windows, 0, 1, m, accum)
+            (model(rows[:, :-1], rows[:, 1:])[1] / accum).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for g1, g2 in zip(grads(1), grads(2), strict=True):
+        torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-6)
+
+
+def test_same_seed_same_result_whatever_grad_accum(tmp_path: Path, data: Path) -> None:
+    recipe = write_recipe(tmp_path, name="r.toml")
+    assert train(recipe, data, tmp_path / "a", "--max-steps", "6", "--eval-interval", "0") == 0
+    assert (
+        train(recipe, data, tmp_path / "b", "--max-steps", "6", "--eval-interval", "0", "--grad-accum", "2")
+        == 0
+    )
+    la = [r["val_loss"] for r in metrics(tmp_path / "a") if "val_loss" in r]
+    lb = [r["val_loss"] for r in metrics(tmp_path / "b") if "val_loss" in r]
+    assert la == pytest.approx(lb, abs=1e-4)
+
+
+# --- configuration ------------------------------------------------------------------------------------------
+def test_overrides_parse_by_field_type() -> None:
+    raw = parse_overrides(
+        [
+            "--max-steps",
+            "12",
+            "--lr=3e-3",
+            "--compile",
+            "true",
+            "--max_time",
+            "none",
+            "--adam-betas",
+            "0.8,0.9",
+            "--n-layer",
+            "3",
+            "--dropout",
+            "0.1",
+            "--dtype",
+            "bfloat16",
+            "--n-kv-head",
+            "1",
+        ]
+    )
+    cfg = build_train_config({"model": "tiny"}, raw)
+    assert (cfg.max_steps, cfg.lr, cfg.compile, cfg.max_time, cfg.adam_betas) == (
+        12,
+        3e-3,
+        True,
+        None,
+        (0.8, 0.9),
+    )
+    assert cfg.model_overrides == {"n_layer": 3, "dropout": 0.1, "n_kv_head": 1}
+    assert cfg.model_config(vocab_size=65).n_layer == 3 and cfg.dtype == "bfloat16"
+    with pytest.raises(GptlabError, match="did you mean max_steps"):
+        build_train_config({}, {"max_step": "3"})
+    with pytest.raises(GptlabError, match="expected int"):
+        build_train_config({}, {"max_steps": "many"})
+    with pytest.raises(GptlabError, match="expected int"):
+        build_train_config({"max_steps": 1.5})
+    with pytest.raises(GptlabError, match="'cosine'"):
+        build_train_config({"schedule": "linear"})
+    with pytest.raises(GptlabError, match="needs a value"):
+        parse_overrides(["--lr"])
+
+
+def _one_line_error(rc: int, err: str) -> str:
+    assert rc == 2 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("recipe_text", "extra", "expect"),
+    [
+        (None, [], "not found"),
+        ("model = [", [], "not valid TOML"),
+        ('model = "tiny"\nmax_stepz = 3\n', [], "did you mean max_steps"),
+        ('model = "tiny"\nlr = "fast"\n', [], "expected float"),
+        ('model = "tiny"\n', ["--batch-size", "x"], "expected int"),
+        ('model = "nope"\n', [], "unknown preset"),
+        ('model = "tiny"\nblock_size = 20000\n', [], "fewer than block_size+1"),
+        ('model = "tiny"\n', ["--dtype", "float16", "--device", "cpu"], "float16"),
+        ('model = "tiny"\n', ["--n-head", "3"], "divisible"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path: Path, data: Path, capsys, recipe_text, extra, expect) -> None:
+    recipe = tmp_path / "r.toml"
+    if recipe_text is not None:
+        recipe.write_text(recipe_text + "threads = 1\n")
+    rc = train(recipe, data, tmp_path / "run", *extra)
+    assert expect in _one_line_error(rc, capsys.readouterr().err)
+
+
+def test_missing_data_dir_is_a_one_line_error_in_a_real_process(tmp_path: Path) -> None:
+    proc = cli_subprocess(
+        "train",
+        str(REPO / "configs" / "speedrun_cpu.toml"),
+        "--data",
+        str(tmp_path / "none"),
+        "--out",
+        str(tmp_path / "run"),
+    )
+    _, err = proc.communicate(timeout=60)
+    assert "does not exist" in _one_line_error(proc.returncode, err)
+
+
+def test_recipes_in_configs_load() -> None:
+    from gptlab.trainer_config import load_train_config
+
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        cfg = load_train_config(path)
+        assert cfg.model_config(vocab_size=65).vocab_size == 65, path
