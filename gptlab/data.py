@@ -1,0 +1,545 @@
+"""Data preparation: text files -> a DATA_DIR the trainer reads with memmaps.
+
+``gptlab prepare INPUT... --tokenizer {char,gpt2,bpe} --out DATA_DIR`` writes into DATA_DIR:
+
+* ``train.bin`` / ``val.bin`` -- token ids, raw little-endian uint16 (vocab_size <= 65536) or uint32;
+* the tokenizer (``tokenizer_meta.json`` [+ ``tokenizer.json``], see :mod:`gptlab.tokenizer`);
+* ``meta.json`` -- ``{"tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens",
+  "sources": [{"path", "bytes", "sha256", "chars"}], "val_fraction", "separator", ...}``.
+  It is written last: a DATA_DIR without it is incomplete, and readers refuse it.
+
+How the text becomes tokens:
+
+* Inputs (files in the order given; directories expand to their ``*.txt`` files, recursively, sorted) are
+  concatenated. Between documents the ``<|endoftext|>`` id is inserted for gpt2/bpe (it belongs to the
+  document it ends); char has no such token and concatenates the texts as they are. Empty files are skipped.
+* The split is by characters over the whole concatenation, like nanoGPT: train = the first
+  ``int(N * (1 - val_fraction))`` characters, val = the rest. Train and val are encoded separately.
+* Everything streams: files are read in 1 MiB blocks and decoded incrementally (so a bad byte is reported
+  with its offset), cut into ~1 MiB-character chunks, encoded (in a process pool for big inputs) and
+  appended to the .bin files. Memory stays bounded by a few chunks per worker.
+* Chunking never changes the ids: for char any cut is exact; for gpt2/bpe chunks are cut right after a
+  ``"\\n"`` that sits between two non-whitespace characters. The GPT-2 pre-tokenizer regex (and the
+  cl100k/Llama-3 style one) always ends a pre-token there and nothing before it depends on what follows, so
+  encoding chunk by chunk equals encoding the whole text (tests check this on tiny Shakespeare and on random
+  text). Only a stretch of 4 MiB characters without such a newline falls back to a cut before a space
+  (also exact for these regexes), and one without any space to a plain cut (may differ there).
+  The one real difference is the train/val boundary itself, which cuts mid-word as nanoGPT does: tiny
+  Shakespeare with gpt2 gives 301,966 + 36,059 = 338,025 ids, the same total as encoding it whole.
+* ``--vocab-size`` is an error except with ``--tokenizer bpe`` (char and gpt2 have fixed vocabularies).
+  bpe is trained on the train split only, so val stays unseen text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import hashlib
+import http.client
+import json
+import multiprocessing
+import os
+import re
+import sys
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack
+from dataclasses import dataclass
+from itertools import takewhile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptlab.errors import GptlabError
+from gptlab.tokenizer import (
+    MIN_BPE_VOCAB,
+    CharTokenizer,
+    GPT2Tokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+SHAKESPEARE_BYTES = 1_115_394
+SHAKESPEARE_FILE = "tinyshakespeare.txt"
+SPLITS = ("train", "val")
+META = "meta.json"
+READ_BYTES = 1 << 20  # file read size
+CHUNK_CHARS = 1 << 20  # characters per encoding task
+PARALLEL_MIN_CHARS = 16 << 20  # below this a process pool costs more to start than it saves
+
+_SAFE_NL = re.compile(r"(?<=\S)\n(?=\S)")  # cut after this newline: see the module docstring
+_SAFE_SPACE = re.compile(r"(?<=\S)(?= )")  # fallback: cut before a space that follows a non-space
+
+
+# --- inputs -----------------------------------------------------------------------------------------------------
+
+
+def data_cache_dir() -> Path:
+    """Where downloaded corpora live: $GPTLAB_DATA_DIR, else ~/.cache/gptlab/data."""
+    env = os.environ.get("GPTLAB_DATA_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gptlab" / "data"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _download(url: str, dest: Path) -> None:
+    """Stream `url` into `dest` (tests replace this to simulate being offline)."""
+    with urllib.request.urlopen(url, timeout=60) as r, open(dest, "wb") as f:
+        while block := r.read(READ_BYTES):
+            f.write(block)
+
+
+def fetch_shakespeare(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Path of tiny Shakespeare in the cache, downloading it (atomically, hash-checked) only if missing."""
+    cache = Path(cache_dir) if cache_dir is not None else data_cache_dir()
+    path = cache / SHAKESPEARE_FILE
+    if path.is_file() and path.stat().st_size == SHAKESPEARE_BYTES:  # the size first: hashing costs more
+        if _sha256_file(path) == SHAKESPEARE_SHA256:
+            return path
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".{SHAKESPEARE_FILE}.{os.getpid()}.part"
+    print(f"downloading tiny Shakespeare to {path}", file=sys.stderr)
+    try:
+        try:
+            _download(SHAKESPEARE_URL, tmp)
+        except (OSError, http.client.HTTPException, ValueError) as e:  # URLError is an OSError
+            reason = getattr(e, "reason", None) or e
+            raise GptlabError(
+                f"could not download tiny Shakespeare ({reason}); offline? pass a local text file instead, "
+                "e.g. `gptlab prepare path/to/input.txt --tokenizer char --out data/shakespeare`"
+            ) from e
+        digest = _sha256_file(tmp)
+        if digest != SHAKESPEARE_SHA256:
+            raise GptlabError(
+                f"downloaded tiny Shakespeare has sha256 {digest}, expected {SHAKESPEARE_SHA256}; "
+                "try again or pass a local copy of the file"
+            )
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Expand INPUT arguments to files: files as given, directories to their sorted *.txt files."""
+    if not inputs:
+        raise GptlabError("no input given: pass text files, directories of .txt files, or `shakespeare`")
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item).expanduser()
+        if not p.exists() and str(item) == "shakespeare":  # a real file called "shakespeare" wins
+            files.append(fetch_shakespeare())
+        elif p.is_dir():
+            found = sorted(f for f in p.rglob("*.txt") if f.is_file())
+            if not found:
+                raise GptlabError(
+                    f"directory {p} has no .txt files (directories are searched for *.txt recursively; "
+                    "pass other files by name)"
+                )
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise GptlabError(
+                f"input {p} does not exist (give text files, directories of .txt files, or `shakespeare`)"
+            )
+    return files
+
+
+def _iter_blocks(path: Path, read_bytes: int = READ_BYTES) -> Iterator[tuple[bytes, str]]:
+    """(raw block, decoded text) pairs; GptlabError names the file and byte offset of bad UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0  # bytes read before the current block
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(read_bytes)
+            pending = len(decoder.getstate()[0])  # bytes of a split character held from the last block
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                raise GptlabError(
+                    f"{path} is not UTF-8 text (bad byte at offset {offset - pending + e.start}); "
+                    "convert it, e.g. `iconv -f latin1 -t utf-8`"
+                ) from None
+            if not block:
+                return
+            offset += len(block)
+            yield block, text
+
+
+def iter_file_text(path: str | os.PathLike[str], read_bytes: int = READ_BYTES) -> Iterator[str]:
+    """Stream a UTF-8 file as text, block by block, never holding the whole file."""
+    for _, text in _iter_blocks(Path(path), read_bytes):
+        if text:
+            yield text
+
+
+def chunk_text(
+    pieces: Iterable[str], chunk_chars: int = CHUNK_CHARS, *, safe: bool = True, hard: bool = True
+) -> Iterator[str]:
+    """Re-cut a stream of text into chunks of about `chunk_chars` characters.
+
+    safe=False cuts at exactly chunk_chars (fine for char tokenizers). safe=True cuts only where BPE
+    pre-tokenization ends a pre-token regardless of what follows (see the module docstring), so that
+    encoding the chunks one by one gives the same ids as encoding the whole text -- except, with hard=True,
+    for a plain cut after 4 * chunk_chars characters without any whitespace (bounded memory wins there).
+    """
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        while len(buf) >= chunk_chars:
+            if not safe:
+                cut = chunk_chars
+            elif m := _SAFE_NL.search(buf, chunk_chars - 1):
+                cut = m.end()
+            elif len(buf) < 4 * chunk_chars:
+                break  # wait for more text: a good newline will probably come
+            elif m := _SAFE_SPACE.search(buf, chunk_chars):
+                cut = m.start()
+            elif hard:
+                cut = chunk_chars  # no whitespace at all for 4 chunks: memory matters more here
+            else:
+                break
+            yield buf[:cut]
+            buf = buf[cut:]
+    if buf:
+        yield buf
+
+
+# --- scanning ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Source:
+    path: Path
+    bytes: int = 0
+    chars: int = 0
+    sha256: str = ""
+
+
+def _show_progress() -> bool:
+    return sys.stderr.isatty() and not (os.environ.get("GPTLAB_NO_PROGRESS") or os.environ.get("CI"))
+
+
+def _progress(total: int, desc: str, unit: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not _show_progress(), file=sys.stderr)
+
+
+def scan_sources(paths: Sequence[Path], collect_chars: bool = False) -> tuple[list[Source], set[str]]:
+    """First pass: sizes, hashes, character counts (and the character set); validates UTF-8 early."""
+    sources, charset = [], set()
+    with _progress(sum(p.stat().st_size for p in paths), "scan", "B") as bar:
+        for p in paths:
+            src, h = Source(p), hashlib.sha256()
+            for block, text in _iter_blocks(p):
+                h.update(block)
+                src.bytes += len(block)
+                src.chars += len(text)
+                if collect_chars:
+                    charset.update(text)
+                bar.update(len(block))
+            src.sha256 = h.hexdigest()
+            sources.append(src)
+    return sources, charset
+
+
+def _iter_split_pieces(
+    sources: Sequence[Source], split_at: int, eot: bool, safe: bool, chunk_chars: int
+) -> Iterator[tuple[str, str | None]]:
+    """Yield ("train" | "val", text) in order; text None stands for an end-of-text token."""
+    docs = [s for s in sources if s.chars]
+    pos = 0
+    for k, src in enumerate(docs):
+        for chunk in chunk_text(iter_file_text(src.path), chunk_chars, safe=safe):
+            end = pos + len(chunk)
+            if end <= split_at:
+                yield "train", chunk
+            elif pos >= split_at:
+                yield "val", chunk
+            else:  # the chunk straddles the split: cut it where nanoGPT would
+                yield "train", chunk[: split_at - pos]
+                yield "val", chunk[split_at - pos :]
+            pos = end
+        if eot and k < len(docs) - 1:
+            yield ("train" if pos <= split_at else "val"), None
+
+
+# --- encoding ---------------------------------------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _encode_text(tok: Tokenizer, text: str, dtype: np.dtype) -> np.ndarray:
+    if tok.kind == "bpe" and len(text) > (1 << 15):
+        # safe sub-chunks through encode_batch: same ids, and `tokenizers` encodes them on all cores
+        ids = tok.encode_batch(list(chunk_text([text], 1 << 14, hard=False)))
+        return np.concatenate([np.asarray(x, dtype=dtype) for x in ids])
+    return tok.encode_np(text).astype(dtype, copy=False)
+
+
+def _worker_init(tok_dir: str, dtype: str, env: dict[str, str]) -> None:
+    os.environ.update(env)  # a forkserver child has the server's environment, not the caller's
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool already uses every core
+    _WORKER["tok"] = load_tokenizer(tok_dir)
+    _WORKER["dtype"] = np.dtype(dtype)
+
+
+def _worker_encode(text: str) -> np.ndarray:
+    return _encode_text(_WORKER["tok"], text, _WORKER["dtype"])
+
+
+def _encode_stream(
+    pieces: Iterable[tuple[str, str | None]], tok: Tokenizer, tok_dir: Path, dtype: np.dtype, workers: int
+) -> Iterator[tuple[str, np.ndarray, int]]:
+    """Encode pieces in order; yields (split, ids, characters consumed)."""
+    eot = np.array([tok.eot_id if tok.eot_id is not None else 0], dtype=dtype)
+    if workers <= 1:
+        for split, text in pieces:
+            yield (split, eot, 0) if text is None else (split, _encode_text(tok, text, dtype), len(text))
+        return
+    # not fork: the parent may hold Rust thread pools (tokenizers) that a fork can't copy. A forkserver
+    # that has imported this module once starts workers fast; spawn elsewhere.
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+    else:
+        ctx = multiprocessing.get_context("spawn")
+    init = (str(tok_dir), dtype.str, dict(os.environ))
+    # ProcessPoolExecutor rather than Pool: a worker that dies (or fails to start) raises instead of hanging
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=init)
+    pending: deque[tuple[str, Future | None, int]] = deque()
+
+    def done() -> tuple[str, np.ndarray, int]:
+        split, fut, n = pending.popleft()
+        try:
+            return split, (eot if fut is None else fut.result()), n
+        except BrokenProcessPool as e:
+            raise GptlabError(f"the tokenizer worker processes failed ({e}); rerun with --workers 1") from e
+
+    try:
+        for split, text in pieces:
+            fut = None if text is None else pool.submit(_worker_encode, text)
+            pending.append((split, fut, len(text or "")))
+            while len(pending) > 2 * workers:  # bounded queue: never read far ahead of the encoders
+                yield done()
+        while pending:
+            yield done()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --- prepare ----------------------------------------------------------------------------------------------------
+
+
+def _dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _check_options(
+    tokenizer: str | None, vocab_size: int | None, val_fraction: float, workers: int, from_dir: bool
+) -> None:
+    if not from_dir and tokenizer not in ("char", "gpt2", "bpe"):
+        raise GptlabError(f"unknown tokenizer {tokenizer!r}: choose char, gpt2 or bpe (or --tokenizer-from DIR)")
+    if tokenizer == "bpe" and not from_dir and vocab_size is None:
+        raise GptlabError(f"--tokenizer bpe needs --vocab-size N (at least {MIN_BPE_VOCAB}; e.g. 4096)")
+    if (from_dir or tokenizer != "bpe") and vocab_size is not None:
+        what = "--tokenizer-from" if from_dir else f"--tokenizer {tokenizer}"
+        raise GptlabError(f"--vocab-size only applies to --tokenizer bpe ({what} has a fixed vocabulary)")
+    if vocab_size is not None and vocab_size < MIN_BPE_VOCAB:
+        raise GptlabError(f"--vocab-size {vocab_size} is too small for bpe: it needs at least {MIN_BPE_VOCAB}")
+    if not 0.0 < val_fraction < 1.0:
+        raise GptlabError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if workers < 1:
+        raise GptlabError(f"--workers must be at least 1, got {workers}")
+
+
+def _write_bins(
+    out: Path, tok: Tokenizer, pieces: Iterable[tuple[str, str | None]], total: int, workers: int
+) -> dict[str, int]:
+    """Encode into hidden .partial files, renamed into place only when both splits are good."""
+    dtype = _dtype_for(tok.vocab_size)
+    partial = {s: out / f".{s}.bin.partial" for s in SPLITS}
+    counts = dict.fromkeys(SPLITS, 0)
+    try:
+        with ExitStack() as stack:
+            files = {s: stack.enter_context(open(partial[s], "wb")) for s in SPLITS}
+            bar = stack.enter_context(_progress(total, f"tokenize ({tok.kind})", "char"))
+            for split, ids, n in _encode_stream(pieces, tok, out, dtype, workers):
+                files[split].write(ids.tobytes())
+                counts[split] += len(ids)
+                bar.update(n)
+        for split in SPLITS:
+            if counts[split] < 2:
+                more = "use a larger --val-fraction or more text" if split == "val" else "use more text"
+                raise GptlabError(f"the {split} split has {counts[split]} token(s), need at least 2: {more}")
+        for split in SPLITS:
+            os.replace(partial[split], out / f"{split}.bin")
+    finally:
+        for p in partial.values():
+            p.unlink(missing_ok=True)
+    return counts
+
+
+def prepare(
+    inputs: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer: str | None = "char",
+    vocab_size: int | None = None,
+    val_fraction: float = 0.1,
+    workers: int | None = None,
+    tokenizer_from: str | os.PathLike[str] | None = None,
+    chunk_chars: int = CHUNK_CHARS,
+) -> dict[str, Any]:
+    """Tokenize `inputs` into `out_dir` (train.bin, val.bin, tokenizer, meta.json); returns the meta dict."""
+    workers = min(4, os.cpu_count() or 1) if workers is None else workers
+    _check_options(tokenizer, vocab_size, val_fraction, workers, tokenizer_from is not None)
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise GptlabError(f"--out {out} is a file; give a directory")
+    tok: Tokenizer | None = None
+    if tokenizer_from is not None:
+        tok = load_tokenizer(tokenizer_from)
+    elif tokenizer == "gpt2":
+        tok = GPT2Tokenizer()  # early: a missing tiktoken cache should fail before the long scan
+
+    paths = resolve_inputs(inputs)
+    sources, charset = scan_sources(paths, collect_chars=tok is None and tokenizer == "char")
+    total = sum(s.chars for s in sources)
+    if total == 0:
+        raise GptlabError(f"the input is empty ({', '.join(str(p) for p in paths[:3])} has no text)")
+    split_at = int(total * (1 - val_fraction) + 1e-6)  # nanoGPT's int(n * 0.9), minus float noise
+    if split_at == 0:
+        raise GptlabError(f"the train split would be empty ({total} characters in all); use more text")
+
+    if tok is None and tokenizer == "char":
+        tok = CharTokenizer(charset)
+    elif tok is None:  # bpe: learn the merges from the train split only, so val stays unseen text
+        assert vocab_size is not None
+        pieces = _iter_split_pieces(sources, split_at, False, True, chunk_chars)
+        tok = HFTokenizer.train(
+            (t for _, t in takewhile(lambda p: p[0] == "train", pieces) if t), vocab_size, _show_progress()
+        )
+        if tok.vocab_size < vocab_size:
+            print(f"note: the text only supports {tok.vocab_size} bpe tokens, not {vocab_size}", file=sys.stderr)
+    bpe_like = tok.kind != "char"  # cut chunks only at safe newlines; separate documents with eot
+    sep = bpe_like and tok.eot_id is not None
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / META).unlink(missing_ok=True)  # from here on the directory must not look complete
+    tok.save(out)
+    if tok.kind in ("char", "gpt2"):
+        (out / "tokenizer.json").unlink(missing_ok=True)  # a stale HF file from an earlier bpe run
+    pieces = _iter_split_pieces(sources, split_at, sep, bpe_like, chunk_chars)
+    counts = _write_bins(out, tok, pieces, total, workers if total >= PARALLEL_MIN_CHARS else 1)
+    meta = {
+        "format": "gptlab-data",
+        "version": 1,
+        "tokenizer": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "dtype": "uint16" if _dtype_for(tok.vocab_size).itemsize == 2 else "uint32",
+        "train_tokens": counts["train"],
+        "val_tokens": counts["val"],
+        "train_chars": split_at,
+        "val_chars": total - split_at,
+        "val_fraction": val_fraction,
+        "separator": "eot" if sep else "none",
+        "sources": [{"path": str(s.path), "bytes": s.bytes, "sha256": s.sha256, "chars": s.chars} for s in sources],
+    }
+    _write_json_atomic(out / META, meta)  # last: its presence marks a complete directory
+    return meta
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """`gptlab prepare` entry point (arguments defined in gptlab/cli.py)."""
+    meta = prepare(
+        args.inputs,
+        args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        tokenizer_from=args.tokenizer_from,
+    )
+    print(
+        f"wrote {args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
+        f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']})"
+    )
+    return 0
+
+
+# --- reading (trainer / evaluator) ------------------------------------------------------------------------------
+
+
+def _hint(data_dir: Path) -> str:
+    return f"run `gptlab prepare INPUT --tokenizer char --out {data_dir}` first"
+
+
+def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """meta.json of a prepared DATA_DIR (GptlabError with a hint if it isn't one)."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise GptlabError(f"data directory {d} does not exist; {_hint(d)}")
+    if not (d / META).is_file():
+        raise GptlabError(f"{d} has no {META} (never prepared, or preparation was interrupted); {_hint(d)}")
+    try:
+        meta = json.loads((d / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise GptlabError(f"cannot read {d / META}: {e}; {_hint(d)}") from e
+    missing = [k for k in ("vocab_size", "dtype", "train_tokens", "val_tokens") if k not in meta]
+    if missing:
+        raise GptlabError(f"{d / META} lacks {', '.join(missing)}; {_hint(d)}")
+    return meta
+
+
+def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap:
+    """Read-only memmap of train.bin / val.bin with the dtype from meta.json."""
+    if split not in SPLITS:
+        raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
+    d = Path(data_dir)
+    meta = read_meta(d)
+    path = d / f"{split}.bin"
+    if not path.is_file():
+        raise GptlabError(f"{path} is missing; {_hint(d)}")
+    dtype = np.dtype("<u2") if meta["dtype"] == "uint16" else np.dtype("<u4")
+    expected = int(meta[f"{split}_tokens"]) * dtype.itemsize
+    if path.stat().st_size != expected:
+        raise GptlabError(f"{path} has {path.stat().st_size} bytes, meta.json says {expected}; {_hint(d)}")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: int) -> int:
+    """Raise unless `split` has at least block_size + 1 tokens (one input/target window); return its size."""
+    if split not in SPLITS:
+        raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
+    n = int(read_meta(data_dir)[f"{split}_tokens"])
+    if n < block_size + 1:
+        more = "use a larger --val-fraction or more text" if split == "val" else "use more text"
+        raise GptlabError(
+            f"the {split} split has {n} tokens, fewer than block_size+1={block_size + 1}; {more} "
+            "(or a smaller block_size)"
+        )
+    return n
