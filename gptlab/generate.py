@@ -1,0 +1,394 @@
+"""Text generation: one engine behind `GPT.generate`, `gptlab sample` and `gptlab serve`.
+
+The pieces, top to bottom:
+
+* `SamplingParams`, the logit filters and `sample_next` (in `gptlab.sampling`, re-exported here): the controls
+  of one request (temperature, top-k/p, min-p, penalties, seed, stops, length) as pure functions over fp32
+  logits, one value per row, so a batch can mix requests.
+* `Engine`: owns a `KVCache` of `max_batch` rows, allocated once. `add` prefills prompts into free rows
+  (right-padded when their lengths differ, each row then rewound to its own length) and samples each row's
+  first token; `step` feeds every running row its last token and samples the next. Rows finish on their own
+  ("stop" or "length") and free their slot, so new requests can join between steps (continuous batching).
+* `Generation`: the state of one row: prompt, tokens so far, finish reason, and (with a tokenizer) its text.
+  Text is decoded incrementally (`gptlab.detokenize`): streamed deltas never split a UTF-8 character and never
+  show the beginning of a stop string that may still complete.
+* `generate` / `generate_stream`: one-call helpers over a throwaway engine.
+
+Context limits. A prompt must leave room for one new token (at most block_size - 1 tokens): longer ones raise
+`PromptTooLongError` unless `truncate_prompt=True`, which keeps the prompt's last block_size - max(1,
+min(max_new_tokens, block_size // 2)) tokens. With learned positions a row ends with finish reason "length"
+when prompt + generated tokens reach block_size. With RoPE (or no positions) generation goes on past
+block_size as a sliding window: when a row's cache is full, its last block_size // 2 tokens are prefilled
+again from position 0 (RoPE only sees relative positions) and decoding continues; what came earlier is
+forgotten.
+
+Precision: the model runs in its own dtype (bf16 weights make decoding ~2x faster on CPUs); the logits are
+cast to fp32 before any sampling arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gptlab.detokenize import TextState
+from gptlab.errors import GptlabError
+from gptlab.model import GPT, KVCache
+from gptlab.sampling import (  # noqa: F401 - re-exported: gptlab.generate is the one import for generation
+    SamplingParams,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    row_seed,
+    sample_next,
+)
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+class PromptTooLongError(GptlabError, ValueError):
+    """The prompt does not fit the model's context (and truncation was not asked for)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One row's state
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Generation:
+    """One prompt being continued in one row of the engine's cache."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    text_state: TextState | None = None
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    slot: int = -1
+    truncated: int = 0  # prompt tokens dropped from the left by truncate_prompt
+    window: list[int] = field(default_factory=list)  # the tokens the row's cache holds (sliding window)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The generated text so far, without a stop string (needs a tokenizer)."""
+        if self.text_state is None:
+            raise ValueError("this generation has no tokenizer: use token_ids")
+        return self.text_state.text
+
+    def pop_delta(self) -> str:
+        """Text that became final since the last call (complete characters; never part of a possible stop)."""
+        return "" if self.text_state is None else self.text_state.pop_delta(final=self.finished)
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        if self.text_state is not None:
+            self.text_state.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------------------
+class Engine:
+    """Batched decoding over one preallocated KV cache of `max_batch` rows; see the module docstring."""
+
+    def __init__(
+        self, model: GPT, max_batch: int = 1, *, tokenizer: Any = None, max_len: int | None = None
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.config, self.tokenizer = model, model.config, tokenizer
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_len = min(max_len or self.config.block_size, self.config.block_size)
+        self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device, dtype=self.dtype)
+        self.slots: list[Generation | None] = [None] * max_batch
+        self._counts: torch.Tensor | None = None  # (max_batch, V) output-token counts, made on first penalty
+        self._seen: torch.Tensor | None = None  # (max_batch, V) tokens in prompt or output
+
+    # --- bookkeeping ----------------------------------------------------------------------------------------
+    @property
+    def max_batch(self) -> int:
+        return len(self.slots)
+
+    @property
+    def running(self) -> list[Generation]:
+        return [g for g in self.slots if g is not None]
+
+    def free_slots(self) -> int:
+        return sum(g is None for g in self.slots)
+
+    def release(self, gen: Generation) -> None:
+        """Free a row (finished or cancelled); its cache entries are simply overwritten by the next user."""
+        if 0 <= gen.slot < self.max_batch and self.slots[gen.slot] is gen:
+            self.slots[gen.slot] = None
+        if not gen.finished:
+            gen._finish(FINISH_STOP)
+
+    def prepare(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        sample_index: int = 0,
+        truncate_prompt: bool = False,
+    ) -> Generation:
+        """Check (or truncate) a prompt and build its row state; `add` then prefills it."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token (e.g. the end-of-text token)")
+        V, ctx = self.config.vocab_size, self.max_len
+        if any(t < 0 or t >= V for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {V})")
+        truncated = 0
+        if len(ids) >= ctx:
+            if not truncate_prompt:
+                raise PromptTooLongError(
+                    f"the prompt has {len(ids)} tokens but the context holds {ctx}: "
+                    f"use at most {ctx - 1} (or truncate the prompt)"
+                )
+            keep = ctx - max(1, min(params.max_new_tokens, ctx // 2))
+            truncated, ids = len(ids) - keep, ids[-keep:]
+        stop_ids = set(params.stop_token_ids)
+        eot = getattr(self.tokenizer, "eot_id", None)
+        if eot is not None and not params.ignore_eot:
+            stop_ids.add(eot)
+        seed = params.seed
+        if seed is None and not params.greedy:
+            seed = int(torch.randint(0, 2**62, (1,)))  # from the global RNG: torch.manual_seed reproduces it
+        generator = None if seed is None else torch.Generator().manual_seed(row_seed(seed, sample_index))
+        text_state = None
+        if self.tokenizer is not None:
+            text_state = TextState(self.tokenizer, context_ids=ids, stop=params.stop)
+        return Generation(ids, params, frozenset(stop_ids), generator, text_state, truncated=truncated)
+
+    # --- prefill --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def add(self, gens: Sequence[Generation]) -> None:
+        """Prefill prompts into free rows (one forward, right-padded) and sample each one's first token."""
+        gens = [g for g in gens if not self._done_before_start(g)]
+        if not gens:
+            return
+        free = [i for i, g in enumerate(self.slots) if g is None]
+        if len(gens) > len(free):
+            raise GptlabError(f"{len(gens)} prompts but only {len(free)} free rows")
+        # rows of one prefill must be contiguous to share a cache view: take the first long enough run of free
+        # rows, else prefill one at a time
+        start = _first_run(free, len(gens))
+        if start is None:
+            for g in gens:
+                self.add([g])
+            return
+        for i, g in enumerate(gens):
+            g.slot = start + i
+            self.slots[g.slot] = g
+            g.window = list(g.prompt_ids)
+        self._reset_penalty_rows(gens)
+        logits = self._prefill(start, [g.prompt_ids for g in gens])
+        self._accept(gens, logits)
+
+    def _done_before_start(self, g: Generation) -> bool:
+        if g.params.max_new_tokens == 0:
+            g._finish(FINISH_LENGTH)
+            return True
+        return False
+
+    def _prefill(self, start: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Run right-padded prompts through rows start.. of the cache; fp32 logits at each last token."""
+        n, lengths = len(prompts), [len(p) for p in prompts]
+        idx = torch.zeros(n, max(lengths), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            idx[i, : len(p)] = torch.tensor(p)
+        view = self.cache.rows(start, start + n)
+        view.lengths.zero_()
+        h = self.model.hidden_states(idx.to(self.device), kv_cache=view)
+        last = torch.tensor(lengths, device=self.device)
+        view.lengths.copy_(last)  # rewind each row past its padding
+        return self.model.logits(h[torch.arange(n, device=self.device), last - 1]).float()
+
+    # --- decoding -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Generation]:
+        """Feed every running row its newest token and sample the next; returns the rows that advanced."""
+        running = self.running
+        if not running:
+            return []
+        for g in running:
+            if len(g.window) >= self.max_len:  # the window is what the row's cache holds
+                self._slide(g)
+        hi = max(g.slot for g in running) + 1  # rows past the last busy one are left out of the batch
+        idle = [i for i in range(hi) if self.slots[i] is None]
+        tokens = torch.zeros(hi, 1, dtype=torch.long)
+        tokens[[g.slot for g in running], 0] = torch.tensor([g.token_ids[-1] for g in running])
+        view = self.cache.rows(0, hi)
+        if idle:
+            view.lengths[idle] = 0  # idle rows compute a throwaway token at position 0
+        h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
+        if idle:
+            view.lengths[idle] = 0
+        for g in running:
+            g.window.append(g.token_ids[-1])
+        rows = torch.tensor([g.slot for g in running], device=self.device)
+        self._accept(running, self.model.logits(h[rows, -1]).float())
+        return running
+
+    def _slide(self, g: Generation) -> None:
+        """A row whose cache is full keeps its last max_len // 2 tokens, prefilled again from position 0.
+
+        Only RoPE (or position-free) rows get here: learned-position rows finish at max_len first."""
+        n_keep = self.max_len // 2 - 1  # + the pending token, fed by the step that follows
+        keep = g.window[len(g.window) - n_keep :] if n_keep > 0 else []
+        g.window = list(keep)
+        self.cache.lengths[g.slot] = 0
+        if keep:
+            self._prefill(g.slot, [keep])
+
+    def _accept(self, gens: list[Generation], logits: torch.Tensor) -> None:
+        """Sample one token per row, record it, and finish / free the rows that are done."""
+        counts = seen = None
+        if self._counts is not None:
+            slots = torch.tensor([g.slot for g in gens])
+            counts, seen = self._counts[slots], self._seen[slots]
+        new = sample_next(logits, [g.params for g in gens], [g.generator for g in gens], counts, seen)
+        if self._counts is not None:
+            self._counts[slots, torch.tensor(new)] += 1
+            self._seen[slots, torch.tensor(new)] = True
+        for g, tok in zip(gens, new, strict=True):
+            g.token_ids.append(tok)
+            stopped = tok in g.stop_ids
+            if g.text_state is not None and not stopped:
+                stopped = g.text_state.push(tok)
+            if stopped:
+                g._finish(FINISH_STOP)
+            elif len(g.token_ids) >= g.params.max_new_tokens:
+                g._finish(FINISH_LENGTH)
+            elif self.config.position == "learned" and len(g.prompt_ids) + len(g.token_ids) >= self.max_len:
+                g._finish(FINISH_LENGTH)  # the next token would need a position past the learned table
+            if g.finished:
+                self.release(g)
+
+    def _reset_penalty_rows(self, gens: list[Generation]) -> None:
+        if self._counts is None and not any(g.params.penalized for g in gens):
+            return
+        if self._counts is None:
+            V = self.config.vocab_size
+            self._counts = torch.zeros(self.max_batch, V)
+            self._seen = torch.zeros(self.max_batch, V, dtype=torch.bool)
+        for g in gens:
+            self._counts[g.slot].zero_()
+            self._seen[g.slot].zero_()
+            self._seen[g.slot, torch.tensor(g.prompt_ids)] = True
+
+    # --- whole runs -----------------------------------------------------------------------------------------
+    def run(self, gens: Sequence[Generation]) -> list[Generation]:
+        """Prefill `gens` (at most max_batch) and decode until every one has finished."""
+        self.add(gens)
+        while self.running:
+            self.step()
+        return list(gens)
+
+
+def cache_length(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """Cache rows long enough for these prompts and continuations (the engine caps it at block_size).
+
+    Allocating (and zeroing) only what a run can use keeps one-shot calls cheap: a full GPT-2 cache of 1024
+    positions is 75 MB per row in fp32."""
+    return max((len(p) for p in prompts), default=1) + max_new_tokens
+
+
+def _first_run(free: list[int], n: int) -> int | None:
+    """The first slot of n consecutive free slots, or None."""
+    for j in range(len(free) - n + 1):
+        if free[j + n - 1] - free[j] == n - 1:
+            return free[j]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One-call helpers
+# ---------------------------------------------------------------------------------------------------------
+def generate(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | None = None,
+    *,
+    tokenizer: Any = None,
+    truncate_prompt: bool = False,
+) -> list[Generation]:
+    """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each."""
+    params = params or SamplingParams()
+    engine = Engine(model, max_batch=max(1, len(prompts)), tokenizer=tokenizer,
+                    max_len=cache_length(prompts, params.max_new_tokens))
+    gens = [
+        engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt)
+        for i, p in enumerate(prompts)
+    ]
+    return engine.run(gens)
+
+
+def generate_stream(
+    model: GPT,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    truncate_prompt: bool = False,
+    result: list[Generation] | None = None,
+) -> Iterator[str]:
+    """Yield the text of one continuation as it is generated, in deltas of whole characters.
+
+    `prompt` is text (encoded with the tokenizer) or token ids. Pass a list as `result` to get the finished
+    `Generation` (finish reason, token ids) appended to it.
+    """
+    params = params or SamplingParams()
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens))
+    gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt)
+    engine.add([gen])
+    while True:
+        delta = gen.pop_delta()
+        if delta:
+            yield delta
+        if gen.finished:
+            break
+        engine.step()
+    if result is not None:
+        result.append(gen)
+
+
+def generate_tensor(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    *,
+    pad_id: int | None = None,
+    truncate_prompt: bool = False,
+    **controls: Any,
+) -> torch.Tensor:
+    """`GPT.generate`: idx (B, T) -> (B, T + new). Without stop tokens every row gets max_new_tokens (unless
+    learned positions run out); rows that stop early keep their stop token and are right-padded with `pad_id`
+    (default: the first stop token id) up to the longest row."""
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+        raise ValueError("idx must be a (batch, time) tensor of token ids")
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, **controls
+    )
+    gens = generate(model, idx.tolist(), params, truncate_prompt=truncate_prompt)
+    prompts = [g.prompt_ids for g in gens]  # after truncation, if any
+    width = max(len(p) + len(g.token_ids) for p, g in zip(prompts, gens, strict=True))
+    pad = pad_id if pad_id is not None else (params.stop_token_ids[0] if params.stop_token_ids else 0)
+    out = torch.full((len(gens), width), pad, dtype=idx.dtype, device=idx.device)
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        row = p + g.token_ids
+        out[i, : len(row)] = torch.tensor(row, dtype=idx.dtype)
+    return out

@@ -1,0 +1,125 @@
+"""Request bodies of the OpenAI-compatible server (pydantic, strict types) and OpenAI-style error bodies.
+
+Strict: a string where a number belongs is an error, not coerced. Unknown fields are ignored (clients send
+`user`, `logit_bias`, ... that gptlab does not act on). Besides OpenAI's fields, requests accept vLLM-style
+extras: top_k, min_p, repetition_penalty, ignore_eos.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16
+MAX_STOPS = 4
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """FastAPI's validation errors as one OpenAI-style 400, naming the first bad field."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return ApiError(
+            400,
+            "We could not parse the JSON body of your request: it is not valid JSON.",
+            code="invalid_json",
+        )
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # pydantic reports union members as extra path parts (e.g. prompt.str); keep the field path
+    loc = [x for x in loc if x not in ("str", "int", "list[str]", "list[int]", "float", "bool")]
+    param = ".".join(loc) or None
+    where = f" for '{param}'" if param else ""
+    return ApiError(
+        400, f"Invalid value{where}: {first.get('msg', 'invalid')}", param=param, code="invalid_value"
+    )
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # extras (vLLM-style)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    ignore_eos: bool = False
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise ApiError(400, f"at most {MAX_STOPS} stop sequences are allowed", param="stop")
+        if any(not s for s in stops):
+            raise ApiError(400, "stop sequences must be non-empty", param="stop")
+        return stops
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = None

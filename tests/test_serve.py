@@ -1,0 +1,236 @@
+"""The OpenAI-compatible server, started for real (uvicorn on a free loopback port) with a tiny saved model.
+
+Answers are checked against the engine run directly in this process (greedy), errors against OpenAI's error
+shape, and 16 concurrent clients against the same requests made one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from gptlab.checkpoint import load_model, save_model  # noqa: E402
+from gptlab.generate import SamplingParams, generate  # noqa: E402
+from gptlab.serve import DEFAULT_CHAT_STOP, ServerThread, create_app, render_chat  # noqa: E402
+from gptlab.tokenizer import CharTokenizer  # noqa: E402
+from tests._gen_helpers import tiny_model  # noqa: E402
+
+KEY = "test-key"
+NAME = "tiny-char"
+VOCAB = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz .,:;!?'\n"
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tok = CharTokenizer.from_text(VOCAB)
+    path = save_model(tmp_path_factory.mktemp("serve") / "ckpt", tiny_model(vocab_size=tok.vocab_size), tok)
+    model, tokenizer = load_model(path)
+    app = create_app(model, tokenizer, model_name=NAME, max_batch=6, max_queue=64, api_key=KEY)
+    with ServerThread(app) as server:
+        yield server, model, tokenizer, app.state.server
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    server = served[0]
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+
+
+def reference(model, tokenizer, prompt: str, max_tokens: int, stop=()) -> tuple[str, str, int]:
+    """(text, finish_reason, completion tokens) from the engine itself, greedy."""
+    params = SamplingParams(temperature=0, max_new_tokens=max_tokens, stop=stop)
+    (gen,) = generate(model, [tokenizer.encode(prompt)], params, tokenizer=tokenizer)
+    return gen.text, gen.finish_reason, len(gen.token_ids)
+
+
+def post(server, path: str, body, key: str | None = KEY, raw: bytes | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        headers["Content-Type"] = "application/json"
+        return httpx.post(server.url + path, content=raw, headers=headers, timeout=TIMEOUT)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The happy paths, through the official client
+# ---------------------------------------------------------------------------------------------------------
+def test_models_and_health(served, client):
+    server = served[0]
+    assert [m.id for m in client.models.list().data] == [NAME]
+    health = httpx.get(server.url + "/health", timeout=TIMEOUT)  # no key needed
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_equals_the_engine_and_counts_usage(served, client):
+    _, model, tok, _ = served
+    out = client.completions.create(model=NAME, prompt="Hello there", max_tokens=20, temperature=0)
+    text, finish, n = reference(model, tok, "Hello there", 20)
+    assert out.choices[0].text == text and out.choices[0].finish_reason == finish == "length"
+    assert out.usage.prompt_tokens == len("Hello there") and out.usage.completion_tokens == n == 20
+    assert out.usage.total_tokens == len("Hello there") + 20
+
+
+def test_streamed_completion_equals_the_plain_one(served, client):
+    plain = client.completions.create(model=NAME, prompt="Once upon", max_tokens=25, temperature=0)
+    chunks = list(client.completions.create(model=NAME, prompt="Once upon", max_tokens=25, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 25
+
+
+def test_prompt_list_n_seed_and_stop(served, client):
+    _, model, tok, _ = served
+    out = client.completions.create(model=NAME, prompt=["Ab", "Cd"], max_tokens=10, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [reference(model, tok, p, 10)[0] for p in ("Ab", "Cd")]
+    assert out.usage.prompt_tokens == 4
+    a = client.completions.create(model=NAME, prompt="Hi", max_tokens=15, temperature=1.0, n=2, seed=5)
+    b = client.completions.create(model=NAME, prompt="Hi", max_tokens=15, temperature=1.0, n=2, seed=5)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text
+    full = reference(model, tok, "Hi", 15)[0]
+    stop = full[3:5]
+    out = client.completions.create(model=NAME, prompt="Hi", max_tokens=15, temperature=0, stop=[stop])
+    assert out.choices[0].text == full.split(stop)[0] and out.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_is_capped_by_the_context(served, client):
+    prompt = "abcdefghij" * 6  # 60 of the 64 positions
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=100, temperature=0)
+    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+
+
+def test_chat_plain_and_streamed(served, client):
+    _, model, tok, _ = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    prompt, templated = render_chat(tok, messages)
+    assert not templated and prompt == "System: Be brief.\nUser: Hi!\nAssistant:"
+    text, finish, _ = reference(model, tok, prompt, 12, stop=[DEFAULT_CHAT_STOP])
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == text
+    assert out.choices[0].finish_reason == finish and out.usage.prompt_tokens == len(prompt)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == finish
+
+
+def test_chat_template_is_rendered_with_jinja():
+    class Tok:
+        chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}" \
+                        "{% if add_generation_prompt %}<assistant>{% endif %}"
+        eot_id = None
+
+    text, templated = render_chat(Tok(), [{"role": "user", "content": "yo"}])
+    assert templated and text == "<user>yo<assistant>"
+
+
+def test_raw_stream_is_sse_ending_with_done(served):
+    server = served[0]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "Ab", "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors: OpenAI-style bodies, and the server keeps serving
+# ---------------------------------------------------------------------------------------------------------
+def _assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+
+
+def test_bad_requests_get_openai_errors(served, client):
+    server = served[0]
+    ok = {"prompt": "Hi", "max_tokens": 2}
+    _assert_error(post(server, "/v1/completions", None, raw=b'{"prompt": "Hi", '), 400, code="invalid_json")
+    _assert_error(post(server, "/v1/completions", {**ok, "max_tokens": "ten"}), 400, param="max_tokens")
+    _assert_error(post(server, "/v1/completions", {**ok, "max_tokens": -1}), 400, param="max_tokens")
+    _assert_error(post(server, "/v1/completions", {**ok, "temperature": 2.5}), 400, param="temperature")
+    _assert_error(post(server, "/v1/completions", {**ok, "temperature": "hot"}), 400, param="temperature")
+    _assert_error(post(server, "/v1/completions", {"max_tokens": 2}), 400, param="prompt")
+    _assert_error(post(server, "/v1/completions", {**ok, "model": "gpt-9"}), 404, code="model_not_found")
+    _assert_error(post(server, "/v1/completions", {**ok, "prompt": "x" * 64}), 400,
+                  code="context_length_exceeded")
+    _assert_error(post(server, "/v1/completions", {**ok, "prompt": "caf\u00e9"}), 400, param="prompt")
+    _assert_error(post(server, "/v1/completions", {**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, param="stop")
+    _assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, param="messages")
+    _assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}), 400)
+    _assert_error(post(server, "/v1/nothing", ok), 404)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="Hi", max_tokens=-5)
+    assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_api_key_is_required(served):
+    server = served[0]
+    body = {"prompt": "Hi", "max_tokens": 1}
+    _assert_error(post(server, "/v1/completions", body, key=None), 401, code="invalid_api_key")
+    _assert_error(post(server, "/v1/completions", body, key="wrong"), 401, code="invalid_api_key")
+    r = httpx.get(server.url + "/v1/models", timeout=TIMEOUT)
+    _assert_error(r, 401)
+    assert post(server, "/v1/completions", body).status_code == 200
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(served, client):
+    server, _, _, state = served
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "Ab", "max_tokens": 50, "temperature": 0, "stream": True}) as r:
+        next(r.iter_lines())  # read one event, then hang up
+    assert client.completions.create(model=NAME, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_too_many_waiting_generations_get_429(tmp_path):
+    tok = CharTokenizer.from_text(VOCAB)
+    app = create_app(tiny_model(vocab_size=tok.vocab_size), tok, model_name=NAME, max_batch=1, max_queue=2)
+    with ServerThread(app) as server:
+        r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 3}, key=None)
+        _assert_error(r, 429, code="rate_limit_exceeded")
+        assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 2}, key=None).status_code \
+            == 200
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Continuous batching
+# ---------------------------------------------------------------------------------------------------------
+def test_16_concurrent_clients_get_what_each_gets_alone(served, client):
+    state = served[3]
+    prompts = [f"{w} {i}" for i, w in enumerate("Alpha Beta Gamma Delta Eps Zeta Eta Theta".split() * 2)]
+    prompts = [p.replace(str(i), "abcdefghijklmnop"[i]) for i, p in enumerate(prompts)]
+    lengths = [8 + 3 * (i % 5) for i in range(16)]  # rows finish at different steps, so others join mid-run
+
+    def ask(i: int) -> str:
+        kind = i % 2
+        if kind == 0:
+            out = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=lengths[i], temperature=0)
+            return out.choices[0].text
+        out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompts[i]}],
+                                             max_tokens=lengths[i], temperature=0)
+        return out.choices[0].message.content
+
+    alone = [ask(i) for i in range(16)]
+    state.scheduler.max_rows_seen = 0
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(ask, range(16), timeout=120))
+    assert together == alone
+    assert state.scheduler.max_rows_seen > 1  # requests really shared decoding steps
