@@ -93,7 +93,7 @@ def main() -> None:
             for who, m, gen in contenders:
                 m.to(dtype)
                 gen(m, idx, 4)  # warm-up: first-call allocations and kernel selection
-                seconds = timed(lambda m=m, gen=gen: gen(m, idx, args.new_tokens), args.repeats)
+                seconds = timed(lambda m=m, gen=gen, idx=idx: gen(m, idx, args.new_tokens), args.repeats)
                 result[who] = B * args.new_tokens / seconds
                 m.to(torch.float32)
                 print(f"  batch {B:>3} {name:>8} {who:>12}: {result[who]:8.1f} tokens/s", flush=True)

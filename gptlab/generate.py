@@ -100,7 +100,13 @@ class Engine:
     """Batched decoding over one preallocated KV cache of `max_batch` rows; see the module docstring."""
 
     def __init__(
-        self, model: GPT, max_batch: int = 1, *, tokenizer: Any = None, max_len: int | None = None
+        self,
+        model: GPT,
+        max_batch: int = 1,
+        *,
+        tokenizer: Any = None,
+        max_len: int | None = None,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -108,7 +114,9 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = min(max_len or self.config.block_size, self.config.block_size)
-        self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device, dtype=self.dtype)
+        # the cache holds keys/values in the model's dtype unless asked otherwise (attention runs in the wider)
+        self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device,
+                             dtype=cache_dtype or self.dtype)
         self.slots: list[Generation | None] = [None] * max_batch
         self._counts: torch.Tensor | None = None  # (max_batch, V) output-token counts, made on first penalty
         self._seen: torch.Tensor | None = None  # (max_batch, V) tokens in prompt or output
@@ -201,7 +209,7 @@ class Engine:
         return False
 
     def _prefill(self, start: int, prompts: list[list[int]]) -> torch.Tensor:
-        """Run right-padded prompts through rows start.. of the cache; fp32 logits at each last token."""
+        """Run right-padded prompts through rows start.. of the cache; the logits at each last token."""
         n, lengths = len(prompts), [len(p) for p in prompts]
         idx = torch.zeros(n, max(lengths), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -211,7 +219,7 @@ class Engine:
         h = self.model.hidden_states(idx.to(self.device), kv_cache=view)
         last = torch.tensor(lengths, device=self.device)
         view.lengths.copy_(last)  # rewind each row past its padding
-        return self.model.logits(h[torch.arange(n, device=self.device), last - 1]).float()
+        return self.model.logits(h[torch.arange(n, device=self.device), last - 1])
 
     # --- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -236,7 +244,7 @@ class Engine:
         for g in running:
             g.window.append(g.token_ids[-1])
         rows = torch.tensor([g.slot for g in running], device=self.device)
-        self._accept(running, self.model.logits(h[rows, -1]).float())
+        self._accept(running, self.model.logits(h[rows, -1]))
         return running
 
     def _slide(self, g: Generation) -> None:

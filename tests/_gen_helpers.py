@@ -72,3 +72,12 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:  # noqa: ANN001
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def one_thread():  # noqa: ANN201
+    """Generator for a module-scoped fixture: tiny models run fastest on one thread (no OpenMP hand-offs, and
+    no spinning against other processes on a busy machine); the previous setting is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

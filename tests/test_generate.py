@@ -22,7 +22,9 @@ from gptlab.generate import (
     sample_next,
 )
 from gptlab.tokenizer import CharTokenizer
-from tests._gen_helpers import ByteTokenizer, chain, scripted_model, tiny_model
+from tests._gen_helpers import ByteTokenizer, chain, one_thread, scripted_model, tiny_model
+
+_threads = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=50)
 
@@ -314,3 +316,56 @@ def test_rope_sliding_window_goes_past_block_size(block_size):
     assert len(gen.token_ids) == 45 and gen.finish_reason == "length"
     assert gen.token_ids == reference_greedy(model, prompt, 45, slide=block_size // 2)
     assert math.isfinite(sum(gen.token_ids))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gptlab sample
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def char_checkpoint(tmp_path_factory):
+    from gptlab.checkpoint import save_model
+
+    tok = CharTokenizer.from_text("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz .,!?\n")
+    model = tiny_model(vocab_size=tok.vocab_size)
+    root = tmp_path_factory.mktemp("sample")
+    return save_model(root / "ckpt", model, tok), save_model(root / "no-tok", model), model, tok
+
+
+def test_sample_streams_the_greedy_continuation(char_checkpoint, capsys):
+    from gptlab.cli import main
+
+    path, _, model, tok = char_checkpoint
+    assert main(["sample", str(path), "--prompt", "Hello", "--max-new-tokens", "12", "--temperature", "0",
+                 "--num-samples", "2"]) == 0
+    (ref,) = generate(model, [tok.encode("Hello")], SamplingParams(temperature=0, max_new_tokens=12),
+                      tokenizer=tok)
+    sample = "Hello" + ref.text + "\n---------------\n"
+    assert capsys.readouterr().out == sample * 2
+    args = ["sample", str(path), "--max-new-tokens", "20", "--seed", "3", "--top-p", "0.9"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == first and first.startswith("\n")  # default prompt "\n"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prompt", "caf\u00e9"], "not in the char tokenizer"),
+    (["--prompt", ""], "no end-of-text token"),
+    (["--max-new-tokens", "-1"], "must not be negative"),
+    (["--top-p", "1.5"], "--top-p"),
+])
+def test_sample_errors_are_one_line(char_checkpoint, capsys, extra, message):
+    from gptlab.cli import main
+
+    assert main(["sample", str(char_checkpoint[0]), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and err.count("\n") == 1
+
+
+def test_sample_needs_a_checkpoint_with_a_tokenizer(char_checkpoint, tmp_path, capsys):
+    from gptlab.cli import main
+
+    assert main(["sample", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["sample", str(char_checkpoint[1])]) == 2
+    assert "no tokenizer" in capsys.readouterr().err

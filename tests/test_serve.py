@@ -19,7 +19,9 @@ from gptlab.checkpoint import load_model, save_model  # noqa: E402
 from gptlab.generate import SamplingParams, generate  # noqa: E402
 from gptlab.serve import DEFAULT_CHAT_STOP, ServerThread, create_app, render_chat  # noqa: E402
 from gptlab.tokenizer import CharTokenizer  # noqa: E402
-from tests._gen_helpers import tiny_model  # noqa: E402
+from tests._gen_helpers import one_thread, tiny_model  # noqa: E402
+
+_threads = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 KEY = "test-key"
 NAME = "tiny-char"
