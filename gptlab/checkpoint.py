@@ -290,8 +290,7 @@ def save_training_checkpoint(
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Write a resumable checkpoint atomically: model.safetensors, config.json, optimizer.safetensors,
-    state.json
-    and the tokenizer files copied from `tokenizer_dir` (the data directory)."""
+    state.json and the tokenizer files copied from `tokenizer_dir` (the data directory)."""
     tensors, described = optimizer_to_flat(optimizers)
 
     def write(tmp: Path) -> None:

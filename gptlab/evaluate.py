@@ -1,10 +1,8 @@
 """Validation loss over a whole split, and `gptlab eval`.
 
 The split is cut into non-overlapping windows of block_size tokens; window w predicts tokens w*T+1 .. w*T+T
-from
-the ones before it inside the window, so every token but the first is scored exactly once (the last, shorter
-window
-included). Loss is the mean cross-entropy in nats over those targets.
+from the ones before it inside the window, so every token but the first is scored exactly once (the last,
+shorter window included). Loss is the mean cross-entropy in nats over those targets.
 """
 
 from __future__ import annotations

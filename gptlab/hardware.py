@@ -1,11 +1,9 @@
 """This machine's peak matmul throughput, measured once and cached, for model FLOPs utilization (MFU).
 
 MFU against a datasheet number (an A100's 312 TFLOP/s) says nothing on a laptop CPU. Instead a short probe
-times
-large square matmuls in fp32 and bf16 on the training device and thread count, and caches the best rate in
-~/.cache/gptlab/hardware.json (GPTLAB_CACHE_DIR overrides the folder). MFU is then "share of what this
-machine's
-matmul kernels reach", honest for comparing recipes on one machine.
+times large square matmuls in fp32 and bf16 on the training device and thread count, and caches the best rate
+in ~/.cache/gptlab/hardware.json (GPTLAB_CACHE_DIR overrides the folder). MFU is then "share of what this
+machine's matmul kernels reach", honest for comparing recipes on one machine.
 """
 
 from __future__ import annotations

@@ -4,15 +4,12 @@ The optimizer always owns fp32 master weights (the model passed in). Three modes
 - float32:   forward/backward on the masters.
 - autocast:  forward/backward on the masters under torch.autocast; fp16 adds a GradScaler against underflow.
              Used on GPUs and under DDP/FSDP.
-- working:   (bf16 on a single CPU process) a bf16 copy of the model runs forward/backward; after backward its
+- working:   (bf16 in a single CPU process) a bf16 copy of the model runs forward/backward; after backward its
              gradients are copied into the masters' .grad in fp32, and after the optimizer step the masters
-             are
-             cast back into the copy. Measured faster on CPU than autocast, which re-casts every weight in
-             every
+             are cast back into the copy. Faster on CPU than autocast, which re-casts every weight in every
              forward and keeps the casts for backward.
 In the low-precision modes attention runs in fp32 by default (`attention_fp32`): CPU bf16 attention backward
-is
-several times slower than fp32 at small widths, and fp32 softmax is more accurate anyway.
+is slower than fp32 at small widths, and fp32 softmax is more accurate anyway.
 """
 
 from __future__ import annotations

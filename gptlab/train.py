@@ -1,15 +1,12 @@
 """`gptlab train CONFIG.toml --data DATA_DIR --out RUN_DIR [--resume] [--key value ...]`: the training loop.
 
 One optimizer step, in order: for each of `grad_accum` micro-steps take this process's slice of the global
-batch,
-forward, backward (loss / grad_accum); move gradients to the fp32 master weights; clip the global norm; step;
-copy the masters back to the working weights. Evaluate, log and checkpoint between steps.
+batch, forward, backward (loss / grad_accum); move gradients to the fp32 master weights; clip the global norm;
+step; copy the masters back to the working weights. Evaluate, log and checkpoint between steps.
 
 Reproducibility: the global batch of step s is a pure function of (seed, s), so a resumed run, or one split
-over
-more processes or micro-steps, sees the same data. With fp32 and no compile, a run killed after a checkpoint
-and
-resumed ends with bit-identical weights (the torch RNG, used by dropout, is saved too).
+over more processes or micro-steps, sees the same data. With fp32 and no compile, a run killed after a
+checkpoint and resumed ends with bit-identical weights (the torch RNG, used by dropout, is saved too).
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ def global_batch(data: np.ndarray, seed: int, step: int, batch_size: int, block_
     [:, 1:].
 
     Offsets come from a generator seeded with (seed, step), so no RNG state needs saving and every process can
-    cut
-    its own rows out of the same global batch.
+    cut its own rows out of the same global batch.
     """
     rng = np.random.Generator(np.random.PCG64([seed, step]))
     starts = rng.integers(0, len(data) - block_size, size=batch_size)

@@ -1,10 +1,8 @@
 """`TrainConfig`: every knob of `gptlab train`, read from a flat TOML recipe and `--key value` overrides.
 
 A recipe names a model preset (`model = "speedrun-char"`) and may override any `GPTConfig` field at the top
-level
-(`n_layer = 4`); all other keys are training settings, the fields of `TrainConfig` below. Values are checked
-against
-the field's type, so a typo or a wrong type is a one-line error instead of a silent default.
+level (`n_layer = 4`); all other keys are training settings, the fields of `TrainConfig` below. Values are
+checked against the field's type, so a typo or a wrong type is a one-line error instead of a silent default.
 """
 
 from __future__ import annotations
@@ -50,6 +48,9 @@ class TrainConfig:
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_weight_decay: float = 0.0
+    # torch: torch.optim.AdamW(fused) + torch.optim.Muon; gptlab: the same updates (AdamW bit-identical) without
+    # torch.optim's ~1 s import of torch._dynamo, and Muon batched over same-shape matrices (faster, small models)
+    optimizer_impl: Literal["torch", "gptlab"] = "torch"
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     # --- evaluation, logging, checkpoints ---
     eval_interval: int = 0  # steps between validation passes; 0 = only at the end

@@ -11,6 +11,7 @@ import torch
 
 from gptlab import checkpoint as ckpt
 from gptlab.config import GPTConfig
+from gptlab.errors import GptlabError
 from gptlab.model import GPT
 from gptlab.optim import build_optimizers
 from gptlab.trainer_config import TrainConfig
@@ -21,9 +22,9 @@ def tiny_model(seed: int = 0) -> GPT:
     return GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=40))
 
 
-def trained(optimizer: str) -> tuple[GPT, list[torch.optim.Optimizer]]:
+def trained(optimizer: str, impl: str = "torch") -> tuple[GPT, list]:
     model = tiny_model()
-    opts = build_optimizers(model, TrainConfig(optimizer=optimizer))
+    opts = build_optimizers(model, TrainConfig(optimizer=optimizer, optimizer_impl=impl))
     x = torch.randint(0, 40, (4, 17))
     for _ in range(3):
         model(x[:, :-1], x[:, 1:])[1].backward()
@@ -33,12 +34,12 @@ def trained(optimizer: str) -> tuple[GPT, list[torch.optim.Optimizer]]:
     return model, opts
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_optimizer_state_round_trips(tmp_path: Path, optimizer: str) -> None:
-    model, opts = trained(optimizer)
+@pytest.mark.parametrize(("optimizer", "impl"), [("adamw", "torch"), ("muon", "torch"), ("muon", "gptlab")])
+def test_optimizer_state_round_trips(tmp_path: Path, optimizer: str, impl: str) -> None:
+    model, opts = trained(optimizer, impl)
     path = ckpt.save_training_checkpoint(tmp_path / "step-0000003", model, opts, {"step": 3})
     fresh = tiny_model(seed=1)
-    fresh_opts = build_optimizers(fresh, TrainConfig(optimizer=optimizer))
+    fresh_opts = build_optimizers(fresh, TrainConfig(optimizer=optimizer, optimizer_impl=impl))
     state = ckpt.load_training_checkpoint(path, fresh, fresh_opts)
     assert state == {"step": 3}
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
@@ -63,6 +64,10 @@ def test_checkpoint_files_are_safetensors_and_json_only(tmp_path: Path) -> None:
         "config.json", "model.safetensors", "optimizer.safetensors", "state.json"]
     state = json.loads((path / "state.json").read_text())
     assert [o["type"] for o in state["optimizers"]] == ["Muon", "AdamW"]
+    # the other implementation's state does not load silently
+    with pytest.raises(GptlabError, match="BatchedMuon"):
+        ckpt.load_training_checkpoint(path, tiny_model(), build_optimizers(tiny_model(), TrainConfig(
+            optimizer="muon", optimizer_impl="gptlab")))
     for f in path.iterdir():
         assert not f.read_bytes().startswith(b"\x80")  # no pickle protocol header
 
