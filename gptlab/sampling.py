@@ -157,15 +157,13 @@ def sample_next(
     Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token j with probability
     p_j, and lets each row draw its noise from its own generator, followed by one batched argmax.
     """
-    if all(sp.greedy and not sp.penalized for sp in params):  # the common fast path: no softmax, no sort
-        return logits.argmax(dim=-1).tolist()  # (exact in any dtype: casting to fp32 keeps the order)
-    logits = logits.float()
+    logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
     if any(sp.penalized for sp in params):
         col = lambda name: torch.tensor([getattr(sp, name) for sp in params])  # noqa: E731
         logits = apply_penalties(
             logits, counts, seen, col("repetition_penalty"), col("frequency_penalty"), col("presence_penalty")
         )
-    if all(sp.greedy for sp in params):
+    if all(sp.greedy for sp in params):  # the common fast path: no softmax, no sort
         return logits.argmax(dim=-1).tolist()
 
     temps = torch.tensor([sp.temperature or 1.0 for sp in params], dtype=logits.dtype)

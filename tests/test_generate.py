@@ -66,6 +66,14 @@ def test_model_generate_matches_nanogpt_shape_and_greedy():
         assert out[b, 3:].tolist() == reference_greedy(model, idx[b].tolist(), 20)
 
 
+def test_generate_turns_dropout_off_and_restores_the_mode():
+    model = tiny_model(dropout=0.5).train()
+    idx = torch.tensor([[1, 2, 3]])
+    first = model.generate(idx, 10, temperature=0)
+    assert model.training and torch.equal(first, model.generate(idx, 10, temperature=0))
+    assert first[0, 3:].tolist() == reference_greedy(model.eval(), [1, 2, 3], 10)
+
+
 def test_mixed_length_batch_equals_each_prompt_alone():
     model = tiny_model()
     prompts = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41, 42, 43], [9, 9]]
