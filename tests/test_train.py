@@ -29,6 +29,12 @@ from gptlab.trainer_config import build_train_config, parse_overrides
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _private_hardware_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
+    """The MFU probe measures under whatever else the test machine runs: keep it out of the user's cache."""
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "gptlab-cache"))
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_data(tmp_path_factory.mktemp("train_data"))
@@ -354,3 +360,22 @@ def test_gptlab_optimizers_match_torch_optim() -> None:
             for p, q in zip(ps, qs, strict=True):
                 torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
                 q.data.copy_(p.data)
+
+
+# --- distributed -----------------------------------------------------------------------------------------------------
+def test_torchrun_ddp_matches_one_process(tmp_path: Path, data: Path) -> None:
+    """2 processes (gloo) x 4 rows see the same global batches as 1 process x 2 micro-steps x 4 rows."""
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, log_interval=5)
+    ddp = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptlab.cli",
+           "train", str(recipe), "--data", str(data), "--out", str(ddp), "--quiet"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert train(recipe, data, tmp_path / "one", "--grad-accum", "2") == 0
+    (val_ddp,) = [r["val_loss"] for r in metrics(ddp) if "val_loss" in r]
+    (val_one,) = [r["val_loss"] for r in metrics(tmp_path / "one") if "val_loss" in r]
+    assert val_ddp == pytest.approx(val_one, abs=1e-4)
+    train_ddp = [r["train_loss"] for r in metrics(ddp) if "train_loss" in r]
+    train_one = [r["train_loss"] for r in metrics(tmp_path / "one") if "train_loss" in r]
+    assert train_ddp == pytest.approx(train_one, abs=1e-4)
+    assert len(list_step_checkpoints(ddp)) == 1  # rank 0 alone writes
