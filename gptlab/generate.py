@@ -171,7 +171,9 @@ class Engine:
         seed = params.seed
         if seed is None and not params.greedy:
             seed = int(torch.randint(0, 2**62, (1,)))  # from the global RNG: torch.manual_seed reproduces it
-        generator = None if seed is None else torch.Generator().manual_seed(row_seed(seed, sample_index))
+        generator = None
+        if seed is not None:  # on the model's device: the noise is drawn where the logits are
+            generator = torch.Generator(device=self.device).manual_seed(row_seed(seed, sample_index))
         text_state = None
         if self.tokenizer is not None:
             text_state = TextState(self.tokenizer, context_ids=ids, stop=params.stop)
@@ -262,12 +264,13 @@ class Engine:
         """Sample one token per row, record it, and finish / free the rows that are done."""
         counts = seen = None
         if self._counts is not None:
-            slots = torch.tensor([g.slot for g in gens])
+            slots = torch.tensor([g.slot for g in gens], device=self.device)
             counts, seen = self._counts[slots], self._seen[slots]
         new = sample_next(logits, [g.params for g in gens], [g.generator for g in gens], counts, seen)
         if self._counts is not None:
-            self._counts[slots, torch.tensor(new)] += 1
-            self._seen[slots, torch.tensor(new)] = True
+            new_ids = torch.tensor(new, device=self.device)
+            self._counts[slots, new_ids] += 1
+            self._seen[slots, new_ids] = True
         for g, tok in zip(gens, new, strict=True):
             g.token_ids.append(tok)
             stopped = tok in g.stop_ids
@@ -287,12 +290,12 @@ class Engine:
             return
         if self._counts is None:
             V = self.config.vocab_size
-            self._counts = torch.zeros(self.max_batch, V)
-            self._seen = torch.zeros(self.max_batch, V, dtype=torch.bool)
+            self._counts = torch.zeros(self.max_batch, V, device=self.device)
+            self._seen = torch.zeros(self.max_batch, V, dtype=torch.bool, device=self.device)
         for g in gens:
             self._counts[g.slot].zero_()
             self._seen[g.slot].zero_()
-            self._seen[g.slot, torch.tensor(g.prompt_ids)] = True
+            self._seen[g.slot, torch.tensor(g.prompt_ids, device=self.device)] = True
 
     # --- whole runs -----------------------------------------------------------------------------------------
     def run(self, gens: Sequence[Generation]) -> list[Generation]:

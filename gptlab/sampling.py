@@ -158,22 +158,23 @@ def sample_next(
     p_j, and lets each row draw its noise from its own generator, followed by one batched argmax.
     """
     logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
+    dev = logits.device
     if any(sp.penalized for sp in params):
-        col = lambda name: torch.tensor([getattr(sp, name) for sp in params])  # noqa: E731
+        col = lambda name: torch.tensor([getattr(sp, name) for sp in params], device=dev)  # noqa: E731
         logits = apply_penalties(
             logits, counts, seen, col("repetition_penalty"), col("frequency_penalty"), col("presence_penalty")
         )
     if all(sp.greedy for sp in params):  # the common fast path: no softmax, no sort
         return logits.argmax(dim=-1).tolist()
 
-    temps = torch.tensor([sp.temperature or 1.0 for sp in params], dtype=logits.dtype)
+    temps = torch.tensor([sp.temperature or 1.0 for sp in params], dtype=logits.dtype, device=dev)
     logits = logits / temps[:, None]
     if any(sp.top_k for sp in params):
-        logits = apply_top_k(logits, torch.tensor([sp.top_k or 0 for sp in params]))
+        logits = apply_top_k(logits, torch.tensor([sp.top_k or 0 for sp in params], device=dev))
     if any(sp.top_p is not None and sp.top_p < 1 for sp in params):
-        logits = apply_top_p(logits, torch.tensor([sp.top_p or 1.0 for sp in params]))
+        logits = apply_top_p(logits, torch.tensor([sp.top_p or 1.0 for sp in params], device=dev))
     if any(sp.min_p for sp in params):
-        logits = apply_min_p(logits, torch.tensor([sp.min_p or 0.0 for sp in params]))
+        logits = apply_min_p(logits, torch.tensor([sp.min_p or 0.0 for sp in params], device=dev))
     probs = logits.softmax(dim=-1)
     noise = torch.empty_like(probs)
     for i, (sp, g) in enumerate(zip(params, generators, strict=True)):
@@ -182,7 +183,7 @@ def sample_next(
         else:
             noise[i].exponential_(generator=g)
     sampled = (probs / noise).argmax(dim=-1)
-    greedy = torch.tensor([sp.greedy for sp in params])
+    greedy = torch.tensor([sp.greedy for sp in params], device=dev)
     if greedy.any():
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)  # temperature 0 rows in a mixed batch
     return sampled.tolist()

@@ -77,7 +77,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, bo
             messages=messages,
             add_generation_prompt=True,
             bos_token=token(getattr(tokenizer, "bos_id", None)),
-            eos_token=token(tokenizer.eot_id),
+            eos_token=token(getattr(tokenizer, "eot_id", None)),
         )
     except TemplateError as e:
         raise ApiError(
