@@ -38,6 +38,7 @@ import torch
 from gptlab.detokenize import TextState
 from gptlab.errors import GptlabError
 from gptlab.model import GPT, KVCache
+from gptlab.packed_linear import try_pack
 from gptlab.sampling import (  # noqa: F401 - re-exported: gptlab.generate is the one import for generation
     SamplingParams,
     apply_min_p,
@@ -49,6 +50,7 @@ from gptlab.sampling import (  # noqa: F401 - re-exported: gptlab.generate is th
 )
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
+PACK_MIN_TOKENS = 16  # one-shot helpers pack bf16 weights (gptlab.packed_linear) only when enough steps pay it
 
 
 class PromptTooLongError(GptlabError, ValueError):
@@ -108,6 +110,7 @@ class Engine:
         tokenizer: Any = None,
         max_len: int | None = None,
         cache_dtype: torch.dtype | None = None,
+        pack_weights: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -120,6 +123,11 @@ class Engine:
         self.slots: list[Generation | None] = [None] * max_batch
         self._counts: torch.Tensor | None = None  # (max_batch, V) output-token counts, made on first penalty
         self._seen: torch.Tensor | None = None  # (max_batch, V) tokens in prompt or output
+        # bf16 on CPU: oneDNN-packed copies of the Linear weights, swapped in for the engine's own forwards
+        self._packed = try_pack(model, max_batch) if pack_weights else None
+
+    def _kernels(self) -> contextlib.AbstractContextManager:
+        return self._packed.active() if self._packed is not None else contextlib.nullcontext()
 
     # --- bookkeeping ----------------------------------------------------------------------------------------
     @property
@@ -218,10 +226,11 @@ class Engine:
             idx[i, : len(p)] = torch.tensor(p)
         view = self.cache.rows(start, start + n)
         view.lengths.zero_()
-        h = self.model.hidden_states(idx.to(self.device), kv_cache=view)
         last = torch.tensor(lengths, device=self.device)
-        view.lengths.copy_(last)  # rewind each row past its padding
-        return self.model.logits(h[torch.arange(n, device=self.device), last - 1])
+        with self._kernels():
+            h = self.model.hidden_states(idx.to(self.device), kv_cache=view)
+            view.lengths.copy_(last)  # rewind each row past its padding
+            return self.model.logits(h[torch.arange(n, device=self.device), last - 1])
 
     # --- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -240,13 +249,15 @@ class Engine:
         view = self.cache.rows(0, hi)
         if idle:
             view.lengths[idle] = 0  # idle rows compute a throwaway token at position 0
-        h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
+        rows = torch.tensor([g.slot for g in running], device=self.device)
+        with self._kernels():
+            h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
+            logits = self.model.logits(h[rows, -1])
         if idle:
             view.lengths[idle] = 0
         for g in running:
             g.window.append(g.token_ids[-1])
-        rows = torch.tensor([g.slot for g in running], device=self.device)
-        self._accept(running, self.model.logits(h[rows, -1]))
+        self._accept(running, logits)
         return running
 
     def _slide(self, g: Generation) -> None:
@@ -346,7 +357,8 @@ def generate(
     """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each."""
     params = params or SamplingParams()
     engine = Engine(model, max_batch=max(1, len(prompts)), tokenizer=tokenizer,
-                    max_len=cache_length(prompts, params.max_new_tokens))
+                    max_len=cache_length(prompts, params.max_new_tokens),
+                    pack_weights=params.max_new_tokens >= PACK_MIN_TOKENS)
     gens = [
         engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt)
         for i, p in enumerate(prompts)
@@ -382,7 +394,8 @@ def generate_stream(
     """
     params = params or SamplingParams()
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens))
+    engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens),
+                    pack_weights=params.max_new_tokens >= PACK_MIN_TOKENS)
     gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt)
     with _eval_mode(model):
         engine.add([gen])

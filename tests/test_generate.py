@@ -111,6 +111,22 @@ def test_bf16_model_runs_and_returns_fp32_sampling():
     assert len(gen.token_ids) == 10
 
 
+def test_packed_bf16_linears_give_the_same_tokens_and_leave_the_model_alone():
+    from gptlab.packed_linear import packing_helps
+
+    model = tiny_model(bias=True).to(torch.bfloat16)
+    if not packing_helps(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this torch build has no oneDNN linear ops")
+    runs = {}
+    for pack in (True, False):
+        engine = Engine(model, max_batch=2, pack_weights=pack)
+        assert (engine._packed is not None) == pack
+        gens = [engine.prepare(p, SamplingParams(temperature=0, max_new_tokens=20)) for p in ([1, 2, 3], [4, 5])]
+        runs[pack] = [g.token_ids for g in engine.run(gens)]
+    assert runs[True] == runs[False]
+    assert all("forward" not in m.__dict__ for m in model.modules())  # the plain Linear.forward is back
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Sampling controls on hand-made logits
 # ---------------------------------------------------------------------------------------------------------
