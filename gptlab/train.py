@@ -146,11 +146,13 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same init on every process
         if cfg.init_from:
             model, _ = ckpt.load_model(cfg.init_from, device=self.device, prefer="best")
-            extra = set(cfg.model_overrides) - {"dropout"}
-            if extra:
-                raise GptlabError(
-                    f"with init_from only dropout may be overridden, not {', '.join(sorted(extra))}"
-                )
+            # the architecture comes from the checkpoint: recipe keys may only restate it (or set dropout)
+            clash = {k: v for k, v in cfg.model_overrides.items()
+                     if k != "dropout" and getattr(model.config, k) != v}
+            if clash:
+                key = sorted(clash)[0]
+                raise GptlabError(f"init_from {cfg.init_from} has {key}={getattr(model.config, key)!r}, the recipe "
+                                  f"says {clash[key]!r}: with init_from only dropout may change")
             if "dropout" in cfg.model_overrides:
                 model.config.dropout = cfg.model_overrides["dropout"]
                 for m in model.modules():
@@ -170,12 +172,6 @@ class Trainer:
         return model.train()
 
     def _wrap_distributed(self, net: torch.nn.Module) -> torch.nn.Module:
-        if self.cfg.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in net.transformer.h:
-                fully_shard(block)
-            return fully_shard(net)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(net, device_ids=[self.device] if self.device.startswith("cuda") else None)

@@ -69,7 +69,6 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto = cuda when available, else cpu
     threads: int | None = None  # torch intra-op threads; None = torch's default
-    fsdp: bool = False  # under torchrun: shard with FSDP2 (fully_shard) instead of DDP
     # GPTConfig overrides given in the recipe or on the command line (filled by `load_train_config`)
     model_overrides: dict[str, Any] = field(default_factory=dict)
 

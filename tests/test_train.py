@@ -379,3 +379,14 @@ def test_torchrun_ddp_matches_one_process(tmp_path: Path, data: Path) -> None:
     train_one = [r["train_loss"] for r in metrics(tmp_path / "one") if "train_loss" in r]
     assert train_ddp == pytest.approx(train_one, abs=1e-4)
     assert len(list_step_checkpoints(ddp)) == 1  # rank 0 alone writes
+
+
+def test_init_from_fine_tunes_a_previous_run(tmp_path: Path, data: Path, capsys) -> None:
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0)
+    assert train(recipe, data, tmp_path / "base") == 0
+    base_val = [r["val_loss"] for r in metrics(tmp_path / "base") if "val_loss" in r][-1]
+    assert train(recipe, data, tmp_path / "tuned", "--init-from", str(tmp_path / "base"), "--lr", "1e-3") == 0
+    rows = metrics(tmp_path / "tuned")
+    assert rows[0]["train_loss"] < base_val + 0.3  # starts from the trained weights, not from scratch (~4.1)
+    assert train(recipe, data, tmp_path / "bad", "--init-from", str(tmp_path / "base"), "--n-layer", "3") == 2
+    assert "only dropout may change" in capsys.readouterr().err
