@@ -34,7 +34,7 @@ def evaluate_loss(
     model: torch.nn.Module,
     data: np.ndarray,
     block_size: int,
-    batch_size: int = 64,
+    batch_size: int | None = None,
     max_tokens: int | None = None,
     device: str | torch.device = "cpu",
     autocast: contextlib.AbstractContextManager | None = None,
@@ -42,13 +42,16 @@ def evaluate_loss(
     """Mean loss of `model` over `data` (1-D token ids), scoring each target once; `max_tokens` scores a
     prefix.
 
-    `autocast` is an optional context (e.g. torch.autocast) to run the forward passes under.
+    `batch_size` windows go through the model at once (default: `default_batch_size`). `autocast` is an optional
+    context (e.g. torch.autocast) to run the forward passes under.
     """
     n_targets = len(data) - 1
     if max_tokens is not None:
         n_targets = min(n_targets, max_tokens)
     if n_targets < 1:
         raise GptlabError(f"cannot evaluate on {len(data)} token(s): need at least 2")
+    if batch_size is None:
+        batch_size = default_batch_size(block_size, getattr(getattr(model, "config", None), "vocab_size", 50257))
     was_training = model.training
     model.eval()
     T = block_size
@@ -70,6 +73,12 @@ def evaluate_loss(
             total += float(loss) * rest
     model.train(was_training)
     return EvalResult(loss=total / n_targets, tokens=n_targets)
+
+
+def default_batch_size(block_size: int, vocab_size: int) -> int:
+    """Windows per forward pass: about 64k tokens (few large passes are much faster than many small ones on a
+    CPU), fewer for big vocabularies so that the fp32 logits stay under about 512 MB."""
+    return max(1, min(65536, 2**27 // vocab_size) // block_size)
 
 
 def split_bytes(data_dir: str, split: str, data: np.ndarray) -> int | None:

@@ -140,15 +140,19 @@ class BatchedMuon(LeanOptimizer):
             updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
             if group["weight_decay"]:
                 torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-            by_shape: dict[tuple[int, ...], list[int]] = {}
+            # group by shape up to transposition: Newton-Schulz works on the wide orientation anyway, so a
+            # (4C, C) and a (C, 4C) matrix share one batched call
+            by_shape: dict[tuple[int, int], list[int]] = {}
             for i, p in enumerate(params):
-                by_shape.setdefault(tuple(p.shape), []).append(i)
-            for (rows, cols), idx in by_shape.items():
-                stack = torch.stack([updates[i] for i in idx])
-                ortho = newton_schulz(stack, group["ns_steps"], group["ns_coefficients"], group["eps"])
-                scale = -group["lr"] * math.sqrt(max(1.0, rows / cols))
-                ortho = ortho.to(params[idx[0]].dtype).unbind(0)
-                torch._foreach_add_([params[i] for i in idx], list(ortho), alpha=scale)
+                by_shape.setdefault((min(p.shape), max(p.shape)), []).append(i)
+            for idx in by_shape.values():
+                wide = torch.stack([updates[i].mT if updates[i].size(0) > updates[i].size(1) else updates[i]
+                                    for i in idx])
+                ortho = newton_schulz(wide, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                for i, o in zip(idx, ortho.unbind(0), strict=True):
+                    rows, cols = params[i].shape
+                    o = o.mT if rows > cols else o
+                    params[i].add_(o.to(params[i].dtype), alpha=-group["lr"] * math.sqrt(max(1.0, rows / cols)))
 
 
 def newton_schulz(g: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float) -> torch.Tensor:

@@ -29,10 +29,10 @@ from gptlab import checkpoint as ckpt
 from gptlab.errors import GptlabError
 from gptlab.optim import build_optimizers, lr_multiplier, set_lr
 from gptlab.precision import Precision
+from gptlab.runlog import METRICS_FILE, RunLog
 from gptlab.trainer_config import RESUMABLE_CHANGES, TrainConfig, load_train_config
 
 RESOLVED_CONFIG = "config.resolved.json"
-METRICS_FILE = "metrics.jsonl"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -299,6 +299,16 @@ class Trainer:
         dist.all_reduce(t)
         return float(t[0]) / self.world, int(t[1]) or None
 
+    def _agree_elapsed(self, elapsed: float) -> float:
+        """Under a time budget every process must stop at the same step: all take rank 0's clock."""
+        if self.world == 1 or self.cfg.max_time is None:
+            return elapsed
+        import torch.distributed as dist
+
+        t = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
+        dist.broadcast(t, src=0)
+        return float(t[0])
+
     def run(self) -> int:
         cfg = self.cfg
         if self.master:
@@ -318,8 +328,8 @@ class Trainer:
                 loss = self.train_step()
                 if not math.isfinite(loss):
                     return self._non_finite(loss)
-                self.elapsed += time.perf_counter() - t0
                 self._last_step_time = time.perf_counter() - t0
+                self.elapsed = self._agree_elapsed(self.elapsed + self._last_step_time)
                 if progress_bar is not None:
                     progress_bar.update(1)
                     progress_bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
@@ -443,58 +453,6 @@ class Trainer:
         from tqdm import tqdm
 
         return tqdm(total=self.cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
-
-
-class RunLog:
-    """metrics.jsonl (a JSON object per row), TensorBoard when installed, MFU against this machine's peak."""
-
-    def __init__(self, trainer: Trainer, enabled: bool) -> None:
-        self.enabled, self.quiet = enabled, trainer.quiet
-        self.file = open(trainer.run_dir / METRICS_FILE, "a") if enabled else None  # noqa: SIM115
-        self.tb = None
-        if enabled and trainer.cfg.tensorboard:
-            import importlib.util
-
-            if importlib.util.find_spec("tensorboard") is not None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(trainer.run_dir / "tensorboard"))
-        from gptlab.hardware import flops_per_token
-
-        cfg = trainer.model.config
-        self.flops_per_token = flops_per_token(
-            trainer.model.num_parameters(), cfg.n_layer, cfg.n_embd, cfg.block_size
-        )
-        self.device, self.world = trainer.device, trainer.world
-        self.dtype = torch.float32 if trainer.cfg.dtype == "float32" else torch.bfloat16
-        self._peak: float | None = None
-
-    def mfu(self, tokens_per_sec: float) -> float:
-        if self._peak is None:
-            from gptlab.hardware import peak_flops
-
-            self._peak = peak_flops(self.device, self.dtype) * self.world
-        return self.flops_per_token * tokens_per_sec / self._peak
-
-    def write(self, row: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for key, value in row.items():
-                if key != "step":
-                    self.tb.add_scalar(key, value, row["step"])
-
-    def say(self, text: str) -> None:
-        if self.enabled and not self.quiet:
-            print(text, file=sys.stderr)
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -55,7 +55,7 @@ class TrainConfig:
     # --- evaluation, logging, checkpoints ---
     eval_interval: int = 0  # steps between validation passes; 0 = only at the end
     eval_tokens: int | None = None  # None = the whole validation split
-    eval_batch_size: int = 64
+    eval_batch_size: int | None = None  # windows per forward pass; None = about 64k tokens
     log_interval: int = 10
     checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last: int = 2  # step checkpoints kept (checkpoints/best/ is kept besides)
@@ -274,7 +274,7 @@ def load_train_config(path: str | Path, extra: list[str] | None = None) -> Train
 
 def validate(cfg: TrainConfig) -> None:
     """One-line errors for values that have the right type but make no sense."""
-    positive = ("batch_size", "grad_accum", "max_steps", "eval_batch_size", "log_interval", "keep_last")
+    positive = ("batch_size", "grad_accum", "max_steps", "log_interval", "keep_last")
     for key in positive:
         if getattr(cfg, key) < 1:
             raise GptlabError(f"{key} must be at least 1, got {getattr(cfg, key)}")
@@ -293,6 +293,8 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError(f"min_lr is a fraction of the peak learning rate: expected 0..1, got {cfg.min_lr}")
     if not 0.0 <= cfg.decay_fraction <= 1.0:
         raise GptlabError(f"decay_fraction must be in [0, 1], got {cfg.decay_fraction}")
+    if cfg.eval_batch_size is not None and cfg.eval_batch_size < 1:
+        raise GptlabError(f"eval_batch_size must be at least 1, got {cfg.eval_batch_size}")
     if cfg.max_time is not None and cfg.max_time <= 0:
         raise GptlabError(f"max_time must be positive seconds, got {cfg.max_time}")
     if cfg.batch_size % cfg.grad_accum:
