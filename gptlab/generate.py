@@ -50,7 +50,7 @@ from gptlab.sampling import (  # noqa: F401 - re-exported: gptlab.generate is th
 )
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
-PACK_MIN_TOKENS = 16  # one-shot helpers pack bf16 weights (gptlab.packed_linear) only when enough steps pay it
+PACK_MIN_TOKENS = 16  # one-shot helpers re-lay weights (gptlab.packed_linear) only when enough steps pay it
 
 
 class PromptTooLongError(GptlabError, ValueError):
@@ -123,7 +123,7 @@ class Engine:
         self.slots: list[Generation | None] = [None] * max_batch
         self._counts: torch.Tensor | None = None  # (max_batch, V) output-token counts, made on first penalty
         self._seen: torch.Tensor | None = None  # (max_batch, V) tokens in prompt or output
-        # bf16 on CPU: oneDNN-packed copies of the Linear weights, swapped in for the engine's own forwards
+        # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards
         self._packed = try_pack(model, max_batch) if pack_weights else None
 
     def _kernels(self) -> contextlib.AbstractContextManager:

@@ -111,11 +111,12 @@ def test_bf16_model_runs_and_returns_fp32_sampling():
     assert len(gen.token_ids) == 10
 
 
-def test_packed_bf16_linears_give_the_same_tokens_and_leave_the_model_alone():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linears_give_the_same_tokens_and_leave_the_model_alone(dtype):
     from gptlab.packed_linear import packing_helps
 
-    model = tiny_model(bias=True).to(torch.bfloat16)
-    if not packing_helps(torch.device("cpu"), torch.bfloat16):
+    model = tiny_model(bias=True).to(dtype)
+    if not packing_helps(torch.device("cpu"), dtype):
         pytest.skip("this torch build has no oneDNN linear ops")
     runs = {}
     for pack in (True, False):
