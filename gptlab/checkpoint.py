@@ -5,10 +5,21 @@ A checkpoint is a directory:
     model.safetensors   the weights (tied weights stored once, no `_orig_mod.` prefixes)
     config.json         the GPTConfig
     tokenizer files     whatever `Tokenizer.save` writes (optional)
-    ...                 the trainer adds optimizer.safetensors and state.json
+    optimizer.safetensors  (training checkpoints) every optimizer's state tensors, flat: `opt{i}.{param}.{name}`
+    state.json          (training checkpoints) step, elapsed_sec, best_val_loss, tokens_seen, the torch RNG
+                        states (base64), config + config_hash, data_dir, and each optimizer's type, param groups
+                        (hyper-parameters, peak_lr) and non-tensor state
 
-A run directory holds `checkpoints/step-NNNNNNN/` directories and optionally `checkpoints/best/`.
-`resolve_checkpoint` turns a run, a checkpoint or a Hugging Face directory into something loadable.
+A run directory (`gptlab train --out`) holds:
+
+    config.resolved.json          the training config, the model config, data dir, world size, device
+    metrics.jsonl                 one JSON object per logged step (train_loss, lr, tokens_per_sec, mfu, val_loss)
+    checkpoints/step-NNNNNNN/     the last `keep_last` training checkpoints
+    checkpoints/best/             the best validation loss so far: weights, config, tokenizer, state.json
+
+`resolve_checkpoint` turns a run, a checkpoint or a Hugging Face directory into something loadable. Writes go
+through a temporary directory renamed into place, so a crash leaves the previous checkpoint intact and readers
+never see a partial one (temporary `.step-*.tmp-*` directories are skipped and pruned).
 """
 
 from __future__ import annotations

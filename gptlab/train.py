@@ -295,9 +295,11 @@ class Trainer:
             return float(loss_sum), stop
         import torch.distributed as dist
 
-        t = torch.stack([loss_sum.float(), torch.tensor(float(stop or 0), device=self.device)])
+        t = torch.stack([loss_sum.float(), torch.tensor(1.0 if stop else 0.0, device=self.device)])
         dist.all_reduce(t)
-        return float(t[0]) / self.world, int(t[1]) or None
+        if t[1] > 0 and stop is None:  # another process got the signal (torchrun forwards it to all)
+            stop = signal.SIGTERM
+        return float(t[0]) / self.world, stop
 
     def _agree_elapsed(self, elapsed: float) -> float:
         """Under a time budget every process must stop at the same step: all take rank 0's clock."""
