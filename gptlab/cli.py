@@ -86,23 +86,93 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_prepare)
 
     # --- train --------------------------------------------------------------------------------------------------
-    p = sub.add_parser("train", help="train a model from a TOML recipe")
-    p.set_defaults(func=_cmd_train)
+    p = sub.add_parser(
+        "train", help="train a model from a TOML recipe",
+        description="Train from a TOML recipe (configs/*.toml). Any recipe key can be overridden on the command "
+        "line as --key value (dashes or underscores), e.g. --max-steps 500 --lr 3e-3 --dtype bfloat16.",
+    )
+    p.add_argument("config", metavar="CONFIG.toml", help="the recipe")
+    p.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory written by `gptlab prepare`")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="where checkpoints and metrics.jsonl go")
+    p.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or messages")
+    p.set_defaults(func=_cmd_train, accepts_extra=True)
 
     # --- sample -------------------------------------------------------------------------------------------------
-    p = sub.add_parser("sample", help="generate text from a run or checkpoint")
+    p = sub.add_parser(
+        "sample", help="generate text from a run or checkpoint",
+        description="Stream continuations of a prompt (echoed first; samples separated by dashes). Defaults as "
+        "nanoGPT: prompt \"\\n\", 500 tokens, temperature 0.8, top-k 200. An empty prompt starts from the "
+        "end-of-text token. Generation stops at --max-new-tokens or end-of-text.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
+                   help="a run (its best checkpoint), a checkpoint or a Hugging Face directory")
+    p.add_argument("--prompt", default="\n", help='text to continue (default "\\n"; "" starts from end-of-text)')
+    p.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (overrides --prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=500, help="tokens to generate per sample (default 500)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all (default 200)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: keep the top tokens with probability mass P")
+    p.add_argument("--min-p", type=float, help="keep tokens with probability >= MIN_P x the top one's")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (HF-style)")
+    p.add_argument("--seed", type=int, help="same seed, same samples")
+    p.add_argument("--num-samples", type=int, default=1, help="samples to draw, one after another (default 1)")
+    p.add_argument("--truncate-prompt", action="store_true",
+                   help="drop the start of a prompt longer than the context instead of failing")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights' dtype (default float32; bfloat16 is about 2x faster on recent CPUs)")
     p.set_defaults(func=_cmd_sample)
 
     # --- eval ---------------------------------------------------------------------------------------------------
-    p = sub.add_parser("eval", help="score a model on a validation split")
+    p = sub.add_parser(
+        "eval", help="score a model on a validation split",
+        description="Loss, perplexity and bits per byte over a whole split: non-overlapping windows of block_size, "
+        "every target token scored once.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="a run (its best checkpoint), a checkpoint or "
+                   "a Hugging Face directory")
+    p.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory written by `gptlab prepare`")
+    p.add_argument("--split", default="val", choices=["train", "val"])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--block-size", type=int, help="window length (default: the model's block_size)")
+    p.add_argument("--batch-size", type=int, help="windows per forward pass (default: about 64k tokens)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.set_defaults(func=_cmd_eval)
 
     # --- convert ------------------------------------------------------------------------------------------------
-    p = sub.add_parser("convert", help="convert between gptlab checkpoints and Hugging Face directories")
+    p = sub.add_parser(
+        "convert", help="convert between gptlab checkpoints and Hugging Face directories",
+        description="A Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM, GPTNeoXForCausalLM) "
+        "becomes a gptlab checkpoint; a gptlab checkpoint or run becomes a Hugging Face directory. The "
+        "tokenizer comes along when SRC has one. DST is replaced atomically.",
+    )
+    p.add_argument("src", metavar="SRC", help="a Hugging Face model directory, a gptlab checkpoint or a run")
+    p.add_argument("dst", metavar="DST", help="the directory to write")
+    p.add_argument("--to", choices=["hf", "gptlab"], help="output format (default: the one SRC is not in)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the weights (default: keep theirs)")
     p.set_defaults(func=_cmd_convert)
 
     # --- serve --------------------------------------------------------------------------------------------------
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server: POST /v1/completions, /v1/chat/completions, GET /v1/models, "
+        "/health. Concurrent requests share decoding steps (continuous batching over --max-batch rows).",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT_OR_HF_DIR",
+                   help="a run (its best checkpoint), a checkpoint or a Hugging Face directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: env GPTLAB_API_KEY, else none)")
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="generations allowed to wait for a row; more are answered 429 (default 64)")
+    p.add_argument("--model-name", help="the model id clients use (default: the checkpoint directory's name)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights' dtype (default float32; bfloat16 is about 2x faster on recent CPUs)")
     p.set_defaults(func=_cmd_serve)
 
     return parser

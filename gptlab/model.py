@@ -7,6 +7,7 @@ hs head size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 
@@ -50,6 +51,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Attention
 # ---------------------------------------------------------------------------------------------------------------------
 class CausalSelfAttention(nn.Module):
+    # Trainers may set this (GPT.set_attention_dtype) to compute q/k/v, qk-norm, RoPE and attention in another
+    # dtype than the surrounding matmuls: fp32 attention under bf16 is faster on CPUs, whose bf16 attention backward
+    # is slow. None: the dtype the projections produce.
+    attention_dtype: torch.dtype | None = None
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -64,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
-        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        cache: tuple | None,
         manual: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = x.shape
@@ -73,6 +79,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        out_dtype = q.dtype
+        if self.attention_dtype is not None and self.attention_dtype != out_dtype:
+            q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
         if self.config.qk_norm:
             q = F.rms_norm(q, (hs,), eps=self.config.norm_eps)
             k = F.rms_norm(k, (hs,), eps=self.config.norm_eps)
@@ -80,23 +89,31 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             # write the new keys/values at each row's positions, then attend over everything cached so far
-            k_buf, v_buf, index = cache  # bufs (B, nkv, max_len, hs); index (B, 1, T, 1) positions
-            index = index.expand(B, self.n_kv_head, T, hs)
-            k_buf.scatter_(2, index, k.to(k_buf.dtype))
-            v_buf.scatter_(2, index, v.to(v_buf.dtype))
-            end = mask.shape[-1]
-            k, v = k_buf[:, :, :end].to(q.dtype), v_buf[:, :, :end].to(q.dtype)  # (B, nkv, T_k, hs)
+            k_buf, v_buf, where, end = cache  # bufs (B, nkv, max_len, hs); see GPT.hidden_states for `where`
+            if isinstance(where, int):  # every row writes at the same positions: a plain slice copy
+                k_buf[:, :, where : where + T] = k
+                v_buf[:, :, where : where + T] = v
+            else:  # row b writes at its positions pos[b] (index_put: bf16 scatter_ copies the whole buffer)
+                rows, pos = where  # (B, 1), (B, T)
+                k_buf[rows, :, pos] = k.transpose(1, 2).to(k_buf.dtype)  # indexed view is (B, T, nkv, hs)
+                v_buf[rows, :, pos] = v.transpose(1, 2).to(v_buf.dtype)
+            # attend in the wider of the two dtypes: a float32 cache under bf16 weights gives float32 attention
+            dtype = torch.promote_types(q.dtype, k_buf.dtype)
+            q, k, v = q.to(dtype), k_buf[:, :, :end].to(dtype), v_buf[:, :, :end].to(dtype)  # (B, nkv, T_k, hs)
 
         dropout_p = self.config.dropout if self.training else 0.0
-        if manual:
-            y, weights = self._manual_attention(q, k, v, mask, dropout_p)
-        else:
-            weights = None
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                enable_gqa=self.n_kv_head != self.n_head,
-            )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        # autocast would cast SDPA's inputs back to its low-precision dtype: switch it off for an explicit dtype
+        no_autocast = self.attention_dtype is not None and torch.is_autocast_enabled(x.device.type)
+        with torch.autocast(x.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
+            if manual:
+                y, weights = self._manual_attention(q, k, v, mask, dropout_p)
+            else:
+                weights = None
+                y = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1,
+                    enable_gqa=self.n_kv_head != self.n_head,
+                )  # (B, nh, T, hs)
+        y = y.to(out_dtype).transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y)), weights
 
     def _manual_attention(
@@ -200,6 +217,17 @@ class KVCache:
     def reset(self) -> None:
         self.lengths.zero_()
 
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows start..stop-1 as a cache of their own that shares this one's storage (no copy).
+
+        A forward through it reads and writes those rows only, e.g. to prefill a new request's row while other
+        rows are mid-generation."""
+        view = object.__new__(KVCache)
+        view.max_len = self.max_len
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.lengths = self.lengths[start:stop]  # a view: the forward's in-place `+=` updates this cache too
+        return view
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The model
@@ -287,14 +315,24 @@ class GPT(nn.Module):
             mask = None  # plain causal attention
             caches = [None] * cfg.n_layer
         else:
-            pos = kv_cache.lengths[:, None] + torch.arange(T, device=device)  # (B, T): each row's own positions
-            end = int(kv_cache.lengths.max()) + T
+            lo, hi = (int(n) for n in torch.aminmax(kv_cache.lengths))
+            end = hi + T
             if end > kv_cache.max_len:
                 raise ValueError(f"the KV cache holds {kv_cache.max_len} tokens per row; this step needs {end}")
-            # query at position p sees cached keys at positions <= p (stale entries past a row's end never qualify)
-            mask = torch.arange(end, device=device)[None, None, None, :] <= pos[:, None, :, None]  # (B, 1, T, end)
-            index = pos[:, None, :, None]  # (B, 1, T, 1)
-            caches = [(kv_cache.k[i], kv_cache.v[i], index) for i in range(cfg.n_layer)]
+            if lo == hi:  # fast path: every row at the same length shares positions, and writes are slices
+                pos = torch.arange(lo, end, device=device)[None]  # (1, T)
+                where = lo
+            else:
+                pos = kv_cache.lengths[:, None] + torch.arange(T, device=device)  # (B, T): each row's own
+                where = (torch.arange(B, device=device)[:, None], pos)
+            # query at position p sees cached keys at positions <= p (stale entries past a row's end never
+            # qualify). No mask is needed when rows share a length and either one token is added (it sees
+            # every key) or the cache was empty (plain causal).
+            mask = None
+            if lo != hi or (T > 1 and lo > 0):
+                keys = torch.arange(end, device=device)
+                mask = keys[None, None, None, :] <= pos[:, None, :, None]  # (B or 1, 1, T, end)
+            caches = [(kv_cache.k[i], kv_cache.v[i], where, end) for i in range(cfg.n_layer)]
 
         x = self.transformer.wte(idx)  # (B, T, C)
         if cfg.position == "learned":
@@ -303,7 +341,7 @@ class GPT(nn.Module):
         rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
 
         attentions = []
-        for block, cache in zip(self.transformer.h, caches):
+        for block, cache in zip(self.transformer.h, caches, strict=True):
             x, weights = block(x, rope, mask, cache, manual)
             attentions.append(weights)
         x = self.transformer.ln_f(x)
@@ -364,6 +402,11 @@ class GPT(nn.Module):
         (decay if decay_embeddings else no_decay).extend(p for _, p in kinds["embedding"] + kinds["head"])
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
+    def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
+        """Compute attention (and qk-norm, RoPE) in `dtype` whatever the weights' or autocast's dtype; None resets."""
+        for block in self.transformer.h:
+            block.attn.attention_dtype = dtype
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         kinds = self.parameter_groups_by_kind()
         skip = {"embedding"} if exclude_embeddings else set()
@@ -371,6 +414,44 @@ class GPT(nn.Module):
 
     def iter_blocks(self) -> Iterator[Block]:
         return iter(self.transformer.h)
+
+    # --- Hugging Face interop (gptlab.interop does the work; imported lazily, as it imports this module) ---
+    @classmethod
+    def from_hf(
+        cls, path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
+    ) -> GPT:
+        """Load a local Hugging Face directory (GPT-2, Llama, GPT-NeoX); see `gptlab.interop.from_hf`."""
+        from gptlab.interop import from_hf
+
+        return from_hf(path, device=device, dtype=dtype)
+
+    def save_hf(self, path: str) -> None:
+        """Write a directory transformers loads; see `gptlab.interop.save_hf`."""
+        from gptlab.interop import save_hf
+
+        save_hf(self, path)
+
+    # --- generation (gptlab.generate does the work; imported lazily, as it imports this module) ----------
+    @torch.no_grad()  # not inference_mode: the returned tensor may be used in autograd later (e.g. as data)
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        **controls,  # noqa: ANN003 - min_p, penalties, seed, stop_token_ids, pad_id, truncate_prompt
+    ) -> torch.Tensor:
+        """Continue idx (B, T) by max_new_tokens tokens: (B, T + max_new_tokens), KV-cached and batched.
+
+        temperature 0 is greedy. Other controls (min_p, repetition_penalty, frequency_penalty,
+        presence_penalty, seed, stop_token_ids, pad_id, truncate_prompt) are those of
+        `gptlab.generate.SamplingParams` / `generate_tensor`. A prompt of block_size tokens or more raises
+        ValueError unless truncate_prompt=True.
+        """
+        from gptlab.generate import generate_tensor
+
+        return generate_tensor(self, idx, max_new_tokens, temperature, top_k, top_p, **controls)
 
 
 def parameter_breakdown(config: GPTConfig) -> dict[str, int]:
