@@ -216,6 +216,16 @@ async def _stream(
             server.scheduler.cancel(job)
 
 
+def _event_stream(server, job, prompts, chunk, req, request) -> StreamingResponse:  # noqa: ANN001
+    """The server-sent-event answer shared by completions and chat (chunks shaped by `chunk`)."""
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(
+        _stream(server, job, prompts, chunk, usage, request),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
 def create_app(
     model: Any,
     tokenizer: Any,
@@ -305,12 +315,7 @@ def create_app(
             }
 
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                _stream(server, job, prompts, chunk, usage, request),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return _event_stream(server, job, prompts, chunk, req, request)
         await _wait(server, job)
         choices = [
             {"index": i, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}
@@ -345,12 +350,7 @@ def create_app(
             }
 
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                _stream(server, job, prompts, chunk, usage, request),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return _event_stream(server, job, prompts, chunk, req, request)
         await _wait(server, job)
         choices = [
             {
