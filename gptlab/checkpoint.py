@@ -144,19 +144,28 @@ def save_model(path: str | Path, model: torch.nn.Module, tokenizer: Any = None) 
     return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer))
 
 
+def with_tied_head(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """A saved tied matrix is stored once; `load_state_dict` wants it under the head's name too."""
+    if config.tie_embeddings:
+        state.setdefault("lm_head.weight", state["transformer.wte.weight"])
+    return state
+
+
+def assign_weights(model: GPT, state: dict[str, torch.Tensor]) -> GPT:
+    """Make `state`'s tensors the parameters of a GPT built on the meta device (no init, no copy)."""
+    model.load_state_dict(with_tied_head(state, model.config), strict=True, assign=True)
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the shared Parameter: re-tie
+    return model.eval()
+
+
 def load_gptlab_model(
     directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> GPT:
     config = GPTConfig.load(directory / CONFIG_FILE)
     with torch.device("meta"):
         model = GPT(config)
-    state = load_file(str(directory / MODEL_FILE), device=str(device))
-    if config.tie_embeddings:
-        state.setdefault("lm_head.weight", state["transformer.wte.weight"])
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_embeddings:
-        # assign=True replaced the shared Parameter: re-tie
-        model.lm_head.weight = model.transformer.wte.weight
+    assign_weights(model, load_file(str(directory / MODEL_FILE), device=str(device)))
     model.to(device=device, dtype=dtype)
     return model.eval()
 
@@ -322,9 +331,7 @@ def load_training_checkpoint(
     """Load weights into `model` and state into `optimizers`, in place; returns state.json's trainer state."""
     directory = Path(directory)
     plain = unwrap_model(model)
-    weights = load_file(str(directory / MODEL_FILE))
-    if getattr(plain, "config", None) is not None and plain.config.tie_embeddings:
-        weights.setdefault("lm_head.weight", weights["transformer.wte.weight"])
+    weights = with_tied_head(load_file(str(directory / MODEL_FILE)), plain.config)
     with torch.no_grad():
         plain.load_state_dict(
             weights, strict=True

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from gptlab.checkpoint import assign_weights, atomic_write_dir, model_state_dict, unwrap_model
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.interop import gpt2, llama, neox
@@ -128,12 +129,9 @@ def from_hf(
             raise GptlabError(f"{directory}: weight for {name} has shape {tuple(t.shape)} but config.json "
                               f"implies {expected[name]}")
         state[name] = t.to(device=device, dtype=dtype)
-    if config.tie_embeddings:
+    if config.tie_embeddings:  # the embedding matrix is the head, whatever the file says under the head's name
         state["lm_head.weight"] = state["transformer.wte.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.transformer.wte.weight  # assign=True broke the sharing: re-tie
-    return model.eval()
+    return assign_weights(model, state)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -151,7 +149,6 @@ def save_hf(model: torch.nn.Module, path: str | Path, tokenizer: Any = None) -> 
     `transformers.AutoModelForCausalLM.from_pretrained` loads. With a tokenizer, its files go in too (see
     `write_tokenizer`). Raises GptlabError naming the switch when the config has no Hugging Face
     equivalent."""
-    from gptlab.checkpoint import atomic_write_dir, model_state_dict, unwrap_model
 
     plain = unwrap_model(model)
     config: GPTConfig = plain.config
