@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="val", choices=["train", "val"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--block-size", type=int, help="window length (default: the model's block_size)")
-    p.add_argument("--batch-size", type=int, help="windows per forward pass (default: about 64k tokens)")
+    p.add_argument("--batch-size", type=int, help="windows per forward pass (default: ~4k tokens on CPU, ~64k on GPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.set_defaults(func=_cmd_eval)

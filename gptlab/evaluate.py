@@ -51,7 +51,8 @@ def evaluate_loss(
     if n_targets < 1:
         raise GptlabError(f"cannot evaluate on {len(data)} token(s): need at least 2")
     if batch_size is None:
-        batch_size = default_batch_size(block_size, getattr(getattr(model, "config", None), "vocab_size", 50257))
+        vocab_size = getattr(getattr(model, "config", None), "vocab_size", 50257)
+        batch_size = default_batch_size(block_size, vocab_size, torch.device(device).type)
     was_training = model.training
     model.eval()
     T = block_size
@@ -75,10 +76,11 @@ def evaluate_loss(
     return EvalResult(loss=total / n_targets, tokens=n_targets)
 
 
-def default_batch_size(block_size: int, vocab_size: int) -> int:
-    """Windows per forward pass: about 64k tokens (few large passes are much faster than many small ones on a
-    CPU), fewer for big vocabularies so that the fp32 logits stay under about 512 MB."""
-    return max(1, min(65536, 2**27 // vocab_size) // block_size)
+def default_batch_size(block_size: int, vocab_size: int, device_type: str = "cpu") -> int:
+    """Windows per forward pass: about 4k tokens on a CPU (activations stay in cache: twice as fast as 64k for the
+    speedrun model), 64k on an accelerator; fewer for big vocabularies so that the fp32 logits stay under 512 MB."""
+    tokens = 4096 if device_type == "cpu" else 65536
+    return max(1, min(tokens, 2**27 // vocab_size) // block_size)
 
 
 def split_bytes(data_dir: str, split: str, data: np.ndarray) -> int | None:

@@ -55,7 +55,7 @@ class TrainConfig:
     # --- evaluation, logging, checkpoints ---
     eval_interval: int = 0  # steps between validation passes; 0 = only at the end
     eval_tokens: int | None = None  # None = the whole validation split
-    eval_batch_size: int | None = None  # windows per forward pass; None = about 64k tokens
+    eval_batch_size: int | None = None  # windows per forward pass; None = about 4k tokens on CPU, 64k on GPU
     log_interval: int = 10
     checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last: int = 2  # step checkpoints kept (checkpoints/best/ is kept besides)
