@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="generations allowed to wait for a row; more are answered 429 (default 64)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step, between other rows' decoding steps, so a long prompt "
+                   "does not stall them (default 256; 0: whole prompts at once)")
     p.add_argument("--model-name", help="the model id clients use (default: the checkpoint directory's name)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

@@ -9,6 +9,8 @@ The pieces, top to bottom:
   (right-padded when their lengths differ, each row then rewound to its own length) and samples each row's
   first token; `step` feeds every running row its last token and samples the next. Rows finish on their own
   ("stop" or "length") and free their slot, so new requests can join between steps (continuous batching).
+  With `prefill_chunk`, a longer prompt is prefilled that many tokens per step, alongside the other rows'
+  decoding, so one long prompt does not stall everybody else for a whole prefill (chunked prefill).
 * `Generation`: the state of one row: prompt, tokens so far, finish reason, and (with a tokenizer) its text.
   Text is decoded incrementally (`gptlab.detokenize`): streamed deltas never split a UTF-8 character and never
   show the beginning of a stop string that may still complete.
@@ -41,12 +43,14 @@ from gptlab.model import GPT, KVCache
 from gptlab.packed_linear import try_pack
 from gptlab.sampling import (  # noqa: F401 - re-exported: gptlab.generate is the one import for generation
     SamplingParams,
+    TokenLogprob,
     apply_min_p,
     apply_penalties,
     apply_top_k,
     apply_top_p,
     row_seed,
     sample_next,
+    token_logprobs,
 )
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
@@ -74,6 +78,9 @@ class Generation:
     slot: int = -1
     truncated: int = 0  # prompt tokens dropped from the left by truncate_prompt
     window: list[int] = field(default_factory=list)  # the tokens the row's cache holds (sliding window)
+    pending: list[int] = field(default_factory=list)  # prompt tokens not prefilled yet (chunked prefill)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
 
     @property
     def finished(self) -> bool:
@@ -111,9 +118,13 @@ class Engine:
         max_len: int | None = None,
         cache_dtype: torch.dtype | None = None,
         pack_weights: bool = True,
+        prefill_chunk: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -208,9 +219,41 @@ class Engine:
             g.slot = start + i
             self.slots[g.slot] = g
             g.window = list(g.prompt_ids)
+            g.prompt_logprobs = [None] if g.params.prompt_logprobs else []
         self._reset_penalty_rows(gens)
-        logits = self._prefill(start, [g.prompt_ids for g in gens])
+        if self.prefill_chunk is not None and any(len(g.prompt_ids) > self.prefill_chunk for g in gens):
+            for g in gens:  # each row on its own: its first chunk now, the rest over the next steps
+                self.cache.lengths[g.slot] = 0  # whatever the slot's previous user left
+                self._prefill_part(g, g.prompt_ids)
+            return
+        logits, hidden = self._prefill(start, [g.prompt_ids for g in gens])
+        for i, g in enumerate(gens):
+            self._score_prompt(g, hidden[i], 0)
         self._accept(gens, logits)
+
+    def _prefill_part(self, g: Generation, tokens: list[int]) -> None:
+        """Append up to prefill_chunk of `tokens` to g's row; the rest waits (g.pending) for the next steps.
+        When the prompt is complete, sample the row's first token."""
+        chunk = self.prefill_chunk or len(tokens)
+        part, g.pending = tokens[:chunk], tokens[chunk:]
+        done = len(g.prompt_ids) - len(g.pending) - len(part)  # prompt tokens already in the cache
+        view = self.cache.rows(g.slot, g.slot + 1)
+        with self._kernels():
+            hidden = self.model.hidden_states(torch.tensor([part], device=self.device), kv_cache=view)[0]
+            self._score_prompt(g, hidden, done)
+            if not g.pending:
+                self._accept([g], self.model.logits(hidden[-1:]))
+
+    def _score_prompt(self, g: Generation, hidden: torch.Tensor, start: int) -> None:
+        """With params.prompt_logprobs: score the prompt tokens that hidden states (T, C) of prompt positions
+        start.. predict (position t's logits score prompt token t + 1)."""
+        if not g.params.prompt_logprobs:
+            return
+        targets = g.prompt_ids[start + 1 : start + 1 + hidden.shape[0]]
+        if targets:
+            ids = torch.tensor(targets, device=self.device)
+            logits = self.model.logits(hidden[: len(targets)])
+            g.prompt_logprobs.extend(token_logprobs(logits, ids, g.params.logprobs or 0))
 
     def _done_before_start(self, g: Generation) -> bool:
         if g.params.max_new_tokens == 0:
@@ -218,8 +261,9 @@ class Engine:
             return True
         return False
 
-    def _prefill(self, start: int, prompts: list[list[int]]) -> torch.Tensor:
-        """Run right-padded prompts through rows start.. of the cache; the logits at each last token."""
+    def _prefill(self, start: int, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run right-padded prompts through rows start.. of the cache: the logits at each last token, and the
+        hidden states (n, T, C) of every position."""
         n, lengths = len(prompts), [len(p) for p in prompts]
         idx = torch.zeros(n, max(lengths), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -230,19 +274,26 @@ class Engine:
         with self._kernels():
             h = self.model.hidden_states(idx.to(self.device), kv_cache=view)
             view.lengths.copy_(last)  # rewind each row past its padding
-            return self.model.logits(h[torch.arange(n, device=self.device), last - 1])
+            return self.model.logits(h[torch.arange(n, device=self.device), last - 1]), h
 
     # --- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Generation]:
-        """Feed every running row its newest token and sample the next; returns the rows that advanced."""
-        running = self.running
-        if not running:
-            return []
+        """Feed every running row its newest token and sample the next, and give each row still prefilling its
+        next prompt chunk; returns the rows that got a token."""
+        prefilling = [g for g in self.running if g.pending]
+        running = [g for g in self.running if not g.pending]
+        if running:
+            self._decode(running, prefilling)
+        for g in prefilling:  # one more chunk of each long prompt; the last one samples its first token
+            self._prefill_part(g, g.pending)
+        return running + [g for g in prefilling if g.token_ids]
+
+    def _decode(self, running: list[Generation], prefilling: list[Generation]) -> None:
         for g in running:
             if len(g.window) >= self.max_len:  # the window is what the row's cache holds
                 self._slide(g)
-        hi = max(g.slot for g in running) + 1  # rows past the last busy one are left out of the batch
+        hi = max(g.slot for g in running + prefilling) + 1  # rows past the last busy one are left out
         idle = [i for i in range(hi) if self.slots[i] is None]
         tokens = torch.zeros(hi, 1, dtype=torch.long)
         tokens[[g.slot for g in running], 0] = torch.tensor([g.token_ids[-1] for g in running])
@@ -255,10 +306,11 @@ class Engine:
             logits = self.model.logits(h[rows, -1])
         if idle:
             view.lengths[idle] = 0
+        for g in prefilling:  # their throwaway token sits where their next chunk will be written
+            view.lengths[g.slot] -= 1
         for g in running:
             g.window.append(g.token_ids[-1])
         self._accept(running, logits)
-        return running
 
     def _slide(self, g: Generation) -> None:
         """A row whose cache is full keeps its last max_len // 2 tokens, prefilled again from position 0.
@@ -278,6 +330,14 @@ class Engine:
             slots = torch.tensor([g.slot for g in gens], device=self.device)
             counts, seen = self._counts[slots], self._seen[slots]
         new = sample_next(logits, [g.params for g in gens], [g.generator for g in gens], counts, seen)
+        scored = [i for i, g in enumerate(gens) if g.params.logprobs is not None]
+        if scored:
+            n_top = max(gens[i].params.logprobs for i in scored)
+            rows = torch.tensor(scored, device=self.device)
+            entries = token_logprobs(logits[rows], torch.tensor([new[i] for i in scored]), n_top)
+            for i, entry in zip(scored, entries, strict=True):
+                k = gens[i].params.logprobs
+                gens[i].logprobs.append(TokenLogprob(entry.token_id, entry.logprob, entry.top[:k]))
         if self._counts is not None:
             new_ids = torch.tensor(new, device=self.device)
             self._counts[slots, new_ids] += 1

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+
 
 @dataclass
 class SamplingParams:
@@ -34,6 +36,11 @@ class SamplingParams:
       the same seed gives the same text whatever else is in the batch. None = drawn from torch's global RNG.
     - stop: strings that end the row; the text up to (not including) the first one is returned.
     - stop_token_ids: token ids that end the row (the tokenizer's end-of-text is added unless ignore_eot).
+    - logprobs: record each generated token's log-probability and the `logprobs` most likely alternatives
+      (0..MAX_LOGPROBS; None = off). They are the model's own distribution (log-softmax of the raw logits),
+      before penalties, temperature and filters, as vLLM reports them by default.
+    - prompt_logprobs: also record the log-probability of every prompt token after the first (and as many
+      alternatives as `logprobs` asks), e.g. to score a text.
     """
 
     max_new_tokens: int = 256
@@ -48,6 +55,8 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eot: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -77,6 +86,8 @@ class SamplingParams:
                 raise bad(name, "a finite number")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -187,6 +198,26 @@ def sample_next(
     if greedy.any():
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)  # temperature 0 rows in a mixed batch
     return sampled.tolist()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token, its log-probability under the model, and the most likely alternatives (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n_top: int) -> list[TokenLogprob]:
+    """Log-probabilities of `token_ids` (n,) under the rows of `logits` (n, V), with each row's n_top best."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, token_ids.reshape(-1, 1).to(logp.device))[:, 0].tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
+    if n_top > 0:
+        values, indices = logp.topk(min(n_top, logp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    return [TokenLogprob(int(t), lp, top) for t, lp, top in zip(token_ids.tolist(), chosen, tops, strict=True)]
 
 
 def row_seed(seed: int, index: int) -> int:

@@ -10,12 +10,18 @@ Behaviour worth knowing:
   "context_length_exceeded" for a prompt that leaves no room in the context, 401 for a missing or wrong API
   key, 404 for an unknown model or route, 429 when more than --max-queue generations wait, 500 if generation
   fails.
+* A prompt longer than --prefill-chunk tokens is prefilled that many tokens per step, interleaved with the
+  running rows' decoding steps, so a long prompt delays the others by one chunk at a time, not a whole prefill.
 * max_tokens is capped so that prompt + completion fit the context (block_size); finish_reason is then
   "length". Without max_tokens, chat completions run to the end of the context (completions default to 16).
 * Chat messages go through the tokenizer's chat template (Jinja, rendered sandboxed, with
   add_generation_prompt). Without one (base models) the prompt is "System: ...\\n" (if any), then "User:
   ...\\n" / "Assistant: ...\\n" per message, then "Assistant:", and generation also stops at "\\nUser:".
 * The tokenizer's end-of-text token ends a completion (finish_reason "stop") unless ignore_eos is set.
+* logprobs (completions: `logprobs` = 0..20 alternatives; chat: `logprobs: true` and `top_logprobs` 0..20) are
+  the model's own distribution (log-softmax of the raw logits, before penalties, temperature and filters),
+  one entry per generated token, streamed chunks carrying those of their own tokens. Completions' `echo`
+  returns the prompt before the completion; with logprobs the prompt tokens are scored too (the first: null).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from gptlab.serve_schemas import (
     ChatRequest,
     CompletionRequest,
     SamplingFields,
+    chat_logprobs,
+    completion_logprobs,
     error_body,
     validation_error,
 )
@@ -92,10 +100,12 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, bo
 class Server:
     """What the routes share: model, tokenizer, engine and scheduler."""
 
-    def __init__(self, model: Any, tokenizer: Any, model_name: str, max_batch: int, max_queue: int) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, model_name: str, max_batch: int, max_queue: int, prefill_chunk: int | None
+    ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.block_size = model.config.block_size
-        self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer)
+        self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk)
         self.scheduler = Scheduler(self.engine, max_queue=max_queue)
         self.created = int(time.time())
 
@@ -107,7 +117,13 @@ class Server:
             raise ApiError(400, str(e), param="prompt") from e
 
     def start(
-        self, prompts: list[list[int]], req: SamplingFields, max_tokens: int | None, stops: list[str]
+        self,
+        prompts: list[list[int]],
+        req: SamplingFields,
+        max_tokens: int | None,
+        stops: list[str],
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> Job:
         if req.model is not None and req.model != self.model_name:
             raise ApiError(
@@ -147,6 +163,8 @@ class Server:
                 seed=req.seed,
                 stop=stops,
                 ignore_eot=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
             gens += [self.engine.prepare(ids, params, sample_index=j) for j in range(req.n)]
         job = Job(gens, loop=asyncio.get_running_loop())
@@ -177,7 +195,7 @@ async def _wait(server: Server, job: Job) -> None:
     done = 0
     try:
         while done < len(job.gens):
-            _, _, finish = await job.events.get()
+            _, _, finish, _ = await job.events.get()
             done += finish is not None
     finally:
         if done < len(job.gens):
@@ -193,12 +211,15 @@ def _sse(obj: Any) -> str:
 async def _stream(
     server: Server, job: Job, prompts: list[list[int]], chunk: Any, include_usage: bool, request: Request
 ) -> AsyncIterator[str]:
-    """SSE lines: one chunk per delta (per choice), then usage if asked, then [DONE]."""
+    """SSE lines: one chunk per delta (per choice), then usage if asked, then [DONE].
+
+    `chunk(index, text, finish_reason, tokens)` builds a chunk; `tokens` is how many tokens that choice had
+    produced when the text was taken (where the chunk's logprobs end)."""
     done = 0
     try:
         while done < len(job.gens):
             try:
-                index, delta, finish = await asyncio.wait_for(job.events.get(), timeout=1.0)
+                index, delta, finish, tokens = await asyncio.wait_for(job.events.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return
@@ -207,9 +228,9 @@ async def _stream(
             if finish == "error":
                 yield _sse(error_body(f"generation failed: {job.error}", "server_error"))
                 break
-            yield _sse(chunk(index, delta, finish))
+            yield _sse(chunk(index, delta, finish, tokens))
         if include_usage and job.error is None:
-            yield _sse({**chunk(0, "", None), "choices": [], "usage": _usage(job, prompts)})
+            yield _sse({**chunk(0, "", None, 0), "choices": [], "usage": _usage(job, prompts)})
         yield "data: [DONE]\n\n"
     finally:
         if done < len(job.gens):
@@ -234,9 +255,11 @@ def create_app(
     max_batch: int = 8,
     max_queue: int = 64,
     api_key: str | None = None,
+    prefill_chunk: int | None = 256,
 ) -> FastAPI:
-    """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan."""
-    server = Server(model, tokenizer, model_name, max_batch, max_queue)
+    """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan.
+    `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generate.Engine`."""
+    server = Server(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -293,50 +316,65 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        if req.echo or req.logprobs is not None:
-            raise ApiError(
-                400, "echo and logprobs are not supported", param="echo" if req.echo else "logprobs"
-            )
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if texts and isinstance(texts[0], int):
             prompts = [list(texts)]
         else:
             prompts = [server.encode(t) for t in texts] or [[]]
-        job = server.start(prompts, req, req.max_tokens, req.stop_list())
+        scored = req.logprobs is not None
+        job = server.start(prompts, req, req.max_tokens, req.stop_list(), req.logprobs, req.echo and scored)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        sent = [0] * len(job.gens)  # tokens of each choice whose logprobs went out
+        started: set[int] = set()  # choices whose first chunk (which carries the echoed prompt) went out
 
-        def chunk(i: int, text: str, finish: str | None) -> dict[str, Any]:
+        def choice(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
+            g, prefix, ids, entries = job.gens[i], "", [], []
+            if i not in started:
+                started.add(i)
+                if req.echo:  # the prompt as the engine saw it, and its logprobs (none for the first token)
+                    prefix, ids = tokenizer.decode(g.prompt_ids), list(g.prompt_ids)
+                    entries = g.prompt_logprobs or [None] * len(ids)
+            logprobs = None
+            if scored:
+                ids, entries = ids + g.token_ids[sent[i] : tokens], entries + g.logprobs[sent[i] : tokens]
+                logprobs, sent[i] = completion_logprobs(tokenizer, ids, entries), max(sent[i], tokens)
+            return {"index": i, "text": prefix + text, "logprobs": logprobs, "finish_reason": finish}
+
+        def chunk(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
             return {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": model_name,
-                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}],
+                "choices": [choice(i, text, finish, tokens)],
             }
 
         if req.stream:
             return _event_stream(server, job, prompts, chunk, req, request)
         await _wait(server, job)
-        choices = [
-            {"index": i, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}
-            for i, g in enumerate(job.gens)
-        ]
-        return {**chunk(0, "", None), "choices": choices, "usage": _usage(job, prompts)}
+        choices = [choice(i, g.text, g.finish_reason, len(g.token_ids)) for i, g in enumerate(job.gens)]
+        return {**chunk(0, "", None, 0), "choices": choices, "usage": _usage(job, prompts)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
-        if req.logprobs:
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        n_top = req.logprobs_count()
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text, templated = render_chat(tokenizer, messages)
         stops = req.stop_list() + ([] if templated or req.stop else [DEFAULT_CHAT_STOP])
         prompts = [server.encode(text, special=templated)]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = server.start(prompts, req, max_tokens, stops)
+        job = server.start(prompts, req, max_tokens, stops, n_top)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         started: set[int] = set()
+        sent = [0] * len(job.gens)
 
-        def chunk(i: int, text: str, finish: str | None) -> dict[str, Any]:
+        def logprobs(i: int, tokens: int) -> dict[str, Any] | None:
+            if n_top is None:
+                return None
+            entries, sent[i] = job.gens[i].logprobs[sent[i] : tokens], max(sent[i], tokens)
+            return chat_logprobs(tokenizer, entries)
+
+        def chunk(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": text} if text or finish is None else {}
             if i not in started:  # the first chunk of each choice names the role
                 started.add(i)
@@ -346,7 +384,7 @@ def create_app(
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model_name,
-                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs(i, tokens), "finish_reason": finish}],
             }
 
         if req.stream:
@@ -356,7 +394,7 @@ def create_app(
             {
                 "index": i,
                 "message": {"role": "assistant", "content": g.text},
-                "logprobs": None,
+                "logprobs": logprobs(i, len(g.token_ids)),
                 "finish_reason": g.finish_reason,
             }
             for i, g in enumerate(job.gens)
@@ -420,6 +458,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.max_batch < 1 or args.max_queue < 1:
         raise GptlabError("--max-batch and --max-queue must be at least 1")
+    if args.prefill_chunk < 0:
+        raise GptlabError(f"--prefill-chunk must be 0 (off) or a number of tokens, got {args.prefill_chunk}")
     if not 0 <= args.port <= 65535:
         raise GptlabError(f"--port must be in 0..65535, got {args.port}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -431,7 +471,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it")
     app = create_app(
-        model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key
+        model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
+        prefill_chunk=args.prefill_chunk or None,
     )
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -30,8 +30,8 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """The generations of one request and the asyncio queue its handler reads (index, delta,
-    finish_reason)."""
+    """The generations of one request and the asyncio queue its handler reads: (index, delta, finish_reason,
+    tokens), `tokens` being how many tokens that generation had produced when its delta was taken."""
 
     gens: list[Generation]
     loop: asyncio.AbstractEventLoop
@@ -39,10 +39,10 @@ class Job:
     error: BaseException | None = None
     cancelled: bool = False
 
-    def emit(self, index: int, delta: str, finish: str | None) -> None:
+    def emit(self, index: int, delta: str, finish: str | None, tokens: int) -> None:
         """Thread-safe: called by the scheduler thread."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (index, delta, finish))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (index, delta, finish, tokens))
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             self.cancelled = True
 
@@ -131,7 +131,7 @@ class Scheduler:
                 self.engine.release(gen)
                 if failed is not None:
                     failed[0].error = e
-                    failed[0].emit(failed[1], "", "error")
+                    failed[0].emit(failed[1], "", "error", len(gen.token_ids))
             return
         for gen in gens:
             target = self._owner.get(id(gen))
@@ -139,6 +139,6 @@ class Scheduler:
                 continue
             delta = gen.pop_delta()
             if delta or gen.finished:
-                target[0].emit(target[1], delta, gen.finish_reason)
+                target[0].emit(target[1], delta, gen.finish_reason, len(gen.token_ids))
             if gen.finished:
                 self._owner.pop(id(gen), None)

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible server (pydantic, strict types) and OpenAI-style error bodies.
+"""Request bodies of the OpenAI-compatible server (pydantic, strict types), OpenAI-style error bodies, and the
+logprobs objects of its answers.
 
 Strict: a string where a number belongs is an error, not coerced. Unknown fields are ignored (clients send
 `user`, `logit_bias`, ... that gptlab does not act on). Besides OpenAI's fields, requests accept vLLM-style
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 16
 MAX_STOPS = 4
+MAX_LOGPROBS = 20  # = gptlab.sampling.MAX_LOGPROBS (not imported: this module stays free of torch)
 
 
 class ApiError(Exception):
@@ -98,7 +100,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class ContentPart(BaseModel):
@@ -123,3 +125,45 @@ class ChatRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_count(self) -> int | None:
+        """SamplingParams.logprobs for this request: None when not asked."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Logprobs in answers (entries are gptlab.sampling.TokenLogprob, or None for a first prompt token)
+# ---------------------------------------------------------------------------------------------------------
+def _token(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
+    """A token's text (a token holding part of a UTF-8 character shows U+FFFD) and its exact bytes."""
+    raw = tokenizer.decode_bytes([token_id])
+    return raw.decode("utf-8", errors="replace"), raw
+
+
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[Any]) -> dict[str, list]:
+    """The legacy completions object: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset;
+    `entries` align with `token_ids` (None: not scored, e.g. the first token of an echoed prompt)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token_id, e in zip(token_ids, entries, strict=True):
+        text, _ = _token(tokenizer, token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob if e is not None else None)
+        out["top_logprobs"].append({_token(tokenizer, t)[0]: lp for t, lp in e.top} if e is not None else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer: Any, entries: list[Any]) -> dict[str, Any]:
+    """The chat object: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = _token(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+    return {"content": content, "refusal": None}

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gptlab.detokenize import TextState
 from gptlab.generate import (
@@ -394,3 +396,86 @@ def test_sample_needs_a_checkpoint_with_a_tokenizer(char_checkpoint, tmp_path, c
     assert "does not exist" in capsys.readouterr().err
     assert main(["sample", str(char_checkpoint[1])]) == 2
     assert "no tokenizer" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Logprobs: the model's own distribution, checked against log-softmax of plain full forwards
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_equal_log_softmax_of_full_forwards(temperature):
+    model = tiny_model()
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=7, logprobs=3, prompt_logprobs=True)
+    gens = generate(model, prompts, params)
+    for prompt, g in zip(prompts, gens, strict=True):
+        seq = torch.tensor([prompt + g.token_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(model(seq)[0][0].float(), dim=-1)  # (T, V): position t scores token t + 1
+        assert len(g.logprobs) == len(g.token_ids) == 12
+        for j, entry in enumerate(g.logprobs):
+            t = len(prompt) - 1 + j
+            assert entry.token_id == g.token_ids[j]
+            assert entry.logprob == pytest.approx(float(ref[t, entry.token_id]), abs=1e-4)
+            top_ids = [tid for tid, _ in entry.top]
+            assert top_ids == ref[t].topk(3).indices.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(ref[t].topk(3).values.tolist(), abs=1e-4)
+            if temperature == 0:  # greedy picks the most likely token
+                assert entry.token_id == top_ids[0]
+        assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(prompt)
+        for t, entry in enumerate(g.prompt_logprobs[1:]):
+            assert entry.token_id == prompt[t + 1]
+            assert entry.logprob == pytest.approx(float(ref[t, prompt[t + 1]]), abs=1e-4)
+
+
+def test_logprobs_are_off_by_default_and_bounded():
+    (g,) = generate(tiny_model(), [[1, 2]], SamplingParams(max_new_tokens=3, temperature=0))
+    assert g.logprobs == [] and g.prompt_logprobs == []
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    mixed = generate(tiny_model(), [[1, 2], [1, 2]], SamplingParams(max_new_tokens=3, temperature=0, logprobs=0))
+    assert all(len(g.logprobs) == 3 and all(e.top == () for e in g.logprobs) for g in mixed)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chunked prefill: the same tokens and logprobs, with other rows decoding in between
+# ---------------------------------------------------------------------------------------------------------
+_CHUNK_MODEL = tiny_model(seed=3)
+
+
+@settings(max_examples=15, deadline=None)
+@given(chunk=st.integers(1, 9), lengths=st.lists(st.integers(1, 30), min_size=1, max_size=3))
+def test_chunked_prefill_equals_whole_prefill(chunk, lengths):
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate(lengths)]
+    params = SamplingParams(max_new_tokens=6, temperature=0, logprobs=1, prompt_logprobs=True)
+    whole = generate(_CHUNK_MODEL, prompts, params)
+    engine = Engine(_CHUNK_MODEL, max_batch=len(prompts), prefill_chunk=chunk)
+    chunked = engine.run([engine.prepare(p, params) for p in prompts])
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.token_ids == b.token_ids and b.pending == []
+        assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-5)
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(a.prompt_ids)
+        assert [e.logprob for e in a.prompt_logprobs[1:]] == pytest.approx(
+            [e.logprob for e in b.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_a_long_prompt_is_prefilled_while_other_rows_decode():
+    params = SamplingParams(max_new_tokens=20, temperature=0)
+    engine = Engine(_CHUNK_MODEL, max_batch=2, prefill_chunk=4)
+    short = engine.prepare([1, 2], params)
+    engine.add([short])
+    engine.step()
+    long = engine.prepare(list(range(3, 23)), params)  # 20 tokens: 5 chunks
+    engine.add([long])  # the first chunk
+    before, steps = len(short.token_ids), 0
+    while not long.token_ids:
+        advanced = engine.step()
+        steps += 1
+        assert short in advanced
+    assert steps == 4 and len(short.token_ids) == before + 4  # the short row kept decoding meanwhile
+    while engine.running:
+        engine.step()
+    later = [list(range(40, 50)), list(range(60, 75))]
+    alone = generate(_CHUNK_MODEL, [[1, 2], list(range(3, 23)), *later], params)
+    assert [short.token_ids, long.token_ids] == [g.token_ids for g in alone[:2]]
+    again = engine.run([engine.prepare(p, params) for p in later])  # used rows start from scratch
+    assert [g.token_ids for g in again] == [g.token_ids for g in alone[2:]]

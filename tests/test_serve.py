@@ -34,7 +34,8 @@ def served(tmp_path_factory):
     tok = CharTokenizer.from_text(VOCAB)
     path = save_model(tmp_path_factory.mktemp("serve") / "ckpt", tiny_model(vocab_size=tok.vocab_size), tok)
     model, tokenizer = load_model(path)
-    app = create_app(model, tokenizer, model_name=NAME, max_batch=6, max_queue=64, api_key=KEY)
+    # prompts over 8 tokens are prefilled in chunks, interleaved with the other rows' decoding
+    app = create_app(model, tokenizer, model_name=NAME, max_batch=6, max_queue=64, api_key=KEY, prefill_chunk=8)
     with ServerThread(app) as server:
         yield server, model, tokenizer, app.state.server
 
@@ -127,6 +128,53 @@ def test_chat_plain_and_streamed(served, client):
     assert chunks[-1].choices[0].finish_reason == finish
 
 
+def test_completion_logprobs_and_echo_equal_the_engine(served, client):
+    _, model, tok, _ = served
+    prompt = "To be"
+    params = SamplingParams(temperature=0, max_new_tokens=10, logprobs=2, prompt_logprobs=True)
+    (ref,) = generate(model, [tok.encode(prompt)], params, tokenizer=tok)
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2, echo=True)
+    choice = out.choices[0]
+    assert choice.text == prompt + ref.text
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == prompt + ref.text and len(lp.tokens) == len(prompt) + 10
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    expected = [e.logprob for e in ref.prompt_logprobs[1:] + ref.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # streamed: the chunks' logprobs add up to the same lists
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == lp.tokens
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == lp.token_logprobs
+    # echo without logprobs: the prompt comes back, nothing is scored
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_equal_the_engine(served, client):
+    _, model, tok, _ = served
+    messages = [{"role": "user", "content": "Hi!"}]
+    prompt, _ = render_chat(tok, messages)
+    params = SamplingParams(temperature=0, max_new_tokens=8, stop=[DEFAULT_CHAT_STOP], logprobs=3)
+    (ref,) = generate(model, [tok.encode(prompt)], params, tokenizer=tok)
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t]) for t in ref.token_ids]
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)  # greedy
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    assert all(c.top_logprobs == [] for c in streamed)
+    assert client.chat.completions.create(model=NAME, messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
 def test_chat_template_is_rendered_with_jinja():
     class Tok:
         chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}" \
@@ -178,6 +226,9 @@ def test_bad_requests_get_openai_errors(served, client):
     _assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, param="messages")
     _assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}), 400)
     _assert_error(post(server, "/v1/nothing", ok), 404)
+    _assert_error(post(server, "/v1/completions", {**ok, "logprobs": 21}), 400, param="logprobs")
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    _assert_error(post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, param="top_logprobs")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt="Hi", max_tokens=-5)
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
