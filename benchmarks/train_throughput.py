@@ -87,11 +87,16 @@ def main() -> None:
     parser.add_argument("--bf16-attention", action="store_true", help="gptlab: attention in bf16, not fp32")
     parser.add_argument("--optimizer-impl", default="torch", choices=["torch", "gptlab"])
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (gptlab train keeps freed memory: fewer page faults)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from gptlab.hardware import flops_per_token, peak_flops
+    from gptlab.hardware import flops_per_token, peak_flops, retain_freed_memory
+
+    if not args.default_malloc:  # as `gptlab train` does; process-wide, so transformers gets it too
+        print(f"freed memory kept for reuse (glibc mallopt): {retain_freed_memory()}")
 
     peak = peak_flops("cpu", torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     x = torch.randint(0, 50257, (args.batch, args.seq + 1))

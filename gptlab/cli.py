@@ -188,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
+        if args.func in (_cmd_train, _cmd_eval, _cmd_sample, _cmd_serve):
+            from gptlab.hardware import retain_freed_memory
+
+            retain_freed_memory()  # big tensors made and freed every step reuse memory instead of page-faulting
         return int(args.func(args) or 0)
     except GptlabError as e:
         print(f"error: {e}", file=sys.stderr)

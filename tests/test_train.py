@@ -390,3 +390,25 @@ def test_init_from_fine_tunes_a_previous_run(tmp_path: Path, data: Path, capsys)
     assert rows[0]["train_loss"] < base_val + 0.3  # starts from the trained weights, not from scratch (~4.1)
     assert train(recipe, data, tmp_path / "bad", "--init-from", str(tmp_path / "base"), "--n-layer", "3") == 2
     assert "only dropout may change" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_retained_freed_memory_stops_the_page_faults_of_big_tensors() -> None:
+    """In a fresh process: 64 MB tensors made and dropped fault in new pages each time, until
+    retain_freed_memory (which `gptlab train` calls) has glibc keep the freed blocks."""
+    code = (
+        "import resource, torch\n"
+        "from gptlab.hardware import retain_freed_memory\n"
+        "def faults():\n"
+        "    for _ in range(10): torch.ones(2**24)\n"
+        "    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    for _ in range(5): torch.ones(2**24)\n"
+        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0\n"
+        "before = faults(); applied = retain_freed_memory(); after = faults()\n"
+        "print(before, applied, after)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    before, applied, after = int(out[0]), out[1] == "True", int(out[2])
+    assert applied
+    assert before >= 5 * 2**24 * 4 // 4096 // 2  # about a fault per 4 KB page of every 64 MB tensor
+    assert after < 1000
