@@ -110,12 +110,27 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 # Model weights
 # ------------------------------------------------------------------------------------------------------------
 def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU."""
+    """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU.
+    FSDP-sharded weights are gathered whole: under FSDP every process must call this."""
     model = unwrap_model(model)
     state = model.state_dict()
     if getattr(model, "config", None) is not None and model.config.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as transformer.wte.weight
-    return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    return {k: whole(v).detach().contiguous().cpu() for k, v in state.items()}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor in full: an FSDP shard (DTensor) gathered from every process (collective), else itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A whole tensor shaped like `target`: sharded the same way if target is an FSDP shard (DTensor)."""
+    if hasattr(target, "device_mesh") and not hasattr(value, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
+    return value
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -129,11 +144,14 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def write_model(directory: Path, model: torch.nn.Module, tokenizer: Any = None) -> None:
-    """Write weights, config and (optionally) the tokenizer into an existing directory."""
+def write_model(
+    directory: Path, model: torch.nn.Module, tokenizer: Any = None, weights: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Write weights (`model_state_dict(model)` unless given), config and (optionally) the tokenizer into an
+    existing directory."""
     plain = unwrap_model(model)
     metadata = {"format": "pt", "library": "gptlab"}
-    save_file(model_state_dict(plain), str(directory / MODEL_FILE), metadata=metadata)
+    save_file(model_state_dict(plain) if weights is None else weights, str(directory / MODEL_FILE), metadata=metadata)
     (directory / CONFIG_FILE).write_text(json.dumps(plain.config.to_dict(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(directory)
@@ -267,8 +285,8 @@ def optimizer_to_flat(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str
         scalars: dict[str, dict[str, Any]] = {}
         for pid, state in sd["state"].items():
             for name, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"opt{i}.{pid}.{name}"] = value.detach().contiguous().cpu()
+                if isinstance(value, torch.Tensor):  # FSDP: gathered whole, so every process calls this
+                    tensors[f"opt{i}.{pid}.{name}"] = whole(value).detach().contiguous().cpu()
                 else:
                     scalars.setdefault(str(pid), {})[name] = value
         described.append({"type": type(opt).__name__, "param_groups": sd["param_groups"], "scalars": scalars})
@@ -294,6 +312,11 @@ def optimizer_from_flat(
             if key.startswith(prefix):
                 pid, name = key[len(prefix) :].split(".", 1)
                 state.setdefault(int(pid), {})[name] = value
+        params = [p for group in opt.param_groups for p in group["params"]]
+        for pid, values in state.items():  # FSDP: sharded like their parameter
+            for name, value in values.items():
+                if pid < len(params) and value.shape == params[pid].shape:
+                    values[name] = like(value, params[pid])
         for pid, values in desc["scalars"].items():
             state.setdefault(int(pid), {}).update(values)
         # JSON turned tuples (betas, ns_coefficients) into lists: turn them back, all but the param ids
@@ -308,13 +331,19 @@ def save_training_checkpoint(
     optimizers: list[torch.optim.Optimizer],
     state: dict[str, Any],
     tokenizer_dir: str | Path | None = None,
-) -> Path:
+    writer: bool = True,
+) -> Path | None:
     """Write a resumable checkpoint atomically: model.safetensors, config.json, optimizer.safetensors,
-    state.json and the tokenizer files copied from `tokenizer_dir` (the data directory)."""
+    state.json and the tokenizer files copied from `tokenizer_dir` (the data directory).
+
+    Under FSDP every process calls this (the shards are gathered) and only the `writer` writes."""
+    weights = model_state_dict(model)
     tensors, described = optimizer_to_flat(optimizers)
+    if not writer:
+        return None
 
     def write(tmp: Path) -> None:
-        write_model(tmp, model)
+        write_model(tmp, model, weights=weights)
         save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"library": "gptlab"})
         (tmp / STATE_FILE).write_text(json.dumps({**state, "optimizers": described}, indent=1) + "\n")
         for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
@@ -332,6 +361,8 @@ def load_training_checkpoint(
     directory = Path(directory)
     plain = unwrap_model(model)
     weights = with_tied_head(load_file(str(directory / MODEL_FILE)), plain.config)
+    current = plain.state_dict()
+    weights = {k: like(v, current[k]) if k in current else v for k, v in weights.items()}  # FSDP: shard them
     with torch.no_grad():
         plain.load_state_dict(
             weights, strict=True

@@ -61,6 +61,16 @@ def micro_batch(windows: torch.Tensor, rank: int, world: int, micro: int, grad_a
 # ------------------------------------------------------------------------------------------------------------
 # Distributed set-up (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK)
 # ------------------------------------------------------------------------------------------------------------
+def shard_model(model: torch.nn.Module) -> None:
+    """FSDP (PyTorch's fully_shard), in place: each block's parameters, then the rest (embeddings, final norm,
+    head), become shards of this process; forward and backward gather each block's weights when it runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.iter_blocks():
+        fully_shard(block)
+    fully_shard(model)
+
+
 def init_distributed(device: str) -> tuple[int, int, str]:
     """(rank, world_size, device); initializes the process group when launched by torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -129,13 +139,16 @@ class Trainer:
         self.val_data = load_split(data_dir, "val")
         self.tokens_per_step = cfg.batch_size * block
 
-        self.precision = Precision(self.model, cfg.dtype, self.device, cfg.attention_fp32, self.world > 1)
+        self.fsdp = cfg.distributed == "fsdp" and self.world > 1  # one process has nothing to shard
+        self.precision = Precision(self.model, cfg.dtype, self.device, cfg.attention_fp32, self.world > 1 or self.fsdp)
+        if self.fsdp:  # in place, before the optimizers see the parameters: they become this process's shards
+            shard_model(self.model)
         self.optimizers = build_optimizers(self.model, cfg)
         self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
         if self.resume_from is not None:
             self._load(self.resume_from)
         self.net = self.precision.train_module  # what forward/backward run on: maybe wrapped below
-        if self.world > 1:
+        if self.world > 1 and not self.fsdp:
             self.net = self._wrap_distributed(self.net)
         if cfg.compile:
             self.net = torch.compile(self.net)
@@ -223,20 +236,26 @@ class Trainer:
         self.precision.sync_weights()
 
     def save_checkpoint(self) -> Path | None:
-        if not self.master:
+        if not self.master and not self.fsdp:  # under FSDP every process takes part in gathering the shards
             return None
         path = self.run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(self.step)
-        ckpt.save_training_checkpoint(path, self.model, self.optimizers, self._state(), self.data_dir)
+        if ckpt.save_training_checkpoint(
+            path, self.model, self.optimizers, self._state(), self.data_dir, writer=self.master
+        ) is None:
+            return None
         ckpt.prune_checkpoints(self.run_dir, self.cfg.keep_last)
         return path
 
     def save_best(self) -> None:
+        if not self.master and not self.fsdp:
+            return
+        weights = ckpt.model_state_dict(self.model)  # FSDP: gathered by every process
         if not self.master:
             return
         state = {"step": self.step, "val_loss": self.best_val}
 
         def write(tmp: Path) -> None:
-            ckpt.write_model(tmp, self.model)
+            ckpt.write_model(tmp, self.model, weights=weights)
             (tmp / ckpt.STATE_FILE).write_text(json.dumps(state) + "\n")
             for name in ckpt.TOKENIZER_FILES:
                 if (self.data_dir / name).is_file():
@@ -287,6 +306,8 @@ class Trainer:
 
         if skip and hasattr(self.net, "no_sync"):
             return self.net.no_sync()  # DDP: all-reduce gradients on the last micro-step only
+        if self.fsdp:  # FSDP: reduce-scatter gradients on the last micro-step only
+            self.model.set_requires_gradient_sync(not skip)
         return contextlib.nullcontext()
 
     def _agree(self, loss_sum: torch.Tensor, stop: int | None) -> tuple[float, int | None]:

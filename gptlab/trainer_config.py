@@ -66,6 +66,9 @@ class TrainConfig:
         True  # under bf16/fp16, compute attention in fp32 (CPU bf16 attention backward is slow)
     )
     compile: bool = False
+    # with several processes (torchrun): ddp = every process holds the whole model, gradients all-reduced;
+    # fsdp = parameters, gradients and optimizer state sharded over the processes (PyTorch's fully_shard)
+    distributed: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 1337
     device: str = "auto"  # auto = cuda when available, else cpu
     threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -108,6 +111,7 @@ RESUMABLE_CHANGES = frozenset(
         "threads",
         "device",
         "compile",
+        "distributed",  # checkpoints hold whole tensors either way
     }
 )
 
@@ -299,4 +303,7 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError(f"max_time must be positive seconds, got {cfg.max_time}")
     if cfg.batch_size % cfg.grad_accum:
         raise GptlabError(f"batch_size {cfg.batch_size} is not divisible by grad_accum {cfg.grad_accum}")
+    if cfg.distributed == "fsdp" and cfg.optimizer == "muon":
+        raise GptlabError("optimizer muon needs whole matrices, which distributed = \"fsdp\" shards: use "
+                          "optimizer adamw, or distributed ddp")
     cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read

@@ -381,6 +381,40 @@ def test_torchrun_ddp_matches_one_process(tmp_path: Path, data: Path) -> None:
     assert len(list_step_checkpoints(ddp)) == 1  # rank 0 alone writes
 
 
+def test_torchrun_fsdp_matches_one_process_and_resumes(tmp_path: Path, data: Path) -> None:
+    """FSDP over 2 processes (gloo), 2 micro-steps each, follows 1 process x 4 micro-steps; its checkpoint holds
+    whole tensors (gathered from the shards), and resumed, it goes on as the resumed single process does."""
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, log_interval=5)
+    fsdp = tmp_path / "fsdp"
+
+    def torchrun(*extra: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "gptlab.cli", "train", str(recipe), "--data", str(data), "--out", str(fsdp), "--quiet",
+               "--distributed", "fsdp", "--grad-accum", "2", *extra]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    torchrun()
+    assert train(recipe, data, tmp_path / "one", "--grad-accum", "4") == 0
+    train_fsdp = [r["train_loss"] for r in metrics(fsdp) if "train_loss" in r]
+    train_one = [r["train_loss"] for r in metrics(tmp_path / "one") if "train_loss" in r]
+    assert train_fsdp == pytest.approx(train_one, abs=1e-4)
+    (ckpt_dir,) = list_step_checkpoints(fsdp)  # rank 0 alone writes, whole tensors
+    whole = load_file(str(ckpt_dir / "model.safetensors"))
+    one = load_file(str(list_step_checkpoints(tmp_path / "one")[0] / "model.safetensors"))
+    assert {k: v.shape for k, v in whole.items()} == {k: v.shape for k, v in one.items()}
+    assert all(torch.allclose(whole[k], one[k], atol=1e-4) for k in one)
+    optimizer = load_file(str(ckpt_dir / "optimizer.safetensors"))
+    assert optimizer["opt0.0.exp_avg"].shape == one["transformer.h.0.attn.c_attn.weight"].shape
+    torchrun("--resume", "--max-steps", "14")  # loads the whole tensors back into shards
+    assert train(recipe, data, tmp_path / "one", "--grad-accum", "4", "--max-steps", "14", "--resume") == 0
+    val_fsdp = [r["val_loss"] for r in metrics(fsdp) if "val_loss" in r]
+    val_one = [r["val_loss"] for r in metrics(tmp_path / "one") if "val_loss" in r]
+    assert len(val_fsdp) == 2 and val_fsdp == pytest.approx(val_one, abs=1e-4)
+    with pytest.raises(GptlabError, match="muon"):
+        build_train_config({"distributed": "fsdp", "optimizer": "muon"})
+
+
 def test_init_from_fine_tunes_a_previous_run(tmp_path: Path, data: Path, capsys) -> None:
     recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0)
     assert train(recipe, data, tmp_path / "base") == 0
