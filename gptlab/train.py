@@ -322,15 +322,19 @@ class Trainer:
             stop = signal.SIGTERM
         return float(t[0]) / self.world, stop
 
-    def _agree_elapsed(self, elapsed: float) -> float:
-        """Under a time budget every process must stop at the same step: all take rank 0's clock."""
-        if self.world == 1 or self.cfg.max_time is None:
-            return elapsed
+    def _from_rank0(self, value: float) -> float:
+        """Rank 0's value on every process, for decisions all must take alike (stop now? save a best?)."""
+        if self.world == 1:
+            return value
         import torch.distributed as dist
 
-        t = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.broadcast(t, src=0)
         return float(t[0])
+
+    def _agree_elapsed(self, elapsed: float) -> float:
+        """Under a time budget every process must stop at the same step: all take rank 0's clock."""
+        return elapsed if self.cfg.max_time is None else self._from_rank0(elapsed)
 
     def run(self) -> int:
         cfg = self.cfg
@@ -413,7 +417,7 @@ class Trainer:
         return self.cfg.max_time is not None and self.elapsed >= self.cfg.max_time
 
     def _eval_and_track(self) -> float:
-        val = self.evaluate()
+        val = self._from_rank0(self.evaluate())  # under FSDP saving a best is collective: decide it together
         if val < self.best_val:
             self.best_val = val
             self.save_best()
