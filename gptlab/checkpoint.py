@@ -124,7 +124,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def shard_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A whole tensor shaped like `target`: sharded the same way if target is an FSDP shard (DTensor)."""
     if hasattr(target, "device_mesh") and not hasattr(value, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
@@ -316,7 +316,7 @@ def optimizer_from_flat(
         for pid, values in state.items():  # FSDP: sharded like their parameter
             for name, value in values.items():
                 if pid < len(params) and value.shape == params[pid].shape:
-                    values[name] = like(value, params[pid])
+                    values[name] = shard_like(value, params[pid])
         for pid, values in desc["scalars"].items():
             state.setdefault(int(pid), {}).update(values)
         # JSON turned tuples (betas, ns_coefficients) into lists: turn them back, all but the param ids
@@ -362,7 +362,7 @@ def load_training_checkpoint(
     plain = unwrap_model(model)
     weights = with_tied_head(load_file(str(directory / MODEL_FILE)), plain.config)
     current = plain.state_dict()
-    weights = {k: like(v, current[k]) if k in current else v for k, v in weights.items()}  # FSDP: shard them
+    weights = {k: shard_like(v, current[k]) if k in current else v for k, v in weights.items()}  # FSDP: shard them
     with torch.no_grad():
         plain.load_state_dict(
             weights, strict=True

@@ -3,11 +3,11 @@
 `retain_freed_memory` keeps glibc from handing large freed blocks back to the OS (see its docstring): on CPUs
 it takes hundreds of thousands of page faults out of every GPT-2-sized training step.
 
-Peak throughput, measured once and cached, for model FLOPs utilization (MFU):
-MFU against a datasheet number (an A100's 312 TFLOP/s) says nothing on a laptop CPU. Instead a short probe
-times large square matmuls in fp32 and bf16 on the training device and thread count, and caches the best rate
-in ~/.cache/gptlab/hardware.json (GPTLAB_CACHE_DIR overrides the folder). MFU is then "share of what this
-machine's matmul kernels reach", honest for comparing recipes on one machine.
+`peak_flops`, for model FLOPs utilization (MFU): MFU against a datasheet number (an A100's 312 TFLOP/s) says
+nothing on a laptop CPU. Instead a short probe times large square matmuls in fp32 and bf16 on the training
+device and thread count, and caches the best rate in ~/.cache/gptlab/hardware.json (GPTLAB_CACHE_DIR overrides
+the folder). MFU is then "share of what this machine's matmul kernels reach", honest for comparing recipes on
+one machine.
 """
 
 from __future__ import annotations
