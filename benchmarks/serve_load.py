@@ -8,6 +8,10 @@ bounded: per-request timeouts, a deadline, and the server is stopped at the end.
 
     python benchmarks/serve_load.py                          # 16 clients, 20 s, preset char-5min
     python benchmarks/serve_load.py --preset gpt2 --dtype bfloat16 --max-tokens 32
+    python benchmarks/serve_load.py --preset gpt2 --dtype bfloat16 --clients 4 --long-prompt 900 --prefill-chunk 0
+
+With --long-prompt N, client 0 sends N-character prompts while the others send short ones: compare the short
+requests' longest pause between two streamed chunks with --prefill-chunk 0 (whole prompts) and the default.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int, te
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, last, pause = None, 0, None, 0.0
     with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
@@ -65,12 +69,15 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int, te
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("choices") and chunk["choices"][0]["text"] and ttft is None:
-                ttft = time.perf_counter() - t0
+            if chunk.get("choices") and chunk["choices"][0]["text"]:
+                now = time.perf_counter()
+                ttft = now - t0 if ttft is None else ttft
+                pause, last = max(pause, now - last) if last is not None else 0.0, now
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     latency = time.perf_counter() - t0
-    return {"latency": latency, "ttft": ttft if ttft is not None else latency, "tokens": tokens}
+    return {"latency": latency, "ttft": ttft if ttft is not None else latency, "tokens": tokens, "pause": pause,
+            "long": len(prompt) > 100}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -91,6 +98,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server")
+    ap.add_argument("--long-prompt", type=int, default=0, help="client 0 sends prompts of this many characters")
+    ap.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk (0: off)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +109,8 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         env.pop("GPTLAB_API_KEY", None)
         cmd = [sys.executable, "-m", "gptlab.cli", "serve", ckpt, "--port", str(port), "--max-batch",
-               str(args.max_batch), "--max-queue", str(4 * args.clients), "--dtype", args.dtype]
+               str(args.max_batch), "--max-queue", str(4 * args.clients), "--dtype", args.dtype,
+               "--prefill-chunk", str(args.prefill_chunk)]
         server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 120
@@ -125,9 +135,11 @@ def main() -> None:
                 with httpx.Client(timeout=httpx.Timeout(10.0, read=120.0)) as c:
                     n = 0
                     while time.monotonic() < stop_at:
+                        prompt = PROMPTS[(i + n) % len(PROMPTS)]
+                        if i == 0 and args.long_prompt:
+                            prompt = (prompt * (args.long_prompt // len(prompt) + 1))[: args.long_prompt]
                         try:
-                            r = one_request(c, url, PROMPTS[(i + n) % len(PROMPTS)], args.max_tokens,
-                                            args.temperature)
+                            r = one_request(c, url, prompt, args.max_tokens, args.temperature)
                             with lock:
                                 results.append(r)
                         except Exception as e:  # noqa: BLE001 - counted and reported
@@ -161,6 +173,11 @@ def main() -> None:
     print(f"first tok p50 {percentile(ttft, 0.5) * 1000:.0f} ms   p99 {percentile(ttft, 0.99) * 1000:.0f} ms")
     if results:
         print(f"mean tokens per request: {statistics.mean(r['tokens'] for r in results):.1f}")
+    pauses = [r["pause"] for r in results if not r["long"]]
+    long = f", client 0's prompts {args.long_prompt} characters" if args.long_prompt else ""
+    print(f"longest pause between chunks of a short request: p50 {percentile(pauses, 0.5) * 1000:.0f} ms   "
+          f"p99 {percentile(pauses, 0.99) * 1000:.0f} ms   max {max(pauses, default=0) * 1000:.0f} ms "
+          f"(prefill chunk {args.prefill_chunk or 'off'}{long})")
     print(f"errors: {len(errors)}" + (f" (first: {errors[0]})" if errors else ""))
 
 
