@@ -362,6 +362,26 @@ def test_gptlab_optimizers_match_torch_optim() -> None:
                 q.data.copy_(p.data)
 
 
+def test_newton_schulz_zero_padding_is_exact_and_large_matrices_stack_by_shape() -> None:
+    from gptlab.optim import newton_schulz, newton_schulz_stacks
+
+    shapes = [(48, 16), (16, 16), (64, 16), (16, 64), (12, 40)]
+    ((idx, (rows, cols)),) = newton_schulz_stacks(shapes)  # small: one stack, padded to the largest
+    assert idx == [0, 1, 2, 3, 4] and (rows, cols) == (16, 64)
+    torch.manual_seed(0)
+    mats = [torch.randn(min(s), max(s)) for s in shapes]
+    padded = torch.zeros(len(mats), rows, cols)
+    for j, m in enumerate(mats):
+        padded[j, : m.shape[0], : m.shape[1]] = m
+    together = newton_schulz(padded, 5, (3.4445, -4.775, 2.0315), 1e-7)
+    for j, m in enumerate(mats):
+        alone = newton_schulz(m[None], 5, (3.4445, -4.775, 2.0315), 1e-7)[0]
+        assert torch.equal(together[j, : m.shape[0], : m.shape[1]], alone)
+        assert not together[j, m.shape[0] :].any() and not together[j, :, m.shape[1] :].any()
+    big = [(768, 2304), (768, 768), (3072, 768), (768, 3072), (768, 768)]
+    assert newton_schulz_stacks(big) == [([0], (768, 2304)), ([1, 4], (768, 768)), ([2, 3], (768, 3072))]
+
+
 # --- distributed -----------------------------------------------------------------------------------------------------
 def test_torchrun_ddp_matches_one_process(tmp_path: Path, data: Path) -> None:
     """2 processes (gloo) x 4 rows see the same global batches as 1 process x 2 micro-steps x 4 rows."""
