@@ -287,3 +287,14 @@ def test_16_concurrent_clients_get_what_each_gets_alone(served, client):
         together = list(pool.map(ask, range(16), timeout=120))
     assert together == alone
     assert state.scheduler.max_rows_seen > 1  # requests really shared decoding steps
+
+
+def test_serve_command_rejects_bad_flags_in_one_line(served, capsys, tmp_path):
+    from gptlab.cli import main
+
+    ckpt = str(tmp_path / "unused")  # the flags are checked before any model is loaded
+    for flags, words in [(["--max-batch", "0"], "--max-batch"), (["--prefill-chunk", "-1"], "--prefill-chunk"),
+                         (["--port", "70000"], "--port")]:
+        assert main(["serve", ckpt, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1
