@@ -289,7 +289,7 @@ def test_16_concurrent_clients_get_what_each_gets_alone(served, client):
     assert state.scheduler.max_rows_seen > 1  # requests really shared decoding steps
 
 
-def test_serve_command_rejects_bad_flags_in_one_line(served, capsys, tmp_path):
+def test_serve_command_rejects_bad_flags_in_one_line(capsys, tmp_path):
     from gptlab.cli import main
 
     ckpt = str(tmp_path / "unused")  # the flags are checked before any model is loaded
