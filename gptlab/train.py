@@ -140,6 +140,9 @@ class Trainer:
         self.tokens_per_step = cfg.batch_size * block
 
         self.fsdp = cfg.distributed == "fsdp" and self.world > 1  # one process has nothing to shard
+        if cfg.distributed == "fsdp" and self.world == 1 and not quiet:
+            print("note: distributed = fsdp shards over torchrun's processes; one process trains unsharded",
+                  file=sys.stderr)
         self.precision = Precision(self.model, cfg.dtype, self.device, cfg.attention_fp32, self.world > 1 or self.fsdp)
         if self.fsdp:  # in place, before the optimizers see the parameters: they become this process's shards
             shard_model(self.model)
