@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
-        if args.func in (_cmd_train, _cmd_eval, _cmd_sample, _cmd_serve):
+        if args.func in (_cmd_train, _cmd_eval, _cmd_sample):  # not serve: long-lived, with ever-changing sizes
             from gptlab.hardware import retain_freed_memory
 
             retain_freed_memory()  # big tensors made and freed every step reuse memory instead of page-faulting
