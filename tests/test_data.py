@@ -13,10 +13,10 @@ from _paths import TINY_SHAKESPEARE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptlab import data
+from gptlab import corpora, data
 from gptlab.cli import main
+from gptlab.corpora import SHAKESPEARE_SHA256
 from gptlab.data import (
-    SHAKESPEARE_SHA256,
     check_split_fits,
     chunk_text,
     iter_file_text,
@@ -248,7 +248,7 @@ def test_shakespeare_name_uses_the_cache_without_network(tmp_path: Path, monkeyp
     def no_network(url: str, dest: Path) -> None:
         raise AssertionError("must not download")
 
-    monkeypatch.setattr(data, "_download", no_network)
+    monkeypatch.setattr(corpora, "_download", no_network)
     assert resolve_inputs(["shakespeare"]) == [tmp_path / "tinyshakespeare.txt"]
 
 
@@ -262,9 +262,9 @@ def test_shakespeare_bad_cached_copy_is_downloaded_again_atomically(tmp_path: Pa
         assert dest.parent == tmp_path and dest.name != "tinyshakespeare.txt"  # a temp name, renamed after
         shutil.copy(TINY_SHAKESPEARE, dest)
 
-    monkeypatch.setattr(data, "_download", fake_download)
-    path = data.fetch_shakespeare()
-    assert calls == [data.SHAKESPEARE_URL] and path.read_bytes() == TINY_SHAKESPEARE.read_bytes()
+    monkeypatch.setattr(corpora, "_download", fake_download)
+    path = corpora.fetch_shakespeare()
+    assert calls == [corpora.SHAKESPEARE_URL] and path.read_bytes() == TINY_SHAKESPEARE.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tinyshakespeare.txt"]
 
 
@@ -276,7 +276,7 @@ def test_shakespeare_offline_is_a_one_line_error(tmp_path: Path, monkeypatch, ca
         dest.write_bytes(b"partial")
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setattr(data, "_download", offline)
+    monkeypatch.setattr(corpora, "_download", offline)
     rc, _, err = cli(capsys, "shakespeare", "--tokenizer", "char", "--out", str(tmp_path / "d"))
     assert err.startswith("downloading tiny Shakespeare to ")
     assert "gptlab prepare path/to/input.txt" in one_line_error(rc, err, notes=1)
@@ -285,9 +285,9 @@ def test_shakespeare_offline_is_a_one_line_error(tmp_path: Path, monkeypatch, ca
 
 def test_shakespeare_corrupt_download_is_rejected(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("GPTLAB_DATA_DIR", str(tmp_path))
-    monkeypatch.setattr(data, "_download", lambda url, dest: dest.write_text("<html>rate limited</html>"))
+    monkeypatch.setattr(corpora, "_download", lambda url, dest: dest.write_text("<html>rate limited</html>"))
     with pytest.raises(GptlabError, match="sha256"):
-        data.fetch_shakespeare()
+        corpora.fetch_shakespeare()
     assert list(tmp_path.iterdir()) == []
 
 
