@@ -47,6 +47,14 @@ class LeanOptimizer:
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[torch.Tensor, dict] = {}
 
+    def _stepping(self, group: dict, fresh_state) -> list[torch.Tensor]:  # noqa: ANN001 - param -> dict
+        """The group's parameters that have gradients, each given `fresh_state(p)` on its first step."""
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if not self.state.get(p):
+                self.state[p] = fresh_state(p)
+        return params
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
             for p in group["params"]:
@@ -80,13 +88,11 @@ class FusedAdamW(LeanOptimizer):
     @torch.no_grad()
     def step(self) -> None:
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = self._stepping(group, lambda p: {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                                      "exp_avg": torch.zeros_like(p),
+                                                      "exp_avg_sq": torch.zeros_like(p)})
             if not params:
                 continue
-            for p in params:
-                if not self.state.get(p):
-                    self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
             states = [self.state[p] for p in params]
             steps = [st["step"] for st in states]
             torch._foreach_add_(steps, 1)
@@ -127,13 +133,10 @@ class BatchedMuon(LeanOptimizer):
     @torch.no_grad()
     def step(self) -> None:
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = self._stepping(group, lambda p: {"momentum_buffer": torch.zeros_like(p)})
             if not params:
                 continue
             grads = [p.grad for p in params]
-            for p in params:
-                if not self.state.get(p):
-                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
             bufs = [self.state[p]["momentum_buffer"] for p in params]
             mu = group["momentum"]
             torch._foreach_mul_(bufs, mu)
