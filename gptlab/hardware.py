@@ -66,9 +66,11 @@ def _device_key(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def _probe(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
-    """Best FLOP/s of n x n x n matmuls over about `seconds`."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    """Best FLOP/s of n x n x n matmuls over about `seconds`. Draws from its own generator: a run's random
+    stream (init, dropout) must not depend on whether the probe ran or its result was cached."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a @ b  # warm-up: kernel selection, page faults
     sync()

@@ -466,3 +466,13 @@ def test_retained_freed_memory_stops_the_page_faults_of_big_tensors() -> None:
     assert applied
     assert before >= 5 * 2**24 * 4 // 4096 // 2  # about a fault per 4 KB page of every 64 MB tensor
     assert after < 1000
+
+
+def test_the_mfu_probe_leaves_torch_random_stream_alone() -> None:
+    """Whether a run probes the machine or finds the result cached, its dropout masks must be the same."""
+    from gptlab.hardware import _probe
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    _probe(torch.device("cpu"), torch.float32, 64, seconds=0.01)
+    assert torch.equal(torch.get_rng_state(), before)
