@@ -409,6 +409,8 @@ class Trainer:
             if self.world > 1:
                 import torch.distributed as dist
 
+                if sys.exc_info()[1] is None:  # leave together: a rank that exits while a peer still writes
+                    dist.barrier()  # the checkpoint can abort in gloo's teardown ("terminate called ...")
                 dist.destroy_process_group()
 
     _last_step_time = 0.0
