@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gptlab import GPT, GPTConfig
+from gptlab import GPT, GPTConfig, generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,7 +43,7 @@ def hf_model(model: GPT):  # noqa: ANN201
 
 
 def ours_generate(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
-    return model.generate(idx, n, temperature=0)
+    return generate(model, idx, n, temperature=0)
 
 
 @torch.inference_mode()

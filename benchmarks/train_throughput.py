@@ -32,16 +32,17 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:  # noqa: ANN001 - 
 def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
     """One `gptlab train` optimizer step, built from the trainer's own parts."""
     from gptlab.model import GPT
-    from gptlab.optim import build_optimizers
-    from gptlab.precision import Precision
-    from gptlab.trainer_config import build_train_config
+    from gptlab.train import build_train_config
+    from gptlab.train.optim import build_optimizers
+    from gptlab.train.precision import Precision
+    from gptlab.train.trainer import optimizer_spec
 
     cfg = build_train_config({"model": "gpt2", "optimizer": "adamw", "dtype": args.dtype, "block_size": args.seq,
                               "optimizer_impl": args.optimizer_impl, "attention_fp32": not args.bf16_attention})
     torch.manual_seed(0)
     model = GPT(cfg.model_config(vocab_size=50257)).train()
     precision = Precision(model, cfg.dtype, "cpu", cfg.attention_fp32, distributed=args.autocast)
-    optimizers = build_optimizers(model, cfg)
+    optimizers = build_optimizers(model, optimizer_spec(cfg))
     net = torch.compile(precision.train_module) if args.compile else precision.train_module
 
     def step() -> None:

@@ -1,27 +1,52 @@
 """gptlab: build, train, sample, serve and inspect GPT language models.
 
+The public API, in one place:
+
+    from gptlab import GPT, GPTConfig, generate, from_hf, save_hf, load_model, save_model
+
 `GPTConfig` is plain Python; the torch-backed names load on first use, so `gptlab --help`, `gptlab prepare` and
 data-loading worker processes don't pay for importing torch.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from gptlab.config import GPTConfig
 
 if TYPE_CHECKING:
-    from gptlab.model import GPT, KVCache, parameter_breakdown
+    from gptlab.checkpoint import save_model
+    from gptlab.generation import SamplingParams, generate, generate_batch, generate_stream
+    from gptlab.interop import from_hf, save_hf
+    from gptlab.kv_cache import KVCache
+    from gptlab.loading import load_model
+    from gptlab.model import GPT, parameter_breakdown
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "parameter_breakdown"]
 __version__ = "0.1.0"
 
-_LAZY = {"GPT": "gptlab.model", "KVCache": "gptlab.model", "parameter_breakdown": "gptlab.model"}
+_LAZY = {
+    "GPT": "gptlab.model",
+    "parameter_breakdown": "gptlab.model",
+    "KVCache": "gptlab.kv_cache",
+    "generate": "gptlab.generation",  # idx (B, T) -> (B, T + new), as nanoGPT's model.generate
+    "generate_batch": "gptlab.generation",
+    "generate_stream": "gptlab.generation",
+    "SamplingParams": "gptlab.generation",
+    "from_hf": "gptlab.interop",
+    "save_hf": "gptlab.interop",
+    "load_model": "gptlab.loading",  # a run, checkpoint or Hugging Face directory -> (model, tokenizer)
+    "save_model": "gptlab.checkpoint",
+}
+__all__ = ["GPT", "GPTConfig", "KVCache", "SamplingParams", "from_hf", "generate", "generate_batch", "generate_stream",
+           "load_model", "parameter_breakdown", "save_hf", "save_model"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'gptlab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

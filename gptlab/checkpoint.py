@@ -17,18 +17,20 @@ A run directory (`gptlab train --out`) holds:
     checkpoints/step-NNNNNNN/     the last `keep_last` training checkpoints
     checkpoints/best/             the best validation loss so far: weights, config, tokenizer, state.json
 
-`resolve_checkpoint` turns a run, a checkpoint or a Hugging Face directory into something loadable. Writes go
-through a temporary directory renamed into place, so a crash leaves the previous checkpoint intact and readers
-never see a partial one (temporary `.step-*.tmp-*` directories are skipped and pruned).
+Writes go through a temporary directory renamed into place (`gptlab.fileio`), so a crash leaves the previous
+checkpoint intact and readers never see a partial one (temporary `.step-*.tmp-*` directories are skipped and
+pruned). Which directory a path means (a run, a checkpoint, a Hugging Face directory) is `gptlab.loading`'s job.
+
+Loading follows one explicit rule (`load_weights`): a checkpoint holds exactly the tensors of the plain GPT its
+config describes. A model with modules added on top (adapters) takes it only when the caller says to keep those
+extra tensors as they are.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,73 +39,16 @@ from safetensors.torch import load_file, save_file
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
+from gptlab.fileio import atomic_write_dir, read_json_object
 from gptlab.model import GPT
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"
 BEST_NAME = "best"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Atomic writes
-# ------------------------------------------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (no-op where directories can't be opened, e.g. Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_dir(target: str | Path, write: Callable[[Path], None]) -> Path:
-    """Fill a fresh temporary directory with `write(tmp)`, fsync every file, then rename it to `target`.
-
-    A crash at any point leaves either the previous `target` or the new one, never a half-written one.
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        if target.exists():  # replace: move the old one aside first so the rename itself is atomic
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a text file through a temporary file, fsync and rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+TOKENIZER_FILES = ("tokenizer_meta.json", "tokenizer.json")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -164,16 +109,56 @@ def save_model(path: str | Path, model: torch.nn.Module, tokenizer: Any = None) 
 
 def with_tied_head(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """A saved tied matrix is stored once; `load_state_dict` wants it under the head's name too."""
-    if config.tie_embeddings:
+    if config.tie_embeddings and "transformer.wte.weight" in state:
         state.setdefault("lm_head.weight", state["transformer.wte.weight"])
     return state
 
 
-def assign_weights(model: GPT, state: dict[str, torch.Tensor]) -> GPT:
-    """Make `state`'s tensors the parameters of a GPT built on the meta device (no init, no copy)."""
-    model.load_state_dict(with_tied_head(state, model.config), strict=True, assign=True)
-    if model.config.tie_embeddings:
+def plain_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the plain GPT that `config` describes, with its shape (built on the meta device: free)."""
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in GPT(config).state_dict().items()}
+
+
+def load_weights(
+    model: GPT, state: dict[str, torch.Tensor], *, keep_extra: bool = False, assign: bool = False,
+    where: str = "the checkpoint",
+) -> list[str]:
+    """Put a checkpoint's tensors into `model`; returns the names of the model's tensors it left alone.
+
+    The rule: `state` holds exactly the tensors of the plain GPT that `model.config` describes (a tied head may
+    be stored once), each of the right shape. A model with more tensors than that (modules added on top, such
+    as adapters) is refused unless `keep_extra=True`, in which case those tensors keep their current values.
+    `assign=True` makes `state`'s tensors the parameters themselves (for a model built on the meta device)
+    instead of copying into the existing ones.
+    """
+    expected = plain_shapes(model.config)
+    state = with_tied_head(dict(state), model.config)
+    missing = [name for name in expected if name not in state]
+    if missing:
+        raise GptlabError(f"{where} lacks the weight {missing[0]!r}" + (f" and {len(missing) - 1} more"
+                                                                         if len(missing) > 1 else ""))
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise GptlabError(f"{where} has a weight the model has no place for: {unknown[0]!r}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise GptlabError(f"{where}: {name} has shape {tuple(state[name].shape)}, the model's config "
+                              f"implies {shape}")
+    extra = sorted(set(model.state_dict()) - set(expected))
+    if extra and not keep_extra:
+        raise GptlabError(f"the model has tensors a plain GPT checkpoint cannot fill ({extra[0]!r}"
+                          f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}); keep them explicitly "
+                          "(keep_extra=True) or load into a plain GPT")
+    model.load_state_dict(state, strict=False, assign=assign)
+    if assign and model.config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the shared Parameter: re-tie
+    return extra
+
+
+def assign_weights(model: GPT, state: dict[str, torch.Tensor], where: str = "the checkpoint") -> GPT:
+    """Make `state`'s tensors the parameters of a plain GPT built on the meta device (no init, no copy)."""
+    load_weights(model, state, assign=True, where=where)
     return model.eval()
 
 
@@ -183,24 +168,14 @@ def load_gptlab_model(
     config = GPTConfig.load(directory / CONFIG_FILE)
     with torch.device("meta"):
         model = GPT(config)
-    assign_weights(model, load_file(str(directory / MODEL_FILE), device=str(device)))
+    assign_weights(model, load_file(str(directory / MODEL_FILE), device=str(device)), where=str(directory))
     model.to(device=device, dtype=dtype)
     return model.eval()
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Finding checkpoints
+# A run directory's checkpoints
 # ------------------------------------------------------------------------------------------------------------
-def is_hf_dir(path: Path) -> bool:
-    cfg = path / CONFIG_FILE
-    if not cfg.is_file():
-        return False
-    try:
-        return "model_type" in json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     """The run's step checkpoints, oldest first (complete ones only: temporary directories are skipped)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
@@ -210,72 +185,22 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
-def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
-    """A checkpoint directory (or Hugging Face directory) from a run, checkpoint or HF path.
-
-    For a run directory, `prefer="best"` picks the best-validation checkpoint when there is one, else the
-    latest; `prefer="latest"` picks the latest step.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise GptlabError(f"{path} does not exist: pass a run directory, a checkpoint directory or a "
-                          "Hugging Face one")
-    if path.is_file():
-        if path.name == MODEL_FILE:
-            return path.parent
-        raise GptlabError(f"{path} is a file: pass the directory that holds {MODEL_FILE} and {CONFIG_FILE}")
-    if (path / MODEL_FILE).is_file() and (path / CONFIG_FILE).is_file() or is_hf_dir(path):
-        return path
-    best = path / CHECKPOINTS_DIR / BEST_NAME
-    steps = list_step_checkpoints(path)
-    if prefer == "best" and (best / MODEL_FILE).is_file():
-        return best
-    if steps:
-        return steps[-1]
-    if (best / MODEL_FILE).is_file():
-        return best
-    raise GptlabError(f"no checkpoint found in {path}: expected {MODEL_FILE} + {CONFIG_FILE}, a run "
-                      f"directory with {CHECKPOINTS_DIR}/step-*/, or a Hugging Face model directory")
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
 
 
-def load_model(
-    path: str | Path,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    prefer: str = "best",
-) -> tuple[GPT, Any]:
-    """Load (model, tokenizer) from a run, checkpoint or Hugging Face directory (tokenizer: None if none)."""
-    directory = resolve_checkpoint(path, prefer=prefer)
-    if is_hf_dir(directory):
-        from gptlab.interop import from_hf
-
-        model = from_hf(directory, device=device, dtype=dtype)
-    else:
-        model = load_gptlab_model(directory, device=device, dtype=dtype)
-    return model, _try_load_tokenizer(directory)
-
-
-def _try_load_tokenizer(directory: Path) -> Any:
-    from gptlab.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(directory)
-    except GptlabError:
-        return None
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step checkpoints, and leftovers of interrupted writes."""
+    for old in list_step_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    for tmp in root.glob(".*.tmp-*") if root.is_dir() else []:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Training checkpoints: weights + optimizer state (safetensors) + trainer state (JSON)
 # ------------------------------------------------------------------------------------------------------------
-OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "state.json"
-TOKENIZER_FILES = ("tokenizer_meta.json", "tokenizer.json")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
 def optimizer_to_flat(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Optimizer state as flat tensors `opt{i}.{param}.{name}`, plus JSON-able param groups and scalars."""
     tensors: dict[str, torch.Tensor] = {}
@@ -325,27 +250,31 @@ def optimizer_from_flat(
         opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def save_training_checkpoint(
+def save_checkpoint(
     directory: str | Path,
     model: torch.nn.Module,
-    optimizers: list[torch.optim.Optimizer],
     state: dict[str, Any],
+    optimizers: Sequence[torch.optim.Optimizer] = (),
     tokenizer_dir: str | Path | None = None,
     writer: bool = True,
 ) -> Path | None:
-    """Write a resumable checkpoint atomically: model.safetensors, config.json, optimizer.safetensors,
-    state.json and the tokenizer files copied from `tokenizer_dir` (the data directory).
+    """Write a training checkpoint atomically: model.safetensors, config.json, state.json (`state`), the
+    tokenizer files copied from `tokenizer_dir` (the data directory) and, when there are optimizers,
+    optimizer.safetensors with their state in state.json (a resumable checkpoint).
 
     Under FSDP every process calls this (the shards are gathered) and only the `writer` writes."""
     weights = model_state_dict(model)
-    tensors, described = optimizer_to_flat(optimizers)
+    tensors, described = optimizer_to_flat(list(optimizers))
     if not writer:
         return None
+    if optimizers:
+        state = {**state, "optimizers": described}
 
     def write(tmp: Path) -> None:
         write_model(tmp, model, weights=weights)
-        save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"library": "gptlab"})
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "optimizers": described}, indent=1) + "\n")
+        if optimizers:
+            save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"library": "gptlab"})
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
         for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
             src = Path(tokenizer_dir) / name
             if src.is_file():
@@ -360,24 +289,13 @@ def load_training_checkpoint(
     """Load weights into `model` and state into `optimizers`, in place; returns state.json's trainer state."""
     directory = Path(directory)
     plain = unwrap_model(model)
-    weights = with_tied_head(load_file(str(directory / MODEL_FILE)), plain.config)
+    weights = load_file(str(directory / MODEL_FILE))
     current = plain.state_dict()
     weights = {k: shard_like(v, current[k]) if k in current else v for k, v in weights.items()}  # FSDP: shard them
-    with torch.no_grad():
-        plain.load_state_dict(
-            weights, strict=True
-        )  # copies into the existing parameters: optimizers stay valid
-    state = json.loads((directory / STATE_FILE).read_text())
+    with torch.no_grad():  # copies into the existing parameters: optimizers stay valid
+        load_weights(plain, weights, where=str(directory))
+    state = read_json_object(directory / STATE_FILE)
     device = next(plain.parameters()).device
     tensors = load_file(str(directory / OPTIMIZER_FILE), device=str(device))
     optimizer_from_flat(optimizers, tensors, state.pop("optimizers"))
     return state
-
-
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` step checkpoints, and leftovers of interrupted writes."""
-    for old in list_step_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    for tmp in root.glob(".*.tmp-*") if root.is_dir() else []:
-        shutil.rmtree(tmp, ignore_errors=True)

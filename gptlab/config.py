@@ -7,26 +7,21 @@ The GPT-2 family and the modern (Llama / NeoX style) family differ only in these
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from gptlab.fileio import atomic_write_json, read_json_object
 
 NormKind = Literal["layernorm", "rmsnorm"]
 PositionKind = Literal["learned", "rope", "none"]
 MLPKind = Literal["gelu", "swiglu", "relu2"]
 BlockKind = Literal["pre", "post", "parallel"]
 AttentionKind = Literal["sdpa", "manual"]
-
-_CHOICES = {
-    "norm": ("layernorm", "rmsnorm"),
-    "position": ("learned", "rope", "none"),
-    "mlp": ("gelu", "swiglu", "relu2"),
-    "block": ("pre", "post", "parallel"),
-    "attention": ("sdpa", "manual"),
-    "gelu_approximate": ("tanh", "none"),
-}
+GeluApproximate = Literal["tanh", "none"]
 
 
 @dataclass
@@ -48,7 +43,7 @@ class GPTConfig:
     rotary_fraction: float = 1.0  # share of each head's dims that RoPE rotates (0.25 for GPT-NeoX / Pythia)
     # --- feed-forward ---
     mlp: MLPKind = "gelu"
-    gelu_approximate: Literal["tanh", "none"] = "tanh"  # GPT-2 uses the tanh approximation; NeoX the exact GELU
+    gelu_approximate: GeluApproximate = "tanh"  # GPT-2 uses the tanh approximation; NeoX the exact GELU
     mlp_hidden: int | None = None  # explicit hidden size; else mlp_ratio * n_embd rounded up to mlp_multiple
     mlp_ratio: float = 4.0
     mlp_multiple: int = 1
@@ -70,7 +65,7 @@ class GPTConfig:
     # ------------------------------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent setting."""
-        for key, choices in _CHOICES.items():
+        for key, choices in choices_of(type(self)).items():
             if getattr(self, key) not in choices:
                 raise ValueError(f"{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
@@ -145,8 +140,26 @@ class GPTConfig:
         return dataclasses.replace(self, **changes)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_json(path, self.to_dict(), indent=2)
 
     @classmethod
     def load(cls, path: str | Path) -> GPTConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        return cls.from_dict(read_json_object(path))
+
+    def describe(self) -> str:
+        """One line naming the architecture's switches (`gptlab info`)."""
+        kv = "" if self.n_kv_head == self.n_head else f", {self.n_kv_head} kv heads"
+        blocks = {"pre": "pre-norm", "post": "post-norm", "parallel": "parallel"}[self.block]
+        return (f"{self.n_layer} layers, {self.n_head} heads{kv}, width {self.n_embd}, context {self.block_size}, "
+                f"vocab {self.vocab_size}; {self.norm}, {self.position} positions, {self.mlp} mlp "
+                f"(hidden {self.hidden_size}), {blocks} blocks, "
+                f"{'tied' if self.tie_embeddings else 'untied'} head, {'with' if self.bias else 'no'} bias")
+
+
+@functools.cache
+def choices_of(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The allowed values of every Literal-typed field of a dataclass, read from its type hints: the one place
+    choices are written is the type itself."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}

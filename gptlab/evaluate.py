@@ -1,4 +1,4 @@
-"""Validation loss over a whole split, and `gptlab eval`.
+"""Validation loss over a whole split (training's evaluation, and `gptlab eval`).
 
 The split is cut into non-overlapping windows of block_size tokens; window w predicts tokens w*T+1 .. w*T+T
 from the ones before it inside the window, so every token but the first is scored exactly once (the last,
@@ -7,16 +7,18 @@ shorter window included). Loss is the mean cross-entropy in nats over those targ
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from gptlab.data import load_split, read_meta
 from gptlab.errors import GptlabError
+from gptlab.tokenizer import optional_tokenizer
 
 
 @dataclass
@@ -83,56 +85,49 @@ def default_batch_size(block_size: int, vocab_size: int, device_type: str = "cpu
     return max(1, min(tokens, 2**27 // vocab_size) // block_size)
 
 
-def split_bytes(data_dir: str, split: str, data: np.ndarray) -> int | None:
+def split_bytes(data_dir: str | Path, data: np.ndarray) -> int | None:
     """UTF-8 bytes of a split's scored targets (tokens 1..N-1), by decoding them; None without a tokenizer."""
-    from gptlab.tokenizer import load_tokenizer
-
-    try:
-        tok = load_tokenizer(data_dir)
-    except GptlabError:
+    tok, _ = optional_tokenizer(data_dir)
+    if tok is None:
         return None
     return len(tok.decode_bytes(np.asarray(data[1:]).tolist()))
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """`gptlab eval RUN_OR_CHECKPOINT --data DATA_DIR [--split val] [--json]` (arguments in gptlab/cli.py)."""
-    from gptlab.checkpoint import load_model
-    from gptlab.data import load_split, read_meta
+def evaluate_split(
+    model: torch.nn.Module,
+    data_dir: str | Path,
+    split: str = "val",
+    *,
+    block_size: int | None = None,
+    batch_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """`gptlab eval`: loss, perplexity and bits per byte of a model over a whole split of a data directory.
 
-    meta = read_meta(args.data)
-    data = load_split(args.data, args.split)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model, _ = load_model(args.checkpoint, device=device)
+    Returns {"<split>_loss", "perplexity", "bits_per_byte" (None without a tokenizer), "tokens", "bytes",
+    "block_size", "split"}. A low-precision `dtype` runs the matmuls under autocast, attention in fp32."""
+    meta = read_meta(data_dir)
+    data = load_split(data_dir, split)
     if model.config.vocab_size < int(meta["vocab_size"]):
         raise GptlabError(
             f"the model's vocabulary ({model.config.vocab_size}) is smaller than the data's "
             f"({meta['vocab_size']}): was it trained on another tokenizer?"
         )
     autocast = None
-    if args.dtype != "float32":
-        autocast = torch.autocast(torch.device(device).type, dtype=getattr(torch, args.dtype))
+    if dtype != torch.float32:
+        autocast = torch.autocast(torch.device(device).type, dtype=dtype)
         model.set_attention_dtype(torch.float32)
-    block_size = model.config.block_size if args.block_size is None else args.block_size
-    result = evaluate_loss(
-        model, data, block_size, batch_size=args.batch_size, device=device, autocast=autocast
-    )
-    n_bytes = split_bytes(args.data, args.split, data)
+    block_size = model.config.block_size if block_size is None else block_size
+    result = evaluate_loss(model, data, block_size, batch_size=batch_size, device=device, autocast=autocast)
+    n_bytes = split_bytes(data_dir, data)
     bpb = result.loss * result.tokens / (math.log(2) * n_bytes) if n_bytes else None
-    out = {
-        f"{args.split}_loss": result.loss,
+    return {
+        f"{split}_loss": result.loss,
         "perplexity": result.perplexity,
         "bits_per_byte": bpb,
         "tokens": result.tokens,
         "bytes": n_bytes,
         "block_size": block_size,
-        "split": args.split,
+        "split": split,
     }
-    if args.json:
-        print(json.dumps(out))
-    else:
-        bpb_text = f"{bpb:.4f}" if bpb is not None else "n/a (no tokenizer in the data directory)"
-        print(
-            f"{args.split} loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  bits/byte {bpb_text}  "
-            f"({result.tokens:,} tokens, block_size {block_size})"
-        )
-    return 0

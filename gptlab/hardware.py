@@ -1,4 +1,7 @@
-"""This machine: its peak matmul throughput for MFU, and how the process's allocator should behave.
+"""This machine: which device to run on, its peak matmul throughput for MFU, and how the process's allocator
+should behave.
+
+`resolve_device` turns a --device flag ("auto", "cpu", "cuda:1") into a device that exists, or a one-line error.
 
 `retain_freed_memory` keeps glibc from handing large freed blocks back to the OS (see its docstring): on CPUs
 it takes hundreds of thousands of page faults out of every GPT-2-sized training step.
@@ -22,7 +25,23 @@ from pathlib import Path
 
 import torch
 
+from gptlab.errors import GptlabError
+from gptlab.fileio import atomic_write_json
+
 CACHE_FILE = "hardware.json"
+
+
+def resolve_device(name: str = "auto") -> str:
+    """"auto" is "cuda" when a GPU is there, else "cpu"; a CUDA device on a machine without CUDA is an error."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise GptlabError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    try:
+        torch.device(name)
+    except RuntimeError as e:
+        raise GptlabError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N ({e})") from None
+    return name
 
 
 def retain_freed_memory() -> bool:
@@ -99,9 +118,7 @@ def peak_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.fl
     flops = _probe(device, dtype, n, seconds=0.5 if device.type == "cuda" else 0.25)
     cached[key] = flops
     try:
-        from gptlab.checkpoint import atomic_write_text
-
-        atomic_write_text(path, json.dumps(cached, indent=1) + "\n")
+        atomic_write_json(path, cached)
     except OSError:
         pass  # a read-only home: measure again next time
     return flops

@@ -1,8 +1,8 @@
 """One configurable GPT: the GPT-2 family and the modern (Llama / NeoX) family, switched by `GPTConfig`.
 
-Reads top to bottom: norms, rotary embeddings, attention (fused and manual), feed-forward, block, the model, and the
-KV cache for incremental decoding. Shapes: B batch, T sequence, C n_embd, nh query heads, nkv key/value heads,
-hs head size.
+Reads top to bottom: norms, rotary embeddings, attention (fused and manual), feed-forward, block, the model. The KV
+cache for incremental decoding is an object of its own (`gptlab.kv_cache`) whose methods the forward calls.
+Shapes: B batch, T sequence, C n_embd, nh query heads, nkv key/value heads, hs head size.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.config import GPTConfig
+from gptlab.kv_cache import KVCache
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -56,9 +57,9 @@ class CausalSelfAttention(nn.Module):
     # is slow. None: the dtype the projections produce.
     attention_dtype: torch.dtype | None = None
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.layer = config, layer  # the layer's index: its slot in a KV cache
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
         # q, k and v in one matmul: nh query heads then nkv key heads then nkv value heads
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_size, bias=config.bias)
@@ -70,7 +71,7 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
-        cache: tuple | None,
+        kv_cache: KVCache | None,
         manual: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = x.shape
@@ -87,19 +88,11 @@ class CausalSelfAttention(nn.Module):
             k = F.rms_norm(k, (hs,), eps=self.config.norm_eps)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is not None:
-            # write the new keys/values at each row's positions, then attend over everything cached so far
-            k_buf, v_buf, where, end = cache  # bufs (B, nkv, max_len, hs); see GPT.hidden_states for `where`
-            if isinstance(where, int):  # every row writes at the same positions: a plain slice copy
-                k_buf[:, :, where : where + T] = k
-                v_buf[:, :, where : where + T] = v
-            else:  # row b writes at its positions pos[b] (index_put: bf16 scatter_ copies the whole buffer)
-                rows, pos = where  # (B, 1), (B, T)
-                k_buf[rows, :, pos] = k.transpose(1, 2).to(k_buf.dtype)  # indexed view is (B, T, nkv, hs)
-                v_buf[rows, :, pos] = v.transpose(1, 2).to(v_buf.dtype)
+        if kv_cache is not None:  # store the new keys/values, then attend over everything cached so far
+            k, v = kv_cache.append(self.layer, k, v)  # (B, nkv, T_k, hs)
             # attend in the wider of the two dtypes: a float32 cache under bf16 weights gives float32 attention
-            dtype = torch.promote_types(q.dtype, k_buf.dtype)
-            q, k, v = q.to(dtype), k_buf[:, :, :end].to(dtype), v_buf[:, :, :end].to(dtype)  # (B, nkv, T_k, hs)
+            dtype = torch.promote_types(q.dtype, k.dtype)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
         dropout_p = self.config.dropout if self.training else 0.0
         # autocast would cast SDPA's inputs back to its low-precision dtype: switch it off for an explicit dtype
@@ -163,70 +156,27 @@ class MLP(nn.Module):
 # Block: pre-norm, post-norm or parallel residual
 # ---------------------------------------------------------------------------------------------------------------------
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.layout = config.block
         self.ln_1 = make_norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, mask, cache, manual):  # noqa: ANN001, ANN201 - internal, see GPT.forward
+    def forward(self, x, rope, mask, kv_cache, manual):  # noqa: ANN001, ANN201 - internal, see GPT.forward
         if self.layout == "pre":  # x + f(norm(x)): GPT-2, Llama
-            a, w = self.attn(self.ln_1(x), rope, mask, cache, manual)
+            a, w = self.attn(self.ln_1(x), rope, mask, kv_cache, manual)
             x = x + a
             x = x + self.mlp(self.ln_2(x))
         elif self.layout == "parallel":  # x + attn(norm1(x)) + mlp(norm2(x)): GPT-J, GPT-NeoX
-            a, w = self.attn(self.ln_1(x), rope, mask, cache, manual)
+            a, w = self.attn(self.ln_1(x), rope, mask, kv_cache, manual)
             x = x + a + self.mlp(self.ln_2(x))
         else:  # post: norm(x + f(x)), the original transformer
-            a, w = self.attn(x, rope, mask, cache, manual)
+            a, w = self.attn(x, rope, mask, kv_cache, manual)
             x = self.ln_1(x + a)
             x = self.ln_2(x + self.mlp(x))
         return x, w
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# KV cache
-# ---------------------------------------------------------------------------------------------------------------------
-class KVCache:
-    """Keys and values of every layer, allocated once, plus the number of tokens each row holds.
-
-    Rows are independent: row b's next tokens go to positions lengths[b], lengths[b] + 1, ...; a row can be rewound
-    or restarted by setting its length (stale entries beyond it are never attended to).
-    """
-
-    def __init__(
-        self,
-        config: GPTConfig,
-        batch_size: int,
-        max_len: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        self.max_len = max_len or config.block_size
-        shape = (config.n_layer, batch_size, config.n_kv_head, self.max_len, config.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-    def reset(self) -> None:
-        self.lengths.zero_()
-
-    def rows(self, start: int, stop: int) -> KVCache:
-        """Rows start..stop-1 as a cache of their own that shares this one's storage (no copy).
-
-        A forward through it reads and writes those rows only, e.g. to prefill a new request's row while other
-        rows are mid-generation."""
-        view = object.__new__(KVCache)
-        view.max_len = self.max_len
-        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
-        view.lengths = self.lengths[start:stop]  # a view: the forward's in-place `+=` updates this cache too
-        return view
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -241,7 +191,7 @@ class GPT(nn.Module):
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 # a post-norm block already ends in a norm, so the final norm would be redundant
                 ln_f=make_norm(config) if config.block != "post" else nn.Identity(),
             )
@@ -313,26 +263,8 @@ class GPT(nn.Module):
         if kv_cache is None:
             pos = torch.arange(T, device=device)[None]  # (1, T)
             mask = None  # plain causal attention
-            caches = [None] * cfg.n_layer
         else:
-            lo, hi = (int(n) for n in torch.aminmax(kv_cache.lengths))
-            end = hi + T
-            if end > kv_cache.max_len:
-                raise ValueError(f"the KV cache holds {kv_cache.max_len} tokens per row; this step needs {end}")
-            if lo == hi:  # fast path: every row at the same length shares positions, and writes are slices
-                pos = torch.arange(lo, end, device=device)[None]  # (1, T)
-                where = lo
-            else:
-                pos = kv_cache.lengths[:, None] + torch.arange(T, device=device)  # (B, T): each row's own
-                where = (torch.arange(B, device=device)[:, None], pos)
-            # query at position p sees cached keys at positions <= p (stale entries past a row's end never
-            # qualify). No mask is needed when rows share a length and either one token is added (it sees
-            # every key) or the cache was empty (plain causal).
-            mask = None
-            if lo != hi or (T > 1 and lo > 0):
-                keys = torch.arange(end, device=device)
-                mask = keys[None, None, None, :] <= pos[:, None, :, None]  # (B or 1, 1, T, end)
-            caches = [(kv_cache.k[i], kv_cache.v[i], where, end) for i in range(cfg.n_layer)]
+            pos, mask = kv_cache.begin(T)  # (1 or B, T) positions; which cached keys each query sees
 
         x = self.transformer.wte(idx)  # (B, T, C)
         if cfg.position == "learned":
@@ -341,12 +273,12 @@ class GPT(nn.Module):
         rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
 
         attentions = []
-        for block, cache in zip(self.transformer.h, caches, strict=True):
-            x, weights = block(x, rope, mask, cache, manual)
+        for block in self.transformer.h:
+            x, weights = block(x, rope, mask, kv_cache, manual)
             attentions.append(weights)
         x = self.transformer.ln_f(x)
         if kv_cache is not None:
-            kv_cache.lengths += T
+            kv_cache.advance(T)
         return (x, attentions) if return_attention else x
 
     def _check_input(self, idx: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
@@ -379,28 +311,29 @@ class GPT(nn.Module):
 
     # --- parameters ------------------------------------------------------------------------------------------------
     def parameter_groups_by_kind(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
-        """Parameters by role: "embedding" (token and position tables, the tied head), "head" (an untied LM head),
-        "matrix" (hidden-layer weight matrices: Muon's and weight decay's target), "vector" (biases, norm weights)."""
+        """Trainable parameters by role: "embedding" (token and position tables, the tied head), "head" (an untied
+        LM head), "matrix" (hidden-layer weight matrices: Muon's and weight decay's target), "vector" (biases, norm
+        weights). Frozen parameters (requires_grad False, e.g. a base model under adapters) are left out."""
         kinds: dict[str, list[tuple[str, nn.Parameter]]] = {"embedding": [], "head": [], "matrix": [], "vector": []}
         for name, p in self.named_parameters():  # tied weights appear once
-            if name.startswith(("transformer.wte", "transformer.wpe")):
-                kinds["embedding"].append((name, p))
-            elif name.startswith("lm_head"):
-                kinds["head"].append((name, p))
-            elif p.dim() >= 2:
-                kinds["matrix"].append((name, p))
+            if not p.requires_grad:
+                continue
+            component = parameter_component(name)
+            if component in ("embeddings", "head"):
+                kinds["embedding" if component == "embeddings" else "head"].append((name, p))
             else:
-                kinds["vector"].append((name, p))
+                kinds["matrix" if p.dim() >= 2 else "vector"].append((name, p))
         return kinds
 
     def optimizer_groups(self, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
-        """AdamW parameter groups: decay on weight matrices (and optionally embeddings / head), none on
-        biases and norms."""
+        """AdamW parameter groups of the trainable parameters: decay on weight matrices (and optionally embeddings
+        / head), none on biases and norms. Empty groups are left out."""
         kinds = self.parameter_groups_by_kind()
         decay = [p for _, p in kinds["matrix"]]
         no_decay = [p for _, p in kinds["vector"]]
         (decay if decay_embeddings else no_decay).extend(p for _, p in kinds["embedding"] + kinds["head"])
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
 
     def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
         """Compute attention (and qk-norm, RoPE) in `dtype` whatever the weights' or autocast's dtype; None resets."""
@@ -408,50 +341,12 @@ class GPT(nn.Module):
             block.attn.attention_dtype = dtype
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        kinds = self.parameter_groups_by_kind()
-        skip = {"embedding"} if exclude_embeddings else set()
-        return sum(p.numel() for kind, ps in kinds.items() if kind not in skip for _, p in ps)
+        """All parameters (tied ones once), trainable or not; without the embedding tables if asked."""
+        return sum(p.numel() for name, p in self.named_parameters()
+                   if not (exclude_embeddings and parameter_component(name) == "embeddings"))
 
     def iter_blocks(self) -> Iterator[Block]:
         return iter(self.transformer.h)
-
-    # --- Hugging Face interop (gptlab.interop does the work; imported lazily, as it imports this module) ---
-    @classmethod
-    def from_hf(
-        cls, path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
-    ) -> GPT:
-        """Load a local Hugging Face directory (GPT-2, Llama, GPT-NeoX); see `gptlab.interop.from_hf`."""
-        from gptlab.interop import from_hf
-
-        return from_hf(path, device=device, dtype=dtype)
-
-    def save_hf(self, path: str) -> None:
-        """Write a directory transformers loads; see `gptlab.interop.save_hf`."""
-        from gptlab.interop import save_hf
-
-        save_hf(self, path)
-
-    # --- generation (gptlab.generate does the work; imported lazily, as it imports this module) ----------
-    @torch.no_grad()  # not inference_mode: the returned tensor may be used in autograd later (e.g. as data)
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        **controls,  # noqa: ANN003 - min_p, penalties, seed, stop_token_ids, pad_id, truncate_prompt
-    ) -> torch.Tensor:
-        """Continue idx (B, T) by max_new_tokens tokens: (B, T + max_new_tokens), KV-cached and batched.
-
-        temperature 0 is greedy. Other controls (min_p, repetition_penalty, frequency_penalty,
-        presence_penalty, seed, stop_token_ids, pad_id, truncate_prompt) are those of
-        `gptlab.generate.SamplingParams` / `generate_tensor`. A prompt of block_size tokens or more raises
-        ValueError unless truncate_prompt=True.
-        """
-        from gptlab.generate import generate_tensor
-
-        return generate_tensor(self, idx, max_new_tokens, temperature, top_k, top_p, **controls)
 
 
 def parameter_breakdown(config: GPTConfig) -> dict[str, int]:
@@ -462,18 +357,25 @@ def parameter_breakdown(config: GPTConfig) -> dict[str, int]:
     """
     with torch.device("meta"):
         model = GPT(config)
-    counts = dict.fromkeys(("embeddings", "attention", "mlp", "norms", "head"), 0)
+    counts = dict.fromkeys(COMPONENTS, 0)
     for name, p in model.named_parameters():
-        if name.startswith(("transformer.wte", "transformer.wpe")):
-            key = "embeddings"
-        elif name.startswith("lm_head"):
-            key = "head"
-        elif ".attn." in name:
-            key = "attention"
-        elif ".mlp." in name:
-            key = "mlp"
-        else:
-            key = "norms"
-        counts[key] += p.numel()
+        counts[parameter_component(name)] += p.numel()
     counts["total"] = sum(counts.values())
     return counts
+
+
+COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
+
+
+def parameter_component(name: str) -> str:
+    """The component a parameter belongs to, from its name: "embeddings" (token and position tables, and a tied
+    head, which is the token table), "head" (an untied LM head), "attention", "mlp", or "norms"."""
+    if name.startswith(("transformer.wte", "transformer.wpe")):
+        return "embeddings"
+    if name.startswith("lm_head"):
+        return "head"
+    if ".attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    return "norms"

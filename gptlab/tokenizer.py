@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.errors import GptlabError
+from gptlab.fileio import atomic_write_text, read_json_object
 
 META_FILE = "tokenizer_meta.json"
 HF_FILE = "tokenizer.json"
@@ -53,13 +54,6 @@ def _as_int_list(ids: Iterable[int]) -> list[int]:
         out = ids.tolist()  # type: ignore[union-attr]
         return out if isinstance(out, list) else [out]
     return [int(i) for i in ids]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # temp name + rename: a crash never leaves a truncated file under the real name
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class Tokenizer:
@@ -102,7 +96,7 @@ class Tokenizer:
     def save(self, directory: str | os.PathLike[str]) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        _write_atomic(d / META_FILE, json.dumps(self._meta(), indent=1) + "\n")
+        atomic_write_text(d / META_FILE, json.dumps(self._meta(), indent=1) + "\n")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
@@ -366,21 +360,11 @@ class HFTokenizer(Tokenizer):
     def save(self, directory: str | os.PathLike[str]) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        _write_atomic(d / HF_FILE, self._json)
+        atomic_write_text(d / HF_FILE, self._json)
         super().save(d)
 
 
 # --- loading ----------------------------------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise GptlabError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise GptlabError(f"{path} should hold a JSON object")
-    return data
 
 
 def _token_content(tok: Any) -> str | None:
@@ -412,7 +396,7 @@ def _load_hf_dir(d: Path) -> HFTokenizer:
         tok.decoder = decoders.ByteLevel()
         if tok.token_to_id(EOT_TEXT) is not None:
             tok.add_special_tokens([EOT_TEXT])
-    cfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+    cfg = read_json_object(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -424,7 +408,7 @@ def _load_hf_dir(d: Path) -> HFTokenizer:
     if eot_id is None:
         for f in ("generation_config.json", "config.json"):
             if eot_id is None and (d / f).is_file():
-                eot_id = _first_int(_read_json(d / f).get("eos_token_id"))
+                eot_id = _first_int(read_json_object(d / f).get("eos_token_id"))
     if eot_id is None:
         eot_id = tok.token_to_id(EOT_TEXT)
     bos = _token_content(cfg.get("bos_token"))
@@ -440,7 +424,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
     if not d.is_dir():
         raise GptlabError(f"tokenizer directory {d} does not exist")
     if (d / META_FILE).is_file():
-        meta = _read_json(d / META_FILE)
+        meta = read_json_object(d / META_FILE)
         kind = meta.get("kind")
         if kind == "char":
             chars = meta.get("chars")
@@ -463,3 +447,12 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
         f"no tokenizer in {d}: expected {META_FILE} (written by gptlab) or a Hugging Face {HF_FILE} "
         "(or vocab.json + merges.txt)"
     )
+
+
+def optional_tokenizer(directory: str | os.PathLike[str]) -> tuple[Tokenizer | None, str]:
+    """The tokenizer saved in `directory`, or (None, why not) when it has none: a model directory need not
+    carry one."""
+    try:
+        return load_tokenizer(directory), ""
+    except GptlabError as e:
+        return None, str(e)

@@ -8,23 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from gptlab import checkpoint as ckpt
-from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
+from gptlab.loading import load_model, resolve_checkpoint
 from gptlab.model import GPT
-from gptlab.optim import build_optimizers
-from gptlab.trainer_config import TrainConfig
+from gptlab.train.optim import OptimizerSpec, build_optimizers
 
 
-def tiny_model(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=40))
+def small_model(seed: int = 0) -> GPT:
+    return tiny_model(block_size=16, vocab_size=40, seed=seed)
 
 
 def trained(optimizer: str, impl: str = "torch") -> tuple[GPT, list]:
-    model = tiny_model()
-    opts = build_optimizers(model, TrainConfig(optimizer=optimizer, optimizer_impl=impl))
+    model = small_model()
+    opts = build_optimizers(model, OptimizerSpec(kind=optimizer, impl=impl))
     x = torch.randint(0, 40, (4, 17))
     for _ in range(3):
         model(x[:, :-1], x[:, 1:])[1].backward()
@@ -37,9 +36,9 @@ def trained(optimizer: str, impl: str = "torch") -> tuple[GPT, list]:
 @pytest.mark.parametrize(("optimizer", "impl"), [("adamw", "torch"), ("muon", "torch"), ("muon", "gptlab")])
 def test_optimizer_state_round_trips(tmp_path: Path, optimizer: str, impl: str) -> None:
     model, opts = trained(optimizer, impl)
-    path = ckpt.save_training_checkpoint(tmp_path / "step-0000003", model, opts, {"step": 3})
-    fresh = tiny_model(seed=1)
-    fresh_opts = build_optimizers(fresh, TrainConfig(optimizer=optimizer, optimizer_impl=impl))
+    path = ckpt.save_checkpoint(tmp_path / "step-0000003", model, {"step": 3}, opts)
+    fresh = small_model(seed=1)
+    fresh_opts = build_optimizers(fresh, OptimizerSpec(kind=optimizer, impl=impl))
     state = ckpt.load_training_checkpoint(path, fresh, fresh_opts)
     assert state == {"step": 3}
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
@@ -59,24 +58,39 @@ def test_optimizer_state_round_trips(tmp_path: Path, optimizer: str, impl: str) 
 
 def test_checkpoint_files_are_safetensors_and_json_only(tmp_path: Path) -> None:
     model, opts = trained("muon")
-    path = ckpt.save_training_checkpoint(tmp_path / "c", model, opts, {"step": 3})
+    path = ckpt.save_checkpoint(tmp_path / "c", model, {"step": 3}, opts)
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json", "model.safetensors", "optimizer.safetensors", "state.json"]
     state = json.loads((path / "state.json").read_text())
     assert [o["type"] for o in state["optimizers"]] == ["Muon", "AdamW"]
     # the other implementation's state does not load silently
     with pytest.raises(GptlabError, match="BatchedMuon"):
-        ckpt.load_training_checkpoint(path, tiny_model(), build_optimizers(tiny_model(), TrainConfig(
-            optimizer="muon", optimizer_impl="gptlab")))
+        other = small_model()
+        ckpt.load_training_checkpoint(path, other, build_optimizers(other, OptimizerSpec(kind="muon", impl="gptlab")))
     for f in path.iterdir():
         assert not f.read_bytes().startswith(b"\x80")  # no pickle protocol header
+
+
+def test_a_checkpoint_without_optimizers_is_a_model_with_its_tokenizer(tmp_path: Path) -> None:
+    """What checkpoints/best/ holds: weights, config, state.json and the data's tokenizer; no optimizer state."""
+    model, _ = trained("adamw")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "tokenizer_meta.json").write_text('{"kind": "char", "chars": "abc"}')
+    path = ckpt.save_checkpoint(tmp_path / "best", model, {"step": 3, "val_loss": 2.5}, tokenizer_dir=data_dir)
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json", "model.safetensors", "state.json", "tokenizer_meta.json"]
+    assert json.loads((path / "state.json").read_text()) == {"step": 3, "val_loss": 2.5}
+    assert (path / "tokenizer_meta.json").read_bytes() == (data_dir / "tokenizer_meta.json").read_bytes()
+    assert ckpt.save_checkpoint(tmp_path / "other", model, {"step": 3}, writer=False) is None  # FSDP peers
+    assert not (tmp_path / "other").exists()
 
 
 def test_a_crash_midway_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
     run = tmp_path / "run"
     model, opts = trained("adamw")
     good = run / "checkpoints" / ckpt.step_dir_name(10)
-    ckpt.save_training_checkpoint(good, model, opts, {"step": 10})
+    ckpt.save_checkpoint(good, model, {"step": 10}, opts)
 
     real_save = ckpt.save_file
 
@@ -87,17 +101,17 @@ def test_a_crash_midway_leaves_the_previous_checkpoint(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(ckpt, "save_file", dies_midway)
     with pytest.raises(KeyboardInterrupt):
-        ckpt.save_training_checkpoint(run / "checkpoints" / ckpt.step_dir_name(20), model, opts, {"step": 20})
+        ckpt.save_checkpoint(run / "checkpoints" / ckpt.step_dir_name(20), model, {"step": 20}, opts)
     monkeypatch.undo()
     assert ckpt.list_step_checkpoints(run) == [good]
-    assert ckpt.resolve_checkpoint(run, prefer="latest") == good
+    assert resolve_checkpoint(run, prefer="latest") == good
     assert [p.name for p in (run / "checkpoints").iterdir()] == [good.name]  # the temp dir was removed
     # even a temp dir left by a SIGKILL (no cleanup ran) is never picked, and the next prune removes it
     leftover = run / "checkpoints" / ".step-0000030.tmp-abc"
     leftover.mkdir()
     (leftover / ckpt.MODEL_FILE).write_bytes(b"partial")
-    assert ckpt.resolve_checkpoint(run, prefer="latest") == good
-    loaded, _ = ckpt.load_model(run, prefer="latest")
+    assert resolve_checkpoint(run, prefer="latest") == good
+    loaded, _ = load_model(run, prefer="latest")
     assert torch.equal(loaded.transformer.wte.weight, model.transformer.wte.weight)
     ckpt.prune_checkpoints(run, keep_last=2)
     assert not leftover.exists()
@@ -118,7 +132,7 @@ def test_wrapped_models_save_plain_names(tmp_path: Path) -> None:
             super().__init__()
             self._orig_mod = inner
 
-    model = tiny_model()
+    model = small_model()
     ckpt.save_model(tmp_path / "m", Compiled(model))
     from safetensors.torch import load_file
 

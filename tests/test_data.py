@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import urllib.error
@@ -9,52 +10,29 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _paths import TINY_SHAKESPEARE
+from helpers import TINY_SHAKESPEARE, one_line_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptlab import corpora, data
 from gptlab.cli import main
-from gptlab.corpora import SHAKESPEARE_SHA256
-from gptlab.data import (
-    check_split_fits,
-    chunk_text,
-    iter_file_text,
-    load_split,
-    prepare,
-    read_meta,
-    resolve_inputs,
-)
+from gptlab.data import check_split_fits, corpora, load_split, prepare, read_meta
+from gptlab.data.corpora import SHAKESPEARE_SHA256
+from gptlab.data.prepare import chunk_text, iter_file_text, resolve_inputs
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer, HFTokenizer, load_tokenizer
+
+# the module, for monkeypatching its internals (the package's `prepare` is the function of the same name)
+prepare_module = importlib.import_module("gptlab.data.prepare")
 
 SHAKESPEARE = TINY_SHAKESPEARE.read_text(encoding="utf-8")
 TEXT_A = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 TEXT_B = "Second Citizen:\nOne word, good citizens.\n\tIndented 😀 line\nend"
 
 
-@pytest.fixture(scope="module")
-def gpt2() -> GPT2Tokenizer:
-    return GPT2Tokenizer()
-
-
-@pytest.fixture(scope="module")
-def bpe() -> HFTokenizer:
-    return HFTokenizer.train([SHAKESPEARE[:100_000]], vocab_size=400)
-
-
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     rc = main(["prepare", *argv])
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-def one_line_error(rc: int, err: str, notes: int = 0) -> str:
-    """The CLI's exit code 2 and a single `error:` line (after `notes` progress lines), no traceback."""
-    assert rc == 2 and "Traceback" not in err
-    lines = err.splitlines()
-    assert len(lines) == notes + 1 and lines[-1].startswith("error: ")
-    return lines[-1]
 
 
 # --- tiny Shakespeare: the reference figures --------------------------------------------------------------------
@@ -109,11 +87,11 @@ WS_HEAVY = st.text(
 
 @settings(max_examples=150, deadline=None)
 @given(WS_HEAVY, st.integers(1, 12), st.integers(1, 9))
-def test_chunked_encoding_equals_whole(gpt2, bpe, text: str, chunk: int, piece: int) -> None:
+def test_chunked_encoding_equals_whole(gpt2, shakespeare_bpe, text: str, chunk: int, piece: int) -> None:
     pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
     chunks = list(chunk_text(pieces, chunk, hard=False))
     assert "".join(chunks) == text
-    for tok in (gpt2, bpe):
+    for tok in (gpt2, shakespeare_bpe):
         assert [i for c in chunks for i in tok.encode(c)] == tok.encode(text)
 
 
@@ -138,7 +116,7 @@ def test_process_pool_gives_same_files(tmp_path: Path, monkeypatch, tokenizer: s
     prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "one", workers=1, **kw)
     if tokenizer != "gpt2":  # spawning workers costs ~2 s each (they import gptlab): one kind is enough
         return
-    monkeypatch.setattr(data, "PARALLEL_MIN_CHARS", 0)
+    monkeypatch.setattr(prepare_module, "PARALLEL_MIN_CHARS", 0)
     prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "pool", workers=2, **kw)
     for split in ("train", "val"):
         assert (tmp_path / "one" / f"{split}.bin").read_bytes() == (tmp_path / "pool" / f"{split}.bin").read_bytes()
@@ -364,7 +342,7 @@ def test_failed_rerun_leaves_directory_incomplete_not_stale(tmp_path: Path, monk
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "_encode_text", crash)
+    monkeypatch.setattr(prepare_module, "_encode_text", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare([tmp_path / "in.txt"], out, tokenizer="char")
     assert not (out / "meta.json").exists() and not list(out.glob(".*"))

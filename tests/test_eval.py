@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _train_helpers import make_data
+from helpers import make_data
 
 from gptlab.checkpoint import save_model
 from gptlab.cli import main

@@ -4,29 +4,32 @@ models."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.nn as nn
+from helpers import REPO, ByteTokenizer, chain, scripted_model, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gptlab.detokenize import TextState
-from gptlab.generate import (
+import gptlab
+from gptlab.generation import (
     Engine,
+    InvalidSamplingParam,
     PromptTooLongError,
     SamplingParams,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k,
-    apply_top_p,
+    TextState,
     generate,
+    generate_batch,
     generate_stream,
     sample_next,
 )
+from gptlab.generation.sampling import apply_min_p, apply_penalties, apply_top_k, apply_top_p
 from gptlab.tokenizer import CharTokenizer
-from tests._gen_helpers import ByteTokenizer, chain, one_thread, scripted_model, tiny_model
 
-_threads = pytest.fixture(scope="module", autouse=True)(one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=50)
 
@@ -53,7 +56,7 @@ def reference_greedy(model, prompt: list[int], n: int, slide: int | None = None)
 def test_greedy_with_cache_equals_full_forward_argmax(position):
     model = tiny_model(position)
     prompt = [3, 14, 15, 92, 65]
-    (gen,) = generate(model, [prompt], GREEDY)
+    (gen,) = generate_batch(model, [prompt], GREEDY)
     assert gen.token_ids == reference_greedy(model, prompt, 50)
     assert gen.finish_reason == "length"
     assert len(set(gen.token_ids)) > 3  # a non-degenerate continuation, so the comparison means something
@@ -62,7 +65,7 @@ def test_greedy_with_cache_equals_full_forward_argmax(position):
 def test_model_generate_matches_nanogpt_shape_and_greedy():
     model = tiny_model()
     idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    out = model.generate(idx, 20, temperature=0)
+    out = gptlab.generate(model, idx, 20, temperature=0)  # the root package's export is this one
     assert out.shape == (2, 23) and torch.equal(out[:, :3], idx)
     for b in range(2):
         assert out[b, 3:].tolist() == reference_greedy(model, idx[b].tolist(), 20)
@@ -71,17 +74,17 @@ def test_model_generate_matches_nanogpt_shape_and_greedy():
 def test_generate_turns_dropout_off_and_restores_the_mode():
     model = tiny_model(dropout=0.5).train()
     idx = torch.tensor([[1, 2, 3]])
-    first = model.generate(idx, 10, temperature=0)
-    assert model.training and torch.equal(first, model.generate(idx, 10, temperature=0))
+    first = generate(model, idx, 10, temperature=0)
+    assert model.training and torch.equal(first, generate(model, idx, 10, temperature=0))
     assert first[0, 3:].tolist() == reference_greedy(model.eval(), [1, 2, 3], 10)
 
 
 def test_mixed_length_batch_equals_each_prompt_alone():
     model = tiny_model()
     prompts = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41, 42, 43], [9, 9]]
-    batched = generate(model, prompts, SamplingParams(temperature=0, max_new_tokens=30))
+    batched = generate_batch(model, prompts, SamplingParams(temperature=0, max_new_tokens=30))
     for p, g in zip(prompts, batched, strict=True):
-        (alone,) = generate(model, [p], SamplingParams(temperature=0, max_new_tokens=30))
+        (alone,) = generate_batch(model, [p], SamplingParams(temperature=0, max_new_tokens=30))
         assert g.token_ids == alone.token_ids
 
 
@@ -107,27 +110,101 @@ def test_rows_join_and_leave_between_steps():
 
 def test_bf16_model_runs_and_returns_fp32_sampling():
     model = tiny_model().to(torch.bfloat16)
-    (gen,) = generate(
-        model, [[1, 2, 3]], SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_new_tokens=10)
-    )
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_new_tokens=10)
+    (gen,) = generate_batch(model, [[1, 2, 3]], params)
     assert len(gen.token_ids) == 10
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed Linear weights: the same numbers, the model left alone, adapters kept, changed weights noticed
+# ---------------------------------------------------------------------------------------------------------
+def _greedy_run(model, pack: bool, engine: Engine | None = None) -> tuple[list[list[int]], list[float]]:
+    """Tokens of two greedy rows, and their logprobs one after the other (a new engine unless one is given)."""
+    engine = engine or Engine(model, max_batch=2, pack_weights=pack)
+    params = SamplingParams(temperature=0, max_new_tokens=20, logprobs=0)
+    gens = engine.run([engine.prepare(p, params) for p in ([1, 2, 3], [4, 5])])
+    return [g.token_ids for g in gens], [e.logprob for g in gens for e in g.logprobs]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linears_give_the_same_tokens_and_leave_the_model_alone(dtype):
-    from gptlab.packed_linear import packing_helps
+    """Where packing does not work (bf16 on a CPU without AVX512-BW, such as this project's CI machine) the
+    engine must fall back to the plain linears, not fail."""
+    from gptlab.generation.packed_linear import packing_helps
 
     model = tiny_model(bias=True).to(dtype)
-    if not packing_helps(torch.device("cpu"), dtype):
-        pytest.skip("this torch build has no oneDNN linear ops")
+    helps = packing_helps(torch.device("cpu"), dtype)
     runs = {}
     for pack in (True, False):
         engine = Engine(model, max_batch=2, pack_weights=pack)
-        assert (engine._packed is not None) == pack
-        gens = [engine.prepare(p, SamplingParams(temperature=0, max_new_tokens=20)) for p in ([1, 2, 3], [4, 5])]
-        runs[pack] = [g.token_ids for g in engine.run(gens)]
+        assert (engine._packed is not None) == (pack and helps)
+        runs[pack] = _greedy_run(model, pack, engine)[0]
     assert runs[True] == runs[False]
     assert all("forward" not in m.__dict__ for m in model.modules())  # the plain Linear.forward is back
+
+
+class LoRALinear(nn.Linear):
+    """A Linear subclass that adds a low-rank update to its own output (how PEFT-style LoRA layers work)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.weight, self.bias = base.weight, base.bias
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.5)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + x @ self.lora_a.T @ self.lora_b.T
+
+
+class LoRAWrapper(nn.Module):
+    """A module that holds the plain Linear and adds a low-rank path around it."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.down.weight, std=0.5)
+        nn.init.normal_(self.up.weight, std=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_packing_keeps_both_kinds_of_adapter():
+    model = tiny_model(bias=True)
+    base = _greedy_run(model, pack=False)
+    torch.manual_seed(1)
+    for block in model.transformer.h:
+        block.attn.c_attn = LoRALinear(block.attn.c_attn)
+        block.mlp.c_fc = LoRAWrapper(block.mlp.c_fc)
+    packed = Engine(model, max_batch=2, pack_weights=True)._packed
+    if packed is None:
+        pytest.skip("packing does not help on this machine")
+    assert not any(isinstance(m, LoRALinear) for m in packed.modules)  # the subclass runs its own forward
+    assert all(block.mlp.c_fc.base in packed.modules for block in model.transformer.h)  # the wrapped one is packed
+    plain, with_packing = _greedy_run(model, pack=False), _greedy_run(model, pack=True)
+    assert with_packing[0] == plain[0] and with_packing[1] == pytest.approx(plain[1], abs=1e-4)
+    assert plain[1] != pytest.approx(base[1], abs=1e-2)  # the adapters do change the model's answers
+
+
+def test_a_weight_changed_after_packing_is_packed_again():
+    model = tiny_model(bias=True)
+    engine = Engine(model, max_batch=2, pack_weights=True)
+    if engine._packed is None:
+        pytest.skip("packing does not help on this machine")
+    before = _greedy_run(model, pack=True, engine=engine)
+    with torch.no_grad():  # in place, as an optimizer step or load_state_dict writes
+        for block in model.transformer.h:
+            block.mlp.c_fc.weight.mul_(-2.0)
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+    assert engine._packed.refresh() == len(model.transformer.h) + 1
+    assert engine._packed.refresh() == 0  # packed again once, not on every forward
+    with torch.no_grad():  # replaced by a new Parameter, as load_state_dict(assign=True) does
+        model.transformer.h[0].attn.c_proj.weight = nn.Parameter(model.transformer.h[0].attn.c_proj.weight * 3)
+    after = _greedy_run(model, pack=True, engine=engine)
+    assert after[0] == _greedy_run(model, pack=False)[0] != before[0]
+    assert after[1] == pytest.approx(_greedy_run(model, pack=False)[1], abs=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -183,19 +260,18 @@ def test_penalties_match_hand_computed_values():
 
 def test_penalties_change_what_greedy_picks():
     model = scripted_model({1: 2, 2: 1}, vocab_size=8)  # 1 -> 2 -> 1 -> ...
-    (plain,) = generate(model, [[1]], SamplingParams(temperature=0, max_new_tokens=4))
+    (plain,) = generate_batch(model, [[1]], SamplingParams(temperature=0, max_new_tokens=4))
     assert plain.token_ids == [2, 1, 2, 1]
-    (pen,) = generate(model, [[1]], SamplingParams(temperature=0, max_new_tokens=4, presence_penalty=3.0))
+    (pen,) = generate_batch(model, [[1]], SamplingParams(temperature=0, max_new_tokens=4, presence_penalty=3.0))
     assert pen.token_ids[:2] == [2, 1] and pen.token_ids[2] != 2  # 2 was already generated: penalized below 0
 
 
 def test_top_k_1_equals_greedy():
     model = tiny_model()
-    (greedy,) = generate(model, [[4, 5, 6]], SamplingParams(temperature=0, max_new_tokens=30))
+    (greedy,) = generate_batch(model, [[4, 5, 6]], SamplingParams(temperature=0, max_new_tokens=30))
     for seed in (0, 1):
-        (k1,) = generate(
-            model, [[4, 5, 6]], SamplingParams(temperature=1.3, top_k=1, seed=seed, max_new_tokens=30)
-        )
+        params = SamplingParams(temperature=1.3, top_k=1, seed=seed, max_new_tokens=30)
+        (k1,) = generate_batch(model, [[4, 5, 6]], params)
         assert k1.token_ids == greedy.token_ids
 
 
@@ -217,12 +293,12 @@ def test_sampler_draws_from_the_filtered_distribution():
 def test_same_seed_same_text_and_other_seeds_differ():
     model = tiny_model()
     params = lambda s: SamplingParams(temperature=1.0, seed=s, max_new_tokens=30)  # noqa: E731
-    (a,) = generate(model, [[1, 2]], params(7))
-    (b,) = generate(model, [[1, 2]], params(7))
-    (c,) = generate(model, [[1, 2]], params(8))
+    (a,) = generate_batch(model, [[1, 2]], params(7))
+    (b,) = generate_batch(model, [[1, 2]], params(7))
+    (c,) = generate_batch(model, [[1, 2]], params(8))
     assert a.token_ids == b.token_ids != c.token_ids
     # a seeded row is unaffected by its neighbours in the batch
-    batch = generate(model, [[9, 9, 9], [1, 2]], params(7))
+    batch = generate_batch(model, [[9, 9, 9], [1, 2]], params(7))
     engine = Engine(model, max_batch=2)
     other = engine.prepare([9, 9, 9], SamplingParams(temperature=1.0, seed=123, max_new_tokens=30))
     mine = engine.prepare([1, 2], params(7))
@@ -231,19 +307,63 @@ def test_same_seed_same_text_and_other_seeds_differ():
     assert batch[0].token_ids != batch[1].token_ids  # sample i of a request gets its own stream
 
 
-def test_parameter_validation():
-    for bad in (
-        dict(temperature=-1),
-        dict(top_p=0),
-        dict(top_p=1.5),
-        dict(top_k=-2),
-        dict(min_p=2),
-        dict(repetition_penalty=0),
-        dict(max_new_tokens=-1),
-        dict(stop=[""]),
-    ):
-        with pytest.raises(ValueError):
-            SamplingParams(**bad)
+@pytest.mark.parametrize("bad, field", [
+    (dict(temperature=-1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(min_p=2), "min_p"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(seed="7"), "seed"),
+])
+def test_invalid_params_name_their_field(bad, field):
+    with pytest.raises(InvalidSamplingParam) as info:
+        SamplingParams(**bad)
+    assert info.value.field == field and isinstance(info.value, ValueError)
+    assert str(info.value).startswith(f"{field} must") and ", got " in str(info.value)
+
+
+def test_each_control_has_one_off_value():
+    assert SamplingParams(top_k=None, top_p=None, min_p=None) == SamplingParams()
+    off = SamplingParams()
+    assert (off.top_k, off.top_p, off.min_p) == (0, 1.0, 0.0)
+    # in a batch where other rows filter, a row with every control off samples exactly as it would without them
+    logits = torch.randn(60, 50) * 3
+    filtering = [SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams(min_p=0.2)]
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(60)]  # noqa: E731
+    mixed = sample_next(logits, [off] * 30 + filtering * 10, gens())
+    plain = sample_next(logits, [off] * 60, gens())
+    assert mixed[:30] == plain[:30] and mixed[30:] != plain[30:]
+
+
+def test_params_from_fields_picks_the_named_keys():
+    fields = {"temperature": 0.5, "top_p": None, "prompt": "ignored", "n": 3, "stop": "x"}
+    params = SamplingParams.from_fields(fields, max_new_tokens=7, stop=["y"])
+    assert params == SamplingParams(temperature=0.5, max_new_tokens=7, stop=("y",))
+    with pytest.raises(TypeError, match="max_tokens"):  # a misspelt override is an error, not ignored
+        SamplingParams.from_fields({}, max_tokens=3)
+    with pytest.raises(InvalidSamplingParam, match="top_k"):
+        SamplingParams.from_fields({"top_k": -1})
+
+
+def test_params_module_does_not_import_torch():
+    code = "import sys, gptlab.generation.params; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_the_package_exports_what_it_lists():
+    import gptlab.generation as generation
+
+    assert generation.__all__ == list(generation._LAZY)
+    assert all(getattr(generation, name) is not None for name in generation.__all__)
+    assert generation.generate is gptlab.generate and generation.SamplingParams is gptlab.SamplingParams
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -272,16 +392,10 @@ def test_stop_string_spanning_tokens_is_not_returned_or_streamed():
 def test_stop_token_ends_the_row():
     model, tok = _char_setup("Gabcdef")
     stop_id = tok.encode("d")[0]
-    (gen,) = generate(
-        model,
-        [tok.encode("G")],
-        SamplingParams(temperature=0, max_new_tokens=9, stop_token_ids=[stop_id]),
-        tokenizer=tok,
-    )
+    params = SamplingParams(temperature=0, max_new_tokens=9, stop_token_ids=[stop_id])
+    (gen,) = generate_batch(model, [tok.encode("G")], params, tokenizer=tok)
     assert gen.finish_reason == "stop" and gen.text == "abc" and gen.token_ids[-1] == stop_id
-    out = model.generate(
-        torch.tensor([tok.encode("G")]), 9, temperature=0, stop_token_ids=[stop_id], pad_id=0
-    )
+    out = generate(model, torch.tensor([tok.encode("G")]), 9, temperature=0, stop_token_ids=[stop_id], pad_id=0)
     assert out[0].tolist() == tok.encode("Gabcd")
 
 
@@ -316,21 +430,18 @@ def test_text_state_unit():
 def test_prompt_too_long_errors_or_truncates():
     model = tiny_model("learned", block_size=16)
     with pytest.raises(PromptTooLongError, match="16"):
-        generate(model, [list(range(16))], GREEDY)
+        generate_batch(model, [list(range(16))], GREEDY)
     with pytest.raises(ValueError):  # also a ValueError, for callers that catch those
-        model.generate(torch.arange(20)[None], 5)
-    (gen,) = generate(
-        model, [list(range(20))], SamplingParams(temperature=0, max_new_tokens=5), truncate_prompt=True
-    )
+        generate(model, torch.arange(20)[None], 5)
+    params = SamplingParams(temperature=0, max_new_tokens=5)
+    (gen,) = generate_batch(model, [list(range(20))], params, truncate_prompt=True)
     assert gen.prompt_ids == list(range(9, 20)) and gen.truncated == 9  # keeps 16 - 5 tokens
     assert gen.token_ids == reference_greedy(model, list(range(9, 20)), 5)
 
 
 def test_learned_positions_finish_with_length_at_block_size():
     model = tiny_model("learned", block_size=16)
-    (gen,) = generate(
-        model, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], SamplingParams(temperature=0, max_new_tokens=100)
-    )
+    (gen,) = generate_batch(model, [list(range(1, 11))], SamplingParams(temperature=0, max_new_tokens=100))
     assert gen.finish_reason == "length" and len(gen.token_ids) == 6  # 10 + 6 = block_size
     assert gen.token_ids == reference_greedy(model, list(range(1, 11)), 6)
 
@@ -339,7 +450,7 @@ def test_learned_positions_finish_with_length_at_block_size():
 def test_rope_sliding_window_goes_past_block_size(block_size):
     model = tiny_model("rope", block_size=block_size)
     prompt = [5, 1, 4]
-    (gen,) = generate(model, [prompt], SamplingParams(temperature=0, max_new_tokens=45))
+    (gen,) = generate_batch(model, [prompt], SamplingParams(temperature=0, max_new_tokens=45))
     assert len(gen.token_ids) == 45 and gen.finish_reason == "length"
     assert gen.token_ids == reference_greedy(model, prompt, 45, slide=block_size // 2)
     assert math.isfinite(sum(gen.token_ids))
@@ -364,7 +475,7 @@ def test_sample_streams_the_greedy_continuation(char_checkpoint, capsys):
     path, _, model, tok = char_checkpoint
     assert main(["sample", str(path), "--prompt", "Hello", "--max-new-tokens", "12", "--temperature", "0",
                  "--num-samples", "2"]) == 0
-    (ref,) = generate(model, [tok.encode("Hello")], SamplingParams(temperature=0, max_new_tokens=12),
+    (ref,) = generate_batch(model, [tok.encode("Hello")], SamplingParams(temperature=0, max_new_tokens=12),
                       tokenizer=tok)
     sample = "Hello" + ref.text + "\n---------------\n"
     assert capsys.readouterr().out == sample * 2
@@ -379,7 +490,9 @@ def test_sample_streams_the_greedy_continuation(char_checkpoint, capsys):
     (["--prompt", "caf\u00e9"], "not in the char tokenizer"),
     (["--prompt", ""], "no end-of-text token"),
     (["--max-new-tokens", "-1"], "must not be negative"),
-    (["--top-p", "1.5"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--min-p", "2"], "--min-p must be in [0, 1]"),
+    (["--num-samples", "0"], "--num-samples must be at least 1"),
 ])
 def test_sample_errors_are_one_line(char_checkpoint, capsys, extra, message):
     from gptlab.cli import main
@@ -406,7 +519,7 @@ def test_logprobs_equal_log_softmax_of_full_forwards(temperature):
     model = tiny_model()
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=7, logprobs=3, prompt_logprobs=True)
-    gens = generate(model, prompts, params)
+    gens = generate_batch(model, prompts, params)
     for prompt, g in zip(prompts, gens, strict=True):
         seq = torch.tensor([prompt + g.token_ids])
         with torch.no_grad():
@@ -428,11 +541,11 @@ def test_logprobs_equal_log_softmax_of_full_forwards(temperature):
 
 
 def test_logprobs_are_off_by_default_and_bounded():
-    (g,) = generate(tiny_model(), [[1, 2]], SamplingParams(max_new_tokens=3, temperature=0))
+    (g,) = generate_batch(tiny_model(), [[1, 2]], SamplingParams(max_new_tokens=3, temperature=0))
     assert g.logprobs == [] and g.prompt_logprobs == []
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
-    mixed = generate(tiny_model(), [[1, 2], [1, 2]], SamplingParams(max_new_tokens=3, temperature=0, logprobs=0))
+    mixed = generate_batch(tiny_model(), [[1, 2], [1, 2]], SamplingParams(max_new_tokens=3, temperature=0, logprobs=0))
     assert all(len(g.logprobs) == 3 and all(e.top == () for e in g.logprobs) for g in mixed)
 
 
@@ -447,7 +560,7 @@ _CHUNK_MODEL = tiny_model(seed=3)
 def test_chunked_prefill_equals_whole_prefill(chunk, lengths):
     prompts = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate(lengths)]
     params = SamplingParams(max_new_tokens=6, temperature=0, logprobs=1, prompt_logprobs=True)
-    whole = generate(_CHUNK_MODEL, prompts, params)
+    whole = generate_batch(_CHUNK_MODEL, prompts, params)
     engine = Engine(_CHUNK_MODEL, max_batch=len(prompts), prefill_chunk=chunk)
     chunked = engine.run([engine.prepare(p, params) for p in prompts])
     for a, b in zip(whole, chunked, strict=True):
@@ -475,7 +588,7 @@ def test_a_long_prompt_is_prefilled_while_other_rows_decode():
     while engine.running:
         engine.step()
     later = [list(range(40, 50)), list(range(60, 75))]
-    alone = generate(_CHUNK_MODEL, [[1, 2], list(range(3, 23)), *later], params)
+    alone = generate_batch(_CHUNK_MODEL, [[1, 2], list(range(3, 23)), *later], params)
     assert [short.token_ids, long.token_ids] == [g.token_ids for g in alone[:2]]
     again = engine.run([engine.prepare(p, params) for p in later])  # used rows start from scratch
     assert [g.token_ids for g in again] == [g.token_ids for g in alone[2:]]

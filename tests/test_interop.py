@@ -6,6 +6,7 @@ mis-ordered tensor shows up in the logits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -13,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import gptlab
 from gptlab import GPT, GPTConfig
-from gptlab.checkpoint import load_gptlab_model, load_model, save_model
+from gptlab.checkpoint import load_gptlab_model, save_model
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.interop import config_from_hf, config_to_hf, from_hf, save_hf
+from gptlab.loading import load_model
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -149,9 +152,9 @@ def test_gpt2_in_the_original_openai_layout(tmp_path: Path) -> None:
 def test_import_needs_no_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = _save(_hf_model("neox"), tmp_path / "hf", "safetensors")
     monkeypatch.setitem(sys.modules, "transformers", None)  # any `import transformers` now fails
-    model = GPT.from_hf(src, dtype="bfloat16")
+    model = gptlab.from_hf(src, dtype="bfloat16")
     assert model.lm_head.weight.dtype == torch.bfloat16
-    model.save_hf(tmp_path / "out")
+    gptlab.save_hf(model, tmp_path / "out")
     assert from_hf(tmp_path / "out").config == model.config
 
 
@@ -274,8 +277,10 @@ def test_unknown_weights_are_refused(tmp_path: Path) -> None:
     (dict(mlp="relu2"), "relu2"),
     (dict(logit_softcap=30.0), "logit_softcap"),
     (dict(block="post"), "block=post"),
-    (dict(position="learned"), "norm=rmsnorm with position=learned"),
-    (dict(mlp="gelu"), "mlp=gelu with norm=rmsnorm"),
+    (dict(position="learned"), "position=learned"),
+    (dict(mlp="gelu"), "mlp=gelu"),
+    (dict(position="none"), "position=none"),
+    (dict(n_kv_head=2, position="learned", norm="layernorm", mlp="gelu", bias=True), "n_kv_head=2"),
     (dict(rotary_fraction=0.5), "rotary_fraction"),
     (dict(norm="layernorm", mlp="gelu", bias=False), "bias=False"),
 ])
@@ -284,6 +289,31 @@ def test_export_refuses_switches_without_equivalent(change: dict, switch: str, t
     with pytest.raises(GptlabError, match=switch):
         save_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_switch_no_family_lists_is_refused_until_one_does(tmp_path: Path) -> None:
+    """The seam for new switches: a GPTConfig field that no family's EXPRESSES names exports only at its
+    default, so a model gptlab can build but no family can hold is never written as a different model."""
+
+    @dataclasses.dataclass
+    class WithAlibi(GPTConfig):  # a position scheme gptlab might add later
+        alibi: bool = False
+
+    fields = GPTConfig.preset("tiny").to_dict()
+    assert config_to_hf(WithAlibi(**fields))["architectures"] == ["LlamaForCausalLM"]  # at its default: fine
+    with pytest.raises(GptlabError, match="alibi=True has no equivalent in any family"):
+        config_to_hf(WithAlibi(**fields, alibi=True))
+
+
+def test_the_registry_is_the_one_list_of_families() -> None:
+    from gptlab.interop import SUPPORTED_ARCHITECTURES
+    from gptlab.interop.registry import FAMILIES
+
+    assert SUPPORTED_ARCHITECTURES == tuple(f.ARCHITECTURE for f in FAMILIES)
+    for family in FAMILIES:  # what export and import read from each family module
+        for name in ("NAME", "ARCHITECTURE", "MODEL_TYPE", "EXPRESSES", "IGNORE", "config_from_hf", "config_to_hf",
+                     "check_export", "normalize", "rules"):
+            assert hasattr(family, name), (family.__name__, name)
 
 
 # --- gptlab convert -----------------------------------------------------------------------------------------

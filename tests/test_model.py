@@ -303,6 +303,27 @@ def test_optimizer_groups_decay_matrices_only():
     assert id(model.transformer.wte.weight) in {id(p) for p in decay_emb["params"]}
 
 
+def test_frozen_parameters_are_in_no_optimizer_group():
+    """A frozen base (adapters train on top of it) must not reach the optimizer: groups hold trainable ones only."""
+    model = build(bias=True, tie_embeddings=False)
+    for p in list(model.transformer.h[0].parameters()) + [model.lm_head.weight]:
+        p.requires_grad_(False)
+    grouped = [id(p) for g in model.optimizer_groups(0.1) for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    kinds = model.parameter_groups_by_kind()
+    assert kinds["head"] == [] and all(p.requires_grad for ps in kinds.values() for _, p in ps)
+    model.requires_grad_(False)
+    assert model.optimizer_groups(0.1) == []  # no empty groups for an optimizer to choke on
+
+
+def test_parameter_components_agree_with_the_breakdown():
+    model = build(bias=True, tie_embeddings=False)
+    assert parameter_breakdown(model.config)["total"] == model.num_parameters()
+    no_emb = model.num_parameters(exclude_embeddings=True)
+    tables = model.transformer.wte.weight.numel() + model.transformer.wpe.weight.numel()
+    assert no_emb == model.num_parameters() - tables
+
+
 # --- errors ----------------------------------------------------------------------------------------------------------
 def test_input_errors_are_clear():
     model = build()

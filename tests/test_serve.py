@@ -15,13 +15,15 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from gptlab.checkpoint import load_model, save_model  # noqa: E402
-from gptlab.generate import SamplingParams, generate  # noqa: E402
+from helpers import tiny_model  # noqa: E402
+
+from gptlab.checkpoint import save_model  # noqa: E402
+from gptlab.generation import SamplingParams, generate_batch  # noqa: E402
+from gptlab.loading import load_model  # noqa: E402
 from gptlab.serve import DEFAULT_CHAT_STOP, ServerThread, create_app, render_chat  # noqa: E402
 from gptlab.tokenizer import CharTokenizer  # noqa: E402
-from tests._gen_helpers import one_thread, tiny_model  # noqa: E402
 
-_threads = pytest.fixture(scope="module", autouse=True)(one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 KEY = "test-key"
 NAME = "tiny-char"
@@ -49,7 +51,7 @@ def client(served):
 def reference(model, tokenizer, prompt: str, max_tokens: int, stop=()) -> tuple[str, str, int]:
     """(text, finish_reason, completion tokens) from the engine itself, greedy."""
     params = SamplingParams(temperature=0, max_new_tokens=max_tokens, stop=stop)
-    (gen,) = generate(model, [tokenizer.encode(prompt)], params, tokenizer=tokenizer)
+    (gen,) = generate_batch(model, [tokenizer.encode(prompt)], params, tokenizer=tokenizer)
     return gen.text, gen.finish_reason, len(gen.token_ids)
 
 
@@ -132,7 +134,7 @@ def test_completion_logprobs_and_echo_equal_the_engine(served, client):
     _, model, tok, _ = served
     prompt = "To be"
     params = SamplingParams(temperature=0, max_new_tokens=10, logprobs=2, prompt_logprobs=True)
-    (ref,) = generate(model, [tok.encode(prompt)], params, tokenizer=tok)
+    (ref,) = generate_batch(model, [tok.encode(prompt)], params, tokenizer=tok)
     out = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2, echo=True)
     choice = out.choices[0]
     assert choice.text == prompt + ref.text
@@ -159,7 +161,7 @@ def test_chat_logprobs_equal_the_engine(served, client):
     messages = [{"role": "user", "content": "Hi!"}]
     prompt, _ = render_chat(tok, messages)
     params = SamplingParams(temperature=0, max_new_tokens=8, stop=[DEFAULT_CHAT_STOP], logprobs=3)
-    (ref,) = generate(model, [tok.encode(prompt)], params, tokenizer=tok)
+    (ref,) = generate_batch(model, [tok.encode(prompt)], params, tokenizer=tok)
     out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True,
                                          top_logprobs=3)
     content = out.choices[0].logprobs.content
@@ -229,6 +231,14 @@ def test_bad_requests_get_openai_errors(served, client):
     _assert_error(post(server, "/v1/completions", {**ok, "logprobs": 21}), 400, param="logprobs")
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     _assert_error(post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, param="top_logprobs")
+    # ranges SamplingParams checks: a 400 that names the request's own field
+    for field, value in [("top_p", 1.5), ("top_p", 0), ("top_k", -1), ("min_p", 2.0), ("temperature", -0.5),
+                         ("repetition_penalty", 0.0), ("stop", [""])]:
+        _assert_error(post(server, "/v1/completions", {**ok, field: value}), 400, param=field, code="invalid_value")
+    _assert_error(post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": -1}), 400,
+                  param="max_completion_tokens")
+    _assert_error(post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}), 400,
+                  param="top_logprobs")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt="Hi", max_tokens=-5)
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens == 2

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from _paths import GPT2_FILES, TINY_SHAKESPEARE
+from helpers import GPT2_FILES, TINY_SHAKESPEARE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,14 +19,8 @@ EMOJI = "I ❤ 🦙 and 👩‍👩‍👧 (family) ok"
 
 
 @pytest.fixture(scope="module")
-def gpt2() -> GPT2Tokenizer:
-    return GPT2Tokenizer()
-
-
-@pytest.fixture(scope="module")
-def bpe() -> HFTokenizer:
-    text = TINY_SHAKESPEARE.read_text(encoding="utf-8")[:200_000]
-    return HFTokenizer.train((text[i : i + 10_000] for i in range(0, len(text), 10_000)), vocab_size=600)
+def bpe(shakespeare_bpe: HFTokenizer) -> HFTokenizer:
+    return shakespeare_bpe
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _train_helpers import make_data, write_recipe
+from helpers import make_data, one_line_error, write_recipe
 from safetensors.torch import load_file
 
 from gptlab.checkpoint import list_step_checkpoints
 from gptlab.cli import main
+from gptlab.cli.train import parse_overrides
 from gptlab.config import GPTConfig
+from gptlab.data import global_batch, micro_batch
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
-from gptlab.train import global_batch, micro_batch
-from gptlab.trainer_config import build_train_config, parse_overrides
+from gptlab.train import build_train_config, load_train_config
+from gptlab.train.optim import BatchedMuon, FusedAdamW, OptimizerSpec, Schedule, build_optimizers
+from gptlab.train.precision import Precision
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +88,10 @@ def test_short_run_loss_falls_and_writes_metrics_and_checkpoints(tmp_path: Path,
     ]
     state = json.loads((step_dir / "state.json").read_text())
     assert state["step"] == 40 and state["best_val_loss"] == pytest.approx(val_rows[-1]["val_loss"])
-    assert (run / "checkpoints" / "best" / "model.safetensors").is_file()
+    best = run / "checkpoints" / "best"  # weights, config and tokenizer; no optimizer state
+    assert sorted(p.name for p in best.iterdir()) == [
+        "config.json", "model.safetensors", "state.json", "tokenizer_meta.json"]
+    assert json.loads((best / "state.json").read_text()) == {"step": 40, "val_loss": val_rows[-1]["val_loss"]}
     resolved = json.loads((run / "config.resolved.json").read_text())
     assert (
         resolved["model"]["vocab_size"] == json.loads((data / "meta.json").read_text())["vocab_size"]
@@ -98,9 +104,9 @@ def test_bf16_run_trains_and_its_eval_matches_fp32(tmp_path: Path, data: Path) -
     run = tmp_path / "run"
     assert train(write_recipe(tmp_path), data, run, "--dtype", "bfloat16", "--optimizer", "muon") == 0
     val_bf16 = [r["val_loss"] for r in metrics(run) if "val_loss" in r][-1]
-    from gptlab.checkpoint import load_model
     from gptlab.data import load_split
     from gptlab.evaluate import evaluate_loss
+    from gptlab.loading import load_model
 
     model, _ = load_model(run / "checkpoints" / "step-0000040")
     val_fp32 = evaluate_loss(model, load_split(data, "val"), 32, max_tokens=2048).loss
@@ -199,19 +205,20 @@ def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path: Path, data:
 def test_global_batch_is_a_pure_function_of_seed_and_step() -> None:
     data = np.arange(1000, dtype=np.uint16)
     a, b = global_batch(data, 1, 5, 8, 16), global_batch(data, 1, 5, 8, 16)
-    assert torch.equal(a, b) and a.shape == (8, 17) and a.dtype == torch.int64
-    assert not torch.equal(a, global_batch(data, 1, 6, 8, 16))
-    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(8, 16, dtype=torch.int64))  # contiguous windows
+    assert np.array_equal(a, b) and a.shape == (8, 17) and a.dtype == np.int64
+    assert not np.array_equal(a, global_batch(data, 1, 6, 8, 16))
+    assert (a[:, 1:] - a[:, :-1] == 1).all()  # contiguous windows
     assert int(a.max()) <= 999
     # splitting over 2 processes x 2 micro-steps covers the global batch exactly once, in order
     parts = [micro_batch(a, r, 2, m, 2) for r in range(2) for m in range(2)]
-    assert torch.equal(torch.cat(parts), a)
+    assert np.array_equal(np.concatenate(parts), a)
 
 
 def test_grad_accum_gives_the_same_gradient() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=50))
-    windows = global_batch(np.random.default_rng(0).integers(0, 50, 500).astype(np.uint16), 3, 0, 8, 16)
+    tokens = np.random.default_rng(0).integers(0, 50, 500).astype(np.uint16)
+    windows = torch.from_numpy(global_batch(tokens, 3, 0, 8, 16))
 
     def grads(accum: int) -> list[torch.Tensor]:
         model.zero_grad()
@@ -281,13 +288,6 @@ def test_overrides_parse_by_field_type() -> None:
         parse_overrides(["--lr"])
 
 
-def _one_line_error(rc: int, err: str) -> str:
-    assert rc == 2 and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
-
-
 @pytest.mark.parametrize(
     ("recipe_text", "extra", "expect"),
     [
@@ -307,7 +307,7 @@ def test_cli_errors_are_one_line(tmp_path: Path, data: Path, capsys, recipe_text
     if recipe_text is not None:
         recipe.write_text(recipe_text + "threads = 1\n")
     rc = train(recipe, data, tmp_path / "run", *extra)
-    assert expect in _one_line_error(rc, capsys.readouterr().err)
+    assert expect in one_line_error(rc, capsys.readouterr().err)
 
 
 def test_missing_data_dir_is_a_one_line_error_in_a_real_process(tmp_path: Path) -> None:
@@ -320,12 +320,10 @@ def test_missing_data_dir_is_a_one_line_error_in_a_real_process(tmp_path: Path) 
         str(tmp_path / "run"),
     )
     _, err = proc.communicate(timeout=60)
-    assert "does not exist" in _one_line_error(proc.returncode, err)
+    assert "does not exist" in one_line_error(proc.returncode, err)
 
 
 def test_recipes_in_configs_load() -> None:
-    from gptlab.trainer_config import load_train_config
-
     for path in sorted((REPO / "configs").glob("*.toml")):
         cfg = load_train_config(path)
         assert cfg.model_config(vocab_size=65).vocab_size == 65, path
@@ -333,8 +331,6 @@ def test_recipes_in_configs_load() -> None:
 
 # --- optimizers --------------------------------------------------------------------------------------------------
 def test_gptlab_optimizers_match_torch_optim() -> None:
-    from gptlab.optim import BatchedMuon, FusedAdamW
-
     torch.manual_seed(0)
     shapes = [(48, 16), (16, 16), (64, 16), (16, 64), (48, 16), (16, 16)]
     ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
@@ -363,7 +359,7 @@ def test_gptlab_optimizers_match_torch_optim() -> None:
 
 
 def test_newton_schulz_zero_padding_is_exact_and_large_matrices_stack_by_shape() -> None:
-    from gptlab.optim import newton_schulz, newton_schulz_stacks
+    from gptlab.train.optim import newton_schulz, newton_schulz_stacks
 
     shapes = [(48, 16), (16, 16), (64, 16), (16, 64), (12, 40)]
     ((idx, (rows, cols)),) = newton_schulz_stacks(shapes)  # small: one stack, padded to the largest
@@ -380,6 +376,64 @@ def test_newton_schulz_zero_padding_is_exact_and_large_matrices_stack_by_shape()
         assert not together[j, m.shape[0] :].any() and not together[j, :, m.shape[1] :].any()
     big = [(768, 2304), (768, 768), (3072, 768), (768, 3072), (768, 768)]
     assert newton_schulz_stacks(big) == [([0], (768, 2304)), ([1, 4], (768, 768)), ([2, 3], (768, 3072))]
+
+
+@pytest.mark.parametrize(
+    ("kind", "impl", "dtype"),
+    [("adamw", "torch", "float32"), ("adamw", "gptlab", "float32"), ("muon", "torch", "float32"),
+     ("muon", "gptlab", "bfloat16")],  # bfloat16 on the CPU: a bf16 working copy of the model runs the steps
+)
+def test_frozen_parameters_are_in_no_optimizer_and_never_change(kind: str, impl: str, dtype: str) -> None:
+    """A frozen base (requires_grad False, as under adapters) is never stepped or decayed; the rest trains."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=50))
+    frozen_prefixes = ("transformer.wte.", "transformer.h.0.")  # the (tied) embedding and the first block
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(frozen_prefixes))
+    spec = OptimizerSpec(kind=kind, impl=impl, lr=1e-2, weight_decay=0.1, muon_weight_decay=0.1)
+    optimizers = build_optimizers(model, spec)
+    grouped = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(grouped) == len(trainable) and {id(p) for p in grouped} == {id(p) for p in trainable}
+
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    precision = Precision(model, dtype, "cpu", attention_fp32=True, distributed=False)
+    tokens = np.random.default_rng(0).integers(0, 50, 500).astype(np.uint16)
+    for step in range(3):
+        rows = torch.from_numpy(global_batch(tokens, 3, step, 8, 16))
+        with precision.autocast():
+            _, loss = precision.train_module(rows[:, :-1], rows[:, 1:])
+        precision.backward(loss)
+        precision.step(optimizers, grad_clip=1.0)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) == name.startswith(frozen_prefixes), name
+
+    # nothing to train: no optimizer is built over an empty parameter list
+    if kind == "muon":  # only vectors trainable: AdamW alone, no Muon
+        for p in model.parameters():
+            p.requires_grad_(p.dim() == 1)
+        assert [type(o).__name__ for o in build_optimizers(model, spec)] == [
+            "FusedAdamW" if impl == "gptlab" else "AdamW"]
+    model.requires_grad_(False)
+    with pytest.raises(GptlabError, match="no trainable parameters"):
+        build_optimizers(model, spec)
+
+
+def test_schedules() -> None:
+    cosine = Schedule(warmup_steps=4, kind="cosine", min_lr=0.1)
+    assert [cosine.multiplier(s, 0.0) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cosine.multiplier(10, 0.0) == 1.0 and cosine.multiplier(10, 1.0) == pytest.approx(0.1)
+    assert cosine.multiplier(10, 0.5) == pytest.approx(0.55) and cosine.multiplier(10, 2.0) == pytest.approx(0.1)
+    wsd = Schedule(warmup_steps=0, kind="wsd", min_lr=0.0, decay_fraction=0.2)
+    assert wsd.multiplier(5, 0.8) == 1.0 and wsd.multiplier(5, 0.9) == pytest.approx(0.5)
+    assert Schedule(warmup_steps=0, kind="constant").multiplier(100, 0.9) == 1.0
+
+
+def test_recipes_load_without_torch() -> None:
+    """Checking a recipe (config.py, and the package's __init__) must not pay for importing torch."""
+    code = "import sys, gptlab.train; gptlab.train.load_train_config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # --- distributed -----------------------------------------------------------------------------------------------------

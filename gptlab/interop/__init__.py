@@ -5,13 +5,10 @@
     save_hf(model, "out/hf-dir")  # loads with transformers.AutoModelForCausalLM.from_pretrained
 
 Layout: `common` (config/weight reading, RoPE schemas, tensor rules), one module per family (`gpt2`, `llama`,
-`neox`), `hf` (from_hf / save_hf) and `convert` (the `gptlab convert` command). Importing never needs
-`transformers`.
+`neox`), `registry` (the list of families), `hf` (from_hf / save_hf). Importing never needs `transformers`.
 """
 
-from gptlab.interop.common import SUPPORTED_ARCHITECTURES
-from gptlab.interop.convert import run_convert
 from gptlab.interop.hf import config_from_hf, config_to_hf, from_hf, save_hf, write_tokenizer
+from gptlab.interop.registry import SUPPORTED_ARCHITECTURES
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "config_from_hf", "config_to_hf", "from_hf", "run_convert", "save_hf",
-           "write_tokenizer"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "config_from_hf", "config_to_hf", "from_hf", "save_hf", "write_tokenizer"]

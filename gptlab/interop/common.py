@@ -19,8 +19,17 @@ import torch
 from safetensors.torch import load_file
 
 from gptlab.errors import GptlabError
+from gptlab.fileio import read_json_object
 
-SUPPORTED_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM")
+# GPTConfig fields every family writes, or that change nothing in a family that lacks them (rope_base under
+# learned positions, gelu_approximate under SwiGLU). Every other field is a switch: a family exports a config only
+# if it lists the switch's value in its EXPRESSES, or the switch is at GPTConfig's default. So a switch added to
+# GPTConfig later is refused by every family until one says it can express it.
+CARRIED = frozenset({
+    "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "norm_eps", "mlp_hidden", "mlp_ratio",
+    "mlp_multiple", "dropout", "init_std", "name", "attention", "rope_base", "rotary_fraction", "gelu_approximate",
+    "tie_embeddings",
+})
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -34,16 +43,7 @@ _MISSING = object()
 # config.json
 # ------------------------------------------------------------------------------------------------------------
 def read_hf_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise GptlabError(f"{path} not found: a Hugging Face model directory needs config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GptlabError(f"cannot read {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise GptlabError(f"{path} should hold a JSON object, not {type(config).__name__}")
-    return config
+    return read_json_object(directory / "config.json", hint="a Hugging Face model directory needs config.json")
 
 
 def get(config: dict[str, Any], *keys: str, default: Any = _MISSING) -> Any:
@@ -79,9 +79,9 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, float | None]:
     return float(theta), None if fraction is None else float(fraction)
 
 
-def unsupported_export(switch: str, why: str) -> GptlabError:
-    return GptlabError(f"cannot export to Hugging Face: {switch} has no equivalent in GPT-2, Llama or "
-                       f"GPT-NeoX ({why})")
+def unsupported_export(family: str, switch: str, why: str) -> GptlabError:
+    """The error of a family that fits a config's switches but not a relation between them."""
+    return GptlabError(f"cannot export to Hugging Face: {switch} has no equivalent in {family} ({why})")
 
 
 # ------------------------------------------------------------------------------------------------------------

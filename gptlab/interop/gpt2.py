@@ -15,8 +15,11 @@ from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.interop.common import Rule, gelu_approximate, get, same, transposed, unsupported_export
 
+NAME = "GPT-2"
 ARCHITECTURE = "GPT2LMHeadModel"
 MODEL_TYPE = "gpt2"
+# the switches (GPTConfig fields beyond common.CARRIED) GPT-2 has, and the values they may take
+EXPRESSES = {"norm": ("layernorm",), "position": ("learned",), "mlp": ("gelu",), "block": ("pre",), "bias": (True,)}
 # causal-mask buffers that older transformers saved with the weights, and a tied head saved anyway
 IGNORE = re.compile(r"\.attn\.(bias|masked_bias)$|^lm_head\.weight$")
 
@@ -52,19 +55,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_export(cfg: GPTConfig) -> None:
-    """Called for position="learned" configs: everything else must be GPT-2's."""
-    why = "learned positions map to GPT-2 only"
-    if cfg.norm != "layernorm":
-        raise unsupported_export("norm=rmsnorm with position=learned", f"{why}, which uses LayerNorm")
-    if cfg.mlp != "gelu":
-        raise unsupported_export(f"mlp={cfg.mlp} with position=learned", f"{why}, which uses a GELU MLP")
-    if cfg.block != "pre":
-        raise unsupported_export(f"block={cfg.block} with position=learned", f"{why}, which is pre-norm")
-    if not cfg.bias:
-        raise unsupported_export("bias=False with position=learned", f"{why}, which has biases everywhere")
+    """What EXPRESSES can't say: GPT-2 has as many key/value heads as query heads."""
     if cfg.n_kv_head != cfg.n_head:
-        raise unsupported_export(f"n_kv_head={cfg.n_kv_head} with position=learned",
-                                 f"{why}, which has as many key/value heads as query heads")
+        raise unsupported_export(NAME, f"n_kv_head={cfg.n_kv_head}", "it has as many key/value heads as query heads")
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:

@@ -1,10 +1,15 @@
-"""`from_hf` and `save_hf`: Hugging Face model directories <-> gptlab `GPT`s, for the three families gptlab's
-switches can express exactly (GPT-2, Llama, GPT-NeoX). The per-family knowledge lives in gpt2.py, llama.py and
-neox.py; this module picks the family and moves the tensors.
+"""`from_hf` and `save_hf`: Hugging Face model directories <-> gptlab `GPT`s, for the families gptlab's
+switches can express exactly (`registry.FAMILIES`). The per-family knowledge lives in one module per family;
+this module picks the family and moves the tensors.
+
+Export picks the family whose switches (its EXPRESSES) take every switch of the config; a switch no family lists
+must be at GPTConfig's default. So a config gptlab can build but no family can hold (a new position scheme, a
+new switch) is refused with its name, never written as a different model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import ModuleType
@@ -13,23 +18,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from gptlab.checkpoint import assign_weights, atomic_write_dir, model_state_dict, unwrap_model
+from gptlab.checkpoint import assign_weights, model_state_dict, unwrap_model
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.interop import gpt2, llama, neox
-from gptlab.interop.common import (
-    SAFETENSORS_FILE,
-    SUPPORTED_ARCHITECTURES,
-    read_hf_config,
-    read_hf_weights,
-    to_ours,
-    to_theirs,
-    unsupported_export,
-)
+from gptlab.fileio import atomic_write_dir
+from gptlab.interop.common import CARRIED, SAFETENSORS_FILE, read_hf_config, read_hf_weights, to_ours, to_theirs
+from gptlab.interop.registry import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, SUPPORTED_ARCHITECTURES
 from gptlab.model import GPT
 
-FAMILIES: dict[str, ModuleType] = {f.ARCHITECTURE: f for f in (gpt2, llama, neox)}
-_BY_MODEL_TYPE = {f.MODEL_TYPE: f for f in FAMILIES.values()}
 GPT2_VOCAB, GPT2_EOT = 50257, 50256
 
 
@@ -40,14 +36,14 @@ def _family_of(hf: dict[str, Any]) -> ModuleType:
     architectures = hf.get("architectures")
     if isinstance(architectures, list) and architectures:
         name = architectures[0]
-    elif hf.get("model_type") in _BY_MODEL_TYPE:  # configs written without `architectures`
-        return _BY_MODEL_TYPE[hf["model_type"]]
+    elif hf.get("model_type") in BY_MODEL_TYPE:  # configs written without `architectures`
+        return BY_MODEL_TYPE[hf["model_type"]]
     else:
         name = f"model_type {hf.get('model_type')!r}"
-    if name not in FAMILIES:
+    if name not in BY_ARCHITECTURE:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise GptlabError(f"unsupported architecture {name}: gptlab converts {supported}")
-    return FAMILIES[name]
+    return BY_ARCHITECTURE[name]
 
 
 def config_from_hf(hf: dict[str, Any], name: str = "custom") -> GPTConfig:
@@ -59,19 +55,29 @@ def config_from_hf(hf: dict[str, Any], name: str = "custom") -> GPTConfig:
         raise GptlabError(f"config.json does not describe a valid {family.ARCHITECTURE}: {e}") from None
 
 
+def _switches_missing(family: ModuleType, cfg: GPTConfig) -> list[str]:
+    """The config's switches `family` cannot express, as "name=value"."""
+    missing = []
+    for f in dataclasses.fields(cfg):
+        if f.name in CARRIED:
+            continue
+        value, allowed = getattr(cfg, f.name), family.EXPRESSES.get(f.name)
+        if (allowed is None and value != f.default) or (allowed is not None and value not in allowed):
+            missing.append(f"{f.name}={value}")
+    return missing
+
+
 def _export_family(cfg: GPTConfig) -> ModuleType:
     """The family a config exports to, or a GptlabError naming the switch with no Hugging Face equivalent."""
-    if cfg.qk_norm:
-        raise unsupported_export("qk_norm=True", "none of them normalizes queries and keys")
-    if cfg.logit_softcap is not None:
-        raise unsupported_export(f"logit_softcap={cfg.logit_softcap}", "none of them caps the logits")
-    if cfg.mlp == "relu2":
-        raise unsupported_export("mlp=relu2", "their MLPs are GELU or SwiGLU")
-    if cfg.block == "post":
-        raise unsupported_export("block=post", "they are pre-norm or parallel")
-    if cfg.position == "none":
-        raise unsupported_export("position=none", "they use learned positions or RoPE")
-    family = gpt2 if cfg.position == "learned" else llama if cfg.norm == "rmsnorm" else neox
+    missing = {family: _switches_missing(family, cfg) for family in FAMILIES}
+    fitting = [family for family in FAMILIES if not missing[family]]
+    if not fitting:
+        nearest = min(FAMILIES, key=lambda family: len(missing[family]))  # the first of the closest
+        names = ", ".join(family.NAME for family in FAMILIES)
+        raise GptlabError(f"cannot export to Hugging Face: {missing[nearest][0]} has no equivalent in any family "
+                          f"gptlab writes ({names}); the nearest, {nearest.NAME}, also lacks "
+                          f"{', '.join(missing[nearest][1:]) or 'nothing else'}")
+    family = fitting[0]
     family.check_export(cfg)
     return family
 
@@ -123,15 +129,11 @@ def from_hf(
     dtype = dtype or state["transformer.wte.weight"].dtype
     with torch.device("meta"):
         model = GPT(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    for name, t in state.items():  # a config.json that disagrees with its weights: say so before torch does
-        if tuple(t.shape) != expected[name]:
-            raise GptlabError(f"{directory}: weight for {name} has shape {tuple(t.shape)} but config.json "
-                              f"implies {expected[name]}")
-        state[name] = t.to(device=device, dtype=dtype)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     if config.tie_embeddings:  # the embedding matrix is the head, whatever the file says under the head's name
         state["lm_head.weight"] = state["transformer.wte.weight"]
-    return assign_weights(model, state)
+    # a config.json that disagrees with its weights is named here, before torch would fail on a shape
+    return assign_weights(model, state, where=f"{directory} (against its config.json)")
 
 
 def _dtype(name: str) -> torch.dtype:

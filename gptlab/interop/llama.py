@@ -14,8 +14,11 @@ from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.interop.common import Rule, concatenated, get, keep, rope_settings, same, unsupported_export
 
+NAME = "Llama"
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
+# the switches (GPTConfig fields beyond common.CARRIED) Llama has, and the values they may take
+EXPRESSES = {"norm": ("rmsnorm",), "position": ("rope",), "mlp": ("swiglu",), "block": ("pre",), "bias": (False, True)}
 IGNORE = re.compile(r"rotary_emb\.inv_freq$|^lm_head\.weight$")  # old checkpoints saved the RoPE buffer
 normalize = keep
 
@@ -59,16 +62,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_export(cfg: GPTConfig) -> None:
-    """Called for RoPE + RMSNorm configs: everything else must be Llama's."""
-    if cfg.mlp != "swiglu":
-        raise unsupported_export(f"mlp={cfg.mlp} with norm=rmsnorm",
-                                 "Llama's MLP is SwiGLU; GPT-NeoX's GELU MLP comes with LayerNorm")
-    if cfg.block != "pre":
-        raise unsupported_export(f"block={cfg.block} with norm=rmsnorm",
-                                 "Llama is pre-norm; GPT-NeoX's parallel block comes with LayerNorm")
+    """What EXPRESSES can't say: Llama rotates every dim of each head."""
     if cfg.rotary_dim != cfg.head_size:
-        raise unsupported_export(f"rotary_fraction={cfg.rotary_fraction} with norm=rmsnorm",
-                                 "Llama rotates every dim of each head")
+        raise unsupported_export(NAME, f"rotary_fraction={cfg.rotary_fraction}", "it rotates every dim of each head")
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:

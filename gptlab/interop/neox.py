@@ -25,8 +25,12 @@ from gptlab.interop.common import (
     unsupported_export,
 )
 
+NAME = "GPT-NeoX"
 ARCHITECTURE = "GPTNeoXForCausalLM"
 MODEL_TYPE = "gpt_neox"
+# the switches (GPTConfig fields beyond common.CARRIED) GPT-NeoX has, and the values they may take
+EXPRESSES = {"norm": ("layernorm",), "position": ("rope",), "mlp": ("gelu",), "block": ("parallel", "pre"),
+             "bias": (True,)}
 # causal-mask and RoPE buffers that older transformers saved with the weights, and a tied head saved anyway
 IGNORE = re.compile(r"\.attention\.(bias|masked_bias)$|rotary_emb\.inv_freq$|^embed_out\.weight$")
 
@@ -66,16 +70,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_export(cfg: GPTConfig) -> None:
-    """Called for RoPE + LayerNorm configs: everything else must be GPT-NeoX's."""
-    if cfg.mlp != "gelu":
-        raise unsupported_export(f"mlp={cfg.mlp} with norm=layernorm",
-                                 "GPT-NeoX's MLP is GELU; Llama's SwiGLU comes with RMSNorm")
-    if not cfg.bias:
-        raise unsupported_export("bias=False with norm=layernorm and position=rope",
-                                 "GPT-NeoX has biases in every Linear and LayerNorm")
+    """What EXPRESSES can't say: GPT-NeoX has as many key/value heads as query heads."""
     if cfg.n_kv_head != cfg.n_head:
-        raise unsupported_export(f"n_kv_head={cfg.n_kv_head} with norm=layernorm",
-                                 "GPT-NeoX has as many key/value heads as query heads")
+        raise unsupported_export(NAME, f"n_kv_head={cfg.n_kv_head}", "it has as many key/value heads as query heads")
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:

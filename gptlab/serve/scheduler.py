@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gptlab.generate import Engine, Generation
+from gptlab.generation.engine import Engine, Generation
 
 log = logging.getLogger("gptlab.serve")
 

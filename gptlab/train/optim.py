@@ -1,10 +1,16 @@
-"""Optimizers and learning-rate schedules for `gptlab train`.
+"""Optimizers and learning-rate schedules for `gptlab train`, described by two small specs.
+
+The trainer turns its recipe into an `OptimizerSpec` (which optimizer, its hyper-parameters) and a `Schedule`
+(how the learning rate moves over the run); nothing here needs the whole TrainConfig, so the parts can be used
+and tested on their own (benchmarks/train_throughput.py builds a training step from them).
 
 Two setups:
 - "adamw": AdamW on everything, weight decay on the hidden weight matrices only.
 - "muon":  Muon on the hidden weight matrices (orthogonalized momentum: about 2x fewer steps to the same loss
            in short runs) and AdamW, without decay, on embeddings, the LM head and vectors (norms, biases).
-Two implementations (`optimizer_impl`): "torch" (torch.optim.AdamW(fused=True), torch.optim.Muon) and "gptlab"
+Only trainable parameters (requires_grad) go into the optimizers: a frozen base model under adapters is never
+decayed or stepped, and an optimizer that would get no parameters is not built.
+Two implementations (`impl`): "torch" (torch.optim.AdamW(fused=True), torch.optim.Muon) and "gptlab"
 (FusedAdamW, BatchedMuon below: the same updates, a second less start-up and a faster Muon for small models).
 
 Schedules are multipliers of each group's peak learning rate, functions of the step (for warm-up) and of
@@ -14,10 +20,58 @@ progress in [0, 1]: step / max_steps, or elapsed / max_time for time budgets.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from gptlab.trainer_config import TrainConfig
+from gptlab.errors import GptlabError
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer and its hyper-parameters (TrainConfig's fields of the same meaning)."""
+
+    kind: Literal["adamw", "muon"] = "adamw"
+    lr: float = 1e-3  # AdamW's peak learning rate
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW's, on hidden matrices (adamw only: under muon AdamW has no decay)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_weight_decay: float = 0.0
+    impl: Literal["torch", "gptlab"] = "torch"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning-rate schedule: linear warm-up over `warmup_steps`, then
+    - cosine:   cosine decay from 1 to min_lr over the run;
+    - wsd:      stable at 1, then linear decay to min_lr over the last `decay_fraction` of the run;
+    - constant.
+    `min_lr` is a fraction of the peak learning rate."""
+
+    warmup_steps: int = 10
+    kind: Literal["cosine", "wsd", "constant"] = "cosine"
+    min_lr: float = 0.0
+    decay_fraction: float = 0.5
+
+    def multiplier(self, step: int, progress: float) -> float:
+        """The factor applied to every peak learning rate at `step` (0-based) and `progress` in [0, 1]."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(max(progress, 0.0), 1.0)
+        floor = self.min_lr
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "wsd":
+            start = 1.0 - self.decay_fraction
+            if progress <= start or self.decay_fraction == 0:
+                return 1.0
+            return floor + (1.0 - floor) * (1.0 - progress) / self.decay_fraction
+        # cosine over the whole run (by steps, or by time when progress is time-driven)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _fused_ok(params: list[torch.Tensor]) -> bool:
@@ -25,10 +79,11 @@ def _fused_ok(params: list[torch.Tensor]) -> bool:
     return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
-def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer | FusedAdamW:
+def adamw(groups: list[dict], spec: OptimizerSpec) -> torch.optim.Optimizer | FusedAdamW:
+    """AdamW over `groups` (each with its own weight_decay), fused where the kernel supports the tensors."""
     params = [p for g in groups for p in g["params"]]
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
-    if cfg.optimizer_impl == "gptlab" and _fused_ok(params):
+    kwargs = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps)
+    if spec.impl == "gptlab" and _fused_ok(params):
         return FusedAdamW(groups, **kwargs)
     return torch.optim.AdamW(groups, **kwargs, fused=_fused_ok(params) or None)
 
@@ -191,55 +246,39 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients: tuple[float, float,
     return x.mT if tall else x
 
 
-def build_optimizers(model: torch.nn.Module, cfg: TrainConfig) -> list:
-    """The optimizers for `model` (a plain GPT). Each param group records its peak lr in `peak_lr`."""
-    kinds = model.parameter_groups_by_kind()
-    if cfg.optimizer == "adamw":
-        optimizers = [adamw(model.optimizer_groups(cfg.weight_decay), cfg)]
+def build_optimizers(model: torch.nn.Module, spec: OptimizerSpec) -> list:
+    """The optimizers for `model`'s trainable parameters (a plain GPT, or one with frozen parts).
+
+    The parameters come from the model's own grouping (`parameter_groups_by_kind`, `optimizer_groups`), which
+    leaves frozen ones out. Each param group records its peak lr in `peak_lr`, which `set_lr` scales.
+    """
+    if spec.kind == "adamw":
+        groups = model.optimizer_groups(spec.weight_decay)
+        optimizers = [adamw(groups, spec)] if groups else []
     else:
+        kinds = model.parameter_groups_by_kind()
         matrices = [p for _, p in kinds["matrix"]]
         rest = [p for kind in ("embedding", "head", "vector") for _, p in kinds[kind]]
         optimizers = []
         if matrices:
-            kwargs = dict(lr=cfg.muon_lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
-                          weight_decay=cfg.muon_weight_decay)
-            if cfg.optimizer_impl == "gptlab":
+            kwargs = dict(lr=spec.muon_lr, momentum=spec.muon_momentum, nesterov=spec.muon_nesterov,
+                          weight_decay=spec.muon_weight_decay)
+            if spec.impl == "gptlab":
                 optimizers.append(BatchedMuon(matrices, **kwargs))
             else:  # "original" scales lr by sqrt(max(1, rows/cols)) per matrix, as Keller Jordan's Muon does
                 optimizers.append(torch.optim.Muon(matrices, **kwargs, adjust_lr_fn="original"))
-        optimizers.append(adamw([{"params": rest, "weight_decay": 0.0}], cfg))
+        if rest:
+            optimizers.append(adamw([{"params": rest, "weight_decay": 0.0}], spec))
+    if not optimizers:
+        raise GptlabError("the model has no trainable parameters (every one has requires_grad=False)")
     for opt in optimizers:
         for group in opt.param_groups:
             group["peak_lr"] = group["lr"]
     return optimizers
 
 
-def lr_multiplier(cfg: TrainConfig, step: int, progress: float) -> float:
-    """The factor applied to every peak learning rate at `step` (0-based) and `progress` in [0, 1].
-
-    Linear warm-up over `warmup_steps`, then
-    - cosine: cosine decay from 1 to min_lr over the run;
-    - wsd:    stable at 1, then linear decay to min_lr over the last `decay_fraction` of the run;
-    - constant.
-    """
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = min(max(progress, 0.0), 1.0)
-    floor = cfg.min_lr
-    if cfg.schedule == "constant":
-        return 1.0
-    if cfg.schedule == "wsd":
-        start = 1.0 - cfg.decay_fraction
-        if progress <= start or cfg.decay_fraction == 0:
-            return 1.0
-        return floor + (1.0 - floor) * (1.0 - progress) / cfg.decay_fraction
-    # cosine over the part of the run after warm-up (by steps, or by time when progress is time-driven)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def set_lr(optimizers: list, multiplier: float) -> float:
-    """Scale every group's peak lr; returns AdamW's current lr (the one logged)."""
+def set_lr(optimizers: list, multiplier: float) -> None:
+    """Set every group's learning rate to its peak lr times `multiplier`."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["peak_lr"] * multiplier
-    return optimizers[-1].param_groups[0]["lr"]

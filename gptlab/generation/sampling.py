@@ -1,102 +1,22 @@
-"""Sampling controls: `SamplingParams`, the logit filters and `sample_next`.
+"""Turning logits into tokens: the logit filters, `sample_next`, and the log-probabilities reported back.
 
-The filters are pure functions over a (rows, vocab) fp32 logits tensor with one parameter value per row (a
-float for all rows, or an (n,) tensor), so one batch can mix requests with different settings. Removed tokens
-get -inf. Definitions follow Hugging Face (top-k, top-p, min-p, repetition penalty) and OpenAI (frequency and
-presence penalties); see `SamplingParams`.
+A batch mixes requests with different settings, so the filters are pure functions over a (rows, vocab) fp32
+logits tensor with one parameter value per row (a float for all rows, or an (n,) tensor). Removed tokens get
+-inf. Definitions follow Hugging Face (top-k, top-p, min-p, repetition penalty) and OpenAI (frequency and
+presence penalties); see `gptlab.generation.params.SamplingParams`, whose "off" values (top_k 0, top_p 1,
+min_p 0) are also the filters' "keep everything" values.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+from gptlab.generation.params import SamplingParams
 
-
-@dataclass
-class SamplingParams:
-    """How one request is decoded. Filters apply in this order: penalties, temperature, top-k, top-p, min-p.
-
-    - temperature: logits / T before sampling; 0 = greedy (argmax of the penalized logits).
-    - top_k: keep the k most likely tokens (ties with the k-th are kept too). None or 0 = off.
-    - top_p: keep the smallest set of most likely tokens whose probabilities sum to >= top_p (nucleus).
-      None or 1 = off.
-    - min_p: keep tokens whose probability is >= min_p * (the top token's probability). None/0 = off.
-    - repetition_penalty (Hugging Face / CTRL): for every token that occurs in the prompt or the output so
-      far, a positive logit is divided by it and a negative one multiplied by it. 1 = off; > 1 discourages
-      repeats.
-    - frequency_penalty / presence_penalty (OpenAI): logit[j] -= count[j] * frequency + (count[j] > 0) *
-      presence, where count[j] is how often token j was generated so far (the prompt is not counted).
-      0 = off; OpenAI allows -2..2.
-    - seed: the row's own torch.Generator is seeded with it (sample i of a request with seed + i mixed in), so
-      the same seed gives the same text whatever else is in the batch. None = drawn from torch's global RNG.
-    - stop: strings that end the row; the text up to (not including) the first one is returned.
-    - stop_token_ids: token ids that end the row (the tokenizer's end-of-text is added unless ignore_eot).
-    - logprobs: record each generated token's log-probability and the `logprobs` most likely alternatives
-      (0..MAX_LOGPROBS; None = off). They are the model's own distribution (log-softmax of the raw logits),
-      before penalties, temperature and filters, as vLLM reports them by default.
-    - prompt_logprobs: also record the log-probability of every prompt token after the first (and as many
-      alternatives as `logprobs` asks), e.g. to score a text.
-    """
-
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
-    ignore_eot: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: bool = False
-
-    def __post_init__(self) -> None:
-        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad setting."""
-
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise bad("max_new_tokens", "a non-negative integer")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", ">= 0")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
-            raise bad("top_k", "a non-negative integer")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "> 0")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise bad(name, "a finite number")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 
 # ---------------------------------------------------------------------------------------------------------
 # Logit filters: (n, V) fp32 logits, a float or an (n,) tensor per parameter; removed tokens become -inf
@@ -155,6 +75,11 @@ def apply_min_p(logits: torch.Tensor, min_p: float | torch.Tensor) -> torch.Tens
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def _column(params: Sequence[SamplingParams], name: str, device: torch.device) -> torch.Tensor:
+    """One SamplingParams field as an (n,) tensor, one value per row."""
+    return torch.tensor([getattr(sp, name) for sp in params], device=device)
+
+
 def sample_next(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -171,21 +96,22 @@ def sample_next(
     logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
     dev = logits.device
     if any(sp.penalized for sp in params):
-        col = lambda name: torch.tensor([getattr(sp, name) for sp in params], device=dev)  # noqa: E731
-        logits = apply_penalties(
-            logits, counts, seen, col("repetition_penalty"), col("frequency_penalty"), col("presence_penalty")
-        )
+        rep, freq, pres = (_column(params, name, dev) for name in PENALTIES)
+        logits = apply_penalties(logits, counts, seen, rep, freq, pres)
     if all(sp.greedy for sp in params):  # the common fast path: no softmax, no sort
         return logits.argmax(dim=-1).tolist()
 
+    # a greedy row in a mixed batch divides by 1: its token is the argmax, taken below, whatever its scale
     temps = torch.tensor([sp.temperature or 1.0 for sp in params], dtype=logits.dtype, device=dev)
     logits = logits / temps[:, None]
-    if any(sp.top_k for sp in params):
-        logits = apply_top_k(logits, torch.tensor([sp.top_k or 0 for sp in params], device=dev))
-    if any(sp.top_p is not None and sp.top_p < 1 for sp in params):
-        logits = apply_top_p(logits, torch.tensor([sp.top_p or 1.0 for sp in params], device=dev))
-    if any(sp.min_p for sp in params):
-        logits = apply_min_p(logits, torch.tensor([sp.min_p or 0.0 for sp in params], device=dev))
+    # each filter runs only when some row uses it (sorting the vocabulary for top-p is not free); the rows that
+    # don't pass their "off" value, which keeps every token
+    if any(sp.top_k > 0 for sp in params):
+        logits = apply_top_k(logits, _column(params, "top_k", dev))
+    if any(sp.top_p < 1 for sp in params):
+        logits = apply_top_p(logits, _column(params, "top_p", dev))
+    if any(sp.min_p > 0 for sp in params):
+        logits = apply_min_p(logits, _column(params, "min_p", dev))
     probs = logits.softmax(dim=-1)
     noise = torch.empty_like(probs)
     for i, (sp, g) in enumerate(zip(params, generators, strict=True)):

@@ -1,20 +1,17 @@
-"""Text generation: one engine behind `GPT.generate`, `gptlab sample` and `gptlab serve`.
+"""The generation engine: batched, KV-cached decoding behind `gptlab.generate`, `gptlab sample` and `gptlab serve`.
 
-The pieces, top to bottom:
-
-* `SamplingParams`, the logit filters and `sample_next` (in `gptlab.sampling`, re-exported here): the controls
-  of one request (temperature, top-k/p, min-p, penalties, seed, stops, length) as pure functions over fp32
-  logits, one value per row, so a batch can mix requests.
-* `Engine`: owns a `KVCache` of `max_batch` rows, allocated once. `add` prefills prompts into free rows
+* `Engine` owns a `KVCache` of `max_batch` rows, allocated once. `add` prefills prompts into free rows
   (right-padded when their lengths differ, each row then rewound to its own length) and samples each row's
   first token; `step` feeds every running row its last token and samples the next. Rows finish on their own
   ("stop" or "length") and free their slot, so new requests can join between steps (continuous batching).
   With `prefill_chunk`, a longer prompt is prefilled that many tokens per step, alongside the other rows'
   decoding, so one long prompt does not stall everybody else for a whole prefill (chunked prefill).
-* `Generation`: the state of one row: prompt, tokens so far, finish reason, and (with a tokenizer) its text.
-  Text is decoded incrementally (`gptlab.detokenize`): streamed deltas never split a UTF-8 character and never
-  show the beginning of a stop string that may still complete.
-* `generate` / `generate_stream`: one-call helpers over a throwaway engine.
+* `Generation` is the state of one row: prompt, tokens so far, finish reason, and (with a tokenizer) its text.
+  Text is decoded incrementally (`detokenize`): streamed deltas never split a UTF-8 character and never show
+  the beginning of a stop string that may still complete.
+
+Each row samples under its own `SamplingParams` (`params`) with the filters of `sampling`; the one-call helpers
+over a throwaway engine are in `api`.
 
 Context limits. A prompt must leave room for one new token (at most block_size - 1 tokens): longer ones raise
 `PromptTooLongError` unless `truncate_prompt=True`, which keeps the prompt's last block_size - max(1,
@@ -31,30 +28,21 @@ cast to fp32 before any sampling arithmetic.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gptlab.detokenize import TextState
 from gptlab.errors import GptlabError
-from gptlab.model import GPT, KVCache
-from gptlab.packed_linear import try_pack
-from gptlab.sampling import (  # noqa: F401 - re-exported: gptlab.generate is the one import for generation
-    SamplingParams,
-    TokenLogprob,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k,
-    apply_top_p,
-    row_seed,
-    sample_next,
-    token_logprobs,
-)
+from gptlab.generation.detokenize import TextState
+from gptlab.generation.packed_linear import try_pack
+from gptlab.generation.params import SamplingParams
+from gptlab.generation.sampling import TokenLogprob, row_seed, sample_next, token_logprobs
+from gptlab.kv_cache import KVCache
+from gptlab.model import GPT
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
-PACK_MIN_TOKENS = 16  # one-shot helpers re-lay weights (gptlab.packed_linear) only when enough steps pay it
 
 
 class PromptTooLongError(GptlabError, ValueError):
@@ -401,102 +389,3 @@ def _first_run(free: list[int], n: int) -> int | None:
         if free[j + n - 1] - free[j] == n - 1:
             return free[j]
     return None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# One-call helpers
-# ---------------------------------------------------------------------------------------------------------
-def generate(
-    model: GPT,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams | None = None,
-    *,
-    tokenizer: Any = None,
-    truncate_prompt: bool = False,
-) -> list[Generation]:
-    """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each."""
-    params = params or SamplingParams()
-    engine = Engine(model, max_batch=max(1, len(prompts)), tokenizer=tokenizer,
-                    max_len=cache_length(prompts, params.max_new_tokens),
-                    pack_weights=params.max_new_tokens >= PACK_MIN_TOKENS)
-    gens = [
-        engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt)
-        for i, p in enumerate(prompts)
-    ]
-    with _eval_mode(model):
-        return engine.run(gens)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: GPT) -> Iterator[None]:
-    """Dropout off while generating (as nanoGPT's sample.py does), the caller's mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def generate_stream(
-    model: GPT,
-    tokenizer: Any,
-    prompt: str | Sequence[int],
-    params: SamplingParams | None = None,
-    *,
-    truncate_prompt: bool = False,
-    result: list[Generation] | None = None,
-) -> Iterator[str]:
-    """Yield the text of one continuation as it is generated, in deltas of whole characters.
-
-    `prompt` is text (encoded with the tokenizer) or token ids. Pass a list as `result` to get the finished
-    `Generation` (finish reason, token ids) appended to it.
-    """
-    params = params or SamplingParams()
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens),
-                    pack_weights=params.max_new_tokens >= PACK_MIN_TOKENS)
-    gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt)
-    with _eval_mode(model):
-        engine.add([gen])
-    while True:
-        delta = gen.pop_delta()
-        if delta:
-            yield delta
-        if gen.finished:
-            break
-        with _eval_mode(model):  # not held across the yield: the caller may use the model in between
-            engine.step()
-    if result is not None:
-        result.append(gen)
-
-
-def generate_tensor(
-    model: GPT,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    *,
-    pad_id: int | None = None,
-    truncate_prompt: bool = False,
-    **controls: Any,
-) -> torch.Tensor:
-    """`GPT.generate`: idx (B, T) -> (B, T + new). Without stop tokens every row gets max_new_tokens (unless
-    learned positions run out); rows that stop early keep their stop token and are right-padded with `pad_id`
-    (default: the first stop token id) up to the longest row."""
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-        raise ValueError("idx must be a (batch, time) tensor of token ids")
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, **controls
-    )
-    gens = generate(model, idx.tolist(), params, truncate_prompt=truncate_prompt)
-    prompts = [g.prompt_ids for g in gens]  # after truncation, if any
-    width = max(len(p) + len(g.token_ids) for p, g in zip(prompts, gens, strict=True))
-    pad = pad_id if pad_id is not None else (params.stop_token_ids[0] if params.stop_token_ids else 0)
-    out = torch.full((len(gens), width), pad, dtype=idx.dtype, device=idx.device)
-    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
-        row = p + g.token_ids
-        out[i, : len(row)] = torch.tensor(row, dtype=idx.dtype)
-    return out

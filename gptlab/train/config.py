@@ -1,8 +1,12 @@
-"""`TrainConfig`: every knob of `gptlab train`, read from a flat TOML recipe and `--key value` overrides.
+"""`TrainConfig`: every knob of `gptlab train`, read from a flat TOML recipe and command-line overrides.
 
 A recipe names a model preset (`model = "speedrun-char"`) and may override any `GPTConfig` field at the top
 level (`n_layer = 4`); all other keys are training settings, the fields of `TrainConfig` below. Values are
 checked against the field's type, so a typo or a wrong type is a one-line error instead of a silent default.
+TOML values must already have the right type; overrides arrive as text (`{"max_steps": "500"}`, split out of
+`--key value` by the command line) and are parsed by the field's type.
+
+No torch here: a recipe is checked before anything heavy is imported.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import difflib
 import hashlib
 import json
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,13 +28,15 @@ from gptlab.errors import GptlabError
 
 @dataclass
 class TrainConfig:
+    """One training run's settings, all of them: what `config.resolved.json` records and what a resumed run
+    must match (except RESUMABLE_CHANGES). Build it with `load_train_config` / `build_train_config`, which
+    check every value; constructing it directly skips those checks."""
+
     # --- model ---
     model: str = "tiny"  # a preset name (`gptlab info` lists them); GPTConfig fields below it override it
     init_from: str | None = None  # fine-tune: a run, checkpoint or Hugging Face directory (replaces `model`)
     # --- batch ---
-    batch_size: int = (
-        32  # sequences per optimizer step in total: split over processes and grad_accum micro-steps
-    )
+    batch_size: int = 32  # sequences per optimizer step in total: split over processes and grad_accum micro-steps
     grad_accum: int = 1
     # --- length of the run ---
     max_steps: int = 1000
@@ -62,9 +69,7 @@ class TrainConfig:
     tensorboard: bool = True  # also write TensorBoard events when `torch.utils.tensorboard` imports
     # --- execution ---
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    attention_fp32: bool = (
-        True  # under bf16/fp16, compute attention in fp32 (CPU bf16 attention backward is slow)
-    )
+    attention_fp32: bool = True  # under bf16/fp16, compute attention in fp32 (CPU bf16 attention backward is slow)
     compile: bool = False
     # with several processes (torchrun): ddp = every process holds the whole model, gradients all-reduced;
     # fsdp = parameters, gradients and optimizer state sharded over the processes (PyTorch's fully_shard)
@@ -130,7 +135,7 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is tuple:
         return f"list of {len(typing.get_args(tp))} numbers"
@@ -228,25 +233,6 @@ def _load_toml(path: Path) -> dict[str, Any]:
         raise GptlabError(f"{path} is not valid TOML: {e}") from None
 
 
-def parse_overrides(extra: list[str]) -> dict[str, str]:
-    """`--key value` / `--key=value` pairs from the command line (dashes or underscores) as raw strings."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or len(arg) == 2:
-            raise GptlabError(f"unexpected argument {arg!r}: overrides are written --key value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(extra) or (extra[i + 1].startswith("--") and len(extra[i + 1]) > 2):
-                raise GptlabError(f"--{key} needs a value")
-            value = extra[i + 1]
-            i += 1
-        out[key.replace("-", "_")] = value
-        i += 1
-    return out
-
-
 def build_train_config(
     values: dict[str, Any], overrides: dict[str, str] | None = None, where: str = "in the config"
 ) -> TrainConfig:
@@ -267,13 +253,14 @@ def build_train_config(
     return cfg
 
 
-def load_train_config(path: str | Path, extra: list[str] | None = None) -> TrainConfig:
+def load_train_config(path: str | Path, overrides: dict[str, str] | None = None) -> TrainConfig:
+    """The TrainConfig of a TOML recipe, with `overrides` (key -> text, as typed on a command line) on top."""
     path = Path(path)
     values = _load_toml(path)
     nested = [k for k, v in values.items() if isinstance(v, dict)]
     if nested:
         raise GptlabError(f"{path}: tables like [{nested[0]}] are not used; write every key at the top level")
-    return build_train_config(values, parse_overrides(extra or []), where=f"in {path}")
+    return build_train_config(values, overrides, where=f"in {path}")
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -1,4 +1,4 @@
-"""`gptlab info`: a preset's configuration and parameter counts, computed on the meta device (no memory)."""
+"""`gptlab info [PRESET]`: a preset's configuration and parameter counts, computed on the meta device (no memory)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,13 @@ from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 
 
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="show a preset's configuration and parameter counts (no memory allocated)")
+    p.add_argument("preset", nargs="?", help="preset name; omit to list the presets")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run)
+
+
 def _human(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -16,19 +23,7 @@ def _human(n: int) -> str:
     return str(n)
 
 
-_BLOCKS = {"pre": "pre-norm", "post": "post-norm", "parallel": "parallel"}
-
-
-def describe(config: GPTConfig) -> str:
-    """One line naming the architecture's switches."""
-    kv = "" if config.n_kv_head == config.n_head else f", {config.n_kv_head} kv heads"
-    return (f"{config.n_layer} layers, {config.n_head} heads{kv}, width {config.n_embd}, context {config.block_size}, "
-            f"vocab {config.vocab_size}; {config.norm}, {config.position} positions, {config.mlp} mlp "
-            f"(hidden {config.hidden_size}), {_BLOCKS[config.block]} blocks, "
-            f"{'tied' if config.tie_embeddings else 'untied'} head, {'with' if config.bias else 'no'} bias")
-
-
-def run_info(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from gptlab.model import parameter_breakdown
 
     if not args.preset:
@@ -37,7 +32,7 @@ def run_info(args: argparse.Namespace) -> int:
             print(json.dumps({name: parameter_breakdown(c)["total"] for name, c in rows}, indent=2))
             return 0
         for name, config in rows:
-            print(f"{name:<18} {_human(parameter_breakdown(config)['total']):>9}  {describe(config)}")
+            print(f"{name:<18} {_human(parameter_breakdown(config)['total']):>9}  {config.describe()}")
         return 0
     try:
         config = GPTConfig.preset(args.preset)
@@ -47,7 +42,7 @@ def run_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"preset": args.preset, "config": config.to_dict(), "parameters": counts}, indent=2))
         return 0
-    print(f"{args.preset}: {describe(config)}")
+    print(f"{args.preset}: {config.describe()}")
     width = max(len(f"{v:,}") for v in counts.values())
     for key, value in counts.items():
         share = f"{100 * value / counts['total']:5.1f}%" if key != "total" else ""

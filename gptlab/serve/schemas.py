@@ -1,9 +1,14 @@
-"""Request bodies of the OpenAI-compatible server (pydantic, strict types), OpenAI-style error bodies, and the
-logprobs objects of its answers.
+"""The server's protocol: request bodies (pydantic, strict types), OpenAI-style error bodies, and the logprobs
+objects of its answers.
 
 Strict: a string where a number belongs is an error, not coerced. Unknown fields are ignored (clients send
 `user`, `logit_bias`, ... that gptlab does not act on). Besides OpenAI's fields, requests accept vLLM-style
 extras: top_k, min_p, repetition_penalty, ignore_eos.
+
+Ranges are checked in two places, each range once: here only the server's policy limits that the engine does
+not care about (OpenAI's temperature <= 2, penalties in [-2, 2], n <= 16, at most 4 stop strings), and in
+`SamplingParams` everything that makes a setting meaningless (top_p in (0, 1], top_k >= 0, ...); the routes
+turn its `InvalidSamplingParam` into a 400 naming the request's field.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gptlab.generation.params import MAX_LOGPROBS  # torch-free
+
 MAX_N = 16
 MAX_STOPS = 4
-MAX_LOGPROBS = 20  # = gptlab.sampling.MAX_LOGPROBS (not imported: this module stays free of torch)
 
 
 class ApiError(Exception):
@@ -67,13 +73,13 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Only policy limits here; see the module docstring."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, le=2)
+    top_p: float = 1.0
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -82,25 +88,23 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # extras (vLLM-style)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = Field(1.0, le=10)  # a cap of this server's, as OpenAI caps its penalties
     ignore_eos: bool = False
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOPS:
             raise ApiError(400, f"at most {MAX_STOPS} stop sequences are allowed", param="stop")
-        if any(not s for s in stops):
-            raise ApiError(400, "stop sequences must be non-empty", param="stop")
         return stops
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, description=f"alternatives reported per token, 0..{MAX_LOGPROBS}")
 
 
 class ContentPart(BaseModel):
@@ -122,10 +126,10 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, description=f"alternatives reported per token, 0..{MAX_LOGPROBS}")
 
     def logprobs_count(self) -> int | None:
         """SamplingParams.logprobs for this request: None when not asked."""
@@ -135,7 +139,7 @@ class ChatRequest(SamplingFields):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Logprobs in answers (entries are gptlab.sampling.TokenLogprob, or None for a first prompt token)
+# Logprobs in answers (entries are gptlab.generation.TokenLogprob, or None for a first prompt token)
 # ---------------------------------------------------------------------------------------------------------
 def _token(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
     """A token's text (a token holding part of a UTF-8 character shows U+FFFD) and its exact bytes."""

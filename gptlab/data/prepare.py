@@ -32,10 +32,8 @@ How the text becomes tokens:
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import hashlib
-import json
 import multiprocessing
 import os
 import re
@@ -52,8 +50,10 @@ from typing import Any
 
 import numpy as np
 
-from gptlab.corpora import fetch_shakespeare
+from gptlab.data.corpora import fetch_shakespeare
+from gptlab.data.dataset import META, SPLITS
 from gptlab.errors import GptlabError
+from gptlab.fileio import atomic_write_json
 from gptlab.tokenizer import (
     MIN_BPE_VOCAB,
     CharTokenizer,
@@ -63,8 +63,6 @@ from gptlab.tokenizer import (
     load_tokenizer,
 )
 
-SPLITS = ("train", "val")
-META = "meta.json"
 READ_BYTES = 1 << 20  # file read size
 CHUNK_CHARS = 1 << 20  # characters per encoding task
 PARALLEL_MIN_CHARS = 16 << 20  # below this a process pool costs more to start than it saves
@@ -293,12 +291,6 @@ def _dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _check_options(
     tokenizer: str | None, vocab_size: int | None, val_fraction: float, workers: int, from_dir: bool
 ) -> None:
@@ -411,77 +403,5 @@ def prepare(
         "separator": "eot" if sep else "none",
         "sources": [{"path": str(s.path), "bytes": s.bytes, "sha256": s.sha256, "chars": s.chars} for s in sources],
     }
-    _write_json_atomic(out / META, meta)  # last: its presence marks a complete directory
+    atomic_write_json(out / META, meta)  # last: its presence marks a complete directory
     return meta
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """`gptlab prepare` entry point (arguments defined in gptlab/cli.py)."""
-    meta = prepare(
-        args.inputs,
-        args.out,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_fraction=args.val_fraction,
-        workers=args.workers,
-        tokenizer_from=args.tokenizer_from,
-    )
-    print(
-        f"wrote {args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
-        f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']})"
-    )
-    return 0
-
-
-# --- reading (trainer / evaluator) ------------------------------------------------------------------------------
-
-
-def _hint(data_dir: Path) -> str:
-    return f"run `gptlab prepare INPUT --tokenizer char --out {data_dir}` first"
-
-
-def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """meta.json of a prepared DATA_DIR (GptlabError with a hint if it isn't one)."""
-    d = Path(data_dir)
-    if not d.is_dir():
-        raise GptlabError(f"data directory {d} does not exist; {_hint(d)}")
-    if not (d / META).is_file():
-        raise GptlabError(f"{d} has no {META} (never prepared, or preparation was interrupted); {_hint(d)}")
-    try:
-        meta = json.loads((d / META).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise GptlabError(f"cannot read {d / META}: {e}; {_hint(d)}") from e
-    missing = [k for k in ("vocab_size", "dtype", "train_tokens", "val_tokens") if k not in meta]
-    if missing:
-        raise GptlabError(f"{d / META} lacks {', '.join(missing)}; {_hint(d)}")
-    return meta
-
-
-def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap:
-    """Read-only memmap of train.bin / val.bin with the dtype from meta.json."""
-    if split not in SPLITS:
-        raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
-    d = Path(data_dir)
-    meta = read_meta(d)
-    path = d / f"{split}.bin"
-    if not path.is_file():
-        raise GptlabError(f"{path} is missing; {_hint(d)}")
-    dtype = np.dtype("<u2") if meta["dtype"] == "uint16" else np.dtype("<u4")
-    expected = int(meta[f"{split}_tokens"]) * dtype.itemsize
-    if path.stat().st_size != expected:
-        raise GptlabError(f"{path} has {path.stat().st_size} bytes, meta.json says {expected}; {_hint(d)}")
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
-def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: int) -> int:
-    """Raise unless `split` has at least block_size + 1 tokens (one input/target window); return its size."""
-    if split not in SPLITS:
-        raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
-    n = int(read_meta(data_dir)[f"{split}_tokens"])
-    if n < block_size + 1:
-        more = "use a larger --val-fraction or more text" if split == "val" else "use more text"
-        raise GptlabError(
-            f"the {split} split has {n} tokens, fewer than block_size+1={block_size + 1}; {more} "
-            "(or a smaller block_size)"
-        )
-    return n

@@ -1,0 +1,40 @@
+"""`gptlab convert SRC DST`: a Hugging Face directory -> a gptlab checkpoint, or a gptlab checkpoint / run
+-> a Hugging Face directory. The direction follows from SRC unless --to says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+
+from gptlab.cli.options import torch_dtype
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert", help="convert between gptlab checkpoints and Hugging Face directories",
+        description="A Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM, GPTNeoXForCausalLM) "
+        "becomes a gptlab checkpoint; a gptlab checkpoint or run becomes a Hugging Face directory. The "
+        "tokenizer comes along when SRC has one. DST is replaced atomically.",
+    )
+    p.add_argument("src", metavar="SRC", help="a Hugging Face model directory, a gptlab checkpoint or a run")
+    p.add_argument("dst", metavar="DST", help="the directory to write")
+    p.add_argument("--to", choices=["hf", "gptlab"], help="output format (default: the one SRC is not in)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the weights (default: keep theirs)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gptlab.loading import convert
+
+    done = convert(args.src, args.dst, to=args.to, dtype=torch_dtype(args.dtype) if args.dtype else None)
+    model, dst = done.model, done.destination
+    n, dtype_name = model.num_parameters(), str(model.lm_head.weight.dtype).removeprefix("torch.")
+    what = f"Hugging Face {done.architecture}" if done.to == "hf" else done.architecture
+    print(f"wrote {what} ({n:,} parameters, {dtype_name}) to {dst}: "
+          f"{', '.join(sorted(p.name for p in dst.iterdir()))}")
+    if done.tokenizer is None:
+        print(f"note: no tokenizer copied ({done.no_tokenizer_reason})")
+    elif done.to == "hf" and not (dst / "tokenizer.json").is_file():
+        print(f"note: the {done.tokenizer.kind} tokenizer was saved in gptlab's format only (no tokenizer.json), "
+              "so transformers cannot load it")
+    return 0

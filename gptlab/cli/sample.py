@@ -1,0 +1,113 @@
+"""`gptlab sample`: stream continuations of a prompt from a run, checkpoint or Hugging Face directory.
+
+The prompt is echoed, then the continuation is printed delta by delta as it is generated (KV-cached), and
+samples are separated by a line of dashes. Defaults follow nanoGPT's sample.py: prompt "\\n" (a newline is a
+sensible start for character models trained on text), 500 new tokens, temperature 0.8, top-k 200. An empty
+prompt starts from the end-of-text token when the tokenizer has one. Temperature 0 is greedy. Generation stops
+at max-new-tokens or at the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from gptlab.cli.options import add_device, add_dtype, torch_dtype
+from gptlab.errors import GptlabError
+from gptlab.generation.params import InvalidSamplingParam, SamplingParams  # torch-free: `gptlab --help` stays fast
+
+SEPARATOR = "\n---------------\n"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sample", help="generate text from a run or checkpoint",
+        description="Stream continuations of a prompt (echoed first; samples separated by dashes). Defaults as "
+        "nanoGPT: prompt \"\\n\", 500 tokens, temperature 0.8, top-k 200. An empty prompt starts from the "
+        "end-of-text token. Generation stops at --max-new-tokens or end-of-text.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
+                   help="a run (its best checkpoint), a checkpoint or a Hugging Face directory")
+    p.add_argument("--prompt", default="\n", help='text to continue (default "\\n"; "" starts from end-of-text)')
+    p.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (overrides --prompt)")
+    # the sampling flags are named like SamplingParams' fields, which checks their ranges (sampling_params)
+    p.add_argument("--max-new-tokens", type=int, default=500, help="tokens to generate per sample (default 500)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all (default 200)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the top tokens with probability mass P; 1 = all (default)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with probability >= MIN_P x the top one's; 0 = all (default)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (HF-style)")
+    p.add_argument("--seed", type=int, help="same seed, same samples")
+    p.add_argument("--num-samples", type=int, default=1, help="samples to draw, one after another (default 1)")
+    p.add_argument("--truncate-prompt", action="store_true",
+                   help="drop the start of a prompt longer than the context instead of failing")
+    add_device(p)
+    add_dtype(p, help="weights' dtype (default float32; bfloat16 is about 2x faster on recent CPUs)")
+    p.set_defaults(run=run, retain_memory=True)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags; a value out of range is a one-line error naming its flag."""
+    try:
+        return SamplingParams.from_fields(vars(args))
+    except InvalidSamplingParam as e:
+        raise GptlabError(f"--{e.field.replace('_', '-')} {e.requirement}, got {e.value!r}") from None
+
+
+def _prompt_ids(prompt: str, tokenizer: Any) -> list[int]:
+    """The prompt's token ids; an empty prompt starts from the end-of-text token."""
+    ids = tokenizer.encode(prompt) if prompt else []  # a char vocabulary raises GptlabError naming unknown chars
+    if ids:
+        return ids
+    eot = getattr(tokenizer, "eot_id", None)
+    if eot is None:
+        raise GptlabError(
+            "the prompt is empty and this tokenizer has no end-of-text token to start from: pass --prompt TEXT"
+        )
+    return [eot]
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if not args.prompt_file:
+        return args.prompt
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise GptlabError(f"--prompt-file {path} does not exist")
+    return path.read_text(encoding="utf-8")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gptlab.generation import Engine, cache_length, stream_deltas
+    from gptlab.hardware import resolve_device
+    from gptlab.loading import load_model
+
+    # every flag is checked before the (slow) model load
+    if args.num_samples < 1:
+        raise GptlabError(f"--num-samples must be at least 1, got {args.num_samples}")
+    params = sampling_params(args)
+    prompt = _read_prompt(args)
+    device = resolve_device(args.device)
+    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype))
+    if tokenizer is None:
+        raise GptlabError(
+            f"{args.checkpoint} has no tokenizer: sampling needs one to turn text into tokens "
+            "(save the checkpoint with its tokenizer)"
+        )
+    ids = _prompt_ids(prompt, tokenizer)
+    # one cache, reused by every sample
+    engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens))
+    out = sys.stdout
+    for i in range(args.num_samples):
+        gen = engine.prepare(ids, params, sample_index=i, truncate_prompt=args.truncate_prompt)
+        out.write(prompt)
+        out.flush()
+        for delta in stream_deltas(engine, gen):
+            out.write(delta)
+            out.flush()  # stream: the reader sees each piece as soon as it is decoded
+        out.write(SEPARATOR)
+        out.flush()
+    return 0

@@ -1,0 +1,63 @@
+"""`gptlab serve RUN_OR_CHECKPOINT_OR_HF_DIR`: the OpenAI-compatible server (gptlab.serve) on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from gptlab.cli.options import add_device, add_dtype, torch_dtype
+from gptlab.errors import GptlabError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server: POST /v1/completions, /v1/chat/completions, GET /v1/models, "
+        "/health. Concurrent requests share decoding steps (continuous batching over --max-batch rows).",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT_OR_HF_DIR",
+                   help="a run (its best checkpoint), a checkpoint or a Hugging Face directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: env GPTLAB_API_KEY, else none)")
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="generations allowed to wait for a row; more are answered 429 (default 64)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step, between other rows' decoding steps, so a long prompt "
+                   "does not stall them (default 256; 0: whole prompts at once)")
+    p.add_argument("--model-name", help="the model id clients use (default: the checkpoint directory's name)")
+    add_device(p)
+    add_dtype(p, help="weights' dtype (default float32; bfloat16 is about 2x faster on recent CPUs)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gptlab.hardware import resolve_device
+    from gptlab.loading import load_model, resolve_checkpoint
+    from gptlab.serve import create_app
+
+    # the flags are checked before the (slow) model load; the engine would reject these too, but only after it
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise GptlabError("--max-batch and --max-queue must be at least 1")
+    if args.prefill_chunk < 0:
+        raise GptlabError(f"--prefill-chunk must be 0 (off) or a number of tokens, got {args.prefill_chunk}")
+    if not 0 <= args.port <= 65535:
+        raise GptlabError(f"--port must be in 0..65535, got {args.port}")
+    device = resolve_device(args.device)
+    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype))
+    if tokenizer is None:
+        raise GptlabError(f"{args.checkpoint} has no tokenizer: the server needs one to read prompts")
+    name = args.model_name or resolve_checkpoint(args.checkpoint).resolve().name
+    api_key = args.api_key or os.environ.get("GPTLAB_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it")
+    app = create_app(
+        model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
+        prefill_chunk=args.prefill_chunk or None,
+    )
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,66 @@
+"""`gptlab train CONFIG.toml --data DATA_DIR --out RUN_DIR [--resume] [--key value ...]`.
+
+Any recipe key can be overridden on the command line. argparse cannot know those keys (they are the fields of
+TrainConfig and GPTConfig), so it leaves them over (`args.extra`); `parse_overrides` turns that token list into
+key -> text, and the library parses each text by its field's type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from gptlab.errors import GptlabError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a model from a TOML recipe",
+        description="Train from a TOML recipe (configs/*.toml). Any recipe key can be overridden on the command "
+        "line as --key value (dashes or underscores), e.g. --max-steps 500 --lr 3e-3 --dtype bfloat16.",
+    )
+    p.add_argument("config", metavar="CONFIG.toml", help="the recipe")
+    p.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory written by `gptlab prepare`")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="where checkpoints and metrics.jsonl go")
+    p.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or messages")
+    p.set_defaults(run=run, retain_memory=True, accepts_extra=True)
+
+
+def parse_overrides(tokens: list[str]) -> dict[str, str]:
+    """`--key value` / `--key=value` pairs (dashes or underscores in the key) as key -> raw text."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        arg = tokens[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise GptlabError(f"unexpected argument {arg!r}: overrides are written --key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(tokens) or (tokens[i + 1].startswith("--") and len(tokens[i + 1]) > 2):
+                raise GptlabError(f"--{key} needs a value")
+            value = tokens[i + 1]
+            i += 1
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: the same flags and overrides, plus --resume."""
+    argv = ["gptlab", "train", args.config, "--data", args.data, "--out", args.out]
+    argv += (["--quiet"] if args.quiet else []) + list(args.extra) + ["--resume"]
+    return shlex.join(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gptlab.train import Trainer, load_train_config
+
+    cfg = load_train_config(args.config, parse_overrides(args.extra))
+    data_dir = Path(args.data)
+    if not data_dir.is_dir():
+        raise GptlabError(f"data directory {data_dir} does not exist; run `gptlab prepare ... --out {data_dir}` first")
+    trainer = Trainer(cfg, data_dir, Path(args.out), resume=args.resume, quiet=args.quiet,
+                      resume_command=resume_command(args))
+    return trainer.run()

@@ -1,0 +1,58 @@
+"""Text generation: sampling settings, the batched KV-cached engine, and one-call helpers over it.
+
+One module per job, each importing only those below it:
+
+    params         SamplingParams, InvalidSamplingParam, MAX_LOGPROBS  (no torch: the server's schemas use it)
+    sampling       the logit filters, sample_next, token log-probabilities
+    detokenize     token ids -> streamed text (whole characters, stop strings held back)
+    packed_linear  CPU-friendly weight layouts for the engine's forwards
+    engine         Engine, Generation: continuous batching over one preallocated KV cache
+    api            generate, generate_batch, generate_stream, stream_deltas
+
+The names below load on first use, so `import gptlab.generation.params` does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gptlab.generation.api import generate, generate_batch, generate_stream, stream_deltas
+    from gptlab.generation.detokenize import TextState
+    from gptlab.generation.engine import Engine, Generation, PromptTooLongError, cache_length, default_cache_dtype
+    from gptlab.generation.params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams
+    from gptlab.generation.sampling import TokenLogprob, sample_next
+
+_LAZY = {
+    "SamplingParams": "gptlab.generation.params",
+    "InvalidSamplingParam": "gptlab.generation.params",
+    "MAX_LOGPROBS": "gptlab.generation.params",
+    "TokenLogprob": "gptlab.generation.sampling",
+    "sample_next": "gptlab.generation.sampling",
+    "TextState": "gptlab.generation.detokenize",
+    "Engine": "gptlab.generation.engine",
+    "Generation": "gptlab.generation.engine",
+    "PromptTooLongError": "gptlab.generation.engine",
+    "cache_length": "gptlab.generation.engine",
+    "default_cache_dtype": "gptlab.generation.engine",
+    "generate": "gptlab.generation.api",  # idx (B, T) -> (B, T + new), as nanoGPT's model.generate
+    "generate_batch": "gptlab.generation.api",
+    "generate_stream": "gptlab.generation.api",
+    "stream_deltas": "gptlab.generation.api",
+}
+__all__ = [  # = _LAZY's names, spelled out so that tools see what is exported
+    "SamplingParams", "InvalidSamplingParam", "MAX_LOGPROBS", "TokenLogprob", "sample_next", "TextState", "Engine",
+    "Generation", "PromptTooLongError", "cache_length", "default_cache_dtype", "generate", "generate_batch",
+    "generate_stream", "stream_deltas",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gptlab.generation' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

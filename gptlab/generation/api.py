@@ -1,0 +1,144 @@
+"""One-call generation over a throwaway `Engine`: the library's front door.
+
+* `generate(model, idx, max_new_tokens, ...)`: nanoGPT's `model.generate` as a function, (B, T) token ids in,
+  (B, T + new) out.
+* `generate_batch(model, prompts, params)`: prompts of any lengths in one batch, one finished `Generation`
+  each (token ids, finish reason, text, logprobs).
+* `generate_stream(model, tokenizer, prompt, params)`: one continuation's text as it is generated.
+* `stream_deltas(engine, gen)`: the same over an engine the caller keeps (e.g. `gptlab sample`, which reuses
+  one cache for every sample).
+
+Each one runs the model in eval mode (dropout off, as nanoGPT's sample.py does) and gives the caller's mode
+back afterwards, and allocates a cache only as long as the run can use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from gptlab.generation.engine import Engine, Generation, cache_length
+from gptlab.generation.params import SamplingParams
+from gptlab.model import GPT
+
+PACK_MIN_TOKENS = 16  # re-laying the weights out (`packed_linear`) pays off only over enough decoding steps
+
+
+@contextlib.contextmanager
+def _eval_mode(model: GPT) -> Iterator[None]:
+    """Dropout off while generating, the caller's mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: Any) -> Engine:
+    return Engine(
+        model,
+        max_batch=max(1, len(prompts)),
+        tokenizer=tokenizer,
+        max_len=cache_length(prompts, params.max_new_tokens),
+        pack_weights=params.max_new_tokens >= PACK_MIN_TOKENS,
+    )
+
+
+def generate_batch(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | None = None,
+    *,
+    tokenizer: Any = None,
+    truncate_prompt: bool = False,
+) -> list[Generation]:
+    """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each.
+    With a tokenizer, each one's `text` is decoded (and `params.stop` strings end rows)."""
+    params = params or SamplingParams()
+    engine = _engine(model, prompts, params, tokenizer)
+    gens = [
+        engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt)
+        for i, p in enumerate(prompts)
+    ]
+    with _eval_mode(model):
+        return engine.run(gens)
+
+
+def stream_deltas(engine: Engine, gen: Generation) -> Iterator[str]:
+    """Prefill `gen` (from `engine.prepare`) and yield its text as it is generated, in deltas of whole
+    characters that never hold part of a possible stop string, until it finishes. Other rows of the engine
+    advance with it. The model is in eval mode while the engine works, in the caller's mode between deltas."""
+    with _eval_mode(engine.model):
+        engine.add([gen])
+    while True:
+        delta = gen.pop_delta()
+        if delta:
+            yield delta
+        if gen.finished:
+            return
+        with _eval_mode(engine.model):  # not held across the yield: the caller may use the model in between
+            engine.step()
+
+
+def generate_stream(
+    model: GPT,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    truncate_prompt: bool = False,
+    result: list[Generation] | None = None,
+) -> Iterator[str]:
+    """Yield the text of one continuation as it is generated, in deltas of whole characters.
+
+    `prompt` is text (encoded with the tokenizer) or token ids. Pass a list as `result` to get the finished
+    `Generation` (finish reason, token ids) appended to it.
+    """
+    params = params or SamplingParams()
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    engine = _engine(model, [ids], params, tokenizer)
+    gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt)
+    yield from stream_deltas(engine, gen)
+    if result is not None:
+        result.append(gen)
+
+
+@torch.no_grad()  # not inference_mode: the returned tensor may be used in autograd later (e.g. as data)
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    *,
+    pad_id: int | None = None,
+    truncate_prompt: bool = False,
+    **controls: Any,
+) -> torch.Tensor:
+    """Continue idx (B, T) by max_new_tokens tokens: (B, T + max_new_tokens), KV-cached and batched, as
+    nanoGPT's `model.generate(idx, max_new_tokens, temperature, top_k)`.
+
+    temperature 0 is greedy; top_k / top_p None (or 0 / 1) are off. `controls` are the other `SamplingParams`
+    fields (min_p, repetition_penalty, frequency_penalty, presence_penalty, seed, stop_token_ids, ...). Without
+    stop tokens every row gets max_new_tokens (unless learned positions run out); rows that stop early keep
+    their stop token and are right-padded with `pad_id` (default: the first stop token id, else 0) up to the
+    longest row. A prompt of block_size tokens or more raises `PromptTooLongError` (a ValueError) unless
+    truncate_prompt=True.
+    """
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+        raise ValueError("idx must be a (batch, time) tensor of token ids")
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, **controls
+    )
+    gens = generate_batch(model, idx.tolist(), params, truncate_prompt=truncate_prompt)
+    rows = [g.prompt_ids + g.token_ids for g in gens]  # prompts after truncation, if any
+    pad = pad_id if pad_id is not None else (params.stop_token_ids[0] if params.stop_token_ids else 0)
+    out = torch.full((len(rows), max(map(len, rows))), pad, dtype=idx.dtype, device=idx.device)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=idx.dtype)
+    return out

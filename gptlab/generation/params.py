@@ -1,0 +1,148 @@
+"""`SamplingParams`: how one request is decoded, checked once, in one place.
+
+Every caller (the Python API, `gptlab sample`, `gptlab serve`) builds its settings through this class, so each
+range is checked here and nowhere else. A bad value raises `InvalidSamplingParam`, which names the field: the
+command line turns it into an error about `--top-p`, the server into a 400 whose `param` is `top_p`.
+
+Every control has one "off" value that means the same everywhere: top_k 0, top_p 1.0, min_p 0.0 (None is
+accepted for each and stored as that value), penalties 1.0 / 0.0, logprobs None.
+
+This module imports no torch, so the server's request schemas and the command line can use it without paying
+for torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+
+
+class InvalidSamplingParam(ValueError):
+    """A sampling setting out of its range; `field` is the SamplingParams field, `requirement` what it must be."""
+
+    def __init__(self, field: str, value: Any, requirement: str) -> None:
+        super().__init__(f"{field} {requirement}, got {value!r}")
+        self.field, self.value, self.requirement = field, value, requirement
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_int(value: Any) -> int | None:
+    """An integer-like value (e.g. a 0-d tensor or numpy integer) as an int; None when it is not one."""
+    try:
+        return int(value) if int(value) == value else None
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. Filters apply in this order: penalties, temperature, top-k, top-p, min-p.
+
+    - temperature: logits / T before sampling; 0 = greedy (argmax of the penalized logits).
+    - top_k: keep the k most likely tokens (ties with the k-th are kept too). 0 = off.
+    - top_p: keep the smallest set of most likely tokens whose probabilities sum to >= top_p (nucleus). 1 = off.
+    - min_p: keep tokens whose probability is >= min_p * (the top token's probability). 0 = off.
+    - repetition_penalty (Hugging Face / CTRL): for every token that occurs in the prompt or the output so
+      far, a positive logit is divided by it and a negative one multiplied by it. 1 = off; > 1 discourages
+      repeats.
+    - frequency_penalty / presence_penalty (OpenAI): logit[j] -= count[j] * frequency + (count[j] > 0) *
+      presence, where count[j] is how often token j was generated so far (the prompt is not counted). 0 = off.
+    - seed: the row's own torch.Generator is seeded with it (sample i of a request with seed + i mixed in), so
+      the same seed gives the same text whatever else is in the batch. None = drawn from torch's global RNG.
+    - stop: strings that end the row; the text up to (not including) the first one is returned.
+    - stop_token_ids: token ids that end the row (the tokenizer's end-of-text is added unless ignore_eot).
+    - logprobs: record each generated token's log-probability and the `logprobs` most likely alternatives
+      (0..MAX_LOGPROBS; None = off). They are the model's own distribution (log-softmax of the raw logits),
+      before penalties, temperature and filters, as vLLM reports them by default.
+    - prompt_logprobs: also record the log-probability of every prompt token after the first (and as many
+      alternatives as `logprobs` asks), e.g. to score a text.
+
+    Frozen: the checks in __post_init__ hold for the object's whole life (use dataclasses.replace to vary one).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eot: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        # normalize first, so that the checks (and everybody after them) see one spelling of each setting
+        stop_ids = tuple(_as_int(t) for t in self.stop_token_ids)
+        if any(t is None or t < 0 for t in stop_ids):
+            raise InvalidSamplingParam("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        normalized = {
+            "top_k": 0 if self.top_k is None else self.top_k,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
+            "stop_token_ids": stop_ids,
+        }
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)  # frozen: __setattr__ itself refuses
+        self._check()
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any], **overrides: Any) -> SamplingParams:
+        """Params from the entries of `fields` named like SamplingParams fields (others are ignored), then
+        `overrides`: the command line passes `vars(args)`, the server a request's `model_dump()` plus what it
+        derives itself (max_new_tokens, stop, ...)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - names
+        if unknown:  # a typo in an override would otherwise be dropped silently
+            raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}")
+        return cls(**{**{k: v for k, v in fields.items() if k in names}, **overrides})
+
+    def _check(self) -> None:
+        """Raise InvalidSamplingParam for the first setting out of its range."""
+
+        def require(ok: bool, name: str, requirement: str) -> None:
+            if not ok:
+                raise InvalidSamplingParam(name, getattr(self, name), requirement)
+
+        for name in ("max_new_tokens", "top_k"):
+            require(_is_int(getattr(self, name)), name, "must be an integer")
+            require(getattr(self, name) >= 0, name, "must not be negative")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            require(_is_number(getattr(self, name)) and math.isfinite(getattr(self, name)), name,
+                    "must be a finite number")
+        require(self.temperature >= 0, "temperature", "must not be negative")
+        require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        require(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        require(self.repetition_penalty > 0, "repetition_penalty", "must be positive")
+        require(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        require(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be None or an integer in [0, {MAX_LOGPROBS}]",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0

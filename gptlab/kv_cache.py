@@ -1,0 +1,100 @@
+"""The KV cache: keys and values of every layer for incremental decoding, and what a cached forward needs to know.
+
+The model asks the cache three things, in this order, for each forward over T new tokens per row:
+
+    pos, mask = cache.begin(T)          # where the new tokens sit, and which cached keys each may see
+    k, v = cache.append(layer, k, v)    # in each layer: store the new keys/values, get everything cached so far
+    cache.advance(T)                    # after the last layer: the rows now hold T more tokens
+
+Rows are independent: row b's next tokens go to positions lengths[b], lengths[b] + 1, ...; a row can be rewound
+or restarted by setting its length (stale entries beyond it are never attended to). A new position scheme or
+attention pattern (a sliding window, ALiBi) changes `begin`'s positions and mask here, and nothing in the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptlab.config import GPTConfig
+
+
+class KVCache:
+    """Keys and values of every layer, allocated once, plus the number of tokens each row holds."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        batch_size: int,
+        max_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.max_len = max_len or config.block_size
+        shape = (config.n_layer, batch_size, config.n_kv_head, self.max_len, config.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, nkv, max_len, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._where: int | tuple[torch.Tensor, torch.Tensor] = 0  # set by begin(): where this step writes
+        self._end = 0  # set by begin(): keys 0..end-1 are attended over in this step
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows start..stop-1 as a cache of their own that shares this one's storage (no copy).
+
+        A forward through it reads and writes those rows only, e.g. to prefill a new request's row while other
+        rows are mid-generation."""
+        view = object.__new__(KVCache)
+        view.max_len = self.max_len
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.lengths = self.lengths[start:stop]  # a view: advance()'s in-place `+=` updates this cache too
+        view._where, view._end = 0, 0
+        return view
+
+    # --- one cached forward: begin, append per layer, advance ----------------------------------------------------
+    def begin(self, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Plan a forward of T new tokens per row: their positions (1 or B, T), and the boolean attention mask
+        (B or 1, 1, T, keys), or None where plain causal attention (or "see every key") is exact."""
+        lo, hi = (int(n) for n in torch.aminmax(self.lengths))
+        end = hi + T
+        if end > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} tokens per row; this step needs {end}")
+        device = self.lengths.device
+        if lo == hi:  # fast path: every row at the same length shares positions, and writes are slices
+            pos = torch.arange(lo, end, device=device)[None]  # (1, T)
+            self._where = lo
+        else:
+            pos = self.lengths[:, None] + torch.arange(T, device=device)  # (B, T): each row's own
+            self._where = (torch.arange(self.batch_size, device=device)[:, None], pos)
+        self._end = end
+        # query at position p sees cached keys at positions <= p (stale entries past a row's end never qualify).
+        # No mask is needed when rows share a length and either one token is added (it sees every key) or the
+        # cache was empty (plain causal).
+        mask = None
+        if lo != hi or (T > 1 and lo > 0):
+            keys = torch.arange(end, device=device)
+            mask = keys[None, None, None, :] <= pos[:, None, :, None]  # (B or 1, 1, T, end)
+        return pos, mask
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer `layer`'s new keys and values (B, nkv, T, hs) at the positions `begin` planned; return
+        the layer's keys and values so far (B, nkv, end, hs), in the cache's dtype."""
+        k_buf, v_buf = self.k[layer], self.v[layer]  # (B, nkv, max_len, hs)
+        T = k.shape[2]
+        if isinstance(self._where, int):  # every row writes at the same positions: a plain slice copy
+            k_buf[:, :, self._where : self._where + T] = k
+            v_buf[:, :, self._where : self._where + T] = v
+        else:  # row b writes at its positions pos[b] (index_put: bf16 scatter_ copies the whole buffer)
+            rows, pos = self._where  # (B, 1), (B, T)
+            k_buf[rows, :, pos] = k.transpose(1, 2).to(k_buf.dtype)  # the indexed view is (B, T, nkv, hs)
+            v_buf[rows, :, pos] = v.transpose(1, 2).to(v_buf.dtype)
+        return k_buf[:, :, : self._end], v_buf[:, :, : self._end]
+
+    def advance(self, T: int) -> None:
+        """Every row now holds T more tokens (after the forward's last layer)."""
+        self.lengths += T

@@ -1,0 +1,42 @@
+"""The OpenAI-compatible server, one module per job, each importing only those listed before it:
+
+    schemas        protocol: request bodies, error bodies, logprobs objects
+    chat_template  chat messages -> prompt text
+    scheduler      the thread that runs the engine (continuous batching)
+    state          Server: what the routes share; a request -> generations
+    streaming      server-sent events
+    completions    POST /v1/completions
+    chat           POST /v1/chat/completions
+    app            create_app: the FastAPI app, middleware, error handlers
+    thread         ServerThread: uvicorn in a background thread (tests, benchmarks)
+
+The names below load on first use, so importing one module (e.g. the schemas) does not import them all.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gptlab.serve.app import create_app
+    from gptlab.serve.chat_template import DEFAULT_CHAT_STOP, render_chat
+    from gptlab.serve.thread import ServerThread
+
+_LAZY = {
+    "create_app": "gptlab.serve.app",
+    "ServerThread": "gptlab.serve.thread",
+    "render_chat": "gptlab.serve.chat_template",
+    "DEFAULT_CHAT_STOP": "gptlab.serve.chat_template",
+}
+__all__ = ["create_app", "ServerThread", "render_chat", "DEFAULT_CHAT_STOP"]  # = _LAZY's names
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gptlab.serve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

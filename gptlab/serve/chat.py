@@ -1,0 +1,77 @@
+"""POST /v1/chat/completions: answer a conversation.
+
+The messages become one prompt through the tokenizer's chat template (`chat_template`); without one, generation
+also stops at DEFAULT_CHAT_STOP unless the request gives its own stop strings. Without max_tokens (or
+max_completion_tokens) the answer may run to the end of the context. `logprobs: true` reports each token's
+log-probability, `top_logprobs` = N its N likeliest alternatives too.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+
+from gptlab.serve.chat_template import DEFAULT_CHAT_STOP, render_chat
+from gptlab.serve.schemas import ChatRequest, chat_logprobs
+from gptlab.serve.state import Server, usage
+from gptlab.serve.streaming import event_stream
+
+
+async def create_chat_completion(server: Server, req: ChatRequest, request: Request) -> Any:
+    tokenizer = server.tokenizer
+    n_top = req.logprobs_count()
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    text, templated = render_chat(tokenizer, messages)
+    stops = req.stop_list() + ([] if templated or req.stop else [DEFAULT_CHAT_STOP])
+    prompts = [server.encode(text, special=templated)]
+    limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    job = server.start(
+        prompts, req, max_tokens=getattr(req, limit), stops=stops, logprobs=n_top,
+        param_names={"max_new_tokens": limit, "logprobs": "top_logprobs"},
+    )
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    started: set[int] = set()  # choices whose first chunk (which names the role) went out
+    sent = [0] * len(job.gens)  # tokens of each choice whose logprobs went out
+
+    def logprobs(i: int, tokens: int) -> dict[str, Any] | None:
+        if n_top is None:
+            return None
+        entries, sent[i] = job.gens[i].logprobs[sent[i] : tokens], max(sent[i], tokens)
+        return chat_logprobs(tokenizer, entries)
+
+    def chunk(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": text} if text or finish is None else {}
+        if i not in started:
+            started.add(i)
+            delta = {"role": "assistant", **delta}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": server.model_name,
+            "choices": [{"index": i, "delta": delta, "logprobs": logprobs(i, tokens), "finish_reason": finish}],
+        }
+
+    if req.stream:
+        return event_stream(server, job, prompts, chunk, req, request)
+    await server.wait(job)
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": g.text},
+            "logprobs": logprobs(i, len(g.token_ids)),
+            "finish_reason": g.finish_reason,
+        }
+        for i, g in enumerate(job.gens)
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": server.model_name,
+        "choices": choices,
+        "usage": usage(job, prompts),
+    }

@@ -1,0 +1,66 @@
+"""POST /v1/completions: continue a prompt (text, a list of texts, or token ids).
+
+Answers in OpenAI's legacy completions format, streamed or whole. max_tokens defaults to 16 and is capped by
+the room the context leaves. `logprobs` = N reports each token's log-probability and its N likeliest
+alternatives; `echo` returns the prompt before the completion, its tokens scored too when logprobs are asked
+(the first one, which nothing predicts, as null).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+
+from gptlab.serve.schemas import CompletionRequest, completion_logprobs
+from gptlab.serve.state import Server, usage
+from gptlab.serve.streaming import event_stream
+
+PARAM_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams fields named otherwise in this request
+
+
+async def create_completion(server: Server, req: CompletionRequest, request: Request) -> Any:
+    tokenizer = server.tokenizer
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if texts and isinstance(texts[0], int):
+        prompts = [list(texts)]
+    else:
+        prompts = [server.encode(t) for t in texts] or [[]]
+    scored = req.logprobs is not None
+    job = server.start(
+        prompts, req, max_tokens=req.max_tokens, stops=req.stop_list(), logprobs=req.logprobs,
+        prompt_logprobs=req.echo and scored, param_names=PARAM_NAMES,
+    )
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    sent = [0] * len(job.gens)  # tokens of each choice whose logprobs went out
+    started: set[int] = set()  # choices whose first chunk (which carries the echoed prompt) went out
+
+    def choice(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
+        g, prefix, ids, entries = job.gens[i], "", [], []
+        if i not in started:
+            started.add(i)
+            if req.echo:  # the prompt as the engine saw it, and its logprobs (none for the first token)
+                prefix, ids = tokenizer.decode(g.prompt_ids), list(g.prompt_ids)
+                entries = g.prompt_logprobs or [None] * len(ids)
+        logprobs = None
+        if scored:
+            ids, entries = ids + g.token_ids[sent[i] : tokens], entries + g.logprobs[sent[i] : tokens]
+            logprobs, sent[i] = completion_logprobs(tokenizer, ids, entries), max(sent[i], tokens)
+        return {"index": i, "text": prefix + text, "logprobs": logprobs, "finish_reason": finish}
+
+    def chunk(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": server.model_name,
+            "choices": [choice(i, text, finish, tokens)],
+        }
+
+    if req.stream:
+        return event_stream(server, job, prompts, chunk, req, request)
+    await server.wait(job)
+    choices = [choice(i, g.text, g.finish_reason, len(g.token_ids)) for i, g in enumerate(job.gens)]
+    return {**chunk(0, "", None, 0), "choices": choices, "usage": usage(job, prompts)}

@@ -1,0 +1,133 @@
+"""What every route shares: the model's tokenizer and name, the engine and its scheduler thread, and turning a
+request into generations on it (`Server.start`) and waiting for them (`Server.wait`).
+
+Request checks that need the model live here: the model name, prompt token ids, the context length (a prompt
+must leave room for one token; max_tokens is capped to the room left), and the sampling settings, which
+`SamplingParams` checks (its `InvalidSamplingParam` becomes a 400 naming the request's field).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from gptlab.errors import GptlabError
+from gptlab.generation.engine import Engine
+from gptlab.generation.params import InvalidSamplingParam, SamplingParams
+from gptlab.serve.scheduler import Job, QueueFull, Scheduler
+from gptlab.serve.schemas import ApiError, SamplingFields
+
+
+class Server:
+    """The model behind the routes: tokenizer, name, engine and scheduler."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        model_name: str,
+        max_batch: int,
+        max_queue: int,
+        prefill_chunk: int | None,
+    ) -> None:
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.block_size = model.config.block_size
+        self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk)
+        self.scheduler = Scheduler(self.engine, max_queue=max_queue)
+        self.created = int(time.time())
+
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, allow_special=special)
+        except GptlabError as e:  # e.g. characters outside a char vocabulary
+            raise ApiError(400, str(e), param="prompt") from e
+
+    def start(
+        self,
+        prompts: list[list[int]],
+        req: SamplingFields,
+        *,
+        max_tokens: int | None,
+        stops: list[str],
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        param_names: Mapping[str, str] | None = None,
+    ) -> Job:
+        """Queue `req.n` generations of each prompt (max_tokens None: as many as the context leaves room for).
+        `param_names` maps SamplingParams fields to the request's own names where they differ, for errors."""
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        fields = req.model_dump()
+        gens = []
+        for ids in prompts:
+            ids = self._check_prompt(ids)
+            room = self.block_size - len(ids)
+            try:
+                params = SamplingParams.from_fields(
+                    fields,
+                    max_new_tokens=room if max_tokens is None else min(max_tokens, room),
+                    stop=stops,
+                    ignore_eot=req.ignore_eos,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            except InvalidSamplingParam as e:
+                param = (param_names or {}).get(e.field, e.field)
+                raise ApiError(
+                    400, f"Invalid value for '{param}': {e.requirement}, got {e.value!r}", param=param,
+                    code="invalid_value",
+                ) from e
+            gens += [self.engine.prepare(ids, params, sample_index=j) for j in range(req.n)]
+        job = Job(gens, loop=asyncio.get_running_loop())
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(
+                429, f"The server is busy ({e}); retry later.", type="rate_limit_error", code="rate_limit_exceeded"
+            ) from e
+        return job
+
+    def _check_prompt(self, ids: list[int]) -> list[int]:
+        """The prompt's token ids (an empty prompt starts from end-of-text), if they fit the model."""
+        if not ids:
+            if self.tokenizer.eot_id is None:
+                raise ApiError(400, "the prompt is empty and the tokenizer has no end-of-text token", param="prompt")
+            ids = [self.tokenizer.eot_id]
+        if any(not 0 <= t < self.engine.config.vocab_size for t in ids):
+            raise ApiError(400, "prompt token ids must be in [0, vocab_size)", param="prompt")
+        if len(ids) >= self.block_size:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.block_size} tokens; the prompt has {len(ids)} "
+                "tokens, leaving no room for a completion.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        return ids
+
+    async def wait(self, job: Job) -> None:
+        """Until every generation of the job has finished (cancelling it if the handler is cancelled)."""
+        done = 0
+        try:
+            while done < len(job.gens):
+                _, _, finish, _ = await job.events.get()
+                done += finish is not None
+        finally:
+            if done < len(job.gens):
+                self.scheduler.cancel(job)
+        if job.error is not None:
+            raise ApiError(500, f"generation failed: {job.error}", type="server_error")
+
+
+def usage(job: Job, prompts: list[list[int]]) -> dict[str, int]:
+    """OpenAI's usage object: prompt, completion and total tokens."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(g.token_ids) for g in job.gens)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}

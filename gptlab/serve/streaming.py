@@ -1,0 +1,65 @@
+"""Server-sent events, shared by completions and chat completions.
+
+A streamed answer is one `data: {chunk}` event per text delta of a choice (a route shapes the chunk), then, if
+the client asked for `stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`.
+A client that hangs up is noticed within a second and its rows are freed for other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from gptlab.serve.scheduler import Job
+from gptlab.serve.schemas import SamplingFields, error_body
+from gptlab.serve.state import Server, usage
+
+# chunk(index, text, finish_reason, tokens): one choice's chunk; `tokens` is how many tokens that choice had
+# produced when the text was taken (where the chunk's logprobs end)
+ChunkFn = Callable[[int, str, str | None, int], dict[str, Any]]
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _events(
+    server: Server, job: Job, prompts: list[list[int]], chunk: ChunkFn, include_usage: bool, request: Request
+) -> AsyncIterator[str]:
+    done = 0
+    try:
+        while done < len(job.gens):
+            try:
+                index, delta, finish, tokens = await asyncio.wait_for(job.events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            done += finish is not None
+            if finish == "error":
+                yield sse(error_body(f"generation failed: {job.error}", "server_error"))
+                break
+            yield sse(chunk(index, delta, finish, tokens))
+        if include_usage and job.error is None:
+            yield sse({**chunk(0, "", None, 0), "choices": [], "usage": usage(job, prompts)})
+        yield "data: [DONE]\n\n"
+    finally:
+        if done < len(job.gens):
+            server.scheduler.cancel(job)
+
+
+def event_stream(
+    server: Server, job: Job, prompts: list[list[int]], chunk: ChunkFn, req: SamplingFields, request: Request
+) -> StreamingResponse:
+    """The streamed answer to `req`, its chunks shaped by `chunk`."""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(
+        _events(server, job, prompts, chunk, include_usage, request),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )

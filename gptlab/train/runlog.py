@@ -1,0 +1,83 @@
+"""What a training run records, so that runs can be compared and plotted afterwards.
+
+- metrics.jsonl in the run directory: one JSON object per logged step, flushed as it is written, so a killed
+  run keeps every row up to its end (a resumed run first drops the rows past its checkpoint, see the trainer);
+- TensorBoard events beside it when the tensorboard package is installed;
+- MFU (model FLOPs utilization) against this machine's measured matmul peak (`gptlab.hardware.peak_flops`),
+  which is honest on a laptop CPU where a datasheet number would not be.
+
+Only one process of a distributed run writes: the others get `enabled=False`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class RunLog:
+    """metrics.jsonl rows, TensorBoard scalars and progress messages of one run."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        quiet: bool,
+        tensorboard: bool,
+        flops_per_token: float,
+        device: str,
+        world_size: int,
+        dtype: str,
+    ) -> None:
+        """`flops_per_token` and `world_size` turn tokens/s into MFU; `dtype` is the training dtype's name."""
+        self.enabled, self.quiet = enabled, quiet
+        self.file = open(run_dir / METRICS_FILE, "a") if enabled else None  # noqa: SIM115 - closed in close()
+        self.tb = None
+        if enabled and tensorboard:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is not None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.flops_per_token = flops_per_token
+        self.device, self.world_size = device, world_size
+        # low-precision matmuls (bf16 or fp16) peak alike; measure the one every device has
+        self.peak_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        self._peak: float | None = None
+
+    def mfu(self, tokens_per_sec: float) -> float:
+        """Share of the machine's matmul peak (over all processes) that `tokens_per_sec` amounts to."""
+        if self._peak is None:  # measured on first use (or read from the cache), not at start-up
+            from gptlab.hardware import peak_flops
+
+            self._peak = peak_flops(self.device, self.peak_dtype) * self.world_size
+        return self.flops_per_token * tokens_per_sec / self._peak
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in row.items():
+                if key != "step":
+                    self.tb.add_scalar(key, value, row["step"])
+
+    def say(self, text: str) -> None:
+        """A message on stderr, from the writing process only and not under --quiet."""
+        if self.enabled and not self.quiet:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()

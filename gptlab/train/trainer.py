@@ -1,0 +1,392 @@
+"""The training loop of `gptlab train`: a recipe, a data directory and a run directory in, checkpoints out.
+
+One optimizer step, in order: for each of `grad_accum` micro-steps take this process's slice of the global
+batch, forward, backward (loss / grad_accum); move gradients to the fp32 master weights; clip the global norm;
+step; copy the masters back to the working weights. Evaluate, log and checkpoint between steps.
+
+Reproducibility: the global batch of step s is a pure function of (seed, s) (`gptlab.data.global_batch`), so a
+resumed run, or one split over more processes or micro-steps, sees the same data. With fp32 and no compile, a
+run killed after a checkpoint and resumed ends with bit-identical weights (the torch RNG, used by dropout, is
+saved too).
+
+The parts live beside this file: `config` (the recipe), `optim` (optimizers and schedule), `precision` (fp32,
+autocast or bf16 working weights), `distributed` (torchrun processes, DDP, FSDP) and `runlog` (metrics).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptlab import checkpoint as ckpt
+from gptlab.data import check_split_fits, global_batch, load_split, micro_batch, read_meta
+from gptlab.errors import GptlabError
+from gptlab.evaluate import evaluate_loss
+from gptlab.fileio import atomic_write_json, atomic_write_text
+from gptlab.hardware import flops_per_token, resolve_device
+from gptlab.loading import load_model
+from gptlab.model import GPT
+from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig
+from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
+from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
+from gptlab.train.precision import Precision
+from gptlab.train.runlog import METRICS_FILE, RunLog
+
+RESOLVED_CONFIG = "config.resolved.json"
+
+
+def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
+    """The recipe's optimizer settings, as `gptlab.train.optim` takes them."""
+    return OptimizerSpec(
+        kind=cfg.optimizer, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+        muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum, muon_nesterov=cfg.muon_nesterov,
+        muon_weight_decay=cfg.muon_weight_decay, impl=cfg.optimizer_impl,
+    )
+
+
+def lr_schedule(cfg: TrainConfig) -> Schedule:
+    """The recipe's learning-rate schedule."""
+    return Schedule(warmup_steps=cfg.warmup_steps, kind=cfg.schedule, min_lr=cfg.min_lr,
+                    decay_fraction=cfg.decay_fraction)
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """One-line errors for a training dtype the device cannot run."""
+    if dtype == "float16" and device == "cpu":
+        raise GptlabError("dtype float16 is not supported for training on the CPU; use bfloat16 or float32")
+    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise GptlabError("this GPU has no bfloat16 support; use --dtype float16 (loss scaling) or float32")
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch RNG states (CPU, and every GPU's), base64 for state.json: dropout draws from them."""
+
+    def b64(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    state: dict[str, Any] = {"torch": b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `rng_state` (GPU states only where there are GPUs)."""
+
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+
+
+class Trainer:
+    """One run: `Trainer(cfg, data_dir, run_dir).run()` trains into `run_dir`, or continues its latest checkpoint
+    with `resume=True`. `resume_command` is the command line printed for continuing after a stop signal."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        data_dir: str | Path,
+        run_dir: str | Path,
+        *,
+        resume: bool = False,
+        quiet: bool = False,
+        resume_command: str | None = None,
+    ) -> None:
+        self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
+        self.quiet, self.resume_command = quiet, resume_command
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = resolve_device(cfg.device)
+        check_dtype(cfg.dtype, device)
+        self.procs = init_distributed(device)
+        self.device = self.procs.device
+        if cfg.batch_size % (self.procs.world * cfg.grad_accum):
+            raise GptlabError(f"batch_size {cfg.batch_size} does not split over {self.procs.world} process(es) x "
+                              f"grad_accum {cfg.grad_accum}")
+
+        # --- run directory: fresh, or resumed from its latest checkpoint
+        steps = ckpt.list_step_checkpoints(self.run_dir)
+        if steps and not resume:
+            raise GptlabError(f"{self.run_dir} already holds checkpoints: pass --resume to continue it, or choose "
+                              "another --out")
+        resume_from = steps[-1] if resume and steps else None
+
+        # --- data and model
+        meta = read_meta(self.data_dir)
+        if not cfg.init_from:  # fail on the data before allocating the model
+            for split in ("train", "val"):
+                check_split_fits(self.data_dir, split, cfg.model_config().block_size)
+        self.model = self._build_model(int(meta["vocab_size"]))
+        block = self.model.config.block_size
+        for split in ("train", "val"):
+            check_split_fits(self.data_dir, split, block)
+        self.train_data = load_split(self.data_dir, "train")
+        self.val_data = load_split(self.data_dir, "val")
+        self.tokens_per_step = cfg.batch_size * block
+
+        # --- how the steps run: precision, sharding, optimizers, then the wrappers forward runs through
+        self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
+        if cfg.distributed == "fsdp" and self.procs.world == 1 and not quiet:
+            print("note: distributed = fsdp shards over torchrun's processes; one process trains unsharded",
+                  file=sys.stderr)
+        self.precision = Precision(self.model, cfg.dtype, self.device, cfg.attention_fp32,
+                                   distributed=self.procs.world > 1)
+        if self.fsdp:  # in place, before the optimizers see the parameters: they become this process's shards
+            shard_model(self.model)
+        self.opt_spec, self.schedule = optimizer_spec(cfg), lr_schedule(cfg)
+        self.optimizers = build_optimizers(self.model, self.opt_spec)
+        self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
+        if resume_from is not None:
+            self._load(resume_from)
+        self.net = self.precision.train_module  # what forward/backward run on: maybe wrapped below
+        if self.procs.world > 1 and not self.fsdp:
+            self.net = wrap_ddp(self.net, self.device)
+        if cfg.compile:
+            self.net = torch.compile(self.net)
+        self.stop_signal: int | None = None
+        self._last_step_time = 0.0
+
+    def _build_model(self, vocab_size: int) -> GPT:
+        """A fresh GPT from the recipe, or the one `init_from` names (a run, checkpoint or Hugging Face dir)."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # the same init on every process
+        if not cfg.init_from:
+            with torch.device(self.device):
+                return GPT(cfg.model_config(vocab_size)).train()
+        model, _ = load_model(cfg.init_from, device=self.device, prefer="best")
+        # the architecture comes from the checkpoint: recipe keys may only restate it (or set dropout)
+        clash = {k: v for k, v in cfg.model_overrides.items() if k != "dropout" and getattr(model.config, k) != v}
+        if clash:
+            key = sorted(clash)[0]
+            raise GptlabError(f"init_from {cfg.init_from} has {key}={getattr(model.config, key)!r}, the recipe says "
+                              f"{clash[key]!r}: with init_from only dropout may change")
+        if "dropout" in cfg.model_overrides:
+            model.config.dropout = cfg.model_overrides["dropout"]
+            for m in model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = model.config.dropout
+        if model.config.vocab_size < vocab_size:
+            raise GptlabError(f"{cfg.init_from} has a vocabulary of {model.config.vocab_size}, the data needs "
+                              f"{vocab_size}")
+        return model.float().train()  # fp32 masters, whatever dtype the checkpoint was saved in
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        """state.json of a step checkpoint: where the run is, and what it must match to be resumed."""
+        return {
+            "step": self.step,
+            "elapsed_sec": self.elapsed,
+            "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
+            "tokens_seen": self.step * self.tokens_per_step,
+            "rng": rng_state(),
+            "config_hash": self.cfg.hash(RESUMABLE_CHANGES),
+            "config": self.cfg.to_dict(),
+            "data_dir": str(self.data_dir),
+        }
+
+    def _load(self, directory: Path) -> None:
+        state = ckpt.load_training_checkpoint(directory, self.model, self.optimizers)
+        if state["config_hash"] != self.cfg.hash(RESUMABLE_CHANGES):
+            saved, now = state["config"], self.cfg.to_dict()
+            diff = [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+            shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now[k]!r})" for k in diff[:4])
+            raise GptlabError(f"cannot resume {directory}: the config differs in {shown}; only "
+                              f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
+        self.step, self.elapsed = state["step"], state["elapsed_sec"]
+        self.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
+        restore_rng_state(state["rng"])
+        self.precision.sync_weights()
+
+    def save_checkpoint(self) -> Path | None:
+        """A resumable step checkpoint (keeping the newest `keep_last`); its path on the writing process."""
+        if not self.procs.is_master and not self.fsdp:  # under FSDP every process takes part in gathering shards
+            return None
+        path = self.run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(self.step)
+        written = ckpt.save_checkpoint(path, self.model, self._state(), self.optimizers,
+                                       tokenizer_dir=self.data_dir, writer=self.procs.is_master)
+        if written is not None:
+            ckpt.prune_checkpoints(self.run_dir, self.cfg.keep_last)
+        return written
+
+    def save_best(self) -> None:
+        """checkpoints/best/: the weights of the best validation loss so far (no optimizer state)."""
+        if not self.procs.is_master and not self.fsdp:
+            return
+        ckpt.save_checkpoint(self.run_dir / ckpt.CHECKPOINTS_DIR / ckpt.BEST_NAME, self.model,
+                             {"step": self.step, "val_loss": self.best_val}, tokenizer_dir=self.data_dir,
+                             writer=self.procs.is_master)
+
+    # --- evaluation -----------------------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """Validation loss over `eval_tokens` of the val split (all of it by default)."""
+        return evaluate_loss(
+            self.precision.eval_module, self.val_data, self.model.config.block_size,
+            batch_size=self.cfg.eval_batch_size, max_tokens=self.cfg.eval_tokens, device=self.device,
+            autocast=self.precision.autocast(),
+        ).loss
+
+    def _eval_and_track(self) -> float:
+        val = self.procs.from_rank0(self.evaluate())  # under FSDP saving a best is collective: decide together
+        if val < self.best_val:
+            self.best_val = val
+            self.save_best()
+        if not self.quiet and self.procs.is_master:
+            print(f"step {self.step}: val loss {val:.4f}", file=sys.stderr)
+        return val
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    def train_step(self) -> float:
+        """One optimizer step; returns the mean loss over the whole global batch (the weights are left alone
+        when it is not finite)."""
+        cfg, procs = self.cfg, self.procs
+        windows = global_batch(self.train_data, cfg.seed, self.step, cfg.batch_size, self.model.config.block_size)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for micro in range(cfg.grad_accum):
+            rows = torch.from_numpy(micro_batch(windows, procs.rank, procs.world, micro, cfg.grad_accum))
+            rows = rows.to(self.device)
+            with self.precision.autocast(), gradient_sync(self.net, self.model, micro == cfg.grad_accum - 1):
+                _, loss = self.net(rows[:, :-1], rows[:, 1:])
+                loss = loss / cfg.grad_accum
+            self.precision.backward(loss)
+            loss_sum += loss.detach()
+        # all processes stop at the same step: a signal seen by one (torchrun forwards it to all) stops every one
+        loss_value, any_stop = procs.mean_and_any(loss_sum, self.stop_signal is not None)
+        if any_stop and self.stop_signal is None:
+            self.stop_signal = signal.SIGTERM
+        if not math.isfinite(loss_value):
+            return loss_value
+        self.precision.step(self.optimizers, cfg.grad_clip)
+        self.step += 1
+        return loss_value
+
+    def run(self) -> int:
+        """Train to max_steps (or max_time), then evaluate and checkpoint once more; returns the exit code."""
+        if self.procs.is_master:
+            self._prepare_run_dir()
+        model_cfg = self.model.config
+        log = RunLog(
+            self.run_dir, enabled=self.procs.is_master, quiet=self.quiet, tensorboard=self.cfg.tensorboard,
+            flops_per_token=flops_per_token(self.model.num_parameters(), model_cfg.n_layer, model_cfg.n_embd,
+                                            model_cfg.block_size),
+            device=self.device, world_size=self.procs.world, dtype=self.cfg.dtype,
+        )
+        bar = self._progress_bar()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        clean = False
+        try:
+            code = self._train(log, bar)
+            clean = True
+            return code
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            if bar is not None:
+                bar.close()
+            log.close()
+            self.procs.close(clean)
+
+    def _train(self, log: RunLog, bar: Any) -> int:
+        cfg = self.cfg
+        last_eval_step = -1
+        window_t0, window_step = time.perf_counter(), self.step  # tokens/s over the steps since the last row
+        while self.step < cfg.max_steps and not self._time_up():
+            t0 = time.perf_counter()
+            progress = self.step / cfg.max_steps
+            if cfg.max_time is not None:  # time budgets: the schedule follows the clock (this step included)
+                progress = max(progress, (self.elapsed + self._last_step_time) / cfg.max_time)
+            multiplier = self.schedule.multiplier(self.step, progress)
+            set_lr(self.optimizers, multiplier)
+            loss = self.train_step()
+            if not math.isfinite(loss):
+                raise self._non_finite(loss)
+            self._last_step_time = time.perf_counter() - t0
+            # under a time budget every process must stop at the same step: all take rank 0's clock
+            self.elapsed += self._last_step_time
+            if cfg.max_time is not None:
+                self.elapsed = self.procs.from_rank0(self.elapsed)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            do_eval = cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps
+            if self.step % cfg.log_interval == 0 or do_eval:
+                tps = (self.step - window_step) * self.tokens_per_step / max(time.perf_counter() - window_t0, 1e-9)
+                row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
+                       "tokens_per_sec": tps, "elapsed_sec": self.elapsed, "mfu": log.mfu(tps)}
+                if do_eval:
+                    t_eval = time.perf_counter()
+                    row["val_loss"] = self._eval_and_track()
+                    self.elapsed += time.perf_counter() - t_eval
+                    last_eval_step = self.step
+                log.write(row)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=True)
+                window_t0, window_step = time.perf_counter(), self.step
+            if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
+                self.save_checkpoint()
+            if self.stop_signal is not None:
+                return self._stop_on_signal(bar)
+        # the end: a final evaluation (unless this step just had one) and checkpoint
+        if bar is not None:
+            bar.close()
+        if last_eval_step != self.step:
+            val = self._eval_and_track()
+            log.write({"step": self.step, "val_loss": val, "elapsed_sec": self.elapsed})
+        path = self.save_checkpoint()
+        log.say(f"done: step {self.step}, val loss {self.best_val:.4f} (best), {self.elapsed:.1f}s of training; "
+                f"checkpoint {path}")
+        return 0
+
+    def _time_up(self) -> bool:
+        return self.cfg.max_time is not None and self.elapsed >= self.cfg.max_time
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.stop_signal is not None and signum == signal.SIGINT:  # a second Ctrl-C: stop right now
+            raise KeyboardInterrupt
+        self.stop_signal = signum  # the loop checkpoints and stops after the current step
+
+    def _stop_on_signal(self, bar: Any) -> int:
+        if bar is not None:
+            bar.close()
+        path = self.save_checkpoint()
+        if self.procs.is_master:
+            how = self.resume_command or "the same command with --resume"
+            print(f"stopped by {signal.Signals(self.stop_signal).name} at step {self.step}; checkpoint {path}\n"
+                  f"resume with: {how}", file=sys.stderr)
+        return 0
+
+    def _non_finite(self, loss: float) -> GptlabError:
+        last = ckpt.list_step_checkpoints(self.run_dir)
+        where = f"last good checkpoint: {last[-1]}" if last else "no checkpoint was written yet"
+        return GptlabError(f"loss is {loss} at step {self.step + 1}; stopped without updating the weights "
+                           f"({where}). Try a lower lr, grad_clip, or float32")
+
+    def _prepare_run_dir(self) -> None:
+        """config.resolved.json, and for a resumed run metrics.jsonl without the rows past its checkpoint (they
+        will be written again)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = {"train": self.cfg.to_dict(), "model": self.model.config.to_dict(), "data": str(self.data_dir),
+                    "world_size": self.procs.world, "device": self.device}
+        atomic_write_json(self.run_dir / RESOLVED_CONFIG, resolved)
+        metrics = self.run_dir / METRICS_FILE
+        if metrics.exists():
+            rows = [line for line in metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= self.step]
+            atomic_write_text(metrics, "".join(r + "\n" for r in rows))
+
+    def _progress_bar(self) -> Any:
+        if self.quiet or not self.procs.is_master or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
