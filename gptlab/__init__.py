@@ -10,10 +10,10 @@ data-loading worker processes don't pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gptlab.config import GPTConfig
+from gptlab.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gptlab.checkpoint import save_model
@@ -41,12 +41,4 @@ _LAZY = {
 __all__ = ["GPT", "GPTConfig", "KVCache", "SamplingParams", "from_hf", "generate", "generate_batch", "generate_stream",
            "load_model", "parameter_breakdown", "save_hf", "save_model"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'gptlab' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

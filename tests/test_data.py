@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import urllib.error
@@ -15,14 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gptlab.cli import main
-from gptlab.data import check_split_fits, corpora, load_split, prepare, read_meta
+from gptlab.data import check_split_fits, corpora, load_split, preparation, prepare, read_meta
 from gptlab.data.corpora import SHAKESPEARE_SHA256
-from gptlab.data.prepare import chunk_text, iter_file_text, resolve_inputs
+from gptlab.data.preparation import chunk_text, iter_file_text, resolve_inputs
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer, HFTokenizer, load_tokenizer
-
-# the module, for monkeypatching its internals (the package's `prepare` is the function of the same name)
-prepare_module = importlib.import_module("gptlab.data.prepare")
 
 SHAKESPEARE = TINY_SHAKESPEARE.read_text(encoding="utf-8")
 TEXT_A = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
@@ -116,7 +112,7 @@ def test_process_pool_gives_same_files(tmp_path: Path, monkeypatch, tokenizer: s
     prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "one", workers=1, **kw)
     if tokenizer != "gpt2":  # spawning workers costs ~2 s each (they import gptlab): one kind is enough
         return
-    monkeypatch.setattr(prepare_module, "PARALLEL_MIN_CHARS", 0)
+    monkeypatch.setattr(preparation, "PARALLEL_MIN_CHARS", 0)
     prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "pool", workers=2, **kw)
     for split in ("train", "val"):
         assert (tmp_path / "one" / f"{split}.bin").read_bytes() == (tmp_path / "pool" / f"{split}.bin").read_bytes()
@@ -342,7 +338,7 @@ def test_failed_rerun_leaves_directory_incomplete_not_stale(tmp_path: Path, monk
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_module, "_encode_text", crash)
+    monkeypatch.setattr(preparation, "_encode_text", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare([tmp_path / "in.txt"], out, tokenizer="char")
     assert not (out / "meta.json").exists() and not list(out.glob(".*"))

@@ -1,4 +1,4 @@
-"""The read side of a DATA_DIR (written by `gptlab.data.prepare`), and the training batches cut from it.
+"""The read side of a DATA_DIR (written by `gptlab.data.preparation`), and the training batches cut from it.
 
 `read_meta` / `load_split` / `check_split_fits` refuse a directory that is incomplete or inconsistent with a
 one-line error saying how to make it. `global_batch` is the token windows of one optimizer step: a pure

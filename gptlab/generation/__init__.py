@@ -14,8 +14,9 @@ The names below load on first use, so `import gptlab.generation.params` does not
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gptlab.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gptlab.generation.api import generate, generate_batch, generate_stream, stream_deltas
@@ -47,12 +48,4 @@ __all__ = [  # = _LAZY's names, spelled out so that tools see what is exported
     "generate_stream", "stream_deltas",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'gptlab.generation' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -15,8 +15,9 @@ The names below load on first use, so importing one module (e.g. the schemas) do
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gptlab.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gptlab.serve.app import create_app
@@ -31,12 +32,4 @@ _LAZY = {
 }
 __all__ = ["create_app", "ServerThread", "render_chat", "DEFAULT_CHAT_STOP"]  # = _LAZY's names
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'gptlab.serve' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

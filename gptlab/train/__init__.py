@@ -11,9 +11,9 @@ One module per job: `config` (the recipe, torch-free), `trainer` (the loop), `op
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from gptlab.lazy import lazy_exports
 from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig, build_train_config, load_train_config
 
 if TYPE_CHECKING:
@@ -21,12 +21,4 @@ if TYPE_CHECKING:
 
 __all__ = ["RESUMABLE_CHANGES", "TrainConfig", "Trainer", "build_train_config", "load_train_config"]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Trainer":
-        return importlib.import_module("gptlab.train.trainer").Trainer
-    raise AttributeError(f"module 'gptlab.train' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"Trainer"})
+__getattr__, __dir__ = lazy_exports(__name__, {"Trainer": "gptlab.train.trainer"})
