@@ -68,7 +68,7 @@ def test_gpt2_offline_error_is_one_helpful_line(monkeypatch: pytest.MonkeyPatch,
     import tiktoken.load
     import tiktoken.registry
 
-    from gptlab import tokenizer as tk
+    from gptlab.tokenizer import base as tk
 
     def offline(url: str) -> bytes:
         raise ConnectionError(f"cannot reach {url}")

@@ -1,0 +1,193 @@
+"""The tokenizer interface, and the two tokenizers that need no Hugging Face file: char and GPT-2 (tiktoken).
+
+See the package docstring for the contract and the on-disk format.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptlab.errors import GptlabError
+from gptlab.fileio import atomic_write_text
+
+META_FILE = "tokenizer_meta.json"
+HF_FILE = "tokenizer.json"
+EOT_TEXT = "<|endoftext|>"
+MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>: anything smaller can't encode every byte
+KINDS = ("char", "gpt2", "bpe", "hf")
+_REPLACEMENT = "\ufffd".encode()
+
+
+def _as_int_list(ids: Iterable[int]) -> list[int]:
+    # numpy arrays and torch tensors both have tolist(); avoids a slow per-element conversion
+    if hasattr(ids, "tolist"):
+        out = ids.tolist()  # type: ignore[union-attr]
+        return out if isinstance(out, list) else [out]
+    return [int(i) for i in ids]
+
+
+class Tokenizer:
+    """Base class; see the module docstring for the contract."""
+
+    kind: str = ""
+    vocab_size: int = 0
+    eot_id: int | None = None
+    bos_id: int | None = None
+    chat_template: str | None = None
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # errors="replace": a model can emit ids whose bytes are not valid UTF-8 on their own
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def encode_np(self, text: str) -> np.ndarray:
+        """Encode plain text to an integer array (used by data preparation)."""
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "format": "gptlab-tokenizer",
+            "version": 1,
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "eot_id": self.eot_id,
+            "bos_id": self.bos_id,
+            "chat_template": self.chat_template,
+        }
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(d / META_FILE, json.dumps(self._meta(), indent=1) + "\n")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+# --- char -------------------------------------------------------------------------------------------------------
+
+
+class CharTokenizer(Tokenizer):
+    """One id per distinct character of the training text, sorted by code point (as in nanoGPT)."""
+
+    kind = "char"
+
+    def __init__(self, chars: Iterable[str]):
+        chars = sorted(set(chars))
+        if not chars or any(len(c) != 1 for c in chars):
+            raise GptlabError("a char tokenizer needs a non-empty list of single characters")
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self._stoi = {c: i for i, c in enumerate(chars)}
+        self._codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)
+        self._bytes = [c.encode("utf-8", "surrogatepass") for c in chars]
+
+    @classmethod
+    def from_text(cls, text: str | Iterable[str]) -> CharTokenizer:
+        """Vocabulary = the set of characters of `text` (a string or an iterable of string chunks)."""
+        if isinstance(text, str):
+            return cls(set(text))
+        seen: set[str] = set()
+        for chunk in text:
+            seen.update(chunk)
+        return cls(seen)
+
+    def encode_np(self, text: str) -> np.ndarray:
+        # vectorised lookup: code points -> position in the sorted vocabulary
+        cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        idx = np.searchsorted(self._codepoints, cps)
+        idx_clipped = np.minimum(idx, self.vocab_size - 1)
+        bad = self._codepoints[idx_clipped] != cps
+        if bad.any():
+            unknown = sorted({chr(c) for c in cps[bad].tolist()})
+            shown = ", ".join(repr(c) for c in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+            raise GptlabError(
+                f"text has {len(unknown)} character(s) not in the char tokenizer's vocabulary: {shown}; "
+                "prepare the data from text that contains them, or use --tokenizer gpt2 or bpe"
+            )
+        return idx.astype(np.int64)
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        if len(text) < 64:  # the dict is faster than numpy for the short prompts of sampling
+            try:
+                return [self._stoi[c] for c in text]
+            except KeyError:
+                pass  # fall through to the numpy path for its error message
+        return self.encode_np(text).tolist()
+
+    def decode(self, ids: Iterable[int]) -> str:
+        n, chars = self.vocab_size, self.chars
+        return "".join(chars[i] if 0 <= i < n else "\ufffd" for i in _as_int_list(ids))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        n, table = self.vocab_size, self._bytes
+        return b"".join(table[i] if 0 <= i < n else _REPLACEMENT for i in _as_int_list(ids))
+
+    def _meta(self) -> dict[str, Any]:
+        return {**super()._meta(), "chars": self.chars}
+
+
+# --- gpt2 (tiktoken) --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_encoding() -> Any:
+    import tiktoken  # deferred: loading the BPE ranks costs ~0.3 s
+
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken raises requests/OS/hash errors when it can't fetch its files
+        where = os.environ.get("TIKTOKEN_CACHE_DIR")
+        got = f" (TIKTOKEN_CACHE_DIR={where} has no usable copy)" if where else ""
+        raise GptlabError(
+            f"could not load tiktoken's gpt2 files{got} [{type(e).__name__}]: set TIKTOKEN_CACHE_DIR to a "
+            "folder holding tiktoken's cached gpt2 files, or connect to the internet"
+        ) from e
+
+
+class GPT2Tokenizer(Tokenizer):
+    """OpenAI's GPT-2 BPE via tiktoken: 50,257 ids, ``<|endoftext|>`` = 50256."""
+
+    kind = "gpt2"
+
+    def __init__(self) -> None:
+        self._enc = _gpt2_encoding()
+        self.vocab_size = self._enc.n_vocab
+        self.eot_id = self._enc.eot_token
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        if allow_special:
+            return self._enc.encode(text, allowed_special="all")
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(list(texts))
+
+    def encode_np(self, text: str) -> np.ndarray:
+        # straight into a numpy buffer; nothing allowed and nothing disallowed = encode_ordinary
+        return self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        ids = _as_int_list(ids)
+        n = self.vocab_size
+        if all(0 <= i < n for i in ids):
+            return self._enc.decode_bytes(ids)
+        return b"".join(self._enc.decode_bytes([i]) if 0 <= i < n else _REPLACEMENT for i in ids)
+
+    def _meta(self) -> dict[str, Any]:
+        return {**super()._meta(), "encoding": "gpt2"}

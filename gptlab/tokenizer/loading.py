@@ -1,0 +1,53 @@
+"""Reading back what `Tokenizer.save` wrote, or the tokenizer of a plain Hugging Face model directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gptlab.errors import GptlabError
+from gptlab.fileio import read_json_object
+from gptlab.tokenizer.base import HF_FILE, KINDS, META_FILE, CharTokenizer, GPT2Tokenizer, Tokenizer
+from gptlab.tokenizer.huggingface import HFTokenizer, load_hf_dir
+
+
+def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
+    """Load what :meth:`Tokenizer.save` wrote, or the tokenizer of a Hugging Face model directory."""
+    d = Path(directory)
+    if d.is_file() and d.name in (META_FILE, HF_FILE):
+        d = d.parent
+    if not d.is_dir():
+        raise GptlabError(f"tokenizer directory {d} does not exist")
+    if (d / META_FILE).is_file():
+        meta = read_json_object(d / META_FILE)
+        kind = meta.get("kind")
+        if kind == "char":
+            chars = meta.get("chars")
+            if not isinstance(chars, list):
+                raise GptlabError(f"{d / META_FILE} has kind 'char' but no 'chars' list; re-run gptlab prepare")
+            return CharTokenizer(chars)
+        if kind == "gpt2":
+            return GPT2Tokenizer()
+        if kind in ("bpe", "hf"):
+            if not (d / HF_FILE).is_file():
+                raise GptlabError(f"{d} has a {kind} tokenizer_meta.json but no {HF_FILE}; re-save the tokenizer")
+            from tokenizers import Tokenizer as HFTok
+
+            tok = HFTok.from_file(str(d / HF_FILE))
+            return HFTokenizer(tok, kind, meta.get("eot_id"), meta.get("bos_id"), meta.get("chat_template"))
+        raise GptlabError(f"{d / META_FILE} has unknown tokenizer kind {kind!r} (expected one of {KINDS})")
+    if (d / HF_FILE).is_file() or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()):
+        return load_hf_dir(d)
+    raise GptlabError(
+        f"no tokenizer in {d}: expected {META_FILE} (written by gptlab) or a Hugging Face {HF_FILE} "
+        "(or vocab.json + merges.txt)"
+    )
+
+
+def optional_tokenizer(directory: str | os.PathLike[str]) -> tuple[Tokenizer | None, str]:
+    """The tokenizer saved in `directory`, or (None, why not) when it has none: a model directory need not
+    carry one."""
+    try:
+        return load_tokenizer(directory), ""
+    except GptlabError as e:
+        return None, str(e)
