@@ -74,9 +74,10 @@ def _export_family(cfg: GPTConfig) -> ModuleType:
     if not fitting:
         nearest = min(FAMILIES, key=lambda family: len(missing[family]))  # the first of the closest
         names = ", ".join(family.NAME for family in FAMILIES)
-        raise GptlabError(f"cannot export to Hugging Face: {missing[nearest][0]} has no equivalent in any family "
-                          f"gptlab writes ({names}); the nearest, {nearest.NAME}, also lacks "
-                          f"{', '.join(missing[nearest][1:]) or 'nothing else'}")
+        first, rest = missing[nearest][0], missing[nearest][1:]
+        near = f"the nearest, {nearest.NAME}, also lacks {', '.join(rest)}" if rest else f"nearest: {nearest.NAME}"
+        raise GptlabError(f"cannot export to Hugging Face: {first} has no equivalent in any family gptlab writes "
+                          f"({names}); {near}")
     family = fitting[0]
     family.check_export(cfg)
     return family
