@@ -35,10 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
             retain_freed_memory()  # big tensors made and freed every step reuse memory instead of page-faulting
         return int(args.run(args) or 0)
-    except GptlabError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+    except (GptlabError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
