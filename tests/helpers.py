@@ -143,3 +143,12 @@ def write_recipe(root: Path, name: str = "tiny.toml", **changes: object) -> Path
     path = root / name
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+# --- record files -------------------------------------------------------------------------------------------------
+def write_jsonl(path: Path, rows: list) -> Path:
+    """`rows` as a .jsonl file, one JSON value per line."""
+    import json
+
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path

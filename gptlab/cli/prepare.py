@@ -1,4 +1,4 @@
-"""`gptlab prepare INPUT... --tokenizer {char,gpt2,bpe} --out DATA_DIR`: text files -> a data directory."""
+"""`gptlab prepare INPUT... --tokenizer {char,gpt2,bpe} --out DATA_DIR`: text files or records -> a data directory."""
 
 from __future__ import annotations
 
@@ -7,24 +7,48 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "prepare", help="tokenize text into train.bin / val.bin",
+        "prepare", help="tokenize text or records (jsonl, parquet, chats, ...) into train.bin / val.bin",
         description="Tokenize text into DATA_DIR/train.bin and val.bin, plus the tokenizer and meta.json. "
-        "Inputs are concatenated in order (gpt2/bpe put <|endoftext|> between documents); the last "
-        "--val-fraction of the characters becomes the validation split.",
+        "Text inputs are concatenated in order (gpt2/bpe put <|endoftext|> between documents); the last "
+        "--val-fraction of the characters becomes the validation split. "
+        "Record inputs (.jsonl, .json, .parquet, .csv, .tsv, .arrow, or a directory saved by datasets' "
+        "save_to_disk) hold one example per record: {\"text\"}, {\"prompt\", \"completion\"}, {\"messages\": "
+        "[{\"role\", \"content\"}]} or ShareGPT {\"conversations\": [{\"from\", \"value\"}]}. Chats are rendered "
+        "with the chat template and get a loss mask (train.mask.bin / val.mask.bin: 1 = the assistant's tokens, "
+        "the ones trained on); examples are packed into windows of --block-size + 1 tokens; the last "
+        "--val-fraction of the records becomes the validation split. Reading parquet and datasets needs "
+        "pip install 'gptlab[data]'.",
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="text file, directory of .txt files (recursive), or `shakespeare` (downloaded once)")
+                   help="text file, directory of .txt files (recursive), `shakespeare` (downloaded once), or record "
+                   "files (.jsonl, .json, .parquet, .csv, .tsv, .arrow, a saved datasets directory); not both kinds")
     tok_group = p.add_mutually_exclusive_group(required=True)
     tok_group.add_argument("--tokenizer", choices=["char", "gpt2", "bpe"],
                            help="char: one id per character; gpt2: tiktoken's GPT-2 BPE; "
                            "bpe: a byte-level BPE trained on the train split")
     tok_group.add_argument("--tokenizer-from", metavar="DIR",
-                           help="reuse the tokenizer of a data dir, checkpoint or Hugging Face model dir")
+                           help="reuse the tokenizer of a data dir, checkpoint or Hugging Face model dir "
+                           "(and its chat template)")
     p.add_argument("--vocab-size", type=int, help="vocabulary size for --tokenizer bpe (at least 257)")
     p.add_argument("--out", required=True, metavar="DATA_DIR", help="output directory")
     p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="the last fraction of the characters kept for validation (default 0.1)")
-    p.add_argument("--workers", type=int, help="tokenizer processes for big inputs (default: min(4, CPUs))")
+                   help="the last fraction of the characters (text) or records kept for validation (default 0.1)")
+    p.add_argument("--workers", type=int,
+                   help="tokenizer processes for big text inputs (default: min(4, CPUs); records use one)")
+    rec = p.add_argument_group("record inputs")
+    rec.add_argument("--block-size", type=int, metavar="N",
+                     help="required for records: the block_size of the model to train; examples are placed in "
+                     "windows of N+1 tokens, longer ones cut (and counted)")
+    rec.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                     help="pack several examples into each window (default); --no-pack: one example per window, "
+                     "padded")
+    rec.add_argument("--chat-template", choices=["chatml", "plain"],
+                     help="render chats with a built-in template (default: the tokenizer's own, else plain)")
+    rec.add_argument("--train-on-prompt", action="store_true",
+                     help="train on every token, not only the assistant's (the mask is all 1)")
+    rec.add_argument("--text-field", metavar="NAME", help="read plain text documents from field NAME")
+    rec.add_argument("--split-name", metavar="NAME",
+                     help="the split of a saved DatasetDict to read (default: train)")
     p.set_defaults(run=run)
 
 
@@ -39,9 +63,23 @@ def run(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         workers=args.workers,
         tokenizer_from=args.tokenizer_from,
+        block_size=args.block_size,
+        pack=args.pack,
+        chat_template=args.chat_template,
+        train_on_prompt=args.train_on_prompt,
+        text_field=args.text_field,
+        split_name=args.split_name,
     )
+    about = f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']})"
+    if not meta.get("mask"):
+        print(f"wrote {args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens {about}")
+        return 0
+    w, ex = meta["window_tokens"], meta["examples"]
+    n_train, n_val = meta["train_tokens"] // w, meta["val_tokens"] // w
+    template = f", {meta['chat_template']} chat template" if meta["chat_template"] else ""
     print(
-        f"wrote {args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
-        f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']})"
+        f"wrote {args.out}: train {ex['train']:,} examples in {n_train:,} window{'s' * (n_train != 1)} of {w} "
+        f"tokens, val {ex['val']:,} in {n_val:,} ({meta['layout']}); {meta['truncated']:,} truncated, "
+        f"{meta['dropped']:,} dropped (no target token) {about[:-1]}{template})"
     )
     return 0

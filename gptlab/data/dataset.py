@@ -1,8 +1,14 @@
 """The read side of a DATA_DIR (written by `gptlab.data.preparation`), and the training batches cut from it.
 
-`read_meta` / `load_split` / `check_split_fits` refuse a directory that is incomplete or inconsistent with a
-one-line error saying how to make it. `global_batch` is the token windows of one optimizer step: a pure
-function of (seed, step), so a resumed run, or one split over more processes or micro-steps, sees the same data.
+`read_meta` / `load_split` / `load_mask` / `check_split_fits` refuse a directory that is incomplete or
+inconsistent with a one-line error saying how to make it. `global_batch` is the token windows of one optimizer
+step: a pure function of (seed, step), so a resumed run, or one split over more processes or micro-steps, sees
+the same data. It is `windows(data, batch_starts(...))`, and the trainer cuts the loss masks of record data
+(`load_mask`) with the same starts.
+
+Data prepared from records (meta.json has ``"window_tokens": W``) is laid out in windows of W tokens, each
+beginning with an example: rows start only at multiples of W, so every row begins where an example does. Plain
+text data has no windows: a row may start anywhere.
 """
 
 from __future__ import annotations
@@ -54,11 +60,38 @@ def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: int) -> int:
-    """Raise unless `split` has at least block_size + 1 tokens (one input/target window); return its size."""
+def load_mask(data_dir: str | os.PathLike[str], split: str) -> np.memmap | None:
+    """Read-only uint8 memmap of train.mask.bin / val.mask.bin (1 = that token is a training target), or None
+    when the data has no mask (prepared from text: every token is a target)."""
     if split not in SPLITS:
         raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
-    n = int(read_meta(data_dir)[f"{split}_tokens"])
+    d = Path(data_dir)
+    meta = read_meta(d)
+    if not meta.get("mask"):
+        return None
+    path = d / f"{split}.mask.bin"
+    if not path.is_file():
+        raise GptlabError(f"{path} is missing; {_hint(d)}")
+    expected = int(meta[f"{split}_tokens"])
+    if path.stat().st_size != expected:
+        raise GptlabError(f"{path} has {path.stat().st_size} bytes, meta.json says {expected}; {_hint(d)}")
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: int) -> int:
+    """Raise unless `split` has at least block_size + 1 tokens (one input/target window) and, for data laid out
+    in windows, unless a window holds block_size + 1 tokens; return the split's size in tokens."""
+    if split not in SPLITS:
+        raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
+    d = Path(data_dir)
+    meta = read_meta(d)
+    n = int(meta[f"{split}_tokens"])
+    window = meta.get("window_tokens")
+    if window is not None and block_size + 1 > int(window):
+        raise GptlabError(
+            f"{d} was prepared with --block-size {int(window) - 1}; the model's block_size is {block_size}: "
+            f"prepare again with --block-size {block_size}"
+        )
     if n < block_size + 1:
         more = "use a larger --val-fraction or more text" if split == "val" else "use more text"
         raise GptlabError(
@@ -71,16 +104,35 @@ def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: i
 # --- batches ----------------------------------------------------------------------------------------------------
 
 
-def global_batch(data: np.ndarray, seed: int, step: int, batch_size: int, block_size: int) -> np.ndarray:
-    """The (batch_size, block_size + 1) int64 token windows of optimizer step `step`: inputs are [:, :-1],
-    targets [:, 1:].
+def batch_starts(
+    n_tokens: int, seed: int, step: int, batch_size: int, block_size: int, window_tokens: int | None = None
+) -> np.ndarray:
+    """The int64 start offsets of the rows of optimizer step `step` in a split of `n_tokens` tokens.
 
-    Offsets come from a generator seeded with (seed, step), so no RNG state needs saving and every process can
-    cut its own rows out of the same global batch.
+    Drawn by a generator seeded with (seed, step), so no RNG state needs saving and every process can cut its own
+    rows out of the same global batch. Without windows any offset with block_size + 1 tokens after it; with
+    windows (record data) the start of a random window, whose first block_size + 1 tokens are the row.
     """
     rng = np.random.Generator(np.random.PCG64([seed, step]))
-    starts = rng.integers(0, len(data) - block_size, size=batch_size)
-    return data[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
+    if window_tokens is None:
+        return rng.integers(0, n_tokens - block_size, size=batch_size)
+    if block_size + 1 > window_tokens:
+        raise GptlabError(f"block_size {block_size} needs windows of {block_size + 1} tokens, the data has "
+                          f"{window_tokens}: prepare it again with --block-size {block_size}")
+    return rng.integers(0, n_tokens // window_tokens, size=batch_size) * window_tokens
+
+
+def windows(array: np.ndarray, starts: np.ndarray, block_size: int) -> np.ndarray:
+    """The (len(starts), block_size + 1) int64 rows of `array` (tokens or mask) beginning at `starts`."""
+    return array[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
+
+
+def global_batch(
+    data: np.ndarray, seed: int, step: int, batch_size: int, block_size: int, *, window_tokens: int | None = None
+) -> np.ndarray:
+    """The (batch_size, block_size + 1) int64 token windows of optimizer step `step`: inputs are [:, :-1],
+    targets [:, 1:]. The mask rows of the same step are `windows(mask, batch_starts(...), block_size)`."""
+    return windows(data, batch_starts(len(data), seed, step, batch_size, block_size, window_tokens), block_size)
 
 
 def micro_batch(windows: np.ndarray, rank: int, world: int, micro: int, grad_accum: int) -> np.ndarray:

@@ -28,6 +28,9 @@ How the text becomes tokens:
   Shakespeare with gpt2 gives 301,966 + 36,059 = 338,025 ids, the same total as encoding it whole.
 * ``--vocab-size`` is an error except with ``--tokenizer bpe`` (char and gpt2 have fixed vocabularies).
   bpe is trained on the train split only, so val stays unseen text.
+
+Records (.jsonl, .json, .parquet, .csv, saved datasets: text, prompt/completion or chat) are not one stream but
+examples, each with a loss mask, packed into fixed windows: see :mod:`gptlab.data.examples`.
 """
 
 from __future__ import annotations
@@ -50,18 +53,16 @@ from typing import Any
 
 import numpy as np
 
+from gptlab.data.common import base_meta, begin_output, check_options, dtype_for, early_tokenizer, output_dir
+from gptlab.data.common import progress as _progress
+from gptlab.data.common import show_progress as _show_progress
 from gptlab.data.corpora import fetch_shakespeare
 from gptlab.data.dataset import META, SPLITS
+from gptlab.data.examples import RecordOptions, prepare_records
+from gptlab.data.records import RECORD_INPUTS, are_records
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json
-from gptlab.tokenizer import (
-    MIN_BPE_VOCAB,
-    CharTokenizer,
-    GPT2Tokenizer,
-    HFTokenizer,
-    Tokenizer,
-    load_tokenizer,
-)
+from gptlab.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 READ_BYTES = 1 << 20  # file read size
 CHUNK_CHARS = 1 << 20  # characters per encoding task
@@ -171,16 +172,6 @@ class Source:
     sha256: str = ""
 
 
-def _show_progress() -> bool:
-    return sys.stderr.isatty() and not (os.environ.get("GPTLAB_NO_PROGRESS") or os.environ.get("CI"))
-
-
-def _progress(total: int, desc: str, unit: str) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not _show_progress(), file=sys.stderr)
-
-
 def scan_sources(paths: Sequence[Path], collect_chars: bool = False) -> tuple[list[Source], set[str]]:
     """First pass: sizes, hashes, character counts (and the character set); validates UTF-8 early."""
     sources, charset = [], set()
@@ -287,33 +278,11 @@ def _encode_stream(
 # --- prepare ----------------------------------------------------------------------------------------------------
 
 
-def _dtype_for(vocab_size: int) -> np.dtype:
-    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
-
-
-def _check_options(
-    tokenizer: str | None, vocab_size: int | None, val_fraction: float, workers: int, from_dir: bool
-) -> None:
-    if not from_dir and tokenizer not in ("char", "gpt2", "bpe"):
-        raise GptlabError(f"unknown tokenizer {tokenizer!r}: choose char, gpt2 or bpe (or --tokenizer-from DIR)")
-    if tokenizer == "bpe" and not from_dir and vocab_size is None:
-        raise GptlabError(f"--tokenizer bpe needs --vocab-size N (at least {MIN_BPE_VOCAB}; e.g. 4096)")
-    if (from_dir or tokenizer != "bpe") and vocab_size is not None:
-        what = "--tokenizer-from" if from_dir else f"--tokenizer {tokenizer}"
-        raise GptlabError(f"--vocab-size only applies to --tokenizer bpe ({what} has a fixed vocabulary)")
-    if vocab_size is not None and vocab_size < MIN_BPE_VOCAB:
-        raise GptlabError(f"--vocab-size {vocab_size} is too small for bpe: it needs at least {MIN_BPE_VOCAB}")
-    if not 0.0 < val_fraction < 1.0:
-        raise GptlabError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
-    if workers < 1:
-        raise GptlabError(f"--workers must be at least 1, got {workers}")
-
-
 def _write_bins(
     out: Path, tok: Tokenizer, pieces: Iterable[tuple[str, str | None]], total: int, workers: int
 ) -> dict[str, int]:
     """Encode into hidden .partial files, renamed into place only when both splits are good."""
-    dtype = _dtype_for(tok.vocab_size)
+    dtype = dtype_for(tok.vocab_size)
     partial = {s: out / f".{s}.bin.partial" for s in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     try:
@@ -346,18 +315,29 @@ def prepare(
     workers: int | None = None,
     tokenizer_from: str | os.PathLike[str] | None = None,
     chunk_chars: int = CHUNK_CHARS,
+    block_size: int | None = None,
+    pack: bool = True,
+    chat_template: str | None = None,
+    train_on_prompt: bool = False,
+    text_field: str | None = None,
+    split_name: str | None = None,
 ) -> dict[str, Any]:
-    """Tokenize `inputs` into `out_dir` (train.bin, val.bin, tokenizer, meta.json); returns the meta dict."""
+    """Tokenize `inputs` into `out_dir` (train.bin, val.bin, tokenizer, meta.json); returns the meta dict.
+
+    Record inputs (.jsonl, .json, .parquet, .csv, saved datasets) go to `gptlab.data.examples.prepare_records`,
+    which also writes loss masks; the options from `block_size` on apply to them only (see `RecordOptions`).
+    """
     workers = min(4, os.cpu_count() or 1) if workers is None else workers
-    _check_options(tokenizer, vocab_size, val_fraction, workers, tokenizer_from is not None)
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise GptlabError(f"--out {out} is a file; give a directory")
-    tok: Tokenizer | None = None
-    if tokenizer_from is not None:
-        tok = load_tokenizer(tokenizer_from)
-    elif tokenizer == "gpt2":
-        tok = GPT2Tokenizer()  # early: a missing tiktoken cache should fail before the long scan
+    check_options(tokenizer, vocab_size, val_fraction, workers, tokenizer_from is not None)
+    out = output_dir(out_dir)
+    options = RecordOptions(block_size, pack, chat_template, train_on_prompt, text_field, split_name)
+    if are_records(inputs):
+        return prepare_records(inputs, out, options, tokenizer=tokenizer, vocab_size=vocab_size,
+                               val_fraction=val_fraction, tokenizer_from=tokenizer_from)
+    if given := options.given():
+        raise GptlabError(f"{', '.join(given)} only apply to record inputs ({RECORD_INPUTS}); text files are "
+                          "tokenized as one stream")
+    tok = early_tokenizer(tokenizer, tokenizer_from)
 
     paths = resolve_inputs(inputs)
     sources, charset = scan_sources(paths, collect_chars=tok is None and tokenizer == "char")
@@ -381,26 +361,11 @@ def prepare(
     bpe_like = tok.kind != "char"  # cut chunks only at safe newlines; separate documents with eot
     sep = bpe_like and tok.eot_id is not None
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META).unlink(missing_ok=True)  # from here on the directory must not look complete
-    tok.save(out)
-    if tok.kind in ("char", "gpt2"):
-        (out / "tokenizer.json").unlink(missing_ok=True)  # a stale HF file from an earlier bpe run
+    begin_output(out, tok)
     pieces = _iter_split_pieces(sources, split_at, sep, bpe_like, chunk_chars)
     counts = _write_bins(out, tok, pieces, total, workers if total >= PARALLEL_MIN_CHARS else 1)
     meta = {
-        "format": "gptlab-data",
-        "version": 1,
-        "tokenizer": tok.kind,
-        "vocab_size": tok.vocab_size,
-        "eot_id": tok.eot_id,
-        "dtype": "uint16" if _dtype_for(tok.vocab_size).itemsize == 2 else "uint32",
-        "train_tokens": counts["train"],
-        "val_tokens": counts["val"],
-        "train_chars": split_at,
-        "val_chars": total - split_at,
-        "val_fraction": val_fraction,
-        "separator": "eot" if sep else "none",
+        **base_meta(tok, counts, {"train": split_at, "val": total - split_at}, val_fraction, sep),
         "sources": [{"path": str(s.path), "bytes": s.bytes, "sha256": s.sha256, "chars": s.chars} for s in sources],
     }
     atomic_write_json(out / META, meta)  # last: its presence marks a complete directory

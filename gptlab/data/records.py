@@ -1,0 +1,376 @@
+"""Record inputs -> validated records, streamed: what `gptlab prepare` reads besides text files.
+
+Formats (by name; see `record_format`): ``.jsonl`` (one JSON object per line), ``.json`` (a list of objects, or
+one object per line), ``.parquet`` (pyarrow, read in row batches), a directory written by `datasets`'
+``save_to_disk`` (a DatasetDict gives its "train" split, or ``--split-name``), and ``.csv`` / ``.tsv`` /
+``.arrow`` through ``datasets.load_dataset``. pyarrow and datasets are the optional extra ``gptlab[data]``,
+imported only when such a file is read. Memory stays bounded: lines, array elements and row batches are read
+one at a time, never the whole file.
+
+Shapes, detected per record (fields that are null count as absent, as columnar formats fill them):
+
+* ``{"messages": [{"role", "content"}, ...]}`` -- a chat (system, user, assistant, tool messages);
+* ``{"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]}`` -- ShareGPT, the same chat;
+* ``{"prompt": ..., "completion": ...}`` -- strings (one user turn, one assistant turn), or lists of messages;
+* ``{"text": ...}`` -- a plain document, like a .txt file; ``--text-field NAME`` reads it from NAME instead.
+
+One input holds one shape: a file that mixes them is more likely a mistake than a plan, so it is an error naming
+the line. Every error is one line naming the file and the line (or row) at fault.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import importlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gptlab.data.common import show_progress
+from gptlab.errors import GptlabError
+from gptlab.tokenizer.chat_template import check_messages
+
+RECORD_INPUTS = ".jsonl, .json, .parquet, .csv, .tsv, .arrow, saved datasets"
+_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv",
+             ".arrow": "arrow"}
+_SAVED_DATASET = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
+_READ = 1 << 20
+_BATCH_ROWS = 1024
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system", "tool": "tool"}
+SHAPES = ("text", "prompt/completion", "chat")
+
+
+def record_format(path: Path) -> str | None:
+    """"jsonl", "json", "parquet", "csv", "arrow" or "dataset" (a save_to_disk directory); None for text."""
+    if path.is_dir():
+        return "dataset" if any((path / f).is_file() for f in _SAVED_DATASET) else None
+    return _SUFFIXES.get(path.suffix.lower())
+
+
+def are_records(inputs: Sequence[str | os.PathLike[str]]) -> bool:
+    """True when every input holds records, False when none does; a mix is an error (text is one stream,
+    records are examples: the two don't share a layout)."""
+    kinds = [record_format(Path(i).expanduser()) is not None for i in inputs]
+    if any(kinds) and not all(kinds):
+        text = next(i for i, k in zip(inputs, kinds, strict=True) if not k)
+        rec = next(i for i, k in zip(inputs, kinds, strict=True) if k)
+        raise GptlabError(f"{text} is text and {rec} holds records: prepare text files and record files "
+                          f"({RECORD_INPUTS}) in separate runs")
+    return bool(kinds) and all(kinds)
+
+
+def _need(module: str, what: str) -> Any:
+    """Import an optional dependency of the `data` extra, or say in one line how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise GptlabError(f"reading {what} needs {package}: pip install 'gptlab[data]'") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """The root cause's name and first line (datasets wraps a parser's error in a generic one)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+# --- shapes -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """One example: `text` for the text shape, `messages` (checked) for the others; `where` names it in errors."""
+
+    where: str
+    shape: str
+    text: str = ""
+    messages: tuple[dict[str, str], ...] = ()
+
+
+def _sharegpt(turns: Any, where: str) -> Any:
+    """ShareGPT turns as messages: human -> user, gpt -> assistant; turns already in role/content form pass."""
+    if not isinstance(turns, list):
+        return turns  # check_messages names the fault
+    out = []
+    for i, t in enumerate(turns):
+        if isinstance(t, dict) and "from" in t:
+            role = _SHAREGPT_ROLES.get(t["from"])
+            if role is None:
+                raise GptlabError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected human, gpt "
+                                  "or system)")
+            t = {"role": role, "content": t.get("value")}
+        out.append(t)
+    return out
+
+
+def _string(row: dict[str, Any], key: str, where: str) -> str:
+    value = row[key]
+    if not isinstance(value, str):
+        raise GptlabError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def parse_record(row: Any, where: str, text_field: str | None = None) -> Record:
+    """The record in `row`, its shape detected (see the module docstring); GptlabError naming `where`."""
+    if not isinstance(row, dict):
+        raise GptlabError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    present = [k for k, v in row.items() if v is not None]
+    if text_field is not None:
+        if text_field not in present:
+            raise GptlabError(f"{where}: no field {text_field!r} (--text-field; fields: {', '.join(present)})")
+        return Record(where, "text", text=_string(row, text_field, where))
+    if "messages" in present:
+        return Record(where, "chat", messages=tuple(check_messages(row["messages"], f"{where}: messages")))
+    if "conversations" in present:
+        turns = _sharegpt(row["conversations"], where)
+        return Record(where, "chat", messages=tuple(check_messages(turns, f"{where}: conversations")))
+    if "prompt" in present or "completion" in present:
+        if "prompt" not in present or "completion" not in present:
+            has, lacks = ("prompt", "completion") if "prompt" in present else ("completion", "prompt")
+            raise GptlabError(f"{where}: has {has!r} but no {lacks!r}")
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt/completion
+            return Record(where, "prompt/completion",
+                          messages=tuple(check_messages(prompt + completion, f"{where}: prompt + completion")))
+        msgs = [{"role": "user", "content": _string(row, "prompt", where)},
+                {"role": "assistant", "content": _string(row, "completion", where)}]
+        return Record(where, "prompt/completion", messages=tuple(msgs))
+    if "text" in present:
+        return Record(where, "text", text=_string(row, "text", where))
+    raise GptlabError(f"{where}: matches no record shape: expected a 'text', 'prompt' + 'completion', 'messages' or "
+                      f"'conversations' field (fields: {', '.join(present) or 'none'}; --text-field names another)")
+
+
+# --- rows -------------------------------------------------------------------------------------------------------
+
+
+def _jsonl_rows(path: Path, hint: str = "") -> Iterator[tuple[str, Any]]:
+    """(where, parsed object) per non-blank line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 byte-order mark
+            if not raw.strip():
+                continue
+            where = f"{path} line {n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise GptlabError(f"{where}: not UTF-8 text (bad byte at column {e.start + 1})") from None
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise GptlabError(f"{where}: invalid JSON: {e.msg} (column {e.colno}){hint}") from None
+
+
+class _Text:
+    """A UTF-8 file read in growing blocks, with the line number of any position (for a streamed JSON list)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.buf, self.pos, self.lines_before = f, "", 0, 0
+
+    def more(self) -> bool:
+        """Append a block (at least as big as what is held, so re-parsing a huge element stays linear)."""
+        try:
+            block = self.f.read(max(_READ, len(self.buf) - self.pos))
+        except UnicodeDecodeError as e:
+            raise GptlabError(f"{self.f.name}: not UTF-8 text ({e.reason})") from None
+        if not block:
+            return False
+        self.lines_before += self.buf.count("\n", 0, self.pos)
+        self.buf, self.pos = self.buf[self.pos :] + block, 0
+        return True
+
+    def peek(self) -> str:
+        """The next non-whitespace character ("" at the end of the file)."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos : self.pos + 1]
+
+    def line(self, at: int | None = None) -> int:
+        return self.lines_before + self.buf.count("\n", 0, self.pos if at is None else at) + 1
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """A .json file: a list of objects, streamed element by element; else one object per line."""
+    with open(path, encoding="utf-8-sig") as f:
+        text = _Text(f)
+        first = text.peek()
+        if first != "[":
+            if first not in ("{", ""):
+                raise GptlabError(f"{path}: expected a JSON list of objects, or one object per line")
+            yield from _jsonl_rows(path, " (a .json file holds a list of objects, or one object per line)")
+            return
+        text.pos += 1
+        decoder, n = json.JSONDecoder(), 0
+        while True:
+            c = text.peek()
+            if c in ("]", ""):
+                break
+            if n:
+                if c != ",":
+                    raise GptlabError(f"{path} line {text.line()}: invalid JSON: expected ',' or ']' after record {n}")
+                text.pos += 1
+                text.peek()
+            start_line, failed = text.line(), None
+            while True:
+                try:
+                    obj, end = decoder.raw_decode(text.buf, text.pos)
+                    break
+                except json.JSONDecodeError as e:
+                    # the element may just be cut by the block end: read on, unless more text changed nothing
+                    # (a real error: stop before reading the rest of a broken file; a long string moves nothing)
+                    error = (e.msg, e.pos - text.pos)
+                    if (error == failed and not e.msg.startswith("Unterminated string")) or not text.more():
+                        raise GptlabError(f"{path} line {text.line(e.pos)}: invalid JSON: {e.msg}") from None
+                    failed = error
+            n += 1
+            yield f"{path} record {n} (line {start_line})", obj
+            text.pos = end
+        if c != "]":
+            raise GptlabError(f"{path} line {text.line()}: invalid JSON: the list is not closed (truncated file?)")
+        text.pos += 1
+        if text.peek():
+            raise GptlabError(f"{path} line {text.line()}: invalid JSON: extra data after the list")
+
+
+def _table_rows(path: Path, batches: Iterator[Any]) -> Iterator[tuple[str, Any]]:
+    """Rows of Arrow record batches (or column dicts), numbered from 1."""
+    n = 0
+    for batch in batches:
+        rows = batch.to_pylist() if hasattr(batch, "to_pylist") else [
+            dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        for row in rows:
+            n += 1
+            yield f"{path} row {n}", row
+
+
+class RecordFile:
+    """One record input: `records()` streams it (as often as asked), `fingerprint()` sizes and hashes it."""
+
+    def __init__(self, path: Path, text_field: str | None = None, split_name: str | None = None) -> None:
+        fmt = record_format(path)
+        if not path.exists():
+            raise GptlabError(f"input {path} does not exist")
+        if fmt is None:
+            raise GptlabError(f"{path} is not a record file ({RECORD_INPUTS})")
+        self.path, self.format, self.text_field, self.split_name = path, fmt, text_field, split_name
+        self._dataset: Any = None
+        self._cache: tempfile.TemporaryDirectory[str] | None = None
+
+    def close(self) -> None:
+        self._dataset = None
+        if self._cache is not None:
+            self._cache.cleanup()
+            self._cache = None
+
+    def _check_columns(self, columns: Sequence[str]) -> None:
+        if self.text_field is not None and self.text_field not in columns:
+            raise GptlabError(f"{self.path} has no column {self.text_field!r} (--text-field; columns: "
+                              f"{', '.join(columns)})")
+
+    def _parquet_rows(self) -> Iterator[tuple[str, Any]]:
+        pa, pq = _need("pyarrow", ".parquet"), _need("pyarrow.parquet", ".parquet")
+        try:
+            pf = pq.ParquetFile(self.path)
+            columns = pf.schema_arrow.names
+            batches = pf.iter_batches(batch_size=_BATCH_ROWS)
+        except (OSError, ValueError, pa.ArrowException) as e:
+            raise GptlabError(f"{self.path} is not a readable parquet file (corrupt or truncated?): "
+                              f"{_first_line(e)}") from None
+        self._check_columns(columns)
+        try:
+            yield from _table_rows(self.path, batches)
+        except (OSError, ValueError, pa.ArrowException) as e:  # a damaged page shows up only when read
+            raise GptlabError(f"{self.path} is not a readable parquet file (corrupt or truncated?): "
+                              f"{_first_line(e)}") from None
+
+    def _load(self) -> Any:
+        """The `datasets.Dataset` behind a saved-dataset directory or a .csv/.tsv/.arrow file (loaded once)."""
+        if self._dataset is not None:
+            return self._dataset
+        what = "a saved dataset" if self.format == "dataset" else self.path.suffix
+        datasets = _need("datasets", what)
+        quiet = not show_progress() and not datasets.utils.are_progress_bars_disabled()
+        if quiet:
+            datasets.utils.disable_progress_bars()  # a one-line error must stay one line
+        log = logging.getLogger("datasets")  # it logs a reader's failure before raising it: we report it once
+        level = log.level
+        log.setLevel(logging.CRITICAL)
+        try:
+            if self.format == "dataset":
+                ds = datasets.load_from_disk(str(self.path))
+            else:  # converted to Arrow in a private cache, removed by close()
+                self._cache = tempfile.TemporaryDirectory(prefix="gptlab-records-")
+                kw = self._csv_options(datasets) if self.format == "csv" else {}
+                ds = datasets.load_dataset(self.format, data_files=str(self.path), split="train",
+                                           cache_dir=self._cache.name, **kw)
+        except Exception as e:
+            raise GptlabError(f"{self.path}: datasets could not read it ({_first_line(e)})") from None
+        finally:
+            log.setLevel(level)
+            if quiet:
+                datasets.utils.enable_progress_bars()
+        if isinstance(ds, datasets.DatasetDict):
+            split = self.split_name or "train"
+            if split not in ds:
+                raise GptlabError(f"{self.path} has no split {split!r} (splits: {', '.join(ds)}); choose one with "
+                                  "--split-name")
+            ds = ds[split]
+        self._check_columns(ds.column_names)
+        self._dataset = ds
+        return ds
+
+    def _csv_options(self, datasets: Any) -> dict[str, Any]:
+        """Every column read as a string: in text data " 4." is an answer, not the number 4.0."""
+        delimiter = "\t" if self.path.suffix.lower() == ".tsv" else ","
+        with open(self.path, encoding="utf-8-sig", newline="") as f:
+            header = next(csv.reader(f, delimiter=delimiter), [])
+        features = datasets.Features({name: datasets.Value("string") for name in header})
+        return {"delimiter": delimiter, "features": features}
+
+    def rows(self) -> Iterator[tuple[str, Any]]:
+        """(where, row) pairs in file order."""
+        if self.format == "jsonl":
+            return _jsonl_rows(self.path)
+        if self.format == "json":
+            return _json_rows(self.path)
+        if self.format == "parquet":
+            return self._parquet_rows()
+        return _table_rows(self.path, self._load().iter(batch_size=_BATCH_ROWS))
+
+    def records(self) -> Iterator[Record]:
+        """Validated records; one shape per input (the first record's), else an error naming both lines."""
+        first: Record | None = None
+        for where, row in self.rows():
+            record = parse_record(row, where, self.text_field)
+            if first is None:
+                first = record
+            elif record.shape != first.shape:
+                raise GptlabError(f"{where}: a {record.shape} record, but {first.where} is {first.shape}: one input "
+                                  "holds one record shape (put the others in a file of their own)")
+            yield record
+
+    def fingerprint(self) -> tuple[int, str]:
+        """(bytes, sha256) of the file, or of a directory's files (relative names and contents, sorted)."""
+        h, size = hashlib.sha256(), 0
+        files = sorted(p for p in self.path.rglob("*") if p.is_file()) if self.path.is_dir() else [self.path]
+        for p in files:
+            if self.path.is_dir():
+                h.update(p.relative_to(self.path).as_posix().encode() + b"\0")
+            with open(p, "rb") as f:
+                while block := f.read(_READ):
+                    h.update(block)
+                    size += len(block)
+        return size, h.hexdigest()

@@ -1,0 +1,198 @@
+"""Chat messages -> text, the way the model was (or will be) trained to read them.
+
+A Hugging Face tokenizer ships its chat format as a Jinja template (`chat_template` in tokenizer_config.json or
+chat_template.jinja). gptlab renders it as transformers' `apply_chat_template` does: a sandboxed environment with
+trim_blocks and lstrip_blocks, the loop-control extension, `raise_exception` and `strftime_now`, `tojson` that
+keeps non-ASCII text, and the special tokens as strings. A tokenizer without one (char, GPT-2, a base model) gets
+a built-in template by name: "plain" ("User: ..." lines, what a base model continues most naturally) or "chatml"
+(`<|im_start|>role ... <|im_end|>`).
+
+The rendered text is encoded with `allow_special=True`, so the template's special-token strings become their ids.
+
+Training on chats needs more than the text: a loss mask that counts only what the assistant says. `segments`
+finds it by rendering prefixes of the conversation: the span from the prompt for turn i (the messages before it
+plus the generation prompt) to the conversation through turn i is the assistant's reply, its end-of-turn marker
+included, exactly the text a model must produce at inference after the same prompt. What a template writes after
+that marker (ChatML's newline after <|im_end|>) is never generated, since generation stops at the marker, so it
+is not part of the reply.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptlab.errors import GptlabError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+BUILTIN_TEMPLATES: dict[str, str] = {
+    # a base model's view of a chat: one "Role: content" line each, then "Assistant:" to continue
+    "plain": (
+        "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}Assistant:{% endif %}"
+    ),
+    "chatml": (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+}
+# where generation stops under a built-in template: nothing in a base model's vocabulary ends a turn
+BUILTIN_STOPS: dict[str, list[str]] = {"plain": ["\nUser:"], "chatml": ["<|im_end|>"]}
+
+
+class ChatTemplateError(GptlabError):
+    """A conversation the template cannot render (it raised, or it is not made of prefix-stable turns)."""
+
+
+@dataclass
+class ChatTemplate:
+    """A Jinja chat template with the special-token strings it renders; `stop` are the strings that end the
+    assistant's turn when the model has no end-of-turn token of its own (built-in templates)."""
+
+    source: str
+    name: str = "tokenizer"
+    bos_token: str = ""
+    eos_token: str = ""
+    stop: list[str] = field(default_factory=list)
+    _compiled: Any = field(default=None, repr=False, compare=False)
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """The text of `messages`, plus the assistant's opening when `add_generation_prompt`."""
+        from jinja2.exceptions import TemplateError
+
+        if self._compiled is None:
+            self._compiled = _environment().from_string(self.source)
+        try:
+            return self._compiled.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                bos_token=self.bos_token, eos_token=self.eos_token,
+            )
+        except TemplateError as e:
+            raise ChatTemplateError(f"the {self.name} chat template could not render this conversation: {e}") from e
+
+    def segments(self, messages: Sequence[dict[str, Any]]) -> list[tuple[str, bool]]:
+        """The whole conversation as (text, is_assistant_reply) pieces that concatenate to `render(messages)`."""
+        full = self.render(messages)
+        pieces: list[tuple[str, bool]] = []
+        done = 0  # characters of `full` already assigned to a piece
+
+        def add(end: int, is_reply: bool) -> None:
+            nonlocal done
+            if end > done:
+                if pieces and pieces[-1][1] == is_reply:
+                    pieces[-1] = (pieces[-1][0] + full[done:end], is_reply)
+                else:
+                    pieces.append((full[done:end], is_reply))
+                done = end
+
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self._first_prompt(full) if i == 0 else self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1])
+            if not (full.startswith(prompt) and full.startswith(through) and done <= len(prompt) <= len(through)):
+                raise ChatTemplateError(
+                    f"the {self.name} chat template renders turn {i + 1} differently inside the conversation than "
+                    "on its own (it rewrites earlier turns), so the assistant's tokens cannot be located"
+                )
+            add(len(prompt), False)
+            add(self._reply_end(full, len(prompt), len(through), message["content"]), True)
+            add(len(through), False)  # what the template writes after the end-of-turn marker (e.g. "\n")
+        add(len(full), False)
+        return pieces
+
+    def _first_prompt(self, full: str) -> str:
+        """The prompt before a conversation's opening assistant turn: the generation prompt of no messages when
+        the template renders one that the conversation starts with, else nothing."""
+        try:
+            prompt = self.render([], add_generation_prompt=True)
+        except ChatTemplateError:
+            return ""
+        return prompt if full.startswith(prompt) else ""
+
+    def _reply_end(self, full: str, start: int, end: int, content: str) -> int:
+        """Where the reply in full[start:end] ends: right after its end-of-turn marker, since generation stops
+        there and what a template writes after it (ChatML's newline after <|im_end|>) is never generated. The
+        marker is the eos token or a stop string when one follows the content, else the text the template
+        writes after the content, trailing whitespace dropped (as `generation.chat` finds its stop strings). A
+        template that writes only whitespace there ("plain": "\\n") ends the turn with it: the reply keeps it."""
+        at = full.find(content, start, end) if content else -1
+        after = at + len(content) if at >= 0 else start
+        markers = [m for m in (self.eos_token, *self.stop) if m]
+        ends = [i + len(m) for m in markers if (i := full.find(m, after, end)) >= 0]
+        if ends:
+            return min(ends)
+        tail = full[after:end].rstrip()
+        return after + len(tail) if tail else end
+
+
+def check_messages(messages: Any, where: str = "messages") -> list[dict[str, str]]:
+    """`messages` as a list of {"role", "content"} dicts, or a one-line error naming `where` and the fault."""
+    if not isinstance(messages, list):
+        raise GptlabError(f"{where}: expected a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise GptlabError(f"{where}: the conversation is empty")
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise GptlabError(f"{where}[{i}]: expected an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise GptlabError(f"{where}[{i}]: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(content, str):
+            raise GptlabError(f"{where}[{i}]: content must be a string, got {type(content).__name__}")
+        checked.append({"role": role, "content": content})
+    return checked
+
+
+def chat_template_for(tokenizer: Any, name: str | None = None) -> ChatTemplate:
+    """The template to use with `tokenizer`: the built-in `name` if given, else the tokenizer's own, else
+    "plain"."""
+    if name is not None and name not in BUILTIN_TEMPLATES:
+        raise GptlabError(f"unknown chat template {name!r}: choose {' or '.join(BUILTIN_TEMPLATES)}, or leave it "
+                          "out to use the tokenizer's own")
+    own = getattr(tokenizer, "chat_template", None)
+    if name is None and own:
+        source, stop = own, []
+    else:
+        name = name or "plain"
+        source, stop = BUILTIN_TEMPLATES[name], list(BUILTIN_STOPS[name])
+
+    def token(i: int | None) -> str:
+        return tokenizer.decode([i]) if i is not None else ""
+
+    return ChatTemplate(source=source, name=name or "tokenizer", bos_token=token(getattr(tokenizer, "bos_id", None)),
+                        eos_token=token(getattr(tokenizer, "eot_id", None)), stop=stop)
+
+
+def _environment() -> Any:
+    from jinja2 import nodes
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask markers): render the body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message: str) -> None:  # templates call it to reject a conversation
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
+    return env
