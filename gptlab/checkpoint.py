@@ -4,6 +4,10 @@ A checkpoint is a directory:
 
     model.safetensors   the weights (tied weights stored once, no `_orig_mod.` prefixes)
     config.json         the GPTConfig
+    lora.safetensors    (instead of model.safetensors, a LoRA run's checkpoints) only the adapters, fp32
+    lora.json           with it: {"format": "gptlab-lora", "version", rank, alpha, dropout, targets,
+                        "base": {"path", "sha256"}}: the frozen base the adapters belong to, and the sha256 of its
+                        weight files, checked whenever the adapters are put back on it
     tokenizer files     whatever `Tokenizer.save` writes (optional)
     optimizer.safetensors  (training checkpoints) every optimizer's state tensors, flat: `opt{i}.{param}.{name}`
     state.json          (training checkpoints) step, elapsed_sec, best_val_loss, tokens_seen, the torch RNG
@@ -28,6 +32,7 @@ extra tensors as they are.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Sequence
@@ -35,11 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir, read_json_object
+from gptlab.lora import LoRASpec, has_lora, lora_state_dict
 from gptlab.model import GPT
 
 MODEL_FILE = "model.safetensors"
@@ -49,6 +56,14 @@ BEST_NAME = "best"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 TOKENIZER_FILES = ("tokenizer_meta.json", "tokenizer.json")
+LORA_FILE = "lora.safetensors"
+LORA_CONFIG = "lora.json"
+LORA_FORMAT = "gptlab-lora"
+
+
+def has_weights(directory: Path) -> bool:
+    """Whether a directory holds gptlab weights: a whole model, or a LoRA run's adapters."""
+    return (directory / MODEL_FILE).is_file() or (directory / LORA_FILE).is_file()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -58,6 +73,8 @@ def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU.
     FSDP-sharded weights are gathered whole: under FSDP every process must call this."""
     model = unwrap_model(model)
+    if has_lora(model):  # the base is frozen and lives elsewhere: only the adapters are the run's
+        return {k: whole(v).detach().contiguous().cpu() for k, v in lora_state_dict(model).items()}
     state = model.state_dict()
     if getattr(model, "config", None) is not None and model.config.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as transformer.wte.weight
@@ -96,7 +113,16 @@ def write_model(
     existing directory."""
     plain = unwrap_model(model)
     metadata = {"format": "pt", "library": "gptlab"}
-    save_file(model_state_dict(plain) if weights is None else weights, str(directory / MODEL_FILE), metadata=metadata)
+    weights = model_state_dict(plain) if weights is None else weights
+    if has_lora(plain):
+        base = getattr(plain, "lora_base", None)
+        if base is None:
+            raise GptlabError("a model with LoRA adapters needs `lora_base` (its base's path and sha256) to be saved")
+        save_file(weights, str(directory / LORA_FILE), metadata=metadata)
+        lora = {"format": LORA_FORMAT, "version": 1, **plain.lora_spec.to_dict(), "base": base}
+        (directory / LORA_CONFIG).write_text(json.dumps(lora, indent=2) + "\n")
+    else:
+        save_file(weights, str(directory / MODEL_FILE), metadata=metadata)
     (directory / CONFIG_FILE).write_text(json.dumps(plain.config.to_dict(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(directory)
@@ -181,7 +207,7 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    steps = [p for p in root.iterdir() if p.name.startswith("step-") and (p / MODEL_FILE).is_file()]
+    steps = [p for p in root.iterdir() if p.name.startswith("step-") and has_weights(p)]
     return sorted(steps, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
@@ -289,13 +315,71 @@ def load_training_checkpoint(
     """Load weights into `model` and state into `optimizers`, in place; returns state.json's trainer state."""
     directory = Path(directory)
     plain = unwrap_model(model)
-    weights = load_file(str(directory / MODEL_FILE))
     current = plain.state_dict()
+    if has_lora(plain):
+        weights = load_adapter_tensors(directory, plain)
+    else:
+        weights = load_file(str(directory / MODEL_FILE))
     weights = {k: shard_like(v, current[k]) if k in current else v for k, v in weights.items()}  # FSDP: shard them
     with torch.no_grad():  # copies into the existing parameters: optimizers stay valid
-        load_weights(plain, weights, where=str(directory))
+        if has_lora(plain):
+            plain.load_state_dict(weights, strict=False)
+        else:
+            load_weights(plain, weights, where=str(directory))
     state = read_json_object(directory / STATE_FILE)
     device = next(plain.parameters()).device
     tensors = load_file(str(directory / OPTIMIZER_FILE), device=str(device))
     optimizer_from_flat(optimizers, tensors, state.pop("optimizers"))
     return state
+
+
+# ------------------------------------------------------------------------------------------------------------
+# LoRA checkpoints: the adapters, and which base they belong to
+# ------------------------------------------------------------------------------------------------------------
+def weights_sha256(directory: str | Path) -> str:
+    """One sha256 over a model directory's weight files (*.safetensors, by name): a base's fingerprint."""
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise GptlabError(f"{directory} has no .safetensors weights to fingerprint")
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_lora_config(directory: str | Path) -> tuple[LoRASpec, dict[str, str]]:
+    """lora.json of a LoRA checkpoint: the adapters' spec and their base ({"path", "sha256"})."""
+    path = Path(directory) / LORA_CONFIG
+    meta = read_json_object(path)
+    if meta.get("format") != LORA_FORMAT:
+        raise GptlabError(f"{path} is not a gptlab LoRA config (format {meta.get('format')!r})")
+    try:
+        spec = LoRASpec.from_dict(meta)
+        base = {"path": str(meta["base"]["path"]), "sha256": str(meta["base"]["sha256"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise GptlabError(f"{path} lacks or garbles {e}: the adapters cannot be placed") from None
+    return spec, base
+
+
+def load_adapter_tensors(directory: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """lora.safetensors, checked to hold exactly `model`'s adapter tensors with their shapes."""
+    directory = Path(directory)
+    path = directory / LORA_FILE
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise GptlabError(f"{path} cannot be read: {e}") from None
+    expected = {k: tuple(v.shape) for k, v in lora_state_dict(unwrap_model(model)).items()}
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise GptlabError(f"{path} lacks the adapter {name!r}")
+        if tuple(tensors[name].shape) != shape:
+            raise GptlabError(f"{path}: {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise GptlabError(f"{path} has an adapter this model has no place for: {unknown[0]!r}")
+    return tensors

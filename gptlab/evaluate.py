@@ -3,6 +3,9 @@
 The split is cut into non-overlapping windows of block_size tokens; window w predicts tokens w*T+1 .. w*T+T
 from the ones before it inside the window, so every token but the first is scored exactly once (the last,
 shorter window included). Loss is the mean cross-entropy in nats over those targets.
+
+Chat and prompt/completion data (a loss mask, examples packed into windows of `window_tokens`) is scored window
+by window as it was trained: each window's first block_size + 1 tokens, counting only the masked-in targets.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptlab.data import load_split, read_meta
+from gptlab.data import load_mask, load_split, read_meta
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import optional_tokenizer
 
@@ -40,9 +43,11 @@ def evaluate_loss(
     max_tokens: int | None = None,
     device: str | torch.device = "cpu",
     autocast: contextlib.AbstractContextManager | None = None,
+    mask: np.ndarray | None = None,
+    window_tokens: int | None = None,
 ) -> EvalResult:
     """Mean loss of `model` over `data` (1-D token ids), scoring each target once; `max_tokens` scores a
-    prefix.
+    prefix. With `mask` (1 = the target counts) and `window_tokens`, data is scored in its packed windows.
 
     `batch_size` windows go through the model at once (default: `default_batch_size`). `autocast` is an optional
     context (e.g. torch.autocast) to run the forward passes under.
@@ -55,6 +60,9 @@ def evaluate_loss(
     if batch_size is None:
         vocab_size = getattr(getattr(model, "config", None), "vocab_size", 50257)
         batch_size = default_batch_size(block_size, vocab_size, torch.device(device).type)
+    if window_tokens:
+        return _evaluate_windows(model, data, mask, window_tokens, block_size, batch_size, max_tokens, device,
+                                 autocast)
     was_training = model.training
     model.eval()
     T = block_size
@@ -76,6 +84,37 @@ def evaluate_loss(
             total += float(loss) * rest
     model.train(was_training)
     return EvalResult(loss=total / n_targets, tokens=n_targets)
+
+
+def _evaluate_windows(
+    model: torch.nn.Module, data: np.ndarray, mask: np.ndarray | None, window_tokens: int, block_size: int,
+    batch_size: int, max_tokens: int | None, device: str | torch.device,
+    autocast: contextlib.AbstractContextManager | None,
+) -> EvalResult:
+    """Mean loss over the counted targets of every packed window (its first block_size + 1 tokens)."""
+    n_windows = len(data) // window_tokens
+    if max_tokens is not None:
+        n_windows = min(n_windows, max(1, max_tokens // block_size))
+    tokens = np.asarray(data[: n_windows * window_tokens]).reshape(n_windows, window_tokens)[:, : block_size + 1]
+    keep = None
+    if mask is not None:
+        keep = np.asarray(mask[: n_windows * window_tokens]).reshape(n_windows, window_tokens)[:, 1 : block_size + 1]
+    total, counted = 0.0, 0
+    was_training = model.training
+    model.eval()
+    with autocast or contextlib.nullcontext():
+        for start in range(0, n_windows, batch_size):
+            rows = torch.from_numpy(tokens[start : start + batch_size].astype(np.int64))
+            x, y = rows[:, :-1], rows[:, 1:]
+            if keep is not None:
+                y = y.masked_fill(torch.from_numpy(keep[start : start + batch_size] == 0), -1)
+            _, loss = model(x.to(device), y.to(device), reduction="sum")
+            total += float(loss)
+            counted += int((y != -1).sum())
+    model.train(was_training)
+    if counted == 0:
+        raise GptlabError("no target in the evaluated windows counts (the loss mask is all zeros)")
+    return EvalResult(loss=total / counted, tokens=counted)
 
 
 def default_batch_size(block_size: int, vocab_size: int, device_type: str = "cpu") -> int:
@@ -108,7 +147,8 @@ def evaluate_split(
     Returns {"<split>_loss", "perplexity", "bits_per_byte" (None without a tokenizer), "tokens", "bytes",
     "block_size", "split"}. A low-precision `dtype` runs the matmuls under autocast, attention in fp32."""
     meta = read_meta(data_dir)
-    data = load_split(data_dir, split)
+    data, mask = load_split(data_dir, split), load_mask(data_dir, split)
+    window_tokens = int(meta["window_tokens"]) if meta.get("window_tokens") else None
     if model.config.vocab_size < int(meta["vocab_size"]):
         raise GptlabError(
             f"the model's vocabulary ({model.config.vocab_size}) is smaller than the data's "
@@ -119,8 +159,17 @@ def evaluate_split(
         autocast = torch.autocast(torch.device(device).type, dtype=dtype)
         model.set_attention_dtype(torch.float32)
     block_size = model.config.block_size if block_size is None else block_size
-    result = evaluate_loss(model, data, block_size, batch_size=batch_size, device=device, autocast=autocast)
-    n_bytes = split_bytes(data_dir, data)
+    result = evaluate_loss(model, data, block_size, batch_size=batch_size, device=device, autocast=autocast,
+                           mask=mask, window_tokens=window_tokens)
+    if window_tokens:  # the scored targets: each window's tokens 1..block_size that the mask counts
+        n = len(data) // window_tokens
+        scored = np.asarray(data[: n * window_tokens]).reshape(n, window_tokens)[:, 1 : block_size + 1]
+        if mask is not None:
+            keep = np.asarray(mask[: n * window_tokens]).reshape(n, window_tokens)[:, 1 : block_size + 1] != 0
+            scored = scored[keep]
+        n_bytes = split_bytes(data_dir, np.concatenate([[0], scored.ravel()]))
+    else:
+        n_bytes = split_bytes(data_dir, data)
     bpb = result.loss * result.tokens / (math.log(2) * n_bytes) if n_bytes else None
     return {
         f"{split}_loss": result.loss,

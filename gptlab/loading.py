@@ -5,7 +5,10 @@ Every command that reads a model (`sample`, `eval`, `serve`, `convert`, training
 
 * a checkpoint directory: `model.safetensors` + `config.json` (gptlab's format, `gptlab.checkpoint`);
 * a Hugging Face directory: a `config.json` with a `model_type` (read by `gptlab.interop`);
-* a run directory (`gptlab train --out`): its best checkpoint, or its latest step (`prefer`).
+* a run directory (`gptlab train --out`): its best checkpoint, or its latest step (`prefer`);
+* a LoRA run's checkpoint (adapters + lora.json naming the base): the base is loaded from its recorded path,
+  checked against its recorded sha256, and the adapters are put on it (merged into its weights unless asked
+  to keep them separate; both compute the same function).
 
 `convert` moves a model between the two formats.
 """
@@ -22,13 +25,19 @@ from gptlab.checkpoint import (
     BEST_NAME,
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    LORA_FILE,
     MODEL_FILE,
+    has_weights,
     list_step_checkpoints,
+    load_adapter_tensors,
     load_gptlab_model,
+    read_lora_config,
     save_model,
+    weights_sha256,
 )
 from gptlab.errors import GptlabError
-from gptlab.interop import from_hf, save_hf
+from gptlab.interop import from_hf, save_hf, save_peft_adapter
+from gptlab.lora import add_lora, merge_lora
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer, optional_tokenizer
 
@@ -58,15 +67,15 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
         if path.name == MODEL_FILE:
             return path.parent
         raise GptlabError(f"{path} is a file: pass the directory that holds {MODEL_FILE} and {CONFIG_FILE}")
-    if (path / MODEL_FILE).is_file() and (path / CONFIG_FILE).is_file() or is_hf_dir(path):
+    if has_weights(path) and (path / CONFIG_FILE).is_file() or is_hf_dir(path):
         return path
     best = path / CHECKPOINTS_DIR / BEST_NAME
     steps = list_step_checkpoints(path)
-    if prefer == "best" and (best / MODEL_FILE).is_file():
+    if prefer == "best" and has_weights(best):
         return best
     if steps:
         return steps[-1]
-    if (best / MODEL_FILE).is_file():
+    if has_weights(best):
         return best
     raise GptlabError(f"no checkpoint found in {path}: expected {MODEL_FILE} + {CONFIG_FILE}, a run "
                       f"directory with {CHECKPOINTS_DIR}/step-*/, or a Hugging Face model directory")
@@ -77,14 +86,52 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     prefer: str = "best",
+    merge_adapters: bool = True,
 ) -> tuple[GPT, Tokenizer | None]:
-    """Load (model, tokenizer) from a run, checkpoint or Hugging Face directory (tokenizer: None if none)."""
+    """Load (model, tokenizer) from a run, checkpoint or Hugging Face directory (tokenizer: None if none).
+
+    A LoRA checkpoint comes back as its base with the adapters merged into the weights (a plain GPT, as fast as
+    the base), or with `merge_adapters=False` with LoRA layers computing the update on the side."""
     directory = resolve_checkpoint(path, prefer=prefer)
     if is_hf_dir(directory):
         model = from_hf(directory, device=device, dtype=dtype)
+    elif (directory / LORA_FILE).is_file():
+        model = load_lora_model(directory, device=device, dtype=dtype, merge=merge_adapters)
     else:
         model = load_gptlab_model(directory, device=device, dtype=dtype)
-    return model, optional_tokenizer(directory)[0]
+    tokenizer, _ = optional_tokenizer(directory)
+    if tokenizer is None and (directory / LORA_FILE).is_file():  # adapters trained on data without a tokenizer
+        tokenizer, _ = optional_tokenizer(resolve_checkpoint(read_lora_config(directory)[1]["path"]))
+    return model, tokenizer
+
+
+def base_reference(path: str | Path) -> dict[str, str]:
+    """{"path", "sha256"} of the model a LoRA run adapts: the checkpoint or Hugging Face directory `path` means."""
+    directory = resolve_checkpoint(path).resolve()
+    if (directory / LORA_FILE).is_file():
+        raise GptlabError(f"{path} holds LoRA adapters, not a whole model: merge them first (`gptlab convert "
+                          f"{path} OUT --to gptlab`) and adapt that")
+    return {"path": str(directory), "sha256": weights_sha256(directory)}
+
+
+def load_lora_model(
+    directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, merge: bool = True
+) -> GPT:
+    """A LoRA checkpoint's base (checked against its recorded sha256) with its adapters, merged or not."""
+    spec, base = read_lora_config(directory)
+    base_dir = Path(base["path"])
+    if not base_dir.is_dir():
+        raise GptlabError(f"{directory}'s adapters belong to the base {base_dir}, which does not exist any more: "
+                          "put it back there (or edit lora.json's base.path to where it is now)")
+    if weights_sha256(base_dir) != base["sha256"]:
+        raise GptlabError(f"the base {base_dir} has changed since {directory}'s adapters were trained on it "
+                          "(its weights' sha256 differs): the adapters would not fit it")
+    model, _ = load_model(base_dir, device=device, dtype=torch.float32)
+    add_lora(model, spec, base=base)
+    model.load_state_dict(load_adapter_tensors(directory, model), strict=False)
+    if merge:
+        merge_lora(model)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -94,38 +141,65 @@ def load_model(
 class Conversion:
     """What `convert` wrote: the format, the model, its tokenizer (None, and why, when the source had none)."""
 
-    to: str  # "hf" or "gptlab"
+    to: str  # "hf", "gptlab" or "peft" (a LoRA run's adapters alone)
     destination: Path
     model: GPT
     tokenizer: Tokenizer | None
     no_tokenizer_reason: str = ""
+    base: str | None = None  # peft: the base model the adapters go on
 
     @property
     def architecture(self) -> str:
-        """The Hugging Face class name written (hf), else "gptlab checkpoint"."""
+        """The Hugging Face class name written (hf), else what was written."""
+        if self.to == "peft":
+            return "peft LoRA adapter"
         if self.to != "hf":
             return "gptlab checkpoint"
         return json.loads((self.destination / CONFIG_FILE).read_text())["architectures"][0]
 
 
-def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: torch.dtype | None = None) -> Conversion:
+def convert(
+    src: str | Path, dst: str | Path, to: str | None = None, dtype: torch.dtype | None = None,
+    adapter_only: bool = False,
+) -> Conversion:
     """A Hugging Face directory -> a gptlab checkpoint, or a gptlab checkpoint / run -> a Hugging Face directory
     (`to` overrides the direction, which otherwise follows from `src`). DST is replaced as a whole, atomically;
-    the tokenizer comes along when SRC has one."""
+    the tokenizer comes along when SRC has one.
+
+    A LoRA run converts merged (its base with the adapters folded in), or with `adapter_only` into a peft
+    adapter directory for the Hugging Face form of its base."""
     if to not in (None, "hf", "gptlab"):
         raise GptlabError(f"cannot convert to {to!r}: choose hf or gptlab")
     src = resolve_checkpoint(src)
     dst = Path(dst)
     _check_destination(src, dst)
+    is_lora = (src / LORA_FILE).is_file()
+    if adapter_only:
+        if not is_lora:
+            raise GptlabError(f"--adapter-only needs a LoRA run or checkpoint; {src} holds a whole model")
+        if to == "gptlab":
+            raise GptlabError("--adapter-only writes a peft adapter (Hugging Face format): drop --to gptlab")
+        return _convert_adapter(src, dst)
     src_is_hf = is_hf_dir(src)
     to = to or ("gptlab" if src_is_hf else "hf")
-    model = from_hf(src, dtype=dtype) if src_is_hf else load_gptlab_model(src, dtype=dtype)
-    tokenizer, why_not = optional_tokenizer(src)
+    model, tokenizer = load_model(src, dtype=dtype)
+    why_not = "" if tokenizer is not None else optional_tokenizer(src)[1]
     if to == "hf":
         save_hf(model, dst, tokenizer)
     else:
         save_model(dst, model, tokenizer)
     return Conversion(to, dst, model, tokenizer, why_not)
+
+
+def _convert_adapter(src: Path, dst: Path) -> Conversion:
+    """A LoRA checkpoint's adapters -> a peft directory naming its base (the base's own path when that is a
+    Hugging Face directory; a gptlab base must be converted too, and the note says so)."""
+    model, tokenizer = load_model(src, merge_adapters=False)
+    base = read_lora_config(src)[1]["path"]
+    save_peft_adapter(model, dst, base_model=base)
+    note = "" if is_hf_dir(Path(base)) else (f"the base {base} is a gptlab checkpoint: convert it too (`gptlab "
+                                             f"convert {base} BASE_HF --to hf`) and load the adapter onto that")
+    return Conversion("peft", dst, model, tokenizer, no_tokenizer_reason=note, base=base)
 
 
 def _check_destination(src: Path, dst: Path) -> None:

@@ -13,21 +13,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         "convert", help="convert between gptlab checkpoints and Hugging Face directories",
         description="A Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM, GPTNeoXForCausalLM) "
         "becomes a gptlab checkpoint; a gptlab checkpoint or run becomes a Hugging Face directory. The "
-        "tokenizer comes along when SRC has one. DST is replaced atomically.",
+        "tokenizer comes along when SRC has one. DST is replaced atomically. A LoRA run is written with its "
+        "adapters merged into the base, or with --adapter-only as a peft adapter directory.",
     )
     p.add_argument("src", metavar="SRC", help="a Hugging Face model directory, a gptlab checkpoint or a run")
     p.add_argument("dst", metavar="DST", help="the directory to write")
     p.add_argument("--to", choices=["hf", "gptlab"], help="output format (default: the one SRC is not in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="cast the weights (default: keep theirs)")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="a LoRA run: write only its adapters, as a peft directory (PeftModel.from_pretrained)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from gptlab.loading import convert
 
-    done = convert(args.src, args.dst, to=args.to, dtype=torch_dtype(args.dtype) if args.dtype else None)
+    done = convert(args.src, args.dst, to=args.to, dtype=torch_dtype(args.dtype) if args.dtype else None,
+                   adapter_only=args.adapter_only)
     model, dst = done.model, done.destination
+    if done.to == "peft":
+        print(f"wrote a peft LoRA adapter for {done.base} to {dst}: {', '.join(sorted(p.name for p in dst.iterdir()))}")
+        if done.no_tokenizer_reason:
+            print(f"note: {done.no_tokenizer_reason}")
+        return 0
     n, dtype_name = model.num_parameters(), str(model.lm_head.weight.dtype).removeprefix("torch.")
     what = f"Hugging Face {done.architecture}" if done.to == "hf" else done.architecture
     print(f"wrote {what} ({n:,} parameters, {dtype_name}) to {dst}: "

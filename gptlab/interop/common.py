@@ -145,6 +145,7 @@ class Rule:
     theirs: tuple[str, ...]
     join: Callable[[list[torch.Tensor]], torch.Tensor]  # Hugging Face tensors -> ours
     split: Callable[[torch.Tensor], list[torch.Tensor]]  # ours -> Hugging Face tensors
+    transposes: bool = False  # the Hugging Face tensor is stored (in, out): a Conv1D weight
 
 
 def same(ours: str, theirs: str) -> Rule:
@@ -153,7 +154,7 @@ def same(ours: str, theirs: str) -> Rule:
 
 def transposed(ours: str, theirs: str) -> Rule:
     """GPT-2's Conv1D stores weights as (in, out), nn.Linear as (out, in)."""
-    return Rule(ours, (theirs,), lambda ts: ts[0].t(), lambda t: [t.t()])
+    return Rule(ours, (theirs,), lambda ts: ts[0].t(), lambda t: [t.t()], transposes=True)
 
 
 def concatenated(ours: str, theirs: tuple[str, ...], sizes: list[int]) -> Rule:

@@ -67,7 +67,7 @@ def _switches_missing(family: ModuleType, cfg: GPTConfig) -> list[str]:
     return missing
 
 
-def _export_family(cfg: GPTConfig) -> ModuleType:
+def export_family(cfg: GPTConfig) -> ModuleType:
     """The family a config exports to, or a GptlabError naming the switch with no Hugging Face equivalent."""
     missing = {family: _switches_missing(family, cfg) for family in FAMILIES}
     fitting = [family for family in FAMILIES if not missing[family]]
@@ -85,7 +85,7 @@ def _export_family(cfg: GPTConfig) -> ModuleType:
 
 def config_to_hf(cfg: GPTConfig, dtype: torch.dtype = torch.float32, tokenizer: Any = None) -> dict[str, Any]:
     """A config.json dict that transformers 4.x and 5.x both read; GptlabError if `cfg` has no equivalent."""
-    family = _export_family(cfg)
+    family = export_family(cfg)
     if tokenizer is not None and getattr(tokenizer, "eot_id", None) is not None:
         eos = tokenizer.eot_id
         bos = tokenizer.bos_id if getattr(tokenizer, "bos_id", None) is not None else eos
@@ -155,7 +155,7 @@ def save_hf(model: torch.nn.Module, path: str | Path, tokenizer: Any = None) -> 
 
     plain = unwrap_model(model)
     config: GPTConfig = plain.config
-    family = _export_family(config)  # fail before touching the disk
+    family = export_family(config)  # fail before touching the disk
     state = model_state_dict(plain)
     dtype = state["transformer.wte.weight"].dtype
     tensors = to_theirs(family.rules(config), state)

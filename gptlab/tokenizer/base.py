@@ -42,6 +42,11 @@ class Tokenizer:
     bos_id: int | None = None
     chat_template: str | None = None
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether the model's own tokenizer (transformers' default encoding) puts BOS first; `encode` never does."""
+        return False
+
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         raise NotImplementedError
 

@@ -150,6 +150,14 @@ class HFTokenizer(Tokenizer):
             out = out[1:]
         return out
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether this tokenizer's post-processor puts BOS first (Llama's does), as transformers encodes."""
+        if self.bos_id is None:
+            return False
+        ids = self._tok.encode("a", add_special_tokens=True).ids
+        return bool(ids) and ids[0] == self.bos_id
+
     def decode(self, ids: Iterable[int]) -> str:
         ids = _as_int_list(ids)
         if self._simple:

@@ -35,6 +35,11 @@ class TrainConfig:
     # --- model ---
     model: str = "tiny"  # a preset name (`gptlab info` lists them); GPTConfig fields below it override it
     init_from: str | None = None  # fine-tune: a run, checkpoint or Hugging Face directory (replaces `model`)
+    # --- LoRA (needs init_from): a frozen base, low-rank adapters on the `lora_targets` linears train ---
+    lora_rank: int = 0  # 0 = full fine-tuning
+    lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "all-linear"  # comma-separated q,k,v,o,gate,up,down (or q_proj, ...), or all-linear
     # --- batch ---
     batch_size: int = 32  # sequences per optimizer step in total: split over processes and grad_accum micro-steps
     grad_accum: int = 1
@@ -71,6 +76,7 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attention_fp32: bool = True  # under bf16/fp16, compute attention in fp32 (CPU bf16 attention backward is slow)
     compile: bool = False
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 slower
     # with several processes (torchrun): ddp = every process holds the whole model, gradients all-reduced;
     # fsdp = parameters, gradients and optimizer state sharded over the processes (PyTorch's fully_shard)
     distributed: Literal["ddp", "fsdp"] = "ddp"
@@ -117,6 +123,7 @@ RESUMABLE_CHANGES = frozenset(
         "device",
         "compile",
         "distributed",  # checkpoints hold whole tensors either way
+        "activation_checkpointing",  # recomputes the same activations
     }
 )
 
@@ -290,6 +297,15 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError(f"max_time must be positive seconds, got {cfg.max_time}")
     if cfg.batch_size % cfg.grad_accum:
         raise GptlabError(f"batch_size {cfg.batch_size} is not divisible by grad_accum {cfg.grad_accum}")
+    if cfg.lora_rank < 0:
+        raise GptlabError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {cfg.lora_rank}")
+    if cfg.lora_rank and not cfg.init_from:
+        raise GptlabError("lora_rank needs a pretrained model to adapt: set init_from (a run, checkpoint or Hugging "
+                          "Face directory)")
+    if cfg.lora_rank and cfg.optimizer == "muon":
+        raise GptlabError("LoRA adapters train with optimizer adamw (Muon orthogonalises whole matrices)")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise GptlabError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.distributed == "fsdp" and cfg.optimizer == "muon":
         raise GptlabError("optimizer muon needs whole matrices, which distributed = \"fsdp\" shards: use "
                           "optimizer adamw, or distributed ddp")

@@ -1,6 +1,6 @@
 """How forward and backward run: fp32, autocast (bf16 / fp16 with loss scaling), or bf16 working weights.
 
-The optimizer always owns fp32 master weights (the model passed in). Three modes:
+The optimizer always owns fp32 master weights (the model passed in). Four modes:
 - float32:   forward/backward on the masters.
 - autocast:  forward/backward on the masters under torch.autocast; fp16 adds a GradScaler against underflow.
              Used on GPUs and under DDP/FSDP.
@@ -8,6 +8,9 @@ The optimizer always owns fp32 master weights (the model passed in). Three modes
              gradients are copied into the masters' .grad in fp32, and after the optimizer step the masters
              are cast back into the copy. Faster on CPU than autocast, which re-casts every weight in every
              forward and keeps the casts for backward.
+- frozen:    (LoRA, any device) the frozen base is cast to bf16/fp16 in place (it never changes, so it needs
+             no master) and the adapters stay fp32: they are their own masters and compute in fp32 on the
+             side (`gptlab.lora.LoRALinear`), as peft does. No copy of the model, no autocast.
 In the low-precision modes attention runs in fp32 by default (`attention_fp32`): CPU bf16 attention backward
 is slower than fp32 at small widths, and fp32 softmax is more accurate anyway.
 """
@@ -19,6 +22,8 @@ import copy
 
 import torch
 
+from gptlab.lora import has_lora
+
 
 class Precision:
     def __init__(
@@ -28,7 +33,13 @@ class Precision:
         self.device_type = torch.device(device).type
         self.dtype = getattr(torch, dtype)
         self.mode = "float32"
-        if dtype != "float32":
+        if dtype != "float32" and has_lora(model):
+            self.mode = "frozen"
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(self.dtype)
+        elif dtype != "float32":
             cpu_bf16 = self.dtype == torch.bfloat16 and self.device_type == "cpu"
             self.mode = "working" if cpu_bf16 and not distributed else "autocast"
         self.scaler = None

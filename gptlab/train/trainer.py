@@ -15,7 +15,6 @@ autocast or bf16 working weights), `distributed` (torchrun processes, DDP, FSDP)
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import signal
@@ -27,18 +26,18 @@ from typing import Any
 import torch
 
 from gptlab import checkpoint as ckpt
-from gptlab.data import check_split_fits, global_batch, load_split, micro_batch, read_meta
+from gptlab.data import check_split_fits, read_meta
 from gptlab.errors import GptlabError
 from gptlab.evaluate import evaluate_loss
 from gptlab.fileio import atomic_write_json, atomic_write_text
 from gptlab.hardware import flops_per_token, resolve_device
-from gptlab.loading import load_model
-from gptlab.model import GPT
+from gptlab.train.batches import Split, step_batch
 from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
 from gptlab.train.runlog import METRICS_FILE, RunLog
+from gptlab.train.setup import build_model, check_dtype, restore_rng_state, rng_state
 
 RESOLVED_CONFIG = "config.resolved.json"
 
@@ -56,37 +55,6 @@ def lr_schedule(cfg: TrainConfig) -> Schedule:
     """The recipe's learning-rate schedule."""
     return Schedule(warmup_steps=cfg.warmup_steps, kind=cfg.schedule, min_lr=cfg.min_lr,
                     decay_fraction=cfg.decay_fraction)
-
-
-def check_dtype(dtype: str, device: str) -> None:
-    """One-line errors for a training dtype the device cannot run."""
-    if dtype == "float16" and device == "cpu":
-        raise GptlabError("dtype float16 is not supported for training on the CPU; use bfloat16 or float32")
-    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise GptlabError("this GPU has no bfloat16 support; use --dtype float16 (loss scaling) or float32")
-
-
-def rng_state() -> dict[str, Any]:
-    """The torch RNG states (CPU, and every GPU's), base64 for state.json: dropout draws from them."""
-
-    def b64(t: torch.Tensor) -> str:
-        return base64.b64encode(t.numpy().tobytes()).decode()
-
-    state: dict[str, Any] = {"torch": b64(torch.get_rng_state())}
-    if torch.cuda.is_available():
-        state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of `rng_state` (GPU states only where there are GPUs)."""
-
-    def tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-    torch.set_rng_state(tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
 
 
 class Trainer:
@@ -127,12 +95,12 @@ class Trainer:
         if not cfg.init_from:  # fail on the data before allocating the model
             for split in ("train", "val"):
                 check_split_fits(self.data_dir, split, cfg.model_config().block_size)
-        self.model = self._build_model(int(meta["vocab_size"]))
+        self.model = build_model(cfg, int(meta["vocab_size"]), self.device)
         block = self.model.config.block_size
         for split in ("train", "val"):
             check_split_fits(self.data_dir, split, block)
-        self.train_data = load_split(self.data_dir, "train")
-        self.val_data = load_split(self.data_dir, "val")
+        self.train_data = Split.load(self.data_dir, "train")
+        self.val_data = Split.load(self.data_dir, "val")
         self.tokens_per_step = cfg.batch_size * block
 
         # --- how the steps run: precision, sharding, optimizers, then the wrappers forward runs through
@@ -157,30 +125,6 @@ class Trainer:
         self.stop_signal: int | None = None
         self._last_step_time = 0.0
 
-    def _build_model(self, vocab_size: int) -> GPT:
-        """A fresh GPT from the recipe, or the one `init_from` names (a run, checkpoint or Hugging Face dir)."""
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)  # the same init on every process
-        if not cfg.init_from:
-            with torch.device(self.device):
-                return GPT(cfg.model_config(vocab_size)).train()
-        model, _ = load_model(cfg.init_from, device=self.device, prefer="best")
-        # the architecture comes from the checkpoint: recipe keys may only restate it (or set dropout)
-        clash = {k: v for k, v in cfg.model_overrides.items() if k != "dropout" and getattr(model.config, k) != v}
-        if clash:
-            key = sorted(clash)[0]
-            raise GptlabError(f"init_from {cfg.init_from} has {key}={getattr(model.config, key)!r}, the recipe says "
-                              f"{clash[key]!r}: with init_from only dropout may change")
-        if "dropout" in cfg.model_overrides:
-            model.config.dropout = cfg.model_overrides["dropout"]
-            for m in model.modules():
-                if isinstance(m, torch.nn.Dropout):
-                    m.p = model.config.dropout
-        if model.config.vocab_size < vocab_size:
-            raise GptlabError(f"{cfg.init_from} has a vocabulary of {model.config.vocab_size}, the data needs "
-                              f"{vocab_size}")
-        return model.float().train()  # fp32 masters, whatever dtype the checkpoint was saved in
-
     # --- checkpoints ----------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         """state.json of a step checkpoint: where the run is, and what it must match to be resumed."""
@@ -196,6 +140,11 @@ class Trainer:
         }
 
     def _load(self, directory: Path) -> None:
+        if (directory / ckpt.LORA_CONFIG).is_file():
+            _, base = ckpt.read_lora_config(directory)
+            if base["sha256"] != self.model.lora_base["sha256"]:
+                raise GptlabError(f"cannot resume {directory}: its adapters were trained on a base with other weights "
+                                  f"({base['path']}) than init_from {self.cfg.init_from} has now")
         state = ckpt.load_training_checkpoint(directory, self.model, self.optimizers)
         if state["config_hash"] != self.cfg.hash(RESUMABLE_CHANGES):
             saved, now = state["config"], self.cfg.to_dict()
@@ -230,10 +179,11 @@ class Trainer:
     # --- evaluation -----------------------------------------------------------------------------------------
     def evaluate(self) -> float:
         """Validation loss over `eval_tokens` of the val split (all of it by default)."""
+        val = self.val_data
         return evaluate_loss(
-            self.precision.eval_module, self.val_data, self.model.config.block_size,
+            self.precision.eval_module, val.tokens, self.model.config.block_size,
             batch_size=self.cfg.eval_batch_size, max_tokens=self.cfg.eval_tokens, device=self.device,
-            autocast=self.precision.autocast(),
+            autocast=self.precision.autocast(), mask=val.mask, window_tokens=val.window_tokens,
         ).loss
 
     def _eval_and_track(self) -> float:
@@ -247,17 +197,18 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------------------
     def train_step(self) -> float:
-        """One optimizer step; returns the mean loss over the whole global batch (the weights are left alone
-        when it is not finite)."""
+        """One optimizer step; returns the mean loss over the counted targets of the whole global batch (the
+        weights are left alone when it is not finite)."""
         cfg, procs = self.cfg, self.procs
-        windows = global_batch(self.train_data, cfg.seed, self.step, cfg.batch_size, self.model.config.block_size)
+        batch = step_batch(self.train_data, cfg.seed, self.step, cfg.batch_size, self.model.config.block_size)
+        # gradients are averaged over processes, so each process's share is scaled up by their number
+        scale = procs.world / max(batch.n_targets, 1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro in range(cfg.grad_accum):
-            rows = torch.from_numpy(micro_batch(windows, procs.rank, procs.world, micro, cfg.grad_accum))
-            rows = rows.to(self.device)
+            x, y = batch.micro(procs.rank, procs.world, micro, cfg.grad_accum)
             with self.precision.autocast(), gradient_sync(self.net, self.model, micro == cfg.grad_accum - 1):
-                _, loss = self.net(rows[:, :-1], rows[:, 1:])
-                loss = loss / cfg.grad_accum
+                _, loss = self.net(x.to(self.device), y.to(self.device), reduction="sum")
+                loss = loss * scale
             self.precision.backward(loss)
             loss_sum += loss.detach()
         # all processes stop at the same step: a signal seen by one (torchrun forwards it to all) stops every one

@@ -1,0 +1,263 @@
+"""LoRA: fine-tune a frozen model through low-rank updates of its linear layers.
+
+A LoRA layer keeps the pretrained weight W frozen and learns two small matrices per target, A (r, in) and
+B (out, r), so that the layer computes  y = x W^T + b + (alpha / r) * dropout(x) A^T B^T.  B starts at zero: before
+the first step the model is exactly the base model. Only A and B train, so an optimizer holds a few MB of state
+instead of three copies of the model, and a run's checkpoints hold only the adapters.
+
+gptlab's attention computes q, k and v in one matmul (`c_attn`) and SwiGLU's gate and up in another (`c_fc`),
+where Hugging Face models have one Linear each. A target name means the same thing here as there: "q" adapts
+the q rows of `c_attn` only, with its own A and B, exactly as peft's adapter on `q_proj` does. The targeted
+slices of one layer share a single matmul with their A matrices stacked: x (..., in) @ [A_q; A_k; A_v]^T.
+
+`LoRALinear` subclasses `nn.Linear` and keeps its `weight` and `bias`, so a model with adapters still loads a
+plain checkpoint by name, and the packed CPU inference kernels (which take only exact `nn.Linear`s) leave it
+to its own forward. The adapters compute in their own dtype (fp32, the optimizer's master copy) whatever the
+base runs in (bf16 or fp32), as peft does by default.
+
+Names: `all-linear` is every target the architecture has (the LM head excluded, as in peft); Hugging Face
+names (`q_proj`, `down_proj`, ...) are accepted for the short ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptlab.config import GPTConfig
+from gptlab.errors import GptlabError
+from gptlab.model import GPT, linear
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+           "down_proj": "down"}
+ALL_LINEAR = "all-linear"
+
+
+class LoRAError(GptlabError):
+    """A LoRA setting this model cannot take (an unknown target, a rank below 1)."""
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """Rank, scale (alpha / rank), dropout on the adapters' input, and the target names (see TARGETS)."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = (ALL_LINEAR,)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoRASpec:
+        return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), dropout=float(d["dropout"]),
+                   targets=tuple(d["targets"]))
+
+
+def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
+    """"q,v" / ["q_proj", "v_proj"] / "all-linear" -> canonical names, in TARGETS order (LoRAError if unknown)."""
+    names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    if not names:
+        raise LoRAError("lora_targets is empty: name some of " + ", ".join(TARGETS) + f" or {ALL_LINEAR}")
+    if ALL_LINEAR in names:
+        return (ALL_LINEAR,)
+    canonical = set()
+    for name in names:
+        name = ALIASES.get(name, name)
+        if name not in TARGETS:
+            raise LoRAError(f"unknown LoRA target {name!r}: choose from {', '.join(TARGETS)} or {ALL_LINEAR}")
+        canonical.add(name)
+    return tuple(t for t in TARGETS if t in canonical)
+
+
+def layer_slices(config: GPTConfig) -> dict[str, dict[str, tuple[int, int]]]:
+    """For each adaptable Linear of a block (by its name inside the block): target name -> its output rows."""
+    q = config.n_head * config.head_size
+    kv = config.n_kv_head * config.head_size
+    fc = {"gate": (0, config.hidden_size), "up": (config.hidden_size, 2 * config.hidden_size)} \
+        if config.mlp == "swiglu" else {"up": (0, config.hidden_size)}
+    return {
+        "attn.c_attn": {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)},
+        "attn.c_proj": {"o": (0, config.n_embd)},
+        "mlp.c_fc": fc,
+        "mlp.c_proj": {"down": (0, config.n_embd)},
+    }
+
+
+def resolve_targets(config: GPTConfig, targets: Iterable[str]) -> tuple[str, ...]:
+    """The targets this architecture has (all-linear expanded); LoRAError for one it lacks (gate without SwiGLU)."""
+    present = [t for slices in layer_slices(config).values() for t in slices]
+    targets = tuple(targets)
+    if targets == (ALL_LINEAR,):
+        return tuple(t for t in TARGETS if t in present)
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise LoRAError(f"LoRA target {missing[0]!r}: this model's MLP ({config.mlp}) has no gate projection; "
+                        f"its targets are {', '.join(t for t in TARGETS if t in present)}")
+    return targets
+
+
+class LoRALinear(nn.Linear):
+    """A frozen Linear plus one low-rank update per targeted slice of its output rows."""
+
+    def __init__(self, base: nn.Linear, slices: dict[str, tuple[int, int]], spec: LoRASpec,
+                 dtype: torch.dtype = torch.float32) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight  # the same Parameters: nothing is copied
+        self.register_parameter("bias", base.bias)
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.slices = dict(slices)  # target -> (start, end) rows of the output
+        self.rank, self.scaling = spec.rank, spec.scaling
+        device = base.weight.device
+        self.lora_A = nn.ParameterDict({
+            t: nn.Parameter(torch.empty(spec.rank, self.in_features, device=device, dtype=dtype)) for t in slices})
+        self.lora_B = nn.ParameterDict({
+            t: nn.Parameter(torch.zeros(end - start, spec.rank, device=device, dtype=dtype))
+            for t, (start, end) in slices.items()})
+        self.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        self.reset_lora_parameters()
+        # the output laid out as consecutive row ranges: (target or None for rows no adapter touches, size)
+        bounds = sorted(slices.items(), key=lambda kv: kv[1][0])
+        self._layout: list[tuple[str | None, int]] = []
+        row = 0
+        for t, (start, end) in bounds:
+            if start > row:
+                self._layout.append((None, start - row))
+            self._layout.append((t, end - start))
+            row = end
+        if row < self.out_features:
+            self._layout.append((None, self.out_features - row))
+
+    def reset_lora_parameters(self) -> None:
+        """A as nn.Linear initialises its weight (Kaiming-uniform), B zero: the update starts at exactly 0."""
+        for a in self.lora_A.values():
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        for b in self.lora_B.values():
+            nn.init.zeros_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight, self.bias)  # (..., out); through fp32 on CPUs without bf16 matmuls
+        a = next(iter(self.lora_A.values()))
+        # every targeted slice's A in one matmul: (..., n_targets * r)
+        a = torch.cat(list(self.lora_A.values())) if len(self.lora_A) > 1 else a
+        h = self.lora_dropout(x)
+        z = F.linear(h, a) if h.dtype == a.dtype else _AdapterInput.apply(h, a)
+        r, order = self.rank, list(self.lora_A)
+        parts = []
+        for t, size in self._layout:
+            if t is None:
+                parts.append(z.new_zeros(*z.shape[:-1], size))
+            else:
+                i = order.index(t)
+                parts.append(F.linear(z[..., i * r : (i + 1) * r], self.lora_B[t]))
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y + (delta * self.scaling).to(y.dtype)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """The update as a dense (out, in) matrix in fp32: scaling * B @ A per slice, zero elsewhere."""
+        delta = torch.zeros(self.out_features, self.in_features, dtype=torch.float32, device=self.weight.device)
+        for t, (start, end) in self.slices.items():
+            delta[start:end] = self.scaling * (self.lora_B[t].float() @ self.lora_A[t].float())
+        return delta
+
+    def merged(self) -> nn.Linear:
+        """A plain nn.Linear computing the same function (the update folded into the weight, in its dtype)."""
+        dtype = self.weight.dtype
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=self.weight.device, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_((self.weight.float() + self.delta_weight()).to(dtype))
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+
+class _AdapterInput(torch.autograd.Function):
+    """F.linear(x.to(a.dtype), a) for a low-precision x (the bf16 base's activations) and fp32 adapters A, saving x
+    as it is for A's gradient instead of its fp32 copy: half the memory an adapter keeps per layer input."""
+
+    @staticmethod
+    def forward(ctx, x, a):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, a)
+        ctx.x_dtype = x.dtype
+        return F.linear(x.to(a.dtype), a)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x, a = ctx.saved_tensors
+        gx = (grad @ a).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        ga = None
+        if ctx.needs_input_grad[1]:
+            ga = grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).to(a.dtype)
+        return gx, ga
+
+
+def _adaptable(model: GPT) -> Iterator[tuple[nn.Module, str, str]]:
+    """(parent module, attribute, name inside the block) of every adaptable Linear of every block."""
+    for block in model.iter_blocks():
+        for inner in layer_slices(model.config):
+            parent_name, attr = inner.split(".")
+            yield getattr(block, parent_name), attr, inner
+
+
+def add_lora(
+    model: GPT, spec: LoRASpec, base: dict[str, str] | None = None, dtype: torch.dtype = torch.float32
+) -> GPT:
+    """Freeze every parameter of `model` and give its targeted Linears adapters (in place; returns the model).
+    `base` ({"path", "sha256"}) says where the frozen weights come from: a checkpoint of the adapters records it.
+
+    Adapters draw their A from torch's RNG: seed it first for a reproducible init."""
+    if spec.rank < 1:
+        raise LoRAError(f"lora_rank must be at least 1, got {spec.rank}")
+    if has_lora(model):
+        raise LoRAError("the model already has LoRA adapters")
+    targets = set(resolve_targets(model.config, spec.targets))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    slices_of = layer_slices(model.config)
+    for parent, attr, inner in _adaptable(model):
+        wanted = {t: rows for t, rows in slices_of[inner].items() if t in targets}
+        if wanted:
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), wanted, spec, dtype=dtype))
+    model.lora_spec, model.lora_base = spec, base  # what a checkpoint of the adapters records
+    return model
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapters' tensors, by their names in the model (`...c_attn.lora_A.q`)."""
+    return {name: t for name, t in model.state_dict().items() if ".lora_A." in name or ".lora_B." in name}
+
+
+def lora_parameter_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+
+
+def merge_lora(model: GPT) -> GPT:
+    """Fold every adapter into its Linear (in place): the result is a plain GPT computing the same function."""
+    for parent, attr, _ in _adaptable(model):
+        layer = getattr(parent, attr)
+        if isinstance(layer, LoRALinear):
+            setattr(parent, attr, layer.merged())
+    model.__dict__.pop("lora_spec", None)
+    model.__dict__.pop("lora_base", None)
+    return model

@@ -1,0 +1,89 @@
+"""What a run starts from: the model (fresh from the recipe, a pretrained one, or a pretrained one under LoRA
+adapters), the dtype check, and the torch RNG state a checkpoint saves and restores."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+
+from gptlab.errors import GptlabError
+from gptlab.loading import base_reference, load_model
+from gptlab.lora import LoRASpec, add_lora, parse_targets
+from gptlab.model import GPT
+from gptlab.train.config import TrainConfig
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """One-line errors for a training dtype the device cannot run."""
+    if dtype == "float16" and device == "cpu":
+        raise GptlabError("dtype float16 is not supported for training on the CPU; use bfloat16 or float32")
+    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise GptlabError("this GPU has no bfloat16 support; use --dtype float16 (loss scaling) or float32")
+
+
+def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
+    """The recipe's adapters, or None for full training."""
+    if not cfg.lora_rank:
+        return None
+    return LoRASpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                    targets=parse_targets(cfg.lora_targets))
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: str) -> GPT:
+    """A fresh GPT from the recipe, or the one `init_from` names (a run, checkpoint or Hugging Face dir), with
+    adapters on a frozen copy of it when the recipe sets lora_rank. fp32 masters whatever the saved dtype."""
+    torch.manual_seed(cfg.seed)  # the same init on every process
+    if not cfg.init_from:
+        with torch.device(device):
+            model = GPT(cfg.model_config(vocab_size)).train()
+    else:
+        model = _pretrained(cfg, vocab_size, device)
+    spec = lora_spec(cfg)
+    if spec is not None:
+        add_lora(model, spec, base=base_reference(cfg.init_from))
+    model.activation_checkpointing = cfg.activation_checkpointing
+    return model
+
+
+def _pretrained(cfg: TrainConfig, vocab_size: int, device: str) -> GPT:
+    model, _ = load_model(cfg.init_from, device=device, prefer="best")
+    # the architecture comes from the checkpoint: recipe keys may only restate it (or set dropout)
+    clash = {k: v for k, v in cfg.model_overrides.items() if k != "dropout" and getattr(model.config, k) != v}
+    if clash:
+        key = sorted(clash)[0]
+        raise GptlabError(f"init_from {cfg.init_from} has {key}={getattr(model.config, key)!r}, the recipe says "
+                          f"{clash[key]!r}: with init_from only dropout may change")
+    if "dropout" in cfg.model_overrides:
+        model.config.dropout = cfg.model_overrides["dropout"]
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = model.config.dropout
+    if model.config.vocab_size < vocab_size:
+        raise GptlabError(f"{cfg.init_from} has a vocabulary of {model.config.vocab_size}, the data needs "
+                          f"{vocab_size}")
+    return model.float().train()
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch RNG states (CPU, and every GPU's), base64 for state.json: dropout draws from them."""
+
+    def b64(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    state: dict[str, Any] = {"torch": b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `rng_state` (GPU states only where there are GPUs)."""
+
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
