@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gptlab.cli import convert, evaluate, info, prepare, sample, serve, train
+from gptlab.cli import chat, convert, download, evaluate, info, prepare, sample, serve, train
 from gptlab.errors import GptlabError
 
-COMMANDS = (info, prepare, train, sample, evaluate, convert, serve)
+COMMANDS = (info, download, prepare, train, sample, chat, evaluate, convert, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

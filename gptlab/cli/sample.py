@@ -32,16 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a run (its best checkpoint), a checkpoint or a Hugging Face directory")
     p.add_argument("--prompt", default="\n", help='text to continue (default "\\n"; "" starts from end-of-text)')
     p.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (overrides --prompt)")
-    # the sampling flags are named like SamplingParams' fields, which checks their ranges (sampling_params)
-    p.add_argument("--max-new-tokens", type=int, default=500, help="tokens to generate per sample (default 500)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all (default 200)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: keep the top tokens with probability mass P; 1 = all (default)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens with probability >= MIN_P x the top one's; 0 = all (default)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (HF-style)")
-    p.add_argument("--seed", type=int, help="same seed, same samples")
+    add_sampling_flags(p)
     p.add_argument("--num-samples", type=int, default=1, help="samples to draw, one after another (default 1)")
     p.add_argument("--truncate-prompt", action="store_true",
                    help="drop the start of a prompt longer than the context instead of failing")
@@ -50,10 +41,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run, retain_memory=True)
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """SamplingParams from the flags; a value out of range is a one-line error naming its flag."""
+def add_sampling_flags(
+    p: argparse.ArgumentParser, max_new_tokens: int | None = 500,
+    max_new_tokens_help: str = "tokens to generate per sample (default 500)",
+) -> None:
+    """The sampling flags `gptlab sample` and `gptlab chat` share. They are named like SamplingParams' fields,
+    which checks their ranges (`sampling_params`)."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=max_new_tokens_help)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = all (default 200)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the top tokens with probability mass P; 1 = all (default)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with probability >= MIN_P x the top one's; 0 = all (default)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (HF-style)")
+    p.add_argument("--seed", type=int, help="same seed, same samples")
+
+
+def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
+    """SamplingParams from the flags (then `overrides`); a value out of range is a one-line error naming its
+    flag."""
     try:
-        return SamplingParams.from_fields(vars(args))
+        return SamplingParams.from_fields(vars(args), **overrides)
     except InvalidSamplingParam as e:
         raise GptlabError(f"--{e.field.replace('_', '-')} {e.requirement}, got {e.value!r}") from None
 

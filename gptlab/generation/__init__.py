@@ -8,6 +8,7 @@ One module per job, each importing only those below it:
     packed_linear  CPU-friendly weight layouts for the engine's forwards
     engine         Engine, Generation: continuous batching over one preallocated KV cache
     api            generate, generate_batch, generate_stream, stream_deltas
+    chat           ChatSession: a conversation kept to the context, its replies streamed (`gptlab chat`)
 
 The names below load on first use, so `import gptlab.generation.params` does not import torch.
 """
@@ -20,6 +21,7 @@ from gptlab.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gptlab.generation.api import generate, generate_batch, generate_stream, stream_deltas
+    from gptlab.generation.chat import ChatSession, MessageTooLongError
     from gptlab.generation.detokenize import TextState
     from gptlab.generation.engine import Engine, Generation, PromptTooLongError, cache_length, default_cache_dtype
     from gptlab.generation.params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams
@@ -41,11 +43,13 @@ _LAZY = {
     "generate_batch": "gptlab.generation.api",
     "generate_stream": "gptlab.generation.api",
     "stream_deltas": "gptlab.generation.api",
+    "ChatSession": "gptlab.generation.chat",
+    "MessageTooLongError": "gptlab.generation.chat",
 }
 __all__ = [  # = _LAZY's names, spelled out so that tools see what is exported
     "SamplingParams", "InvalidSamplingParam", "MAX_LOGPROBS", "TokenLogprob", "sample_next", "TextState", "Engine",
     "Generation", "PromptTooLongError", "cache_length", "default_cache_dtype", "generate", "generate_batch",
-    "generate_stream", "stream_deltas",
+    "generate_stream", "stream_deltas", "ChatSession", "MessageTooLongError",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
