@@ -1,33 +1,50 @@
-"""`gptlab eval RUN_OR_CHECKPOINT --data DATA_DIR [--split val] [--json]`: loss, perplexity, bits per byte."""
+"""`gptlab eval RUN_OR_CHECKPOINT --data DATA_DIR [--split val] [--json]`: loss, perplexity, bits per byte.
+`gptlab eval RUN_OR_CHECKPOINT --tasks T1,T2 [--include-path DIR] [--limit N] [--num-fewshot N] [--json]`: lm-eval
+tasks (`gptlab.harness`), one line per task and metric."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from gptlab.cli.options import add_device, add_dtype, torch_dtype
+from gptlab.errors import GptlabError
+
+NO_LM_EVAL = "lm-eval is not installed: pip install 'gptlab[eval]'"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "eval", help="score a model on a validation split",
-        description="Loss, perplexity and bits per byte over a whole split: non-overlapping windows of block_size, "
-        "every target token scored once.",
+        "eval", help="score a model on a validation split or on lm-eval tasks",
+        description="With --data: loss, perplexity and bits per byte over a whole split (non-overlapping windows of "
+        "block_size, every target token scored once). With --tasks: lm-evaluation-harness tasks, scored as "
+        "lm-eval's hf backend scores them.",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="a run (its best checkpoint), a checkpoint or "
                    "a Hugging Face directory")
-    p.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory written by `gptlab prepare`")
-    p.add_argument("--split", default="val", choices=["train", "val"])
+    p.add_argument("--data", metavar="DATA_DIR", help="a directory written by `gptlab prepare`")
+    p.add_argument("--tasks", metavar="T1,T2", help="lm-eval task (or group) names, comma-separated (needs "
+                   "gptlab[eval])")
+    p.add_argument("--split", default="val", choices=["train", "val"], help="with --data")
+    p.add_argument("--include-path", metavar="DIR", help="with --tasks: a directory of task YAML files")
+    p.add_argument("--limit", type=float, metavar="N", help="with --tasks: the first N examples of each task "
+                   "(a fraction when below 1)")
+    p.add_argument("--num-fewshot", type=int, metavar="N", help="with --tasks: few-shot examples per prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--block-size", type=int, help="window length (default: the model's block_size)")
-    p.add_argument("--batch-size", type=int, help="windows per forward pass (default: ~4k tokens on CPU, ~64k on GPU)")
+    p.add_argument("--batch-size", type=int, help="windows per forward pass (default: ~4k tokens on CPU, ~64k on "
+                   "GPU); requests per batch with --tasks (default 8)")
     add_dtype(p)
     add_device(p)
     p.set_defaults(run=run, retain_memory=True)
 
 
-
 def run(args: argparse.Namespace) -> int:
+    if (args.data is None) == (args.tasks is None):
+        raise GptlabError("give exactly one of --data DATA_DIR (a prepared split) or --tasks T1,T2 (lm-eval tasks)")
+    if args.tasks is not None:
+        return _run_tasks(args)
     from gptlab.data import read_meta
     from gptlab.evaluate import evaluate_split
     from gptlab.hardware import resolve_device
@@ -46,3 +63,44 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.split} loss {out[f'{args.split}_loss']:.4f}  perplexity {out['perplexity']:.3f}  bits/byte "
           f"{bpb_text}  ({out['tokens']:,} tokens, block_size {out['block_size']})")
     return 0
+
+
+def _run_tasks(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise GptlabError(NO_LM_EVAL)
+    from gptlab.harness import run_tasks
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
+    out = run_tasks(args.checkpoint, tasks, include_path=args.include_path, limit=limit,
+                    num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8, device=args.device,
+                    dtype=torch_dtype(args.dtype), max_length=args.block_size)
+    results = out.get("results", {})
+    if args.json:
+        print(json.dumps(results, default=str))
+        return 0
+    rows = [("task", "metric", "value", "stderr")] + _table_rows(results)
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _table_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """One row per task and metric: lm-eval keys its metrics "name,filter", with "name_stderr,filter" beside."""
+    rows = []
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            name, comma, filt = key.partition(",")
+            if not comma or name.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue  # alias, sample_len, ...
+            stderr = metrics.get(f"{name}_stderr,{filt}")
+            label = name if filt == "none" else f"{name} ({filt})"
+            rows.append((task, label, _number(value), _number(stderr) if isinstance(stderr, (int, float)) else ""))
+    return rows
+
+
+def _number(x: float) -> str:
+    return f"{x:.4f}" if abs(x) < 1e6 else f"{x:.4g}"  # perplexities of bad models run into the billions
