@@ -152,3 +152,37 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def hf_llama_dir(directory: Path, text: str, block_size: int = 64, chat_template: str | None = None,
+                 vocab_size: int = 400) -> Path:
+    """A random Llama (n_layer 2, n_embd 32) saved by transformers, with a byte-level BPE trained on `text` whose
+    encoding starts with <s> (as Llama's does) and end-of-text <|endoftext|>, and optionally a chat template."""
+    import json
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text[i : i + 5000] for i in range(0, len(text), 5000)], trainer)
+    eos, bos = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|endoftext|>"}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64, max_position_embeddings=block_size, bos_token_id=bos,
+        eos_token_id=eos, initializer_range=0.3,  # peaked distributions: no near-ties for greedy decoding
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    return directory

@@ -258,11 +258,15 @@ def test_training_on_masked_data_counts_only_masked_targets(tmp_path: Path) -> N
     recipe = tmp_path / "r.toml"
     recipe.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in {
         **FINETUNE, "model": "tiny", "n_layer": 1, "n_embd": 16, "n_head": 2, "n_kv_head": 2, "block_size": 16,
-        "max_steps": 4, "batch_size": 4}.items()))
+        "max_steps": 4, "batch_size": 4, "log_interval": 1}.items()))
     assert train(recipe, data, tmp_path / "run") == 0
     assert train(recipe, data, tmp_path / "accum", "--grad-accum", "4") == 0
     one = [r["train_loss"] for r in metrics(tmp_path / "run") if "train_loss" in r]
     accum = [r["train_loss"] for r in metrics(tmp_path / "accum") if "train_loss" in r]
-    assert one == pytest.approx(accum, rel=1e-5)
+    assert len(one) == 4 and one == pytest.approx(accum, rel=1e-5)
+    # rows are the prepared windows: a model with a longer context trains on them as they are, a shorter one can't
     recipe.write_text(recipe.read_text().replace("block_size = 16", "block_size = 24"))
-    assert train(recipe, data, tmp_path / "long") == 2  # the windows were cut for block_size 16
+    assert train(recipe, data, tmp_path / "longer_context") == 0
+    assert len([r for r in metrics(tmp_path / "longer_context") if "train_loss" in r]) == 4
+    recipe.write_text(recipe.read_text().replace("block_size = 24", "block_size = 8"))
+    assert train(recipe, data, tmp_path / "short") == 2

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_SHAKESPEARE, one_line_error, tiny_model
+from helpers import TINY_SHAKESPEARE, hf_llama_dir, one_line_error, tiny_model
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
@@ -47,28 +47,7 @@ LINES = [line for line in TEXT.splitlines() if len(line) > 20]
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama (n_layer 2, n_embd 32) with a 400-token BPE whose encoding starts with <s>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT[i : i + 5000] for i in range(0, len(TEXT), 5000)], trainer)
-    eos, bos = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
-    d = tmp_path_factory.mktemp("llama")
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|endoftext|>"}))
-    cfg = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=64, max_position_embeddings=BLOCK, bos_token_id=bos,
-        eos_token_id=eos, initializer_range=0.3,  # peaked distributions: no near-ties for greedy decoding
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
+    return hf_llama_dir(tmp_path_factory.mktemp("llama"), TEXT, BLOCK)
 
 
 @pytest.fixture(scope="module")

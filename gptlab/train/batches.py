@@ -17,6 +17,19 @@ import numpy as np
 import torch
 
 from gptlab.data import batch_starts, load_mask, load_split, micro_batch, read_meta, windows
+from gptlab.errors import GptlabError
+
+
+def sequence_length(data_dir: str | Path, block_size: int) -> int:
+    """How many tokens a training row holds: the model's block_size for a running text; for examples packed into
+    windows, the window (whose length `prepare --block-size` chose), which must fit the model's context."""
+    window = read_meta(data_dir).get("window_tokens")
+    if not window:
+        return block_size
+    if int(window) - 1 > block_size:
+        raise GptlabError(f"{data_dir} was prepared with --block-size {int(window) - 1}, longer than the model's "
+                          f"context ({block_size}): prepare again with --block-size {block_size} or less")
+    return int(window) - 1
 
 
 @dataclass

@@ -31,7 +31,7 @@ from gptlab.errors import GptlabError
 from gptlab.evaluate import evaluate_loss
 from gptlab.fileio import atomic_write_json, atomic_write_text
 from gptlab.hardware import flops_per_token, resolve_device
-from gptlab.train.batches import Split, step_batch
+from gptlab.train.batches import Split, sequence_length, step_batch
 from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
@@ -94,14 +94,15 @@ class Trainer:
         meta = read_meta(self.data_dir)
         if not cfg.init_from:  # fail on the data before allocating the model
             for split in ("train", "val"):
-                check_split_fits(self.data_dir, split, cfg.model_config().block_size)
+                check_split_fits(self.data_dir, split,
+                                 sequence_length(self.data_dir, cfg.model_config().block_size))
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device)
-        block = self.model.config.block_size
+        self.seq_len = sequence_length(self.data_dir, self.model.config.block_size)  # tokens per row
         for split in ("train", "val"):
-            check_split_fits(self.data_dir, split, block)
+            check_split_fits(self.data_dir, split, self.seq_len)
         self.train_data = Split.load(self.data_dir, "train")
         self.val_data = Split.load(self.data_dir, "val")
-        self.tokens_per_step = cfg.batch_size * block
+        self.tokens_per_step = cfg.batch_size * self.seq_len
 
         # --- how the steps run: precision, sharding, optimizers, then the wrappers forward runs through
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
@@ -181,7 +182,7 @@ class Trainer:
         """Validation loss over `eval_tokens` of the val split (all of it by default)."""
         val = self.val_data
         return evaluate_loss(
-            self.precision.eval_module, val.tokens, self.model.config.block_size,
+            self.precision.eval_module, val.tokens, self.seq_len,
             batch_size=self.cfg.eval_batch_size, max_tokens=self.cfg.eval_tokens, device=self.device,
             autocast=self.precision.autocast(), mask=val.mask, window_tokens=val.window_tokens,
         ).loss
@@ -200,7 +201,7 @@ class Trainer:
         """One optimizer step; returns the mean loss over the counted targets of the whole global batch (the
         weights are left alone when it is not finite)."""
         cfg, procs = self.cfg, self.procs
-        batch = step_batch(self.train_data, cfg.seed, self.step, cfg.batch_size, self.model.config.block_size)
+        batch = step_batch(self.train_data, cfg.seed, self.step, cfg.batch_size, self.seq_len)
         # gradients are averaged over processes, so each process's share is scaled up by their number
         scale = procs.world / max(batch.n_targets, 1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -229,7 +230,7 @@ class Trainer:
         log = RunLog(
             self.run_dir, enabled=self.procs.is_master, quiet=self.quiet, tensorboard=self.cfg.tensorboard,
             flops_per_token=flops_per_token(self.model.num_parameters(), model_cfg.n_layer, model_cfg.n_embd,
-                                            model_cfg.block_size),
+                                            self.seq_len),
             device=self.device, world_size=self.procs.world, dtype=self.cfg.dtype,
         )
         bar = self._progress_bar()
