@@ -13,7 +13,9 @@ slices of one layer share a single matmul with their A matrices stacked: x (...,
 `LoRALinear` subclasses `nn.Linear` and keeps its `weight` and `bias`, so a model with adapters still loads a
 plain checkpoint by name, and the packed CPU inference kernels (which take only exact `nn.Linear`s) leave it
 to its own forward. The adapters compute in their own dtype (fp32, the optimizer's master copy) whatever the
-base runs in (bf16 or fp32), as peft does by default.
+base runs in (bf16 or fp32), as peft does by default. On a CPU without bf16 matmul units (AVX2-only: torch's bf16
+matmul there is 3-100x slower than fp32) a bf16 layer computes base and adapters together in fp32 and rounds once
+(`_UpcastLoRA`); elsewhere the adapters keep their bf16 input, not an fp32 copy, for their gradient.
 
 Names: `all-linear` is every target the architecture has (the LM head excluded, as in peft); Hugging Face
 names (`q_proj`, `down_proj`, ...) are accepted for the short ones.
@@ -32,7 +34,9 @@ from torch import nn
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.model import GPT, linear
+from gptlab.model import GPT
+from gptlab.ops import linear as upcasting_linear
+from gptlab.ops import upcasts
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
@@ -151,11 +155,15 @@ class LoRALinear(nn.Linear):
             nn.init.zeros_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)  # (..., out); through fp32 on CPUs without bf16 matmuls
         a = next(iter(self.lora_A.values()))
         # every targeted slice's A in one matmul: (..., n_targets * r)
         a = torch.cat(list(self.lora_A.values())) if len(self.lora_A) > 1 else a
         h = self.lora_dropout(x)
+        frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+        if frozen and a.dtype == torch.float32 and x.dtype == self.weight.dtype and upcasts(x, self.weight):
+            spans = tuple(self.slices[t] for t in self.lora_A)
+            return _UpcastLoRA.apply(x, h, self.weight, self.bias, a, spans, self.scaling, *self.lora_B.values())
+        y = upcasting_linear(x, self.weight, self.bias)  # (..., out)
         z = F.linear(h, a) if h.dtype == a.dtype else _AdapterInput.apply(h, a)
         r, order = self.rank, list(self.lora_A)
         parts = []
@@ -186,6 +194,55 @@ class LoRALinear(nn.Linear):
             if self.bias is not None:
                 linear.bias.copy_(self.bias)
         return linear
+
+
+class _UpcastLoRA(torch.autograd.Function):
+    """A whole LoRALinear for a bf16/fp16 base on a CPU without native low-precision matmuls (see
+    `gptlab.model.upcasts`), in fp32: x W^T + b + scaling * h A^T B^T per slice, accumulated in fp32 and rounded
+    once. One conversion of x and of the output gradient each way instead of one per matmul, no delta tensor to
+    scale, cast and add. Saves the adapters' input h in its own dtype and z = h A^T, as the separate path does.
+    Inputs: x, h (= dropout(x), or x itself), weight, bias, stacked A, the output rows of each A's B, scaling, Bs."""
+
+    @staticmethod
+    def forward(ctx, x, h, weight, bias, a, spans, scaling, *bs):  # noqa: ANN001, ANN205
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast("cpu", enabled=False):
+            x32 = x2.float()
+            h32 = x32 if h is x else h.reshape(-1, h.shape[-1]).float()
+            y = F.linear(x32, weight.float(), None if bias is None else bias.float())
+            z = F.linear(h32, a)  # (N, n_targets * r)
+            r = a.shape[0] // len(spans)
+            for i, ((start, end), b) in enumerate(zip(spans, bs, strict=True)):
+                y[:, start:end].addmm_(z[:, i * r : (i + 1) * r], b.T, alpha=scaling)
+        ctx.save_for_backward(weight, a, h, z, *bs)
+        ctx.spans, ctx.scaling, ctx.h_is_x, ctx.shape = spans, scaling, h is x, x.shape
+        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        weight, a, h, z, *bs = ctx.saved_tensors
+        spans, scaling, shape = ctx.spans, ctx.scaling, ctx.shape
+        needs = ctx.needs_input_grad
+        r = a.shape[0] // len(spans)
+        with torch.autocast("cpu", enabled=False):
+            g = grad.reshape(-1, grad.shape[-1]).float()
+            dz = g.new_empty(g.shape[0], a.shape[0])
+            dbs = []
+            for i, ((start, end), b) in enumerate(zip(spans, bs, strict=True)):
+                gi = g[:, start:end]
+                dz[:, i * r : (i + 1) * r] = gi @ b
+                dbs.append(gi.T @ z[:, i * r : (i + 1) * r] * scaling if needs[7 + i] else None)
+            dz.mul_(scaling)
+            da = dz.T @ h.reshape(-1, h.shape[-1]).float() if needs[4] else None
+            dx = dh = None
+            if needs[0] or (needs[1] and not ctx.h_is_x):
+                dx = g @ weight.float() if needs[0] else None
+                if ctx.h_is_x:
+                    dx.addmm_(dz, a)
+                elif needs[1]:
+                    dh = (dz @ a).to(h.dtype).view(shape)
+                dx = dx.to(grad.dtype).view(shape) if dx is not None else None
+        return dx, dh, None, None, da, None, None, *dbs
 
 
 class _AdapterInput(torch.autograd.Function):

@@ -8,7 +8,6 @@ Shapes: B batch, T sequence, C n_embd, nh query heads, nkv key/value heads, hs h
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Iterator
 
@@ -19,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import KVCache
+from gptlab.ops import cross_entropy, linear
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -182,126 +182,6 @@ class Block(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Low-precision matmuls on CPUs without bf16/fp16 units, and the loss
-# ---------------------------------------------------------------------------------------------------------------------
-@functools.cache
-def native_low_precision_matmul(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies `dtype` matrices natively. Without AVX512-BF16 or AMX (AVX2-only CPUs such as
-    AMD Zen 3) torch's bf16 matmul is 3-20x slower than fp32, and over 100x slower with a long inner dimension
-    (an LM head's backward, 2048 x 49152 @ 49152 x 576: 127 s against 0.8 s through fp32 on a Zen 3)."""
-    def has(feature: str) -> bool:  # torch's CPU feature probes (private: assume native if one is missing)
-        return bool(getattr(torch.cpu, f"_is_{feature}_supported", lambda: True)())
-
-    if dtype == torch.bfloat16:
-        return has("avx512_bf16") or has("amx_tile")
-    if dtype == torch.float16:
-        return has("amx_fp16")
-    return True
-
-
-def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` computes in fp32: low-precision tensors on a CPU without native matmuls."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-            and not native_low_precision_matmul(weight.dtype))
-
-
-def _row_chunks(rows: int, cols: int, device: torch.device) -> Iterator[slice]:
-    """Row ranges of a (rows, cols) matrix whose fp32 copies take 32 MB each on a CPU (256 MB on a GPU, where each
-    chunk costs kernel launches): what the chunked paths below allocate at once."""
-    step = max(1, (1 << (23 if device.type == "cpu" else 26)) // max(cols, 1))
-    return (slice(i, min(i + step, rows)) for i in range(0, rows, step))
-
-
-class _UpcastLinear(torch.autograd.Function):
-    """F.linear on bf16/fp16 tensors computed in fp32 (row chunks), the result rounded to the input dtype: the same
-    numbers as a native low-precision matmul (fp32 accumulation, one rounding), at fp32 speed. Saves what F.linear
-    saves (x only when the weight trains)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
-        ctx.has_bias = bias is not None
-        x2 = x.reshape(-1, x.shape[-1])
-        w, b = weight.float(), None if bias is None else bias.float()
-        out = x2.new_empty(x2.shape[0], weight.shape[0])
-        with torch.autocast("cpu", enabled=False):
-            for rows in _row_chunks(x2.shape[0], max(weight.shape), x.device):
-                out[rows] = F.linear(x2[rows].float(), w, b)
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        x, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gx = gw = gb = None
-        with torch.autocast("cpu", enabled=False):
-            if ctx.needs_input_grad[0]:
-                w = weight.float()
-                gx = g2.new_empty(g2.shape[0], weight.shape[1])
-                for rows in _row_chunks(g2.shape[0], max(weight.shape), grad.device):
-                    gx[rows] = g2[rows].float() @ w
-                gx = gx.view(*grad.shape[:-1], weight.shape[1])
-            if ctx.needs_input_grad[1]:
-                gw = (g2.float().T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                gb = g2.float().sum(0).to(weight.dtype)
-        return gx, gw, gb
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through fp32 where this CPU has no native matmul for the weights' low-precision dtype."""
-    if upcasts(x, weight) and x.dtype == weight.dtype:
-        return _UpcastLinear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-class _CrossEntropy(torch.autograd.Function):
-    """Per-row cross-entropy of (N, V) logits in any float dtype against (N,) targets (-1: ignored, loss 0),
-    computed in fp32 over row chunks: no fp32 copy of the whole logits, no saved log-softmax (N x V fp32 each:
-    400 MB apiece at 2,048 x 49,152). Saves the logits themselves (which the caller holds anyway) and one
-    log-sum-exp per row; backward recomputes softmax chunk by chunk."""
-
-    @staticmethod
-    def forward(ctx, logits, targets):  # noqa: ANN001, ANN205
-        n = logits.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        picked = torch.empty(n, dtype=torch.float32, device=logits.device)
-        valid = targets != -1
-        safe = targets.clamp(min=0)
-        for rows in _row_chunks(n, logits.shape[1], logits.device):
-            chunk = logits[rows].float()
-            lse[rows] = torch.logsumexp(chunk, dim=-1)
-            picked[rows] = chunk.gather(1, safe[rows, None])[:, 0]
-        ctx.save_for_backward(logits, safe, valid, lse)
-        return torch.where(valid, lse - picked, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        logits, safe, valid, lse = ctx.saved_tensors
-        scale = torch.where(valid, grad.float(), 0.0)
-        out = torch.empty_like(logits)
-        for rows in _row_chunks(logits.shape[0], logits.shape[1], logits.device):
-            p = (logits[rows].float() - lse[rows, None]).exp_()
-            p.scatter_add_(1, safe[rows, None], -valid[rows, None].float())
-            out[rows] = p.mul_(scale[rows, None])
-        return out, None
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction=reduction) over (N, V) logits, in less
-    memory (see _CrossEntropy); "mean" is over the targets that are not -1 (NaN when there are none)."""
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    targets = targets.long()
-    losses = _CrossEntropy.apply(logits, targets)
-    if reduction == "none":
-        return losses
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (targets != -1).sum()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------------
 class GPT(nn.Module):
@@ -364,15 +244,19 @@ class GPT(nn.Module):
         """
         h = self.hidden_states(idx, kv_cache=kv_cache, return_attention=return_attention)
         h, attentions = h if return_attention else (h, None)
-        logits = self.logits(h)
         loss = None
-        if targets is not None:
+        if targets is None:
+            logits = self.logits(h)
+        else:  # the loss's LM head through fp32 where this CPU lacks bf16 matmuls (`linear`); generation's
+            # (`logits`) stays the module's own forward, which packed inference weights replace
+            logits = self.logits(h, head=linear(h, self.lm_head.weight, self.lm_head.bias))
             loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return (logits, loss, attentions) if return_attention else (logits, loss)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The LM head (with optional soft-capping) over final hidden states (..., C)."""
-        logits = linear(h, self.lm_head.weight, self.lm_head.bias)  # fp32 where this CPU lacks bf16 matmuls
+    def logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head (with optional soft-capping) over final hidden states (..., C); `head`: lm_head(h) if
+        already computed."""
+        logits = self.lm_head(h) if head is None else head
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)

@@ -1,0 +1,148 @@
+"""Matmul and loss kernels the model and its adapters run through, for CPUs as they are.
+
+* `linear`: F.linear, except for bf16/fp16 weights on a CPU without native low-precision matmuls (no AVX512-BF16
+  or AMX: AMD Zen 3, older Xeons), where torch's bf16 matmul is 3-20x slower than fp32 (over 100x for an LM head's
+  backward). There it computes in fp32, in chunks of the weight's rows, and rounds once: the numbers of a native
+  bf16 matmul (fp32 accumulation, one rounding) at fp32 speed.
+* `cross_entropy`: F.cross_entropy(logits.float(), targets, ignore_index=-1) without an fp32 copy of the whole
+  (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def native_low_precision_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices natively. Without AVX512-BF16 or AMX (AVX2-only CPUs such as
+    AMD Zen 3) torch's bf16 matmul is 3-20x slower than fp32, and over 100x slower with a long inner dimension
+    (an LM head's backward, 2048 x 49152 @ 49152 x 576: 127 s against 0.8 s through fp32 on a Zen 3)."""
+    def has(feature: str) -> bool:  # torch's CPU feature probes (private: assume native if one is missing)
+        return bool(getattr(torch.cpu, f"_is_{feature}_supported", lambda: True)())
+
+    if dtype == torch.bfloat16:
+        return has("avx512_bf16") or has("amx_tile")
+    if dtype == torch.float16:
+        return has("amx_fp16")
+    return True
+
+
+def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` computes in fp32: low-precision tensors on a CPU without native matmuls."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and not native_low_precision_matmul(weight.dtype))
+
+
+def _chunks(n: int, size: int) -> Iterator[slice]:
+    return (slice(i, min(i + size, n)) for i in range(0, n, size))
+
+
+def _row_chunks(rows: int, cols: int, device: torch.device) -> Iterator[slice]:
+    """Row ranges of a (rows, cols) matrix whose fp32 copies take 8 MB each on a CPU (cache-sized: each chunk is
+    read several times), 256 MB on a GPU (where each chunk costs kernel launches)."""
+    return _chunks(rows, max(1, (1 << (21 if device.type == "cpu" else 26)) // max(cols, 1)))
+
+
+class _UpcastLinear(torch.autograd.Function):
+    """F.linear on bf16/fp16 tensors computed in fp32, the result rounded to the input dtype: the same numbers as
+    a native low-precision matmul (fp32 accumulation, one rounding), at fp32 speed. Saves what F.linear saves
+    (x only when the weight trains). Runs over chunks of the weight's rows (an LM head's 49k), so no fp32 copy of
+    the whole weight or output exists at once and each chunk of the weight is read once per pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        ctx.has_bias = bias is not None
+        x2 = x.reshape(-1, x.shape[-1])
+        out = x2.new_empty(x2.shape[0], weight.shape[0])
+        with torch.autocast("cpu", enabled=False):
+            x32 = x2.float()
+            for cols in _chunks(weight.shape[0], _UpcastLinear.chunk(x2.shape[0])):
+                b = None if bias is None else bias[cols].float()
+                out[:, cols] = F.linear(x32, weight[cols].float(), b)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        gx32 = g2.new_zeros(g2.shape[0], weight.shape[1], dtype=torch.float32) if need_x else None
+        gw = torch.empty_like(weight) if need_w else None
+        gb = weight.new_empty(weight.shape[0]) if need_b else None
+        with torch.autocast("cpu", enabled=False):
+            x32 = x.reshape(-1, x.shape[-1]).float() if need_w else None
+            for cols in _chunks(weight.shape[0], _UpcastLinear.chunk(g2.shape[0])):
+                g = g2[:, cols].float()
+                if need_x:
+                    gx32.addmm_(g, weight[cols].float())
+                if need_w:
+                    gw[cols] = g.T @ x32
+                if need_b:
+                    gb[cols] = g.sum(0)
+        gx = gx32.to(grad.dtype).view(*grad.shape[:-1], weight.shape[1]) if need_x else None
+        return gx, gw, gb
+
+    @staticmethod
+    def chunk(rows: int) -> int:
+        """Weight rows per chunk: fp32 (rows, chunk) blocks of the output or its gradient of about 32 MB."""
+        return max(256, (1 << 23) // max(rows, 1))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through fp32 where this CPU has no native matmul for the weights' low-precision dtype."""
+    if upcasts(x, weight) and x.dtype == weight.dtype:
+        return _UpcastLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of (N, V) logits in any float dtype against (N,) targets (-1: ignored, loss 0),
+    computed in fp32 over row chunks: no fp32 copy of the whole logits, no saved log-softmax (N x V fp32 each:
+    400 MB apiece at 2,048 x 49,152). Saves the logits themselves (which the caller holds anyway) and one
+    log-sum-exp per row; backward recomputes softmax chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):  # noqa: ANN001, ANN205
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        picked = torch.empty(n, dtype=torch.float32, device=logits.device)
+        valid = targets != -1
+        safe = targets.clamp(min=0)
+        for rows in _row_chunks(n, logits.shape[1], logits.device):
+            chunk = logits[rows].float()
+            lse[rows] = torch.logsumexp(chunk, dim=-1)
+            picked[rows] = chunk.gather(1, safe[rows, None])[:, 0]
+        ctx.save_for_backward(logits, safe, valid, lse)
+        return torch.where(valid, lse - picked, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        logits, safe, valid, lse = ctx.saved_tensors
+        scale = torch.where(valid, grad.float(), 0.0)
+        out = torch.empty_like(logits)
+        for rows in _row_chunks(logits.shape[0], logits.shape[1], logits.device):
+            p = (logits[rows].float() - lse[rows, None]).exp_()
+            p.scatter_add_(1, safe[rows, None], -valid[rows, None].float())
+            out[rows] = p.mul_(scale[rows, None])
+        return out, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction=reduction) over (N, V) logits, in less
+    memory (see _CrossEntropy); "mean" is over the targets that are not -1 (NaN when there are none)."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    targets = targets.long()
+    losses = _CrossEntropy.apply(logits, targets)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (targets != -1).sum()

@@ -1,0 +1,85 @@
+"""The model's kernels against torch's: the chunked cross-entropy against F.cross_entropy (values and gradients,
+every reduction, ignored targets), the fp32 path for low-precision linears against an fp32 matmul rounded once,
+and the fused fp32 LoRA layer against the layer's plain path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gptlab import ops
+from gptlab.lora import LoRALinear, LoRASpec
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 40), vocab=st.integers(2, 300), ignored=st.floats(0, 1), seed=st.integers(0, 10_000),
+       reduction=st.sampled_from(["mean", "sum", "none"]))
+def test_cross_entropy_equals_torchs(n: int, vocab: int, ignored: float, seed: int, reduction: str) -> None:
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=g) * 3).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[torch.rand(n, generator=g) < ignored] = -1
+    targets[0] = 0  # at least one counted target: the mean over none is NaN in both
+    ours = ops.cross_entropy(logits, targets, reduction=reduction)
+    theirs = F.cross_entropy(logits, targets, ignore_index=-1, reduction=reduction)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    weights = torch.randn(theirs.shape, generator=g)
+    (g_ours,) = torch.autograd.grad((ours * weights).sum(), logits)
+    (g_theirs,) = torch.autograd.grad((theirs * weights).sum(), logits)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_entropy_of_bf16_logits_is_computed_in_fp32() -> None:
+    logits = torch.randn(64, 1000).to(torch.bfloat16)
+    targets = torch.randint(0, 1000, (64,))
+    expected = F.cross_entropy(logits.float(), targets)
+    torch.testing.assert_close(ops.cross_entropy(logits, targets), expected, rtol=0, atol=1e-6)
+
+
+@pytest.fixture
+def no_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take the path of a CPU without bf16 matmul units, whatever this one has."""
+    monkeypatch.setattr(ops, "native_low_precision_matmul", lambda dtype: dtype == torch.float32)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_upcast_linear_is_an_fp32_matmul_rounded_once(no_native_bf16: None, bias: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 48).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(5000, 48).to(torch.bfloat16).requires_grad_()  # more rows than one chunk holds
+    b = torch.randn(5000).to(torch.bfloat16).requires_grad_() if bias else None
+    assert ops.upcasts(x, w)
+    out = ops.linear(x, w, b)
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected.to(torch.bfloat16), rtol=0, atol=0)
+    grad = torch.randn(out.shape).to(torch.bfloat16)
+    ours = torch.autograd.grad(out, [x, w] + ([b] if bias else []), grad)
+    theirs = torch.autograd.grad(expected, [x, w] + ([b] if bias else []), grad.float())
+    for a, e in zip(ours, theirs, strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), e.float(), rtol=1e-2, atol=1e-2)  # bf16 roundings of fp32 results
+
+
+def test_fused_fp32_lora_path_equals_the_plain_one(no_native_bf16: None) -> None:
+    """With a bf16 base on such a CPU the LoRA layer runs as one fp32 function; it must compute what the plain
+    path (a bf16 base matmul plus fp32 adapters) computes, and the same adapter gradients."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(32, 40, bias=True)
+    layer = LoRALinear(base, {"q": (0, 16), "v": (24, 40)}, LoRASpec(rank=4, alpha=8.0))
+    with torch.no_grad():
+        for p in list(layer.lora_A.values()) + list(layer.lora_B.values()):
+            p.copy_(torch.randn(p.shape) * 0.1)
+    x = torch.randn(3, 5, 32)
+    reference = layer(x)  # fp32 base: the plain path
+    ref_grads = torch.autograd.grad(reference.square().sum(), list(layer.lora_A.values()))
+    layer.weight.data, layer.bias.data = layer.weight.data.bfloat16(), layer.bias.data.bfloat16()
+    out = layer(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)  # bf16 base weights and output
+    grads = torch.autograd.grad(out.float().square().sum(), list(layer.lora_A.values()))
+    for a, e in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, e, rtol=5e-2, atol=5e-2)
