@@ -195,7 +195,9 @@ def run_child(args: argparse.Namespace) -> None:
 def save_base(directory: Path, layers: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": layers})).save_pretrained(directory)
 
@@ -289,12 +291,13 @@ def main() -> None:
         print(f"initial loss on one batch: {ours} {a['check_loss']:.4f}, {peer} {b['check_loss']:.4f}, diff "
               f"{diff:.4f} ({'OK' if ok else 'MISMATCH'}: tolerance {LOSS_TOLERANCE})")
     summary = {}
+    width = max(len(results[name][0]["description"]) for name in names)
     for name in names:
         tps = statistics.median(tokens / statistics.median(res["times"]) for res in results[name])
         peak = statistics.median(res["peak_kib"] for res in results[name]) / 2**20
         step_peak = statistics.median(res["step_peak_kib"] for res in results[name]) / 2**20
         summary[name] = (tps, peak, step_peak)
-        print(f"{name:12s} {results[name][0]['description']:42s} median {tps:8.1f} tokens/s  peak RSS {peak:5.2f} "
+        print(f"{name:12s} {results[name][0]['description']:{width}s} median {tps:8.1f} tokens/s  peak RSS {peak:5.2f} "
               f"GiB  step peak {step_peak:5.2f} GiB")
     for ours, peer in pairs:
         (t1, p1, s1), (t2, p2, s2) = summary[ours], summary[peer]
