@@ -316,13 +316,14 @@ def load_training_checkpoint(
     directory = Path(directory)
     plain = unwrap_model(model)
     current = plain.state_dict()
-    if has_lora(plain):
+    adapters_only = has_lora(plain)  # a LoRA run's checkpoint holds the adapters, not the frozen base
+    if adapters_only:
         weights = load_adapter_tensors(directory, plain)
     else:
         weights = load_file(str(directory / MODEL_FILE))
     weights = {k: shard_like(v, current[k]) if k in current else v for k, v in weights.items()}  # FSDP: shard them
     with torch.no_grad():  # copies into the existing parameters: optimizers stay valid
-        if has_lora(plain):
+        if adapters_only:
             plain.load_state_dict(weights, strict=False)
         else:
             load_weights(plain, weights, where=str(directory))

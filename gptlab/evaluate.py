@@ -95,10 +95,8 @@ def _evaluate_windows(
     n_windows = len(data) // window_tokens
     if max_tokens is not None:
         n_windows = min(n_windows, max(1, max_tokens // block_size))
-    tokens = np.asarray(data[: n_windows * window_tokens]).reshape(n_windows, window_tokens)[:, : block_size + 1]
-    keep = None
-    if mask is not None:
-        keep = np.asarray(mask[: n_windows * window_tokens]).reshape(n_windows, window_tokens)[:, 1 : block_size + 1]
+    tokens = _window_rows(data, n_windows, window_tokens)[:, : block_size + 1]
+    keep = None if mask is None else _window_rows(mask, n_windows, window_tokens)[:, 1 : block_size + 1]
     total, counted = 0.0, 0
     was_training = model.training
     model.eval()
@@ -115,6 +113,11 @@ def _evaluate_windows(
     if counted == 0:
         raise GptlabError("no target in the evaluated windows counts (the loss mask is all zeros)")
     return EvalResult(loss=total / counted, tokens=counted)
+
+
+def _window_rows(array: np.ndarray, n_windows: int, window_tokens: int) -> np.ndarray:
+    """The first `n_windows` packed windows of a split (tokens or mask), one per row."""
+    return np.asarray(array[: n_windows * window_tokens]).reshape(n_windows, window_tokens)
 
 
 def default_batch_size(block_size: int, vocab_size: int, device_type: str = "cpu") -> int:
@@ -163,10 +166,9 @@ def evaluate_split(
                            mask=mask, window_tokens=window_tokens)
     if window_tokens:  # the scored targets: each window's tokens 1..block_size that the mask counts
         n = len(data) // window_tokens
-        scored = np.asarray(data[: n * window_tokens]).reshape(n, window_tokens)[:, 1 : block_size + 1]
+        scored = _window_rows(data, n, window_tokens)[:, 1 : block_size + 1]
         if mask is not None:
-            keep = np.asarray(mask[: n * window_tokens]).reshape(n, window_tokens)[:, 1 : block_size + 1] != 0
-            scored = scored[keep]
+            scored = scored[_window_rows(mask, n, window_tokens)[:, 1 : block_size + 1] != 0]
         n_bytes = split_bytes(data_dir, np.concatenate([[0], scored.ravel()]))
     else:
         n_bytes = split_bytes(data_dir, data)
