@@ -18,10 +18,74 @@ from gptlab.fileio import atomic_write_json, read_json_object
 
 NormKind = Literal["layernorm", "rmsnorm"]
 PositionKind = Literal["learned", "rope", "none"]
-MLPKind = Literal["gelu", "swiglu", "relu2"]
-BlockKind = Literal["pre", "post", "parallel"]
+MLPKind = Literal["gelu", "swiglu", "geglu", "relu2"]
+BlockKind = Literal["pre", "post", "parallel", "sandwich"]
 AttentionKind = Literal["sdpa", "manual"]
 GeluApproximate = Literal["tanh", "none"]
+RopeScalingKind = Literal["linear", "dynamic", "yarn", "llama3", "longrope"]
+
+
+@dataclass
+class RopeScaling:
+    """How RoPE's frequencies are stretched past the context a model was trained on (`rope_scaling` in Hugging
+    Face configs). The maths of each kind is in `gptlab.rope`; only the fields a kind uses may be set.
+
+    linear: positions divided by `factor`. dynamic: NTK-aware base that grows once a forward's last position passes
+    `original_context`. yarn: per-frequency blend of interpolation and extrapolation (`beta_fast`, `beta_slow`) plus
+    `attention_factor` on cos/sin. llama3: low frequencies divided by `factor`, high ones kept, a smooth ramp
+    between (`low_freq_factor`, `high_freq_factor`). longrope (Phi-3's "su"): per-frequency `short_factor`, or
+    `long_factor` once a forward's last position passes `original_context`, plus `attention_factor`.
+    """
+
+    kind: RopeScalingKind
+    factor: float = 1.0
+    original_context: int | None = None  # the context the model was pretrained on
+    attention_factor: float | None = None  # yarn, longrope: cos and sin are multiplied by it (None: the paper's rule)
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dims
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    short_factor: tuple[float, ...] | None = None  # longrope, one per rotary frequency
+    long_factor: tuple[float, ...] | None = None
+
+    _USES: typing.ClassVar[dict[str, tuple[str, ...]]] = {
+        "linear": ("factor",),
+        "dynamic": ("factor", "original_context"),
+        "yarn": ("factor", "original_context", "attention_factor", "beta_fast", "beta_slow", "truncate"),
+        "llama3": ("factor", "original_context", "low_freq_factor", "high_freq_factor"),
+        "longrope": ("original_context", "attention_factor", "short_factor", "long_factor"),
+    }
+
+    def __post_init__(self) -> None:
+        for key in ("short_factor", "long_factor"):  # JSON gives lists
+            if isinstance(getattr(self, key), list):
+                setattr(self, key, tuple(float(v) for v in getattr(self, key)))
+        if self.kind not in self._USES:
+            raise ValueError(f"rope_scaling.kind={self.kind!r} is not one of {', '.join(self._USES)}")
+        uses = self._USES[self.kind]
+        for f in dataclasses.fields(self):
+            if f.name != "kind" and f.name not in uses and getattr(self, f.name) != f.default:
+                raise ValueError(f"rope_scaling.{f.name} does not apply to {self.kind} scaling")
+        if not (isinstance(self.factor, (int, float)) and self.factor >= 1.0):
+            raise ValueError(f"rope_scaling.factor must be a number >= 1, got {self.factor!r}")
+        if "original_context" in uses and (not isinstance(self.original_context, int) or self.original_context < 2):
+            raise ValueError(f"rope_scaling.original_context must be an integer >= 2 for {self.kind} scaling, "
+                             f"got {self.original_context!r}")
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ValueError(f"rope_scaling.attention_factor must be positive, got {self.attention_factor}")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError("rope_scaling needs 0 < low_freq_factor < high_freq_factor")
+        if self.kind == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope rope_scaling needs short_factor and long_factor")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RopeScaling:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown rope_scaling field(s): {', '.join(unknown)}")
+        return cls(**d)
 
 
 @dataclass
@@ -33,14 +97,26 @@ class GPTConfig:
     n_head: int = 12
     n_kv_head: int | None = None  # key/value heads: 1 = multi-query, n_head = multi-head (default), else grouped
     n_embd: int = 768
+    head_dim: int | None = None  # width of each head when it is not n_embd / n_head (Gemma, Qwen3)
     # --- normalization ---
     norm: NormKind = "layernorm"
     norm_eps: float = 1e-5
+    norm_weight: bool = True  # norms have a learned scale (and LayerNorm's bias); False: parameter-free norms
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
+    embedding_norm: bool = False  # normalize the token embeddings before the first block
+    scale_embeddings: bool = False  # multiply the token embeddings by sqrt(n_embd) (Gemma)
+    # --- biases: `bias` sets every Linear's and LayerNorm's; the fields after it override one part (None: as bias)
     bias: bool = True  # biases in every Linear and LayerNorm (GPT-2, NeoX) or none (Llama)
+    qkv_bias: bool | None = None  # on the q, k, v projection (Qwen2: True with bias False)
+    attn_proj_bias: bool | None = None  # on the attention's output projection (GPT-J: False)
+    norm_bias: bool | None = None  # on LayerNorms (a LayerNorm-bias-only model: True with bias False)
+    head_bias: bool = False  # on the LM head (GPT-J)
     # --- positions ---
     position: PositionKind = "learned"
     rope_base: float = 10000.0
     rotary_fraction: float = 1.0  # share of each head's dims that RoPE rotates (0.25 for GPT-NeoX / Pythia)
+    rope_interleaved: bool = False  # rotate pairs of adjacent dims (GPT-J) instead of the two halves (Llama, NeoX)
+    rope_scaling: RopeScaling | None = None  # stretched frequencies for long contexts (see RopeScaling)
     # --- feed-forward ---
     mlp: MLPKind = "gelu"
     gelu_approximate: GeluApproximate = "tanh"  # GPT-2 uses the tanh approximation; NeoX the exact GELU
@@ -48,18 +124,40 @@ class GPTConfig:
     mlp_ratio: float = 4.0
     mlp_multiple: int = 1
     # --- block layout ---
-    block: BlockKind = "pre"  # pre-norm (GPT-2), post-norm (original transformer), parallel (GPT-J / NeoX)
+    # pre-norm (GPT-2), post-norm (original transformer), parallel (GPT-J / NeoX), sandwich: norms before and after
+    # each of attention and MLP (Gemma 2)
+    block: BlockKind = "pre"
+    shared_norm: bool = False  # a parallel block's attention and MLP read one norm of x (GPT-J), not one each
+    # --- attention ---
     qk_norm: bool = False  # RMS-normalize q and k per head before attention
+    qk_norm_weight: bool = False  # ... with a learned scale per head dim (Qwen3)
+    attn_scale: float | None = None  # attention scores' scale; None: 1 / sqrt(head size)
+    attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
+    sliding_window: int | None = None  # a query sees only the last `sliding_window` positions, itself included
+    global_layer_every: int | None = None  # with sliding_window: layers k-1, 2k-1, ... see everything (Gemma 2: 2)
+    # --- head and training ---
     tie_embeddings: bool = True  # the LM head shares the token-embedding matrix
     dropout: float = 0.0  # on embeddings, attention weights and residual branches
     logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) when set
     attention: AttentionKind = "sdpa"  # fused scaled_dot_product_attention, or the readable manual path
     init_std: float = 0.02
+    scale_residual_init: bool = True  # GPT-2's init: residual projections' std divided by sqrt(2 * n_layer)
     name: str = field(default="custom", compare=False)
+    # the Hugging Face architecture this model came from (or is meant for): export prefers it when it fits
+    hf_architecture: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling.from_dict(self.rope_scaling)
+        # one spelling per model: an override equal to what it overrides is stored as None
+        for key in ("qkv_bias", "attn_proj_bias", "norm_bias"):
+            if getattr(self, key) == self.bias:
+                setattr(self, key, None)
+        if (self.head_dim is not None and isinstance(self.n_head, int) and self.n_head > 0
+                and self.head_dim * self.n_head == self.n_embd):
+            self.head_dim = None
         self.validate()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -72,8 +170,13 @@ class GPTConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        for key in ("head_dim", "sliding_window"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{key} must be a positive integer or null, got {value!r}")
+        if self.head_dim is None and self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head} (set head_dim for "
+                             "heads of another width)")
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
         if not 0.0 <= self.dropout < 1.0:
@@ -86,11 +189,59 @@ class GPTConfig:
             raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
         if self.mlp_hidden is not None and self.mlp_hidden < 1:
             raise ValueError(f"mlp_hidden must be a positive integer, got {self.mlp_hidden}")
+        for key in ("attn_scale", "attn_softcap"):
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        self._validate_combinations()
+
+    def _validate_combinations(self) -> None:
+        """Switches that only mean something together with another."""
+        needs = [  # (set, what it needs, why)
+            (self.norm_unit_offset, self.norm == "rmsnorm" and self.norm_weight, "norm=rmsnorm with norm_weight"),
+            (self.norm_bias, self.norm == "layernorm" and self.norm_weight, "norm=layernorm with norm_weight"),
+            (self.shared_norm, self.block == "parallel", "block=parallel"),
+            (self.qk_norm_weight, self.qk_norm, "qk_norm"),
+            (self.rope_interleaved, self.position == "rope", "position=rope"),
+            (self.rope_scaling is not None, self.position == "rope", "position=rope"),
+            (self.global_layer_every is not None, self.sliding_window is not None, "sliding_window"),
+        ]
+        names = ["norm_unit_offset", "norm_bias", "shared_norm", "qk_norm_weight", "rope_interleaved",
+                 "rope_scaling", "global_layer_every"]
+        for name, (is_set, ok, need) in zip(names, needs, strict=True):
+            if is_set and not ok:
+                raise ValueError(f"{name} needs {need}")
+        if self.global_layer_every is not None and (
+                not isinstance(self.global_layer_every, int) or self.global_layer_every < 2):
+            raise ValueError(f"global_layer_every must be an integer >= 2, got {self.global_layer_every!r}")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.kind == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(getattr(scaling, key)) != self.rotary_dim // 2:
+                    raise ValueError(f"rope_scaling.{key} has {len(getattr(scaling, key))} values; the model "
+                                     f"rotates {self.rotary_dim // 2} frequencies per head")
 
     # --- derived sizes ----------------------------------------------------------------------------------------
     @property
     def head_size(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    def has_bias(self, part: Literal["qkv", "attn_proj", "mlp", "norm", "head"]) -> bool:
+        """Whether one part of the model has biases: `bias` unless that part's override says otherwise."""
+        if part == "head":
+            return self.head_bias
+        override = None if part == "mlp" else getattr(self, f"{part}_bias")
+        return self.bias if override is None else override
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP's first matmul gives a gate and an up projection (SwiGLU, GeGLU)."""
+        return self.mlp in ("swiglu", "geglu")
+
+    def sliding_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.global_layer_every is None or (layer + 1) % self.global_layer_every != 0
 
     @property
     def rotary_dim(self) -> int:
@@ -149,10 +300,17 @@ class GPTConfig:
     def describe(self) -> str:
         """One line naming the architecture's switches (`gptlab info`)."""
         kv = "" if self.n_kv_head == self.n_head else f", {self.n_kv_head} kv heads"
-        blocks = {"pre": "pre-norm", "post": "post-norm", "parallel": "parallel"}[self.block]
-        return (f"{self.n_layer} layers, {self.n_head} heads{kv}, width {self.n_embd}, context {self.block_size}, "
-                f"vocab {self.vocab_size}; {self.norm}, {self.position} positions, {self.mlp} mlp "
-                f"(hidden {self.hidden_size}), {blocks} blocks, "
+        blocks = {"pre": "pre-norm", "post": "post-norm", "parallel": "parallel", "sandwich": "sandwich-norm"}[
+            self.block]
+        head = "" if self.head_dim is None else f" of width {self.head_dim}"
+        window = ""
+        if self.sliding_window is not None:
+            every = "" if self.global_layer_every is None else f" (every {self.global_layer_every}th layer global)"
+            window = f", sliding window {self.sliding_window}{every}"
+        scaling = "" if self.rope_scaling is None else f" ({self.rope_scaling.kind} scaling)"
+        return (f"{self.n_layer} layers, {self.n_head} heads{head}{kv}, width {self.n_embd}, context "
+                f"{self.block_size}, vocab {self.vocab_size}; {self.norm}, {self.position} positions{scaling}, "
+                f"{self.mlp} mlp (hidden {self.hidden_size}), {blocks} blocks{window}, "
                 f"{'tied' if self.tie_embeddings else 'untied'} head, {'with' if self.bias else 'no'} bias")
 
 

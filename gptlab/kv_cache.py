@@ -2,20 +2,50 @@
 
 The model asks the cache three things, in this order, for each forward over T new tokens per row:
 
-    pos, mask = cache.begin(T)          # where the new tokens sit, and which cached keys each may see
+    pos, masks = cache.begin(T)         # where the new tokens sit, and which cached keys each may see
     k, v = cache.append(layer, k, v)    # in each layer: store the new keys/values, get everything cached so far
     cache.advance(T)                    # after the last layer: the rows now hold T more tokens
 
 Rows are independent: row b's next tokens go to positions lengths[b], lengths[b] + 1, ...; a row can be rewound
 or restarted by setting its length (stale entries beyond it are never attended to). A new position scheme or
-attention pattern (a sliding window, ALiBi) changes `begin`'s positions and mask here, and nothing in the engine.
+attention pattern (ALiBi, a new window) changes `begin`'s positions and masks here, and nothing in the engine.
+
+Sliding-window layers (Mistral, Gemma 2's local layers) keep every key too; their mask hides those more than
+`sliding_window` positions back, so prefill, decoding and decoding past the window all see what a whole forward
+sees.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from gptlab.config import GPTConfig
+
+
+class Masks(NamedTuple):
+    """Boolean attention masks (B or 1, 1, T, keys) for one forward; None where plain causal attention is exact."""
+
+    full: torch.Tensor | None  # for layers that see every earlier position
+    window: torch.Tensor | None  # for sliding-window layers
+
+
+def causal_mask(pos: torch.Tensor, n_keys: int, window: int | None = None) -> torch.Tensor:
+    """Queries at positions `pos` (1 or B, T) see keys 0..n_keys-1 at or before them, and within the last
+    `window` positions (itself included) when set: (B or 1, 1, T, n_keys)."""
+    keys = torch.arange(n_keys, device=pos.device)[None, None, None, :]
+    q = pos[:, None, :, None]
+    mask = keys <= q
+    return mask if window is None else mask & (keys > q - window)
+
+
+def masks_for(pos: torch.Tensor, n_keys: int, full: torch.Tensor | None, window: int | None) -> Masks:
+    """Both masks from the full one: the window's is needed only once some query is `window` or more positions
+    past key 0."""
+    if window is None or n_keys <= window:
+        return Masks(full, full)
+    return Masks(full, causal_mask(pos, n_keys, window))
 
 
 class KVCache:
@@ -57,9 +87,10 @@ class KVCache:
         return view
 
     # --- one cached forward: begin, append per layer, advance ----------------------------------------------------
-    def begin(self, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Plan a forward of T new tokens per row: their positions (1 or B, T), and the boolean attention mask
-        (B or 1, 1, T, keys), or None where plain causal attention (or "see every key") is exact."""
+    def begin(self, T: int, sliding_window: int | None = None) -> tuple[torch.Tensor, Masks]:
+        """Plan a forward of T new tokens per row: their positions (1 or B, T), and the boolean attention masks
+        (B or 1, 1, T, keys) of full and sliding-window layers, None where plain causal attention (or "see every
+        key") is exact."""
         lo, hi = (int(n) for n in torch.aminmax(self.lengths))
         end = hi + T
         if end > self.max_len:
@@ -75,11 +106,8 @@ class KVCache:
         # query at position p sees cached keys at positions <= p (stale entries past a row's end never qualify).
         # No mask is needed when rows share a length and either one token is added (it sees every key) or the
         # cache was empty (plain causal).
-        mask = None
-        if lo != hi or (T > 1 and lo > 0):
-            keys = torch.arange(end, device=device)
-            mask = keys[None, None, None, :] <= pos[:, None, :, None]  # (B or 1, 1, T, end)
-        return pos, mask
+        mask = causal_mask(pos, end) if lo != hi or (T > 1 and lo > 0) else None  # (B or 1, 1, T, end)
+        return pos, masks_for(pos, end, mask, sliding_window)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer `layer`'s new keys and values (B, nkv, T, hs) at the positions `begin` planned; return

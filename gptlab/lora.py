@@ -91,7 +91,7 @@ def layer_slices(config: GPTConfig) -> dict[str, dict[str, tuple[int, int]]]:
     q = config.n_head * config.head_size
     kv = config.n_kv_head * config.head_size
     fc = {"gate": (0, config.hidden_size), "up": (config.hidden_size, 2 * config.hidden_size)} \
-        if config.mlp == "swiglu" else {"up": (0, config.hidden_size)}
+        if config.gated_mlp else {"up": (0, config.hidden_size)}
     return {
         "attn.c_attn": {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)},
         "attn.c_proj": {"o": (0, config.n_embd)},

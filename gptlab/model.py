@@ -1,13 +1,13 @@
 """One configurable GPT: the GPT-2 family and the modern (Llama / NeoX) family, switched by `GPTConfig`.
 
-Reads top to bottom: norms, rotary embeddings, attention (fused and manual), feed-forward, block, the model. The KV
-cache for incremental decoding is an object of its own (`gptlab.kv_cache`) whose methods the forward calls.
+Reads top to bottom: norms, feed-forward, block, the model. Attention (fused and manual paths) is in
+`gptlab.attention`, rotary embeddings in `gptlab.rope`, and the KV cache for incremental decoding is an object of
+its own (`gptlab.kv_cache`) whose methods the forward calls.
 Shapes: B batch, T sequence, C n_embd, nh query heads, nkv key/value heads, hs head size.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 
@@ -16,115 +16,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gptlab.attention import CausalSelfAttention
 from gptlab.config import GPTConfig
-from gptlab.kv_cache import KVCache
+from gptlab.kv_cache import KVCache, masks_for
 from gptlab.ops import cross_entropy, linear
+from gptlab.rope import rope_tables
+
+
+class UnitOffsetRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), computed in fp32, the weight starting at 0 (Gemma)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm_unit_offset:
+        return UnitOffsetRMSNorm(config.n_embd, config.norm_eps)
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Rotary position embeddings (RoPE), in the "rotate half" layout that Llama and GPT-NeoX checkpoints use.
-# ---------------------------------------------------------------------------------------------------------------------
-def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions `pos` (1 or B, T), shaped (1 or B, 1, T, rotary_dim / 2), in fp32.
-
-    Computed per forward from the positions rather than cached in a buffer, so a bf16 model keeps fp32 angles and
-    every row of a batch can sit at its own position.
-    """
-    rot = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, rot, 2, device=pos.device, dtype=torch.float32) / rot))
-    angles = pos.to(torch.float32)[..., None] * inv_freq  # (B, T, rot/2)
-    return angles.cos()[:, None], angles.sin()[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim dims of each head of x (B, n, T, hs); the rest pass through (partial rotary)."""
-    half = cos.shape[-1]
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Attention
-# ---------------------------------------------------------------------------------------------------------------------
-class CausalSelfAttention(nn.Module):
-    # Trainers may set this (GPT.set_attention_dtype) to compute q/k/v, qk-norm, RoPE and attention in another
-    # dtype than the surrounding matmuls: fp32 attention under bf16 is faster on CPUs, whose bf16 attention backward
-    # is slow. None: the dtype the projections produce.
-    attention_dtype: torch.dtype | None = None
-
-    def __init__(self, config: GPTConfig, layer: int) -> None:
-        super().__init__()
-        self.config, self.layer = config, layer  # the layer's index: its slot in a KV cache
-        self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
-        # q, k and v in one matmul: nh query heads then nkv key heads then nkv value heads
-        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_size, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor | None,
-        kv_cache: KVCache | None,
-        manual: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, T, C = x.shape
-        hs = self.head_size
-        q, k, v = self.c_attn(x).split([self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs], dim=-1)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        out_dtype = q.dtype
-        if self.attention_dtype is not None and self.attention_dtype != out_dtype:
-            q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
-        if self.config.qk_norm:
-            q = F.rms_norm(q, (hs,), eps=self.config.norm_eps)
-            k = F.rms_norm(k, (hs,), eps=self.config.norm_eps)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_cache is not None:  # store the new keys/values, then attend over everything cached so far
-            k, v = kv_cache.append(self.layer, k, v)  # (B, nkv, T_k, hs)
-            # attend in the wider of the two dtypes: a float32 cache under bf16 weights gives float32 attention
-            dtype = torch.promote_types(q.dtype, k.dtype)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-
-        dropout_p = self.config.dropout if self.training else 0.0
-        # autocast would cast SDPA's inputs back to its low-precision dtype: switch it off for an explicit dtype
-        no_autocast = self.attention_dtype is not None and torch.is_autocast_enabled(x.device.type)
-        with torch.autocast(x.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
-            if manual:
-                y, weights = self._manual_attention(q, k, v, mask, dropout_p)
-            else:
-                weights = None
-                y = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1,
-                    enable_gqa=self.n_kv_head != self.n_head,
-                )  # (B, nh, T, hs)
-        y = y.to(out_dtype).transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y)), weights
-
-    def _manual_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """softmax(q k^T / sqrt(hs) + mask) v, spelled out; also returns the weights (B, nh, T, T_k)."""
-        groups = self.n_head // self.n_kv_head
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, T_k, hs)
-        T, T_k = q.shape[-2], k.shape[-2]
-        if mask is None:  # plain causal: query t sees keys 0..t
-            mask = torch.ones(T, T_k, dtype=torch.bool, device=q.device).tril(diagonal=T_k - T)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T_k)
-        att = att.masked_fill(~mask, float("-inf"))
-        weights = F.softmax(att.float(), dim=-1).to(q.dtype)
-        y = F.dropout(weights, p=dropout_p, training=dropout_p > 0) @ v  # (B, nh, T, hs)
-        return y, weights
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight,
+                        bias=config.has_bias("norm"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -136,10 +54,10 @@ class MLP(nn.Module):
         self.kind = config.mlp
         self.gelu_approximate = config.gelu_approximate
         hidden = config.hidden_size
-        # SwiGLU's gate and up projections share one matmul: c_fc outputs [gate | up]
-        fc_out = 2 * hidden if self.kind == "swiglu" else hidden
-        self.c_fc = nn.Linear(config.n_embd, fc_out, bias=config.bias)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        # a gated MLP's (SwiGLU, GeGLU) gate and up projections share one matmul: c_fc outputs [gate | up]
+        fc_out = 2 * hidden if config.gated_mlp else hidden
+        self.c_fc = nn.Linear(config.n_embd, fc_out, bias=config.has_bias("mlp"))
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.has_bias("mlp"))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +65,9 @@ class MLP(nn.Module):
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.kind == "geglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate=self.gelu_approximate) * up
         elif self.kind == "relu2":
             h = F.relu(h).square()
         else:
@@ -160,22 +81,31 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.layout = config.block
+        self.layout, self.shared_norm = config.block, config.shared_norm
         self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer)
-        self.ln_2 = make_norm(config)
+        if not config.shared_norm:  # a shared-norm parallel block reads ln_1 for both branches
+            self.ln_2 = make_norm(config)
+        if self.layout == "sandwich":  # norms of the branches' outputs too
+            self.ln_attn_out = make_norm(config)
+            self.ln_mlp_out = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, mask, kv_cache, manual):  # noqa: ANN001, ANN201 - internal, see GPT.forward
+    def forward(self, x, rope, masks, kv_cache, manual):  # noqa: ANN001, ANN201 - internal, see GPT.forward
         if self.layout == "pre":  # x + f(norm(x)): GPT-2, Llama
-            a, w = self.attn(self.ln_1(x), rope, mask, kv_cache, manual)
+            a, w = self.attn(self.ln_1(x), rope, masks, kv_cache, manual)
             x = x + a
             x = x + self.mlp(self.ln_2(x))
-        elif self.layout == "parallel":  # x + attn(norm1(x)) + mlp(norm2(x)): GPT-J, GPT-NeoX
-            a, w = self.attn(self.ln_1(x), rope, mask, kv_cache, manual)
-            x = x + a + self.mlp(self.ln_2(x))
+        elif self.layout == "parallel":  # x + attn(norm1(x)) + mlp(norm2(x)): GPT-NeoX; one norm for both: GPT-J
+            h = self.ln_1(x)
+            a, w = self.attn(h, rope, masks, kv_cache, manual)
+            x = x + a + self.mlp(h if self.shared_norm else self.ln_2(x))
+        elif self.layout == "sandwich":  # x + norm(f(norm(x))): Gemma 2
+            a, w = self.attn(self.ln_1(x), rope, masks, kv_cache, manual)
+            x = x + self.ln_attn_out(a)
+            x = x + self.ln_mlp_out(self.mlp(self.ln_2(x)))
         else:  # post: norm(x + f(x)), the original transformer
-            a, w = self.attn(x, rope, mask, kv_cache, manual)
+            a, w = self.attn(x, rope, masks, kv_cache, manual)
             x = self.ln_1(x + a)
             x = self.ln_2(x + self.mlp(x))
         return x, w
@@ -204,23 +134,29 @@ class GPT(nn.Module):
         )
         if config.position == "learned":
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.embedding_norm:
+            self.transformer["ln_emb"] = make_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 * n_layer)."""
+        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 * n_layer) (unless
+        `scale_residual_init` is off); norms scale by 1 (a unit-offset norm's weight is 0)."""
         std = self.config.init_std
+        residual_scale = 1 / math.sqrt(2 * self.config.n_layer) if self.config.scale_residual_init else 1.0
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 1.0
+                scale = residual_scale if name.endswith("c_proj") else 1.0
                 nn.init.normal_(module.weight, mean=0.0, std=std * scale)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):  # a tied table gets the same N(0, std) from either side
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            elif isinstance(module, UnitOffsetRMSNorm):
+                nn.init.zeros_(module.weight)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
@@ -274,13 +210,17 @@ class GPT(nn.Module):
 
         if kv_cache is None:
             pos = torch.arange(T, device=device)[None]  # (1, T)
-            mask = None  # plain causal attention
+            masks = masks_for(pos, T, None, cfg.sliding_window)  # plain causal, unless a window cuts it
         else:
-            pos, mask = kv_cache.begin(T)  # (1 or B, T) positions; which cached keys each query sees
+            pos, masks = kv_cache.begin(T, cfg.sliding_window)  # (1 or B, T); which cached keys each query sees
 
         x = self.transformer.wte(idx)  # (B, T, C)
+        if cfg.scale_embeddings:  # by sqrt(C) in the activations' dtype, as Gemma rounds it
+            x = x * torch.tensor(math.sqrt(cfg.n_embd), dtype=x.dtype)
         if cfg.position == "learned":
             x = x + self.transformer.wpe(pos)
+        if cfg.embedding_norm:
+            x = self.transformer.ln_emb(x)
         x = self.transformer.drop(x)
         rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
 
@@ -288,9 +228,9 @@ class GPT(nn.Module):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
             if recompute:  # keep only each block's input; backward runs its forward again (same dropout masks)
-                x, weights = checkpoint(block, x, rope, mask, kv_cache, manual, use_reentrant=False)
+                x, weights = checkpoint(block, x, rope, masks, kv_cache, manual, use_reentrant=False)
             else:
-                x, weights = block(x, rope, mask, kv_cache, manual)
+                x, weights = block(x, rope, masks, kv_cache, manual)
             attentions.append(weights)
         x = self.transformer.ln_f(x)
         if kv_cache is not None:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gptlab import GPT, GPTConfig, KVCache, parameter_breakdown
+from gptlab.kv_cache import Masks
 
 SMALL = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32)
 
@@ -126,7 +127,7 @@ def test_manual_attention_matches_a_reference_computation():
     attn = model.transformer.h[0].attn
     x = torch.randn(2, 9, 32)
     with torch.no_grad():
-        out, w = attn(x, None, None, None, manual=True)
+        out, w = attn(x, None, Masks(None, None), None, manual=True)
         q, k, v = attn.c_attn(x).split([32, 16, 16], dim=-1)
         q = q.view(2, 9, 4, 8)
         k = k.view(2, 9, 2, 8).repeat_interleave(2, dim=2)
@@ -141,7 +142,7 @@ def test_manual_attention_matches_a_reference_computation():
 
 def test_rope_matches_complex_rotation():
     """RoPE rotates dim pairs (i, i + half) by angle pos * base^(-2i/rot): compare with complex multiplication."""
-    from gptlab.model import apply_rope, rope_tables
+    from gptlab.rope import apply_rope, rope_tables
 
     config = small(position="rope", rotary_fraction=0.5)  # head 8, rotary 4: the last 4 dims pass through
     x = torch.randn(1, 4, 6, 8)
@@ -155,7 +156,7 @@ def test_rope_matches_complex_rotation():
     assert torch.equal(out[..., 4:], x[..., 4:])
 
 
-@pytest.mark.parametrize("mlp", ["gelu", "swiglu", "relu2"])
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu", "geglu", "relu2"])
 def test_mlp_matches_its_formula(mlp):
     model = build(mlp=mlp, n_layer=1)
     m = model.transformer.h[0].mlp
@@ -167,28 +168,41 @@ def test_mlp_matches_its_formula(mlp):
             h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
         elif mlp == "relu2":
             h = torch.clamp(h, min=0) ** 2
+        elif mlp == "geglu":  # the gate through the tanh GELU, times up
+            gate, up = h.chunk(2, dim=-1)
+            h = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3))) * up
         else:
             gate, up = h.chunk(2, dim=-1)
             h = gate * torch.sigmoid(gate) * up
         assert torch.allclose(m(x), h @ w2.T + b2, atol=1e-5)
 
 
-@pytest.mark.parametrize("block", ["pre", "post", "parallel"])
+@pytest.mark.parametrize("block", ["pre", "post", "parallel", "parallel-shared", "sandwich"])
 def test_block_layouts_match_their_formulas(block):
-    model = build(block=block, n_layer=1, position="none")
+    shared = block == "parallel-shared"
+    model = build(block="parallel" if shared else block, shared_norm=shared, n_layer=1, position="none")
     b = model.transformer.h[0]
     x = torch.randn(2, 5, 32)
+    none = Masks(None, None)
     with torch.no_grad():
-        out, _ = b(x, None, None, None, False)
+        for p in b.parameters():  # norms off their init, so a norm in the wrong place shows
+            p.add_(torch.randn_like(p) * 0.1)
+        out, _ = b(x, None, none, None, False)
 
         def attn(z):
-            return b.attn(z, None, None, None, False)[0]
+            return b.attn(z, None, none, None, False)[0]
 
         if block == "pre":
             h = x + attn(b.ln_1(x))
             ref = h + b.mlp(b.ln_2(h))
         elif block == "parallel":
             ref = x + attn(b.ln_1(x)) + b.mlp(b.ln_2(x))
+        elif shared:
+            assert not hasattr(b, "ln_2")
+            ref = x + attn(b.ln_1(x)) + b.mlp(b.ln_1(x))
+        elif block == "sandwich":
+            h = x + b.ln_attn_out(attn(b.ln_1(x)))
+            ref = h + b.ln_mlp_out(b.mlp(b.ln_2(h)))
         else:
             h = b.ln_1(x + attn(x))
             ref = b.ln_2(h + b.mlp(h))

@@ -1,0 +1,106 @@
+"""Causal self-attention: q, k, v in one projection, grouped key/value heads, and two paths that agree, the fused
+`scaled_dot_product_attention` and a manual one that spells the maths out (and returns the weights).
+
+Switches that change what a head computes live here: q/k norms, RoPE's layout, the scores' scale and soft-cap,
+and a sliding window (the mask for it comes from `kv_cache.Masks`). Shapes: B batch, T new tokens, T_k keys, nh
+query heads, nkv key/value heads, hs head size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptlab.config import GPTConfig
+from gptlab.kv_cache import KVCache, Masks
+from gptlab.rope import apply_rope
+
+
+class CausalSelfAttention(nn.Module):
+    # Trainers may set this (GPT.set_attention_dtype) to compute q/k/v, qk-norm, RoPE and attention in another
+    # dtype than the surrounding matmuls: fp32 attention under bf16 is faster on CPUs, whose bf16 attention backward
+    # is slow. None: the dtype the projections produce.
+    attention_dtype: torch.dtype | None = None
+
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.config, self.layer = config, layer  # the layer's index: its slot in a KV cache
+        self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
+        self.sliding = config.sliding_layer(layer)
+        self.scale = config.attn_scale if config.attn_scale is not None else 1.0 / math.sqrt(self.head_size)
+        # q, k and v in one matmul: nh query heads then nkv key heads then nkv value heads
+        qkv = (self.n_head + 2 * self.n_kv_head) * self.head_size
+        self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.has_bias("qkv"))
+        self.c_proj = nn.Linear(self.n_head * self.head_size, config.n_embd, bias=config.has_bias("attn_proj"))
+        if config.qk_norm_weight:  # learned per-dim scales of the q and k norms (Qwen3)
+            self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        masks: Masks,
+        kv_cache: KVCache | None,
+        manual: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, C = x.shape
+        hs, cfg = self.head_size, self.config
+        q, k, v = self.c_attn(x).split([self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs], dim=-1)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        out_dtype = q.dtype
+        if self.attention_dtype is not None and self.attention_dtype != out_dtype:
+            q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
+        if cfg.qk_norm_weight:
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif cfg.qk_norm:
+            q, k = F.rms_norm(q, (hs,), eps=cfg.norm_eps), F.rms_norm(k, (hs,), eps=cfg.norm_eps)
+        if rope is not None:
+            q, k = apply_rope(q, *rope, cfg.rope_interleaved), apply_rope(k, *rope, cfg.rope_interleaved)
+        if kv_cache is not None:  # store the new keys/values, then attend over everything cached so far
+            k, v = kv_cache.append(self.layer, k, v)  # (B, nkv, T_k, hs)
+            # attend in the wider of the two dtypes: a float32 cache under bf16 weights gives float32 attention
+            dtype = torch.promote_types(q.dtype, k.dtype)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+
+        mask = masks.window if self.sliding else masks.full
+        dropout_p = cfg.dropout if self.training else 0.0
+        # autocast would cast SDPA's inputs back to its low-precision dtype: switch it off for an explicit dtype
+        no_autocast = self.attention_dtype is not None and torch.is_autocast_enabled(x.device.type)
+        with torch.autocast(x.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
+            if manual or cfg.attn_softcap is not None:  # SDPA has no soft-cap
+                y, weights = self._manual_attention(q, k, v, mask, dropout_p)
+            else:
+                weights = None
+                y = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1,
+                    scale=self.scale, enable_gqa=self.n_kv_head != self.n_head,
+                )  # (B, nh, T, hs)
+        y = y.to(out_dtype).transpose(1, 2).contiguous().view(B, T, self.n_head * hs)
+        return self.resid_dropout(self.c_proj(y)), weights
+
+    def _manual_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """softmax(cap * tanh(q k^T * scale / cap) + mask) v, spelled out (no cap unless set); also returns the
+        weights (B, nh, T, T_k)."""
+        groups = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, T_k, hs)
+        T, T_k = q.shape[-2], k.shape[-2]
+        if mask is None:  # plain causal: query t sees keys 0..t
+            mask = torch.ones(T, T_k, dtype=torch.bool, device=q.device).tril(diagonal=T_k - T)
+        att = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, T_k)
+        if self.config.attn_softcap is not None:
+            cap = self.config.attn_softcap
+            att = cap * torch.tanh(att / cap)
+        att = att.masked_fill(~mask, float("-inf"))
+        weights = F.softmax(att.float(), dim=-1).to(q.dtype)
+        y = F.dropout(weights, p=dropout_p, training=dropout_p > 0) @ v  # (B, nh, T, hs)
+        return y, weights

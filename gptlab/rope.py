@@ -1,0 +1,116 @@
+"""Rotary position embeddings (RoPE): the frequencies, their long-context scalings, and the rotation itself.
+
+Each pair of dims (a, b) of a head is rotated by the angle pos * inv_freq[i]: a' = a cos - b sin, b' = b cos + a sin.
+Two layouts pair the dims differently: "rotate half" (Llama, NeoX) pairs dim i with dim i + rotary_dim / 2;
+"interleaved" (GPT-J, the original RoFormer) pairs dims 2i and 2i + 1. With partial rotary only the first
+rotary_dim dims of each head turn; the rest pass through.
+
+Scalings (`GPTConfig.rope_scaling`) change inv_freq, and yarn / longrope also multiply cos and sin by an
+attention factor. Two of them depend on the forward's last position (dynamic NTK and longrope switch frequencies
+once it passes the pretraining context), as transformers computes them per forward; so under those two, keys
+cached before the switch keep their old rotation, exactly as in transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gptlab.config import GPTConfig, RopeScaling
+
+
+def inv_frequencies(config: GPTConfig, seq_len: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq (rotary_dim / 2,), attention factor) for a forward whose last position is seq_len - 1."""
+    dim, base = config.rotary_dim, config.rope_base
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim  # 2i / d
+    inv_freq = 1.0 / (base ** exponents)  # theta_i = base^(-2i/d)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling.kind
+    if kind == "linear":  # positions / factor, i.e. every frequency / factor
+        return inv_freq / scaling.factor, 1.0
+    if kind == "dynamic":  # NTK-aware: a larger base once the sequence outgrows the pretraining context
+        original = scaling.original_context
+        length = max(seq_len, original)
+        base = base * ((scaling.factor * length / original) - (scaling.factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** exponents), 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, scaling, dim, base), _yarn_attention_factor(scaling)
+    # longrope: a rescale factor per frequency, the long set once past the pretraining context
+    factors = scaling.long_factor if seq_len > scaling.original_context else scaling.short_factor
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), longrope_attention_factor(scaling, config)
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Wavelengths longer than original / low_freq_factor are divided by factor, shorter than original /
+    high_freq_factor kept, and those between blended linearly in original / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (s.original_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    out = torch.where(wavelen > s.original_context / s.low_freq_factor, inv_freq / s.factor, blended)
+    return torch.where(wavelen < s.original_context / s.high_freq_factor, inv_freq, out)
+
+
+def _yarn(inv_freq: torch.Tensor, s: RopeScaling, dim: int, base: float) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than beta_slow times over the pretraining context are
+    interpolated (divided by factor), those turning more than beta_fast times kept, a linear ramp between."""
+
+    def dim_of(rotations: float) -> float:  # the dim index whose frequency turns `rotations` times in the context
+        return dim * math.log(s.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep), 0: interpolate
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
+
+
+def _yarn_attention_factor(s: RopeScaling) -> float:
+    if s.attention_factor is not None:
+        return s.attention_factor
+    return 1.0 if s.factor <= 1 else 0.1 * math.log(s.factor) + 1.0
+
+
+def longrope_attention_factor(s: RopeScaling, config: GPTConfig) -> float:
+    """The paper's sqrt(1 + ln(scale) / ln(original)), scale being the context's stretch, unless set."""
+    if s.attention_factor is not None:
+        return s.attention_factor
+    scale = config.block_size / s.original_context
+    return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(s.original_context))
+
+
+def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions `pos` (1 or B, T), shaped (1 or B, 1, T, rotary_dim / 2), in fp32.
+
+    Computed per forward from the positions rather than cached in a buffer, so a bf16 model keeps fp32 angles and
+    every row of a batch can sit at its own position.
+    """
+    seq_len = int(pos.max()) + 1 if config.rope_scaling is not None else 0
+    inv_freq, attention_factor = inv_frequencies(config, seq_len)
+    angles = pos.to(torch.float32)[..., None] * inv_freq.to(pos.device)  # (B, T, rot/2)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first rotary_dim dims of each head of x (B, n, T, hs); the rest pass through (partial rotary)."""
+    half = cos.shape[-1]
+    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if interleaved:  # pairs (0, 1), (2, 3), ...
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    else:  # pairs (i, i + half)
+        a, b = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    return torch.cat((rotated, rest), dim=-1)
