@@ -59,8 +59,18 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         for key in ("short_factor", "long_factor"):  # JSON gives lists
-            if isinstance(getattr(self, key), list):
-                setattr(self, key, tuple(float(v) for v in getattr(self, key)))
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or not all(_is_number(v) and v > 0 for v in value):
+                raise ValueError(f"rope_scaling.{key} must be a list of positive numbers, got {value!r}")
+            setattr(self, key, tuple(float(v) for v in value))
+        for key in ("factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor", "attention_factor"):
+            value = getattr(self, key)
+            if not (_is_number(value) or (key == "attention_factor" and value is None)):
+                raise ValueError(f"rope_scaling.{key} must be a number, got {value!r}")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"rope_scaling.truncate must be true or false, got {self.truncate!r}")
         if self.kind not in self._USES:
             raise ValueError(f"rope_scaling.kind={self.kind!r} is not one of {', '.join(self._USES)}")
         uses = self._USES[self.kind]
@@ -74,6 +84,8 @@ class RopeScaling:
                              f"got {self.original_context!r}")
         if self.attention_factor is not None and self.attention_factor <= 0:
             raise ValueError(f"rope_scaling.attention_factor must be positive, got {self.attention_factor}")
+        if self.kind == "yarn" and not 0 < self.beta_slow <= self.beta_fast:
+            raise ValueError("rope_scaling needs 0 < beta_slow <= beta_fast")
         if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError("rope_scaling needs 0 < low_freq_factor < high_freq_factor")
         if self.kind == "longrope" and (self.short_factor is None or self.long_factor is None):
@@ -85,7 +97,13 @@ class RopeScaling:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown rope_scaling field(s): {', '.join(unknown)}")
+        if "kind" not in d:
+            raise ValueError(f"rope_scaling needs a kind: one of {', '.join(cls._USES)}")
         return cls(**d)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -151,6 +169,8 @@ class GPTConfig:
             self.n_kv_head = self.n_head
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling.from_dict(self.rope_scaling)
+        elif not isinstance(self.rope_scaling, (RopeScaling, type(None))):
+            raise ValueError(f"rope_scaling must be an object with a kind, or null; got {self.rope_scaling!r}")
         # one spelling per model: an override equal to what it overrides is stored as None
         for key in ("qkv_bias", "attn_proj_bias", "norm_bias"):
             if getattr(self, key) == self.bias:
@@ -185,13 +205,12 @@ class GPTConfig:
             raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
         if self.position == "rope" and self.rotary_dim < 2:
             raise ValueError(f"rotary_fraction={self.rotary_fraction} leaves fewer than 2 rotary dims per head")
-        if self.logit_softcap is not None and self.logit_softcap <= 0:
-            raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
         if self.mlp_hidden is not None and self.mlp_hidden < 1:
             raise ValueError(f"mlp_hidden must be a positive integer, got {self.mlp_hidden}")
-        for key in ("attn_scale", "attn_softcap"):
-            if getattr(self, key) is not None and getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        for key in ("attn_scale", "attn_softcap", "logit_softcap"):
+            value = getattr(self, key)
+            if value is not None and not (_is_number(value) and value > 0):
+                raise ValueError(f"{key} must be a positive number or null, got {value!r}")
         self._validate_combinations()
 
     def _validate_combinations(self) -> None:
@@ -305,13 +324,24 @@ class GPTConfig:
         head = "" if self.head_dim is None else f" of width {self.head_dim}"
         window = ""
         if self.sliding_window is not None:
-            every = "" if self.global_layer_every is None else f" (every {self.global_layer_every}th layer global)"
+            every = "" if self.global_layer_every is None else f", every {self.global_layer_every} layers one global"
             window = f", sliding window {self.sliding_window}{every}"
         scaling = "" if self.rope_scaling is None else f" ({self.rope_scaling.kind} scaling)"
+        extras = [text for on, text in [
+            (not self.norm_weight, "parameter-free norms"), (self.norm_unit_offset, "(1 + w) norms"),
+            (self.embedding_norm, "normalized embeddings"), (self.scale_embeddings, "scaled embeddings"),
+            (self.rope_interleaved, "interleaved rope"), (self.shared_norm, "one norm per block"),
+            (self.qk_norm, "qk-norm"), (self.attn_softcap is not None, "attention soft-cap"),
+            (self.logit_softcap is not None, "logit soft-cap"),
+        ] if on]
+        body = ["qkv", "attn_proj", "mlp"] + (["norm"] if self.norm == "layernorm" else [])
+        biased = [part for part in [*body, "head"] if self.has_bias(part)]
+        bias = "with bias" if biased == body else "no bias" if not biased else f"biases on {', '.join(biased)}"
         return (f"{self.n_layer} layers, {self.n_head} heads{head}{kv}, width {self.n_embd}, context "
                 f"{self.block_size}, vocab {self.vocab_size}; {self.norm}, {self.position} positions{scaling}, "
                 f"{self.mlp} mlp (hidden {self.hidden_size}), {blocks} blocks{window}, "
-                f"{'tied' if self.tie_embeddings else 'untied'} head, {'with' if self.bias else 'no'} bias")
+                f"{'tied' if self.tie_embeddings else 'untied'} head, {bias}"
+                + "".join(f", {e}" for e in extras))
 
 
 @functools.cache

@@ -30,16 +30,29 @@ VOCAB = 160
 
 
 # --- building small transformers models ---------------------------------------------------------------------
+LLAMA_SHAPED = {name: (getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM"))
+                for name, prefix in [("llama", "Llama"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
+                                     ("mistral", "Mistral"), ("gemma2", "Gemma2"), ("phi3", "Phi3")]}
+
+
 def _hf_model(arch: str, **kw) -> torch.nn.Module:
     common = dict(vocab_size=kw.pop("vocab_size", VOCAB), hidden_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=64)
+                  num_attention_heads=4, max_position_embeddings=kw.pop("max_position_embeddings", 64))
     if arch == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                       bos_token_id=None, eos_token_id=None, **kw)
         cls = transformers.GPT2LMHeadModel
-    elif arch == "llama":
-        cfg = transformers.LlamaConfig(**common, intermediate_size=96, rope_theta=5000.0, **kw)
-        cls = transformers.LlamaForCausalLM
+    elif arch == "gptj":
+        kw.setdefault("rotary_dim", 8)
+        cfg = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=None, eos_token_id=None, **kw)
+        cls = transformers.GPTJForCausalLM
+    elif arch in LLAMA_SHAPED:
+        config_class, cls = LLAMA_SHAPED[arch]
+        kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 5000.0})
+        kw.setdefault("num_key_value_heads", 4)
+        cfg = config_class(**common, intermediate_size=96, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                           **kw)
     else:
         cfg = transformers.GPTNeoXConfig(**common, intermediate_size=128, rotary_emb_base=5000.0, **kw)
         cls = transformers.GPTNeoXForCausalLM
@@ -101,6 +114,45 @@ CASES = {
     "neox-sequential-rot1.0-sharded": ("neox", dict(use_parallel_residual=False, rotary_pct=1.0), "sharded"),
     "neox-parallel-rot1.0-tanh-tied": ("neox", dict(rotary_pct=1.0, hidden_act="gelu_new",
                                                     tie_word_embeddings=True), "safetensors"),
+    "neox-dynamic": ("neox", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 2.0,
+                                                   "partial_rotary_factor": 0.5}, max_position_embeddings=16),
+                     "safetensors"),
+    # RoPE scalings on Llama; the inputs run past the pretraining context
+    "llama-linear": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.5}),
+                     "safetensors"),
+    "llama-dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 2.0},
+                                    max_position_embeddings=16), "safetensors"),
+    "llama-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 16}), "safetensors"),
+    "llama-yarn-mscale": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                                                         "original_max_position_embeddings": 16, "mscale": 0.8,
+                                                         "mscale_all_dim": 0.5, "beta_fast": 16.0}), "safetensors"),
+    "llama3-scaling": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 16}), "safetensors"),
+    "llama-head_dim": ("llama", dict(head_dim=24, num_key_value_heads=2), "safetensors"),
+    "qwen2-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True), "safetensors"),
+    "qwen2-untied-window": ("qwen2", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=7,
+                                          max_window_layers=0), "sharded"),
+    "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32), "safetensors"),
+    "qwen3-bias-tied": ("qwen3", dict(head_dim=8, attention_bias=True, tie_word_embeddings=True), "safetensors"),
+    "mistral-window": ("mistral", dict(num_key_value_heads=2, sliding_window=7), "safetensors"),
+    "mistral-no-window": ("mistral", dict(num_key_value_heads=2, sliding_window=None, head_dim=8), "bin"),
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=24, sliding_window=7, query_pre_attn_scalar=20,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0), "safetensors"),
+    "gemma2-untied-no-caps": ("gemma2", dict(head_dim=16, sliding_window=7, attn_logit_softcapping=None,
+                                             final_logit_softcapping=None, tie_word_embeddings=False,
+                                             hidden_activation="gelu"), "safetensors"),
+    "phi3": ("phi3", dict(num_key_value_heads=2), "safetensors"),
+    "phi3-partial-window": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                          "partial_rotary_factor": 0.5}, sliding_window=7), "sharded"),
+    "phi3-longrope": ("phi3", dict(max_position_embeddings=64, original_max_position_embeddings=16,
+                                   rope_parameters={"rope_type": "longrope", "rope_theta": 5000.0,
+                                                    "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.2, 2.5, 3.0],
+                                                    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 9.0, 10.0],
+                                                    "original_max_position_embeddings": 16}), "safetensors"),
+    "gptj": ("gptj", {}, "safetensors"),
+    "gptj-full-rotary-exact-gelu-sharded": ("gptj", dict(rotary_dim=16, activation_function="gelu"), "sharded"),
 }
 
 
@@ -135,6 +187,25 @@ def test_export_then_import_gptlab_presets(tmp_path: Path) -> None:
         assert back.config == cfg
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / preset).eval()
         assert _max_diff(model, hf) <= TOL
+
+
+@pytest.mark.parametrize("preset, architecture", [
+    ("qwen2.5-0.5b", "Qwen2ForCausalLM"), ("qwen3-0.6b", "Qwen3ForCausalLM"), ("mistral-7b", "MistralForCausalLM"),
+    ("gemma-2-2b", "Gemma2ForCausalLM"), ("phi-3-mini", "Phi3ForCausalLM"), ("gpt-j-6b", "GPTJForCausalLM"),
+])
+def test_family_presets_count_what_transformers_counts(preset: str, architecture: str) -> None:
+    """The preset's config, written as config.json and built by transformers on the meta device (no download, no
+    memory), has as many parameters as `gptlab info` reports."""
+    from gptlab.model import parameter_breakdown
+
+    cfg = GPTConfig.preset(preset)
+    hf_config = config_to_hf(cfg)
+    assert hf_config["architectures"] == [architecture]
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert model.num_parameters() == parameter_breakdown(cfg)["total"]
+    assert config_from_hf(hf_config).replace(name=cfg.name) == cfg
 
 
 def test_gpt2_in_the_original_openai_layout(tmp_path: Path) -> None:
@@ -214,12 +285,19 @@ def test_gpt2_ids_only_for_the_gpt2_vocabulary() -> None:
 
 # --- errors -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("change, message", [
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "llama3"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
-    (dict(head_dim=32), "head_dim"),
-    (dict(attention_bias=True, mlp_bias=False), "mlp_bias"),
+    (dict(rope_parameters={"rope_type": "mrope", "rope_theta": 5e5}), "mrope"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default"}, "sliding_attention": {}}), "per-layer"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 4.0,
+                           "high_freq_factor": 1.0, "original_max_position_embeddings": 64}), "low_freq_factor"),
+    (dict(rope_scaling={"type": "linear", "factor": 0.5}), "factor"),
+    (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", original_max_position_embeddings=64,
+          rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3}), "short_factor"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=16, sliding_window=8,
+          layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=8,
+          layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+    (dict(architectures=["FalconForCausalLM"], model_type="falcon"), "FalconForCausalLM"),
     (dict(hidden_size="64"), "LlamaForCausalLM"),
 ])
 def test_config_errors(change: dict, message: str) -> None:

@@ -127,6 +127,15 @@ def _hf(arch: str, directory: Path) -> Path:
     elif arch == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)
         cls = transformers.GPT2LMHeadModel
+    elif arch == "gptj":
+        cfg = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, rotary_dim=4)
+        cls = transformers.GPTJForCausalLM
+    elif arch in ("qwen3", "gemma2", "phi3"):
+        prefix = {"qwen3": "Qwen3", "gemma2": "Gemma2", "phi3": "Phi3"}[arch]
+        extra = dict(head_dim=16) if arch != "phi3" else {}
+        cfg = getattr(transformers, f"{prefix}Config")(**common, num_key_value_heads=2, intermediate_size=48,
+                                                       pad_token_id=0, **extra)
+        cls = getattr(transformers, f"{prefix}ForCausalLM")
     else:
         cfg = transformers.GPTNeoXConfig(**common, intermediate_size=64)
         cls = transformers.GPTNeoXForCausalLM
@@ -136,7 +145,9 @@ def _hf(arch: str, directory: Path) -> Path:
 
 
 @pytest.mark.parametrize("arch, targets", [("llama", "all-linear"), ("llama", "q,v,up"), ("gpt2", "all-linear"),
-                                           ("gpt2", "q,v"), ("neox", "all-linear")])
+                                           ("gpt2", "q,v"), ("neox", "all-linear"), ("qwen3", "all-linear"),
+                                           ("gemma2", "q,v,gate"), ("phi3", "all-linear"), ("phi3", "k,up"),
+                                           ("gptj", "all-linear")])
 def test_peft_loads_the_exported_adapter_with_equal_logits(arch: str, targets: str, tmp_path: Path) -> None:
     base_dir = _hf(arch, tmp_path / "base")
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ files, which are read with `weights_only=True`, never unpickled).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from gptlab.config import GPTConfig, RopeScaling
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_json_object
+from gptlab.rope import inv_frequencies
 
 # GPTConfig fields every family writes, or that change nothing in a family that lacks them (rope_base under
 # learned positions, gelu_approximate under SwiGLU). Every other field is a switch: a family exports a config only
@@ -28,7 +31,7 @@ from gptlab.fileio import read_json_object
 CARRIED = frozenset({
     "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "norm_eps", "mlp_hidden", "mlp_ratio",
     "mlp_multiple", "dropout", "init_std", "name", "attention", "rope_base", "rotary_fraction", "gelu_approximate",
-    "tie_embeddings",
+    "tie_embeddings", "hf_architecture", "scale_residual_init",
 })
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -57,26 +60,163 @@ def get(config: dict[str, Any], *keys: str, default: Any = _MISSING) -> Any:
     return default
 
 
-def rope_settings(config: dict[str, Any]) -> tuple[float, float | None]:
-    """(rope_theta, partial_rotary_factor or None) from either config schema.
+def rope_settings(config: dict[str, Any]) -> tuple[float, float | None, RopeScaling | None]:
+    """(rope_theta, partial_rotary_factor or None, scaling or None) from either config schema.
 
     transformers 4.x writes `rope_theta` (Llama) or `rotary_emb_base` + `rotary_pct` (NeoX) at the top level
-    and `rope_scaling` for the non-default variants; 5.x nests everything in `rope_parameters`. Scaled
-    variants (linear, dynamic, llama3, yarn, ...) change the frequencies or the attention scale, which gptlab
-    does not implement, so they are refused rather than silently run as plain RoPE.
+    and `rope_scaling` for the non-default variants; 5.x nests everything in `rope_parameters`. A variant gptlab
+    does not implement is refused by name rather than silently run as plain RoPE.
     """
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise GptlabError(f"config.json's rope parameters should be an object, got {params!r}")
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise GptlabError("per-layer-type rope parameters are not supported: gptlab has one RoPE for all")
+        raise GptlabError("per-layer-type rope parameters are not supported: gptlab has one RoPE for all layers")
+    merged = {**config, **params}
+    theta = get(merged, "rope_theta", "rotary_emb_base", default=10000.0)
+    fraction = get(merged, "partial_rotary_factor", "rotary_pct", default=None)
+    return float(theta), None if fraction is None else float(fraction), _rope_scaling(params, config)
+
+
+# rope_type names -> gptlab's; "su" is Phi-3's first name for longrope
+_ROPE_KINDS = {"linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3", "longrope": "longrope",
+               "su": "longrope"}
+
+
+def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling | None:
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise GptlabError(f"rope_type {kind!r} is not supported: gptlab implements plain RoPE only "
-                          "(no linear/dynamic/llama3/yarn/longrope scaling)")
-    theta = get({**config, **params}, "rope_theta", "rotary_emb_base", default=10000.0)
-    fraction = get({**config, **params}, "partial_rotary_factor", "rotary_pct", default=None)
-    return float(theta), None if fraction is None else float(fraction)
+    if kind == "default":
+        return None
+    if kind not in _ROPE_KINDS:
+        raise GptlabError(f"rope_type {kind!r} is not supported: gptlab implements default, "
+                          f"{', '.join(k for k in _ROPE_KINDS if k != 'su')}")
+    kind = _ROPE_KINDS[kind]
+    max_pos = config.get("max_position_embeddings")
+    original = get({**config, **params}, "original_max_position_embeddings", default=max_pos)
+    factor = params.get("factor")
+    if factor is None and kind in ("yarn", "longrope") and original and max_pos:
+        factor = max_pos / original  # transformers' rule for both when factor is absent
+    fields: dict[str, Any] = {"kind": kind}
+    if kind != "longrope":
+        fields["factor"] = float(get(params, "factor", default=1.0) if factor is None else factor)
+    if kind != "linear":
+        fields["original_context"] = original
+    if kind == "yarn":
+        fields.update(attention_factor=_yarn_attention_factor(params, float(factor or 1.0)),
+                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      truncate=bool(params.get("truncate", True)))
+    elif kind == "llama3":
+        fields.update(low_freq_factor=float(get(params, "low_freq_factor", default=1.0)),
+                      high_freq_factor=float(get(params, "high_freq_factor", default=4.0)))
+    elif kind == "longrope":
+        attention = params.get("attention_factor")
+        if attention is None:  # the paper's rule, on the stretch of the context
+            scale = float(factor or 1.0)
+            attention = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+        fields.update(attention_factor=float(attention), short_factor=get(params, "short_factor"),
+                      long_factor=get(params, "long_factor"))
+    try:
+        return RopeScaling(**fields)
+    except (ValueError, TypeError) as e:
+        raise GptlabError(f"config.json's rope parameters: {e}") from None
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """YaRN's cos/sin factor: given, or 0.1 ln(factor) + 1, or its ratio form with mscale / mscale_all_dim."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
+
+
+def context_from_hf(max_pos: int, scaling: RopeScaling | None) -> int:
+    """gptlab's block_size for a config: max_position_embeddings, or the stretched context a scaling is for
+    (transformers itself never refuses a longer input; gptlab's block_size does)."""
+    if scaling is None or scaling.kind in ("linear", "longrope"):
+        return max_pos
+    return max(max_pos, int(scaling.original_context * scaling.factor))
+
+
+def rope_to_hf(cfg: GPTConfig, partial_rotary_factor: float | None = None) -> dict[str, Any]:
+    """RoPE keys for config.json in both schemas: 4.x reads the top-level rope_theta and rope_scaling, 5.x reads
+    rope_parameters (and would also convert the top-level keys): writing both keeps either from guessing."""
+    scaling = cfg.rope_scaling
+    extra: dict[str, Any] = {}
+    if scaling is not None:
+        extra = {"rope_type": scaling.kind}
+        if scaling.kind != "longrope":
+            extra["factor"] = scaling.factor
+        if scaling.original_context is not None:
+            extra["original_max_position_embeddings"] = scaling.original_context
+        if scaling.kind == "yarn":
+            extra.update(attention_factor=rope_attention_factor(cfg), beta_fast=scaling.beta_fast,
+                         beta_slow=scaling.beta_slow, truncate=scaling.truncate)
+        elif scaling.kind == "llama3":
+            extra.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor)
+        elif scaling.kind == "longrope":
+            extra.update(attention_factor=rope_attention_factor(cfg), short_factor=list(scaling.short_factor),
+                         long_factor=list(scaling.long_factor))
+    partial = {} if partial_rotary_factor is None else {"partial_rotary_factor": partial_rotary_factor}
+    return {
+        "rope_theta": cfg.rope_base,
+        "rope_scaling": ({"type": extra["rope_type"], **extra} if extra else None),
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base, **partial, **extra},
+    }
+
+
+def rope_attention_factor(cfg: GPTConfig) -> float:
+    """The cos/sin factor gptlab uses for a yarn or longrope config (written out so no reader recomputes it)."""
+    return inv_frequencies(cfg, 1)[1]
+
+
+def max_positions_to_hf(cfg: GPTConfig) -> int:
+    """max_position_embeddings for config.json: block_size, except under dynamic scaling, whose threshold it is."""
+    scaling = cfg.rope_scaling
+    return scaling.original_context if scaling is not None and scaling.kind == "dynamic" else cfg.block_size
+
+
+def attention_layers(hf: dict[str, Any], n_layer: int, window: int | None) -> tuple[int | None, int | None]:
+    """(sliding_window, global_layer_every) from config.json's window and `layer_types` (5.x; absent: every layer
+    slides when a window is set). gptlab expresses all layers sliding, none, or every k-th one global."""
+    types = hf.get("layer_types")
+    if window is None or types is None:
+        return window, None
+    if not isinstance(types, list) or len(types) != n_layer or \
+            not set(types) <= {"sliding_attention", "full_attention"}:
+        raise GptlabError(f"config.json's layer_types should list sliding_attention or full_attention for each "
+                          f"of the {n_layer} layers, got {types!r}")
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if not full:
+        return window, None
+    if len(full) == n_layer:
+        return None, None
+    every = full[0] + 1
+    if every >= 2 and full == list(range(every - 1, n_layer, every)):
+        return window, every
+    raise GptlabError(f"layer_types {types!r} is not expressible: gptlab's sliding-window layers are all layers, "
+                      "none, or all but every k-th (global_layer_every)")
+
+
+def layer_types_to_hf(cfg: GPTConfig) -> list[str]:
+    return ["sliding_attention" if cfg.sliding_layer(i) else "full_attention" for i in range(cfg.n_layer)]
+
+
+class _Any:
+    """EXPRESSES' value for a switch a family takes at any value (head_dim, sliding_window)."""
+
+    def __contains__(self, value: object) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY = _Any()
 
 
 def unsupported_export(family: str, switch: str, why: str) -> GptlabError:

@@ -50,7 +50,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "custom") -> GPTConfig:
     """The GPTConfig for a Hugging Face config.json dict (4.x or 5.x schema)."""
     family = _family_of(hf)
     try:
-        return GPTConfig(**family.config_from_hf(hf), name=name)
+        return GPTConfig(**family.config_from_hf(hf), name=name, hf_architecture=family.ARCHITECTURE)
     except (ValueError, TypeError) as e:
         raise GptlabError(f"config.json does not describe a valid {family.ARCHITECTURE}: {e}") from None
 
@@ -70,7 +70,9 @@ def _switches_missing(family: ModuleType, cfg: GPTConfig) -> list[str]:
 def export_family(cfg: GPTConfig) -> ModuleType:
     """The family a config exports to, or a GptlabError naming the switch with no Hugging Face equivalent."""
     missing = {family: _switches_missing(family, cfg) for family in FAMILIES}
-    fitting = [family for family in FAMILIES if not missing[family]]
+    # the family the model came from first (a Phi-3 stays a Phi-3 even where Llama's switches fit too)
+    fitting = sorted((family for family in FAMILIES if not missing[family]),
+                     key=lambda family: family.ARCHITECTURE != cfg.hf_architecture)
     if not fitting:
         nearest = min(FAMILIES, key=lambda family: len(missing[family]))  # the first of the closest
         names = ", ".join(family.NAME for family in FAMILIES)
@@ -99,6 +101,8 @@ def config_to_hf(cfg: GPTConfig, dtype: torch.dtype = torch.float32, tokenizer: 
         # written even when null: GPT-2's config class would otherwise default both to 50256
         "bos_token_id": bos,
         "eos_token_id": eos,
+        # null, not a family's default (Phi-3's 32000 lies outside a smaller vocabulary)
+        "pad_token_id": None,
         "use_cache": True,
         "torch_dtype": dtype_name,  # the 4.x key
         "dtype": dtype_name,  # the 5.x key
@@ -111,7 +115,7 @@ def config_to_hf(cfg: GPTConfig, dtype: torch.dtype = torch.float32, tokenizer: 
 def from_hf(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
 ) -> GPT:
-    """Load a Hugging Face model directory (GPT-2, Llama or GPT-NeoX) as a gptlab `GPT`, in eval mode.
+    """Load a Hugging Face model directory (any family in `registry.FAMILIES`) as a gptlab `GPT`, in eval mode.
 
     Reads config.json and the weights itself, so `transformers` need not be installed. `dtype=None` keeps the
     checkpoint's dtype (that of its token embedding).

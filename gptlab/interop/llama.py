@@ -3,6 +3,9 @@
 Llama keeps q, k, v and gate, up as separate projections; gptlab fuses them (`attn.c_attn` = [q | k | v],
 `mlp.c_fc` = [gate | up]), so import concatenates rows and export splits them. Hugging Face Llama checkpoints
 already use the rotate-half RoPE layout gptlab uses, so no per-head permutation is needed.
+
+Qwen2, Qwen3 and Mistral are Llama with one or two switches more; their modules reuse `llama_config` and
+`llama_rules` from here.
 """
 
 from __future__ import annotations
@@ -12,47 +15,58 @@ from typing import Any
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.interop.common import Rule, concatenated, get, keep, rope_settings, same, unsupported_export
+from gptlab.interop.common import (
+    ANY,
+    Rule,
+    concatenated,
+    context_from_hf,
+    get,
+    keep,
+    max_positions_to_hf,
+    rope_settings,
+    rope_to_hf,
+    same,
+    unsupported_export,
+)
 
 NAME = "Llama"
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
 # the switches (GPTConfig fields beyond common.CARRIED) Llama has, and the values they may take
-EXPRESSES = {"norm": ("rmsnorm",), "position": ("rope",), "mlp": ("swiglu",), "block": ("pre",), "bias": (False, True)}
+EXPRESSES = {"norm": ("rmsnorm",), "position": ("rope",), "mlp": ("swiglu",), "block": ("pre",), "bias": (False, True),
+             "qkv_bias": (None, False, True), "attn_proj_bias": (None, False, True), "head_dim": ANY,
+             "rope_scaling": ANY}
 IGNORE = re.compile(r"rotary_emb\.inv_freq$|^lm_head\.weight$")  # old checkpoints saved the RoPE buffer
 normalize = keep
 
 
-def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+def llama_config(hf: dict[str, Any], family: str, attention_bias: bool, partial_rotary: bool = False
+                 ) -> dict[str, Any]:
+    """The GPTConfig fields every Llama-shaped family shares; the family adds its own. `partial_rotary`: the
+    family honours partial_rotary_factor (Phi-3); Llama, Qwen and Mistral ignore it and rotate whole heads."""
     act = get(hf, "hidden_act", default="silu")
     if act not in ("silu", "swish"):
-        raise GptlabError(f"Llama with hidden_act={act!r} is not supported: gptlab's SwiGLU uses silu")
-    n_embd, n_head = get(hf, "hidden_size"), get(hf, "num_attention_heads")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim * n_head != n_embd:
-        raise GptlabError(f"head_dim={head_dim} differs from hidden_size / num_attention_heads = {n_embd} / "
-                          f"{n_head}: gptlab's heads are always hidden_size / num_attention_heads wide")
-    attention_bias = bool(get(hf, "attention_bias", default=False))
-    mlp_bias = bool(get(hf, "mlp_bias", default=False))
-    if attention_bias != mlp_bias:
-        raise GptlabError(f"attention_bias={attention_bias} but mlp_bias={mlp_bias}: gptlab's single `bias` "
-                          "switch needs both the same")
-    # transformers' Llama ignores partial_rotary_factor and rotates whole heads, so gptlab does the same
-    rope_base, _ = rope_settings(hf)
+        raise GptlabError(f"{family} with hidden_act={act!r} is not supported: gptlab's SwiGLU uses silu")
+    rope_base, fraction, scaling = rope_settings(hf)
+    max_pos = get(hf, "max_position_embeddings", default=2048)
     return dict(
         vocab_size=get(hf, "vocab_size"),
-        block_size=get(hf, "max_position_embeddings", default=2048),
+        block_size=context_from_hf(max_pos, scaling),
         n_layer=get(hf, "num_hidden_layers"),
-        n_head=n_head,
-        n_kv_head=get(hf, "num_key_value_heads", default=n_head),
-        n_embd=n_embd,
+        n_head=get(hf, "num_attention_heads"),
+        n_kv_head=get(hf, "num_key_value_heads", default=get(hf, "num_attention_heads")),
+        n_embd=get(hf, "hidden_size"),
+        head_dim=hf.get("head_dim"),
         mlp_hidden=get(hf, "intermediate_size"),
         norm="rmsnorm",
         norm_eps=get(hf, "rms_norm_eps", default=1e-6),
-        bias=attention_bias,
+        bias=False,
+        qkv_bias=attention_bias,
+        attn_proj_bias=attention_bias,
         position="rope",
         rope_base=rope_base,
-        rotary_fraction=1.0,
+        rotary_fraction=fraction if partial_rotary and fraction is not None else 1.0,
+        rope_scaling=scaling,
         mlp="swiglu",
         block="pre",
         tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
@@ -61,13 +75,28 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    fields = llama_config(hf, NAME, bool(get(hf, "attention_bias", default=False)))
+    fields["bias"] = bool(get(hf, "mlp_bias", default=False))
+    return fields
+
+
 def check_export(cfg: GPTConfig) -> None:
-    """What EXPRESSES can't say: Llama rotates every dim of each head."""
+    """What EXPRESSES can't say: Llama rotates every dim of each head, and one flag biases q, k, v and o."""
+    check_llama_export(cfg, NAME)
+    if cfg.has_bias("qkv") != cfg.has_bias("attn_proj"):
+        raise unsupported_export(NAME, f"qkv_bias={cfg.has_bias('qkv')} with attn_proj_bias="
+                                 f"{cfg.has_bias('attn_proj')}", "attention_bias covers q, k, v and o together")
+
+
+def check_llama_export(cfg: GPTConfig, family: str) -> None:
     if cfg.rotary_dim != cfg.head_size:
-        raise unsupported_export(NAME, f"rotary_fraction={cfg.rotary_fraction}", "it rotates every dim of each head")
+        raise unsupported_export(family, f"rotary_fraction={cfg.rotary_fraction}", "it rotates every dim of each head")
 
 
-def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
+def llama_config_to_hf(cfg: GPTConfig, activation: dict[str, str] | None = None) -> dict[str, Any]:
+    """The config.json keys every Llama-shaped family (Gemma 2 and Phi-3 too) shares; `activation`: the family's
+    key and value for it, else Llama's hidden_act silu."""
     return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.n_embd,
@@ -76,41 +105,51 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
         "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.head_size,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.block_size,
+        **(activation or {"hidden_act": "silu"}),
+        "max_position_embeddings": max_positions_to_hf(cfg),
         "rms_norm_eps": cfg.norm_eps,
-        # 4.x reads the top-level rope_theta and rope_scaling; 5.x reads rope_parameters (and would also
-        # convert the top-level key): writing both keeps either version from guessing
-        "rope_theta": cfg.rope_base,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
-        "attention_bias": cfg.bias,
-        "mlp_bias": cfg.bias,
+        **rope_to_hf(cfg),
         "attention_dropout": cfg.dropout,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "pretraining_tp": 1,
         "initializer_range": cfg.init_std,
     }
 
 
-def rules(cfg: GPTConfig) -> list[Rule]:
+def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
+    return {**llama_config_to_hf(cfg), "attention_bias": cfg.has_bias("qkv"), "mlp_bias": cfg.has_bias("mlp"),
+            "pretraining_tp": 1}
+
+
+# a block's norms: ours -> Llama's (Gemma 2 names four)
+LLAMA_NORMS = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+
+
+def llama_rules(cfg: GPTConfig, qk_norm: bool = False, norms: dict[str, str] = LLAMA_NORMS) -> list[Rule]:
+    """Llama's names, biases where the config has them; `qk_norm`: Qwen3's per-head q_norm and k_norm."""
     q, kv, hidden = cfg.n_head * cfg.head_size, cfg.n_kv_head * cfg.head_size, cfg.hidden_size
     out = [same("transformer.wte.weight", "model.embed_tokens.weight")]
     for i in range(cfg.n_layer):
         p, t = f"transformer.h.{i}.", f"model.layers.{i}."
-        out += [same(p + "ln_1.weight", t + "input_layernorm.weight"),
-                same(p + "ln_2.weight", t + "post_attention_layernorm.weight")]
-        for kind in ("weight", "bias") if cfg.bias else ("weight",):
-            attn, mlp = t + "self_attn.", t + "mlp."
-            out += [
-                concatenated(p + f"attn.c_attn.{kind}", tuple(attn + f"{x}_proj.{kind}" for x in "qkv"),
-                             [q, kv, kv]),
-                same(p + f"attn.c_proj.{kind}", attn + f"o_proj.{kind}"),
-                concatenated(p + f"mlp.c_fc.{kind}", (mlp + f"gate_proj.{kind}", mlp + f"up_proj.{kind}"),
-                             [hidden, hidden]),
-                same(p + f"mlp.c_proj.{kind}", mlp + f"down_proj.{kind}"),
-            ]
+        attn, mlp = t + "self_attn.", t + "mlp."
+        out += [same(p + f"{ours}.weight", t + f"{theirs}.weight") for ours, theirs in norms.items()]
+        if qk_norm:
+            out += [same(p + "attn.q_norm.weight", attn + "q_norm.weight"),
+                    same(p + "attn.k_norm.weight", attn + "k_norm.weight")]
+        for kind in ("weight", "bias"):
+            if kind == "weight" or cfg.has_bias("qkv"):
+                out.append(concatenated(p + f"attn.c_attn.{kind}", tuple(attn + f"{x}_proj.{kind}" for x in "qkv"),
+                                        [q, kv, kv]))
+            if kind == "weight" or cfg.has_bias("attn_proj"):
+                out.append(same(p + f"attn.c_proj.{kind}", attn + f"o_proj.{kind}"))
+            if kind == "weight" or cfg.has_bias("mlp"):
+                out += [concatenated(p + f"mlp.c_fc.{kind}", (mlp + f"gate_proj.{kind}", mlp + f"up_proj.{kind}"),
+                                     [hidden, hidden]),
+                        same(p + f"mlp.c_proj.{kind}", mlp + f"down_proj.{kind}")]
     out.append(same("transformer.ln_f.weight", "model.norm.weight"))
     if not cfg.tie_embeddings:
         out.append(same("lm_head.weight", "lm_head.weight"))
     return out
+
+
+def rules(cfg: GPTConfig) -> list[Rule]:
+    return llama_rules(cfg)

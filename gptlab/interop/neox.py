@@ -16,11 +16,15 @@ import torch
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.interop.common import (
+    ANY,
     Rule,
+    context_from_hf,
     gelu_approximate,
     get,
+    max_positions_to_hf,
     regrouped,
     rope_settings,
+    rope_to_hf,
     same,
     unsupported_export,
 )
@@ -30,7 +34,7 @@ ARCHITECTURE = "GPTNeoXForCausalLM"
 MODEL_TYPE = "gpt_neox"
 # the switches (GPTConfig fields beyond common.CARRIED) GPT-NeoX has, and the values they may take
 EXPRESSES = {"norm": ("layernorm",), "position": ("rope",), "mlp": ("gelu",), "block": ("parallel", "pre"),
-             "bias": (True,)}
+             "bias": (True,), "rope_scaling": ANY}
 # causal-mask and RoPE buffers that older transformers saved with the weights, and a tied head saved anyway
 IGNORE = re.compile(r"\.attention\.(bias|masked_bias)$|rotary_emb\.inv_freq$|^embed_out\.weight$")
 
@@ -40,7 +44,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise GptlabError("GPT-NeoX with attention_bias=false is not supported: its MLP and LayerNorms keep "
                           "their biases, and gptlab's single `bias` switch covers all of them")
     n_embd, n_head = get(hf, "hidden_size"), get(hf, "num_attention_heads")
-    rope_base, fraction = rope_settings(hf)
+    rope_base, fraction, scaling = rope_settings(hf)
     fraction = 0.25 if fraction is None else fraction  # NeoX's default rotary_pct
     # transformers takes int(head_size * rotary_pct) dims; an odd count breaks its rotate-half (and ours)
     if isinstance(n_embd, int) and isinstance(n_head, int) and n_head > 0:
@@ -49,7 +53,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             raise GptlabError(f"rotary_pct={fraction} gives an odd rotary dim count per head ({rotary_dims})")
     return dict(
         vocab_size=get(hf, "vocab_size"),
-        block_size=get(hf, "max_position_embeddings", default=2048),
+        block_size=context_from_hf(get(hf, "max_position_embeddings", default=2048), scaling),
         n_layer=get(hf, "num_hidden_layers"),
         n_head=n_head,
         n_embd=n_embd,
@@ -60,6 +64,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         position="rope",
         rope_base=rope_base,
         rotary_fraction=fraction,
+        rope_scaling=scaling,
         mlp="gelu",
         gelu_approximate=gelu_approximate(get(hf, "hidden_act", default="gelu")),
         block="parallel" if get(hf, "use_parallel_residual", default=True) else "pre",
@@ -90,14 +95,12 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
         "num_attention_heads": cfg.n_head,
         "intermediate_size": cfg.hidden_size,
         "hidden_act": "gelu_new" if cfg.gelu_approximate == "tanh" else "gelu",
-        "max_position_embeddings": cfg.block_size,
+        "max_position_embeddings": max_positions_to_hf(cfg),
         "layer_norm_eps": cfg.norm_eps,
         # 4.x names at the top level, 5.x's rope_parameters beside them (see llama.config_to_hf)
         "rotary_pct": pct,
         "rotary_emb_base": cfg.rope_base,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base,
-                            "partial_rotary_factor": pct},
+        **rope_to_hf(cfg, partial_rotary_factor=pct),
         "use_parallel_residual": cfg.block == "parallel",
         "attention_bias": True,
         "attention_dropout": cfg.dropout,

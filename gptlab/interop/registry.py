@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from gptlab.interop import gpt2, llama, neox
+from gptlab.interop import gemma2, gpt2, gptj, llama, mistral, neox, phi3, qwen2, qwen3
 
-FAMILIES: tuple[ModuleType, ...] = (gpt2, llama, neox)
+FAMILIES: tuple[ModuleType, ...] = (gpt2, llama, neox, qwen2, qwen3, mistral, gemma2, phi3, gptj)
 
 BY_ARCHITECTURE = {f.ARCHITECTURE: f for f in FAMILIES}
 BY_MODEL_TYPE = {f.MODEL_TYPE: f for f in FAMILIES}
