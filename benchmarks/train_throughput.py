@@ -94,21 +94,24 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from gptlab.config import GPTConfig
     from gptlab.hardware import flops_per_token, peak_flops, retain_freed_memory
 
     if not args.default_malloc:  # as `gptlab train` does; process-wide, so transformers gets it too
         print(f"freed memory kept for reuse (glibc mallopt): {retain_freed_memory()}")
 
+    # both models have GPT-2 124M's matmuls (a tied head); MFU counts them as `gptlab train` does
+    flops = flops_per_token(GPTConfig.preset("gpt2", vocab_size=50257), args.seq)
     peak = peak_flops("cpu", torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     x = torch.randint(0, 50257, (args.batch, args.seq + 1))
     tokens = args.batch * args.seq
     results = {}
     runs = [("gptlab", gptlab_step)] + ([] if args.skip_hf else [("transformers", hf_step)])
     for name, build in runs:
-        step, n_params, mode = build(args, x)
+        step, _, mode = build(args, x)
         times = time_steps(step, args.warmup, args.steps)
         tps = tokens / statistics.median(times)
-        mfu = flops_per_token(n_params, 12, 768, args.seq) * tps / peak
+        mfu = flops * tps / peak
         results[name] = tps
         print(f"{name:13s} {mode:22s} {tps:8.1f} tokens/s (median of {args.steps}; best {tokens / min(times):.1f})"
               f"  MFU {100 * mfu:.1f}% of {peak / 1e12:.2f} TFLOP/s", flush=True)

@@ -531,3 +531,142 @@ def test_the_mfu_probe_leaves_torch_random_stream_alone() -> None:
     before = torch.get_rng_state()
     _probe(torch.device("cpu"), torch.float32, 64, seconds=0.01)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# --- the learning-rate schedule decays over the steps after warm-up (issue 12) -----------------------------------
+def nanogpt_lr(step: int, warmup: int, decay_steps: int, min_lr: float) -> float:
+    """nanoGPT's get_lr as a fraction of the peak, with gptlab's warm-up ((s + 1) / warmup: peak on its last
+    step): cosine from 1 to min_lr over (step - warmup) / (decay_steps - warmup)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    ratio = min((step - warmup) / (decay_steps - warmup), 1.0)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - min_lr)
+
+
+def test_cosine_decays_over_the_steps_after_warmup() -> None:
+    sched, warmup, n = Schedule(warmup_steps=10, kind="cosine", min_lr=0.1), 10, 110
+
+    def lr(s: int) -> float:
+        return sched.multiplier(s, sched.step_progress(s, n))
+
+    for s in [0, 4, 9, 10, 11, 35, 60, 85, 109, 110, 200]:
+        assert lr(s) == pytest.approx(nanogpt_lr(s, warmup, n, 0.1), abs=1e-12), s
+    assert lr(9) == lr(10) == 1.0  # the peak on warm-up's last step and on the first decay step
+    assert 1.0 - lr(11) < 1e-3  # continuous: one step of 100 takes off (1 - cos(pi / 100)) / 2 * 0.9
+    assert lr(60) == pytest.approx(0.55) and lr(110) == pytest.approx(0.1)  # half way: halfway down; the end
+    # the bug: the cosine spanned the warm-up, so the first decay step was already below the peak
+    assert lr(10) > 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 10 / n))
+    # progress by the clock: 0 when warm-up ended, 1 at the end of the budget
+    assert Schedule.time_progress(3.0, 10.0, 3.0) == 0.0 and Schedule.time_progress(6.5, 10.0, 3.0) == 0.5
+    assert Schedule.time_progress(12.0, 10.0, 3.0) == 1.0 and Schedule.time_progress(5.0, 4.0, 4.5) == 1.0
+    assert sched.step_progress(3, 8) == 1.0  # a run shorter than its warm-up has nothing left to decay
+
+
+def test_wsd_and_linear_decay_also_start_after_warmup() -> None:
+    """decay_fraction = 1 is the linear schedule: warm-up, then straight down to min_lr, with no jump."""
+    linear = Schedule(warmup_steps=20, kind="wsd", min_lr=0.0, decay_fraction=1.0)
+    lrs = [linear.multiplier(s, linear.step_progress(s, 100)) for s in range(101)]
+    assert lrs[19] == lrs[20] == 1.0 and lrs[60] == pytest.approx(0.5) and lrs[100] == 0.0
+    assert max(abs(a - b) for a, b in zip(lrs[20:-1], lrs[21:], strict=True)) == pytest.approx(1 / 80)
+    wsd = Schedule(warmup_steps=20, kind="wsd", min_lr=0.2, decay_fraction=0.25)  # stable to step 80, then down
+    assert [wsd.multiplier(s, wsd.step_progress(s, 100)) for s in (79, 80, 90, 100)] == pytest.approx(
+        [1.0, 1.0, 0.6, 0.2])
+
+
+def _lrs(run: Path, peak: float) -> dict[int, float]:
+    """Each logged step's multiplier, by the 0-based step it was used for."""
+    return {r["step"] - 1: r["lr"] / peak for r in metrics(run) if "lr" in r}
+
+
+def test_trainer_schedules_by_steps_and_by_time_from_the_end_of_warmup(tmp_path: Path, data: Path,
+                                                                       monkeypatch) -> None:
+    """Each step takes exactly 1 s of a fake clock: a 10 s budget with 3 warm-up steps decays from the 3 s mark
+    to 10 s, each step taking its progress at its end (the last one is at min_lr); a resumed run picks up the
+    time warm-up ended from its checkpoint (or, from an older checkpoint, estimates it from equal steps)."""
+    import types
+
+    from gptlab.train import trainer
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_step = trainer.Trainer.train_step
+
+    def one_second_step(self: trainer.Trainer) -> float:
+        clock[0] += 1.0
+        return real_step(self)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", one_second_step)
+    recipe = write_recipe(tmp_path, warmup_steps=3, min_lr=0.1, log_interval=1, eval_interval=0, eval_tokens=256)
+
+    # by steps: 13 steps, the cosine over steps 3..13
+    assert train(recipe, data, tmp_path / "steps", "--max-steps", "13") == 0
+    lrs = _lrs(tmp_path / "steps", 3e-3)
+    assert sorted(lrs) == list(range(13))
+    assert all(lrs[s] == pytest.approx(nanogpt_lr(s, 3, 13, 0.1)) for s in lrs)
+
+    # by time: 10 steps of 1 s; step s ends at s + 1 s, so its progress is (s + 1 - 3) / (10 - 3)
+    def timed(s: int, budget: float) -> float:
+        return nanogpt_lr(s, 3, 3, 0.1) if s < 3 else nanogpt_lr(s + 1, 3, budget, 0.1)
+
+    assert train(recipe, data, tmp_path / "time", "--max-time", "10", "--max-steps", "1000") == 0
+    lrs = _lrs(tmp_path / "time", 3e-3)
+    assert sorted(lrs) == list(range(10))
+    assert all(lrs[s] == pytest.approx(timed(s, 10)) for s in lrs)
+    assert lrs[2] == 1.0 and lrs[3] == pytest.approx(nanogpt_lr(1, 0, 7, 0.1)) and lrs[9] == pytest.approx(0.1)
+    (ckpt_dir,) = list_step_checkpoints(tmp_path / "time")
+    state = json.loads((ckpt_dir / "state.json").read_text())
+    assert state["warmup_elapsed_sec"] == 3.0 and state["elapsed_sec"] == 10.0
+
+    # resumed with a longer budget: the decay is stretched to 17 s from the same 3 s mark
+    import shutil
+
+    shutil.copytree(tmp_path / "time", tmp_path / "old")
+    assert train(recipe, data, tmp_path / "time", "--max-time", "17", "--max-steps", "1000", "--resume") == 0
+    lrs = _lrs(tmp_path / "time", 3e-3)
+    assert sorted(lrs) == list(range(17)) and all(lrs[s] == pytest.approx(timed(s, 17)) for s in range(11, 17))
+    assert lrs[10] == pytest.approx(timed(9, 17))  # a resumed run's first step has no step time to look ahead by
+    (old_dir,) = list_step_checkpoints(tmp_path / "old")  # a checkpoint written before warmup_elapsed_sec
+    state = json.loads((old_dir / "state.json").read_text())
+    del state["warmup_elapsed_sec"]
+    (old_dir / "state.json").write_text(json.dumps(state))
+    assert train(recipe, data, tmp_path / "old", "--max-time", "17", "--max-steps", "1000", "--resume") == 0
+    assert _lrs(tmp_path / "old", 3e-3) == pytest.approx(lrs)
+
+
+# --- MFU counts the FLOPs that run: no embedding lookups (issue 12) ----------------------------------------------
+def test_flops_per_token_counts_matmuls_head_and_attention_not_embeddings() -> None:
+    """6 x (every Linear weight in the blocks + the LM head) + causal attention 6 * L * H * hs * T (q k^T and
+    a v: 2 * hs FLOPs each per key forward, 3x that with backward, over T / 2 keys per query on average)."""
+    from gptlab.hardware import flops_per_token
+    from gptlab.model import parameter_breakdown
+
+    # pocket, untied: 6 layers, 6 query / 2 kv heads of 64, width 384, relu2 MLP 1536, vocab 50257, T 256
+    per_layer = 384 * (6 + 2 * 2) * 64 + 384 * 384 + 384 * 1536 + 1536 * 384
+    pocket = GPTConfig.preset("pocket")
+    expected = 6 * (6 * per_layer + 384 * 50257) + 6 * 6 * 6 * 64 * 256
+    assert expected == 175_954_176 and flops_per_token(pocket, 256) == expected
+    assert flops_per_token(pocket, 256, training=False) == expected / 3
+    # pythia-160m: 12 layers, 12 heads of 64, width 768, gelu MLP 3072 (biases and norms not counted), T 2048
+    per_layer = 768 * 3 * 768 + 768 * 768 + 768 * 3072 + 3072 * 768
+    pythia = GPTConfig.preset("pythia-160m")
+    expected = 6 * (12 * per_layer + 768 * 50304) + 6 * 12 * 12 * 64 * 2048
+    assert expected == 854_654_976 and flops_per_token(pythia, 2048) == expected
+    # the old count, 6 x all parameters + 6 * L * T * C, was 1.66x (pocket) and 1.27x (pythia) too high
+    assert 6 * parameter_breakdown(pocket)["total"] + 6 * 6 * 256 * 384 == pytest.approx(1.658 * 175_954_176, rel=1e-3)
+    # a gated MLP's c_fc is twice as wide: pocket-swiglu's hidden size is 1024
+    swiglu = GPTConfig.preset("pocket-swiglu")
+    per_layer = 384 * (6 + 2 * 2) * 64 + 384 * 384 + 384 * 2 * 1024 + 1024 * 384
+    assert flops_per_token(swiglu, 256) == 6 * (6 * per_layer + 384 * 50257) + 6 * 6 * 6 * 64 * 256
+
+    for cfg, T in ((pocket, 256), (pythia, 2048)):
+        base = flops_per_token(cfg, T)
+        # the vocabulary matters only through the head's matmul; the lookup into the table costs nothing
+        assert flops_per_token(cfg.replace(vocab_size=cfg.vocab_size + 1000), T) == base + 6 * cfg.n_embd * 1000
+        # a learned position table is a lookup too, and tying the head changes no matmul
+        assert flops_per_token(cfg.replace(position="learned"), T) == base
+        assert flops_per_token(cfg.replace(tie_embeddings=not cfg.tie_embeddings), T) == base
+    # sliding-window layers count the band they attend: w - w^2 / (2T) keys per query (T / 2 when w >= T)
+    attention = 6 * 6 * 6 * 64 * 256
+    assert flops_per_token(pocket.replace(sliding_window=256), 256) == 175_954_176
+    windowed = flops_per_token(pocket.replace(sliding_window=64), 256)
+    assert windowed == 175_954_176 - attention + attention * (64 - 64 * 64 / 512) / 128

@@ -50,9 +50,9 @@ class TrainConfig:
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest
     lr: float = 1e-3  # AdamW's peak learning rate
     min_lr: float = 0.0  # where the decay ends, as a fraction of the peak learning rate
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # linear warm-up; the decay runs over the steps after it
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # wsd = warmup, stable, linear decay
-    decay_fraction: float = 0.5  # wsd: the share of the run spent decaying
+    decay_fraction: float = 0.5  # wsd: the share of the run after warm-up spent decaying
     weight_decay: float = 0.1  # AdamW decay, on hidden matrices only
     adam_betas: tuple[float, float] = (0.9, 0.95)
     adam_eps: float = 1e-8

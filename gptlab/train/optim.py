@@ -13,8 +13,9 @@ decayed or stepped, and an optimizer that would get no parameters is not built.
 Two implementations (`impl`): "torch" (torch.optim.AdamW(fused=True), torch.optim.Muon) and "gptlab"
 (FusedAdamW, BatchedMuon below: the same updates, a second less start-up and a faster Muon for small models).
 
-Schedules are multipliers of each group's peak learning rate, functions of the step (for warm-up) and of
-progress in [0, 1]: step / max_steps, or elapsed / max_time for time budgets.
+Schedules are multipliers of each group's peak learning rate, functions of the step (for warm-up) and of the
+decay's progress in [0, 1], which counts only what follows warm-up: 0 when warm-up ends, 1 at max_steps (or at
+max_time for time budgets), as nanoGPT's `get_lr` does.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The learning-rate schedule: linear warm-up over `warmup_steps`, then
-    - cosine:   cosine decay from 1 to min_lr over the run;
-    - wsd:      stable at 1, then linear decay to min_lr over the last `decay_fraction` of the run;
+    """The learning-rate schedule: linear warm-up over `warmup_steps` (step s gets (s + 1) / warmup_steps, so the
+    last warm-up step is at the peak), then, over the rest of the run:
+    - cosine:   cosine decay from 1 to min_lr;
+    - wsd:      stable at 1, then linear decay to min_lr over the last `decay_fraction` of it;
     - constant.
-    `min_lr` is a fraction of the peak learning rate."""
+    `min_lr` is a fraction of the peak learning rate. The decay's `progress` comes from `step_progress` or
+    `time_progress`: 0 where warm-up ends, so the learning rate leaves the peak continuously."""
 
     warmup_steps: int = 10
     kind: Literal["cosine", "wsd", "constant"] = "cosine"
@@ -58,7 +61,8 @@ class Schedule:
     decay_fraction: float = 0.5
 
     def multiplier(self, step: int, progress: float) -> float:
-        """The factor applied to every peak learning rate at `step` (0-based) and `progress` in [0, 1]."""
+        """The factor applied to every peak learning rate at `step` (0-based), with the decay `progress` in
+        [0, 1] (the share of the run after warm-up that is done)."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         progress = min(max(progress, 0.0), 1.0)
@@ -70,8 +74,22 @@ class Schedule:
             if progress <= start or self.decay_fraction == 0:
                 return 1.0
             return floor + (1.0 - floor) * (1.0 - progress) / self.decay_fraction
-        # cosine over the whole run (by steps, or by time when progress is time-driven)
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def step_progress(self, step: int, max_steps: int) -> float:
+        """The decay's progress at `step` of a `max_steps` run: (step - warmup) / (max_steps - warmup)."""
+        return _share(step - self.warmup_steps, max_steps - self.warmup_steps)
+
+    @staticmethod
+    def time_progress(elapsed: float, max_time: float, warmup_elapsed: float) -> float:
+        """The decay's progress `elapsed` seconds into a `max_time` budget whose warm-up ended at
+        `warmup_elapsed`: (elapsed - warmup_elapsed) / (max_time - warmup_elapsed)."""
+        return _share(elapsed - warmup_elapsed, max_time - warmup_elapsed)
+
+
+def _share(done: float, span: float) -> float:
+    """done / span clamped to [0, 1]; 1 when nothing is left to decay over."""
+    return 1.0 if span <= 0 else min(max(done / span, 0.0), 1.0)
 
 
 def _fused_ok(params: list[torch.Tensor]) -> bool:

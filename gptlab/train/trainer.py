@@ -116,6 +116,8 @@ class Trainer:
         self.opt_spec, self.schedule = optimizer_spec(cfg), lr_schedule(cfg)
         self.optimizers = build_optimizers(self.model, self.opt_spec)
         self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
+        # elapsed_sec when warm-up ended (None before): a time budget's decay runs from there to max_time
+        self.warmup_elapsed: float | None = 0.0 if cfg.warmup_steps == 0 else None
         if resume_from is not None:
             self._load(resume_from)
         self.net = self.precision.train_module  # what forward/backward run on: maybe wrapped below
@@ -133,6 +135,7 @@ class Trainer:
             "step": self.step,
             "elapsed_sec": self.elapsed,
             "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
+            "warmup_elapsed_sec": self.warmup_elapsed,
             "tokens_seen": self.step * self.tokens_per_step,
             "rng": rng_state(),
             "config_hash": self.cfg.hash(RESUMABLE_CHANGES),
@@ -155,6 +158,9 @@ class Trainer:
                               f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
         self.step, self.elapsed = state["step"], state["elapsed_sec"]
         self.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
+        self.warmup_elapsed = state.get("warmup_elapsed_sec", self.warmup_elapsed)
+        if self.warmup_elapsed is None and self.step >= self.cfg.warmup_steps:  # a checkpoint from before the key
+            self.warmup_elapsed = self.elapsed * self.cfg.warmup_steps / self.step  # steps of about equal time
         restore_rng_state(state["rng"])
         self.precision.sync_weights()
 
@@ -229,8 +235,7 @@ class Trainer:
         model_cfg = self.model.config
         log = RunLog(
             self.run_dir, enabled=self.procs.is_master, quiet=self.quiet, tensorboard=self.cfg.tensorboard,
-            flops_per_token=flops_per_token(self.model.num_parameters(), model_cfg.n_layer, model_cfg.n_embd,
-                                            self.seq_len),
+            flops_per_token=flops_per_token(model_cfg, self.seq_len),
             device=self.device, world_size=self.procs.world, dtype=self.cfg.dtype,
         )
         bar = self._progress_bar()
@@ -254,10 +259,7 @@ class Trainer:
         window_t0, window_step = time.perf_counter(), self.step  # tokens/s over the steps since the last row
         while self.step < cfg.max_steps and not self._time_up():
             t0 = time.perf_counter()
-            progress = self.step / cfg.max_steps
-            if cfg.max_time is not None:  # time budgets: the schedule follows the clock (this step included)
-                progress = max(progress, (self.elapsed + self._last_step_time) / cfg.max_time)
-            multiplier = self.schedule.multiplier(self.step, progress)
+            multiplier = self._lr_multiplier()
             set_lr(self.optimizers, multiplier)
             loss = self.train_step()
             if not math.isfinite(loss):
@@ -298,6 +300,20 @@ class Trainer:
         log.say(f"done: step {self.step}, val loss {self.best_val:.4f} (best), {self.elapsed:.1f}s of training; "
                 f"checkpoint {path}")
         return 0
+
+    def _lr_multiplier(self) -> float:
+        """The schedule's factor for the coming step. Its decay starts where warm-up ends; under a time budget it
+        follows the clock too (whichever of max_steps and max_time is nearer), from the elapsed time at the end
+        of warm-up to max_time, taken at this step's end (elapsed plus the last step's time) so that the budget's
+        last step is at min_lr."""
+        cfg, schedule = self.cfg, self.schedule
+        if self.warmup_elapsed is None and self.step >= schedule.warmup_steps:
+            self.warmup_elapsed = self.elapsed
+        progress = schedule.step_progress(self.step, cfg.max_steps)
+        if cfg.max_time is not None and self.warmup_elapsed is not None:
+            clock = self.elapsed + self._last_step_time
+            progress = max(progress, schedule.time_progress(clock, cfg.max_time, self.warmup_elapsed))
+        return schedule.multiplier(self.step, progress)
 
     def _time_up(self) -> bool:
         return self.cfg.max_time is not None and self.elapsed >= self.cfg.max_time
