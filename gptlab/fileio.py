@@ -31,21 +31,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a UTF-8 text file through a temporary file, fsync and rename."""
+def atomic_write_file(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Have `write(tmp)` create a file at a temporary path beside `path`, then fsync it and rename it over
+    `path`: a crash leaves the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
+        write(Path(tmp))
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a UTF-8 text file through a temporary file, fsync and rename."""
+    atomic_write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 1) -> None:

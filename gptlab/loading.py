@@ -141,7 +141,7 @@ def load_lora_model(
 class Conversion:
     """What `convert` wrote: the format, the model, its tokenizer (None, and why, when the source had none)."""
 
-    to: str  # "hf", "gptlab" or "peft" (a LoRA run's adapters alone)
+    to: str  # "hf", "gptlab", "gguf" or "peft" (a LoRA run's adapters alone)
     destination: Path
     model: GPT
     tokenizer: Tokenizer | None
@@ -160,18 +160,21 @@ class Conversion:
 
 def convert(
     src: str | Path, dst: str | Path, to: str | None = None, dtype: torch.dtype | None = None,
-    adapter_only: bool = False,
+    adapter_only: bool = False, gguf_dtype: str = "f16",
 ) -> Conversion:
     """A Hugging Face directory -> a gptlab checkpoint, or a gptlab checkpoint / run -> a Hugging Face directory
-    (`to` overrides the direction, which otherwise follows from `src`). DST is replaced as a whole, atomically;
+    (`to` overrides the direction, which otherwise follows from `src`), or either -> one GGUF file for llama.cpp
+    (`to="gguf"`, its tensors in `gguf_dtype`: f32, f16, bf16 or q8_0). DST is replaced as a whole, atomically;
     the tokenizer comes along when SRC has one.
 
     A LoRA run converts merged (its base with the adapters folded in), or with `adapter_only` into a peft
     adapter directory for the Hugging Face form of its base."""
-    if to not in (None, "hf", "gptlab"):
-        raise GptlabError(f"cannot convert to {to!r}: choose hf or gptlab")
+    if to not in (None, "hf", "gptlab", "gguf"):
+        raise GptlabError(f"cannot convert to {to!r}: choose hf, gptlab or gguf")
     src = resolve_checkpoint(src)
     dst = Path(dst)
+    if to == "gguf":
+        return _convert_gguf(src, dst, gguf_dtype, adapter_only)
     _check_destination(src, dst)
     is_lora = (src / LORA_FILE).is_file()
     if adapter_only:
@@ -200,6 +203,20 @@ def _convert_adapter(src: Path, dst: Path) -> Conversion:
     note = "" if is_hf_dir(Path(base)) else (f"the base {base} is a gptlab checkpoint: convert it too (`gptlab "
                                              f"convert {base} BASE_HF --to hf`) and load the adapter onto that")
     return Conversion("peft", dst, model, tokenizer, no_tokenizer_reason=note, base=base)
+
+
+def _convert_gguf(src: Path, dst: Path, gguf_dtype: str, adapter_only: bool) -> Conversion:
+    from gptlab.interop.gguf import save_gguf
+
+    if adapter_only:
+        raise GptlabError("--adapter-only writes a peft directory; GGUF holds whole (merged) models")
+    if dst.is_dir():
+        raise GptlabError(f"DST {dst} is a directory: GGUF is one file (e.g. {dst / 'model.gguf'})")
+    if dst.exists() and dst.suffix != ".gguf":
+        raise GptlabError(f"DST {dst} exists and is not a .gguf file; refusing to replace it")
+    model, tokenizer = load_model(src, dtype=torch.float32)
+    save_gguf(model, dst, tokenizer, dtype=gguf_dtype)
+    return Conversion("gguf", dst, model, tokenizer)
 
 
 def _check_destination(src: Path, dst: Path) -> None:

@@ -6,21 +6,24 @@ from __future__ import annotations
 import argparse
 
 from gptlab.cli.options import torch_dtype
+from gptlab.errors import GptlabError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert", help="convert between gptlab checkpoints and Hugging Face directories",
         description="A Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM, GPTNeoXForCausalLM) "
-        "becomes a gptlab checkpoint; a gptlab checkpoint or run becomes a Hugging Face directory. The "
+        "becomes a gptlab checkpoint; a gptlab checkpoint or run becomes a Hugging Face directory; either "
+        "becomes one GGUF file for llama.cpp with --to gguf (GPT-2 and Llama families). The "
         "tokenizer comes along when SRC has one. DST is replaced atomically. A LoRA run is written with its "
         "adapters merged into the base, or with --adapter-only as a peft adapter directory.",
     )
     p.add_argument("src", metavar="SRC", help="a Hugging Face model directory, a gptlab checkpoint or a run")
     p.add_argument("dst", metavar="DST", help="the directory to write")
-    p.add_argument("--to", choices=["hf", "gptlab"], help="output format (default: the one SRC is not in)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="cast the weights (default: keep theirs)")
+    p.add_argument("--to", choices=["hf", "gptlab", "gguf"],
+                   help="output format (default: the one SRC is not in); gguf: one file llama.cpp runs")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "f32", "f16", "bf16", "q8_0"],
+                   help="cast the weights (default: keep theirs; for --to gguf: f16); q8_0 is GGUF's 8-bit")
     p.add_argument("--adapter-only", action="store_true",
                    help="a LoRA run: write only its adapters, as a peft directory (PeftModel.from_pretrained)")
     p.set_defaults(run=run)
@@ -29,7 +32,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from gptlab.loading import convert
 
-    done = convert(args.src, args.dst, to=args.to, dtype=torch_dtype(args.dtype) if args.dtype else None,
+    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+    long = {v: k for k, v in short.items()}
+    if args.to == "gguf":
+        done = convert(args.src, args.dst, to="gguf", adapter_only=args.adapter_only,
+                       gguf_dtype=short.get(args.dtype, args.dtype or "f16"))
+        size = done.destination.stat().st_size
+        print(f"wrote GGUF ({done.model.num_parameters():,} parameters, {args.dtype or 'f16'}, "
+              f"{size / 2**20:.1f} MiB) to {done.destination}")
+        return 0
+    if args.dtype == "q8_0":
+        raise GptlabError("--dtype q8_0 is GGUF's 8-bit format: add --to gguf")
+    dtype = long.get(args.dtype, args.dtype)
+    done = convert(args.src, args.dst, to=args.to, dtype=torch_dtype(dtype) if dtype else None,
                    adapter_only=args.adapter_only)
     model, dst = done.model, done.destination
     if done.to == "peft":

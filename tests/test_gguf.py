@@ -1,0 +1,163 @@
+"""GGUF export: written with the `gguf` package, read back with its reader (tensors, metadata and tokenizer equal
+what gptlab holds), GPT-2's merges against OpenAI's own vocab.bpe, and (slow, with llama-cpp-python) llama.cpp's
+greedy tokens against gptlab's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gptlab import GPT, GPTConfig
+from gptlab.checkpoint import save_model
+from gptlab.cli import main
+from gptlab.errors import GptlabError
+from gptlab.tokenizer import CharTokenizer
+
+gguf = pytest.importorskip("gguf")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+
+
+def _field(reader, key):  # noqa: ANN001, ANN202
+    field = reader.fields[key]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode()
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        return [bytes(field.parts[i]).decode() if field.types[-1] == gguf.GGUFValueType.STRING
+                else field.parts[i].tolist()[0] for i in field.data]
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def _tensor(reader, name: str) -> np.ndarray:  # noqa: ANN001
+    t = next(t for t in reader.tensors if t.name == name)
+    data = gguf.quants.dequantize(t.data, t.tensor_type)
+    return np.asarray(data, dtype=np.float32).reshape(list(reversed(t.shape.tolist())))
+
+
+def _char_gpt2(tmp_path: Path) -> tuple[GPT, CharTokenizer, Path]:
+    tok = CharTokenizer.from_text(TEXT)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=tok.vocab_size,
+                                 block_size=32)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    save_model(tmp_path / "ckpt", model, tok)
+    return model, tok, tmp_path / "ckpt"
+
+
+def test_gpt2_round_trip_through_the_gguf_reader(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model, tok, ckpt = _char_gpt2(tmp_path)
+    assert main(["convert", str(ckpt), str(tmp_path / "m.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
+    assert "wrote GGUF" in capsys.readouterr().out
+    r = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert _field(r, "general.architecture") == "gpt2"
+    cfg = model.config
+    for key, value in [("gpt2.block_count", 2), ("gpt2.embedding_length", 64), ("gpt2.context_length", 32),
+                       ("gpt2.attention.head_count", 4), ("gpt2.feed_forward_length", 256)]:
+        assert _field(r, key) == value, key
+    assert _field(r, "gpt2.attention.layer_norm_epsilon") == pytest.approx(cfg.norm_eps)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert np.array_equal(_tensor(r, "token_embd.weight"), state["transformer.wte.weight"])
+    assert np.array_equal(_tensor(r, "output.weight"), state["transformer.wte.weight"])  # tied: written anyway
+    assert np.array_equal(_tensor(r, "blk.1.attn_qkv.weight"), state["transformer.h.1.attn.c_attn.weight"])
+    assert np.array_equal(_tensor(r, "blk.0.ffn_down.bias"), state["transformer.h.0.mlp.c_proj.bias"])
+    assert np.array_equal(_tensor(r, "position_embd.weight"), state["transformer.wpe.weight"])
+    assert len(r.tensors) == 2 * 12 + 5
+    # the characters, spelled as byte-level BPE tokens (space is "Ġ", newline "Ċ")
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    assert tokens == [{" ": "Ġ", "\n": "Ċ"}.get(c, c) for c in tok.chars]
+
+
+def test_llama_q8_0_and_rope_rows(tmp_path: Path) -> None:
+    """Llama's q and k rows are interleaved per head for llama.cpp's RoPE; q8_0 keeps each row within half a
+    quantization step; the Hugging Face BPE tokenizer's vocabulary, merges and special tokens come along."""
+    from helpers import hf_llama_dir
+
+    from gptlab.interop.gguf import interleave_rope_rows
+    from gptlab.loading import convert, load_model
+
+    src = hf_llama_dir(tmp_path / "hf", TEXT * 20, vocab_size=300)
+    model, tok = load_model(src)
+    convert(src, tmp_path / "m.gguf", to="gguf", gguf_dtype="q8_0")
+    r = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert _field(r, "general.architecture") == "llama"
+    assert _field(r, "llama.attention.head_count_kv") == 1
+    assert _field(r, "llama.rope.dimension_count") == 16
+    w = model.state_dict()["transformer.h.0.attn.c_attn.weight"].numpy()
+    expected = interleave_rope_rows(w[:32], 2, 16)
+    scale = np.abs(expected).max(axis=1, keepdims=True) / 127  # one q8_0 block per row of 32
+    # half a step, plus the f16 rounding of the block scale times the largest code (127 * 2^-11 steps)
+    assert np.all(np.abs(_tensor(r, "blk.0.attn_q.weight") - expected) <= scale * 0.57)
+    # the permutation moves row d/2 + i of each head next to row i
+    rows = interleave_rope_rows(np.arange(32)[:, None], 2, 16)[:, 0]
+    assert rows[:4].tolist() == [0, 8, 1, 9] and rows[16:18].tolist() == [16, 24]
+    assert _tensor(r, "blk.0.attn_norm.weight").dtype == np.float32
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    assert tokens[tok.eot_id] == "<|endoftext|>"
+    assert _field(r, "tokenizer.ggml.eos_token_id") == tok.eot_id
+    assert _field(r, "tokenizer.ggml.token_type")[tok.bos_id] == 3  # control
+    assert len(_field(r, "tokenizer.ggml.merges")) > 0
+
+
+@pytest.mark.skipif(not (SHARED / "gpt2" / "vocab.bpe").is_file(), reason="needs ../shared/data/gpt2/vocab.bpe")
+def test_gpt2_merges_recovered_from_tiktoken_equal_openais_vocab_bpe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", os.environ.get("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache")))
+    from gptlab.interop.gguf import gguf_vocabulary
+    from gptlab.tokenizer import GPT2Tokenizer
+
+    tokens, merges, types = gguf_vocabulary(GPT2Tokenizer(), 50257)
+    reference = (SHARED / "gpt2" / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]
+    assert merges == [line for line in reference if line]
+    assert tokens[50256] == "<|endoftext|>" and types[50256] == 3 and tokens[220] == "Ġ"
+
+
+def test_gguf_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _, _, ckpt = _char_gpt2(tmp_path)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "notes.txt").write_text("keep me")
+    neox = GPT(GPTConfig.preset("pythia-70m", n_layer=1, n_embd=64, n_head=4, vocab_size=40, block_size=16))
+    save_model(tmp_path / "neox", neox, CharTokenizer.from_text(TEXT))
+    cases = [
+        (["convert", str(ckpt), str(tmp_path / "dir"), "--to", "gguf"], "is a directory"),
+        (["convert", str(ckpt), str(tmp_path / "notes.txt"), "--to", "gguf"], "not a .gguf file"),
+        (["convert", str(tmp_path / "neox"), str(tmp_path / "n.gguf"), "--to", "gguf"], "GPT-NeoX"),
+        (["convert", str(ckpt), str(tmp_path / "out"), "--dtype", "q8_0"], "--to gguf"),
+    ]
+    for argv, message in cases:
+        assert main(argv) != 0
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    assert not (tmp_path / "n.gguf").exists()
+    with pytest.raises(GptlabError, match="single-byte"):
+        from gptlab.interop.gguf import gguf_vocabulary
+
+        gguf_vocabulary(CharTokenizer.from_text("naïve"), 10)
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_the_file_with_gptlabs_greedy_tokens(tmp_path: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the `bench` extra)")
+    from helpers import hf_llama_dir
+
+    import gptlab
+    from gptlab.loading import convert, load_model
+
+    for name, src in [("llama", hf_llama_dir(tmp_path / "hf", TEXT * 20, vocab_size=300))]:
+        model, tok = load_model(src)
+        convert(src, tmp_path / f"{name}.gguf", to="gguf", gguf_dtype="f32")
+        llm = llama_cpp.Llama(str(tmp_path / f"{name}.gguf"), n_ctx=64, verbose=False, n_threads=1)
+        prompt = tok.encode("To be, or")
+        ours = gptlab.generate(model, torch.tensor([prompt]), max_new_tokens=12, temperature=0.0)[0, len(prompt):]
+        theirs = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            theirs.append(token)
+            if len(theirs) == 12:
+                break
+        assert theirs == ours.tolist(), name
