@@ -95,7 +95,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from gptlab.config import GPTConfig
-    from gptlab.hardware import flops_per_token, peak_flops, retain_freed_memory
+    from gptlab.flops import flops_per_token
+    from gptlab.hardware import peak_flops, retain_freed_memory
 
     if not args.default_malloc:  # as `gptlab train` does; process-wide, so transformers gets it too
         print(f"freed memory kept for reuse (glibc mallopt): {retain_freed_memory()}")

@@ -10,7 +10,7 @@ it takes hundreds of thousands of page faults out of every GPT-2-sized training 
 nothing on a laptop CPU. Instead a short probe times large square matmuls in fp32 and bf16 on the training
 device and thread count, and caches the best rate in ~/.cache/gptlab/hardware.json (GPTLAB_CACHE_DIR overrides
 the folder). MFU is then "share of what this machine's matmul kernels reach", honest for comparing recipes on
-one machine. `flops_per_token` is the other half of MFU: the matmul FLOPs a model's training step runs per token.
+one machine. The other half of MFU, the FLOPs per token, is `gptlab.flops`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json
 
 if TYPE_CHECKING:
-    from gptlab.config import GPTConfig
+    pass
 
 CACHE_FILE = "hardware.json"
 
@@ -126,34 +126,3 @@ def peak_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.fl
     except OSError:
         pass  # a read-only home: measure again next time
     return flops
-
-
-def flops_per_token(config: GPTConfig, seq_len: int, *, training: bool = True) -> float:
-    """Model FLOPs per token of `config`'s GPT over sequences of `seq_len` tokens: what MFU divides by.
-
-    Only matmuls count, and only those that run. A matmul with a weight of P entries costs 2P FLOPs per token
-    forward and 4P backward (the input's and the weight's gradients): 6P to train, 2P to infer. Counted are
-    - every nn.Linear weight in the blocks (q/k/v with their real head_dim and n_kv_head, the output projection,
-      a gated MLP's double-width c_fc), from the model's own shapes on the meta device;
-    - the LM head, n_embd x vocab_size, whether tied or not: its matmul runs either way;
-    - attention's scores (q k^T) and weighted values (a v): 2 * hs FLOPs each per head per key a query sees,
-      forward; backward twice that. Causal attention counts the keys a query sees on average, T / 2 (half the
-      T x T score matrix, as FlashAttention's benchmarks count causal FLOPs; PaLM's 12 * L * H * hs * T counts
-      all T), so training costs 12 * hs * H * T / 2 = 6 * L * H * hs * T. A sliding-window layer counts the
-      window's band, w - w^2 / (2T) keys per query with w = min(window, T).
-    Not counted: embedding and position-table lookups (no arithmetic), norms, biases, activations, softmax.
-    """
-    import torch.nn as nn
-
-    from gptlab.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(config)
-    matmul_params = sum(m.weight.numel() for m in model.transformer.h.modules() if isinstance(m, nn.Linear))
-    head = config.n_embd * config.vocab_size
-    keys = 0.0  # keys seen per query, summed over layers
-    for layer in range(config.n_layer):
-        w = min(config.sliding_window, seq_len) if config.sliding_layer(layer) else seq_len
-        keys += w - w * w / (2 * seq_len)
-    attention = 4 * config.n_head * config.head_size * keys  # forward: 2 * hs for q k^T and 2 * hs for a v
-    return (3 if training else 1) * (2 * (matmul_params + head) + attention)

@@ -30,7 +30,8 @@ from gptlab.data import check_split_fits, read_meta
 from gptlab.errors import GptlabError
 from gptlab.evaluate import evaluate_loss
 from gptlab.fileio import atomic_write_json, atomic_write_text
-from gptlab.hardware import flops_per_token, resolve_device
+from gptlab.flops import flops_per_token
+from gptlab.hardware import resolve_device
 from gptlab.train.batches import Split, sequence_length, step_batch
 from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
