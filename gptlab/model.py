@@ -114,6 +114,11 @@ class Block(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------------
+def embedding(num: int, dim: int, init: bool) -> nn.Embedding:
+    """nn.Embedding, left uninitialized (its own N(0, 1) init skipped) when `init` is False."""
+    return nn.Embedding(num, dim) if init else nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class GPT(nn.Module):
     # Trainers may set this to trade compute for memory: blocks keep only their inputs for backward and run their
     # forward again there (torch.utils.checkpoint), so activations of one block at a time are held.
@@ -123,9 +128,12 @@ class GPT(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
+        # Built on the meta device (shapes only, for weights loaded next), nothing is initialized: meta tensors
+        # hold no values, and normal_'s meta kernel would import torch._dynamo (over a second of start-up).
+        init = torch.get_default_device().type != "meta"
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wte=embedding(config.vocab_size, config.n_embd, init),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 # a post-norm block already ends in a norm, so the final norm would be redundant
@@ -133,13 +141,14 @@ class GPT(nn.Module):
             )
         )
         if config.position == "learned":
-            self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+            self.transformer["wpe"] = embedding(config.block_size, config.n_embd, init)
         if config.embedding_norm:
             self.transformer["ln_emb"] = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
-        self.reset_parameters()
+        if init:
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 * n_layer) (unless

@@ -592,3 +592,42 @@ def test_a_long_prompt_is_prefilled_while_other_rows_decode():
     assert [short.token_ids, long.token_ids] == [g.token_ids for g in alone[:2]]
     again = engine.run([engine.prepare(p, params) for p in later])  # used rows start from scratch
     assert [g.token_ids for g in again] == [g.token_ids for g in alone[2:]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Start-up and per-call costs
+# ---------------------------------------------------------------------------------------------------------
+def test_generate_packs_a_model_once_and_again_only_what_changed(monkeypatch):
+    """Each `generate` call builds an engine; the packed weights are the model's, made by the first call. An
+    in-place write is noticed: the next call packs that weight again instead of decoding with the stale copy."""
+    from gptlab.generation import packed_linear
+
+    model = tiny_model(bias=True)  # fp32 on a CPU: packing always helps
+    packed = []
+    pack = packed_linear._pack
+    monkeypatch.setattr(packed_linear, "_pack", lambda module, hint: packed.append(module) or pack(module, hint))
+    prompt, n = [1, 2, 3], 20
+    first = generate(model, torch.tensor([prompt]), n, temperature=0)[0, 3:].tolist()
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    assert len(packed) == len(linears)
+    assert generate(model, torch.tensor([prompt]), n, temperature=0)[0, 3:].tolist() == first
+    assert len(packed) == len(linears)  # the second call packed nothing
+    changed = [block.mlp.c_fc for block in model.transformer.h]
+    with torch.no_grad():
+        for linear in changed:
+            linear.weight.add_(1)
+    after = generate(model, torch.tensor([prompt]), n, temperature=0)[0, 3:].tolist()
+    assert packed[len(linears):] == changed  # packed again: the changed weights only
+    assert after == reference_greedy(model, prompt, n) != first  # the new weights' tokens, not the stale ones
+    packed_linear.forget_packed(model)  # e.g. after writes through `.data`, which no version counter sees
+    generate(model, torch.tensor([prompt]), n, temperature=0)
+    assert len(packed) == 2 * len(linears) + len(changed)
+
+
+def test_loading_and_sampling_do_not_import_torch_dynamo(char_checkpoint):
+    """Building the model on the meta device must not run init (normal_'s meta kernel imports torch._dynamo,
+    over a second of `gptlab sample` start-up)."""
+    code = ("import sys, torch; from gptlab import generate, load_model; "
+            f"model, _ = load_model({str(char_checkpoint[0])!r}); generate(model, torch.tensor([[1]]), 20); "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

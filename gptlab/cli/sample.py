@@ -91,6 +91,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from gptlab.generation import Engine, cache_length, stream_deltas
+    from gptlab.generation.api import PACK_MIN_TOKENS
     from gptlab.hardware import resolve_device
     from gptlab.loading import load_model
 
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         )
     ids = _prompt_ids(prompt, tokenizer)
     # one cache, reused by every sample
-    engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens))
+    engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens),
+                    pack_weights=params.max_new_tokens * args.num_samples >= PACK_MIN_TOKENS)
     out = sys.stdout
     for i in range(args.num_samples):
         gen = engine.prepare(ids, params, sample_index=i, truncate_prompt=args.truncate_prompt)

@@ -122,7 +122,8 @@ class Engine:
         self.slots: list[Generation | None] = [None] * max_batch
         self._counts: torch.Tensor | None = None  # (max_batch, V) output-token counts, made on first penalty
         self._seen: torch.Tensor | None = None  # (max_batch, V) tokens in prompt or output
-        # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards
+        # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
+        # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         self._packed = try_pack(model, max_batch) if pack_weights else None
 
     def _kernels(self) -> contextlib.AbstractContextManager:

@@ -20,9 +20,10 @@ model is untouched outside generation. Two things keep this from changing what t
 * The packed copies are snapshots, so each one remembers which weight it was made from: when the weight was
   replaced or changed in place since (an optimizer step, `load_state_dict`, `.to(dtype)`: anything that bumps
   the tensor's version counter or moves its storage), `active()` packs it again. Writes through `weight.data`
-  bypass the version counter and are not noticed: pack again after those.
+  bypass the version counter and are not noticed: pack again after those (`forget_packed`).
 
-The packed copies cost one extra copy of the Linear weights in memory.
+`try_pack` packs a model once and keeps the copies as long as the model lives, so that every `generate` call
+(each builds an engine) does not pack all of it again; they cost one extra copy of the Linear weights in memory.
 """
 
 from __future__ import annotations
@@ -129,11 +130,18 @@ def packable(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
+def _layout(model: nn.Module, batch_hint: int) -> tuple:
+    """Which Linear modules a model has, their weights' dtypes and devices: what packing them depends on."""
+    linears = (m for m in model.modules() if packable(m))
+    return batch_hint, tuple((id(m), m.weight.dtype, m.weight.device) for m in linears)
+
+
 class PackedLinears:
     """Packed copies of a model's plain Linear weights; see the module docstring."""
 
     def __init__(self, model: nn.Module, batch_hint: int = 1) -> None:
         self.batch_hint = batch_hint
+        self.layout = _layout(model, batch_hint)
         packs = (_pack(m, batch_hint) for m in model.modules() if packable(m))
         self.packs = [p for p in packs if p is not None]
 
@@ -167,7 +175,22 @@ class PackedLinears:
                 p.module.__dict__.pop("forward", None)
 
 
+_PACKED: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()  # model -> its packs
+
+
 def try_pack(model: nn.Module, batch_hint: int = 1) -> PackedLinears | None:
-    """PackedLinears where packing helps and works for some Linear; None (plain linears) otherwise."""
-    packed = PackedLinears(model, batch_hint)
+    """The model's PackedLinears where packing helps and works for some Linear; None (plain linears) otherwise.
+
+    Packed on the first call and reused by the next ones (`active()` packs again the weights that changed), or
+    packed anew when the Linear modules, their dtypes or devices, or the batch hint differ from last time."""
+    packed = _PACKED.get(model)
+    # weights made under inference_mode keep no version counter: a write to them could not be noticed later
+    untracked = packed is not None and any(p.fingerprint[0] is None for p in packed.packs)
+    if packed is None or untracked or packed.layout != _layout(model, batch_hint):
+        packed = _PACKED[model] = PackedLinears(model, batch_hint)
     return packed if packed.packs else None
+
+
+def forget_packed(model: nn.Module) -> None:
+    """Drop the model's packed copies (their memory; a write through `weight.data` they could not notice)."""
+    _PACKED.pop(model, None)
