@@ -77,7 +77,7 @@ class RopeScaling:
         for f in dataclasses.fields(self):
             if f.name != "kind" and f.name not in uses and getattr(self, f.name) != f.default:
                 raise ValueError(f"rope_scaling.{f.name} does not apply to {self.kind} scaling")
-        if not (isinstance(self.factor, (int, float)) and self.factor >= 1.0):
+        if self.factor < 1.0:
             raise ValueError(f"rope_scaling.factor must be a number >= 1, got {self.factor!r}")
         if "original_context" in uses and (not isinstance(self.original_context, int) or self.original_context < 2):
             raise ValueError(f"rope_scaling.original_context must be an integer >= 2 for {self.kind} scaling, "
@@ -93,13 +93,17 @@ class RopeScaling:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RopeScaling:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown rope_scaling field(s): {', '.join(unknown)}")
+        check_known_fields(cls, d, "rope_scaling")
         if "kind" not in d:
             raise ValueError(f"rope_scaling needs a kind: one of {', '.join(cls._USES)}")
         return cls(**d)
+
+
+def check_known_fields(cls: type, d: dict[str, Any], what: str) -> None:
+    """ValueError naming the keys of `d` that are not fields of the dataclass `cls`."""
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"unknown {what} field(s): {', '.join(unknown)}")
 
 
 def _is_number(value: object) -> bool:
@@ -297,10 +301,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown GPTConfig field(s): {', '.join(unknown)}")
+        check_known_fields(cls, d, "GPTConfig")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

@@ -73,18 +73,25 @@ def _yarn(inv_freq: torch.Tensor, s: RopeScaling, dim: int, base: float) -> torc
     return inv_freq / s.factor * (1 - keep) + inv_freq * keep
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's cos/sin factor for a context stretched `scale` times: 0.1 m ln(scale) + 1 (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def longrope_mscale(scale: float, original_context: int) -> float:
+    """LongRoPE's cos/sin factor: sqrt(1 + ln(scale) / ln(original context)) (1 when not stretched)."""
+    return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original_context))
+
+
 def _yarn_attention_factor(s: RopeScaling) -> float:
-    if s.attention_factor is not None:
-        return s.attention_factor
-    return 1.0 if s.factor <= 1 else 0.1 * math.log(s.factor) + 1.0
+    return s.attention_factor if s.attention_factor is not None else yarn_mscale(s.factor)
 
 
 def longrope_attention_factor(s: RopeScaling, config: GPTConfig) -> float:
-    """The paper's sqrt(1 + ln(scale) / ln(original)), scale being the context's stretch, unless set."""
+    """Set, or the paper's rule on the context's stretch (block_size over the original context)."""
     if s.attention_factor is not None:
         return s.attention_factor
-    scale = config.block_size / s.original_context
-    return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(s.original_context))
+    return longrope_mscale(config.block_size / s.original_context, s.original_context)
 
 
 def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,6 @@ files, which are read with `weights_only=True`, never unpickled).
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from safetensors.torch import load_file
 from gptlab.config import GPTConfig, RopeScaling
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_json_object
-from gptlab.rope import inv_frequencies
+from gptlab.rope import inv_frequencies, longrope_mscale, yarn_mscale
 
 # GPTConfig fields every family writes, or that change nothing in a family that lacks them (rope_base under
 # learned positions, gelu_approximate under SwiGLU). Every other field is a switch: a family exports a config only
@@ -111,8 +110,7 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
     elif kind == "longrope":
         attention = params.get("attention_factor")
         if attention is None:  # the paper's rule, on the stretch of the context
-            scale = float(factor or 1.0)
-            attention = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+            attention = longrope_mscale(float(factor or 1.0), original)
         fields.update(attention_factor=float(attention), short_factor=get(params, "short_factor"),
                       long_factor=get(params, "long_factor"))
     try:
@@ -125,13 +123,9 @@ def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
     """YaRN's cos/sin factor: given, or 0.1 ln(factor) + 1, or its ratio form with mscale / mscale_all_dim."""
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if params.get("mscale") and params.get("mscale_all_dim"):
-        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
-    return mscale(factor)
+        return yarn_mscale(factor, params["mscale"]) / yarn_mscale(factor, params["mscale_all_dim"])
+    return yarn_mscale(factor)
 
 
 def context_from_hf(max_pos: int, scaling: RopeScaling | None) -> int:
@@ -222,6 +216,12 @@ ANY = _Any()
 def unsupported_export(family: str, switch: str, why: str) -> GptlabError:
     """The error of a family that fits a config's switches but not a relation between them."""
     return GptlabError(f"cannot export to Hugging Face: {switch} has no equivalent in {family} ({why})")
+
+
+def check_multi_head(cfg: GPTConfig, family: str) -> None:
+    """For families without grouped-query attention (GPT-2, GPT-NeoX, GPT-J)."""
+    if cfg.n_kv_head != cfg.n_head:
+        raise unsupported_export(family, f"n_kv_head={cfg.n_kv_head}", "it has as many key/value heads as query heads")
 
 
 # ------------------------------------------------------------------------------------------------------------

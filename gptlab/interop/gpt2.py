@@ -13,7 +13,7 @@ import torch
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.interop.common import Rule, gelu_approximate, get, same, transposed, unsupported_export
+from gptlab.interop.common import Rule, check_multi_head, gelu_approximate, get, same, transposed
 
 NAME = "GPT-2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -56,8 +56,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def check_export(cfg: GPTConfig) -> None:
     """What EXPRESSES can't say: GPT-2 has as many key/value heads as query heads."""
-    if cfg.n_kv_head != cfg.n_head:
-        raise unsupported_export(NAME, f"n_kv_head={cfg.n_kv_head}", "it has as many key/value heads as query heads")
+    check_multi_head(cfg, NAME)
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:

@@ -13,7 +13,16 @@ from typing import Any
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.interop.common import Rule, concatenated, gelu_approximate, get, keep, same, unsupported_export
+from gptlab.interop.common import (
+    Rule,
+    check_multi_head,
+    concatenated,
+    gelu_approximate,
+    get,
+    keep,
+    same,
+    unsupported_export,
+)
 
 NAME = "GPT-J"
 ARCHITECTURE = "GPTJForCausalLM"
@@ -61,8 +70,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def check_export(cfg: GPTConfig) -> None:
     """GPT-J has as many key/value heads as query heads and a RoPE base of 10000."""
-    if cfg.n_kv_head != cfg.n_head:
-        raise unsupported_export(NAME, f"n_kv_head={cfg.n_kv_head}", "it has as many key/value heads as query heads")
+    check_multi_head(cfg, NAME)
     if cfg.rope_base != 10000.0:
         raise unsupported_export(NAME, f"rope_base={cfg.rope_base}", "its RoPE base is fixed at 10000")
 

@@ -82,16 +82,17 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_export(cfg: GPTConfig) -> None:
-    """What EXPRESSES can't say: Llama rotates every dim of each head, and one flag biases q, k, v and o."""
     check_llama_export(cfg, NAME)
-    if cfg.has_bias("qkv") != cfg.has_bias("attn_proj"):
-        raise unsupported_export(NAME, f"qkv_bias={cfg.has_bias('qkv')} with attn_proj_bias="
-                                 f"{cfg.has_bias('attn_proj')}", "attention_bias covers q, k, v and o together")
 
 
-def check_llama_export(cfg: GPTConfig, family: str) -> None:
+def check_llama_export(cfg: GPTConfig, family: str, shared_attention_bias: bool = True) -> None:
+    """What EXPRESSES can't say: these families rotate every dim of each head, and (but Qwen2, whose q, k, v have
+    biases and o has none) one attention_bias flag biases q, k, v and o together."""
     if cfg.rotary_dim != cfg.head_size:
         raise unsupported_export(family, f"rotary_fraction={cfg.rotary_fraction}", "it rotates every dim of each head")
+    if shared_attention_bias and cfg.has_bias("qkv") != cfg.has_bias("attn_proj"):
+        raise unsupported_export(family, f"qkv_bias={cfg.has_bias('qkv')} with attn_proj_bias="
+                                 f"{cfg.has_bias('attn_proj')}", "attention_bias covers q, k, v and o together")
 
 
 def llama_config_to_hf(cfg: GPTConfig, activation: dict[str, str] | None = None) -> dict[str, Any]:

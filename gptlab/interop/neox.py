@@ -18,6 +18,7 @@ from gptlab.errors import GptlabError
 from gptlab.interop.common import (
     ANY,
     Rule,
+    check_multi_head,
     context_from_hf,
     gelu_approximate,
     get,
@@ -26,7 +27,6 @@ from gptlab.interop.common import (
     rope_settings,
     rope_to_hf,
     same,
-    unsupported_export,
 )
 
 NAME = "GPT-NeoX"
@@ -76,8 +76,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def check_export(cfg: GPTConfig) -> None:
     """What EXPRESSES can't say: GPT-NeoX has as many key/value heads as query heads."""
-    if cfg.n_kv_head != cfg.n_head:
-        raise unsupported_export(NAME, f"n_kv_head={cfg.n_kv_head}", "it has as many key/value heads as query heads")
+    check_multi_head(cfg, NAME)
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gptlab.config import GPTConfig
-from gptlab.interop.common import ANY, get, keep, unsupported_export
+from gptlab.interop.common import ANY, get, keep
 from gptlab.interop.llama import IGNORE, check_llama_export, llama_config, llama_config_to_hf, llama_rules
 from gptlab.interop.qwen2 import qwen_window, qwen_window_to_hf
 
@@ -27,10 +27,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_export(cfg: GPTConfig) -> None:
-    """One attention_bias flag covers q, k, v and o."""
     check_llama_export(cfg, NAME)
-    if cfg.has_bias("qkv") != cfg.has_bias("attn_proj"):
-        raise unsupported_export(NAME, "qkv_bias != attn_proj_bias", "attention_bias covers q, k, v and o together")
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
