@@ -369,6 +369,17 @@ def test_export_refuses_switches_without_equivalent(change: dict, switch: str, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("preset", ["gemma-2-2b", "qwen3-0.6b", "tinyllama-1.1b"])
+def test_one_attention_bias_flag_refuses_biases_on_qkv_alone(preset: str, tmp_path: Path) -> None:
+    """Gemma 2, Qwen3 and Llama have one attention_bias flag for q, k, v and o: q/k/v biases without an output
+    bias are refused (written as attention_bias=true, transformers would add a random o_proj bias)."""
+    cfg = GPTConfig.preset(preset, n_layer=1, n_embd=64, n_head=4, n_kv_head=2, head_dim=16, mlp_hidden=96,
+                           vocab_size=VOCAB, block_size=32, qkv_bias=True, attn_proj_bias=False)
+    with pytest.raises(GptlabError, match="attention_bias covers q, k, v and o together"):
+        save_hf(GPT(cfg), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_switch_no_family_lists_is_refused_until_one_does(tmp_path: Path) -> None:
     """The seam for new switches: a GPTConfig field that no family's EXPRESSES names exports only at its
     default, so a model gptlab can build but no family can hold is never written as a different model."""

@@ -76,7 +76,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_export(cfg: GPTConfig) -> None:
-    check_llama_export(cfg, NAME, shared_attention_bias=False)
+    check_llama_export(cfg, NAME)
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
