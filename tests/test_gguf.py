@@ -135,10 +135,20 @@ def test_gguf_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         assert message in err and "Traceback" not in err, (argv, err)
     assert (tmp_path / "notes.txt").read_text() == "keep me"
     assert not (tmp_path / "n.gguf").exists()
-    with pytest.raises(GptlabError, match="single-byte"):
-        from gptlab.interop.gguf import gguf_vocabulary
+    from gptlab.interop.gguf import gguf_vocabulary
 
+    with pytest.raises(GptlabError, match="single-byte"):
         gguf_vocabulary(CharTokenizer.from_text("naïve"), 10)
+    # a BPE that splits text otherwise than GPT-2 would tokenize differently in llama.cpp: refused
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from gptlab.tokenizer import HFTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=60, show_progress=False))
+    with pytest.raises(GptlabError, match="ByteLevel pre-tokenizer.*'Whitespace'"):
+        gguf_vocabulary(HFTokenizer(bpe, kind="bpe"), 60)
 
 
 @pytest.mark.slow
@@ -149,11 +159,15 @@ def test_llama_cpp_runs_the_file_with_gptlabs_greedy_tokens(tmp_path: Path) -> N
     import gptlab
     from gptlab.loading import convert, load_model
 
-    for name, src in [("llama", hf_llama_dir(tmp_path / "hf", TEXT * 20, vocab_size=300))]:
+    _, _, gpt2_ckpt = _char_gpt2(tmp_path)
+    for name, src in [("llama", hf_llama_dir(tmp_path / "hf", TEXT * 20, vocab_size=300)), ("gpt2", gpt2_ckpt)]:
         model, tok = load_model(src)
         convert(src, tmp_path / f"{name}.gguf", to="gguf", gguf_dtype="f32")
         llm = llama_cpp.Llama(str(tmp_path / f"{name}.gguf"), n_ctx=64, verbose=False, n_threads=1)
         prompt = tok.encode("To be, or")
+        # the tokenizer came along: llama.cpp splits text into the same ids
+        text = "Whether 'tis nobler in the mind"
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text), name
         ours = gptlab.generate(model, torch.tensor([prompt]), max_new_tokens=12, temperature=0.0)[0, len(prompt):]
         theirs = []
         for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):

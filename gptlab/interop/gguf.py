@@ -16,6 +16,7 @@ tokenizer whose characters are single bytes (no merges needed).
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def save_gguf(model: torch.nn.Module, path: str | Path, tokenizer: Any, dtype: s
         writer = gguf.GGUFWriter(str(tmp), arch)
         _write_metadata(gguf, writer, cfg, arch, dtype, cfg.name)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("gpt-2" if getattr(tokenizer, "kind", "") == "gpt2" else "default")
+        writer.add_tokenizer_pre("gpt-2")  # GPT-2's split regex: the one pre-tokenizer gptlab writes (see below)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)
@@ -231,12 +232,17 @@ def _split_by_rank(ranks: dict[bytes, int], token: bytes, rank: int) -> tuple[by
 
 
 def _hf_vocabulary(tokenizer: Any) -> tuple[list[str], list[str], set[int]]:
-    import json
-
+    """A tokenizer.json's BPE. llama.cpp splits text by a pre-tokenizer it knows by name; the file says "gpt-2",
+    which is exact for a ByteLevel pre-tokenizer with GPT-2's regex. Other splits (Llama 3's, Qwen's regexes) would
+    tokenize differently there, so they are refused rather than written under a wrong name."""
     data = json.loads(tokenizer._json)
     model = data.get("model", {})
     if model.get("type") != "BPE":
         raise GptlabError(f"GGUF export writes BPE tokenizers; this one is {model.get('type')!r}")
+    pre = data.get("pre_tokenizer") or {}
+    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
+        raise GptlabError(f"GGUF export writes tokenizers that split text as GPT-2 does (a ByteLevel pre-tokenizer); "
+                          f"this one's is {pre.get('type')!r}: export --to hf instead")
     vocab: dict[str, int] = dict(model["vocab"])
     special = set()
     for added in data.get("added_tokens", []):
@@ -250,10 +256,15 @@ def _hf_vocabulary(tokenizer: Any) -> tuple[list[str], list[str], set[int]]:
     return tokens, merges, special
 
 
+# llama.cpp refuses a BPE vocabulary without merges, and `gguf` writes no empty array: a character vocabulary gets
+# this one merge, which never fires (its parts are two-symbol strings, and no other merge ever forms one)
+NEVER_MERGES = "ĠĠ ĠĠ"
+
+
 def _char_vocabulary(tokenizer: Any) -> tuple[list[str], list[str], set[int]]:
-    """Single-byte characters spelled as byte-level BPE tokens: no merges, each character its own token."""
+    """Single-byte characters spelled as byte-level BPE tokens: each character its own token, nothing merged."""
     chars = tokenizer.chars
     wide = [c for c in chars if len(c.encode("utf-8")) != 1]
     if wide:
         raise GptlabError(f"GGUF export of a character tokenizer needs single-byte characters; {wide[0]!r} is not")
-    return [_spell(c.encode("utf-8")) for c in chars], [], set()
+    return [_spell(c.encode("utf-8")) for c in chars], [NEVER_MERGES], set()
