@@ -36,13 +36,14 @@ import torch
 
 from gptlab.errors import GptlabError
 from gptlab.generation.detokenize import TextState
+from gptlab.generation.fast_decode import decode_hidden, supports
 from gptlab.generation.packed_linear import try_pack
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.sampling import TokenLogprob, row_seed, sample_next, token_logprobs
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
+FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = "stop", "length", "error"
 
 
 class PromptTooLongError(GptlabError, ValueError):
@@ -69,6 +70,7 @@ class Generation:
     pending: list[int] = field(default_factory=list)  # prompt tokens not prefilled yet (chunked prefill)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
+    error: Exception | None = None  # why it finished with FINISH_ERROR (a failure of this row alone)
 
     @property
     def finished(self) -> bool:
@@ -125,6 +127,7 @@ class Engine:
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         self._packed = try_pack(model, max_batch) if pack_weights else None
+        self._lean = supports(model)  # GPT-2-shaped: decode steps skip the general forward's framework time
 
     def _kernels(self) -> contextlib.AbstractContextManager:
         return self._packed.active() if self._packed is not None else contextlib.nullcontext()
@@ -291,7 +294,10 @@ class Engine:
             view.lengths[idle] = 0  # idle rows compute a throwaway token at position 0
         rows = torch.tensor([g.slot for g in running], device=self.device)
         with self._kernels():
-            h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
+            if self._lean and not self.model.training:
+                h = decode_hidden(self.model, tokens.to(self.device), view)
+            else:
+                h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
             logits = self.model.logits(h[rows, -1])
         if idle:
             view.lengths[idle] = 0
@@ -312,13 +318,42 @@ class Engine:
         if keep:
             self._prefill(g.slot, [keep])
 
+    def _sample(
+        self, gens: list[Generation], logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None
+    ) -> list[int | None]:
+        """sample_next over the rows; if that fails, each row alone, so that a failing row ends alone (None:
+        finished with FINISH_ERROR) and the others go on (noise is drawn last: their generators have not moved)."""
+        try:
+            return sample_next(logits, [g.params for g in gens], [g.generator for g in gens], counts, seen)
+        except Exception:
+            if len(gens) == 1:
+                raise
+        new: list[int | None] = []
+        for i, g in enumerate(gens):
+            rows = slice(i, i + 1)
+            try:
+                new += sample_next(logits[rows], [g.params], [g.generator], *(
+                    None if t is None else t[rows] for t in (counts, seen)))
+            except Exception as e:  # noqa: BLE001 - this row's failure, reported on it
+                g.error = e
+                g._finish(FINISH_ERROR)
+                self.release(g)
+                new.append(None)
+        return new
+
     def _accept(self, gens: list[Generation], logits: torch.Tensor) -> None:
         """Sample one token per row, record it, and finish / free the rows that are done."""
-        counts = seen = None
+        counts = seen = slots = None
         if self._counts is not None:
             slots = torch.tensor([g.slot for g in gens], device=self.device)
             counts, seen = self._counts[slots], self._seen[slots]
-        new = sample_next(logits, [g.params for g in gens], [g.generator for g in gens], counts, seen)
+        new = self._sample(gens, logits, counts, seen)
+        if None in new:  # rows that failed are gone: go on with the others
+            ok = [i for i, t in enumerate(new) if t is not None]
+            gens, new, logits = [gens[i] for i in ok], [new[i] for i in ok], logits[ok]
+            slots = None if slots is None else slots[ok]
+            if not gens:
+                return
         scored = [i for i, g in enumerate(gens) if g.params.logprobs is not None]
         if scored:
             n_top = max(gens[i].params.logprobs for i in scored)
@@ -363,6 +398,9 @@ class Engine:
         self.add(gens)
         while self.running:
             self.step()
+        for g in gens:
+            if g.error is not None:
+                raise g.error
         return list(gens)
 
 

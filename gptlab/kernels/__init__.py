@@ -1,0 +1,62 @@
+"""C++ kernels shipped as source and built on first use, for CPUs whose PyTorch kernels are slow at decoding shapes.
+
+`linear_avx2.cpp` (see its header): bf16 and fp32 matrix-vector and small-batch products over weights re-laid out
+once, for CPUs with AVX2 + FMA; the path for bf16 weights where the CPU has no native bf16 matmul and oneDNN
+cannot prepack them (AMD Zen 2/3 and older Xeons). GPT-2 124M bf16 decoding on a 2-core Zen 3: see
+`gptlab.generation.packed_linear`.
+
+The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
+version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`) and loaded from there
+next time. Where no compiler is present or the build fails, `avx2_ops()` returns None after one warning, and
+callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns the kernels off (for comparisons).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("linear_avx2.cpp")
+
+
+def cpu_has_avx2() -> bool:
+    """Whether this CPU runs AVX2 + FMA code (torch's own dispatch level says so)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _build_name() -> str:
+    """The build's name changes with the source and torch version, so an edited kernel is never loaded stale."""
+    import hashlib
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return f"gptlab_avx2_{digest}"
+
+
+@functools.cache
+def avx2_ops() -> Any | None:
+    """torch.ops.gptlab_avx2 (`pack`, `linear`), built on first use; None (after one warning) where this CPU lacks
+    AVX2, no compiler is present, the build fails, or GPTLAB_NO_KERNELS is set."""
+    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx2():
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        warnings.warn("gptlab: no C++ compiler found, so bf16 decoding on this CPU runs PyTorch's slower kernels "
+                      "(install g++ to build gptlab's AVX2 kernels once)", stacklevel=2)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name=_build_name(), sources=[str(SOURCE)], is_python_module=False, verbose=False,
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
+        warnings.warn(f"gptlab: building the AVX2 kernels failed, using PyTorch's ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=2)
+        return None
+    return torch.ops.gptlab_avx2
