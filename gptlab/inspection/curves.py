@@ -1,0 +1,84 @@
+"""Training curves from runs' metrics.jsonl (`gptlab.train.runlog`): train and val loss and the learning rate,
+against the step, the tokens seen or the training time.
+
+A logged row carries step, train_loss, lr, elapsed_sec (and val_loss when it evaluated); the final evaluation is a
+row of its own with only step, val_loss and elapsed_sec. Tokens are steps x batch_size x block_size, from the run's
+config.resolved.json (batch_size counts sequences per optimizer step over all processes). A run may have no val
+rows (eval_interval 0 and killed early): its val curve is empty.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gptlab.errors import GptlabError
+from gptlab.fileio import read_json_object
+
+METRICS_FILE = "metrics.jsonl"  # as gptlab.train.runlog writes it (train sits beside this layer: no import)
+RESOLVED_CONFIG = "config.resolved.json"
+X_AXES = ("step", "tokens", "time")
+
+
+@dataclass
+class Series:
+    x: list[float] = field(default_factory=list)
+    y: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Curve:
+    """One run's curves against the chosen x axis."""
+
+    name: str
+    train_loss: Series
+    val_loss: Series
+    lr: Series
+
+
+def _x(row: dict, axis: str, tokens_per_step: int | None) -> float:
+    if axis == "time":
+        return float(row["elapsed_sec"])
+    return float(row["step"]) * (tokens_per_step if axis == "tokens" else 1)
+
+
+def _tokens_per_step(run: Path) -> int:
+    path = run / RESOLVED_CONFIG
+    if not path.is_file():
+        raise GptlabError(f"{path} is missing: --x tokens needs the run's batch_size and block_size")
+    cfg = read_json_object(path)
+    try:
+        return int(cfg["train"]["batch_size"]) * int(cfg["model"]["block_size"])
+    except (KeyError, TypeError, ValueError):
+        raise GptlabError(f"{path} has no train.batch_size and model.block_size") from None
+
+
+def read_curves(run: str | Path, x: str = "step", name: str | None = None) -> Curve:
+    """The curves of one run directory; a one-line error for a run that has logged nothing yet."""
+    if x not in X_AXES:
+        raise GptlabError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
+    run = Path(run)
+    if not run.is_dir():
+        raise GptlabError(f"{run} is not a run directory (`gptlab train --out DIR` makes one)")
+    path = run / METRICS_FILE
+    if not path.is_file() or not path.read_text(encoding="utf-8").strip():
+        raise GptlabError(f"{run} has no metrics yet: {METRICS_FILE} is written at the first log step "
+                          "(log_interval)")
+    tokens = _tokens_per_step(run) if x == "tokens" else None
+    curve = Curve(name or run.resolve().name, Series(), Series(), Series())
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            at = _x(row, x, tokens)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise GptlabError(f"{path}:{n} is not a metrics row (step, elapsed_sec, losses)") from None
+        for key, series in (("train_loss", curve.train_loss), ("val_loss", curve.val_loss), ("lr", curve.lr)):
+            if isinstance(row.get(key), (int, float)):
+                series.x.append(at)
+                series.y.append(float(row[key]))
+    if not curve.train_loss.x and not curve.val_loss.x:
+        raise GptlabError(f"{path} has no loss rows yet")
+    return curve

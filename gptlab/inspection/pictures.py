@@ -1,0 +1,125 @@
+"""Pictures of what `attention` and `curves` read, drawn with matplotlib (the `viz` extra) on its Agg backend:
+no display is needed, and nothing here imports matplotlib until a picture is drawn.
+
+- `attention_picture`: one heatmap (a layer and a head), or a grid: a layer's heads, a head across the layers, or
+  each layer's head-average; the prompt's tokens label the axes (rows: queries, columns: keys).
+- `curves_picture`: train and val loss of several runs overlaid (each run its colour, val dashed with markers),
+  the learning rate on a second axis (dotted).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from gptlab.errors import GptlabError
+from gptlab.fileio import atomic_write_file
+from gptlab.inspection.attention import AttentionMap
+from gptlab.inspection.curves import Curve
+
+DPI = 100
+MAX_LABELS = 48  # more tokens than this: axis labels would overlap, so none are drawn
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a one-line install hint."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise GptlabError("pictures need matplotlib: pip install 'gptlab[viz]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def check_png_path(path: str | Path) -> Path:
+    """A PNG destination whose directory exists (checked before any slow work), and matplotlib installed."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise GptlabError(f"-o {path}: pictures are written as PNG; name the file *.png")
+    if not path.parent.is_dir():
+        raise GptlabError(f"-o {path}: the directory {path.parent} does not exist")
+    pyplot()
+    return path
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    path = check_png_path(path)
+    try:
+        atomic_write_file(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png"))
+    finally:
+        pyplot().close(fig)
+    return path
+
+
+def _label(token: str) -> str:
+    return repr(token)[1:-1] or " "  # newlines and tabs visible, quotes dropped
+
+
+def _heatmap(ax: Any, weights: Any, tokens: list[str], title: str, labels: bool) -> Any:
+    image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    ax.set_title(title, fontsize=9)
+    T = len(tokens)
+    if labels and T <= MAX_LABELS:
+        names = [_label(t) for t in tokens]
+        ax.set_xticks(range(T), names, rotation=90, fontsize=7, family="monospace")
+        ax.set_yticks(range(T), names, fontsize=7, family="monospace")
+    else:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    return image
+
+
+def attention_picture(amap: AttentionMap, path: str | Path, layer: int | None = None,
+                      head: int | None = None) -> Path:
+    """A PNG of the weights: one map for a layer and a head, else a grid (see the module docstring)."""
+    plt = pyplot()
+    selected = amap.select(layer, head)
+    if layer is not None and head is not None:
+        maps, titles = [selected], [f"layer {layer}, head {head}"]
+    elif layer is not None:
+        maps, titles = list(selected), [f"layer {layer}, head {h}" for h in range(amap.n_head)]
+    elif head is not None:
+        maps, titles = list(selected), [f"layer {i}, head {head}" for i in range(amap.n_layer)]
+    else:
+        maps, titles = list(selected), [f"layer {i}, mean of {amap.n_head} heads" for i in range(amap.n_layer)]
+    cols = min(len(maps), 4)
+    rows = math.ceil(len(maps) / cols)
+    side = 4.2 if len(maps) == 1 else 3.2
+    fig, axes = plt.subplots(rows, cols, figsize=(side * cols, side * rows), squeeze=False, layout="constrained")
+    for ax, w, title in zip(axes.flat, maps, titles, strict=False):
+        image = _heatmap(ax, w, amap.tokens, title, labels=True)
+    for ax in list(axes.flat)[len(maps):]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight (row: query, column: key)")
+    return _save(fig, path)
+
+
+X_LABELS = {"step": "step", "tokens": "tokens", "time": "training time (s)"}
+
+
+def curves_picture(curves: list[Curve], path: str | Path, x: str = "step") -> Path:
+    """A PNG of the runs' loss curves, overlaid, with their learning rates on a second axis."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    lr_ax = ax.twinx()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, c in enumerate(curves):
+        color = colors[i % len(colors)]
+        if c.train_loss.x:
+            ax.plot(c.train_loss.x, c.train_loss.y, color=color, label=f"{c.name} train")
+        if c.val_loss.x:
+            ax.plot(c.val_loss.x, c.val_loss.y, color=color, linestyle="--", marker="o", markersize=4,
+                    label=f"{c.name} val")
+        if c.lr.x:
+            lr_ax.plot(c.lr.x, c.lr.y, color=color, linestyle=":", alpha=0.7, label=f"{c.name} lr")
+    ax.set_xlabel(X_LABELS[x])
+    ax.set_ylabel("loss")
+    lr_ax.set_ylabel("learning rate (dotted)")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    lr_handles, lr_labels = lr_ax.get_legend_handles_labels()
+    ax.legend(handles + lr_handles, labels + lr_labels, fontsize=8, loc="upper right")
+    return _save(fig, path)
