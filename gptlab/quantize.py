@@ -1,0 +1,313 @@
+"""Weight-only quantization for inference: int8 per output channel, int4 in groups along the input dimension.
+
+Decoding one token reads every weight once and does little arithmetic with it, so its speed is set by how many
+bytes of weights it reads: int8 halves a bf16 model's, int4 quarters it. The activations stay in floating point.
+
+* Which layers: every Linear in the blocks (attention's q/k/v and output projections, the MLP's two) and the LM
+  head. The head is GPT-2's largest matrix (38.6M of its 124M parameters, a third of the bytes read per token),
+  and llama.cpp quantizes it too. The embedding tables stay as they are: a lookup reads one row per token, so
+  quantizing them saves nothing per token. A tied head (GPT-2 shares `wte` with it) gets its own integer copy;
+  the `nn.Embedding` keeps the original Parameter, so lookups are unchanged.
+* int8: symmetric, one scale per output row: scale = max|w| / 127, q = round(w / scale) in [-127, 127],
+  w ~ q * scale.
+* int4: asymmetric, one scale and one zero point per `group_size` consecutive inputs of a row (the layout of
+  PyTorch's int4 kernels): scale = (max - min) / 15, q = round((w - min) / scale) in [0, 15], w ~ (q - 8) *
+  scale + zero with zero = min + 8 * scale (= q * scale + min). A zero point spends the 16 levels on the range
+  the group actually has, where a symmetric grid wastes part of it on the side with the smaller magnitude.
+  Group size 32 by default: the most accurate of the kernels' sizes, and at batch 1 as fast as 64 or 128 (GPT-2
+  124M's 49 matrices: 10.6 ms against 11.2 and 11.6 on a Zen 3; at batch 32 128 is 20% faster).
+
+Both round to the nearest level, so |w - dequantized w| <= scale / 2 for every element (tests check this).
+
+`QuantizedLinear` holds the integers and scales as buffers (they move with `.to(device)`; `state_dict` holds
+them) and computes x @ dequantized(W).T + b. `reference` does exactly that in PyTorch; `forward` calls PyTorch's
+own weight-only kernels where they run (and are faster), with bf16 (or fp16) activations and scales:
+
+* CPU: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`. With fp32 activations these kernels
+  are 5-30x slower than with bf16 (measured, AMD EPYC Zen 3, GPT-2 124M shapes), so an fp32 model's activations
+  go through them in bf16 and come back in fp32: the same rounding a bf16 matmul has. Dequantizing and then
+  multiplying is 4-8x slower than either kernel at batch 1 and 32, so it is only the reference.
+* CUDA: int4 through `aten._weight_int4pack_mm` (tinygemm), checked once against the reference on a small
+  weight before use; int8 by dequantizing to the activations' dtype and a plain matmul.
+* Anywhere else (another device, float64 inputs, a kernel that refuses a shape): the reference.
+
+The kernels' copies of the weights (packed layouts, scales in the activations' dtype) are made on first use per
+device and dtype and kept beside the buffers, not in `state_dict`; `.to()` and `load_state_dict` drop them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptlab.errors import GptlabError
+from gptlab.lora import has_lora
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["int8", "int4"]
+MODES: tuple[str, ...] = ("int8", "int4")
+GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)  # what PyTorch's int4 kernels take
+DEFAULT_GROUP_SIZE = 32
+_TINY = 1e-12  # the scale of an all-equal row or group: anything positive, q is then 0 (int8) or w = min (int4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The arithmetic: quantize and dequantize, in fp32
+# ---------------------------------------------------------------------------------------------------------------------
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (N, K), scale fp32 (N,)) with w ~ q * scale[:, None], symmetric per row."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=_TINY)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 (N, K) in [0, 15], scale fp32 (N, K / group_size), zero fp32 (same)) with
+    w ~ (q - 8) * scale + zero within each group of `group_size` consecutive inputs."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=_TINY)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, lo + 8 * scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    groups = q.reshape(n, scale.shape[1], -1).float() - 8
+    return (groups * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 15] -> (N, K / 2) uint8, input 2j in the high nibble and 2j + 1 in the low one (the
+    order CUDA's int4 packing reads)."""
+    return (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------------------------------
+class QuantizedLinear(nn.Module):
+    """A Linear layer's weight as int8 (per output row) or int4 (per group of inputs), computed with the
+    dequantized weight; see the module docstring. Not an `nn.Linear`: the packed bf16/fp32 inference weights
+    (`generation.packed_linear`) and anything else that takes a Linear's `weight` leave it alone."""
+
+    def __init__(self, linear: nn.Linear, mode: Mode, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.mode, self.group_size = mode, group_size if mode == "int4" else 0
+        w = linear.weight.detach()
+        if mode == "int8":
+            q, scale = quantize_int8(w)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scale", scale)
+        else:
+            q, scale, zero = quantize_int4(w, group_size)
+            self.register_buffer("qweight", pack_nibbles(q))
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero", zero)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._runs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}  # input's kind -> its forward
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}{group}"
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this layer computes with, (out, in) in fp32."""
+        if self.mode == "int8":
+            return dequantize_int8(self.qweight, self.scale)
+        return dequantize_int4(unpack_nibbles(self.qweight), self.scale, self.zero)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ dequantize().T + bias in x's dtype (under autocast, in autocast's): the plain path every kernel is
+        tested against."""
+        return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # decoding calls each layer once per token: what to run for this kind of input is worked out once
+        autocast = torch.is_autocast_enabled(x.device.type)
+        key = (x.device, x.dtype, autocast)
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs[key] = self._prepare(x.device, x.dtype, autocast)
+        return run(x)
+
+    def forget_kernels(self) -> None:
+        """Drop the kernels' copies of the weights; done on `.to()` and `load_state_dict`, needed after any other
+        write to the buffers."""
+        self._runs.clear()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's: .to(), .cuda(), .half(), ...
+        self.forget_kernels()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        self.forget_kernels()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _prepare(self, device: torch.device, dtype: torch.dtype, autocast: bool):  # noqa: ANN202
+        """The forward for inputs of this device, dtype and autocast state: a kernel with its copies of the
+        weights where one works here, else the reference."""
+        out_dtype = torch.get_autocast_dtype(device.type) if autocast else dtype
+        make = _kernel_for(self.mode, device) if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+        compute = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16  # see the docstring
+        try:
+            matmul = None if make is None else make(self, compute)
+        except (RuntimeError, NotImplementedError) as e:  # a shape or build the kernel refuses: the plain path
+            log.debug("%s kernel refused a %s weight: %s", self.mode, (self.out_features, self.in_features), e)
+            matmul = None
+        if matmul is None:
+            return self.reference
+        bias = None if self.bias is None else self.bias.detach().to(compute)
+        k, n = self.in_features, self.out_features
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            y = matmul(x.reshape(-1, k).to(compute))
+            if bias is not None:
+                y += bias
+            return y.view(*x.shape[:-1], n).to(out_dtype)
+
+        return run
+
+
+# --- CPU kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------------
+def _int8_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    q, scale = layer.qweight, layer.scale.to(dtype)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)
+
+
+def _scales_and_zeros(layer: QuantizedLinear, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """(K / group_size, rows, 2) [scale, zero] pairs: the int4 kernels' layout (rows past out_features: padding)."""
+    pairs = torch.stack([layer.scale, layer.zero], dim=-1)  # (N, K / g, 2)
+    pairs = F.pad(pairs, (0, 0, 0, 0, 0, rows - layer.out_features))
+    return pairs.transpose(0, 1).contiguous().to(dtype)
+
+
+def _unpadded(y: torch.Tensor, n: int) -> torch.Tensor:
+    return y if y.shape[1] == n else y[:, :n]
+
+
+def _int4_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    n, g = layer.out_features, layer.group_size
+    rows = n + (-n) % 16  # the CPU packing takes N in multiples of 16 (GPT-2's head has 50257 rows)
+    q = F.pad(unpack_nibbles(layer.qweight).to(torch.int32), (0, 0, 0, rows - n))
+    packed, pairs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), _scales_and_zeros(layer, dtype, rows)
+    return lambda x: _unpadded(torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, pairs), n)
+
+
+# --- CUDA kernels --------------------------------------------------------------------------------------------------
+def _int8_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    w = layer.dequantize().to(dtype).T
+    return lambda x: x @ w
+
+
+def _int4_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    n, g = layer.out_features, layer.group_size
+    rows = n + (-n) % 8
+    k_tiles = next(t for t in (8, 4, 2) if layer.in_features % (t * 16) == 0)
+    q = F.pad(layer.qweight, (0, 0, 0, rows - n))
+    packed = torch.ops.aten._convert_weight_to_int4pack(q, k_tiles)
+    pairs = _scales_and_zeros(layer, torch.bfloat16, rows)  # tinygemm takes bf16 only
+    return lambda x: _unpadded(torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16), packed, g, pairs), n).to(dtype)
+
+
+_KERNELS = {("cpu", "int8"): _int8_cpu, ("cpu", "int4"): _int4_cpu, ("cuda", "int8"): _int8_cuda,
+            ("cuda", "int4"): _int4_cuda}
+
+
+def _kernel_for(mode: str, device: torch.device):  # noqa: ANN202 - one of the kernels above, or None
+    make = _KERNELS.get((device.type, mode))
+    return make if make is not None and _kernel_works(mode, device.type) else None
+
+
+@functools.cache
+def _kernel_works(mode: str, device_type: str) -> bool:
+    """Whether this build and device run the kernel and get the reference's numbers, tried once on a small
+    weight (an op may be missing, refuse the CPU, or lay the weights out otherwise than this module assumes)."""
+    make = _KERNELS[(device_type, mode)]
+    try:
+        gen = torch.Generator().manual_seed(0)  # not the global generator: a seeded sampler's draws stay as they are
+        linear = nn.utils.skip_init(nn.Linear, 256, 40, bias=False)  # 40 rows: padded by both int4 packings
+        linear.weight.data = torch.randn(40, 256, generator=gen)
+        layer = QuantizedLinear(linear, mode, 32).to(device_type)
+        layer.qweight.copy_(torch.randint(-127 if mode == "int8" else 0, 128 if mode == "int8" else 256,
+                                          layer.qweight.shape, generator=gen).to(layer.qweight))
+        x = torch.randn(3, 256, generator=gen).to(device_type, torch.bfloat16)
+        with torch.autocast(device_type, enabled=False):  # the first call may come under a caller's autocast
+            got, want = make(layer, torch.bfloat16)(x).float(), layer.reference(x.float()).float()
+    except (RuntimeError, NotImplementedError) as e:
+        log.debug("no %s %s kernel here: %s", device_type, mode, e)
+        return False
+    close = got.shape == want.shape and torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    if not close:
+        log.warning("the %s %s kernel disagrees with the reference: using the reference", device_type, mode)
+    return close
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------------------
+def check_options(mode: str | None, group_size: int | None) -> None:
+    """A mode and group size that make sense together (before anything is loaded)."""
+    if mode is None:
+        if group_size is not None:
+            raise GptlabError("a group size only applies to int4 quantization: add --quantize int4")
+        return
+    if mode not in MODES:
+        raise GptlabError(f"quantize must be one of {', '.join(MODES)}, got {mode!r}")
+    if group_size is not None and mode != "int4":
+        raise GptlabError(f"int8 quantization is per output channel and takes no group size (got {group_size}): "
+                          "drop it, or quantize to int4")
+    if group_size is not None and group_size not in GROUP_SIZES:
+        raise GptlabError(f"group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+
+
+def quantize_model(model: nn.Module, mode: Mode, group_size: int | None = None) -> nn.Module:
+    """Replace the model's Linear layers (blocks and LM head) by `QuantizedLinear`s in place; returns the model.
+
+    For inference: the model must be in eval mode, without unmerged LoRA adapters, not quantized already. int4
+    needs `group_size` (default 32) to divide every layer's input width."""
+    check_options(mode, group_size)
+    group_size = DEFAULT_GROUP_SIZE if mode == "int4" and group_size is None else group_size
+    if model.training:
+        raise GptlabError("cannot quantize a model in training mode: weight-only quantization is for inference "
+                          "(call model.eval() first)")
+    if has_lora(model):
+        raise GptlabError("cannot quantize a model with unmerged LoRA adapters: merge them first (load it with "
+                          "the adapters merged, the default)")
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        raise GptlabError("the model is quantized already")
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    if mode == "int4":
+        for name, m in targets:
+            if m.in_features % group_size:
+                raise GptlabError(f"group size {group_size} does not divide {name}'s input width "
+                                  f"{m.in_features}: choose one of {_dividing(m.in_features)}")
+    for name, m in targets:
+        parent_name, _, attr = name.rpartition(".")
+        with torch.no_grad():
+            setattr(model.get_submodule(parent_name), attr, QuantizedLinear(m, mode, group_size or 0))
+    return model
+
+
+def _dividing(width: int) -> str:
+    sizes = [str(g) for g in GROUP_SIZES if width % g == 0]
+    return ", ".join(sizes) if sizes else "none (quantize to int8 instead)"

@@ -1,0 +1,313 @@
+"""Weight-only int8 / int4 quantization (`gptlab.quantize`): the round trip's error bound, the layer against a
+dequantize-then-matmul computed here in float64, each fast kernel against the plain path, whole models (tied
+embeddings, greedy tokens), `load_model(quantize=...)` and the CLI flags, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import make_data, tiny_model, write_recipe
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gptlab
+from gptlab.cli import main
+from gptlab.errors import GptlabError
+from gptlab.generation import SamplingParams, generate_batch
+from gptlab.quantize import (
+    GROUP_SIZES,
+    QuantizedLinear,
+    _kernel_works,
+    dequantize_int4,
+    dequantize_int8,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    unpack_nibbles,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# fp32 arithmetic in (w - lo) / scale and back adds a few ulps of the weights' magnitude to the scale / 2 bound
+ULPS = 8 * torch.finfo(torch.float32).eps
+
+
+def random_weight(rows: int, cols: int, log_scale: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen) * 10.0**log_scale
+    w[0, : cols // 2] = w[0, 0]  # a run of equal values (an all-equal int4 group when cols >= 64)
+    return w
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The round trip: every element within half a step of the grid it was rounded to
+# ---------------------------------------------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 80), log_scale=st.floats(-6, 3), seed=st.integers(0, 2**16))
+def test_int8_round_trip_is_within_half_a_step(rows, cols, log_scale, seed) -> None:
+    w = random_weight(rows, cols, log_scale, seed)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127 and scale.shape == (rows,)
+    err = (w - dequantize_int8(q, scale)).abs()
+    bound = scale[:, None] / 2 + ULPS * w.abs().amax(dim=1, keepdim=True)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert torch.allclose(scale, w.abs().amax(dim=1) / 127)  # the grid spans the row exactly: max|w| = 127 steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), groups=st.integers(1, 4), group_size=st.sampled_from(GROUP_SIZES[:3]),
+       log_scale=st.floats(-6, 3), shift=st.floats(-3, 3), seed=st.integers(0, 2**16))
+def test_int4_round_trip_is_within_half_a_step(rows, groups, group_size, log_scale, shift, seed) -> None:
+    w = random_weight(rows, groups * group_size, log_scale, seed) + shift * 10.0**log_scale  # off-centre groups
+    q, scale, zero = quantize_int4(w, group_size)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == zero.shape == (rows, groups)
+    err = (w - dequantize_int4(q, scale, zero)).abs().view(rows, groups, group_size)
+    magnitude = w.abs().view(rows, groups, group_size).amax(dim=-1, keepdim=True)
+    assert bool((err <= scale[..., None] / 2 + ULPS * magnitude).all())
+    groups_of_w = w.view(rows, groups, group_size)  # asymmetric: the 16 levels span each group's [min, max]
+    assert torch.allclose(zero - 8 * scale, groups_of_w.amin(-1), rtol=1e-6, atol=1e-6 * float(magnitude.max()))
+
+
+def test_nibbles_pack_two_per_byte_high_first() -> None:
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    packed = pack_nibbles(q)
+    assert packed.shape == (5, 32) and int(packed[0, 0]) == 16 * int(q[0, 0]) + int(q[0, 1])
+    assert torch.equal(unpack_nibbles(packed), q)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The layer: its reference path against a float64 computation from the stored integers
+# ---------------------------------------------------------------------------------------------------------------------
+def manual_weight(layer: QuantizedLinear) -> torch.Tensor:
+    """The dequantized weight in float64, element by element from the formulas in the module docstring."""
+    w = torch.empty(layer.out_features, layer.in_features, dtype=torch.float64)
+    for i in range(layer.out_features):
+        for j in range(layer.in_features):
+            if layer.mode == "int8":
+                w[i, j] = float(layer.qweight[i, j]) * float(layer.scale[i])
+            else:
+                byte = int(layer.qweight[i, j // 2])
+                q = byte >> 4 if j % 2 == 0 else byte & 15
+                g = j // layer.group_size
+                w[i, j] = (q - 8) * float(layer.scale[i, g]) + float(layer.zero[i, g])
+    return w
+
+
+@pytest.mark.parametrize("mode, group_size", [("int8", 0), ("int4", 32), ("int4", 64)])
+def test_reference_is_dequantize_then_matmul(mode, group_size) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 24)
+    layer = QuantizedLinear(linear, mode, group_size)
+    w = manual_weight(layer)
+    assert torch.allclose(layer.dequantize().double(), w, rtol=0, atol=1e-6)
+    assert (w - linear.weight.double()).abs().max() < (0.01 if mode == "int8" else 0.05)  # near the original
+    x = torch.randn(2, 3, 128)
+    want = x.double() @ w.T + linear.bias.double()
+    assert torch.allclose(layer.reference(x).double(), want, rtol=1e-5, atol=1e-5)  # fp32 matmul of K = 128
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The kernels against the reference
+# ---------------------------------------------------------------------------------------------------------------------
+def kernel_tolerance(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    """The kernels take bf16 activations and scales (relative rounding 2^-8 each, 2^-7 for int4's scale and zero
+    point together) and round the output once: |error| <= 2^-6 (|x| @ |W|^T) + 2^-8 |y| per output."""
+    w = layer.dequantize().abs()
+    return 2**-6 * (x.abs().float() @ w.T) + 2**-8 * layer.reference(x.float()).abs() + 1e-6
+
+
+CASES = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
+
+
+@pytest.mark.parametrize("mode, group_size", CASES)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_each_kernel_matches_the_reference(mode, group_size, device) -> None:
+    if not _kernel_works(mode, device):
+        pytest.skip(f"no working {device} {mode} kernel in this torch build")
+    torch.manual_seed(1)
+    layer = QuantizedLinear(nn.Linear(256, 100), mode, group_size).to(device)  # 100 rows: padded for int4's
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, 256, device=device, dtype=dtype)
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (3, 5, 100)
+        want = layer.reference(x.float())
+        assert bool(((got.float() - want).abs() <= kernel_tolerance(x, layer)).all())
+    x = torch.randn(4, 256, device=device)
+    _kernel_works.cache_clear()  # the first call of a process may come under autocast (and probe the kernel there)
+    with torch.autocast(device, dtype=torch.bfloat16):  # as `gptlab eval --dtype bfloat16` runs it
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert bool(((got.float() - layer.reference(x)).abs() <= kernel_tolerance(x, layer)).all())
+
+
+def test_the_kernel_copies_follow_the_buffers() -> None:
+    layer = QuantizedLinear(nn.Linear(64, 16, bias=False), "int8")
+    x = torch.randn(2, 64)
+    before = layer(x)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state["scale"] *= 2
+    layer.load_state_dict(state)  # in place: the kernel's bf16 copy of the scales must not be used again
+    assert torch.allclose(layer(x), 2 * before, rtol=1e-2, atol=1e-3)
+    assert torch.allclose(layer.double()(x.double()), layer.reference(x.double()))  # .to(): copies again
+    assert set(layer.state_dict()) == {"qweight", "scale"}  # the kernels' copies are not saved
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):  # noqa: ANN201
+    """A tiny char model trained for 150 steps (a few seconds): a run directory and its data directory."""
+    root = tmp_path_factory.mktemp("quantize")
+    data = make_data(root, chars=20_000)
+    recipe = write_recipe(root, max_steps=150, eval_interval=150)
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(root / "run"), "--quiet"]) == 0
+    return root / "run", data
+
+
+def test_quantize_model_replaces_blocks_and_head_but_not_embeddings() -> None:
+    model = tiny_model(vocab_size=100)
+    assert model.config.tie_embeddings
+    wte = model.transformer.wte.weight
+    table = wte.detach().clone()
+    idx = torch.randint(0, 100, (2, 9))
+    quantize_model(model, "int8")
+    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == 4 * model.config.n_layer + 1 and "lm_head" in quantized
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.transformer.wte.weight is wte and torch.equal(wte, table)  # lookups unchanged
+    assert torch.equal(model.transformer.wte(idx), table[idx])
+    assert torch.allclose(model.lm_head.dequantize(), table, atol=float(table.abs().max()) / 254 + 1e-6)
+
+
+@pytest.mark.parametrize("mode, tolerance", [("int8", 0.03), ("int4", 0.25)])
+def test_quantized_logits_and_greedy_tokens_follow_fp32(trained, mode, tolerance) -> None:
+    """On a trained model (a random one is chaotic: there even bf16 moves the logits by a tenth of their spread):
+    logits within `tolerance` x their standard deviation of fp32's, the same argmax wherever fp32's margin is
+    wider than twice the largest difference, and for int8 the same greedy tokens."""
+    run, _ = trained
+    reference, tok = gptlab.load_model(run)
+    model, _ = gptlab.load_model(run, quantize=mode)
+    prompts = [tok.encode(s) for s in ("ROMEO:", "First Citizen", "the ")]
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    want = [g.token_ids for g in generate_batch(reference, prompts, params)]
+    for prompt, tokens in zip(prompts, want, strict=True):
+        seq = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            exact, quant = reference(seq)[0][0], model(seq)[0][0]
+        diff = float((quant - exact).abs().max())
+        assert diff <= tolerance * float(exact.std())
+        top2 = exact.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        assert bool((quant.argmax(-1) == exact.argmax(-1))[clear].all()) and int(clear.sum()) >= len(seq[0]) // 2
+    if mode == "int8":
+        assert [g.token_ids for g in generate_batch(model, prompts, params)] == want
+
+
+def test_quantized_loss_uses_the_quantized_head() -> None:
+    model = tiny_model(vocab_size=64)
+    quantize_model(model, "int4")
+    idx = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        logits, loss = model(idx, idx)
+        plain, _ = model(idx)
+    assert torch.equal(logits, plain)
+    assert float(loss) == pytest.approx(float(nn.functional.cross_entropy(plain.flatten(0, 1), idx.flatten())),
+                                        rel=1e-5)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: quantize_model(m, "int3"), "must be one of int8, int4"),
+    (lambda m: quantize_model(m, "int8", group_size=32), "takes no group size"),
+    (lambda m: quantize_model(m, "int4", group_size=48), "group size must be one of"),
+    (lambda m: quantize_model(m, "int4", group_size=64), "does not divide transformer.h.0.attn.c_attn's input "
+     "width 32"),
+    (lambda m: quantize_model(m.train(), "int8"), "training mode"),
+    (lambda m: quantize_model(quantize_model(m, "int8"), "int8"), "quantized already"),
+])
+def test_nonsense_is_refused(call, message) -> None:
+    with pytest.raises(GptlabError, match=message.replace("(", r"\(")):
+        call(tiny_model())
+
+
+def test_lora_kept_unmerged_is_refused() -> None:
+    from gptlab.lora import LoRASpec, add_lora
+
+    model = tiny_model()
+    add_lora(model, LoRASpec(rank=2))
+    with pytest.raises(GptlabError, match="unmerged LoRA"):
+        quantize_model(model.eval(), "int8")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# load_model and the command line
+# ---------------------------------------------------------------------------------------------------------------------
+def test_load_model_quantizes(trained) -> None:
+    path, _ = trained
+    model, _ = gptlab.load_model(path)
+    q8, _ = gptlab.load_model(path, quantize="int8")
+    q4, _ = gptlab.load_model(path, quantize="int4", group_size=32, dtype=torch.bfloat16)
+    assert isinstance(q8.lm_head, QuantizedLinear) and q8.lm_head.mode == "int8"
+    assert q4.lm_head.group_size == 32 and q4.transformer.wte.weight.dtype == torch.bfloat16
+    assert q4.lm_head.qweight.dtype == torch.uint8  # integers stay integers through .to(dtype)
+    assert torch.equal(q8.transformer.wte.weight, model.transformer.wte.weight)
+    with pytest.raises(GptlabError, match="LoRA adapters are kept unmerged"):
+        gptlab.load_model(path, quantize="int8", merge_adapters=False)
+
+
+def test_sample_with_quantize_flags(trained, capsys) -> None:
+    path, _ = trained
+    tok = gptlab.load_model(path)[1]
+    args = ["sample", str(path), "--prompt", "ROMEO", "--max-new-tokens", "10", "--temperature", "0"]
+    assert main([*args, "--quantize", "int8"]) == 0
+    quantized, _ = gptlab.load_model(path, quantize="int8")
+    (want,) = generate_batch(quantized, [tok.encode("ROMEO")], SamplingParams(temperature=0, max_new_tokens=10),
+                             tokenizer=tok)
+    assert capsys.readouterr().out.startswith("ROMEO" + want.text)
+    assert main([*args, "--quantize", "int4", "--group-size", "32"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO")
+
+
+def test_eval_with_quantize_flags(trained, capsys) -> None:
+    path, data = trained
+    losses = {}
+    for flags in ([], ["--quantize", "int8"], ["--quantize", "int4"], ["--dtype", "bfloat16", "--quantize", "int8"]):
+        assert main(["eval", str(path), "--data", str(data), "--json", *flags]) == 0
+        losses[tuple(flags)] = json.loads(capsys.readouterr().out)["val_loss"]
+    from gptlab.evaluate import evaluate_split
+
+    quantized, _ = gptlab.load_model(path, quantize="int8")
+    assert losses[("--quantize", "int8")] == pytest.approx(evaluate_split(quantized, data)["val_loss"], rel=1e-6)
+    assert losses[("--quantize", "int8")] == pytest.approx(losses[()], rel=0.01)
+    assert losses[("--quantize", "int4")] == pytest.approx(losses[()], rel=0.05)
+    assert losses[("--dtype", "bfloat16", "--quantize", "int8")] == pytest.approx(losses[()], rel=0.01)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--group-size", "32"], "only applies to int4"),
+    (["--quantize", "int8", "--group-size", "32"], "takes no group size"),
+    (["--quantize", "int4", "--group-size", "100"], "group size must be one of"),
+    (["--quantize", "int4", "--group-size", "64"], "does not divide"),
+])
+def test_bad_quantize_flags_are_one_line_errors(trained, capsys, flags, message) -> None:
+    path, data = trained
+    for command in (["sample", str(path)], ["eval", str(path), "--data", str(data)]):
+        assert main([*command, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_lm_eval_model_args_quantize(trained) -> None:
+    pytest.importorskip("lm_eval")
+    from gptlab.harness import GptlabLM
+
+    path, _ = trained
+    lm = GptlabLM(str(path), device="cpu", quantize="int4", group_size="32")  # lm-eval passes model_args as text
+    assert isinstance(lm.model.lm_head, QuantizedLinear) and lm.model.lm_head.group_size == 32
+    with pytest.raises(GptlabError, match="group size must be one of"):
+        GptlabLM(str(path), device="cpu", quantize="int4", group_size="48")
