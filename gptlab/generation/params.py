@@ -4,6 +4,10 @@ Every caller (the Python API, `gptlab sample`, `gptlab serve`) builds its settin
 range is checked here and nowhere else. A bad value raises `InvalidSamplingParam`, which names the field: the
 command line turns it into an error about `--top-p`, the server into a 400 whose `param` is `top_p`.
 
+Every integer setting is bounded (seed: int64; top_k, max_new_tokens: [0, INT64_MAX]) because torch holds them
+as int64: an unbounded one would pass here and fail later, in the middle of a batch shared with others. Stop
+strings are bounded in number and length (MAX_STOPS, MAX_STOP_CHARS): the text decoder scans each one per token.
+
 Every control has one "off" value that means the same everywhere: top_k 0, top_p 1.0, min_p 0.0 (None is
 accepted for each and stored as that value), penalties 1.0 / 0.0, logprobs None.
 
@@ -20,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch's integers (seeds, top-k) are int64
+MAX_STOPS = 64  # stop strings per request (the server allows fewer: its policy, in serve/schemas.py)
+MAX_STOP_CHARS = 512  # characters per stop string
 
 
 class InvalidSamplingParam(ValueError):
@@ -124,6 +131,7 @@ class SamplingParams:
         for name in ("max_new_tokens", "top_k"):
             require(_is_int(getattr(self, name)), name, "must be an integer")
             require(getattr(self, name) >= 0, name, "must not be negative")
+            require(getattr(self, name) <= INT64_MAX, name, f"must be at most {INT64_MAX} (int64)")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             require(_is_number(getattr(self, name)) and math.isfinite(getattr(self, name)), name,
                     "must be a finite number")
@@ -131,8 +139,11 @@ class SamplingParams:
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         require(self.repetition_penalty > 0, "repetition_penalty", "must be positive")
-        require(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
-        require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        require(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
+                f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
+        require(len(self.stop) <= MAX_STOPS, "stop", f"must hold at most {MAX_STOPS} strings")
+        require(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+                f"must be non-empty strings of at most {MAX_STOP_CHARS} characters")
         require(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, one module per job, each importing only those listed before it:
 
     schemas        protocol: request bodies, error bodies, logprobs objects
+    limits         request bodies too large (413) or too slow (408)
     chat_template  chat messages -> prompt text
     scheduler      the thread that runs the engine (continuous batching)
     state          Server: what the routes share; a request -> generations

@@ -6,10 +6,15 @@ Endpoints: POST /v1/completions (`completions`), POST /v1/chat/completions (`cha
 
 Behaviour worth knowing:
 * Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON,
-  wrong types and out-of-range values (FastAPI's 422 is turned into 400, as OpenAI answers), 400 with code
-  "context_length_exceeded" for a prompt that leaves no room in the context, 401 for a missing or wrong API
-  key, 404 for an unknown model or route, 429 when more than max_queue generations wait, 500 if generation
-  fails.
+  wrong types and out-of-range values (FastAPI's 422 is turned into 400, as OpenAI answers, and the OpenAPI
+  schema says so), 400 with code "context_length_exceeded" for a prompt that leaves no room in the context, 401
+  for a missing or wrong API key, 404 for an unknown model or route, 408 / 413 for a body too slow / too large
+  (`limits`), 429 when more than max_queue generations wait, 500 if generation fails (for that request alone:
+  the others in the batch go on).
+* Every bound of a request is in its schema (/openapi.json). There is no /docs page: FastAPI's loads Swagger UI
+  from a CDN, and no page of a local server should make an external request.
+* The API key is compared as UTF-8 bytes in constant time (a non-ASCII key works when the client sends it as
+  UTF-8, as HTTP clients do).
 * A prompt longer than prefill_chunk tokens is prefilled that many tokens per step, interleaved with the
   running rows' decoding steps, so a long prompt delays the others by one chunk at a time, not a whole prefill.
 * max_tokens is capped so that prompt + completion fit the context (block_size); finish_reason is then
@@ -28,13 +33,31 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gptlab.serve.chat import create_chat_completion
 from gptlab.serve.completions import create_completion
-from gptlab.serve.schemas import ApiError, ChatRequest, CompletionRequest, error_body, validation_error
+from gptlab.serve.limits import BodyLimits
+from gptlab.serve.schemas import ApiError, ChatRequest, CompletionRequest, ErrorResponse, error_body, validation_error
 from gptlab.serve.state import Server
+from gptlab.serve.ui import GUARDED_PREFIX, mount_ui
+
+# what a generation route answers, as the OpenAPI schema documents it: 200 (JSON, or server-sent events when
+# streamed) or an error body
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "the answer, or its events when streamed"},
+    **{
+        status: {"model": ErrorResponse, "description": why}
+        for status, why in [
+            (400, "invalid request: bad JSON, a wrong type or a value out of range, a prompt too long"),
+            (401, "missing or wrong API key"), (404, "unknown model"), (408, "the body did not arrive in time"),
+            (413, "the body is too large"), (429, "too many generations waiting"), (500, "generation failed"),
+        ]
+    },
+}
 
 
 def create_app(
@@ -46,10 +69,16 @@ def create_app(
     max_queue: int = 64,
     api_key: str | None = None,
     prefill_chunk: int | None = 256,
+    max_body_bytes: int = 8 * 2**20,
+    body_timeout: float = 30.0,
+    ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan.
-    `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generation.Engine`."""
+    `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generation.Engine`.
+    `max_body_bytes`, `body_timeout`: the largest request body, and how long it may take to arrive. `ui`: the
+    web page at / (`gptlab.serve.ui`)."""
     server = Server(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk)
+    key = api_key.encode() if api_key else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,15 +86,18 @@ def create_app(
         yield
         server.scheduler.stop()
 
-    app = FastAPI(title="gptlab", lifespan=lifespan)
+    app = FastAPI(title="gptlab", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout=body_timeout)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):  # noqa: ANN001, ANN202
-        if api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), api_key.encode()):  # constant time: no timing oracle
+        if key and request.url.path.startswith(("/v1", GUARDED_PREFIX)):
+            # the header's raw bytes (Starlette decodes headers as Latin-1): a UTF-8 key compares as sent
+            header = request.headers.get("authorization", "").encode("latin-1")
+            given = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, key):  # constant time: no timing oracle
                 err = ApiError(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.", code="invalid_api_key"
                 )
@@ -84,7 +116,8 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        # (its headers too: a 405 names the allowed methods)
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -102,12 +135,32 @@ def create_app(
             "data": [{"id": model_name, "object": "model", "created": server.created, "owned_by": "gptlab"}],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=RESPONSES)
     async def completions(req: CompletionRequest, request: Request) -> Any:
         return await create_completion(server, req, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=RESPONSES)
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
         return await create_chat_completion(server, req, request)
 
+    if ui:  # the web page at / and its JSON endpoints (gptlab.serve.ui)
+        mount_ui(app, server)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422 answers (this server answers a bad request 400, `RESPONSES`), and with
+    pydantic's own schemas of the bodies: FastAPI's pass through its models writes every bound as a float, and
+    INT64_MAX as a float is 2**63, out of range."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        bodies = [(model, "validation") for model in (CompletionRequest, ChatRequest)]
+        _, defs = models_json_schema(bodies, ref_template="#/components/schemas/{model}")
+        schema["components"]["schemas"].update(defs["$defs"])
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -8,6 +8,7 @@ log-probability, `top_logprobs` = N its N likeliest alternatives too.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -24,9 +25,11 @@ async def create_chat_completion(server: Server, req: ChatRequest, request: Requ
     tokenizer = server.tokenizer
     n_top = req.logprobs_count()
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    text, templated = render_chat(tokenizer, messages)
+    server.check_prompt_chars(sum(len(m["content"]) for m in messages), param="messages")
+    server.check_queue(req.n)
+    text, templated = await asyncio.to_thread(render_chat, tokenizer, messages)  # Jinja, off the event loop
     stops = req.stop_list() + ([] if templated or req.stop else [DEFAULT_CHAT_STOP])
-    prompts = [server.encode(text, special=templated)]
+    prompts = await server.encode([text], special=templated)
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     job = server.start(
         prompts, req, max_tokens=getattr(req, limit), stops=stops, logprobs=n_top,
@@ -57,7 +60,7 @@ async def create_chat_completion(server: Server, req: ChatRequest, request: Requ
 
     if req.stream:
         return event_stream(server, job, prompts, chunk, req, request)
-    await server.wait(job)
+    await server.wait(job, request)
     choices = [
         {
             "index": i,

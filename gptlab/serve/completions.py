@@ -23,11 +23,9 @@ PARAM_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams fields named ot
 
 async def create_completion(server: Server, req: CompletionRequest, request: Request) -> Any:
     tokenizer = server.tokenizer
-    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    if texts and isinstance(texts[0], int):
-        prompts = [list(texts)]
-    else:
-        prompts = [server.encode(t) for t in texts] or [[]]
+    texts = req.texts()
+    server.check_queue(len(texts or [()]) * req.n)  # before tokenizing what could never be queued
+    prompts = [list(req.prompt)] if texts is None else (await server.encode(texts) or [[]])
     scored = req.logprobs is not None
     job = server.start(
         prompts, req, max_tokens=req.max_tokens, stops=req.stop_list(), logprobs=req.logprobs,
@@ -42,7 +40,7 @@ async def create_completion(server: Server, req: CompletionRequest, request: Req
         if i not in started:
             started.add(i)
             if req.echo:  # the prompt as the engine saw it, and its logprobs (none for the first token)
-                prefix, ids = tokenizer.decode(g.prompt_ids), list(g.prompt_ids)
+                prefix, ids = tokenizer.decode(g.prompt_ids, errors="replace"), list(g.prompt_ids)
                 entries = g.prompt_logprobs or [None] * len(ids)
         logprobs = None
         if scored:
@@ -61,6 +59,6 @@ async def create_completion(server: Server, req: CompletionRequest, request: Req
 
     if req.stream:
         return event_stream(server, job, prompts, chunk, req, request)
-    await server.wait(job)
+    await server.wait(job, request)
     choices = [choice(i, g.text, g.finish_reason, len(g.token_ids)) for i, g in enumerate(job.gens)]
     return {**chunk(0, "", None, 0), "choices": choices, "usage": usage(job, prompts)}

@@ -5,6 +5,11 @@ its events. The scheduler thread loops: admit waiting generations into free rows
 row), run one decode step for every running row, and hand each job the text its rows produced. A finished row
 frees its slot before the next step, so a new request joins the running batch without waiting for the others.
 
+A failure ends only the generations it belongs to: one while admitting a row fails that row's request, one the
+engine pins on a row of a decoding step (`Generation.error`) fails that row's request, whose other rows are
+dropped; the other requests in the batch go on. (Before this, one request whose top_k did not fit an int64 made
+every concurrent generation end in a 500.)
+
 Waiting generations are bounded by max_queue: `submit` raises `QueueFull` (the server answers 429) beyond it.
 Because every row has its own position, cache row and generator, a greedy (or seeded) answer is the one the
 request would get alone.
@@ -19,7 +24,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gptlab.generation.engine import Engine, Generation
+from gptlab.generation.engine import FINISH_ERROR, Engine, Generation
 
 log = logging.getLogger("gptlab.serve")
 
@@ -119,7 +124,7 @@ class Scheduler:
     def _run(
         self, gens: list[Generation], work: Callable[[], object], owner: tuple[Job, int] | None = None
     ) -> None:
-        """Run an engine call and publish what its rows produced; an exception fails only those jobs."""
+        """Run an engine call and publish what its rows produced; a failure fails only the jobs it touches."""
         if owner is not None:
             self._owner[id(gens[0])] = owner
         try:
@@ -127,18 +132,31 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - a failing request must not take the server down
             log.exception("generation failed")
             for gen in gens:
-                failed = self._owner.pop(id(gen), None)
-                self.engine.release(gen)
-                if failed is not None:
-                    failed[0].error = e
-                    failed[0].emit(failed[1], "", "error", len(gen.token_ids))
+                self._fail(gen, e)
             return
         for gen in gens:
             target = self._owner.get(id(gen))
             if target is None:
+                continue
+            if gen.finish_reason == FINISH_ERROR:
+                log.error("generation failed: %r", gen.error)
+                self._fail(gen, gen.error)
                 continue
             delta = gen.pop_delta()
             if delta or gen.finished:
                 target[0].emit(target[1], delta, gen.finish_reason, len(gen.token_ids))
             if gen.finished:
                 self._owner.pop(id(gen), None)
+
+    def _fail(self, gen: Generation, error: BaseException | None) -> None:
+        """End the job `gen` belongs to with `error`: its client is told, and its other rows are freed."""
+        self.engine.release(gen)
+        failed = self._owner.pop(id(gen), None)
+        if failed is None:
+            return
+        job, index = failed
+        job.error, job.cancelled = error, True
+        job.emit(index, "", "error", len(gen.token_ids))
+        for other in job.gens:
+            if self._owner.pop(id(other), None) is not None:
+                self.engine.release(other)

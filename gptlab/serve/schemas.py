@@ -5,22 +5,43 @@ Strict: a string where a number belongs is an error, not coerced. Unknown fields
 `user`, `logit_bias`, ... that gptlab does not act on). Besides OpenAI's fields, requests accept vLLM-style
 extras: top_k, min_p, repetition_penalty, ignore_eos.
 
-Ranges are checked in two places, each range once: here only the server's policy limits that the engine does
-not care about (OpenAI's temperature <= 2, penalties in [-2, 2], n <= 16, at most 4 stop strings), and in
-`SamplingParams` everything that makes a setting meaningless (top_p in (0, 1], top_k >= 0, ...); the routes
-turn its `InvalidSamplingParam` into a 400 naming the request's field.
+Every field is bounded here, so that the OpenAPI schema (/openapi.json) states each bound and a request out of
+range is a 400 before any work: the server's own policy limits (OpenAI's temperature <= 2, penalties in [-2, 2],
+n <= 16, at most 4 stop strings, at most MAX_PROMPTS prompts) and the ranges `SamplingParams` requires, with its
+constants (int64 seeds, top_k, logprobs <= 20, stop string length). SamplingParams still checks its own ranges
+(every caller goes through it); the routes turn its `InvalidSamplingParam` into a 400 naming the request's field.
+
+An integer field takes a whole float too ("n": 1.0): JSON Schema's "integer" is any number with no fraction.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from gptlab.generation.params import MAX_LOGPROBS  # torch-free
+from gptlab.generation.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_STOP_CHARS  # torch-free
 
 MAX_N = 16
 MAX_STOPS = 4
+MAX_PROMPTS = 64  # prompts in one completions request (each is n generations, bounded by the queue too)
+
+
+def _whole_number(value: Any) -> Any:
+    """1.0 -> 1 (a JSON Schema integer); anything else is left for strict validation."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(lo: int, hi: int, **field: Any) -> Any:  # noqa: N802 - a type
+    """An integer in [lo, hi] that also takes a whole float; the bounds go into the OpenAPI schema."""
+    return Annotated[int, Field(ge=lo, le=hi, **field), BeforeValidator(_whole_number)]
+
+
+Count = Int(0, INT64_MAX)  # token counts, top_k: int64, not negative
+Seed = Int(INT64_MIN, INT64_MAX)
+Choices = Int(1, MAX_N)
+NTop = Int(0, MAX_LOGPROBS, description=f"alternatives reported per token, 0..{MAX_LOGPROBS}")
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class ApiError(Exception):
@@ -48,8 +69,21 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (documents `error_body` in the OpenAPI schema)."""
+
+    error: ErrorDetail
+
+
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:
-    """FastAPI's validation errors as one OpenAI-style 400, naming the first bad field."""
+    """FastAPI's validation errors as one OpenAI-style 400 whose `param` is the first bad field."""
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
         return ApiError(
@@ -57,13 +91,18 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
             "We could not parse the JSON body of your request: it is not valid JSON.",
             code="invalid_json",
         )
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # pydantic reports union members as extra path parts (e.g. prompt.str); keep the field path
-    loc = [x for x in loc if x not in ("str", "int", "list[str]", "list[int]", "float", "bool")]
-    param = ".".join(loc) or None
-    where = f" for '{param}'" if param else ""
+    # a union field (stop: a string or a list) reports one error per member: the one that says what is wrong
+    # is a broken bound (a list too long), not "not a string"
+    same_field = [e for e in errors if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
+    first = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
+    # pydantic names union members as extra path parts (prompt.str, stop.list[constrained-str]): keep the
+    # field path, names and list indices
+    path = [str(x) for x in first.get("loc", ()) if x != "body" and (isinstance(x, int) or str(x).isidentifier())]
+    path = [x for x in path if x not in ("str", "int", "float", "bool")]
+    where = f" for '{'.'.join(path)}'" if path else ""
     return ApiError(
-        400, f"Invalid value{where}: {first.get('msg', 'invalid')}", param=param, code="invalid_value"
+        400, f"Invalid value{where}: {first.get('msg', 'invalid')}", param=path[0] if path else None,
+        code="invalid_value",
     )
 
 
@@ -78,33 +117,38 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    temperature: float = Field(1.0, le=2)
-    top_p: float = 1.0
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: Choices = 1
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # extras (vLLM-style)
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = Field(1.0, le=10)  # a cap of this server's, as OpenAI caps its penalties
+    top_k: Count = 0
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)  # a cap of this server's, as OpenAI caps its penalties
     ignore_eos: bool = False
 
     def stop_list(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOPS:
-            raise ApiError(400, f"at most {MAX_STOPS} stop sequences are allowed", param="stop")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = 16
+    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | list[Count]
+    max_tokens: Count | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, description=f"alternatives reported per token, 0..{MAX_LOGPROBS}")
+    logprobs: NTop | None = None
+
+    def texts(self) -> list[str] | None:
+        """The prompt texts, or None when the prompt is token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], int):
+            return None
+        return list(self.prompt)
 
 
 class ContentPart(BaseModel):
@@ -126,10 +170,10 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, description=f"alternatives reported per token, 0..{MAX_LOGPROBS}")
+    top_logprobs: NTop | None = None
 
     def logprobs_count(self) -> int | None:
         """SamplingParams.logprobs for this request: None when not asked."""

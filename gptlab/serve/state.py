@@ -4,6 +4,11 @@ request into generations on it (`Server.start`) and waiting for them (`Server.wa
 Request checks that need the model live here: the model name, prompt token ids, the context length (a prompt
 must leave room for one token; max_tokens is capped to the room left), and the sampling settings, which
 `SamplingParams` checks (its `InvalidSamplingParam` becomes a 400 naming the request's field).
+
+Nothing slow runs on the event loop: prompts are tokenized in a worker thread (a 20 MB prompt took 12 s, during
+which /health waited), and a text longer than MAX_CHARS_PER_TOKEN characters per context position cannot fit,
+so it is refused before it is tokenized at all. A request whose client hangs up stops its generations (`wait`),
+streamed or not, so its rows go to the next requests.
 """
 
 from __future__ import annotations
@@ -13,11 +18,17 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from fastapi import Request
+
 from gptlab.errors import GptlabError
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
+
+# no token of a real vocabulary is longer (GPT-2's longest is 128 bytes): a text over this many characters per
+# context position holds more tokens than the context, whatever the tokenizer
+MAX_CHARS_PER_TOKEN = 1024
 
 
 class Server:
@@ -38,11 +49,35 @@ class Server:
         self.scheduler = Scheduler(self.engine, max_queue=max_queue)
         self.created = int(time.time())
 
-    def encode(self, text: str, *, special: bool = False) -> list[int]:
+    def check_prompt_chars(self, chars: int, param: str = "prompt") -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens."""
+        if chars > self.block_size * MAX_CHARS_PER_TOKEN:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.block_size} tokens; the {param} has {chars} "
+                "characters, more than that many tokens can hold.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_queue(self, generations: int) -> None:
+        """Refuse at once (429) a request that asks for more generations than may ever wait."""
+        if generations > self.scheduler.max_queue:
+            raise ApiError(
+                429, f"The request asks for {generations} generations; this server queues at most "
+                f"{self.scheduler.max_queue}.", type="rate_limit_error", code="rate_limit_exceeded",
+            )
+
+    async def encode(self, texts: list[str], *, special: bool = False) -> list[list[int]]:
+        """Each text's token ids, tokenized in a worker thread (the event loop goes on serving others)."""
+        for text in texts:
+            self.check_prompt_chars(len(text))
         try:
-            return self.tokenizer.encode(text, allow_special=special)
+            return await asyncio.to_thread(lambda: [self.tokenizer.encode(t, allow_special=special) for t in texts])
         except GptlabError as e:  # e.g. characters outside a char vocabulary
             raise ApiError(400, str(e), param="prompt") from e
+        except UnicodeError as e:  # JSON can spell a lone surrogate ("\ud800"): not text any tokenizer reads
+            raise ApiError(400, f"the prompt is not valid Unicode text: {e}", param="prompt") from e
 
     def start(
         self,
@@ -112,18 +147,31 @@ class Server:
             )
         return ids
 
-    async def wait(self, job: Job) -> None:
-        """Until every generation of the job has finished (cancelling it if the handler is cancelled)."""
+    async def wait(self, job: Job, request: Request) -> None:
+        """Until every generation of the job has finished; cancelled when the client hangs up (or the handler
+        is cancelled) or one of them fails."""
         done = 0
+        hangup = asyncio.ensure_future(_disconnected(request))
         try:
-            while done < len(job.gens):
-                _, _, finish, _ = await job.events.get()
-                done += finish is not None
+            while done < len(job.gens) and job.error is None:
+                event = asyncio.ensure_future(job.events.get())
+                await asyncio.wait({event, hangup}, return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():  # the client is gone: nobody will read the answer
+                    event.cancel()
+                    raise ApiError(499, "The client closed the request.", code="client_closed_request")
+                done += event.result()[2] is not None
         finally:
+            hangup.cancel()
             if done < len(job.gens):
                 self.scheduler.cancel(job)
         if job.error is not None:
             raise ApiError(500, f"generation failed: {job.error}", type="server_error")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def usage(job: Job, prompts: list[list[int]]) -> dict[str, int]:
