@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from gptlab.kv_cache import KVCache
     from gptlab.loading import load_model
     from gptlab.model import GPT, parameter_breakdown
+    from gptlab.quantize import quantize_model
 
 __version__ = "0.1.0"
 
@@ -37,8 +38,9 @@ _LAZY = {
     "save_hf": "gptlab.interop",
     "load_model": "gptlab.loading",  # a run, checkpoint or Hugging Face directory -> (model, tokenizer)
     "save_model": "gptlab.checkpoint",
+    "quantize_model": "gptlab.quantize",  # weight-only int8 / int4 Linear layers for inference, in place
 }
 __all__ = ["GPT", "GPTConfig", "KVCache", "SamplingParams", "from_hf", "generate", "generate_batch", "generate_stream",
-           "load_model", "parameter_breakdown", "save_hf", "save_model"]
+           "load_model", "parameter_breakdown", "quantize_model", "save_hf", "save_model"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -16,14 +16,17 @@ A checkpoint is a directory:
 
 A run directory (`gptlab train --out`) holds:
 
+    .lock                         held (flock) by the `gptlab train` writing the run; holds its pid
     config.resolved.json          the training config, the model config, data dir, world size, device
     metrics.jsonl                 one JSON object per logged step (train_loss, lr, tokens_per_sec, mfu, val_loss)
     checkpoints/step-NNNNNNN/     the last `keep_last` training checkpoints
     checkpoints/best/             the best validation loss so far: weights, config, tokenizer, state.json
 
-Writes go through a temporary directory renamed into place (`gptlab.fileio`), so a crash leaves the previous
-checkpoint intact and readers never see a partial one (temporary `.step-*.tmp-*` directories are skipped and
-pruned). Which directory a path means (a run, a checkpoint, a Hugging Face directory) is `gptlab.loading`'s job.
+Writes go through a temporary directory swapped into place (`gptlab.fileio`, which also leaves its `.gptlab`
+marker in each), so a crash leaves the previous checkpoint intact and readers never see a partial one (temporary
+`.step-*.tmp-*` directories are skipped and pruned). Reads name the damaged file in one line (`read_tensors`,
+`read_config`, `read_training_state`). Which directory a path means (a run, a checkpoint, a Hugging Face
+directory) is `gptlab.loading`'s job.
 
 Loading follows one explicit rule (`load_weights`): a checkpoint holds exactly the tensors of the plain GPT its
 config describes. A model with modules added on top (adapters) takes it only when the caller says to keep those
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,7 +49,7 @@ from safetensors.torch import load_file, save_file
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_dir, read_json_object
+from gptlab.fileio import atomic_write_dir, read_json_object, safetensors_problem
 from gptlab.lora import LoRASpec, has_lora, lora_state_dict
 from gptlab.model import GPT
 
@@ -59,6 +63,7 @@ TOKENIZER_FILES = ("tokenizer_meta.json", "tokenizer.json")
 LORA_FILE = "lora.safetensors"
 LORA_CONFIG = "lora.json"
 LORA_FORMAT = "gptlab-lora"
+STEP_NAME = re.compile(r"step-\d+")  # a step checkpoint (a copy moved aside, e.g. damaged-step-N, is not)
 
 
 def has_weights(directory: Path) -> bool:
@@ -188,13 +193,33 @@ def assign_weights(model: GPT, state: dict[str, torch.Tensor], where: str = "the
     return model.eval()
 
 
+def read_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a one-line GptlabError naming the file if it is missing or damaged."""
+    problem = safetensors_problem(path)
+    if problem:
+        raise GptlabError(problem)
+    try:
+        return load_file(str(path), device=str(device))
+    except (OSError, SafetensorError) as e:
+        raise GptlabError(f"{path} cannot be read: {e}") from None
+
+
+def read_config(path: Path) -> GPTConfig:
+    """A checkpoint's config.json; a one-line GptlabError naming the file when a field is missing or wrong."""
+    try:
+        return GPTConfig.load(path)
+    except (ValueError, TypeError, KeyError) as e:
+        raise GptlabError(f"{path}: {' '.join(str(e).split())}") from None
+
+
 def load_gptlab_model(
     directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> GPT:
-    config = GPTConfig.load(directory / CONFIG_FILE)
+    config = read_config(directory / CONFIG_FILE)
     with torch.device("meta"):
         model = GPT(config)
-    assign_weights(model, load_file(str(directory / MODEL_FILE), device=str(device)), where=str(directory))
+    where = f"{directory / MODEL_FILE} (against {directory / CONFIG_FILE})"
+    assign_weights(model, read_tensors(directory / MODEL_FILE, device), where=where)
     model.to(device=device, dtype=dtype)
     return model.eval()
 
@@ -207,7 +232,7 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    steps = [p for p in root.iterdir() if p.name.startswith("step-") and has_weights(p)]
+    steps = [p for p in root.iterdir() if STEP_NAME.fullmatch(p.name) and has_weights(p)]
     return sorted(steps, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
@@ -220,7 +245,8 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
     for old in list_step_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     root = Path(run_dir) / CHECKPOINTS_DIR
-    for tmp in root.glob(".*.tmp-*") if root.is_dir() else []:
+    leftovers = [*root.glob(".*.tmp-*"), *root.glob(".*.old-*")] if root.is_dir() else []
+    for tmp in leftovers:  # a kill mid-write; the run directory's lock says no other run is writing them
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -306,7 +332,22 @@ def save_checkpoint(
             if src.is_file():
                 shutil.copyfile(src, tmp / name)
 
-    return atomic_write_dir(directory, write)
+    needed = sum(t.nbytes for t in (*weights.values(), *tensors.values()))
+    return atomic_write_dir(directory, write, needed=needed, replace_unmarked=True)
+
+
+def read_training_state(directory: Path, required: dict[str, Any] | None = None) -> dict[str, Any]:
+    """state.json of a resumable checkpoint, with the `required` keys (key -> type or tuple of types; by default
+    only the optimizers') checked (one line naming the file)."""
+    path = Path(directory) / STATE_FILE
+    state = read_json_object(path)
+    for key, types in (required or {"optimizers": list}).items():
+        if key not in state:
+            raise GptlabError(f"{path} lacks the key {key!r}")
+        if not isinstance(state[key], types) or isinstance(state[key], bool):
+            raise GptlabError(f"{path}: {key} has the wrong type ({type(state[key]).__name__}: "
+                              f"{str(state[key])[:40]!r})")
+    return state
 
 
 def load_training_checkpoint(
@@ -320,17 +361,21 @@ def load_training_checkpoint(
     if adapters_only:
         weights = load_adapter_tensors(directory, plain)
     else:
-        weights = load_file(str(directory / MODEL_FILE))
+        weights = read_tensors(directory / MODEL_FILE)
     weights = {k: shard_like(v, current[k]) if k in current else v for k, v in weights.items()}  # FSDP: shard them
     with torch.no_grad():  # copies into the existing parameters: optimizers stay valid
         if adapters_only:
             plain.load_state_dict(weights, strict=False)
         else:
-            load_weights(plain, weights, where=str(directory))
-    state = read_json_object(directory / STATE_FILE)
+            load_weights(plain, weights, where=f"{directory / MODEL_FILE} (the run's model)")
+    state = read_training_state(directory)
     device = next(plain.parameters()).device
-    tensors = load_file(str(directory / OPTIMIZER_FILE), device=str(device))
-    optimizer_from_flat(optimizers, tensors, state.pop("optimizers"))
+    tensors = read_tensors(directory / OPTIMIZER_FILE, device)
+    try:
+        optimizer_from_flat(optimizers, tensors, state.pop("optimizers"))
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise GptlabError(f"{directory / OPTIMIZER_FILE} does not fit this run's optimizers: "
+                          f"{' '.join(str(e).split())[:200]}") from None
     return state
 
 
@@ -370,10 +415,7 @@ def load_adapter_tensors(directory: str | Path, model: torch.nn.Module) -> dict[
     """lora.safetensors, checked to hold exactly `model`'s adapter tensors with their shapes."""
     directory = Path(directory)
     path = directory / LORA_FILE
-    try:
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError) as e:
-        raise GptlabError(f"{path} cannot be read: {e}") from None
+    tensors = read_tensors(path)
     expected = {k: tuple(v.shape) for k, v in lora_state_dict(unwrap_model(model)).items()}
     for name, shape in expected.items():
         if name not in tensors:

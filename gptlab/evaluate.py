@@ -52,6 +52,9 @@ def evaluate_loss(
     `batch_size` windows go through the model at once (default: `default_batch_size`). `autocast` is an optional
     context (e.g. torch.autocast) to run the forward passes under.
     """
+    for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_tokens", max_tokens)):
+        if value is not None and value < 1:  # a window of 0 tokens scores nothing and reports a loss of 0
+            raise GptlabError(f"{name} must be at least 1, got {value}")
     n_targets = len(data) - 1
     if max_tokens is not None:
         n_targets = min(n_targets, max_tokens)

@@ -4,19 +4,75 @@ Every file gptlab writes goes through `atomic_write_text` (or `atomic_write_dir`
 the content goes to a temporary name in the same directory, is fsynced, then renamed over the target, and the
 rename itself is made durable by fsyncing the directory. A crash, a full disk or a kill at any moment leaves
 either the old file or the new one, never a truncated one, and the temporary leftovers are hidden (`.name.tmp-*`).
+
+A directory replaces an older one in a single step (Linux's `renameat2(RENAME_EXCHANGE)` swaps the two, so there
+is no moment without one; elsewhere two renames), and only when gptlab wrote the older one too: every directory
+written here holds a small marker file (`MARKER`), and a directory without it is refused rather than deleted.
+
+A failed write (a full disk, a read-only folder) is a one-line `GptlabError` naming the target; for a full disk
+it says how much space the write needed and how much is free. Reads name the file too: `read_json_object`, and
+`safetensors_problem`, which finds a truncated or foreign safetensors file from its header before a loader's
+own error (or a torch size-mismatch dump) could.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gptlab.errors import GptlabError
+
+MARKER = ".gptlab"  # in every directory atomic_write_dir writes: "gptlab wrote this, it may replace it"
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def is_gptlab_output(directory: Path) -> bool:
+    """Whether gptlab wrote `directory` (it holds the marker file)."""
+    return (Path(directory) / MARKER).is_file()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def write_error(target: Path, e: OSError, needed: int | None = None) -> GptlabError:
+    """A one-line error for an OSError met while writing `target` (for a full disk: the space needed, the space
+    free)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f", {human_bytes(shutil.disk_usage(target.parent).free)} free"
+        except OSError:
+            free = ""
+        need = f" needs about {human_bytes(needed)}" if needed else ""
+        return GptlabError(f"no space left on the device of {target.parent}: writing {target.name}{need}{free}; "
+                           f"nothing was replaced (free some space and run again)")
+    return GptlabError(f"cannot write {target}: {e.strerror or e}")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2); False where the system or filesystem can't."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def fsync_dir(path: Path) -> None:
@@ -35,8 +91,11 @@ def atomic_write_file(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Have `write(tmp)` create a file at a temporary path beside `path`, then fsync it and rename it over
     `path`: a crash leaves the old file or the new one, never half of one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e) from None
     os.close(fd)
     try:
         write(Path(tmp))
@@ -44,8 +103,10 @@ def atomic_write_file(path: str | Path, write: Callable[[Path], None]) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from None
         raise
     return path
 
@@ -60,33 +121,97 @@ def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 1) -> Non
     atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
-def atomic_write_dir(target: str | Path, write: Callable[[Path], None]) -> Path:
-    """Fill a fresh temporary directory with `write(tmp)`, fsync every file, then rename it to `target`.
+def atomic_write_dir(
+    target: str | Path, write: Callable[[Path], None], *, needed: int | None = None, replace_unmarked: bool = False
+) -> Path:
+    """Fill a fresh temporary directory with `write(tmp)`, fsync every file, then put it at `target`.
 
-    A crash at any point leaves either the previous `target` or the new one, never a half-written one.
+    A crash at any point leaves either the previous `target` or the new one, never a half-written one or none.
+    An existing `target` that gptlab did not write (no MARKER) is refused unless `replace_unmarked` (a run's
+    own checkpoints). `needed` (bytes, if known) goes into the message of a full disk.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    if target.is_dir() and any(target.iterdir()) and not is_gptlab_output(target) and not replace_unmarked:
+        raise GptlabError(f"{target} exists and was not written by gptlab (it has no {MARKER} file): refusing to "
+                          "replace it; remove it yourself or choose another path")
+    if target.exists() and not target.is_dir():
+        raise GptlabError(f"{target} is a file, not a directory: choose another path")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as e:
+        raise write_error(target, e, needed) from None
     try:
         write(tmp)
+        (tmp / MARKER).write_text('{"written_by": "gptlab"}\n')
         for f in tmp.rglob("*"):
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         fsync_dir(tmp)
-        if target.exists():  # replace: move the old one aside first so the rename itself is atomic
+        if not target.exists():
+            os.replace(tmp, target)
+        elif _exchange(tmp, target):  # tmp now holds the previous target
+            fsync_dir(target.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # no atomic swap here: move the old one aside, then the new one in (a short window without)
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
         fsync_dir(target.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(target, e, needed) from None
         raise
     return target
+
+
+def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
+    """An output directory that can be made: not empty text, not an existing file, not under a file."""
+    text = str(path)
+    if not text.strip():
+        raise GptlabError(f"{flag} is empty: name the directory to write")
+    out = Path(text).expanduser()
+    if out.exists() and not out.is_dir():
+        raise GptlabError(f"{flag} {out} is a file, not a directory: choose another path")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise GptlabError(f"{flag} {out}: {parent} is a file, not a directory")
+            break
+    return out
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What makes `path` an unreadable safetensors file (missing, truncated, not safetensors), read from its
+    header alone; None when it looks whole."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path} is {'empty' if size == 0 else 'truncated'} ({size} bytes)"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"{path} is truncated or not a safetensors file (its header claims {n} bytes, it has {size})"
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except OSError as e:
+        return f"{path} cannot be read: {e.strerror or e}"
+    except (ValueError, UnicodeDecodeError):
+        return f"{path} is not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return f"{path} is not a safetensors file"
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return f"{path} is not a safetensors file (a garbled header)"
+    if 8 + n + end != size:
+        return f"{path} is truncated or damaged (its tensors need {8 + n + end} bytes, the file has {size})"
+    return None
 
 
 def read_json_object(path: str | Path, hint: str = "") -> dict[str, Any]:

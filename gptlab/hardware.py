@@ -35,17 +35,59 @@ if TYPE_CHECKING:
 CACHE_FILE = "hardware.json"
 
 
-def resolve_device(name: str = "auto") -> str:
-    """"auto" is "cuda" when a GPU is there, else "cpu"; a CUDA device on a machine without CUDA is an error."""
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # where a model can run (not "meta": tensors without data)
+
+
+def resolve_device(name: str = "auto", flag: str = "--device") -> str:
+    """"auto" is "cuda" when a GPU is there, else "cpu". Anything else must name a device this machine has
+    (cpu, cuda, cuda:N, mps): otherwise a one-line GptlabError naming `flag`."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise GptlabError(f"device {name!r} requested but CUDA is not available; use --device cpu")
     try:
-        torch.device(name)
-    except RuntimeError as e:
-        raise GptlabError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N ({e})") from None
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise GptlabError(f"{flag} {name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in DEVICE_TYPES:
+        raise GptlabError(f"{flag} {name!r} cannot run a model: use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GptlabError(f"{flag} {name!r} requested but CUDA is not available here; use {flag} cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise GptlabError(f"{flag} {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                              f"numbered from 0")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise GptlabError(f"{flag} {name!r} requested but MPS is not available here; use {flag} cpu")
     return name
+
+
+def max_threads() -> int:
+    """The most intra-op threads `set_threads` accepts: 4 per CPU (beyond that OpenMP only spins and thousands
+    of threads take minutes to start)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def set_threads(n: int, flag: str = "threads") -> None:
+    """torch's intra-op thread count, checked against this machine (`max_threads`)."""
+    if not 1 <= n <= max_threads():
+        raise GptlabError(f"{flag} must be between 1 and {max_threads()} (4 per CPU of this machine), got {n}")
+    torch.set_num_threads(n)
+
+
+def available_memory(device: str | torch.device = "cpu") -> int | None:
+    """Bytes that can still be allocated on `device` (CPU: MemAvailable of /proc/meminfo), or None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def retain_freed_memory() -> bool:
@@ -123,6 +165,6 @@ def peak_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.fl
     cached[key] = flops
     try:
         atomic_write_json(path, cached)
-    except OSError:
+    except (OSError, GptlabError):
         pass  # a read-only home: measure again next time
     return flops

@@ -76,7 +76,8 @@ class GptlabLM(TemplateLM):
     """Any gptlab model path (run, checkpoint, Hugging Face directory) as an lm-eval model.
 
     model_args: pretrained=PATH, device (auto), dtype (the checkpoint's), batch_size (1), max_length (the
-    model's block_size), max_gen_toks (256), add_bos_token (the tokenizer's own behaviour).
+    model's block_size), max_gen_toks (256), add_bos_token (the tokenizer's own behaviour), quantize (int8 or
+    int4, weight-only: `gptlab.quantize`) and group_size (int4's, default 32).
     """
 
     def __init__(
@@ -89,6 +90,8 @@ class GptlabLM(TemplateLM):
         max_gen_toks: int | str | None = None,
         add_bos_token: bool | None = None,
         max_batch_size: int | None = None,  # lm-eval passes it to every model; only "auto" batch sizes use it
+        quantize: str | None = None,
+        group_size: int | str | None = None,
     ) -> None:
         super().__init__()
         if str(batch_size).startswith("auto"):
@@ -98,7 +101,9 @@ class GptlabLM(TemplateLM):
             logger.warning("device %s requested but CUDA is not available: using the CPU", device)
             device = "cpu"
         self._device = torch.device(resolve_device(device or "auto"))
-        model, tokenizer = load_model(pretrained, device=self._device, dtype=_dtype(dtype))
+        group_size = None if group_size is None else _positive_int("group_size", group_size, 0)
+        model, tokenizer = load_model(pretrained, device=self._device, dtype=_dtype(dtype), quantize=quantize or None,
+                                      group_size=group_size)
         if tokenizer is None:
             raise GptlabError(f"{pretrained} has no tokenizer: lm-eval tasks are text, so the model needs one")
         self.model, self.tok, self.pretrained = model.eval(), tokenizer, str(pretrained)
@@ -234,7 +239,7 @@ class GptlabLM(TemplateLM):
         gens = self._engine.run([self._engine.prepare(p, params) for p in prompts])
         texts = []
         for g in gens:  # decoded as the hf backend does: special tokens dropped, cut at the first stop string
-            text = self.tok.decode([t for t in g.token_ids if t not in self._special])
+            text = self.tok.decode([t for t in g.token_ids if t not in self._special], errors="replace")
             for stop in until:
                 text = text.split(stop)[0]
             texts.append(text)
@@ -279,6 +284,8 @@ def run_tasks(
     dtype: str | torch.dtype | None = None,
     max_length: int | None = None,
     log_samples: bool = False,
+    quantize: str | None = None,
+    group_size: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate a gptlab model (run, checkpoint or Hugging Face directory) on lm-eval tasks: lm-eval's result
     dict ("results" holds each task's metrics; "samples" each request's answers when log_samples)."""
@@ -287,7 +294,8 @@ def run_tasks(
     if not tasks:
         raise GptlabError("no tasks given: name at least one lm-eval task")
     manager = _task_manager(tasks, include_path)
-    lm = GptlabLM(model_path, device=device, dtype=dtype, batch_size=batch_size, max_length=max_length)
+    lm = GptlabLM(model_path, device=device, dtype=dtype, batch_size=batch_size, max_length=max_length,
+                  quantize=quantize, group_size=group_size)
     results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                               task_manager=manager, log_samples=log_samples)
     return dict(results or {})

@@ -16,6 +16,7 @@ Every command that reads a model (`sample`, `eval`, `serve`, `convert`, training
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from gptlab.checkpoint import (
     CONFIG_FILE,
     LORA_FILE,
     MODEL_FILE,
+    STATE_FILE,
     has_weights,
     list_step_checkpoints,
     load_adapter_tensors,
@@ -36,9 +38,12 @@ from gptlab.checkpoint import (
     weights_sha256,
 )
 from gptlab.errors import GptlabError
+from gptlab.fileio import MARKER, is_gptlab_output
 from gptlab.interop import from_hf, save_hf, save_peft_adapter
 from gptlab.lora import add_lora, merge_lora
 from gptlab.model import GPT
+from gptlab.quantize import check_options as check_quantize_options
+from gptlab.quantize import quantize_model
 from gptlab.tokenizer import Tokenizer, optional_tokenizer
 
 
@@ -73,6 +78,15 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     steps = list_step_checkpoints(path)
     if prefer == "best" and has_weights(best):
         return best
+    if prefer == "best" and steps and _had_best(steps[-1]):
+        # the run evaluated, so a best existed: never fall back to the latest step without saying so
+        kept = [d for d in (path / CHECKPOINTS_DIR).glob(f".{BEST_NAME}.old-*") if has_weights(d)]
+        if kept:
+            print(f"note: {best} is missing (a run stopped while replacing it); using its previous copy {kept[0]}",
+                  file=sys.stderr)
+            return kept[0]
+        print(f"note: {best} is missing though the run evaluated; using the latest step {steps[-1].name} (pass "
+              f"{steps[-1]} to choose explicitly)", file=sys.stderr)
     if steps:
         return steps[-1]
     if has_weights(best):
@@ -81,24 +95,43 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
                       f"directory with {CHECKPOINTS_DIR}/step-*/, or a Hugging Face model directory")
 
 
+def _had_best(step_dir: Path) -> bool:
+    """Whether a step checkpoint's state.json records a best validation loss (so checkpoints/best/ was written)."""
+    try:
+        return json.loads((step_dir / STATE_FILE).read_text()).get("best_val_loss") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     prefer: str = "best",
     merge_adapters: bool = True,
+    quantize: str | None = None,
+    group_size: int | None = None,
 ) -> tuple[GPT, Tokenizer | None]:
     """Load (model, tokenizer) from a run, checkpoint or Hugging Face directory (tokenizer: None if none).
 
     A LoRA checkpoint comes back as its base with the adapters merged into the weights (a plain GPT, as fast as
-    the base), or with `merge_adapters=False` with LoRA layers computing the update on the side."""
+    the base), or with `merge_adapters=False` with LoRA layers computing the update on the side.
+
+    `quantize` ("int8" or "int4", with `group_size` for int4) quantizes the weights of its Linear layers for
+    inference (`gptlab.quantize`), from the fp32 weights; the rest of the model then takes `dtype`."""
+    check_quantize_options(quantize, group_size)
+    if quantize is not None and not merge_adapters:
+        raise GptlabError("cannot quantize a model whose LoRA adapters are kept unmerged: merge them (the default)")
     directory = resolve_checkpoint(path, prefer=prefer)
+    load_dtype = torch.float32 if quantize else dtype
     if is_hf_dir(directory):
-        model = from_hf(directory, device=device, dtype=dtype)
+        model = from_hf(directory, device=device, dtype=load_dtype)
     elif (directory / LORA_FILE).is_file():
-        model = load_lora_model(directory, device=device, dtype=dtype, merge=merge_adapters)
+        model = load_lora_model(directory, device=device, dtype=load_dtype, merge=merge_adapters)
     else:
-        model = load_gptlab_model(directory, device=device, dtype=dtype)
+        model = load_gptlab_model(directory, device=device, dtype=load_dtype)
+    if quantize:
+        model = quantize_model(model.eval(), quantize, group_size).to(dtype=dtype)
     tokenizer, _ = optional_tokenizer(directory)
     if tokenizer is None and (directory / LORA_FILE).is_file():  # adapters trained on data without a tokenizer
         tokenizer, _ = optional_tokenizer(resolve_checkpoint(read_lora_config(directory)[1]["path"]))
@@ -164,13 +197,15 @@ def convert(
 ) -> Conversion:
     """A Hugging Face directory -> a gptlab checkpoint, or a gptlab checkpoint / run -> a Hugging Face directory
     (`to` overrides the direction, which otherwise follows from `src`), or either -> one GGUF file for llama.cpp
-    (`to="gguf"`, its tensors in `gguf_dtype`: f32, f16, bf16 or q8_0). DST is replaced as a whole, atomically;
+    (`to="gguf"`, its tensors in `gguf_dtype`: f32, f16, bf16, q8_0 or q4_0). DST is replaced as a whole, atomically;
     the tokenizer comes along when SRC has one.
 
     A LoRA run converts merged (its base with the adapters folded in), or with `adapter_only` into a peft
     adapter directory for the Hugging Face form of its base."""
     if to not in (None, "hf", "gptlab", "gguf"):
         raise GptlabError(f"cannot convert to {to!r}: choose hf, gptlab or gguf")
+    if not str(dst).strip():
+        raise GptlabError("DST is empty: name the directory (or .gguf file) to write")
     src = resolve_checkpoint(src)
     dst = Path(dst)
     if to == "gguf":
@@ -226,5 +261,6 @@ def _check_destination(src: Path, dst: Path) -> None:
         raise GptlabError(f"DST {dst} overlaps SRC {src}: write the converted model somewhere else")
     if dst.exists() and not dst.is_dir():
         raise GptlabError(f"DST {dst} is a file: pass a directory to create")
-    if dst.is_dir() and any(dst.iterdir()) and not (dst / CONFIG_FILE).is_file():
-        raise GptlabError(f"DST {dst} is a non-empty directory that holds no model; refusing to replace it")
+    if dst.is_dir() and any(dst.iterdir()) and not is_gptlab_output(dst):
+        raise GptlabError(f"DST {dst} is a non-empty directory gptlab did not write (no {MARKER} file); refusing to "
+                          "replace it: remove it yourself or choose another DST")

@@ -187,6 +187,8 @@ class GPT(nn.Module):
         `return_attention=True` the manual attention path runs and a list of (B, nh, T, T_k) weights per layer is
         returned as a third element.
         """
+        if targets is not None and targets.device.type == "cpu" and targets.numel():
+            self.check_targets(targets)
         h = self.hidden_states(idx, kv_cache=kv_cache, return_attention=return_attention)
         h, attentions = h if return_attention else (h, None)
         loss = None
@@ -194,9 +196,20 @@ class GPT(nn.Module):
             logits = self.logits(h)
         else:  # the loss's LM head through fp32 where this CPU lacks bf16 matmuls (`linear`); generation's
             # (`logits`) stays the module's own forward, which packed inference weights replace
-            logits = self.logits(h, head=linear(h, self.lm_head.weight, self.lm_head.bias))
+            head = self.lm_head  # a quantized head (not an nn.Linear) runs its own forward
+            logits = self.logits(h, head=linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else None)
             loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return (logits, loss, attentions) if return_attention else (logits, loss)
+
+    def check_targets(self, targets: torch.Tensor) -> None:
+        """A ValueError naming the first target outside the vocabulary (-1, ignored, aside): the loss would
+        otherwise fail with a bare IndexError. Two reductions over the targets, nothing next to the forward;
+        done on CPU tensors only, since on a GPU reading the result back would stall every step."""
+        low, high = int(targets.min()), int(targets.max())
+        if low < -1 or high >= self.config.vocab_size:
+            bad = low if low < -1 else high
+            raise ValueError(f"target {bad} is outside the vocabulary: targets must be in [0, "
+                             f"{self.config.vocab_size}) or -1 (ignored)")
 
     def logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head (with optional soft-capping) over final hidden states (..., C); `head`: lm_head(h) if

@@ -60,6 +60,7 @@ def test_checkpoint_files_are_safetensors_and_json_only(tmp_path: Path) -> None:
     model, opts = trained("muon")
     path = ckpt.save_checkpoint(tmp_path / "c", model, {"step": 3}, opts)
     assert sorted(p.name for p in path.iterdir()) == [
+        ".gptlab",
         "config.json", "model.safetensors", "optimizer.safetensors", "state.json"]
     state = json.loads((path / "state.json").read_text())
     assert [o["type"] for o in state["optimizers"]] == ["Muon", "AdamW"]
@@ -79,6 +80,7 @@ def test_a_checkpoint_without_optimizers_is_a_model_with_its_tokenizer(tmp_path:
     (data_dir / "tokenizer_meta.json").write_text('{"kind": "char", "chars": "abc"}')
     path = ckpt.save_checkpoint(tmp_path / "best", model, {"step": 3, "val_loss": 2.5}, tokenizer_dir=data_dir)
     assert sorted(p.name for p in path.iterdir()) == [
+        ".gptlab",
         "config.json", "model.safetensors", "state.json", "tokenizer_meta.json"]
     assert json.loads((path / "state.json").read_text()) == {"step": 3, "val_loss": 2.5}
     assert (path / "tokenizer_meta.json").read_bytes() == (data_dir / "tokenizer_meta.json").read_bytes()

@@ -185,10 +185,16 @@ def test_encode_batch_matches_encode(name: str, request: pytest.FixtureRequest) 
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bpe", "char"])
-def test_padded_vocab_ids_decode_to_replacement(name: str, request: pytest.FixtureRequest) -> None:
+def test_ids_outside_the_vocabulary_raise_unless_replaced(name: str, request: pytest.FixtureRequest) -> None:
+    """decode refuses an id the tokenizer lacks (a silent U+FFFD hides bugs); a model whose vocabulary is padded
+    past the tokenizer's can emit such ids, so errors="replace" and the byte-level decode_bytes keep U+FFFD."""
     tok = request.getfixturevalue(name)
-    ids = tok.encode("To be") + [tok.vocab_size + 3]
-    assert tok.decode(ids) == "To be\ufffd"
+    for bad in (tok.vocab_size, tok.vocab_size + 3, -1):
+        ids = tok.encode("To be") + [bad]
+        with pytest.raises(ValueError, match=f"token id {bad} is outside"):
+            tok.decode(ids)
+        assert tok.decode(ids, errors="replace") == "To be\ufffd"
+        assert tok.decode_bytes(ids) == "To be\ufffd".encode()
 
 
 def test_bpe_saved_file_is_plain_hugging_face(bpe: HFTokenizer, tmp_path) -> None:

@@ -80,6 +80,7 @@ def test_short_run_loss_falls_and_writes_metrics_and_checkpoints(tmp_path: Path,
     (step_dir,) = list_step_checkpoints(run)
     assert step_dir.name == "step-0000040"
     assert sorted(p.name for p in step_dir.iterdir()) == [
+        ".gptlab",
         "config.json",
         "model.safetensors",
         "optimizer.safetensors",
@@ -90,6 +91,7 @@ def test_short_run_loss_falls_and_writes_metrics_and_checkpoints(tmp_path: Path,
     assert state["step"] == 40 and state["best_val_loss"] == pytest.approx(val_rows[-1]["val_loss"])
     best = run / "checkpoints" / "best"  # weights, config and tokenizer; no optimizer state
     assert sorted(p.name for p in best.iterdir()) == [
+        ".gptlab",
         "config.json", "model.safetensors", "state.json", "tokenizer_meta.json"]
     assert json.loads((best / "state.json").read_text()) == {"step": 40, "val_loss": val_rows[-1]["val_loss"]}
     resolved = json.loads((run / "config.resolved.json").read_text())

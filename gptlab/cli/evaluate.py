@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from gptlab.cli.options import add_device, add_dtype, torch_dtype
+from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
 from gptlab.errors import GptlabError
 
 NO_LM_EVAL = "lm-eval is not installed: pip install 'gptlab[eval]'"
@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, help="windows per forward pass (default: ~4k tokens on CPU, ~64k on "
                    "GPU); requests per batch with --tasks (default 8)")
     add_dtype(p)
+    add_quantize(p)
     add_device(p)
     p.set_defaults(run=run, retain_memory=True)
 
@@ -43,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.data is None) == (args.tasks is None):
         raise GptlabError("give exactly one of --data DATA_DIR (a prepared split) or --tasks T1,T2 (lm-eval tasks)")
+    for flag, value in (("--block-size", args.block_size), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise GptlabError(f"{flag} must be at least 1, got {value}")
     if args.tasks is not None:
         return _run_tasks(args)
     from gptlab.data import read_meta
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     read_meta(args.data)  # a bad data directory fails before the model is loaded
     device = resolve_device(args.device)
-    model, _ = load_model(args.checkpoint, device=device)
+    model, _ = load_model(args.checkpoint, device=device, **quantize_options(args))
     out = evaluate_split(model, args.data, args.split, block_size=args.block_size, batch_size=args.batch_size,
                          dtype=torch_dtype(args.dtype), device=device)
     if args.json:
@@ -76,7 +80,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
     out = run_tasks(args.checkpoint, tasks, include_path=args.include_path, limit=limit,
                     num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8, device=args.device,
-                    dtype=torch_dtype(args.dtype), max_length=args.block_size)
+                    dtype=torch_dtype(args.dtype), max_length=args.block_size, **quantize_options(args))
     results = out.get("results", {})
     if args.json:
         print(json.dumps(results, default=str))

@@ -21,3 +21,16 @@ def torch_dtype(name: str) -> Any:
     import torch
 
     return getattr(torch, name)
+
+
+def add_quantize(p: argparse.ArgumentParser) -> None:
+    """--quantize and --group-size: weight-only int8 / int4 Linear layers for inference (`gptlab.quantize`)."""
+    p.add_argument("--quantize", choices=("int8", "int4"), help="quantize the Linear weights (blocks and LM head): "
+                   "int8 per output channel, or int4 in groups of --group-size inputs")
+    p.add_argument("--group-size", type=int, metavar="N", help="with --quantize int4: inputs per scale and zero "
+                   "point, 32, 64, 128 or 256 (default 32)")
+
+
+def quantize_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`load_model`'s quantize and group_size from the flags (it checks them before loading anything)."""
+    return {"quantize": args.quantize, "group_size": args.group_size}

@@ -53,7 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+
     from gptlab.data import prepare
+
+    # SIGTERM ends Python without running `finally`: make it an exit that does, so the hidden .partial files
+    # and the tokenizer worker processes are cleaned up
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     meta = prepare(
         args.inputs,
@@ -83,3 +89,7 @@ def run(args: argparse.Namespace) -> int:
         f"{meta['dropped']:,} dropped (no target token) {about[:-1]}{template})"
     )
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

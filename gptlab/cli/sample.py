@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.cli.options import add_device, add_dtype, torch_dtype
+from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
 from gptlab.errors import GptlabError
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams  # torch-free: `gptlab --help` stays fast
 
 SEPARATOR = "\n---------------\n"
+MAX_CHARS_PER_TOKEN = 64  # text averages 3-5 characters per token: a prompt past 64 per token of context is too long
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drop the start of a prompt longer than the context instead of failing")
     add_device(p)
     add_dtype(p, help="weights' dtype (default float32; bfloat16 is about 2x faster on recent CPUs)")
+    add_quantize(p)
     p.set_defaults(run=run, retain_memory=True)
 
 
@@ -86,7 +88,24 @@ def _read_prompt(args: argparse.Namespace) -> str:
     path = Path(args.prompt_file)
     if not path.is_file():
         raise GptlabError(f"--prompt-file {path} does not exist")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise GptlabError(f"--prompt-file {path} is not UTF-8 text (bad byte at offset {e.start})") from None
+
+
+def bound_prompt(prompt: str, block_size: int, truncate: bool) -> str:
+    """A prompt no longer than the context can hold, checked on its characters before it is tokenized (a
+    50 MB prompt would take minutes to tokenize only to be refused), with a wide margin (MAX_CHARS_PER_TOKEN
+    characters per token of context). With `truncate` its start is dropped instead; the engine then cuts the
+    tokens to the context exactly."""
+    limit = block_size * MAX_CHARS_PER_TOKEN
+    if len(prompt) <= limit:
+        return prompt
+    if truncate:
+        return prompt[-limit:]
+    raise GptlabError(f"the prompt is {len(prompt):,} characters, more than the model's context of {block_size} "
+                      f"tokens can hold: shorten it, or pass --truncate-prompt to keep its end")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,12 +120,14 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     prompt = _read_prompt(args)
     device = resolve_device(args.device)
-    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype))
+    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype),
+                                  **quantize_options(args))
     if tokenizer is None:
         raise GptlabError(
             f"{args.checkpoint} has no tokenizer: sampling needs one to turn text into tokens "
             "(save the checkpoint with its tokenizer)"
         )
+    prompt = bound_prompt(prompt, model.config.block_size, args.truncate_prompt)
     ids = _prompt_ids(prompt, tokenizer)
     # one cache, reused by every sample
     engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from gptlab.cli.options import add_device, add_dtype, torch_dtype
+from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
 from gptlab.errors import GptlabError
 
 
@@ -27,8 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompt tokens prefilled per step, between other rows' decoding steps, so a long prompt "
                    "does not stall them (default 256; 0: whole prompts at once)")
     p.add_argument("--model-name", help="the model id clients use (default: the checkpoint directory's name)")
+    p.add_argument("--max-body-mb", type=float, default=8.0,
+                   help="the largest request body in MB; larger ones are answered 413 (default 8)")
     add_device(p)
     add_dtype(p, help="weights' dtype (default float32; bfloat16 is about 2x faster on recent CPUs)")
+    add_quantize(p)
+    p.add_argument("--no-ui", action="store_true",
+                   help="do not serve the web page (chat playground, attention explorer) at /")
     p.set_defaults(run=run)
 
 
@@ -46,8 +51,11 @@ def run(args: argparse.Namespace) -> int:
         raise GptlabError(f"--prefill-chunk must be 0 (off) or a number of tokens, got {args.prefill_chunk}")
     if not 0 <= args.port <= 65535:
         raise GptlabError(f"--port must be in 0..65535, got {args.port}")
+    if not 0 < args.max_body_mb <= 2**20:  # (also refuses nan)
+        raise GptlabError(f"--max-body-mb must be a size in MB, more than 0, got {args.max_body_mb}")
     device = resolve_device(args.device)
-    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype))
+    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype),
+                                  **quantize_options(args))
     if tokenizer is None:
         raise GptlabError(f"{args.checkpoint} has no tokenizer: the server needs one to read prompts")
     name = args.model_name or resolve_checkpoint(args.checkpoint).resolve().name
@@ -56,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it")
     app = create_app(
         model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
-        prefill_chunk=args.prefill_chunk or None,
+        prefill_chunk=args.prefill_chunk or None, max_body_bytes=int(args.max_body_mb * 2**20), ui=not args.no_ui,
     )
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -55,12 +55,14 @@ def resume_command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gptlab.fileio import check_out_dir
     from gptlab.train import Trainer, load_train_config
 
     cfg = load_train_config(args.config, parse_overrides(args.extra))
+    out = check_out_dir(args.out)  # before the data: `--out ""` must not mean the current directory
     data_dir = Path(args.data)
     if not data_dir.is_dir():
         raise GptlabError(f"data directory {data_dir} does not exist; run `gptlab prepare ... --out {data_dir}` first")
-    trainer = Trainer(cfg, data_dir, Path(args.out), resume=args.resume, quiet=args.quiet,
+    trainer = Trainer(cfg, data_dir, out, resume=args.resume, quiet=args.quiet,
                       resume_command=resume_command(args))
     return trainer.run()

@@ -15,7 +15,8 @@ import numpy as np
 
 from gptlab.data.dataset import META, SPLITS
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import MIN_BPE_VOCAB, GPT2Tokenizer, Tokenizer, load_tokenizer
+from gptlab.fileio import check_out_dir, write_error
+from gptlab.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB, GPT2Tokenizer, Tokenizer, load_tokenizer
 
 
 def show_progress() -> bool:
@@ -52,10 +53,13 @@ def check_options(
         raise GptlabError(f"--vocab-size only applies to --tokenizer bpe ({what} has a fixed vocabulary)")
     if vocab_size is not None and vocab_size < MIN_BPE_VOCAB:
         raise GptlabError(f"--vocab-size {vocab_size} is too small for bpe: it needs at least {MIN_BPE_VOCAB}")
+    if vocab_size is not None and vocab_size > MAX_BPE_VOCAB:
+        raise GptlabError(f"--vocab-size {vocab_size} is too large: at most {MAX_BPE_VOCAB:,}")
     if not 0.0 < val_fraction < 1.0:
         raise GptlabError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
-    if workers < 1:
-        raise GptlabError(f"--workers must be at least 1, got {workers}")
+    if not 1 <= workers <= 4 * (os.cpu_count() or 1):
+        raise GptlabError(f"--workers must be at least 1 and at most {4 * (os.cpu_count() or 1)} (4 per CPU), "
+                          f"got {workers}")
 
 
 def early_tokenizer(tokenizer: str | None, tokenizer_from: str | os.PathLike[str] | None) -> Tokenizer | None:
@@ -69,16 +73,23 @@ def early_tokenizer(tokenizer: str | None, tokenizer_from: str | os.PathLike[str
 
 
 def output_dir(out_dir: str | os.PathLike[str]) -> Path:
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise GptlabError(f"--out {out} is a file; give a directory")
-    return out
+    return check_out_dir(out_dir, "--out")
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Hidden .partial files a killed run left (up to the size of the whole output): this run writes its own."""
+    for stale in out.glob(".*.partial"):
+        stale.unlink(missing_ok=True)
 
 
 def begin_output(out: Path, tok: Tokenizer) -> None:
     """Make `out` look incomplete (no meta.json) and save the tokenizer, removing files an earlier run of
     another kind left (a bpe tokenizer.json, loss masks) so that nothing stale passes for this run's output."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_error(out, e) from None
+    remove_stale_partials(out)
     (out / META).unlink(missing_ok=True)  # from here on the directory must not look complete
     for split in SPLITS:
         (out / f"{split}.mask.bin").unlink(missing_ok=True)

@@ -40,12 +40,15 @@ import hashlib
 import multiprocessing
 import os
 import re
+import select
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
@@ -61,7 +64,7 @@ from gptlab.data.dataset import META, SPLITS
 from gptlab.data.examples import RecordOptions, prepare_records
 from gptlab.data.records import RECORD_INPUTS, are_records
 from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_json
+from gptlab.fileio import atomic_write_json, write_error
 from gptlab.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 READ_BYTES = 1 << 20  # file read size
@@ -224,7 +227,31 @@ def _encode_text(tok: Tokenizer, text: str, dtype: np.dtype) -> np.ndarray:
     return tok.encode_np(text).astype(dtype, copy=False)
 
 
-def _worker_init(tok_dir: str, dtype: str, env: dict[str, str]) -> None:
+def _exit_with(main_pid: int) -> None:
+    """End this worker as soon as the main process is gone, even killed with SIGKILL (no `finally` runs there).
+
+    Nothing else would: a pool's workers hold both ends of its task queue, so they never see it close, and a
+    forkserver lives as long as its children do; without this a killed `prepare` leaves them all running."""
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(main_pid)  # Linux: readable once the process has exited
+        except (AttributeError, OSError):  # elsewhere, or already gone (ProcessLookupError)
+            while True:
+                try:
+                    os.kill(main_pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(1.0)
+        else:
+            select.select([fd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-main", daemon=True).start()
+
+
+def _worker_init(tok_dir: str, dtype: str, env: dict[str, str], main_pid: int) -> None:
+    _exit_with(main_pid)
     os.environ.update(env)  # a forkserver child has the server's environment, not the caller's
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool already uses every core
     _WORKER["tok"] = load_tokenizer(tok_dir)
@@ -251,7 +278,7 @@ def _encode_stream(
         ctx.set_forkserver_preload([__name__])
     else:
         ctx = multiprocessing.get_context("spawn")
-    init = (str(tok_dir), dtype.str, dict(os.environ))
+    init = (str(tok_dir), dtype.str, dict(os.environ), os.getpid())
     # ProcessPoolExecutor rather than Pool: a worker that dies (or fails to start) raises instead of hanging
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=init)
     pending: deque[tuple[str, Future | None, int]] = deque()
@@ -278,6 +305,15 @@ def _encode_stream(
 # --- prepare ----------------------------------------------------------------------------------------------------
 
 
+@contextmanager
+def _full_disk_message(out: Path, needed: int) -> Iterator[None]:
+    """An OSError while writing the token files (a full disk) as one line: what it needed, what is free."""
+    try:
+        yield
+    except OSError as e:
+        raise write_error(out / "train.bin", e, needed) from None
+
+
 def _write_bins(
     out: Path, tok: Tokenizer, pieces: Iterable[tuple[str, str | None]], total: int, workers: int
 ) -> dict[str, int]:
@@ -286,7 +322,7 @@ def _write_bins(
     partial = {s: out / f".{s}.bin.partial" for s in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     try:
-        with ExitStack() as stack:
+        with ExitStack() as stack, _full_disk_message(out, total * dtype.itemsize):
             files = {s: stack.enter_context(open(partial[s], "wb")) for s in SPLITS}
             bar = stack.enter_context(_progress(total, f"tokenize ({tok.kind})", "char"))
             for split, ids, n in _encode_stream(pieces, tok, out, dtype, workers):

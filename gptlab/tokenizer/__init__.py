@@ -29,6 +29,7 @@ from gptlab.tokenizer.base import (
     EOT_TEXT,
     HF_FILE,
     KINDS,
+    MAX_BPE_VOCAB,
     META_FILE,
     MIN_BPE_VOCAB,
     CharTokenizer,
@@ -38,5 +39,5 @@ from gptlab.tokenizer.base import (
 from gptlab.tokenizer.huggingface import HFTokenizer
 from gptlab.tokenizer.loading import load_tokenizer, optional_tokenizer
 
-__all__ = ["EOT_TEXT", "HF_FILE", "KINDS", "META_FILE", "MIN_BPE_VOCAB", "CharTokenizer", "GPT2Tokenizer",
-           "HFTokenizer", "Tokenizer", "load_tokenizer", "optional_tokenizer"]
+__all__ = ["EOT_TEXT", "HF_FILE", "KINDS", "META_FILE", "MAX_BPE_VOCAB", "MIN_BPE_VOCAB", "CharTokenizer",
+           "GPT2Tokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "optional_tokenizer"]

@@ -21,8 +21,22 @@ META_FILE = "tokenizer_meta.json"
 HF_FILE = "tokenizer.json"
 EOT_TEXT = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>: anything smaller can't encode every byte
+MAX_BPE_VOCAB = 1 << 24  # 64x the largest vocabularies in use; the tokenizers library aborts on absurd sizes
 KINDS = ("char", "gpt2", "bpe", "hf")
 _REPLACEMENT = "\ufffd".encode()
+
+
+def checked_ids(ids: Iterable[int], vocab_size: int, errors: str = "strict") -> list[int]:
+    """`ids` as a list; with errors="strict" a ValueError for the first id outside [0, vocab_size)."""
+    ids = _as_int_list(ids)
+    if errors == "strict":
+        bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the tokenizer's vocabulary (0..{vocab_size - 1}); pass "
+                             "errors='replace' to decode it as U+FFFD")
+    elif errors != "replace":
+        raise ValueError(f"errors must be 'strict' or 'replace', got {errors!r}")
+    return ids
 
 
 def _as_int_list(ids: Iterable[int]) -> list[int]:
@@ -50,8 +64,11 @@ class Tokenizer:
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         raise NotImplementedError
 
-    def decode(self, ids: Iterable[int]) -> str:
-        # errors="replace": a model can emit ids whose bytes are not valid UTF-8 on their own
+    def decode(self, ids: Iterable[int], *, errors: str = "strict") -> str:
+        """The text of `ids`. An id outside the vocabulary is a ValueError (errors="strict"), or U+FFFD with
+        errors="replace" (a model whose vocabulary is padded past the tokenizer's can emit such ids)."""
+        ids = checked_ids(ids, self.vocab_size, errors)
+        # "replace" here too: a token's bytes need not be valid UTF-8 on their own
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -135,9 +152,9 @@ class CharTokenizer(Tokenizer):
                 pass  # fall through to the numpy path for its error message
         return self.encode_np(text).tolist()
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int], *, errors: str = "strict") -> str:
         n, chars = self.vocab_size, self.chars
-        return "".join(chars[i] if 0 <= i < n else "\ufffd" for i in _as_int_list(ids))
+        return "".join(chars[i] if 0 <= i < n else "\ufffd" for i in checked_ids(ids, n, errors))
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         n, table = self.vocab_size, self._bytes

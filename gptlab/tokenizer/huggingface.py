@@ -14,7 +14,16 @@ from typing import Any
 
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_text, read_json_object
-from gptlab.tokenizer.base import _REPLACEMENT, EOT_TEXT, HF_FILE, MIN_BPE_VOCAB, Tokenizer, _as_int_list
+from gptlab.tokenizer.base import (
+    _REPLACEMENT,
+    EOT_TEXT,
+    HF_FILE,
+    MAX_BPE_VOCAB,
+    MIN_BPE_VOCAB,
+    Tokenizer,
+    _as_int_list,
+    checked_ids,
+)
 
 # --- Hugging Face tokenizers (trained byte-level BPE, and imported models) --------------------------------------
 
@@ -80,6 +89,8 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as HFTok
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
+        if vocab_size > MAX_BPE_VOCAB:
+            raise GptlabError(f"--vocab-size {vocab_size} is too large for bpe: at most {MAX_BPE_VOCAB:,}")
         if vocab_size < MIN_BPE_VOCAB:
             raise GptlabError(
                 f"--vocab-size {vocab_size} is too small for bpe: it needs at least {MIN_BPE_VOCAB} "
@@ -158,8 +169,8 @@ class HFTokenizer(Tokenizer):
         ids = self._tok.encode("a", add_special_tokens=True).ids
         return bool(ids) and ids[0] == self.bos_id
 
-    def decode(self, ids: Iterable[int]) -> str:
-        ids = _as_int_list(ids)
+    def decode(self, ids: Iterable[int], *, errors: str = "strict") -> str:
+        ids = checked_ids(ids, self.vocab_size, errors)
         if self._simple:
             return self.decode_bytes(ids).decode("utf-8", errors="replace")
         n = self.vocab_size

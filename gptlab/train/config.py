@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import sys
 import types
 import typing
@@ -271,7 +272,13 @@ def load_train_config(path: str | Path, overrides: dict[str, str] | None = None)
 
 
 def validate(cfg: TrainConfig) -> None:
-    """One-line errors for values that have the right type but make no sense."""
+    """One-line errors for values that have the right type but make no sense: every key is checked here,
+    before any data is read or any step is taken, so that a run never trains to its end and then fails."""
+    for name in _TRAIN_FIELDS:  # nan or inf turns comparisons false, and would slip past every check below
+        value = getattr(cfg, name)
+        numbers = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
+            raise GptlabError(f"{name} must be a finite number, got {value}")
     positive = ("batch_size", "grad_accum", "max_steps", "log_interval", "keep_last")
     for key in positive:
         if getattr(cfg, key) < 1:
@@ -291,6 +298,24 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError(f"min_lr is a fraction of the peak learning rate: expected 0..1, got {cfg.min_lr}")
     if not 0.0 <= cfg.decay_fraction <= 1.0:
         raise GptlabError(f"decay_fraction must be in [0, 1], got {cfg.decay_fraction}")
+    if cfg.eval_tokens is not None and cfg.eval_tokens < 1:
+        raise GptlabError(f"eval_tokens must be at least 1 (or none for the whole split), got {cfg.eval_tokens}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise GptlabError(f"threads must be at least 1 (or none for torch's default), got {cfg.threads}")
+    if not 0 <= cfg.seed < 2**63:
+        raise GptlabError(f"seed must be in [0, 2^63), got {cfg.seed}")
+    if cfg.adam_eps <= 0:
+        raise GptlabError(f"adam_eps must be positive, got {cfg.adam_eps}")
+    if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
+        raise GptlabError(f"adam_betas must each be in [0, 1), got {list(cfg.adam_betas)}")
+    if not 0.0 <= cfg.muon_momentum < 1.0:
+        raise GptlabError(f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")
+    if cfg.muon_weight_decay < 0:
+        raise GptlabError(f"muon_weight_decay must be >= 0, got {cfg.muon_weight_decay}")
+    if cfg.lora_alpha <= 0:
+        raise GptlabError(f"lora_alpha must be positive, got {cfg.lora_alpha}")
+    if not cfg.device.strip():
+        raise GptlabError("device must name a device: auto, cpu, cuda or cuda:N")
     if cfg.eval_batch_size is not None and cfg.eval_batch_size < 1:
         raise GptlabError(f"eval_batch_size must be at least 1, got {cfg.eval_batch_size}")
     if cfg.max_time is not None and cfg.max_time <= 0:

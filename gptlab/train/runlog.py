@@ -2,7 +2,7 @@
 
 - metrics.jsonl in the run directory: one JSON object per logged step, flushed as it is written, so a killed
   run keeps every row up to its end (a resumed run first drops the rows past its checkpoint, see the trainer);
-- TensorBoard events beside it when the tensorboard package is installed;
+- TensorBoard events beside it when the tensorboard package is installed (a note says so once when it is not);
 - MFU (model FLOPs utilization) against this machine's measured matmul peak (`gptlab.hardware.peak_flops`),
   which is honest on a laptop CPU where a datasheet number would not be.
 
@@ -47,6 +47,9 @@ class RunLog:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            elif not quiet:  # said once, at the start: the recipe asked for events this run cannot write
+                print("note: tensorboard = true but the tensorboard package is not installed: no TensorBoard "
+                      "events (pip install tensorboard, or set tensorboard = false)", file=sys.stderr)
         self.flops_per_token = flops_per_token
         self.device, self.world_size = device, world_size
         # low-precision matmuls (bf16 or fp16) peak alike; measure the one every device has

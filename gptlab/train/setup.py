@@ -4,11 +4,16 @@ adapters), the dtype check, and the torch RNG state a checkpoint saves and resto
 from __future__ import annotations
 
 import base64
+import math
 from typing import Any
 
 import torch
 
+from gptlab.checkpoint import plain_shapes
+from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
+from gptlab.fileio import human_bytes
+from gptlab.hardware import available_memory
 from gptlab.loading import base_reference, load_model
 from gptlab.lora import LoRASpec, add_lora, parse_targets
 from gptlab.model import GPT
@@ -21,6 +26,27 @@ def check_dtype(dtype: str, device: str) -> None:
         raise GptlabError("dtype float16 is not supported for training on the CPU; use bfloat16 or float32")
     if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
         raise GptlabError("this GPU has no bfloat16 support; use --dtype float16 (loss scaling) or float32")
+
+
+def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) -> int:
+    """A lower bound on the bytes one training step needs on each process: fp32 weights, gradients and AdamW's
+    two moments (a fresh model; a loaded one is already in memory), the logits with their gradient, and the
+    activations each block keeps for backward (about 16 values per token and channel: the residual, norms, q/k/v,
+    attention output, the MLP's hidden layer)."""
+    tokens = cfg.batch_size // max(world * cfg.grad_accum, 1) * config.block_size
+    params = sum(math.prod(s) for s in plain_shapes(config).values()) if fresh else 0
+    per_token = 2 * config.vocab_size + 16 * config.n_layer * config.n_embd
+    return 4 * (4 * params + tokens * per_token)
+
+
+def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: str, fresh: bool = True) -> None:
+    """Refuse before any work a batch (or model) that cannot fit in the device's free memory."""
+    need, have = step_memory(cfg, config, world, fresh), available_memory(device)
+    if have is not None and need > have:
+        params = sum(math.prod(s) for s in plain_shapes(config).values())
+        raise GptlabError(f"training this model ({params:,} parameters) at batch_size {cfg.batch_size} x block_size "
+                          f"{config.block_size} needs at least {human_bytes(need)} of memory per step, {device} has "
+                          f"{human_bytes(have)} free: lower batch_size, raise grad_accum, or choose a smaller model")
 
 
 def lora_spec(cfg: TrainConfig) -> LoRASpec | None:

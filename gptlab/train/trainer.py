@@ -15,7 +15,6 @@ autocast or bf16 working weights), `distributed` (torchrun processes, DDP, FSDP)
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
@@ -29,16 +28,17 @@ from gptlab import checkpoint as ckpt
 from gptlab.data import check_split_fits, read_meta
 from gptlab.errors import GptlabError
 from gptlab.evaluate import evaluate_loss
-from gptlab.fileio import atomic_write_json, atomic_write_text
+from gptlab.fileio import atomic_write_json, check_out_dir
 from gptlab.flops import flops_per_token
-from gptlab.hardware import resolve_device
+from gptlab.hardware import resolve_device, set_threads
 from gptlab.train.batches import Split, sequence_length, step_batch
 from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
+from gptlab.train.rundir import RunLock, checkpoint_to_resume, trim_metrics
 from gptlab.train.runlog import METRICS_FILE, RunLog
-from gptlab.train.setup import build_model, check_dtype, restore_rng_state, rng_state
+from gptlab.train.setup import build_model, check_dtype, check_step_memory, restore_rng_state, rng_state
 
 RESOLVED_CONFIG = "config.resolved.json"
 
@@ -75,8 +75,8 @@ class Trainer:
         self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
         self.quiet, self.resume_command = quiet, resume_command
         if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        device = resolve_device(cfg.device)
+            set_threads(cfg.threads)
+        device = resolve_device(cfg.device, flag="device")
         check_dtype(cfg.dtype, device)
         self.procs = init_distributed(device)
         self.device = self.procs.device
@@ -84,12 +84,21 @@ class Trainer:
             raise GptlabError(f"batch_size {cfg.batch_size} does not split over {self.procs.world} process(es) x "
                               f"grad_accum {cfg.grad_accum}")
 
-        # --- run directory: fresh, or resumed from its latest checkpoint
+        # --- run directory: ours alone (a lock), fresh or resumed from its latest checkpoint
+        self.lock = RunLock(check_out_dir(self.run_dir), quiet) if self.procs.is_master else None
+        try:
+            self._setup(resume)
+        except BaseException:
+            self.release()
+            raise
+
+    def _setup(self, resume: bool) -> None:
+        cfg, quiet = self.cfg, self.quiet
         steps = ckpt.list_step_checkpoints(self.run_dir)
         if steps and not resume:
             raise GptlabError(f"{self.run_dir} already holds checkpoints: pass --resume to continue it, or choose "
                               "another --out")
-        resume_from = steps[-1] if resume and steps else None
+        resume_from = checkpoint_to_resume(self.run_dir) if resume else None
 
         # --- data and model
         meta = read_meta(self.data_dir)
@@ -97,7 +106,10 @@ class Trainer:
             for split in ("train", "val"):
                 check_split_fits(self.data_dir, split,
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
+            check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device)
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device)
+        if cfg.init_from:
+            check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False)
         self.seq_len = sequence_length(self.data_dir, self.model.config.block_size)  # tokens per row
         for split in ("train", "val"):
             check_split_fits(self.data_dir, split, self.seq_len)
@@ -144,7 +156,23 @@ class Trainer:
             "data_dir": str(self.data_dir),
         }
 
+    def release(self) -> None:
+        """Let go of the run directory (its lock): `run` does at its end."""
+        if self.lock is not None:
+            self.lock.release()
+
     def _load(self, directory: Path) -> None:
+        saved = ckpt.read_config(directory / ckpt.CONFIG_FILE)
+        if saved.vocab_size != self.model.config.vocab_size:
+            raise GptlabError(f"cannot resume {directory}: it was trained on a vocabulary of {saved.vocab_size} "
+                              f"tokens, --data {self.data_dir} has {self.model.config.vocab_size} (another "
+                              "tokenizer?): use the data it was trained on, or start a new --out")
+        ours = self.model.config.to_dict()
+        differ = [k for k, v in saved.to_dict().items() if ours.get(k) != v]
+        if differ:
+            k = differ[0]
+            raise GptlabError(f"cannot resume {directory}: its {ckpt.CONFIG_FILE} says {k}={saved.to_dict()[k]!r}, "
+                              f"this run's model has {ours.get(k)!r} (a damaged or edited file?)")
         if (directory / ckpt.LORA_CONFIG).is_file():
             _, base = ckpt.read_lora_config(directory)
             if base["sha256"] != self.model.lora_base["sha256"]:
@@ -253,6 +281,7 @@ class Trainer:
                 bar.close()
             log.close()
             self.procs.close(clean)
+            self.release()
 
     def _train(self, log: RunLog, bar: Any) -> int:
         cfg = self.cfg
@@ -295,7 +324,12 @@ class Trainer:
         if bar is not None:
             bar.close()
         if last_eval_step != self.step:
-            val = self._eval_and_track()
+            try:
+                val = self._eval_and_track()
+            except BaseException:  # the weights of the whole run must not depend on the evaluation succeeding
+                path = self.save_checkpoint()
+                log.say(f"the final evaluation failed; the weights of step {self.step} are saved in {path}")
+                raise
             log.write({"step": self.step, "val_loss": val, "elapsed_sec": self.elapsed})
         path = self.save_checkpoint()
         log.say(f"done: step {self.step}, val loss {self.best_val:.4f} (best), {self.elapsed:.1f}s of training; "
@@ -347,11 +381,7 @@ class Trainer:
         resolved = {"train": self.cfg.to_dict(), "model": self.model.config.to_dict(), "data": str(self.data_dir),
                     "world_size": self.procs.world, "device": self.device}
         atomic_write_json(self.run_dir / RESOLVED_CONFIG, resolved)
-        metrics = self.run_dir / METRICS_FILE
-        if metrics.exists():
-            rows = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.step]
-            atomic_write_text(metrics, "".join(r + "\n" for r in rows))
+        trim_metrics(self.run_dir / METRICS_FILE, self.step, self.quiet)
 
     def _progress_bar(self) -> Any:
         if self.quiet or not self.procs.is_master or not sys.stderr.isatty():
