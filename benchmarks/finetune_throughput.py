@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import raise_priority  # benchmarks/ is on sys.path when a benchmark runs as a script
+
 LLAMA = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
              rope_theta=100000.0)  # SmolLM2-135M's shape
@@ -144,15 +146,6 @@ def peft_contender(args: argparse.Namespace, full: bool):  # noqa: ANN201 - (ste
     base = "bf16" if args.peft_dtype == "bfloat16" else "fp32"
     kind = "bf16 autocast on fp32 weights" if full else f"{base} base, fp32 adapters"
     return step, check_loss, f"{kind}, {sum(p.numel() for p in params) / 1e6:.2f}M trainable"
-
-
-def raise_priority() -> None:
-    """A timed process in its own session with the highest group priority: on a shared machine, niceness of other
-    work does not protect a timing (the kernel schedules per session group), this does (needs root)."""
-    try:
-        Path("/proc/self/autogroup").write_text("-20")
-    except OSError:
-        pass
 
 
 def rss_kib(field: str) -> int:

@@ -12,6 +12,14 @@ bounded: per-request timeouts, a deadline, and the server is stopped at the end.
 
 With --long-prompt N, client 0 sends N-character prompts while the others send short ones: compare the short
 requests' longest pause between two streamed chunks with --prefill-chunk 0 (whole prompts) and the default.
+
+With --peer llamacpp, llama.cpp's OpenAI-compatible server (`python -m llama_cpp.server`, from the `bench` extra:
+llama-cpp-python[server]) serves the same weights, exported with `gptlab convert ... --to gguf` (f32 for
+--dtype float32, bf16 for bfloat16), under the same load; the two servers take turns over --rounds and the medians
+and ratios gptlab / llama.cpp are printed (tokens/s: higher is better; first-token p99: lower is better). Tokens
+are counted from each stream's `usage` where the server sends it, else one per streamed chunk.
+
+    python benchmarks/serve_load.py --peer llamacpp --rounds 3 --seconds 20
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -59,7 +68,7 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int, te
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, tokens, last, pause = None, 0, None, 0.0
+    ttft, usage_tokens, chunks, last, pause = None, None, 0, None, 0.0
     with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
@@ -70,14 +79,15 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int, te
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             if chunk.get("choices") and chunk["choices"][0]["text"]:
+                chunks += 1
                 now = time.perf_counter()
                 ttft = now - t0 if ttft is None else ttft
                 pause, last = max(pause, now - last) if last is not None else 0.0, now
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                usage_tokens = chunk["usage"]["completion_tokens"]
     latency = time.perf_counter() - t0
-    return {"latency": latency, "ttft": ttft if ttft is not None else latency, "tokens": tokens, "pause": pause,
-            "long": len(prompt) > 100}
+    return {"latency": latency, "ttft": ttft if ttft is not None else latency,
+            "tokens": usage_tokens if usage_tokens is not None else chunks, "pause": pause, "long": len(prompt) > 100}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -87,98 +97,166 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+def wait_for_server(server: subprocess.Popen, url: str, health: str, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        if server.poll() is not None:
+            sys.exit(f"the server exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            if httpx.get(url + health, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            sys.exit("the server did not come up within 180 s")
+        time.sleep(0.2)
+
+
+def load(url: str, args: argparse.Namespace) -> dict:
+    """--clients threads sending streamed completions back to back for --seconds; the summary of what they got."""
+    results, errors, lock = [], [], threading.Lock()
+    with httpx.Client(timeout=httpx.Timeout(10.0, read=300.0)) as warm:
+        one_request(warm, url, PROMPTS[0], 4, 0.0)  # first-request allocations out of the timing
+    stop_at = time.monotonic() + args.seconds
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=httpx.Timeout(10.0, read=300.0)) as c:
+            n = 0
+            while time.monotonic() < stop_at:
+                prompt = PROMPTS[(i + n) % len(PROMPTS)]
+                if i == 0 and args.long_prompt:
+                    prompt = (prompt * (args.long_prompt // len(prompt) + 1))[: args.long_prompt]
+                try:
+                    r = one_request(c, url, prompt, args.max_tokens, args.temperature)
+                    with lock:
+                        results.append(r)
+                except Exception as e:  # noqa: BLE001 - counted and reported
+                    with lock:
+                        errors.append(repr(e))
+                n += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=args.seconds + 360)
+    wall = time.perf_counter() - t0
+    ttft = [r["ttft"] for r in results]
+    lat = [r["latency"] for r in results]
+    return {"requests": len(results), "wall": wall, "tokens": sum(r["tokens"] for r in results),
+            "tokens_per_s": sum(r["tokens"] for r in results) / wall, "req_per_s": len(results) / wall,
+            "lat50": percentile(lat, 0.5), "lat99": percentile(lat, 0.99),
+            "ttft50": percentile(ttft, 0.5), "ttft99": percentile(ttft, 0.99),
+            "pauses": [r["pause"] for r in results if not r["long"]], "errors": errors,
+            "mean_tokens": statistics.mean(r["tokens"] for r in results) if results else 0.0}
+
+
+def serve_gptlab(ckpt: str, port: int, args: argparse.Namespace, log: IO) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env.pop("GPTLAB_API_KEY", None)
+    cmd = [sys.executable, "-m", "gptlab.cli", "serve", ckpt, "--port", str(port), "--max-batch",
+           str(args.max_batch), "--max-queue", str(4 * args.clients), "--dtype", args.dtype,
+           "--prefill-chunk", str(args.prefill_chunk)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def serve_llamacpp(gguf: Path, context: int, port: int, args: argparse.Namespace, log: IO) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
+           "--n_ctx", str(context), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
+           "--interrupt_requests", "False"]  # its default ends a running stream when the next request comes
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)  # a file: a full pipe would stall it
+
+
+def export_gguf(ckpt: str, directory: Path, dtype: str) -> tuple[Path, int]:
+    """The served checkpoint as a GGUF file for llama.cpp, and the model's context length."""
+    from gptlab.loading import load_model
+
+    out = directory / "model.gguf"
+    subprocess.run([sys.executable, "-m", "gptlab.cli", "convert", ckpt, str(out), "--to", "gguf", "--dtype",
+                    {"float32": "f32", "bfloat16": "bf16"}[dtype]], check=True, stdout=subprocess.DEVNULL)
+    model, _ = load_model(ckpt)
+    return out, model.config.block_size
+
+
+def run_round(name: str, start, args: argparse.Namespace, log: Path) -> dict:  # noqa: ANN001 - start(port, log)
+    port = free_port()
+    with open(log, "w") as log_file:
+        server = start(port, log_file)
+    try:
+        wait_for_server(server, f"http://127.0.0.1:{port}", "/health" if name == "gptlab" else "/v1/models", log)
+        return load(f"http://127.0.0.1:{port}", args)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def report(name: str, s: dict, args: argparse.Namespace) -> None:
+    print(f"  {name}: {s['requests']} requests in {s['wall']:.1f} s = {s['req_per_s']:.2f} req/s, "
+          f"{s['tokens']} tokens = {s['tokens_per_s']:.1f} tokens/s, latency p50 {s['lat50'] * 1000:.0f} ms "
+          f"p99 {s['lat99'] * 1000:.0f} ms, first token p50 {s['ttft50'] * 1000:.0f} ms p99 "
+          f"{s['ttft99'] * 1000:.0f} ms, {s['mean_tokens']:.1f} tokens per request, errors {len(s['errors'])}"
+          + (f" (first: {s['errors'][0]})" if s["errors"] else ""))
+    if name == "gptlab" and args.long_prompt:
+        p = s["pauses"]
+        print(f"  longest pause between chunks of a short request: p50 {percentile(p, 0.5) * 1000:.0f} ms   "
+              f"p99 {percentile(p, 0.99) * 1000:.0f} ms   max {max(p, default=0) * 1000:.0f} ms "
+              f"(prefill chunk {args.prefill_chunk or 'off'}, client 0's prompts {args.long_prompt} characters)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", help="serve this run / checkpoint / HF dir instead of a random model")
-    ap.add_argument("--preset", default="char-5min", help="random model to serve when no --checkpoint")
+    ap.add_argument("--preset", help="random model to serve when no --checkpoint (default char-5min; with --peer "
+                    "pocket-swiglu, a Llama-shaped model GGUF can hold)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the server")
+    ap.add_argument("--threads", type=int, default=2, help="threads of each server")
     ap.add_argument("--long-prompt", type=int, default=0, help="client 0 sends prompts of this many characters")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk (0: off)")
+    ap.add_argument("--peer", choices=["llamacpp"], help="also load llama.cpp's server on the same weights")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds, the servers taking turns (medians reported)")
     args = ap.parse_args()
+    args.preset = args.preset or ("pocket-swiglu" if args.peer else "char-5min")
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.checkpoint or str(make_checkpoint(args.preset, Path(tmp)))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        env.pop("GPTLAB_API_KEY", None)
-        cmd = [sys.executable, "-m", "gptlab.cli", "serve", ckpt, "--port", str(port), "--max-batch",
-               str(args.max_batch), "--max-queue", str(4 * args.clients), "--dtype", args.dtype,
-               "--prefill-chunk", str(args.prefill_chunk)]
-        server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                if server.poll() is not None:
-                    sys.exit(f"the server exited: {server.stderr.read().decode()[-2000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    sys.exit("the server did not come up within 120 s")
-                time.sleep(0.2)
-            results, errors, lock = [], [], threading.Lock()
-            with httpx.Client(timeout=httpx.Timeout(10.0, read=120.0)) as warm:
-                one_request(warm, url, PROMPTS[0], 4, 0.0)  # first-request allocations out of the timing
-
-            stop_at = time.monotonic() + args.seconds
-
-            def client(i: int) -> None:
-                with httpx.Client(timeout=httpx.Timeout(10.0, read=120.0)) as c:
-                    n = 0
-                    while time.monotonic() < stop_at:
-                        prompt = PROMPTS[(i + n) % len(PROMPTS)]
-                        if i == 0 and args.long_prompt:
-                            prompt = (prompt * (args.long_prompt // len(prompt) + 1))[: args.long_prompt]
-                        try:
-                            r = one_request(c, url, prompt, args.max_tokens, args.temperature)
-                            with lock:
-                                results.append(r)
-                        except Exception as e:  # noqa: BLE001 - counted and reported
-                            with lock:
-                                errors.append(repr(e))
-                        n += 1
-
-            t0 = time.perf_counter()
-            threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=args.seconds + 180)
-            wall = time.perf_counter() - t0
-        finally:
-            server.terminate()
+        contenders = {"gptlab": lambda port, log: serve_gptlab(ckpt, port, args, log)}
+        if args.peer == "llamacpp":
             try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.kill()
+                import llama_cpp.server.app  # noqa: F401 - only to see that the server's extras are there
+            except ImportError as e:
+                print(f"skipping llama.cpp: {e} (pip install 'llama-cpp-python[server]', the `bench` extra)")
+            else:
+                gguf, context = export_gguf(ckpt, Path(tmp), args.dtype)
+                contenders["llama.cpp"] = lambda port, log: serve_llamacpp(gguf, context, port, args, log)
+        print(f"served {ckpt if args.checkpoint else 'random ' + args.preset} ({args.dtype}), {args.clients} "
+              f"clients, {args.seconds:.0f} s, max_tokens {args.max_tokens}, temperature {args.temperature}, "
+              f"gptlab max batch {args.max_batch}, {args.threads} threads")
+        rounds: dict[str, list[dict]] = {name: [] for name in contenders}
+        for r in range(args.rounds):
+            print(f"round {r + 1} (load {open('/proc/loadavg').read().split()[0]})")
+            for name, start in contenders.items():
+                rounds[name].append(run_round(name, start, args, Path(tmp) / f"{name}.log"))
+                report(name, rounds[name][-1], args)
 
-    lat = [r["latency"] for r in results]
-    ttft = [r["ttft"] for r in results]
-    tokens = sum(r["tokens"] for r in results)
-    print(f"served {ckpt if args.checkpoint else 'random ' + args.preset} ({args.dtype}), {args.clients} clients, "
-          f"{args.seconds:.0f} s, max_tokens {args.max_tokens}, temperature {args.temperature}, "
-          f"max batch {args.max_batch}")
-    print(f"requests: {len(results)} in {wall:.1f} s = {len(results) / wall:.2f} req/s")
-    print(f"generated tokens: {tokens} = {tokens / wall:.1f} tokens/s")
-    print(f"latency   p50 {percentile(lat, 0.5) * 1000:.0f} ms   p99 {percentile(lat, 0.99) * 1000:.0f} ms")
-    print(f"first tok p50 {percentile(ttft, 0.5) * 1000:.0f} ms   p99 {percentile(ttft, 0.99) * 1000:.0f} ms")
-    if results:
-        print(f"mean tokens per request: {statistics.mean(r['tokens'] for r in results):.1f}")
-    pauses = [r["pause"] for r in results if not r["long"]]
-    long = f", client 0's prompts {args.long_prompt} characters" if args.long_prompt else ""
-    print(f"longest pause between chunks of a short request: p50 {percentile(pauses, 0.5) * 1000:.0f} ms   "
-          f"p99 {percentile(pauses, 0.99) * 1000:.0f} ms   max {max(pauses, default=0) * 1000:.0f} ms "
-          f"(prefill chunk {args.prefill_chunk or 'off'}{long})")
-    print(f"errors: {len(errors)}" + (f" (first: {errors[0]})" if errors else ""))
+    med = {name: {k: statistics.median(s[k] for s in runs) for k in ("tokens_per_s", "req_per_s", "ttft50", "ttft99")}
+           for name, runs in rounds.items()}
+    for name, m in med.items():
+        print(f"median {name}: {m['tokens_per_s']:.1f} tokens/s, {m['req_per_s']:.2f} req/s, first token p50 "
+              f"{m['ttft50'] * 1000:.0f} ms p99 {m['ttft99'] * 1000:.0f} ms, errors "
+              f"{sum(len(s['errors']) for s in rounds[name])}")
+    if "llama.cpp" in med and med["llama.cpp"]["tokens_per_s"] > 0:
+        g, l = med["gptlab"], med["llama.cpp"]
+        print(f"gptlab / llama.cpp: tokens/s {g['tokens_per_s'] / l['tokens_per_s']:.2f}x, first-token p99 "
+              f"{g['ttft99'] / l['ttft99']:.2f}x (below 1 is better)")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,16 @@ gptlab's GPT (as `gptlab train` runs it) and for transformers' GPT2LMHeadModel, 
     python benchmarks/train_throughput.py                      # batch 4 x 256, bf16, 2 warm-up + 6 timed steps
     python benchmarks/train_throughput.py --dtype float32 --steps 4
     python benchmarks/train_throughput.py --compile            # gptlab's model under torch.compile too
+    python benchmarks/train_throughput.py --nanogpt /tmp/nanogpt --compile --rounds 3   # + nanoGPT's model
 
 Prints the median tokens/s over the timed steps and MFU against this machine's measured matmul peak
 (gptlab.hardware), then the ratio gptlab / transformers. Random tokens: throughput does not depend on the data.
+
+With --nanogpt PATH (a nanoGPT checkout), nanoGPT's model.py joins at the same shape (GPT-2 124M, its padded vocabulary
+50304, no dropout) in the forms it can run on a CPU: as its train.py runs it there (fp32: train.py uses autocast only
+on CUDA; its configure_optimizers' AdamW, fused only on CUDA), with bf16 autocast and fused AdamW, and with --compile
+also compiled. The contenders take turns over --rounds; each one's figure is the median over its rounds, and the
+ratio is gptlab's best form over the best peer.
 """
 
 from __future__ import annotations
@@ -75,6 +82,36 @@ def hf_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
     return step, n_params, "autocast" if autocast else "float32"
 
 
+def nanogpt_step(args: argparse.Namespace, x: torch.Tensor, form: str):  # noqa: ANN201
+    """nanoGPT's model: "own" as its train.py runs on a CPU, "autocast" (bf16 + fused AdamW), "compile" (both)."""
+    import nanogpt_peer
+
+    ng = nanogpt_peer.import_model(args.nanogpt)
+    torch.manual_seed(0)
+    model = ng.GPT(ng.GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, dropout=0.0,
+                                bias=True)).train()
+    if form == "own":
+        opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu")
+    else:
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=6e-4, betas=(0.9, 0.95), fused=True)
+    net = torch.compile(model) if form == "compile" else model
+    autocast = form != "own" and args.dtype != "float32"
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _, loss = net(x[:, :-1], x[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, model.get_num_params(), {"own": "fp32 (its CPU path)", "autocast": "autocast + fused AdamW",
+                                           "compile": "autocast + fused + compile"}[form]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4)
@@ -88,6 +125,8 @@ def main() -> None:
     parser.add_argument("--bf16-attention", action="store_true", help="gptlab: attention in bf16, not fp32")
     parser.add_argument("--optimizer-impl", default="torch", choices=["torch", "gptlab"])
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--nanogpt", help="a nanoGPT checkout: its model joins as a peer")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, the contenders taking turns")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (gptlab train keeps freed memory: fewer page faults)")
     args = parser.parse_args()
@@ -106,19 +145,38 @@ def main() -> None:
     peak = peak_flops("cpu", torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     x = torch.randint(0, 50257, (args.batch, args.seq + 1))
     tokens = args.batch * args.seq
-    results = {}
-    runs = [("gptlab", gptlab_step)] + ([] if args.skip_hf else [("transformers", hf_step)])
+    runs = [("gptlab", lambda: gptlab_step(args, x))]
+    if args.compile:
+        runs.append(("gptlab", lambda: gptlab_step(argparse.Namespace(**{**vars(args), "compile": False}), x)))
+    if not args.skip_hf:
+        runs.append(("transformers", lambda: hf_step(args, x)))
+    if args.nanogpt:
+        for form in ["own", "autocast"] + (["compile"] if args.compile else []):
+            runs.append(("nanoGPT", lambda form=form: nanogpt_step(args, x, form)))
+    contenders = []
     for name, build in runs:
-        step, _, mode = build(args, x)
-        times = time_steps(step, args.warmup, args.steps)
-        tps = tokens / statistics.median(times)
-        mfu = flops * tps / peak
-        results[name] = tps
-        print(f"{name:13s} {mode:22s} {tps:8.1f} tokens/s (median of {args.steps}; best {tokens / min(times):.1f})"
-              f"  MFU {100 * mfu:.1f}% of {peak / 1e12:.2f} TFLOP/s", flush=True)
-        del step
-    if len(results) == 2:
-        print(f"ratio gptlab / transformers: {results['gptlab'] / results['transformers']:.2f}x")
+        step, _, mode = build()
+        contenders.append((name, mode, step))
+    medians: dict[tuple[str, str], list[float]] = {(name, mode): [] for name, mode, _ in contenders}
+    for r in range(args.rounds):
+        print(f"round {r + 1} (load {open('/proc/loadavg').read().split()[0]})")
+        for name, mode, step in contenders:
+            times = time_steps(step, args.warmup, args.steps)
+            tps = tokens / statistics.median(times)
+            medians[(name, mode)].append(tps)
+            print(f"  {name:13s} {mode:26s} {tps:8.1f} tokens/s (median of {args.steps}; best "
+                  f"{tokens / min(times):.1f})  MFU {100 * flops * tps / peak:.1f}% of {peak / 1e12:.2f} TFLOP/s",
+                  flush=True)
+    best: dict[str, float] = {}
+    for (name, mode), tps_list in medians.items():
+        tps = statistics.median(tps_list)
+        best[name] = max(best.get(name, 0.0), tps)
+        print(f"median {name:13s} {mode:26s} {tps:8.1f} tokens/s  MFU {100 * flops * tps / peak:.1f}%")
+    peers = {k: v for k, v in best.items() if k != "gptlab"}
+    for name, tps in peers.items():
+        print(f"ratio gptlab / {name} (best forms): {best['gptlab'] / tps:.2f}x")
+    if peers:
+        print(f"ratio gptlab / best peer: {best['gptlab'] / max(peers.values()):.2f}x (target >= 1.3)")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,24 @@ def test_llama_q8_0_and_rope_rows(tmp_path: Path) -> None:
     assert len(_field(r, "tokenizer.ggml.merges")) > 0
 
 
+def test_q4_0_keeps_every_weight_within_one_step_of_its_block(tmp_path: Path) -> None:
+    """q4_0: blocks of 32 values of a row, scale d = (the value of largest magnitude) / -8, codes 0..15 for
+    x / d + 8; so every value is within one step |d| of the original (half a step, except the clipped top code)."""
+    from gptlab.loading import convert
+
+    model, _, ckpt = _char_gpt2(tmp_path)
+    convert(ckpt, tmp_path / "m.gguf", to="gguf", gguf_dtype="q4_0")
+    r = gguf.GGUFReader(tmp_path / "m.gguf")
+    t = next(t for t in r.tensors if t.name == "blk.0.ffn_up.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0
+    w = model.state_dict()["transformer.h.0.mlp.c_fc.weight"].numpy()  # (out, in): GGUF stores rows as they are
+    blocks = w.reshape(w.shape[0], -1, 32)
+    step = np.abs(blocks).max(axis=2, keepdims=True) / 8
+    got = _tensor(r, "blk.0.ffn_up.weight").reshape(blocks.shape)
+    assert np.all(np.abs(got - blocks) <= step * 1.01)  # 1% for the scale's f16 rounding
+    assert np.abs(got - blocks).max() > 0  # it did quantize
+
+
 @pytest.mark.skipif(not (SHARED / "gpt2" / "vocab.bpe").is_file(), reason="needs ../shared/data/gpt2/vocab.bpe")
 def test_gpt2_merges_recovered_from_tiktoken_equal_openais_vocab_bpe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", os.environ.get("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache")))

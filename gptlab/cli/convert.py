@@ -22,8 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dst", metavar="DST", help="the directory to write")
     p.add_argument("--to", choices=["hf", "gptlab", "gguf"],
                    help="output format (default: the one SRC is not in); gguf: one file llama.cpp runs")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "f32", "f16", "bf16", "q8_0"],
-                   help="cast the weights (default: keep theirs; for --to gguf: f16); q8_0 is GGUF's 8-bit")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "f32", "f16", "bf16", "q8_0", "q4_0"],
+                   help="cast the weights (default: keep theirs; for --to gguf: f16); q8_0 and q4_0 are GGUF's 8 and 4 bits")
     p.add_argument("--adapter-only", action="store_true",
                    help="a LoRA run: write only its adapters, as a peft directory (PeftModel.from_pretrained)")
     p.set_defaults(run=run)
@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote GGUF ({done.model.num_parameters():,} parameters, {args.dtype or 'f16'}, "
               f"{size / 2**20:.1f} MiB) to {done.destination}")
         return 0
-    if args.dtype == "q8_0":
-        raise GptlabError("--dtype q8_0 is GGUF's 8-bit format: add --to gguf")
+    if args.dtype in ("q8_0", "q4_0"):
+        raise GptlabError(f"--dtype {args.dtype} is a GGUF format: add --to gguf")
     dtype = long.get(args.dtype, args.dtype)
     done = convert(args.src, args.dst, to=args.to, dtype=torch_dtype(dtype) if dtype else None,
                    adapter_only=args.adapter_only)

@@ -7,7 +7,8 @@ with the `gguf` package (an optional dependency: the `gguf` extra). Two llama.cp
 * `llama` (gptlab's Llama family): separate q, k, v, and q / k rows permuted per head, because llama.cpp's
   `llama` RoPE rotates adjacent pairs (2i, 2i + 1) where Hugging Face's and gptlab's layout rotates (i, i + d/2).
 
-Weights are written in f32, f16, bf16 or q8_0 (blocks of 32 int8 values with one f16 scale); 1-D tensors (norms,
+Weights are written in f32, f16, bf16, q8_0 (blocks of 32 int8 values with one f16 scale) or q4_0 (blocks of 32
+4-bit values with one f16 scale, the format llama.cpp's q4_0 benchmarks use); 1-D tensors (norms,
 biases) stay f32, as llama.cpp's own converter writes them. The tokenizer goes in as byte-level BPE: GPT-2's
 (merges recovered from tiktoken's ranks), a Hugging Face BPE tokenizer's vocabulary and merges, or a character
 tokenizer whose characters are single bytes (no merges needed).
@@ -29,7 +30,7 @@ from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_file
 from gptlab.interop.hf import export_family
 
-GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 
 
@@ -107,7 +108,8 @@ def _write_metadata(gguf: Any, w: Any, cfg: GPTConfig, arch: str, dtype: str, na
         w.add_rope_freq_base(cfg.rope_base)
         w.add_rope_dimension_count(cfg.rotary_dim)
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                  "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
     w.add_file_type(file_types[dtype])
 
 
@@ -152,15 +154,15 @@ def interleave_rope_rows(w: np.ndarray, n_head: int, head_size: int) -> np.ndarr
 
 
 def _encode(gguf: Any, array: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
-    """The array in the file's dtype; 1-D tensors (norms, biases) and rows q8_0 cannot block stay f32."""
+    """The array in the file's dtype; 1-D tensors (norms, biases) stay f32, rows q8_0/q4_0 cannot block go f16."""
     types = gguf.GGMLQuantizationType
     if array.ndim == 1 or dtype == "f32":
         return array, types.F32
     if dtype == "f16":
         return array.astype(np.float16), types.F16
-    if dtype == "q8_0" and array.shape[-1] % 32 != 0:
-        return array.astype(np.float16), types.F16  # q8_0 blocks 32 values of a row
-    qtype = types.BF16 if dtype == "bf16" else types.Q8_0
+    if dtype in ("q8_0", "q4_0") and array.shape[-1] % 32 != 0:
+        return array.astype(np.float16), types.F16  # both block 32 values of a row
+    qtype = {"bf16": types.BF16, "q8_0": types.Q8_0, "q4_0": types.Q4_0}[dtype]
     return gguf.quants.quantize(array, qtype), qtype
 
 
