@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", choices=["hf", "gptlab", "gguf"],
                    help="output format (default: the one SRC is not in); gguf: one file llama.cpp runs")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "f32", "f16", "bf16", "q8_0", "q4_0"],
-                   help="cast the weights (default: keep theirs; for --to gguf: f16); q8_0 and q4_0 are GGUF's 8 and 4 bits")
+                   help="cast the weights (default: keep theirs; for --to gguf: f16); q8_0, q4_0: GGUF's 8, 4 bits")
     p.add_argument("--adapter-only", action="store_true",
                    help="a LoRA run: write only its adapters, as a peft directory (PeftModel.from_pretrained)")
     p.set_defaults(run=run)
