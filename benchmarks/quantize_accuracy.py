@@ -9,9 +9,8 @@ with their --char-data / --gpt2-data.
 
 Speed: decode tokens/s at batch 1 (a 16-token prompt, --new-tokens greedy, 2 threads) of a GPT-2 124M-shaped
 model with random weights, as benchmarks/generate_throughput.py times it: gptlab in fp32, bf16, int8 and int4,
-and llama.cpp (when llama-cpp-python is installed) on the same weights through gptlab's GGUF export in q8_0, and
-in q4_0 (the export writes q8_0 at most: `save_gguf_q4_0` re-encodes its q8_0 matrices with the gguf package's
-Q4_0). The contenders alternate over --rounds; the median counts; the ratios gptlab int8 / llama.cpp q8_0 and
+and llama.cpp (when llama-cpp-python is installed) on the same weights through gptlab's GGUF export in q8_0 and
+q4_0. The contenders alternate over --rounds; the median counts; the ratios gptlab int8 / llama.cpp q8_0 and
 gptlab int4 / llama.cpp q4_0 are printed. Nothing is asserted. On a shared machine:
 
     OMP_NUM_THREADS=2 setsid sh -c 'echo -20 > /proc/self/autogroup; exec python benchmarks/quantize_accuracy.py'
@@ -31,7 +30,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -105,32 +103,8 @@ def accuracy(models: list[tuple[str, str, str]], group_size: int) -> None:
               f"{ppl['int8'] / ppl['bf16']:.4f} | {ppl['int4'] / ppl['bf16']:.4f} |", flush=True)
 
 
-def save_gguf_q4_0(model: GPT, path: Path, tokenizer: object, dtype: str) -> Path:
-    """gptlab's GGUF export, with every matrix it would write in q8_0 written in Q4_0 instead ("q4_0"; other
-    dtypes as the export writes them)."""
-    import gguf
-
-    from gptlab.interop import gguf as export
-
-    encode = export._encode
-    types = gguf.GGMLQuantizationType
-
-    def q4_0(g: object, array: object, dtype: str) -> tuple:
-        data, qtype = encode(g, array, dtype)
-        return (gguf.quants.quantize(array, types.Q4_0), types.Q4_0) if qtype == types.Q8_0 else (data, qtype)
-
-    if dtype != "q4_0":
-        return export.save_gguf(model, path, tokenizer, dtype=dtype)
-    with mock.patch.object(export, "_encode", q4_0):
-        return export.save_gguf(model, path, tokenizer, dtype="q8_0")
-
-
 class LlamaCppQuantized(LlamaCpp):
-    GGUF = {"q8_0": "q8_0", "q4_0": "q4_0"}
-
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
-        self.save_gguf = save_gguf_q4_0
+    GGUF = {"q8_0": "q8_0", "q4_0": "q4_0"}  # gptlab's GGUF export writes both
 
 
 class Gptlab:
