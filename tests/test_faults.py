@@ -55,6 +55,13 @@ def holds_lock(run: Path, pid: int) -> bool:
         return False
 
 
+def logged_steps(run: Path) -> int:
+    try:
+        return (run / "metrics.jsonl").read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
 def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / ckpt.step_dir_name(step) / ckpt.MODEL_FILE)
 
@@ -70,13 +77,17 @@ def kill_and_resume(tmp_path: Path, data: Path, kills: int, seed: int, max_steps
     killed = mid_write = 0
     while killed < kills:
         resume = ["--resume"] if ckpt.list_step_checkpoints(run) else []
+        logged = logged_steps(run)
         proc = start(train_argv(recipe, data, run, *resume))
         deadline = time.time() + 600  # a bound for a hang; starting torch is slow under load
         while not holds_lock(run, proc.pid):  # past start-up: the run is about to train
             assert proc.poll() is None or proc.returncode == 0, proc.communicate()
             assert time.time() < deadline, "the run did not start"
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.6))
+        while logged_steps(run) <= logged and proc.poll() is None:  # training: kills land in steps and writes
+            assert time.time() < deadline, "the run did not train"
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.2))
         if proc.poll() is not None:  # it reached the end first
             assert proc.returncode == 0, proc.communicate()
             break
