@@ -672,3 +672,30 @@ def test_flops_per_token_counts_matmuls_head_and_attention_not_embeddings() -> N
     assert flops_per_token(pocket.replace(sliding_window=256), 256) == 175_954_176
     windowed = flops_per_token(pocket.replace(sliding_window=64), 256)
     assert windowed == 175_954_176 - attention + attention * (64 - 64 * 64 / 512) / 128
+
+
+def test_newton_schulz_on_a_cpu_without_bf16_units_rounds_as_bf16_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where bf16 matmuls are emulated (AVX2), each product runs in fp32 and is rounded to bf16 once, as a bf16
+    matmul does: the result equals the bf16 path up to summation order."""
+    from gptlab.train import optim
+
+    torch.manual_seed(0)
+    g = torch.randn(3, 24, 16)
+    coefficients = (3.4445, -4.775, 2.0315)
+    monkeypatch.setattr(optim, "native_low_precision_matmul", lambda dtype: True)
+    native = optim.newton_schulz(g, 5, coefficients, 1e-7)
+    monkeypatch.setattr(optim, "native_low_precision_matmul", lambda dtype: False)
+    emulated = optim.newton_schulz(g, 5, coefficients, 1e-7)
+    assert native.dtype == emulated.dtype == torch.bfloat16 and native.shape == emulated.shape == g.shape
+    assert (native.float() - emulated.float()).abs().max() < 3e-2  # a few bf16 steps of values around 0.3
+    assert (native.float() - emulated.float()).abs().mean() < 2e-3
+
+
+def test_dtype_auto_takes_bf16_only_where_the_cpu_multiplies_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gptlab.train import setup
+
+    monkeypatch.setattr(setup, "native_low_precision_matmul", lambda dtype: True)
+    assert setup.resolve_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setattr(setup, "native_low_precision_matmul", lambda dtype: False)
+    assert setup.resolve_dtype("auto", "cpu") == "float32"
+    assert setup.resolve_dtype("bfloat16", "cpu") == "bfloat16"  # an explicit choice is kept

@@ -74,7 +74,9 @@ class TrainConfig:
     keep_last: int = 2  # step checkpoints kept (checkpoints/best/ is kept besides)
     tensorboard: bool = True  # also write TensorBoard events when `torch.utils.tensorboard` imports
     # --- execution ---
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "auto": bfloat16 where the device has fast bf16 matmuls (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else
+    # float32 (on an AVX2-only CPU a bf16 run is ~4x slower than fp32: torch's bf16 kernels there are emulated)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attention_fp32: bool = True  # under bf16/fp16, compute attention in fp32 (CPU bf16 attention backward is slow)
     compile: bool = False
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 slower

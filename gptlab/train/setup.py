@@ -17,7 +17,17 @@ from gptlab.hardware import available_memory
 from gptlab.loading import base_reference, load_model
 from gptlab.lora import LoRASpec, add_lora, parse_targets
 from gptlab.model import GPT
+from gptlab.ops import native_low_precision_matmul
 from gptlab.train.config import TrainConfig
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The training dtype for "auto": bfloat16 where the device multiplies bf16 natively, else float32."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if device == "cpu" and native_low_precision_matmul(torch.bfloat16) else "float32"
 
 
 def check_dtype(dtype: str, device: str) -> None:

@@ -15,6 +15,7 @@ autocast or bf16 working weights), `distributed` (torchrun processes, DDP, FSDP)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import sys
@@ -38,7 +39,7 @@ from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
 from gptlab.train.rundir import RunLock, checkpoint_to_resume, trim_metrics
 from gptlab.train.runlog import METRICS_FILE, RunLog
-from gptlab.train.setup import build_model, check_dtype, check_step_memory, restore_rng_state, rng_state
+from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype, restore_rng_state, rng_state
 
 RESOLVED_CONFIG = "config.resolved.json"
 
@@ -77,6 +78,10 @@ class Trainer:
         if cfg.threads:
             set_threads(cfg.threads)
         device = resolve_device(cfg.device, flag="device")
+        if cfg.dtype == "auto":
+            cfg = self.cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
+            if not quiet:
+                print(f"dtype auto: {cfg.dtype} on {device}")
         check_dtype(cfg.dtype, device)
         self.procs = init_distributed(device)
         self.device = self.procs.device
