@@ -68,7 +68,7 @@ def hf_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_positions=1024, attn_implementation="sdpa")).train()
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, fused=True)
-    autocast = args.dtype != "float32"
+    autocast = (args.peer_dtype or args.dtype) != "float32"
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -83,7 +83,8 @@ def hf_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
 
 
 def nanogpt_step(args: argparse.Namespace, x: torch.Tensor, form: str):  # noqa: ANN201
-    """nanoGPT's model: "own" as its train.py runs on a CPU, "autocast" (bf16 + fused AdamW), "compile" (both)."""
+    """nanoGPT's model: "own" as its train.py runs on a CPU, "autocast" (bf16 + fused AdamW), "compile" (fused
+    AdamW, compiled, in the peers' precision)."""
     import nanogpt_peer
 
     ng = nanogpt_peer.import_model(args.nanogpt)
@@ -98,7 +99,7 @@ def nanogpt_step(args: argparse.Namespace, x: torch.Tensor, form: str):  # noqa:
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                 lr=6e-4, betas=(0.9, 0.95), fused=True)
     net = torch.compile(model) if form == "compile" else model
-    autocast = form != "own" and args.dtype != "float32"
+    autocast = form != "own" and (args.peer_dtype or args.dtype) != "float32"
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -108,8 +109,8 @@ def nanogpt_step(args: argparse.Namespace, x: torch.Tensor, form: str):  # noqa:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step, model.get_num_params(), {"own": "fp32 (its CPU path)", "autocast": "autocast + fused AdamW",
-                                           "compile": "autocast + fused + compile"}[form]
+    kind = "fp32 (its CPU path)" if form == "own" else ("autocast" if autocast else "fp32") + " + fused AdamW"
+    return step, model.get_num_params(), kind + (" + compile" if form == "compile" else "")
 
 
 def main() -> None:
@@ -127,6 +128,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--nanogpt", help="a nanoGPT checkout: its model joins as a peer")
     parser.add_argument("--rounds", type=int, default=1, help="rounds, the contenders taking turns")
+    parser.add_argument("--peer-dtype", choices=["float32", "bfloat16"],
+                        help="the peers' precision (default --dtype; float32 on CPUs whose bf16 matmuls are slow)")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (gptlab train keeps freed memory: fewer page faults)")
     args = parser.parse_args()
@@ -151,7 +154,8 @@ def main() -> None:
     if not args.skip_hf:
         runs.append(("transformers", lambda: hf_step(args, x)))
     if args.nanogpt:
-        for form in ["own", "autocast"] + (["compile"] if args.compile else []):
+        bf16 = (args.peer_dtype or args.dtype) == "bfloat16"
+        for form in ["own"] + (["autocast"] if bf16 else []) + (["compile"] if args.compile else []):
             runs.append(("nanoGPT", lambda form=form: nanogpt_step(args, x, form)))
     contenders = []
     for name, build in runs:
