@@ -54,7 +54,7 @@ def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
 
     def step() -> None:
         with precision.autocast():
-            _, loss = net(x[:, :-1], x[:, 1:])
+            _, loss = net(x[:, :-1].contiguous(), x[:, 1:].contiguous())  # its loss views the targets
         precision.backward(loss)
         precision.step(optimizers, cfg.grad_clip)
 
@@ -103,7 +103,7 @@ def nanogpt_step(args: argparse.Namespace, x: torch.Tensor, form: str):  # noqa:
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            _, loss = net(x[:, :-1], x[:, 1:])
+            _, loss = net(x[:, :-1].contiguous(), x[:, 1:].contiguous())  # its loss views the targets
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
