@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import raise_priority  # benchmarks/ is on sys.path when a benchmark runs as a script
+from timing import loadavg, raise_priority  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 LLAMA = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
@@ -266,7 +266,7 @@ def main() -> None:
         results: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in names:
-                load = Path("/proc/loadavg").read_text().split()[0]
+                load = loadavg()
                 res = run_contender(args, name)
                 results[name].append(res)
                 med = statistics.median(res["times"])

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 from gptlab import GPT, GPTConfig, generate
 from gptlab.generation.api import PACK_MIN_TOKENS
@@ -283,7 +284,6 @@ def main() -> None:
             raise SystemExit(f"error: --peers: unknown peer {p!r} (transformers, llamacpp, ct2)")
     torch.manual_seed(1)
     V = GPTConfig.preset("gpt2").vocab_size
-    load = Path("/proc/loadavg")
     print(f"GPT-2 124M shape, random weights; prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
           f"{args.threads} threads, torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}; "
           "each contender in its own process")
@@ -315,11 +315,11 @@ def main() -> None:
             c.generate(idx, PACK_MIN_TOKENS)
         result: dict[str, list[float]] = {c.name: [] for c in running}
         for r in range(args.rounds):
-            loadavg = load.read_text().split()[0] if load.exists() else "?"
+            load = loadavg()
             for c in running:
                 rate = B * args.new_tokens / c.generate(idx, args.new_tokens)[0]
                 result[c.name].append(rate)
-                print(f"  round {r + 1} (load {loadavg}) batch {B:>3} {dtype:>8} {c.name:>12}: "
+                print(f"  round {r + 1} (load {load}) batch {B:>3} {dtype:>8} {c.name:>12}: "
                       f"{rate:8.1f} tokens/s", flush=True)
         rows.append((B, dtype, {k: statistics.median(v) for k, v in result.items()}))
     for c in contenders:

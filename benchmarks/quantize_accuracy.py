@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_throughput import LlamaCpp  # noqa: E402 - a sibling script: the same llama.cpp decoding loop
+from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 from gptlab import GPT, GPTConfig, generate, quantize_model  # noqa: E402
 from gptlab.generation.api import PACK_MIN_TOKENS  # noqa: E402
@@ -143,7 +144,7 @@ def speed(args: argparse.Namespace, tmp: Path) -> None:
         c.generate(idx, PACK_MIN_TOKENS)  # warm-up: first-call allocations, kernels' weight copies, packing
     rates: dict[str, list[float]] = {c.name: [] for c in contenders}
     for r in range(args.rounds):
-        load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+        load = loadavg()
         for c in contenders:
             rate = args.new_tokens / timed(lambda c=c: c.generate(idx, args.new_tokens))
             rates[c.name].append(rate)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 PROMPTS = ["ROMEO:\n", "JULIET:\nO ", "First Citizen:\nWe are ", "KING HENRY:\n", "To be, or not ",
            "HAMLET:\nThe ", "Enter a Messenger.\n", "MENENIUS:\nWhat "]
@@ -242,7 +243,7 @@ def main() -> None:
               f"gptlab max batch {args.max_batch}, {args.threads} threads")
         rounds: dict[str, list[dict]] = {name: [] for name in contenders}
         for r in range(args.rounds):
-            print(f"round {r + 1} (load {open('/proc/loadavg').read().split()[0]})")
+            print(f"round {r + 1} (load {loadavg()})")
             for name, start in contenders.items():
                 rounds[name].append(run_round(name, start, args, Path(tmp) / f"{name}.log"))
                 report(name, rounds[name][-1], args)

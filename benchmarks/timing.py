@@ -46,4 +46,6 @@ def run_timed(cmd: list[str], cwd: Path | str | None = None, env: dict | None = 
 
 
 def loadavg() -> str:
-    return Path("/proc/loadavg").read_text().split()[0]
+    """The 1-minute load average, printed beside each timed round ("?" where /proc is missing)."""
+    load = Path("/proc/loadavg")
+    return load.read_text().split()[0] if load.exists() else "?"

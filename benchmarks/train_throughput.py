@@ -23,6 +23,7 @@ import statistics
 import time
 
 import torch
+from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 
 def time_steps(step, warmup: int, steps: int) -> list[float]:  # noqa: ANN001 - a zero-argument callable
@@ -163,7 +164,7 @@ def main() -> None:
         contenders.append((name, mode, step))
     medians: dict[tuple[str, str], list[float]] = {(name, mode): [] for name, mode, _ in contenders}
     for r in range(args.rounds):
-        print(f"round {r + 1} (load {open('/proc/loadavg').read().split()[0]})")
+        print(f"round {r + 1} (load {loadavg()})")
         for name, mode, step in contenders:
             times = time_steps(step, args.warmup, args.steps)
             tps = tokens / statistics.median(times)
