@@ -11,6 +11,7 @@ import torch
 from helpers import tiny_model
 
 from gptlab import checkpoint as ckpt
+from gptlab.checkpoint import writing  # every checkpoint file is written there (save_file)
 from gptlab.errors import GptlabError
 from gptlab.loading import load_model, resolve_checkpoint
 from gptlab.model import GPT
@@ -94,14 +95,14 @@ def test_a_crash_midway_leaves_the_previous_checkpoint(tmp_path: Path, monkeypat
     good = run / "checkpoints" / ckpt.step_dir_name(10)
     ckpt.save_checkpoint(good, model, {"step": 10}, opts)
 
-    real_save = ckpt.save_file
+    real_save = writing.save_file
 
     def dies_midway(tensors, path, **kwargs) -> None:  # model.safetensors is written, optimizer's fails
         real_save(tensors, path, **kwargs)
         if path.endswith(ckpt.OPTIMIZER_FILE):
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt, "save_file", dies_midway)
+    monkeypatch.setattr(writing, "save_file", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_checkpoint(run / "checkpoints" / ckpt.step_dir_name(20), model, {"step": 20}, opts)
     monkeypatch.undo()

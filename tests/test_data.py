@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gptlab.cli import main
 from gptlab.data import check_split_fits, corpora, load_split, preparation, prepare, read_meta
 from gptlab.data.corpora import SHAKESPEARE_SHA256
-from gptlab.data.preparation import chunk_text, iter_file_text, resolve_inputs
+from gptlab.data.text_stream import chunk_text, iter_file_text, resolve_inputs
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer, HFTokenizer, load_tokenizer
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from gptlab import checkpoint as ckpt
 from gptlab import fileio
+from gptlab.checkpoint import writing  # every checkpoint file is written there (save_file)
 from gptlab.cli import main
 from gptlab.loading import load_model, resolve_checkpoint
 from gptlab.train.rundir import LOCK_FILE, trim_metrics
@@ -215,7 +216,7 @@ def test_bad_training_keys_are_refused_before_the_first_step(tmp_path: Path, dat
 
 def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one(tmp_path: Path, data: Path, monkeypatch,
                                                                   capsys) -> None:
-    real_save = ckpt.save_file
+    real_save = writing.save_file
     calls = {"n": 0}
 
     def fills_the_disk(tensors, path, **kw) -> None:  # the second checkpoint's optimizer file does not fit
@@ -224,7 +225,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one(tmp_path: Path,
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         real_save(tensors, path, **kw)
 
-    monkeypatch.setattr(ckpt, "save_file", fills_the_disk)
+    monkeypatch.setattr(writing, "save_file", fills_the_disk)
     run = tmp_path / "run"
     recipe = write_recipe(tmp_path, max_steps=4, checkpoint_interval=2, eval_interval=0)
     assert main(train_argv(recipe, data, run)) == 2

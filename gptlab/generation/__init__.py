@@ -6,7 +6,8 @@ One module per job, each importing only those below it:
     sampling       the logit filters, sample_next, token log-probabilities
     detokenize     token ids -> streamed text (whole characters, stop strings held back)
     packed_linear  CPU-friendly weight layouts for the engine's forwards
-    engine         Engine, Generation: continuous batching over one preallocated KV cache
+    rows           Generation, PromptTooLongError: one prompt checked, and its row's state as it decodes
+    engine         Engine: continuous batching over one preallocated KV cache
     api            generate, generate_batch, generate_stream, stream_deltas
     chat           ChatSession: a conversation kept to the context, its replies streamed (`gptlab chat`)
 
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
     from gptlab.generation.api import generate, generate_batch, generate_stream, stream_deltas
     from gptlab.generation.chat import ChatSession, MessageTooLongError
     from gptlab.generation.detokenize import TextState
-    from gptlab.generation.engine import Engine, Generation, PromptTooLongError, cache_length, default_cache_dtype
+    from gptlab.generation.engine import Engine, cache_length, default_cache_dtype
     from gptlab.generation.params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams
+    from gptlab.generation.rows import Generation, PromptTooLongError
     from gptlab.generation.sampling import TokenLogprob, sample_next
 
 _LAZY = {
@@ -35,8 +37,8 @@ _LAZY = {
     "sample_next": "gptlab.generation.sampling",
     "TextState": "gptlab.generation.detokenize",
     "Engine": "gptlab.generation.engine",
-    "Generation": "gptlab.generation.engine",
-    "PromptTooLongError": "gptlab.generation.engine",
+    "Generation": "gptlab.generation.rows",
+    "PromptTooLongError": "gptlab.generation.rows",
     "cache_length": "gptlab.generation.engine",
     "default_cache_dtype": "gptlab.generation.engine",
     "generate": "gptlab.generation.api",  # idx (B, T) -> (B, T + new), as nanoGPT's model.generate

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from gptlab.generation.engine import Engine, Generation, cache_length
+from gptlab.generation.engine import Engine, cache_length
 from gptlab.generation.params import SamplingParams
+from gptlab.generation.rows import Generation
 from gptlab.model import GPT
 
 PACK_MIN_TOKENS = 16  # re-laying the weights out (`packed_linear`) pays off only over enough decoding steps

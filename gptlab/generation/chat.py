@@ -32,8 +32,9 @@ from typing import Any
 
 from gptlab.errors import GptlabError
 from gptlab.generation.api import PACK_MIN_TOKENS, stream_deltas
-from gptlab.generation.engine import Engine, Generation
+from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
+from gptlab.generation.rows import Generation
 from gptlab.model import GPT
 from gptlab.tokenizer.chat_template import ChatTemplate, ChatTemplateError, chat_template_for
 

@@ -6,18 +6,16 @@
   ("stop" or "length") and free their slot, so new requests can join between steps (continuous batching).
   With `prefill_chunk`, a longer prompt is prefilled that many tokens per step, alongside the other rows'
   decoding, so one long prompt does not stall everybody else for a whole prefill (chunked prefill).
-* `Generation` is the state of one row: prompt, tokens so far, finish reason, and (with a tokenizer) its text.
-  Text is decoded incrementally (`detokenize`): streamed deltas never split a UTF-8 character and never show
-  the beginning of a stop string that may still complete.
+* Each row's state is a `Generation`, made by `prepare` (`rows`: the prompt's checks and truncation, stop
+  tokens, its random generator, its text).
 
 Each row samples under its own `SamplingParams` (`params`) with the filters of `sampling`; the one-call helpers
 over a throwaway engine are in `api`.
 
 Context limits. A prompt must leave room for one new token (at most block_size - 1 tokens): longer ones raise
-`PromptTooLongError` unless `truncate_prompt=True`, which keeps the prompt's last block_size - max(1,
-min(max_new_tokens, block_size // 2)) tokens. With learned positions a row ends with finish reason "length"
-when prompt + generated tokens reach block_size. With RoPE (or no positions) generation goes on past
-block_size as a sliding window: when a row's cache is full, its last block_size // 2 tokens are prefilled
+`PromptTooLongError` unless `truncate_prompt=True` (see `rows`). With learned positions a row ends with finish
+reason "length" when prompt + generated tokens reach block_size. With RoPE (or no positions) generation goes on
+past block_size as a sliding window: when a row's cache is full, its last block_size // 2 tokens are prefilled
 again from position 0 (RoPE only sees relative positions) and decoding continues; what came earlier is
 forgotten.
 
@@ -29,68 +27,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.generation.detokenize import TextState
 from gptlab.generation.fast_decode import decode_hidden, supports
 from gptlab.generation.packed_linear import try_pack
 from gptlab.generation.params import SamplingParams
-from gptlab.generation.sampling import TokenLogprob, row_seed, sample_next, token_logprobs
+from gptlab.generation.rows import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    prepare_generation,
+)
+from gptlab.generation.sampling import TokenLogprob, sample_next, token_logprobs
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
-
-FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = "stop", "length", "error"
-
-
-class PromptTooLongError(GptlabError, ValueError):
-    """The prompt does not fit the model's context (and truncation was not asked for)."""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# One row's state
-# ---------------------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class Generation:
-    """One prompt being continued in one row of the engine's cache."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None
-    text_state: TextState | None = None
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    slot: int = -1
-    truncated: int = 0  # prompt tokens dropped from the left by truncate_prompt
-    window: list[int] = field(default_factory=list)  # the tokens the row's cache holds (sliding window)
-    pending: list[int] = field(default_factory=list)  # prompt tokens not prefilled yet (chunked prefill)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (params.logprobs)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
-    error: Exception | None = None  # why it finished with FINISH_ERROR (a failure of this row alone)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def text(self) -> str:
-        """The generated text so far, without a stop string (needs a tokenizer)."""
-        if self.text_state is None:
-            raise ValueError("this generation has no tokenizer: use token_ids")
-        return self.text_state.text
-
-    def pop_delta(self) -> str:
-        """Text that became final since the last call (complete characters; never part of a possible stop)."""
-        return "" if self.text_state is None else self.text_state.pop_delta(final=self.finished)
-
-    def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
-        if self.text_state is not None:
-            self.text_state.close()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -160,35 +114,9 @@ class Engine:
         truncate_prompt: bool = False,
     ) -> Generation:
         """Check (or truncate) a prompt and build its row state; `add` then prefills it."""
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token (e.g. the end-of-text token)")
-        V, ctx = self.config.vocab_size, self.max_len
-        if any(t < 0 or t >= V for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {V})")
-        truncated = 0
-        if len(ids) >= ctx:
-            if not truncate_prompt:
-                raise PromptTooLongError(
-                    f"the prompt has {len(ids)} tokens but the context holds {ctx}: "
-                    f"use at most {ctx - 1} (or truncate the prompt)"
-                )
-            keep = ctx - max(1, min(params.max_new_tokens, ctx // 2))
-            truncated, ids = len(ids) - keep, ids[-keep:]
-        stop_ids = set(params.stop_token_ids)
-        eot = getattr(self.tokenizer, "eot_id", None)
-        if eot is not None and not params.ignore_eot:
-            stop_ids.add(eot)
-        seed = params.seed
-        if seed is None and not params.greedy:
-            seed = int(torch.randint(0, 2**62, (1,)))  # from the global RNG: torch.manual_seed reproduces it
-        generator = None
-        if seed is not None:  # on the model's device: the noise is drawn where the logits are
-            generator = torch.Generator(device=self.device).manual_seed(row_seed(seed, sample_index))
-        text_state = None
-        if self.tokenizer is not None:
-            text_state = TextState(self.tokenizer, context_ids=ids, stop=params.stop)
-        return Generation(ids, params, frozenset(stop_ids), generator, text_state, truncated=truncated)
+        return prepare_generation(prompt_ids, params, vocab_size=self.config.vocab_size, context=self.max_len,
+                                  tokenizer=self.tokenizer, device=self.device, sample_index=sample_index,
+                                  truncate_prompt=truncate_prompt)
 
     # --- prefill --------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -24,7 +24,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gptlab.generation.engine import FINISH_ERROR, Engine, Generation
+from gptlab.generation.engine import Engine
+from gptlab.generation.rows import FINISH_ERROR, Generation
 
 log = logging.getLogger("gptlab.serve")
 

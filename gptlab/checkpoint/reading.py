@@ -1,143 +1,42 @@
-"""Safe checkpoints: safetensors for tensors, JSON for everything else, written atomically. Never pickle.
+"""Reading checkpoints back, checked: one-line errors naming the damaged file (`read_tensors`, `read_config`,
+`read_training_state`, `read_lora_config`), and the one rule for loading weights.
 
-A checkpoint is a directory:
-
-    model.safetensors   the weights (tied weights stored once, no `_orig_mod.` prefixes)
-    config.json         the GPTConfig
-    lora.safetensors    (instead of model.safetensors, a LoRA run's checkpoints) only the adapters, fp32
-    lora.json           with it: {"format": "gptlab-lora", "version", rank, alpha, dropout, targets,
-                        "base": {"path", "sha256"}}: the frozen base the adapters belong to, and the sha256 of its
-                        weight files, checked whenever the adapters are put back on it
-    tokenizer files     whatever `Tokenizer.save` writes (optional)
-    optimizer.safetensors  (training checkpoints) every optimizer's state tensors, flat: `opt{i}.{param}.{name}`
-    state.json          (training checkpoints) step, elapsed_sec, best_val_loss, tokens_seen, the torch RNG
-                        states (base64), config + config_hash, data_dir, and each optimizer's type, param groups
-                        (hyper-parameters, peak_lr) and non-tensor state
-
-A run directory (`gptlab train --out`) holds:
-
-    .lock                         held (flock) by the `gptlab train` writing the run; holds its pid
-    config.resolved.json          the training config, the model config, data dir, world size, device
-    metrics.jsonl                 one JSON object per logged step (train_loss, lr, tokens_per_sec, mfu, val_loss)
-    checkpoints/step-NNNNNNN/     the last `keep_last` training checkpoints
-    checkpoints/best/             the best validation loss so far: weights, config, tokenizer, state.json
-
-Writes go through a temporary directory swapped into place (`gptlab.fileio`, which also leaves its `.gptlab`
-marker in each), so a crash leaves the previous checkpoint intact and readers never see a partial one (temporary
-`.step-*.tmp-*` directories are skipped and pruned). Reads name the damaged file in one line (`read_tensors`,
-`read_config`, `read_training_state`). Which directory a path means (a run, a checkpoint, a Hugging Face
-directory) is `gptlab.loading`'s job.
-
-Loading follows one explicit rule (`load_weights`): a checkpoint holds exactly the tensors of the plain GPT its
-config describes. A model with modules added on top (adapters) takes it only when the caller says to keep those
-extra tensors as they are.
+The rule (`load_weights`): a checkpoint holds exactly the tensors of the plain GPT its config describes. A model
+with modules added on top (adapters) takes it only when the caller says to keep those extra tensors as they are.
+A LoRA run's checkpoint holds only the adapters (`load_adapter_tensors`), checked against the model's, and the
+sha256 of the base they belong to (`weights_sha256`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import re
-import shutil
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from gptlab.checkpoint.layout import (
+    CONFIG_FILE,
+    LORA_CONFIG,
+    LORA_FILE,
+    LORA_FORMAT,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    unwrap_model,
+)
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_dir, read_json_object, safetensors_problem
+from gptlab.fileio import read_json_object, safetensors_problem
 from gptlab.lora import LoRASpec, has_lora, lora_state_dict
 from gptlab.model import GPT
-
-MODEL_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-CHECKPOINTS_DIR = "checkpoints"
-BEST_NAME = "best"
-OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "state.json"
-TOKENIZER_FILES = ("tokenizer_meta.json", "tokenizer.json")
-LORA_FILE = "lora.safetensors"
-LORA_CONFIG = "lora.json"
-LORA_FORMAT = "gptlab-lora"
-STEP_NAME = re.compile(r"step-\d+")  # a step checkpoint (a copy moved aside, e.g. damaged-step-N, is not)
-
-
-def has_weights(directory: Path) -> bool:
-    """Whether a directory holds gptlab weights: a whole model, or a LoRA run's adapters."""
-    return (directory / MODEL_FILE).is_file() or (directory / LORA_FILE).is_file()
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Model weights
 # ------------------------------------------------------------------------------------------------------------
-def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU.
-    FSDP-sharded weights are gathered whole: under FSDP every process must call this."""
-    model = unwrap_model(model)
-    if has_lora(model):  # the base is frozen and lives elsewhere: only the adapters are the run's
-        return {k: whole(v).detach().contiguous().cpu() for k, v in lora_state_dict(model).items()}
-    state = model.state_dict()
-    if getattr(model, "config", None) is not None and model.config.tie_embeddings:
-        state.pop("lm_head.weight", None)  # the same tensor as transformer.wte.weight
-    return {k: whole(v).detach().contiguous().cpu() for k, v in state.items()}
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """A tensor in full: an FSDP shard (DTensor) gathered from every process (collective), else itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def shard_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """A whole tensor shaped like `target`: sharded the same way if target is an FSDP shard (DTensor)."""
-    if hasattr(target, "device_mesh") and not hasattr(value, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
-    return value
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain GPT under torch.compile's OptimizedModule and DDP/FSDP wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        else:
-            return model
-
-
-def write_model(
-    directory: Path, model: torch.nn.Module, tokenizer: Any = None, weights: dict[str, torch.Tensor] | None = None
-) -> None:
-    """Write weights (`model_state_dict(model)` unless given), config and (optionally) the tokenizer into an
-    existing directory."""
-    plain = unwrap_model(model)
-    metadata = {"format": "pt", "library": "gptlab"}
-    weights = model_state_dict(plain) if weights is None else weights
-    if has_lora(plain):
-        base = getattr(plain, "lora_base", None)
-        if base is None:
-            raise GptlabError("a model with LoRA adapters needs `lora_base` (its base's path and sha256) to be saved")
-        save_file(weights, str(directory / LORA_FILE), metadata=metadata)
-        lora = {"format": LORA_FORMAT, "version": 1, **plain.lora_spec.to_dict(), "base": base}
-        (directory / LORA_CONFIG).write_text(json.dumps(lora, indent=2) + "\n")
-    else:
-        save_file(weights, str(directory / MODEL_FILE), metadata=metadata)
-    (directory / CONFIG_FILE).write_text(json.dumps(plain.config.to_dict(), indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save(directory)
-
-
-def save_model(path: str | Path, model: torch.nn.Module, tokenizer: Any = None) -> Path:
-    """Save a model (and tokenizer) as a checkpoint directory, atomically."""
-    return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer))
-
-
 def with_tied_head(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """A saved tied matrix is stored once; `load_state_dict` wants it under the head's name too."""
     if config.tie_embeddings and "transformer.wte.weight" in state:
@@ -225,49 +124,15 @@ def load_gptlab_model(
 
 
 # ------------------------------------------------------------------------------------------------------------
-# A run directory's checkpoints
-# ------------------------------------------------------------------------------------------------------------
-def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The run's step checkpoints, oldest first (complete ones only: temporary directories are skipped)."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    steps = [p for p in root.iterdir() if STEP_NAME.fullmatch(p.name) and has_weights(p)]
-    return sorted(steps, key=lambda p: int(p.name.split("-", 1)[1]))
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` step checkpoints, and leftovers of interrupted writes."""
-    for old in list_step_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    leftovers = [*root.glob(".*.tmp-*"), *root.glob(".*.old-*")] if root.is_dir() else []
-    for tmp in leftovers:  # a kill mid-write; the run directory's lock says no other run is writing them
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------------------------------
 # Training checkpoints: weights + optimizer state (safetensors) + trainer state (JSON)
 # ------------------------------------------------------------------------------------------------------------
-def optimizer_to_flat(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Optimizer state as flat tensors `opt{i}.{param}.{name}`, plus JSON-able param groups and scalars."""
-    tensors: dict[str, torch.Tensor] = {}
-    described: list[dict] = []
-    for i, opt in enumerate(optimizers):
-        sd = opt.state_dict()
-        scalars: dict[str, dict[str, Any]] = {}
-        for pid, state in sd["state"].items():
-            for name, value in state.items():
-                if isinstance(value, torch.Tensor):  # FSDP: gathered whole, so every process calls this
-                    tensors[f"opt{i}.{pid}.{name}"] = whole(value).detach().contiguous().cpu()
-                else:
-                    scalars.setdefault(str(pid), {})[name] = value
-        described.append({"type": type(opt).__name__, "param_groups": sd["param_groups"], "scalars": scalars})
-    return tensors, described
+def shard_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A whole tensor shaped like `target`: sharded the same way if target is an FSDP shard (DTensor)."""
+    if hasattr(target, "device_mesh") and not hasattr(value, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
+    return value
 
 
 def optimizer_from_flat(
@@ -300,40 +165,6 @@ def optimizer_from_flat(
         groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
                   for g in desc["param_groups"]]
         opt.load_state_dict({"state": state, "param_groups": groups})
-
-
-def save_checkpoint(
-    directory: str | Path,
-    model: torch.nn.Module,
-    state: dict[str, Any],
-    optimizers: Sequence[torch.optim.Optimizer] = (),
-    tokenizer_dir: str | Path | None = None,
-    writer: bool = True,
-) -> Path | None:
-    """Write a training checkpoint atomically: model.safetensors, config.json, state.json (`state`), the
-    tokenizer files copied from `tokenizer_dir` (the data directory) and, when there are optimizers,
-    optimizer.safetensors with their state in state.json (a resumable checkpoint).
-
-    Under FSDP every process calls this (the shards are gathered) and only the `writer` writes."""
-    weights = model_state_dict(model)
-    tensors, described = optimizer_to_flat(list(optimizers))
-    if not writer:
-        return None
-    if optimizers:
-        state = {**state, "optimizers": described}
-
-    def write(tmp: Path) -> None:
-        write_model(tmp, model, weights=weights)
-        if optimizers:
-            save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"library": "gptlab"})
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
-        for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
-            src = Path(tokenizer_dir) / name
-            if src.is_file():
-                shutil.copyfile(src, tmp / name)
-
-    needed = sum(t.nbytes for t in (*weights.values(), *tensors.values()))
-    return atomic_write_dir(directory, write, needed=needed, replace_unmarked=True)
 
 
 def read_training_state(directory: Path, required: dict[str, Any] | None = None) -> dict[str, Any]:

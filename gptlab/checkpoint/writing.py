@@ -1,0 +1,150 @@
+"""Writing checkpoints: a model's (`save_model`) and a training run's (`save_checkpoint`), and pruning old ones.
+
+Every write goes through a temporary directory swapped into place (`gptlab.fileio`, which also leaves its
+`.gptlab` marker in each), so a crash leaves the previous checkpoint intact and readers never see a partial one;
+`prune_checkpoints` removes what a killed write left behind. Every safetensors file is written here (through
+`save_file`).
+
+What is saved is the plain model's weights, unwrapped from torch.compile / DDP / FSDP (FSDP shards gathered
+whole: every process calls `model_state_dict` and `save_checkpoint`, one writes), a tied matrix once, and for a
+LoRA run only the adapters, with their base's path and sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from gptlab.checkpoint.layout import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LORA_CONFIG,
+    LORA_FILE,
+    LORA_FORMAT,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    TOKENIZER_FILES,
+    list_step_checkpoints,
+    unwrap_model,
+)
+from gptlab.errors import GptlabError
+from gptlab.fileio import atomic_write_dir
+from gptlab.lora import has_lora, lora_state_dict
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Model weights
+# ------------------------------------------------------------------------------------------------------------
+def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU.
+    FSDP-sharded weights are gathered whole: under FSDP every process must call this."""
+    model = unwrap_model(model)
+    if has_lora(model):  # the base is frozen and lives elsewhere: only the adapters are the run's
+        return {k: whole(v).detach().contiguous().cpu() for k, v in lora_state_dict(model).items()}
+    state = model.state_dict()
+    if getattr(model, "config", None) is not None and model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as transformer.wte.weight
+    return {k: whole(v).detach().contiguous().cpu() for k, v in state.items()}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor in full: an FSDP shard (DTensor) gathered from every process (collective), else itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def write_model(
+    directory: Path, model: torch.nn.Module, tokenizer: Any = None, weights: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Write weights (`model_state_dict(model)` unless given), config and (optionally) the tokenizer into an
+    existing directory."""
+    plain = unwrap_model(model)
+    metadata = {"format": "pt", "library": "gptlab"}
+    weights = model_state_dict(plain) if weights is None else weights
+    if has_lora(plain):
+        base = getattr(plain, "lora_base", None)
+        if base is None:
+            raise GptlabError("a model with LoRA adapters needs `lora_base` (its base's path and sha256) to be saved")
+        save_file(weights, str(directory / LORA_FILE), metadata=metadata)
+        lora = {"format": LORA_FORMAT, "version": 1, **plain.lora_spec.to_dict(), "base": base}
+        (directory / LORA_CONFIG).write_text(json.dumps(lora, indent=2) + "\n")
+    else:
+        save_file(weights, str(directory / MODEL_FILE), metadata=metadata)
+    (directory / CONFIG_FILE).write_text(json.dumps(plain.config.to_dict(), indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(directory)
+
+
+def save_model(path: str | Path, model: torch.nn.Module, tokenizer: Any = None) -> Path:
+    """Save a model (and tokenizer) as a checkpoint directory, atomically."""
+    return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Training checkpoints: weights + optimizer state (safetensors) + trainer state (JSON)
+# ------------------------------------------------------------------------------------------------------------
+def optimizer_to_flat(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Optimizer state as flat tensors `opt{i}.{param}.{name}`, plus JSON-able param groups and scalars."""
+    tensors: dict[str, torch.Tensor] = {}
+    described: list[dict] = []
+    for i, opt in enumerate(optimizers):
+        sd = opt.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for pid, state in sd["state"].items():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):  # FSDP: gathered whole, so every process calls this
+                    tensors[f"opt{i}.{pid}.{name}"] = whole(value).detach().contiguous().cpu()
+                else:
+                    scalars.setdefault(str(pid), {})[name] = value
+        described.append({"type": type(opt).__name__, "param_groups": sd["param_groups"], "scalars": scalars})
+    return tensors, described
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: torch.nn.Module,
+    state: dict[str, Any],
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    tokenizer_dir: str | Path | None = None,
+    writer: bool = True,
+) -> Path | None:
+    """Write a training checkpoint atomically: model.safetensors, config.json, state.json (`state`), the
+    tokenizer files copied from `tokenizer_dir` (the data directory) and, when there are optimizers,
+    optimizer.safetensors with their state in state.json (a resumable checkpoint).
+
+    Under FSDP every process calls this (the shards are gathered) and only the `writer` writes."""
+    weights = model_state_dict(model)
+    tensors, described = optimizer_to_flat(list(optimizers))
+    if not writer:
+        return None
+    if optimizers:
+        state = {**state, "optimizers": described}
+
+    def write(tmp: Path) -> None:
+        write_model(tmp, model, weights=weights)
+        if optimizers:
+            save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"library": "gptlab"})
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
+        for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+
+    needed = sum(t.nbytes for t in (*weights.values(), *tensors.values()))
+    return atomic_write_dir(directory, write, needed=needed, replace_unmarked=True)
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step checkpoints, and leftovers of interrupted writes."""
+    for old in list_step_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    leftovers = [*root.glob(".*.tmp-*"), *root.glob(".*.old-*")] if root.is_dir() else []
+    for tmp in leftovers:  # a kill mid-write; the run directory's lock says no other run is writing them
+        shutil.rmtree(tmp, ignore_errors=True)

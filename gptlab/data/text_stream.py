@@ -1,0 +1,179 @@
+"""Text inputs as one stream of chunks, for `gptlab.data.preparation` to encode.
+
+* Inputs (files in the order given; directories expand to their ``*.txt`` files, recursively, sorted; the name
+  ``shakespeare`` fetches tiny Shakespeare: `resolve_inputs`) are concatenated. Empty files are skipped.
+* Files are read in 1 MiB blocks and decoded incrementally, so a bad byte is reported with its file and offset
+  (`iter_file_text`), and never held whole. A first pass (`scan_sources`) takes each file's size, sha256 and
+  character count (and, for char tokenizers, the character set) and validates the UTF-8 before anything is
+  written.
+* The split is by characters over the whole concatenation, like nanoGPT: train = the first
+  ``int(N * (1 - val_fraction))`` characters, val = the rest (`iter_split_pieces`, which also marks where an
+  end-of-text token goes between documents).
+* Chunking never changes the ids (`chunk_text`): for char any cut is exact; for gpt2/bpe chunks are cut right
+  after a ``"\\n"`` that sits between two non-whitespace characters. The GPT-2 pre-tokenizer regex (and the
+  cl100k/Llama-3 style one) always ends a pre-token there and nothing before it depends on what follows, so
+  encoding chunk by chunk equals encoding the whole text (tests check this on tiny Shakespeare and on random
+  text). Only a stretch of 4 MiB characters without such a newline falls back to a cut before a space
+  (also exact for these regexes), and one without any space to a plain cut (may differ there).
+  The one real difference is the train/val boundary itself, which cuts mid-word as nanoGPT does: tiny
+  Shakespeare with gpt2 gives 301,966 + 36,059 = 338,025 ids, the same total as encoding it whole.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gptlab.data.common import progress as _progress
+from gptlab.data.corpora import fetch_shakespeare
+from gptlab.errors import GptlabError
+
+READ_BYTES = 1 << 20  # file read size
+CHUNK_CHARS = 1 << 20  # characters per encoding task
+
+_SAFE_NL = re.compile(r"(?<=\S)\n(?=\S)")  # cut after this newline: see the module docstring
+_SAFE_SPACE = re.compile(r"(?<=\S)(?= )")  # fallback: cut before a space that follows a non-space
+
+# --- inputs -----------------------------------------------------------------------------------------------------
+
+
+def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Expand INPUT arguments to files: files as given, directories to their sorted *.txt files."""
+    if not inputs:
+        raise GptlabError("no input given: pass text files, directories of .txt files, or `shakespeare`")
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item).expanduser()
+        if not p.exists() and str(item) == "shakespeare":  # a real file called "shakespeare" wins
+            files.append(fetch_shakespeare())
+        elif p.is_dir():
+            found = sorted(f for f in p.rglob("*.txt") if f.is_file())
+            if not found:
+                raise GptlabError(
+                    f"directory {p} has no .txt files (directories are searched for *.txt recursively; "
+                    "pass other files by name)"
+                )
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise GptlabError(
+                f"input {p} does not exist (give text files, directories of .txt files, or `shakespeare`)"
+            )
+    return files
+
+
+def _iter_blocks(path: Path, read_bytes: int = READ_BYTES) -> Iterator[tuple[bytes, str]]:
+    """(raw block, decoded text) pairs; GptlabError names the file and byte offset of bad UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0  # bytes read before the current block
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(read_bytes)
+            pending = len(decoder.getstate()[0])  # bytes of a split character held from the last block
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                raise GptlabError(
+                    f"{path} is not UTF-8 text (bad byte at offset {offset - pending + e.start}); "
+                    "convert it, e.g. `iconv -f latin1 -t utf-8`"
+                ) from None
+            if not block:
+                return
+            offset += len(block)
+            yield block, text
+
+
+def iter_file_text(path: str | os.PathLike[str], read_bytes: int = READ_BYTES) -> Iterator[str]:
+    """Stream a UTF-8 file as text, block by block, never holding the whole file."""
+    for _, text in _iter_blocks(Path(path), read_bytes):
+        if text:
+            yield text
+
+
+def chunk_text(
+    pieces: Iterable[str], chunk_chars: int = CHUNK_CHARS, *, safe: bool = True, hard: bool = True
+) -> Iterator[str]:
+    """Re-cut a stream of text into chunks of about `chunk_chars` characters.
+
+    safe=False cuts at exactly chunk_chars (fine for char tokenizers). safe=True cuts only where BPE
+    pre-tokenization ends a pre-token regardless of what follows (see the module docstring), so that
+    encoding the chunks one by one gives the same ids as encoding the whole text -- except, with hard=True,
+    for a plain cut after 4 * chunk_chars characters without any whitespace (bounded memory wins there).
+    """
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        while len(buf) >= chunk_chars:
+            if not safe:
+                cut = chunk_chars
+            elif m := _SAFE_NL.search(buf, chunk_chars - 1):
+                cut = m.end()
+            elif len(buf) < 4 * chunk_chars:
+                break  # wait for more text: a good newline will probably come
+            elif m := _SAFE_SPACE.search(buf, chunk_chars):
+                cut = m.start()
+            elif hard:
+                cut = chunk_chars  # no whitespace at all for 4 chunks: memory matters more here
+            else:
+                break
+            yield buf[:cut]
+            buf = buf[cut:]
+    if buf:
+        yield buf
+
+
+# --- scanning ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Source:
+    path: Path
+    bytes: int = 0
+    chars: int = 0
+    sha256: str = ""
+
+
+def scan_sources(paths: Sequence[Path], collect_chars: bool = False) -> tuple[list[Source], set[str]]:
+    """First pass: sizes, hashes, character counts (and the character set); validates UTF-8 early."""
+    sources, charset = [], set()
+    with _progress(sum(p.stat().st_size for p in paths), "scan", "B") as bar:
+        for p in paths:
+            src, h = Source(p), hashlib.sha256()
+            for block, text in _iter_blocks(p):
+                h.update(block)
+                src.bytes += len(block)
+                src.chars += len(text)
+                if collect_chars:
+                    charset.update(text)
+                bar.update(len(block))
+            src.sha256 = h.hexdigest()
+            sources.append(src)
+    return sources, charset
+
+
+def iter_split_pieces(
+    sources: Sequence[Source], split_at: int, eot: bool, safe: bool, chunk_chars: int
+) -> Iterator[tuple[str, str | None]]:
+    """Yield ("train" | "val", text) in order; text None stands for an end-of-text token."""
+    docs = [s for s in sources if s.chars]
+    pos = 0
+    for k, src in enumerate(docs):
+        for chunk in chunk_text(iter_file_text(src.path), chunk_chars, safe=safe):
+            end = pos + len(chunk)
+            if end <= split_at:
+                yield "train", chunk
+            elif pos >= split_at:
+                yield "val", chunk
+            else:  # the chunk straddles the split: cut it where nanoGPT would
+                yield "train", chunk[: split_at - pos]
+                yield "val", chunk[split_at - pos :]
+            pos = end
+        if eot and k < len(docs) - 1:
+            yield ("train" if pos <= split_at else "val"), None
+
