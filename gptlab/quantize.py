@@ -1,7 +1,8 @@
 """Weight-only quantization for inference: int8 per output channel, int4 in groups along the input dimension.
 
 Decoding one token reads every weight once and does little arithmetic with it, so its speed is set by how many
-bytes of weights it reads: int8 halves a bf16 model's, int4 quarters it. The activations stay in floating point.
+bytes of weights it reads: int8 halves a bf16 model's, int4 quarters it. The activations are not stored
+quantized (the AVX2 kernel below rounds them to 16-bit fixed point inside the product).
 
 * Which layers: every Linear in the blocks (attention's q/k/v and output projections, the MLP's two) and the LM
   head. The head is GPT-2's largest matrix (38.6M of its 124M parameters, a third of the bytes read per token),
@@ -23,7 +24,13 @@ Both round to the nearest level, so |w - dequantized w| <= scale / 2 for every e
 them) and computes x @ dequantized(W).T + b. `reference` does exactly that in PyTorch; `forward` calls PyTorch's
 own weight-only kernels where they run (and are faster), with bf16 (or fp16) activations and scales:
 
-* CPU: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`. With fp32 activations these kernels
+* CPUs whose best vector unit is AVX2 (AMD Zen 2/3, older Xeons): gptlab's own kernel (`gptlab.kernels`, built
+  once per machine). It multiplies the integers with integer multiply-adds against the activations put in 16-bit
+  fixed point per row (rounding error at most 2^-16 of the row's largest value: finer than the bf16 activations
+  PyTorch's kernels take, for every value above 1/128 of the largest), sums exactly in int32 and scales in fp32.
+  PyTorch's kernels below were slower there than the bf16 model (GPT-2 124M, batch 1, 2-core Zen 3: int8 41
+  tokens/s, int4 51, bf16 69); see benchmarks/quantize_accuracy.py for this kernel's figures.
+* Other CPUs: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`. With fp32 activations these kernels
   are 5-30x slower than with bf16 (measured, AMD EPYC Zen 3, GPT-2 124M shapes), so an fp32 model's activations
   go through them in bf16 and come back in fp32: the same rounding a bf16 matmul has. Dequantizing and then
   multiplying is 4-8x slower than either kernel at batch 1 and 32, so it is only the reference.
@@ -47,6 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
+from gptlab.kernels import avx2_only_ops
 from gptlab.lora import has_lora
 
 log = logging.getLogger(__name__)
@@ -125,6 +133,7 @@ class QuantizedLinear(nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._runs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}  # input's kind -> its forward
+        self._avx2: tuple[torch.Tensor, torch.Tensor] | None = None  # the AVX2 kernel's layout, made on first use
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""
@@ -154,6 +163,24 @@ class QuantizedLinear(nn.Module):
         """Drop the kernels' copies of the weights; done on `.to()` and `load_state_dict`, needed after any other
         write to the buffers."""
         self._runs.clear()
+        self._avx2 = None
+
+    def avx2_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed integers, qparams) in the layout of gptlab's AVX2 kernel (see gptlab/kernels/linear_avx2.cpp),
+        made once: where the layer is on a CPU whose CPU forward runs that kernel; None elsewhere (and for int8
+        weights of an odd input width, which its column pairs do not fit)."""
+        ops = avx2_only_ops() if self.qweight.device.type == "cpu" else None
+        if self.mode == "int8" and self.in_features % 2:
+            return None
+        if ops is None:
+            return None
+        if self._avx2 is None:
+            if self.mode == "int8":
+                self._avx2 = ops.pack_int8(self.qweight), self.scale.float().contiguous()
+            else:
+                packed, qparams = ops.pack_int4(unpack_nibbles(self.qweight), self.scale, self.zero)
+                self._avx2 = packed, qparams
+        return self._avx2
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's: .to(), .cuda(), .half(), ...
         self.forget_kernels()
@@ -167,6 +194,10 @@ class QuantizedLinear(nn.Module):
         """The forward for inputs of this device, dtype and autocast state: a kernel with its copies of the
         weights where one works here, else the reference."""
         out_dtype = torch.get_autocast_dtype(device.type) if autocast else dtype
+        avx2 = self.avx2_weights() if device.type == "cpu" and out_dtype in (torch.float32, torch.bfloat16) else None
+        if avx2 is not None:
+            return functools.partial(_avx2_cpu, avx2, None if self.bias is None else self.bias.detach().float(),
+                                     self.out_features, out_dtype)
         make = _kernel_for(self.mode, device) if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else None
         compute = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16  # see the docstring
         try:
@@ -188,7 +219,14 @@ class QuantizedLinear(nn.Module):
         return run
 
 
-# --- CPU kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------------
+def _avx2_cpu(weights: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None, n: int, dtype: torch.dtype,
+              x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T + bias through gptlab's AVX2 kernel, in `dtype` (x's own, or autocast's)."""
+    packed, qparams = weights
+    return avx2_only_ops().linear(x.to(dtype), packed, qparams, bias, n)
+
+
+# --- PyTorch's kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------
 def _int8_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = layer.qweight, layer.scale.to(dtype)
     return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)

@@ -17,11 +17,19 @@ from hypothesis import strategies as st
 
 import gptlab.generation.engine as engine_module
 from gptlab.generation import generate
-from gptlab.generation.fast_decode import decode_hidden, supports
+from gptlab.generation.fast_decode import _native_weights, decode_hidden, supports
 from gptlab.generation.packed_linear import PackedLinears, avx2_packed, forget_packed
 from gptlab.kernels import avx2_ops
 from gptlab.kv_cache import KVCache
 from gptlab.lora import LoRASpec, add_lora
+from gptlab.quantize import (
+    QuantizedLinear,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,7 +62,7 @@ def test_kernel_matches_a_float64_matmul(ops, M: int, N: int, K: int, bias: bool
     g = torch.Generator().manual_seed(seed)
     W, x = torch.randn(N, K, generator=g).to(dtype), torch.randn(M, K, generator=g).to(dtype)
     b = torch.randn(N, generator=g).to(dtype) if bias else None
-    y = ops.linear(x, ops.pack(W), b, N)
+    y = ops.linear(x, ops.pack(W), None, b, N)
     ref = x.double() @ W.double().T + (b.double() if bias else 0)
     assert y.dtype == dtype and y.shape == (M, N)
     tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
@@ -65,16 +73,47 @@ def test_kernel_keeps_leading_dims_and_reads_fp32_bias_under_bf16(ops) -> None: 
     W = torch.randn(40, 24).bfloat16()
     x = torch.randn(2, 3, 24).bfloat16()
     b = torch.randn(40)
-    y = ops.linear(x, ops.pack(W), b, 40)
+    y = ops.linear(x, ops.pack(W), None, b, 40)
     assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
     ref = x.double() @ W.double().T + b.double()
     assert (y.double() - ref).abs().max() <= 2**-8 * ref.abs().max()
 
 
+@settings(max_examples=25, deadline=None)
+@given(M=st.integers(1, 14), N=st.integers(1, 70), K=st.integers(1, 8), group=st.sampled_from([2, 4, 32]),
+       mode=st.sampled_from(["int8", "int4"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_integer_kernels_equal_the_dequantized_weight_in_float64(ops, M: int, N: int, K: int, group: int,  # noqa: ANN001
+                                                                  mode: str, dtype: torch.dtype, seed: int) -> None:
+    """int8 (row scales) and int4 (nibbles, a scale and zero per group, groups of 2 to 32 columns) through the
+    kernel: the dequantized weight (the quantize module's own formula) times x in 16-bit fixed point (within its
+    rounding bound), rounded once to x's dtype. Row tiles of 1-6 and padded panels are all reached."""
+    g = torch.Generator().manual_seed(seed)
+    K = K * group if mode == "int4" else K * 10  # int4: whole groups; int8: column pairs
+    W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)
+    if mode == "int8":
+        q, scale = quantize_int8(W)
+        y, dense = ops.linear(x, ops.pack_int8(q), scale, b, N), dequantize_int8(q, scale)
+    else:
+        q, scale, zero = quantize_int4(W, group)
+        packed, qparams = ops.pack_int4(q, scale, zero)
+        y, dense = ops.linear(x, packed, qparams, b, N), dequantize_int4(q, scale, zero)
+    ref = x.double() @ dense.double().T + b.double()
+    assert y.dtype == dtype and y.shape == (M, N)
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    bound = tol * max(ref.abs().max().item(), 1.0)
+    # x rounded to 16-bit fixed point: each x[m, k] within max|x[m]| / 65534
+    bound = bound + (x.double().abs().amax(dim=1, keepdim=True) / 65534) @ dense.double().abs().sum(1)[None]
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
 def test_kernel_refuses_a_mismatched_input(ops) -> None:  # noqa: ANN001
     packed = ops.pack(torch.randn(16, 8))
     with pytest.raises(RuntimeError, match="input has 9 features, the weight 8"):
-        ops.linear(torch.randn(1, 9), packed, None, 16)
+        ops.linear(torch.randn(1, 9), packed, None, None, 16)
+    q, scale = quantize_int8(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="int8 and int4 weights take qparams"):
+        ops.linear(torch.randn(1, 8), ops.pack_int8(q), None, None, 16)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,6 +159,22 @@ def test_native_step_equals_the_lean_one(ops, dtype: torch.dtype, lengths: list[
         assert all(avx2_packed(m) is not None for m in packed.modules)
         lean = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache, native=False), lengths)
         native = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache), lengths)
+    assert torch.equal(lean, native)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_native_step_equals_the_lean_one(ops, mode: str, dtype: torch.dtype,  # noqa: ANN001
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8/int4 Linears whose CPU forward is the AVX2 kernel go into the C++ step as (packed, qparams): the
+    same numbers as calling each QuantizedLinear from the lean step, and within quantization error of the float
+    model."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # the kernel's CPUs
+    model = quantize_model(gpt2_like(n_embd=64).to(dtype).eval(), mode, 32 if mode == "int4" else None)
+    assert all(m.avx2_weights() is not None for m in model.modules() if isinstance(m, QuantizedLinear))
+    assert _native_weights(model) is not None  # the C++ step runs
+    lean = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache, native=False), [7, 2, 4])
+    native = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache), [7, 2, 4])
     assert torch.equal(lean, native)
 
 

@@ -27,6 +27,7 @@ from gptlab.generation.packed_linear import avx2_packed
 from gptlab.kernels import avx2_ops
 from gptlab.kv_cache import KVCache, Masks
 from gptlab.model import GPT, MLP, Block
+from gptlab.quantize import QuantizedLinear
 
 
 def supports(model: GPT) -> bool:
@@ -51,17 +52,22 @@ def _norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_weights(model: GPT) -> list[torch.Tensor | None] | None:
-    """Every block's norms, packed weights and biases in `gpt2_decode`'s order, when all its Linears run through
-    gptlab's AVX2 kernel right now (inside `PackedLinears.active()`); None otherwise."""
+    """Every block's norms and (packed weight, qparams, bias) per Linear in `gpt2_decode`'s order, when all its
+    Linears run through gptlab's AVX2 kernel right now: plain ones inside `PackedLinears.active()`, int8/int4 ones
+    (`QuantizedLinear`) on a CPU where that is their forward; None otherwise."""
     out: list[torch.Tensor | None] = []
     for b in model.transformer.h:
         for ln, linears in ((b.ln_1, (b.attn.c_attn, b.attn.c_proj)), (b.ln_2, (b.mlp.c_fc, b.mlp.c_proj))):
             out += [ln.weight, ln.bias]
             for lin in linears:
-                packed = avx2_packed(lin)
-                if packed is None:
+                if isinstance(lin, QuantizedLinear):
+                    weights = lin.avx2_weights()
+                else:
+                    packed = avx2_packed(lin)
+                    weights = None if packed is None else (packed, None)
+                if weights is None:
                     return None
-                out += [packed, lin.bias]
+                out += [*weights, lin.bias]
     return out
 
 

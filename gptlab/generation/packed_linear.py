@@ -39,12 +39,11 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-from gptlab.kernels import avx2_ops
+from gptlab.kernels import avx2_only_ops, avx2_ops
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +55,7 @@ def packing_helps(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and (_bf16_packing_works() or _avx2_kernels() is not None)
-
-
-def _avx2_kernels() -> Any | None:
-    """gptlab's AVX2 kernels (built once, see gptlab.kernels) on CPUs whose best vector unit is AVX2 (no AVX-512:
-    oneDNN cannot prepack bf16 there, and MKL's fp32 matrix-vector product is slower than the kernel's); None
-    elsewhere or where they could not be built."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":
-        return None
-    return avx2_ops()
+    return dtype == torch.bfloat16 and (_bf16_packing_works() or avx2_only_ops() is not None)
 
 
 @functools.cache
@@ -93,7 +83,7 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
 
 
 def _avx2_forward(out_features: int, packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return avx2_ops().linear(x, packed, bias, out_features)
+    return avx2_ops().linear(x, packed, None, bias, out_features)
 
 
 def _transposed_forward(weight_t: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +127,7 @@ def _pack(module: nn.Linear, batch_hint: int) -> _Pack | None:
     with torch.no_grad():
         w = weight.detach()
         try:
-            if _avx2_kernels() is not None:
+            if avx2_only_ops() is not None:
                 kernel, packed = functools.partial(_avx2_forward, w.shape[0]), avx2_ops().pack(w)
             elif w.dtype == torch.float32:
                 kernel, packed = _transposed_forward, w.t().contiguous()

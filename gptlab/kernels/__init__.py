@@ -1,9 +1,9 @@
 """C++ kernels shipped as source and built on first use, for CPUs whose PyTorch kernels are slow at decoding shapes.
 
-`linear_avx2.cpp` (see its header): bf16 and fp32 matrix-vector and small-batch products over weights re-laid out
-once, for CPUs with AVX2 + FMA; the path for bf16 weights where the CPU has no native bf16 matmul and oneDNN
-cannot prepack them (AMD Zen 2/3 and older Xeons). GPT-2 124M bf16 decoding on a 2-core Zen 3: see
-`gptlab.generation.packed_linear`.
+`linear_avx2.cpp` (see its header): bf16, fp32, int8 and int4 matrix-vector and small-batch products over
+weights re-laid out once, for CPUs with AVX2 + FMA; the path for bf16 weights where the CPU has no native bf16
+matmul and oneDNN cannot prepack them (AMD Zen 2/3 and older Xeons), and for `gptlab.quantize`'s int8/int4
+weights there. GPT-2 124M decoding on a 2-core Zen 3: see `gptlab.generation.packed_linear` and `gptlab.quantize`.
 
 The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
 version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`) and loaded from there
@@ -60,3 +60,12 @@ def avx2_ops() -> Any | None:
                       f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=2)
         return None
     return torch.ops.gptlab_avx2
+
+
+def avx2_only_ops() -> Any | None:
+    """`avx2_ops()` on CPUs whose best vector unit is AVX2 (torch's capability "AVX2": no AVX-512, so oneDNN
+    cannot prepack bf16 and PyTorch's bf16 and int8/int4 weight-only kernels are slower than these); None elsewhere
+    (CPUs with AVX-512 keep PyTorch's and oneDNN's kernels) or where they could not be built."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return None
+    return avx2_ops()

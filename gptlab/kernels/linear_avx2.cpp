@@ -1,5 +1,6 @@
 // Small-batch Linear products for CPUs with AVX2 + FMA but no native bf16 matmul (AMD Zen 2/3, pre-Sapphire-Rapids
-// Xeons), where torch's own bf16 matmul is several times slower than fp32 and oneDNN refuses to prepack bf16.
+// Xeons), where torch's own bf16 matmul is several times slower than fp32 and oneDNN refuses to prepack bf16; and
+// for int8/int4 weights (gptlab/quantize.py) there, where PyTorch's weight-only kernels are slower than bf16.
 //
 // Decoding multiplies a few activation rows (M = the batch) by every weight matrix once per token, so the work is
 // reading the weights: the kernel must stream them at memory speed and do its arithmetic in fp32 on the way.
@@ -7,19 +8,29 @@
 // * `pack(W)`: W (N, K), bf16 or fp32, re-laid out once per model as panels of 16 output rows: (ceil(N/16), K, 16),
 //   zero-padded. One panel's column k is 16 consecutive values, i.e. two 8-float AVX registers after conversion
 //   (bf16 ones interleaved so that the conversion is a shift and a mask: see load16).
-// * `linear(x, packed, bias, N)`: y = x @ W.T + bias for x (M, K) in bf16 or fp32, out in x's dtype. A micro-kernel
-//   takes up to 6 rows of x and one panel: per k it converts the panel's 16 weights (bf16 -> fp32 is a 16-bit left
-//   shift or a mask), broadcasts x[r, k] and does 2 FMAs per row into 12 fp32 accumulators (the classic 6x16 sgemm tile), so
-//   each weight converted serves 6 rows. One row (batch 1) instead unrolls k by 4 to keep 8 FMA chains in flight.
+// * `pack_int8(q)`, `pack_int4(q, scale, zero)`: int8 q (N, K), or q (N, K) in 0..15 with per-group scale and zero
+//   (gptlab.quantize's per-row int8 w = q * scale and asymmetric int4 w = (q - 8) * scale + zero), in the same
+//   panels as column pairs (see tile_i8); int4 comes with `qparams` (panels, K / group, 2, 16) fp32: per group and
+//   output row the scale s and the offset m = zero - 8 s. Each row of x is put in 16-bit fixed point (xq * s,
+//   |xq| <= 32767: rounding error up to 2^-16 of the row's largest value, no more than bf16's 2^-9 for values
+//   above 1/128 of it) and multiplied with integer multiply-adds, summed exactly in int32, scaled in fp32.
+// * `linear(x, packed, qparams, bias, N)`: y = x @ W.T + bias for x (M, K) in bf16 or fp32, out in x's dtype. A
+//   micro-kernel takes up to 6 rows of x and one panel. bf16/fp32: per k it converts the panel's 16 weights to
+//   fp32, broadcasts x[r, k] and does 2 FMAs per row into 12 fp32 accumulators (the classic 6x16 sgemm tile), so
+//   each weight converted serves 6 rows; one row (batch 1) instead unrolls k to keep 8 FMA chains in flight.
 //   Threads (torch's pool, at::parallel_for) split the panels; rows go in blocks of 96 so a block of x stays in L2.
-//   Accumulation is fp32 and the result is rounded once: the numbers of a native bf16 matmul.
+//   The result is rounded once: for bf16 the numbers of a native bf16 matmul (fp32 accumulation), for int8/int4
+//   those of the dequantized weight times x in 16-bit fixed point.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -43,30 +54,34 @@ inline void load16(const at::BFloat16* p, __m256& lo, __m256& hi) {
 
 // out[r][0..16) = x[r] . panel columns, for R rows of x (fp32, row stride ldx). The accumulators are named
 // variables, not an array: GCC keeps an array of them on the stack, storing all 12 every k (3x slower).
-#define GPTLAB_ROW(r)                                                  \
+#define GPTLAB_ROW(r, k)                                               \
   if constexpr (R > r) {                                               \
-    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);            \
+    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + (k));          \
     a##r##0 = _mm256_fmadd_ps(w0, xb, a##r##0);                        \
     a##r##1 = _mm256_fmadd_ps(w1, xb, a##r##1);                        \
   }
+#define GPTLAB_ROWS(k) GPTLAB_ROW(0, k) GPTLAB_ROW(1, k) GPTLAB_ROW(2, k) GPTLAB_ROW(3, k) GPTLAB_ROW(4, k) \
+  GPTLAB_ROW(5, k)
 #define GPTLAB_STORE(r)                                                \
   if constexpr (R > r) {                                               \
     _mm256_storeu_ps(out[r], a##r##0);                                 \
     _mm256_storeu_ps(out[r] + 8, a##r##1);                             \
   }
+#define GPTLAB_ACCUMULATORS                                                                                    \
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00, \
+         a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+#define GPTLAB_STORES GPTLAB_STORE(0) GPTLAB_STORE(1) GPTLAB_STORE(2) GPTLAB_STORE(3) GPTLAB_STORE(4) GPTLAB_STORE(5)
+
 template <int R, typename W>
 inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, float out[][kPanel]) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
-         a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  GPTLAB_ACCUMULATORS
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     load16(panel + k * kPanel, w0, w1);
-    GPTLAB_ROW(0) GPTLAB_ROW(1) GPTLAB_ROW(2) GPTLAB_ROW(3) GPTLAB_ROW(4) GPTLAB_ROW(5)
+    GPTLAB_ROWS(k)
   }
-  GPTLAB_STORE(0) GPTLAB_STORE(1) GPTLAB_STORE(2) GPTLAB_STORE(3) GPTLAB_STORE(4) GPTLAB_STORE(5)
+  GPTLAB_STORES
 }
-#undef GPTLAB_ROW
-#undef GPTLAB_STORE
 
 // one row: k unrolled by 4 into separate accumulators, so the FMAs do not wait on each other
 template <typename W>
@@ -92,23 +107,169 @@ inline void tile1(const float* x, const W* panel, int64_t K, float out[][kPanel]
   _mm256_storeu_ps(out[0] + 8, _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
 }
 
-template <typename W>
-void run_tile(int rows, const float* x, int64_t ldx, const W* panel, int64_t K, float out[][kPanel]) {
-  switch (rows) {
-    case 1: return tile1<W>(x, panel, K, out);
-    case 2: return tile<2, W>(x, ldx, panel, K, out);
-    case 3: return tile<3, W>(x, ldx, panel, K, out);
-    case 4: return tile<4, W>(x, ldx, panel, K, out);
-    case 5: return tile<5, W>(x, ldx, panel, K, out);
-    default: return tile<6, W>(x, ldx, panel, K, out);
+#undef GPTLAB_ROW
+#undef GPTLAB_ROWS
+#undef GPTLAB_STORE
+#undef GPTLAB_ACCUMULATORS
+#undef GPTLAB_STORES
+
+// int8 and int4: x in 16-bit fixed point (per row: x ~ xq * xscale, |xq| <= 32767) against the weights' integers.
+// A panel's column pair (k, k + 1) is laid out so that 8 rows' weights widen to (q[r][k], q[r][k + 1]) int16 pairs
+// in one register; _mm256_madd_epi16 multiplies them by the pair (xq[k], xq[k + 1]) and adds the two products into
+// an int32. Per 32 weights and row of x: 2 multiply-adds and 2 adds, plus 2 widenings shared by the rows (int4: 3
+// more to split the nibbles), where converting every weight to fp32 took 18 instructions.
+// * int8: 32 bytes per pair, rows 0-7 then 8-15. The int32 sums are exact for 256 pairs (2 * 32767 * 127 * 256 <
+//   2^31), then go to fp32 totals; the weight's row scale comes in linear_impl.
+// * int4: 16 bytes per pair, the low nibbles holding rows 0-7's pairs and the high ones rows 8-15's. Per group of
+//   columns (at most 256: exact in int32) the sum goes to the fp32 total times the group's scale s, plus its offset
+//   m times the group's sum of xq (w = q * s + m).
+// The totals are scaled by xscale at the end.
+constexpr int64_t kExactPairs = 256;
+#define GPTLAB_QROW(r)                                                                        \
+  if constexpr (R > r) {                                                                      \
+    int32_t pair;                                                                             \
+    std::memcpy(&pair, xq + r * ldx + 2 * j, sizeof pair);                                    \
+    const __m256i xb = _mm256_set1_epi32(pair);                                               \
+    a##r##0 = _mm256_add_epi32(a##r##0, _mm256_madd_epi16(w0, xb));                           \
+    a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(w1, xb));                           \
   }
+#define GPTLAB_QROWS GPTLAB_QROW(0) GPTLAB_QROW(1) GPTLAB_QROW(2) GPTLAB_QROW(3) GPTLAB_QROW(4) GPTLAB_QROW(5)
+// tot[r] += a * s + m * sum (int8: s = 1, m = 0)
+#define GPTLAB_QFLUSH(r, s0, s1, m0, m1, sum)                                                 \
+  if constexpr (R > r) {                                                                      \
+    const __m256 xs = _mm256_set1_ps(sum);                                                    \
+    _mm256_storeu_ps(tot[r], _mm256_fmadd_ps(m0, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a##r##0), s0,             \
+                                                                       _mm256_loadu_ps(tot[r]))));               \
+    _mm256_storeu_ps(tot[r] + 8, _mm256_fmadd_ps(m1, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a##r##1), s1,         \
+                                                                           _mm256_loadu_ps(tot[r] + 8))));       \
+  }
+#define GPTLAB_QZERO                                                                                          \
+  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,    \
+          a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+
+template <int R>
+inline void tile_i8(const int16_t* xq, int64_t ldx, const float* xscale, const int8_t* panel, int64_t pairs,
+                    float out[][kPanel]) {
+  float tot[R][kPanel] = {};
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < pairs; j0 += kExactPairs) {
+    GPTLAB_QZERO
+    for (int64_t j = j0; j < std::min(pairs, j0 + kExactPairs); ++j) {
+      const int8_t* col = panel + j * 2 * kPanel;
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(col + kPanel)));
+      GPTLAB_QROWS
+    }
+    GPTLAB_QFLUSH(0, one, one, zero, zero, 0.0f) GPTLAB_QFLUSH(1, one, one, zero, zero, 0.0f)
+    GPTLAB_QFLUSH(2, one, one, zero, zero, 0.0f) GPTLAB_QFLUSH(3, one, one, zero, zero, 0.0f)
+    GPTLAB_QFLUSH(4, one, one, zero, zero, 0.0f) GPTLAB_QFLUSH(5, one, one, zero, zero, 0.0f)
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) out[r][c] = tot[r][c] * xscale[r];
 }
+
+// qp: the panel's (groups, 2, 16) scales and offsets; xqsum (rows, groups, row stride G): each group's sum of xq
+template <int R>
+inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const float* xqsum, const uint8_t* panel,
+                    const float* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
+  float tot[R][kPanel] = {};
+  const int64_t G = pairs / group_pairs;
+  const __m128i nibble = _mm_set1_epi8(15);
+  for (int64_t g = 0; g < G; ++g, qp += 2 * kPanel) {
+    GPTLAB_QZERO
+    for (int64_t j = g * group_pairs; j < (g + 1) * group_pairs; ++j) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + j * kPanel));
+      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble));
+      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+      GPTLAB_QROWS
+    }
+    const __m256 s0 = _mm256_loadu_ps(qp), s1 = _mm256_loadu_ps(qp + 8);
+    const __m256 m0 = _mm256_loadu_ps(qp + kPanel), m1 = _mm256_loadu_ps(qp + kPanel + 8);
+    GPTLAB_QFLUSH(0, s0, s1, m0, m1, xqsum[g]) GPTLAB_QFLUSH(1, s0, s1, m0, m1, xqsum[G + g])
+    GPTLAB_QFLUSH(2, s0, s1, m0, m1, xqsum[2 * G + g]) GPTLAB_QFLUSH(3, s0, s1, m0, m1, xqsum[3 * G + g])
+    GPTLAB_QFLUSH(4, s0, s1, m0, m1, xqsum[4 * G + g]) GPTLAB_QFLUSH(5, s0, s1, m0, m1, xqsum[5 * G + g])
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) out[r][c] = tot[r][c] * xscale[r];
+}
+#undef GPTLAB_QROW
+#undef GPTLAB_QROWS
+#undef GPTLAB_QFLUSH
+#undef GPTLAB_QZERO
+
+// A weight in panels, its input, and how to run one micro-kernel for rows m.. of the input on panel p: `Dense<W>`
+// for bf16/fp32 columns, `Int8` for column pairs against 16-bit x, `Int4` for nibble pairs with group parameters.
+template <typename W>
+struct Dense {
+  static constexpr int kRows = kTile;
+  const W* data;
+  int64_t K;
+  const float* x;  // (M, K)
+  void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
+    const W* panel = data + p * K * kPanel;
+    const float* xm = x + m * K;
+    switch (rows) {
+      case 1: return tile1<W>(xm, panel, K, out);
+      case 2: return tile<2, W>(xm, K, panel, K, out);
+      case 3: return tile<3, W>(xm, K, panel, K, out);
+      case 4: return tile<4, W>(xm, K, panel, K, out);
+      case 5: return tile<5, W>(xm, K, panel, K, out);
+      default: return tile<6, W>(xm, K, panel, K, out);
+    }
+  }
+};
+
+struct Int8 {
+  static constexpr int kRows = kTile;
+  const int8_t* data;
+  int64_t K;
+  const int16_t* xq;    // (M, K)
+  const float* xscale;  // (M,)
+  void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
+    const int8_t* panel = data + p * K * kPanel;
+    const int16_t* xm = xq + m * K;
+    switch (rows) {
+      case 1: return tile_i8<1>(xm, K, xscale + m, panel, K / 2, out);
+      case 2: return tile_i8<2>(xm, K, xscale + m, panel, K / 2, out);
+      case 3: return tile_i8<3>(xm, K, xscale + m, panel, K / 2, out);
+      case 4: return tile_i8<4>(xm, K, xscale + m, panel, K / 2, out);
+      case 5: return tile_i8<5>(xm, K, xscale + m, panel, K / 2, out);
+      default: return tile_i8<6>(xm, K, xscale + m, panel, K / 2, out);
+    }
+  }
+};
+
+struct Int4 {
+  static constexpr int kRows = kTile;
+  const uint8_t* data;
+  const float* qparams;  // (panels, G, 2, 16)
+  int64_t K, G;
+  const int16_t* xq;    // (M, K)
+  const float* xscale;  // (M,)
+  const float* xqsum;   // (M, G)
+  void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
+    const uint8_t* panel = data + p * (K / 2) * kPanel;
+    const float* qp = qparams + p * G * 2 * kPanel;
+    const int16_t* xm = xq + m * K;
+    const float *xs = xscale + m, *sums = xqsum + m * G;
+    const int64_t gp = K / G / 2;
+    switch (rows) {
+      case 1: return tile_q4<1>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
+      case 2: return tile_q4<2>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
+      case 3: return tile_q4<3>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
+      case 4: return tile_q4<4>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
+      case 5: return tile_q4<5>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
+      default: return tile_q4<6>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
+    }
+  }
+};
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
-template <typename W, typename O, typename B>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* packed, const B* bias, int64_t N, O* y) {
+// y (M, N) = x (M, K) @ W.T, times the per-row scales `row_scale` (int8; null otherwise), plus bias
+template <typename Weight, typename O, typename B>
+void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, const B* bias, int64_t N, O* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   // grain: enough panels per task that a thread reads at least ~64 KB of weights per hand-off
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(K, 1));
@@ -117,15 +278,15 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* packed, const B*
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
       for (int64_t p = p0; p < p1; ++p) {
-        const W* panel = packed + p * K * kPanel;
         const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-        for (int64_t m = m0; m < m1; m += kTile) {
-          const int rows = static_cast<int>(std::min<int64_t>(kTile, m1 - m));
-          run_tile<W>(rows, x + m * K, K, panel, K, out);
+        for (int64_t m = m0; m < m1; m += Weight::kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(Weight::kRows, m1 - m));
+          w.run(rows, m, p, out);
           for (int r = 0; r < rows; ++r) {
             O* dst = y + (m + r) * N + n0;
             for (int64_t c = 0; c < cols; ++c)
-              dst[c] = static_cast<O>(out[r][c] + (bias ? to_float(bias[n0 + c]) : 0.0f));
+              dst[c] = static_cast<O>(out[r][c] * (row_scale ? row_scale[n0 + c] : 1.0f) +
+                                      (bias ? to_float(bias[n0 + c]) : 0.0f));
           }
         }
       }
@@ -133,45 +294,105 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* packed, const B*
   });
 }
 
-// the output and bias dtypes (each bf16 or fp32) picked at run time; the input already fp32
-template <typename W>
-void dispatch(const float* x, int64_t M, int64_t K, const W* w, const at::Tensor& bias, int64_t N, at::Tensor& y) {
+// the output and bias dtypes (each bf16 or fp32) picked at run time
+template <typename Weight>
+void dispatch(int64_t M, int64_t K, const Weight& w, const float* row_scale, const at::Tensor& bias, int64_t N,
+              at::Tensor& y) {
   const bool bf16_out = y.scalar_type() == at::kBFloat16;
   if (!bias.defined()) {
     const float* none = nullptr;
-    if (bf16_out) linear_impl(x, M, K, w, none, N, y.data_ptr<at::BFloat16>());
-    else linear_impl(x, M, K, w, none, N, y.data_ptr<float>());
+    if (bf16_out) linear_impl(M, K, w, row_scale, none, N, y.data_ptr<at::BFloat16>());
+    else linear_impl(M, K, w, row_scale, none, N, y.data_ptr<float>());
   } else if (bias.scalar_type() == at::kBFloat16) {
     const auto* b = bias.data_ptr<at::BFloat16>();
-    if (bf16_out) linear_impl(x, M, K, w, b, N, y.data_ptr<at::BFloat16>());
-    else linear_impl(x, M, K, w, b, N, y.data_ptr<float>());
+    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, y.data_ptr<at::BFloat16>());
+    else linear_impl(M, K, w, row_scale, b, N, y.data_ptr<float>());
   } else {
     const auto* b = bias.data_ptr<float>();
-    if (bf16_out) linear_impl(x, M, K, w, b, N, y.data_ptr<at::BFloat16>());
-    else linear_impl(x, M, K, w, b, N, y.data_ptr<float>());
+    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, y.data_ptr<at::BFloat16>());
+    else linear_impl(M, K, w, row_scale, b, N, y.data_ptr<float>());
   }
+}
+
+// (N, K) rows zero-padded to whole panels, as (panels, 16, K)
+at::Tensor panel_rows(const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  auto padded = at::zeros({panels * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, kPanel, K});
 }
 
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack: the weight must be 2-D, got ", weight.dim(), "-D");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
               "pack: bf16 or fp32 weights only, got ", weight.scalar_type());
-  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto padded = at::zeros({panels * kPanel, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  auto rows = padded.view({panels, kPanel, K});
+  auto rows = panel_rows(weight);
+  const int64_t panels = rows.size(0), K = rows.size(2);
   if (weight.scalar_type() == at::kBFloat16)  // interleave the halves: outputs 0, 8, 1, 9, ... (see load16)
     rows = rows.view({panels, 2, kPanel / 2, K}).transpose(1, 2).reshape({panels, kPanel, K});
   // (panels, 16, K) -> (panels, K, 16): column k of a panel is 16 consecutive values
   return rows.transpose(1, 2).contiguous();
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
+// q (N, K) int8, K even -> (panels, K, 16) whose column pair j is (16 rows, 2): the layout tile_i8 reads
+at::Tensor pack_int8(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_int8: a 2-D int8 weight, got ", q.scalar_type());
+  TORCH_CHECK(q.size(1) % 2 == 0, "pack_int8: the input width must be even, got ", q.size(1));
+  auto rows = panel_rows(q);
+  const int64_t panels = rows.size(0), K = rows.size(2);
+  return rows.view({panels, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({panels, K, kPanel});
+}
+
+// x (M, K) fp32 -> 16-bit fixed point per row: xq = round(x / s) with s = max|x| / 32767 (a row of zeros: s = 1;
+// a row with inf or NaN: s = NaN, so its outputs are NaN as a float product's would be)
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float top = 0.0f;
+    for (int64_t k = 0; k < K; ++k) top = std::max(top, std::fabs(row[k]));
+    const bool finite = std::isfinite(top) && !std::isnan(std::accumulate(row, row + K, 0.0f));
+    scale[m] = !finite ? std::nanf("") : top > 0.0f ? top / 32767.0f : 1.0f;
+    const float inv = finite && top > 0.0f ? 32767.0f / top : 0.0f;
+    for (int64_t k = 0; k < K; ++k)
+      xq[m * K + k] = static_cast<int16_t>(std::clamp(std::nearbyint(row[k] * inv), -32767.0f, 32767.0f));
+  }
+}
+
+// q (N, K) uint8 in 0..15, scale and zero (N, K / gs) -> (nibble panels (panels, K / 2, 16) uint8, qparams):
+// the layout tile_q4 reads
+std::vector<at::Tensor> pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "pack_int4: a 2-D uint8 weight of values 0..15");
+  const int64_t N = q.size(0), K = q.size(1), G = scale.size(1);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && zero.sizes() == scale.sizes() && G > 0 && K % G == 0 &&
+              (K / G) % 2 == 0, "pack_int4: scale and zero must be (N, K / group) with an even group size");
+  auto rows = panel_rows(q);
+  const int64_t panels = rows.size(0);
+  // (panels, K / 2, 32): per column pair, rows 0-7's (k, k + 1) then rows 8-15's; the first 16 go to low nibbles
+  auto pairs = rows.view({panels, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).reshape({panels, K / 2, 2 * kPanel});
+  auto packed = pairs.narrow(2, 0, kPanel).bitwise_or(pairs.narrow(2, kPanel, kPanel).mul(16)).contiguous();
+  const auto s = scale.to(at::kFloat), offset = zero.to(at::kFloat) - 8 * s;  // w = q * s + (zero - 8 s)
+  auto qparams = at::stack({panel_rows(s).transpose(1, 2), panel_rows(offset).transpose(1, 2)}, 2);
+  return std::vector<at::Tensor>{packed, qparams.contiguous()};  // qparams (panels, G, 2, 16)
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
+                  const c10::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), "linear: not a packed weight");
-  const int64_t K = packed.size(1);
+  const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
+  const int64_t K = int4 ? 2 * packed.size(1) : packed.size(1), panels = packed.size(0);
   TORCH_CHECK(x.size(-1) == K, "linear: input has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(packed.size(0) * kPanel >= N && N > (packed.size(0) - 1) * kPanel, "linear: N does not fit the panels");
+  TORCH_CHECK(panels * kPanel >= N && N > (panels - 1) * kPanel, "linear: N does not fit the panels");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: bf16 or fp32 input only");
+  const bool has_qparams = qparams.has_value() && qparams->defined();
+  TORCH_CHECK(has_qparams == (int4 || int8), "linear: int8 and int4 weights take qparams, others none");
+  if (int8)
+    TORCH_CHECK(qparams->scalar_type() == at::kFloat && qparams->is_contiguous() && qparams->numel() >= N,
+                "linear: int8 qparams are the fp32 row scales");
+  if (int4)
+    TORCH_CHECK(qparams->scalar_type() == at::kFloat && qparams->is_contiguous() && qparams->dim() == 4 &&
+                qparams->size(0) == panels && qparams->size(1) > 0 && K % qparams->size(1) == 0 &&
+                (K / qparams->size(1)) % 2 == 0 && qparams->size(2) == 2 && qparams->size(3) == kPanel,
+                "linear: int4 qparams must be (panels, groups, 2, 16) fp32");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   const auto x2 = x.reshape({-1, K}).contiguous();
@@ -194,30 +415,52 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat, "linear: bias dtype");
     b = *bias;
   }
-  if (packed.scalar_type() == at::kBFloat16) dispatch(xp, M, K, packed.data_ptr<at::BFloat16>(), b, N, y);
-  else dispatch(xp, M, K, packed.data_ptr<float>(), b, N, y);
+  if (int4 || int8) {
+    std::vector<int16_t> xq(M * K);
+    std::vector<float> xscale(M);
+    quantize_rows(xp, M, K, xq.data(), xscale.data());
+    if (int8) {
+      dispatch(M, K, Int8{packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b, N, y);
+    } else {
+      const int64_t G = qparams->size(1), gs = K / G;
+      std::vector<float> xqsum(M * G);  // per row and group: the sum of xq (exact in fp32: |sum| < 2^24)
+      for (int64_t i = 0; i < M * G; ++i)
+        xqsum[i] = static_cast<float>(std::accumulate(xq.begin() + i * gs, xq.begin() + (i + 1) * gs, int64_t{0}));
+      dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<float>(), K, G, xq.data(), xscale.data(),
+                          xqsum.data()}, nullptr, b, N, y);
+    }
+  } else if (packed.scalar_type() == at::kBFloat16) {
+    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp}, nullptr, b, N, y);
+  } else {
+    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp}, nullptr, b, N, y);
+  }
   return y.view(sizes);
 }
 
 // One decode step of a GPT-2-shaped model (pre-norm LayerNorm blocks, GELU MLP, multi-head attention) over packed
 // weights: the loop of gptlab/generation/fast_decode.py's `decode_hidden`, op for op (ATen's layer_norm, SDPA and
-// gelu; this file's linear), without a Python round trip per op. x (B, 1, C): the embeddings; per layer 12
-// tensors in `weights`: ln_1 weight, bias, c_attn packed, bias, attn c_proj packed, bias, ln_2 weight, bias, c_fc
-// packed, bias, mlp c_proj packed, bias (undefined where absent). Keys/values go to k_cache/v_cache (L, B, nh,
-// max_len, hs) at position `where` of every row, or (where < 0) at rows[b], pos[b] (a row's own length); attention
-// then reads positions 0..end-1 under `mask` (None: every key). Returns x after the last block (before ln_f).
-at::Tensor gpt2_decode(at::Tensor x, at::TensorList weights, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       int64_t where, const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& pos,
-                       int64_t end, const c10::optional<at::Tensor>& mask, int64_t n_head, int64_t head_size,
-                       int64_t hidden, double eps, double scale, c10::string_view approximate) {
-  TORCH_CHECK(weights.size() % 12 == 0 && k_cache.dim() == 5, "gpt2_decode: 12 tensors per layer");
-  const int64_t L = weights.size() / 12, B = x.size(0), C = x.size(2), A = n_head * head_size;
-  const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+// gelu; this file's linear), without a Python round trip per op. x (B, 1, C): the embeddings; per layer 16
+// tensors in `weights`: ln_1 weight, bias; then c_attn, attn c_proj as (packed, qparams, bias) each; ln_2 weight,
+// bias; c_fc, mlp c_proj likewise (None where absent). Keys/values go to k_cache/v_cache (L, B, nh, max_len,
+// hs) at position `where` of every row, or (where < 0) at rows[b], pos[b] (a row's own length); attention then
+// reads positions 0..end-1 under `mask` (None: every key). Returns x after the last block (before ln_f).
+at::Tensor gpt2_decode(at::Tensor x, const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, int64_t where, const c10::optional<at::Tensor>& rows,
+                       const c10::optional<at::Tensor>& pos, int64_t end, const c10::optional<at::Tensor>& mask,
+                       int64_t n_head, int64_t head_size, int64_t hidden, double eps, double scale,
+                       c10::string_view approximate) {
+  constexpr int64_t kPerLayer = 16;
+  TORCH_CHECK(weights.size() % kPerLayer == 0 && k_cache.dim() == 5, "gpt2_decode: 16 tensors per layer");
+  const int64_t L = weights.size() / kPerLayer, B = x.size(0), C = x.size(2), A = n_head * head_size;
   const std::string approx(approximate);
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + 12 * l;
-    auto h = at::layer_norm(x, {C}, opt(w[0]), opt(w[1]), eps);
-    auto qkv = linear(h, w[2], opt(w[3]), 3 * A).view({B, 3, n_head, 1, head_size});
+    const auto w = [&](int64_t i) -> c10::optional<at::Tensor> { return weights.get(kPerLayer * l + i); };
+    // the Linear whose (packed, qparams, bias) start at w[i]
+    const auto lin = [&](const at::Tensor& in, int i, int64_t n) {
+      return linear(in, *w(i), w(i + 1), w(i + 2), n);
+    };
+    auto h = at::layer_norm(x, {C}, w(0), w(1), eps);
+    auto qkv = lin(h, 2, 3 * A).view({B, 3, n_head, 1, head_size});
     auto q = qkv.select(1, 0), k = qkv.select(1, 1), v = qkv.select(1, 2);  // (B, nh, 1, hs)
     auto kl = k_cache.select(0, l), vl = v_cache.select(0, l);             // (B, nh, max_len, hs)
     if (where >= 0) {
@@ -229,9 +472,9 @@ at::Tensor gpt2_decode(at::Tensor x, at::TensorList weights, const at::Tensor& k
     }
     auto keys = kl.narrow(2, 0, end), values = vl.narrow(2, 0, end);
     auto y = at::scaled_dot_product_attention(q.to(keys.scalar_type()), keys, values, mask, 0.0, false, scale);
-    x = x + linear(y.to(x.scalar_type()).view({B, 1, A}), w[4], opt(w[5]), C);
-    h = at::layer_norm(x, {C}, opt(w[6]), opt(w[7]), eps);
-    x = x + linear(at::gelu(linear(h, w[8], opt(w[9]), hidden), approx), w[10], opt(w[11]), C);
+    x = x + lin(y.to(x.scalar_type()).view({B, 1, A}), 5, C);
+    h = at::layer_norm(x, {C}, w(8), w(9), eps);
+    x = x + lin(at::gelu(lin(h, 10, hidden), approx), 13, C);
   }
   return x;
 }
@@ -240,8 +483,10 @@ at::Tensor gpt2_decode(at::Tensor x, at::TensorList weights, const at::Tensor& k
 
 TORCH_LIBRARY(gptlab_avx2, m) {
   m.def("pack(Tensor weight) -> Tensor", &pack);
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor", &linear);
-  m.def("gpt2_decode(Tensor x, Tensor[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
+  m.def("pack_int8(Tensor q) -> Tensor", &pack_int8);
+  m.def("pack_int4(Tensor q, Tensor scale, Tensor zero) -> Tensor[]", &pack_int4);
+  m.def("linear(Tensor x, Tensor packed, Tensor? qparams, Tensor? bias, int N) -> Tensor", &linear);
+  m.def("gpt2_decode(Tensor x, Tensor?[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
         "Tensor? pos, int end, Tensor? mask, int n_head, int head_size, int hidden, float eps, float scale, "
         "str approximate) -> Tensor", &gpt2_decode);
 }
