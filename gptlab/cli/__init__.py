@@ -30,6 +30,7 @@ from gptlab.cli import (
     trace,
     train,
 )
+from gptlab.cli.collector import freeze_at_exit, import_torch_quietly
 from gptlab.errors import GptlabError
 
 COMMANDS = (info, download, prepare, train, sample, chat, evaluate, convert, serve, trace, attention, lens, plot)
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     try:
         if getattr(args, "retain_memory", False):  # not serve: long-lived, with ever-changing sizes
+            import_torch_quietly()  # commands that need torch: less start-up (and shutdown: freeze_at_exit)
+            freeze_at_exit()
             from gptlab.hardware import retain_freed_memory
 
             retain_freed_memory()  # big tensors made and freed every step reuse memory instead of page-faulting
