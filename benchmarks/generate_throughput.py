@@ -1,22 +1,23 @@
 """Generation throughput: gptlab's engine against peers (transformers, llama.cpp, CTranslate2), same weights.
 
-GPT-2 124M shape with random weights (`GPTConfig.preset("gpt2")`), a 16-token prompt, 256 new tokens, greedy,
-2 threads, at batch 1 and 32. Every peer gets gptlab's own weights: transformers and CTranslate2 through
+GPT-2 124M shape with random weights (`GPTConfig.preset("gpt2")`), a 16-token prompt, 256 new tokens, greedy, 2
+threads, at batch 1 and 32. Every peer gets gptlab's own weights: transformers and CTranslate2 through
 `gptlab.interop.save_hf` (CTranslate2's converter reads that directory), llama.cpp through gptlab's GGUF export
-(`save_gguf`, in the setting's dtype: bf16 or f32). llama.cpp decodes a batch the way its `batched` example does:
-one `llama_batch` holding a token of each of the B sequences per step (llama-cpp-python's low-level bindings),
-greedy by an argmax over the returned logits. Tokens/s = batch x new tokens / wall time of the whole call (prefill
-included). Each contender runs in a process of its own (same seed, same random weights), so no engine's idle
-threads (llama.cpp's spin-waiting pool) compete with another's timing: in one process, llama.cpp's pool slowed
-gptlab's batch-1 bf16 decoding from 63 to 37 tokens/s. Contenders alternate over --rounds, so a busy spell on a
-shared machine hits all of them; the median round counts, and the ratio gptlab / peer is printed. Nothing is
-asserted: timings are noisy.
+(`save_gguf`, in the setting's dtype: bf16 or f32; for the int8 / int4 settings llama.cpp's q8_0 / q4_0 beside
+gptlab's `--quantize int8` / `int4` (group 32), and CTranslate2's int8). llama.cpp decodes a batch the way its
+`batched` example does: one `llama_batch` holding a token of each of the B sequences per step (llama-cpp-python's
+low-level bindings), greedy by an argmax over the returned logits. Tokens/s = batch x new tokens / wall time of the
+whole call (prefill included). Each contender runs in a process of its own (same seed, same random weights), so no
+engine's idle threads (llama.cpp's spin-waiting pool) compete with another's timing: in one process, llama.cpp's
+pool slowed gptlab's batch-1 bf16 decoding from 63 to 37 tokens/s. Contenders alternate over --rounds, so a busy
+spell on a shared machine hits all of them; the median round counts, and the ratio gptlab / peer is printed. Nothing
+is asserted: timings are noisy.
 
 Peers are optional (the `bench` extra): a missing one is skipped with a message. On a shared machine run it in
 its own session with raised priority (see the README):
 
     OMP_NUM_THREADS=2 setsid sh -c 'echo -20 > /proc/self/autogroup; exec python benchmarks/generate_throughput.py \
-        --peers llamacpp --settings 1:bfloat16,32:bfloat16,1:float32 --rounds 3'
+        --peers llamacpp --settings 1:bfloat16,32:bfloat16,1:float32,1:int8,1:int4 --rounds 3'
 
 GPT-2's tokenizer is needed for the GGUF file (TIKTOKEN_CACHE_DIR for an offline machine).
 """
@@ -24,6 +25,7 @@ GPT-2's tokenizer is needed for the GGUF file (TIKTOKEN_CACHE_DIR for an offline
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import json
 import multiprocessing
@@ -36,20 +38,26 @@ import numpy as np
 import torch
 from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
 
-from gptlab import GPT, GPTConfig, generate
+from gptlab import GPT, GPTConfig, generate, quantize_model
 from gptlab.generation.api import PACK_MIN_TOKENS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+QUANTIZED = ("int8", "int4")  # weight-only, gptlab's `--quantize` (int4 in groups of 32); other weights fp32
 
 
 class Gptlab:
     name = "gptlab"
 
     def __init__(self, model: GPT) -> None:
-        self.model = model
+        self.source, self.model = model, model
 
     def setting(self, dtype: str, batch: int) -> None:
-        self.model.to(DTYPES[dtype])  # fp32 -> bf16 -> fp32 rounds the weights: harmless for timing
+        if dtype in QUANTIZED:  # a quantized copy of the fp32 model (the source stays as it is)
+            self.model = quantize_model(copy.deepcopy(self.source.float()), dtype)
+        else:
+            self.model = self.source.to(DTYPES[dtype])  # fp32 -> bf16 -> fp32 rounds the weights: harmless here
 
     def generate(self, idx: torch.Tensor, n: int) -> torch.Tensor:
         return generate(self.model, idx, n, temperature=0)
@@ -65,6 +73,8 @@ class Transformers:
         self.hf.generation_config.pad_token_id = self.hf.config.eos_token_id
 
     def setting(self, dtype: str, batch: int) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"{dtype} is not timed for transformers (its CPU quantization is another library's)")
         self.hf.to(DTYPES[dtype])
 
     @torch.inference_mode()
@@ -78,7 +88,7 @@ class LlamaCpp:
     """llama.cpp on gptlab's GGUF export, batched as its `batched` example does (see the module docstring)."""
 
     name = "llama.cpp"
-    GGUF = {"float32": "f32", "bfloat16": "bf16"}
+    GGUF = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # its 8- and 4-bit formats
 
     def __init__(self, model: GPT, tmp: Path, threads: int, n_ctx_per_row: int) -> None:
         import llama_cpp
@@ -153,7 +163,7 @@ class CTranslate2:
     """CTranslate2's Generator on its conversion of gptlab's Hugging Face export."""
 
     name = "ct2"
-    COMPUTE = {"float32": "float32", "bfloat16": "bfloat16"}
+    COMPUTE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8_float32"}  # no 4-bit on CPU
 
     def __init__(self, model: GPT, hf_dir: Path, threads: int, tmp: Path) -> None:
         import ctranslate2
@@ -172,6 +182,8 @@ class CTranslate2:
         self.tokens = json.loads((out / "vocabulary.json").read_text(encoding="utf-8"))
 
     def setting(self, dtype: str, batch: int) -> None:
+        if dtype not in self.COMPUTE:
+            raise ValueError(f"CTranslate2 has no {dtype} compute type on CPU")
         self.generator = self.ct2.Generator(str(self.dir), device="cpu", compute_type=self.COMPUTE[dtype],
                                             intra_threads=self.threads)
 
@@ -219,7 +231,7 @@ def worker(conn, name: str, args: argparse.Namespace) -> None:  # noqa: ANN001
                 try:
                     contender.setting(*msg[1:])
                     conn.send(None)
-                except (ValueError, RuntimeError) as e:  # e.g. CTranslate2 without bf16 on this CPU
+                except (ValueError, RuntimeError) as e:  # e.g. CTranslate2 without bf16 on this CPU, or int4
                     conn.send(str(e).splitlines()[0])
             else:
                 t = time.perf_counter()
@@ -269,7 +281,7 @@ def check_tokens(contenders: list[Remote], V: int, args: argparse.Namespace) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", default="1:float32,1:bfloat16,32:bfloat16",
-                    help="batch:dtype pairs to time (dtype float32 or bfloat16)")
+                    help="batch:dtype pairs to time (dtype float32, bfloat16, int8 or int4)")
     ap.add_argument("--peers", default="transformers",
                     help="comma-separated peers: transformers, llamacpp, ct2 ('' for gptlab alone)")
     ap.add_argument("--new-tokens", type=int, default=256)

@@ -169,17 +169,17 @@ class QuantizedLinear(nn.Module):
         """(packed integers, qparams) in the layout of gptlab's AVX2 kernel (see gptlab/kernels/linear_avx2.cpp),
         made once: where the layer is on a CPU whose CPU forward runs that kernel; None elsewhere (and for int8
         weights of an odd input width, which its column pairs do not fit)."""
+        if self._avx2 is not None:  # made for this device and these buffers (`forget_kernels` drops it)
+            return self._avx2
         ops = avx2_only_ops() if self.qweight.device.type == "cpu" else None
         if self.mode == "int8" and self.in_features % 2:
             return None
         if ops is None:
             return None
-        if self._avx2 is None:
-            if self.mode == "int8":
-                self._avx2 = ops.pack_int8(self.qweight), self.scale.float().contiguous()
-            else:
-                packed, qparams = ops.pack_int4(unpack_nibbles(self.qweight), self.scale, self.zero)
-                self._avx2 = packed, qparams
+        if self.mode == "int8":
+            self._avx2 = ops.pack_int8(self.qweight), self.scale.float().contiguous()
+        else:
+            self._avx2 = tuple(ops.pack_int4(unpack_nibbles(self.qweight), self.scale, self.zero))
         return self._avx2
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's: .to(), .cuda(), .half(), ...

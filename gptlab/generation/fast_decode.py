@@ -54,11 +54,16 @@ def _norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 def _native_weights(model: GPT) -> list[torch.Tensor | None] | None:
     """Every block's norms and (packed weight, qparams, bias) per Linear in `gpt2_decode`'s order, when all its
     Linears run through gptlab's AVX2 kernel right now: plain ones inside `PackedLinears.active()`, int8/int4 ones
-    (`QuantizedLinear`) on a CPU where that is their forward; None otherwise."""
+    (`QuantizedLinear`) on a CPU where that is their forward; None otherwise. Built every step (the packs may
+    change between steps), so submodules and parameters are read from `_modules` / `_parameters` directly:
+    nn.Module's attribute lookup made this ~5% of a batch-1 step."""
     out: list[torch.Tensor | None] = []
     for b in model.transformer.h:
-        for ln, linears in ((b.ln_1, (b.attn.c_attn, b.attn.c_proj)), (b.ln_2, (b.mlp.c_fc, b.mlp.c_proj))):
-            out += [ln.weight, ln.bias]
+        parts = b._modules
+        attn, mlp = parts["attn"]._modules, parts["mlp"]._modules
+        halves = (parts["ln_1"], (attn["c_attn"], attn["c_proj"])), (parts["ln_2"], (mlp["c_fc"], mlp["c_proj"]))
+        for ln, linears in halves:
+            out += [ln._parameters["weight"], ln._parameters["bias"]]
             for lin in linears:
                 if isinstance(lin, QuantizedLinear):
                     weights = lin.avx2_weights()
@@ -67,7 +72,7 @@ def _native_weights(model: GPT) -> list[torch.Tensor | None] | None:
                     weights = None if packed is None else (packed, None)
                 if weights is None:
                     return None
-                out += [*weights, lin.bias]
+                out += [*weights, lin._parameters["bias"]]
     return out
 
 
