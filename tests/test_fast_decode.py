@@ -149,9 +149,11 @@ def test_lean_step_equals_the_plain_forward(dtype: torch.dtype, lengths: list[in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lengths", [[5], [7, 2, 4]])
+@pytest.mark.parametrize("lengths", [[5], [27, 27], [7, 2, 4]])
 def test_native_step_equals_the_lean_one(ops, dtype: torch.dtype, lengths: list[int]) -> None:  # noqa: ANN001
-    """The C++ step does the lean step's ops on the same packed weights: equal to the bit."""
+    """The C++ step does the lean step's ops on the same packed weights: equal to the bit where rows differ in
+    length (a mask: SDPA, as the lean step); rows of one length take the step's own attention over the fp32
+    cache, whose sums run in another order: within fp32 rounding (a bf16 model rounds its output to bf16)."""
     model = gpt2_like().to(dtype)
     packed = PackedLinears(model)
     assert all(avx2_packed(m) is None for m in packed.modules)  # outside active(): plain forwards
@@ -159,7 +161,11 @@ def test_native_step_equals_the_lean_one(ops, dtype: torch.dtype, lengths: list[
         assert all(avx2_packed(m) is not None for m in packed.modules)
         lean = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache, native=False), lengths)
         native = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache), lengths)
-    assert torch.equal(lean, native)
+    if len(set(lengths)) > 1:
+        assert torch.equal(lean, native)
+    else:
+        tol = 2**-6 if dtype == torch.bfloat16 else 1e-5
+        assert (lean.float() - native.float()).abs().max() <= tol * lean.float().abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -437,6 +438,55 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return y.view(sizes);
 }
 
+// Attention of one new query per row over fp32 keys/values (B, nh, T, hs) without a mask (every row the same
+// length): per (row, head) the T scores, their softmax and the weighted sum of values, in fp32. SDPA's general CPU
+// kernel spends ~70 us per layer on set-up at these sizes (a 2-core Zen 3, T ~ 300); this takes a few. Anything
+// else (a mask, another cache dtype) goes to SDPA.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                  const c10::optional<at::Tensor>& mask, double scale) {
+  if (mask.has_value() || keys.scalar_type() != at::kFloat || values.scalar_type() != at::kFloat ||
+      keys.stride(3) != 1 || values.stride(3) != 1)
+    return at::scaled_dot_product_attention(q.to(keys.scalar_type()), keys, values, mask, 0.0, false, scale);
+  const int64_t B = keys.size(0), H = keys.size(1), T = keys.size(2), D = keys.size(3);
+  const auto qf = q.to(at::kFloat).contiguous();  // (B, H, 1, D)
+  auto y = at::empty({B, H, 1, D}, qf.options());
+  const float *qp = qf.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(T);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      const float* qi = qp + i * D;
+      const float* K = kp + b * keys.stride(0) + h * keys.stride(1);
+      const float* V = vp + b * values.stride(0) + h * values.stride(1);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < T; ++t) {
+        const float* kt = K + t * keys.stride(2);
+        __m256 acc = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kt + d), acc);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        float dot = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+        for (; d < D; ++d) dot += qi[d] * kt[d];
+        p[t] = dot * sc;
+        top = std::max(top, p[t]);
+      }
+      float total = 0.0f;
+      for (int64_t t = 0; t < T; ++t) total += (p[t] = std::exp(p[t] - top));
+      float* yi = yp + i * D;
+      std::fill(yi, yi + D, 0.0f);
+      for (int64_t t = 0; t < T; ++t) {
+        const float w = p[t] / total;
+        const float* vt = V + t * values.stride(2);
+        for (int64_t d = 0; d < D; ++d) yi[d] += w * vt[d];
+      }
+    }
+  });
+  return y;
+}
+
 // One decode step of a GPT-2-shaped model (pre-norm LayerNorm blocks, GELU MLP, multi-head attention) over packed
 // weights: the loop of gptlab/generation/fast_decode.py's `decode_hidden`, op for op (ATen's layer_norm, SDPA and
 // gelu; this file's linear), without a Python round trip per op. x (B, 1, C): the embeddings; per layer 16
@@ -471,7 +521,7 @@ at::Tensor gpt2_decode(at::Tensor x, const c10::List<c10::optional<at::Tensor>>&
       vl.index_put_({*rows, at::indexing::Slice(), *pos}, v.transpose(1, 2).to(vl.scalar_type()));
     }
     auto keys = kl.narrow(2, 0, end), values = vl.narrow(2, 0, end);
-    auto y = at::scaled_dot_product_attention(q.to(keys.scalar_type()), keys, values, mask, 0.0, false, scale);
+    auto y = attend(q, keys, values, mask, scale);
     x = x + lin(y.to(x.scalar_type()).view({B, 1, A}), 5, C);
     h = at::layer_norm(x, {C}, w(8), w(9), eps);
     x = x + lin(at::gelu(lin(h, 10, hidden), approx), 13, C);
