@@ -12,8 +12,9 @@ Prints the median tokens/s over the timed steps and MFU against this machine's m
 With --nanogpt PATH (a nanoGPT checkout), nanoGPT's model.py joins at the same shape (GPT-2 124M, its padded vocabulary
 50304, no dropout) in the forms it can run on a CPU: as its train.py runs it there (fp32: train.py uses autocast only
 on CUDA; its configure_optimizers' AdamW, fused only on CUDA), with bf16 autocast and fused AdamW, and with --compile
-also compiled. The contenders take turns over --rounds; each one's figure is the median over its rounds, and the
-ratio is gptlab's best form over the best peer.
+also compiled. The contenders take turns over --rounds, each round starting with the next one (the order moved a
+contender's figure by ~10% on a 2-core machine); each one's figure is the median over its rounds, and the ratio is
+gptlab's best form over the best peer.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def main() -> None:
     medians: dict[tuple[str, str], list[float]] = {(name, mode): [] for name, mode, _ in contenders}
     for r in range(args.rounds):
         print(f"round {r + 1} (load {loadavg()})")
-        for name, mode, step in contenders:
+        # each round starts with the next contender: going first (or after a given one) is nobody's for good
+        for name, mode, step in contenders[r % len(contenders):] + contenders[: r % len(contenders)]:
             times = time_steps(step, args.warmup, args.steps)
             tps = tokens / statistics.median(times)
             medians[(name, mode)].append(tps)

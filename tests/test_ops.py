@@ -64,6 +64,29 @@ def test_upcast_linear_is_an_fp32_matmul_rounded_once(no_native_bf16: None, bias
         torch.testing.assert_close(a.float(), e.float(), rtol=1e-2, atol=1e-2)  # bf16 roundings of fp32 results
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [4097, 4160])  # an odd width (padded to 4160) and one already aligned
+def test_padded_head_equals_f_linear_with_its_gradients(bias: bool, rows: int) -> None:
+    """A wide fp32 weight of an odd width runs at the padded width: the same output and gradients as F.linear
+    (zero rows add exact zeros; only the matmuls' summation order may differ)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 48, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(rows, 48).requires_grad_()
+    b = torch.randn(rows).requires_grad_() if bias else None
+    assert ops._PaddedLinear.helps(x, w) == (rows % 64 != 0)
+    assert not ops._PaddedLinear.helps(x[:, :1], w)  # a few rows (decoding): the plain product
+    out = ops.linear(x, w, b)
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.shape == (2, 40, rows) and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(out.shape)
+    ours = torch.autograd.grad(out, [x, w] + ([b] if bias else []), grad)
+    theirs = torch.autograd.grad(expected, [x, w] + ([b] if bias else []), grad.double())
+    for a, e in zip(ours, theirs, strict=True):
+        assert a.shape == e.shape and a.dtype == torch.float32 and a.is_contiguous()
+        torch.testing.assert_close(a.double(), e.double(), rtol=1e-5, atol=1e-4)
+
+
 def test_fused_fp32_lora_path_equals_the_plain_one(no_native_bf16: None) -> None:
     """With a bf16 base on such a CPU the LoRA layer runs as one fp32 function; it must compute what the plain
     path (a bf16 base matmul plus fp32 adapters) computes, and the same adapter gradients."""
