@@ -77,7 +77,7 @@ def _native_weights(model: GPT) -> list[torch.Tensor | None] | None:
 
 
 def _native_step(model: GPT, x: torch.Tensor, cache: KVCache, masks: Masks, weights: list) -> torch.Tensor:
-    """The blocks of `decode_hidden` in one C++ call (`gpt2_decode` in gptlab/kernels/linear_avx2.cpp)."""
+    """The blocks of `decode_hidden` in one C++ call (`gpt2_decode` in gptlab/kernels/decode_avx2.cpp)."""
     a, cfg = model.transformer.h[0].attn, model.config
     where = cache._where
     rows, pos = (None, None) if isinstance(where, int) else where

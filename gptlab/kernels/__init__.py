@@ -4,6 +4,8 @@
 weights re-laid out once, for CPUs with AVX2 + FMA; the path for bf16 weights where the CPU has no native bf16
 matmul and oneDNN cannot prepack them (AMD Zen 2/3 and older Xeons), and for `gptlab.quantize`'s int8/int4
 weights there. GPT-2 124M decoding on a 2-core Zen 3: see `gptlab.generation.packed_linear` and `gptlab.quantize`.
+`decode_avx2.cpp`: a GPT-2-shaped model's decode step over those packed weights in one call
+(`gptlab.generation.fast_decode`). Both are built into one library (`linear_avx2.h` is what they share).
 
 The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
 version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`) and loaded from there
@@ -24,7 +26,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("linear_avx2.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_avx2.cpp"]  # and linear_avx2.h, which both include
 
 
 def cpu_has_avx2() -> bool:
@@ -36,7 +39,8 @@ def _build_name() -> str:
     """The build's name changes with the source and torch version, so an edited kernel is never loaded stale."""
     import hashlib
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    code = b"".join(f.read_bytes() for f in [*SOURCES, HERE / "linear_avx2.h"])
+    digest = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:12]
     return f"gptlab_avx2_{digest}"
 
 
@@ -53,7 +57,7 @@ def avx2_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=_build_name(), sources=[str(SOURCE)], is_python_module=False, verbose=False,
+        load(name=_build_name(), sources=[str(f) for f in SOURCES], is_python_module=False, verbose=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         warnings.warn(f"gptlab: building the AVX2 kernels failed, using PyTorch's ({type(e).__name__}: "
