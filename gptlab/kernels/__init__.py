@@ -5,7 +5,8 @@ weights re-laid out once, for CPUs with AVX2 + FMA; the path for bf16 weights wh
 matmul and oneDNN cannot prepack them (AMD Zen 2/3 and older Xeons), and for `gptlab.quantize`'s int8/int4
 weights there. GPT-2 124M decoding on a 2-core Zen 3: see `gptlab.generation.packed_linear` and `gptlab.quantize`.
 `decode_avx2.cpp`: a GPT-2-shaped model's decode step over those packed weights in one call
-(`gptlab.generation.fast_decode`). Both are built into one library (`linear_avx2.h` is what they share).
+(`gptlab.generation.fast_decode`). Both are built into one library (`linear_avx2.h` is what they share;
+`int_tiles.h` holds the int8/int4 micro-kernels).
 
 The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
 version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`) and loaded from there
@@ -27,7 +28,8 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_avx2.cpp"]  # and linear_avx2.h, which both include
+SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_avx2.cpp"]
+HEADERS = [HERE / "linear_avx2.h", HERE / "int_tiles.h"]
 
 
 def cpu_has_avx2() -> bool:
@@ -39,7 +41,7 @@ def _build_name() -> str:
     """The build's name changes with the source and torch version, so an edited kernel is never loaded stale."""
     import hashlib
 
-    code = b"".join(f.read_bytes() for f in [*SOURCES, HERE / "linear_avx2.h"])
+    code = b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:12]
     return f"gptlab_avx2_{digest}"
 
