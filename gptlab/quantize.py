@@ -21,19 +21,20 @@ quantized (the AVX2 kernel below rounds them to 16-bit fixed point inside the pr
 Both round to the nearest level, so |w - dequantized w| <= scale / 2 for every element (tests check this).
 
 `QuantizedLinear` holds the integers and scales as buffers (they move with `.to(device)`; `state_dict` holds
-them) and computes x @ dequantized(W).T + b. `reference` does exactly that in PyTorch; `forward` calls PyTorch's
-own weight-only kernels where they run (and are faster), with bf16 (or fp16) activations and scales:
+them) and computes x @ dequantized(W).T + b. `reference` does exactly that in PyTorch; `forward` calls a faster
+kernel where one runs:
 
 * CPUs whose best vector unit is AVX2 (AMD Zen 2/3, older Xeons): gptlab's own kernel (`gptlab.kernels`, built
   once per machine). It multiplies the integers with integer multiply-adds against the activations put in 16-bit
   fixed point per row (rounding error at most 2^-16 of the row's largest value: finer than the bf16 activations
   PyTorch's kernels take, for every value above 1/128 of the largest), sums exactly in int32 and scales in fp32.
   PyTorch's kernels below were slower there than the bf16 model (GPT-2 124M, batch 1, 2-core Zen 3: int8 41
-  tokens/s, int4 51, bf16 69); see benchmarks/quantize_accuracy.py for this kernel's figures.
-* Other CPUs: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`. With fp32 activations these kernels
-  are 5-30x slower than with bf16 (measured, AMD EPYC Zen 3, GPT-2 124M shapes), so an fp32 model's activations
-  go through them in bf16 and come back in fp32: the same rounding a bf16 matmul has. Dequantizing and then
-  multiplying is 4-8x slower than either kernel at batch 1 and 32, so it is only the reference.
+  tokens/s, int4 51, bf16 69); benchmarks/generate_throughput.py --settings 1:int8,1:int4 times this kernel.
+* Other CPUs: PyTorch's `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`, with bf16 (or fp16)
+  activations and scales. With fp32 activations these kernels are 5-30x slower than with bf16 (measured, AMD EPYC
+  Zen 3, GPT-2 124M shapes), so an fp32 model's activations go through them in bf16 and come back in fp32: the
+  same rounding a bf16 matmul has. Dequantizing and then multiplying is 4-8x slower than either kernel at batch 1
+  and 32, so it is only the reference.
 * CUDA: int4 through `aten._weight_int4pack_mm` (tinygemm), checked once against the reference on a small
   weight before use; int8 by dequantizing to the activations' dtype and a plain matmul.
 * Anywhere else (another device, float64 inputs, a kernel that refuses a shape): the reference.
@@ -54,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
-from gptlab.kernels import avx2_only_ops
+from gptlab.kernels import avx2_only_ops, avx2_ops
 from gptlab.lora import has_lora
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ def _avx2_cpu(weights: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | N
               x: torch.Tensor) -> torch.Tensor:
     """x @ W.T + bias through gptlab's AVX2 kernel, in `dtype` (x's own, or autocast's)."""
     packed, qparams = weights
-    return avx2_only_ops().linear(x.to(dtype), packed, qparams, bias, n)
+    return avx2_ops().linear(x.to(dtype), packed, qparams, bias, n)  # built: _prepare chose this path
 
 
 # --- PyTorch's kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------

@@ -184,6 +184,15 @@ def test_quantized_native_step_equals_the_lean_one(ops, mode: str, dtype: torch.
     assert torch.equal(lean, native)
 
 
+def test_native_step_is_skipped_when_a_norm_has_another_epsilon(ops) -> None:  # noqa: ANN001
+    """The C++ step takes one epsilon for every norm: a block whose ln_2 differs keeps the lean step."""
+    model = gpt2_like()
+    with PackedLinears(model).active():
+        assert _native_weights(model) is not None
+        model.transformer.h[1].ln_2.eps = 1e-3
+        assert _native_weights(model) is None
+
+
 def test_lean_step_keeps_a_lora_layers_own_forward() -> None:
     """Linears are called as modules, so an adapter's low-rank update is not dropped."""
     model = gpt2_like()

@@ -14,9 +14,8 @@ that takes a few seconds in all (and `gptlab sample --max-new-tokens 1` about as
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
-
-_registered = False
 
 
 def import_torch_quietly() -> None:
@@ -29,9 +28,7 @@ def import_torch_quietly() -> None:
         gc.enable()
 
 
+@functools.cache  # registered once per process
 def freeze_at_exit() -> None:
     """Have the interpreter's final collections skip every object still alive at exit; once per process."""
-    global _registered
-    if not _registered:
-        atexit.register(gc.freeze)
-        _registered = True
+    atexit.register(gc.freeze)

@@ -53,16 +53,19 @@ def _norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 
 def _native_weights(model: GPT) -> list[torch.Tensor | None] | None:
     """Every block's norms and (packed weight, qparams, bias) per Linear in `gpt2_decode`'s order, when all its
-    Linears run through gptlab's AVX2 kernel right now: plain ones inside `PackedLinears.active()`, int8/int4 ones
-    (`QuantizedLinear`) on a CPU where that is their forward; None otherwise. Built every step (the packs may
-    change between steps), so submodules and parameters are read from `_modules` / `_parameters` directly:
-    nn.Module's attribute lookup made this ~5% of a batch-1 step."""
+    Linears run through gptlab's AVX2 kernel right now (plain ones inside `PackedLinears.active()`, int8/int4 ones,
+    `QuantizedLinear`, on a CPU where that is their forward) and every norm has ln_f's epsilon; None otherwise.
+    Built every step (the packs may change between steps), so submodules and parameters are read from `_modules`
+    / `_parameters` directly: nn.Module's attribute lookup made this ~5% of a batch-1 step."""
     out: list[torch.Tensor | None] = []
+    eps = model.transformer.ln_f.eps  # the C++ step takes one epsilon for every norm
     for b in model.transformer.h:
         parts = b._modules
         attn, mlp = parts["attn"]._modules, parts["mlp"]._modules
         halves = (parts["ln_1"], (attn["c_attn"], attn["c_proj"])), (parts["ln_2"], (mlp["c_fc"], mlp["c_proj"]))
         for ln, linears in halves:
+            if ln.eps != eps:
+                return None
             out += [ln._parameters["weight"], ln._parameters["bias"]]
             for lin in linears:
                 if isinstance(lin, QuantizedLinear):
@@ -96,7 +99,7 @@ def decode_hidden(model: GPT, idx: torch.Tensor, cache: KVCache, native: bool = 
     pos, masks = cache.begin(1)  # (1 or B, 1); a mask only when rows differ in length
     x = t.wte(idx) + t.wpe(pos)  # (B, 1, C)
     weights = _native_weights(model) if native else None
-    if weights is not None and all(b.ln_1.eps == t.ln_f.eps for b in t.h):
+    if weights is not None:
         x = _native_step(model, x, cache, masks, weights)
         cache.advance(1)
         return _norm(t.ln_f, x)

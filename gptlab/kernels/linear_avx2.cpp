@@ -272,8 +272,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* sca
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
     float top = 0.0f;
-    for (int64_t k = 0; k < K; ++k) top = std::max(top, std::fabs(row[k]));
-    const bool finite = std::isfinite(top) && !std::isnan(std::accumulate(row, row + K, 0.0f));
+    bool finite = true;  // std::max drops a NaN, so it is looked for on the same pass
+    for (int64_t k = 0; k < K; ++k) {
+      top = std::max(top, std::fabs(row[k]));
+      finite = finite && std::isfinite(row[k]);
+    }
     scale[m] = !finite ? std::nanf("") : top > 0.0f ? top / 32767.0f : 1.0f;
     const float inv = finite && top > 0.0f ? 32767.0f / top : 0.0f;
     for (int64_t k = 0; k < K; ++k)
