@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import loadavg, raise_priority  # benchmarks/ is on sys.path when a benchmark runs as a script
+from timing import cpu_flags, loadavg, raise_priority  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 LLAMA = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
@@ -195,27 +195,6 @@ def save_base(directory: Path, layers: int) -> None:
     LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": layers})).save_pretrained(directory)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-    except OSError:
-        pass
-    return "?"
-
-
 def run_contender(args: argparse.Namespace, name: str) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--base", str(args.base), "--batch", str(args.batch),
            "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps)]
@@ -232,6 +211,8 @@ def run_contender(args: argparse.Namespace, name: str) -> dict:
 
 
 def main() -> None:
+    from gptlab.hardware import cpu_name  # gptlab is imported late: the children measure their own memory
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
@@ -260,7 +241,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="finetune_bench_") as tmp:
         args.base = Path(tmp) / "base"
         save_base(args.base, args.layers)
-        print(f"CPU: {cpu_model()} ({os.cpu_count()} cores; {cpu_flags()}); threads "
+        print(f"CPU: {cpu_name()} ({os.cpu_count()} cores; {cpu_flags()}); threads "
               f"{args.threads or 'torch default'}; SmolLM2-135M shape with {args.layers} layers; batch {args.batch} x "
               f"{args.seq}; {args.warmup} warm-up + {args.steps} timed steps per process, {args.rounds} rounds")
         results: dict[str, list[dict]] = {n: [] for n in names}

@@ -1,23 +1,29 @@
 """Generation throughput: gptlab's engine against peers (transformers, llama.cpp, CTranslate2), same weights.
 
-GPT-2 124M shape with random weights (`GPTConfig.preset("gpt2")`), a 16-token prompt, 256 new tokens, greedy, 2
-threads, at batch 1 and 32. Every peer gets gptlab's own weights: transformers and CTranslate2 through
+A model of GPT-2 124M's shape (`--family gpt2`) or SmolLM2-135M's (`--family llama`: 30 layers, width 576, 9 query
+and 3 key/value heads, SwiGLU 1536, GPT-2's vocabulary), random weights, a 16-token prompt, 256 new tokens, greedy,
+2 threads, at batch 1 and 32. Every peer gets gptlab's own weights: transformers and CTranslate2 through
 `gptlab.interop.save_hf` (CTranslate2's converter reads that directory), llama.cpp through gptlab's GGUF export
 (`save_gguf`, in the setting's dtype: bf16 or f32; for the int8 / int4 settings llama.cpp's q8_0 / q4_0 beside
-gptlab's `--quantize int8` / `int4` (group 32), and CTranslate2's int8). llama.cpp decodes a batch the way its
-`batched` example does: one `llama_batch` holding a token of each of the B sequences per step (llama-cpp-python's
-low-level bindings), greedy by an argmax over the returned logits. Tokens/s = batch x new tokens / wall time of the
-whole call (prefill included). Each contender runs in a process of its own (same seed, same random weights), so no
-engine's idle threads (llama.cpp's spin-waiting pool) compete with another's timing: in one process, llama.cpp's
-pool slowed gptlab's batch-1 bf16 decoding from 63 to 37 tokens/s. Contenders alternate over --rounds, so a busy
-spell on a shared machine hits all of them; the median round counts, and the ratio gptlab / peer is printed. Nothing
-is asserted: timings are noisy.
+gptlab's `--quantize int8` / `int4` (group 32), and CTranslate2's int8). llama.cpp runs two ways: llama-cpp-python's
+low-level bindings decode a batch the way its `batched` example does (one `llama_batch` holding a token of each of
+the B sequences per step, greedy by an argmax over the returned logits), and, with `--llama-bench BUILD_DIR`,
+llama.cpp's own `llama-bench` (batch 1) and `llama-batched-bench` (batch B) programs, which report generation
+tokens/s without Python around them. Tokens/s = batch x new tokens / wall time of the whole call (prefill included)
+for the in-process contenders. Each contender runs in a process of its own (same seed, same random weights), so no
+engine's idle threads (llama.cpp's spin-waiting pool) compete with another's timing. Contenders alternate over
+--rounds, so a busy spell on a shared machine hits all of them; the median round counts, and the ratio gptlab /
+peer is printed. Nothing is asserted: timings are noisy.
+
+Printed too: the CPU's model and vector flags, which kernel ran each of gptlab's Linears and which decode step
+(`Engine.kernels`), and at batch 1 the share of the memory-bandwidth limit each contender reaches (weights read per
+token / a read probe's GB/s: a batch-1 step reads every weight once; >= 85% is where the best engines stand).
 
 Peers are optional (the `bench` extra): a missing one is skipped with a message. On a shared machine run it in
 its own session with raised priority (see the README):
 
     OMP_NUM_THREADS=2 setsid sh -c 'echo -20 > /proc/self/autogroup; exec python benchmarks/generate_throughput.py \
-        --peers llamacpp --settings 1:bfloat16,32:bfloat16,1:float32,1:int8,1:int4 --rounds 3'
+        --family llama --peers llamacpp --llama-bench LLAMA_CPP/build --settings 1:bfloat16,1:int8,1:int4,32:bfloat16'
 
 GPT-2's tokenizer is needed for the GGUF file (TIKTOKEN_CACHE_DIR for an offline machine).
 """
@@ -26,23 +32,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import json
 import multiprocessing
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
+from decode_peers import DTYPES, CTranslate2, LlamaBench, LlamaCpp, Transformers
+from timing import cpu_flags, loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 from gptlab import GPT, GPTConfig, generate, quantize_model
+from gptlab.generation import Engine
 from gptlab.generation.api import PACK_MIN_TOKENS
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
+from gptlab.hardware import cpu_name
 
 QUANTIZED = ("int8", "int4")  # weight-only, gptlab's `--quantize` (int4 in groups of 32); other weights fp32
 
@@ -62,136 +65,41 @@ class Gptlab:
     def generate(self, idx: torch.Tensor, n: int) -> torch.Tensor:
         return generate(self.model, idx, n, temperature=0)
 
-
-class Transformers:
-    name = "transformers"
-
-    def __init__(self, model: GPT, hf_dir: Path, threads: int) -> None:
-        from transformers import GPT2LMHeadModel
-
-        self.hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        self.hf.generation_config.pad_token_id = self.hf.config.eos_token_id
-
-    def setting(self, dtype: str, batch: int) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"{dtype} is not timed for transformers (its CPU quantization is another library's)")
-        self.hf.to(DTYPES[dtype])
-
-    @torch.inference_mode()
-    def generate(self, idx: torch.Tensor, n: int) -> torch.Tensor:
-        # min_new_tokens: random weights may emit end-of-text, which must not end the run early
-        return self.hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False)
+    def kernels(self, batch: int) -> str:
+        report = Engine(self.model, batch).kernels()
+        return f"decode step {report['decode step']}; " + ", ".join(f"{n} x{c}" for n, c in report["linears"].items())
 
 
-class LlamaCpp:
-    """llama.cpp on gptlab's GGUF export, batched as its `batched` example does (see the module docstring)."""
-
-    name = "llama.cpp"
-    GGUF = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # its 8- and 4-bit formats
-
-    def __init__(self, model: GPT, tmp: Path, threads: int, n_ctx_per_row: int) -> None:
-        import llama_cpp
-
-        from gptlab.interop.gguf import save_gguf
-        from gptlab.tokenizer import GPT2Tokenizer
-
-        self.ll, self.src, self.tmp, self.threads = llama_cpp, model, tmp, threads
-        self.n_ctx_per_row, self.tokenizer = n_ctx_per_row, GPT2Tokenizer()
-        self.save_gguf = save_gguf
-        self.model = self.ctx = self.batch = None
-        self.V = model.config.vocab_size
-        llama_cpp.llama_backend_init()
-        self._quiet = llama_cpp.llama_log_callback(lambda *a: None)  # kept: C holds only a pointer to it
-        llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
-
-    def close(self) -> None:
-        ll = self.ll
-        if self.batch is not None:
-            ll.llama_batch_free(self.batch)
-        if self.ctx is not None:
-            ll.llama_free(self.ctx)
-        if self.model is not None:
-            ll.llama_model_free(self.model)
-        self.model = self.ctx = self.batch = None
-
-    def setting(self, dtype: str, batch: int) -> None:
-        ll = self.ll
-        self.close()
-        path = self.tmp / f"model-{self.GGUF[dtype]}.gguf"
-        if not path.exists():
-            self.save_gguf(self.src.float(), path, self.tokenizer, dtype=self.GGUF[dtype])
-        mparams = ll.llama_model_default_params()
-        self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx = batch * self.n_ctx_per_row
-        cparams.n_seq_max = batch
-        cparams.n_batch = cparams.n_ubatch = max(batch * 64, 512)
-        cparams.n_threads = cparams.n_threads_batch = self.threads
-        self.ctx = ll.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        self.batch = ll.llama_batch_init(cparams.n_batch, 0, batch)
-
-    def _decode(self, rows: list[list[int]], start: int) -> np.ndarray:
-        """Append each row's tokens to its sequence (positions start..); the logits at each row's last token."""
-        b, i = self.batch, 0
-        for seq, tokens in enumerate(rows):
-            for j, tok in enumerate(tokens):
-                b.token[i], b.pos[i], b.n_seq_id[i] = tok, start + j, 1
-                b.seq_id[i][0], b.logits[i] = seq, j == len(tokens) - 1
-                i += 1
-        b.n_tokens = i
-        if self.ll.llama_decode(self.ctx, b) != 0:
-            raise RuntimeError("llama_decode failed")
-        out = self.ll.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(out, shape=(len(rows), self.V))
-
-    def generate(self, idx: torch.Tensor, n: int) -> torch.Tensor:
-        self.ll.llama_memory_clear(self.ll.llama_get_memory(self.ctx), True)
-        rows = idx.tolist()
-        T = len(rows[0])
-        new = self._decode(rows, 0).argmax(axis=1)
-        out = [new]
-        for step in range(1, n):
-            new = self._decode([[int(t)] for t in new], T + step - 1).argmax(axis=1)
-            out.append(new)
-        return torch.cat([idx, torch.from_numpy(np.stack(out, axis=1))], dim=1)
+def family_config(family: str) -> GPTConfig:
+    """The benchmark's model shape: GPT-2 124M, or SmolLM2-135M's Llama shape with GPT-2's vocabulary."""
+    if family == "gpt2":
+        return GPTConfig.preset("gpt2")
+    return GPTConfig.preset("smollm2-135m", vocab_size=GPTConfig.preset("gpt2").vocab_size)
 
 
-class CTranslate2:
-    """CTranslate2's Generator on its conversion of gptlab's Hugging Face export."""
+# bytes per weight each format reads (q8_0: 32 int8 + an f16 scale; q4_0: 32 nibbles + an f16 scale; gptlab's int4:
+# 32 nibbles + an fp32 scale and offset; int8: an fp32 scale per row, negligible)
+BYTES = {"gptlab": {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.75},
+         "llama.cpp": {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}}
 
-    name = "ct2"
-    COMPUTE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8_float32"}  # no 4-bit on CPU
 
-    def __init__(self, model: GPT, hf_dir: Path, threads: int, tmp: Path) -> None:
-        import ctranslate2
+def weight_bytes(model: GPT, contender: str, dtype: str) -> float:
+    """Bytes of Linear weights (every block's and the LM head) a batch-1 decode step reads."""
+    table = BYTES["gptlab" if contender == "gptlab" else "llama.cpp"]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(m.weight.numel() for m in linears) * table[dtype]
 
-        from gptlab.interop.gguf import gguf_vocabulary
-        from gptlab.tokenizer import GPT2Tokenizer
 
-        # gptlab's GPT-2 export names tiktoken's files; CTranslate2's converter wants GPT-2's vocab.json + merges
-        tokens, merges, _ = gguf_vocabulary(GPT2Tokenizer(), model.config.vocab_size)
-        (hf_dir / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}), encoding="utf-8")
-        (hf_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-        (hf_dir / "tokenizer_meta.json").unlink(missing_ok=True)
-        out = tmp / "ct2"
-        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(out), force=True)
-        self.ct2, self.dir, self.threads, self.generator = ctranslate2, out, threads, None
-        self.tokens = json.loads((out / "vocabulary.json").read_text(encoding="utf-8"))
-
-    def setting(self, dtype: str, batch: int) -> None:
-        if dtype not in self.COMPUTE:
-            raise ValueError(f"CTranslate2 has no {dtype} compute type on CPU")
-        self.generator = self.ct2.Generator(str(self.dir), device="cpu", compute_type=self.COMPUTE[dtype],
-                                            intra_threads=self.threads)
-
-    def generate(self, idx: torch.Tensor, n: int) -> torch.Tensor:
-        prompts = [[self.tokens[t] for t in row] for row in idx.tolist()]
-        results = self.generator.generate_batch(prompts, max_length=n, min_length=n, sampling_topk=1,
-                                                include_prompt_in_result=False)
-        return torch.cat([idx, torch.tensor([r.sequences_ids[0][:n] for r in results])], dim=1)
+def read_bandwidth(threads: int) -> float:
+    """Bytes/s of a sum over 1 GiB of fp32 (best of 5), at the benchmark's thread count."""
+    torch.set_num_threads(threads)
+    data = torch.ones(2**28)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        data.sum()
+        best = max(best, data.numel() * 4 / (time.perf_counter() - t))
+    return best
 
 
 def make_contender(name: str, model: GPT, args: argparse.Namespace, tmp: Path) -> object:
@@ -200,6 +108,8 @@ def make_contender(name: str, model: GPT, args: argparse.Namespace, tmp: Path) -
         return Gptlab(model)
     if name == "llamacpp":
         return LlamaCpp(model, tmp, args.threads, args.prompt_len + args.new_tokens + 16)
+    if name == "llama-bench":
+        return LlamaBench(model, tmp, args.threads, Path(args.llama_bench))
     if name not in ("transformers", "ct2"):
         raise ValueError(name)
     from gptlab.interop import save_hf
@@ -218,7 +128,7 @@ def worker(conn, name: str, args: argparse.Namespace) -> None:  # noqa: ANN001
     ("setting", dtype, batch) and ("generate", idx, n) -> (seconds, tokens) until ("close",)."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("gpt2")).eval()
+    model = GPT(family_config(args.family)).eval()
     with tempfile.TemporaryDirectory() as tmp:
         try:
             contender = make_contender(name, model, args, Path(tmp))
@@ -227,7 +137,11 @@ def worker(conn, name: str, args: argparse.Namespace) -> None:  # noqa: ANN001
             return
         conn.send(("ready", getattr(contender, "name", name)))
         while (msg := conn.recv())[0] != "close":
-            if msg[0] == "setting":
+            if msg[0] == "kernels":
+                conn.send(contender.kernels(*msg[1:]) if hasattr(contender, "kernels") else "")
+            elif msg[0] == "rate":  # a contender that times itself (llama.cpp's own benchmark programs)
+                conn.send(contender.rate(*msg[1:]))
+            elif msg[0] == "setting":
                 try:
                     contender.setting(*msg[1:])
                     conn.send(None)
@@ -259,6 +173,17 @@ class Remote:
         self.conn.send(("generate", idx, n))
         return self.conn.recv()
 
+    def rate(self, idx: torch.Tensor, n: int) -> float:
+        """Tokens/s over n new tokens for idx's batch (the contender's own timing where it has one)."""
+        if self.name == "llama-bench":
+            self.conn.send(("rate", idx.shape[1], n))
+            return self.conn.recv()
+        return idx.shape[0] * n / self.generate(idx, n)[0]
+
+    def kernels(self, batch: int) -> str:
+        self.conn.send(("kernels", batch))
+        return self.conn.recv()
+
     def close(self) -> None:
         if self.process.is_alive():
             self.conn.send(("close",))
@@ -268,6 +193,7 @@ class Remote:
 def check_tokens(contenders: list[Remote], V: int, args: argparse.Namespace) -> None:
     """How many greedy tokens (fp32, batch 2) each peer shares with gptlab before the first difference."""
     idx = torch.randint(0, V, (2, args.prompt_len))
+    contenders = [c for c in contenders if c.name != "llama-bench"]  # it reports rates, not tokens
     for c in contenders:
         c.setting("float32", 2)
     ours = contenders[0].generate(idx, args.check_tokens)[1][:, args.prompt_len :]
@@ -278,30 +204,75 @@ def check_tokens(contenders: list[Remote], V: int, args: argparse.Namespace) -> 
               f"{args.check_tokens}")
 
 
-def main() -> None:
+PEERS = ("transformers", "llamacpp", "ct2")
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", choices=["gpt2", "llama"], default="gpt2",
+                    help="GPT-2 124M's shape, or SmolLM2-135M's Llama shape (GPT-2's vocabulary)")
     ap.add_argument("--settings", default="1:float32,1:bfloat16,32:bfloat16",
                     help="batch:dtype pairs to time (dtype float32, bfloat16, int8 or int4)")
     ap.add_argument("--peers", default="transformers",
                     help="comma-separated peers: transformers, llamacpp, ct2 ('' for gptlab alone)")
+    ap.add_argument("--llama-bench", metavar="BUILD_DIR",
+                    help="also time llama.cpp's own llama-bench / llama-batched-bench from BUILD_DIR/bin")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per setting, contenders alternating")
     ap.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared with each peer (0: none)")
     args = ap.parse_args()
-    names = [p for p in args.peers.split(",") if p]
-    for p in names:
-        if p not in ("transformers", "llamacpp", "ct2"):
-            raise SystemExit(f"error: --peers: unknown peer {p!r} (transformers, llamacpp, ct2)")
+    args.names = [p for p in args.peers.split(",") if p]
+    for p in args.names:
+        if p not in PEERS:
+            raise SystemExit(f"error: --peers: unknown peer {p!r} ({', '.join(PEERS)})")
+    if args.llama_bench:
+        args.names.append("llama-bench")
+    return args
+
+
+def time_setting(contenders: list[Remote], B: int, dtype: str, V: int, args: argparse.Namespace) -> dict:
+    """Median tokens/s of each contender that runs this setting, over interleaved rounds."""
+    idx = torch.randint(0, V, (B, args.prompt_len))
+    running = []
+    for c in contenders:
+        problem = c.setting(dtype, B)
+        if problem:
+            print(f"  skipping {c.name} at batch {B} {dtype}: {problem}")
+            continue
+        running.append(c)
+        if c.name != "llama-bench":
+            # warm-up: first-call allocations, kernel selection, and weight packing (generate packs them once
+            # per model from PACK_MIN_TOKENS new tokens on, as llama.cpp lays its weights out once at load)
+            c.generate(idx, PACK_MIN_TOKENS)
+        if c.name == "gptlab":
+            print(f"  gptlab at batch {B} {dtype}: {c.kernels(B)}")
+    result: dict[str, list[float]] = {c.name: [] for c in running}
+    for r in range(args.rounds):
+        load = loadavg()
+        order = running[r % len(running):] + running[: r % len(running)]  # who goes first rotates
+        for c in order:
+            rate = c.rate(idx, args.new_tokens)
+            result[c.name].append(rate)
+            print(f"  round {r + 1} (load {load}) batch {B:>3} {dtype:>8} {c.name:>12}: {rate:8.1f} tokens/s",
+                  flush=True)
+    return {k: statistics.median(v) for k, v in result.items()}
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(1)
-    V = GPTConfig.preset("gpt2").vocab_size
-    print(f"GPT-2 124M shape, random weights; prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
-          f"{args.threads} threads, torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}; "
-          "each contender in its own process")
+    config = family_config(args.family)
+    V = config.vocab_size
+    bandwidth = read_bandwidth(args.threads)
+    print(f"{args.family} shape ({config.n_layer} layers, width {config.n_embd}), random weights; prompt "
+          f"{args.prompt_len}, {args.new_tokens} new tokens, greedy, {args.threads} threads, torch {torch.__version__}"
+          f"\nCPU {cpu_name()} ({cpu_flags()}; torch's capability {torch.backends.cpu.get_cpu_capability()}); "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s; each contender in its own process")
     ctx = multiprocessing.get_context("spawn")
     contenders = []
-    for name in ["gptlab", *names]:
+    for name in ["gptlab", *args.names]:
         remote = Remote(ctx, name, args)
         if remote.missing:
             print(f"skipping peer {name}: {remote.missing}")
@@ -311,37 +282,25 @@ def main() -> None:
     peers = [c.name for c in contenders[1:]]
     if peers and args.check_tokens:
         check_tokens(contenders, V, args)
+    with torch.device("meta"):  # sizes only, for weight_bytes
+        shape = GPT(config)
     rows = []
     for setting in args.settings.split(","):
         B, dtype = int(setting.split(":")[0]), setting.split(":")[1]
-        idx = torch.randint(0, V, (B, args.prompt_len))
-        running = []
-        for c in contenders:
-            problem = c.setting(dtype, B)
-            if problem:
-                print(f"  skipping {c.name} at batch {B} {dtype}: {problem}")
-                continue
-            running.append(c)
-            # warm-up: first-call allocations, kernel selection, and weight packing (generate packs them once
-            # per model from PACK_MIN_TOKENS new tokens on, as llama.cpp lays its weights out once at load)
-            c.generate(idx, PACK_MIN_TOKENS)
-        result: dict[str, list[float]] = {c.name: [] for c in running}
-        for r in range(args.rounds):
-            load = loadavg()
-            for c in running:
-                rate = B * args.new_tokens / c.generate(idx, args.new_tokens)[0]
-                result[c.name].append(rate)
-                print(f"  round {r + 1} (load {load}) batch {B:>3} {dtype:>8} {c.name:>12}: "
-                      f"{rate:8.1f} tokens/s", flush=True)
-        rows.append((B, dtype, {k: statistics.median(v) for k, v in result.items()}))
+        rows.append((B, dtype, time_setting(contenders, B, dtype, V, args)))
     for c in contenders:
         c.close()
-    print(f"\nmedians of {args.rounds} rounds, tokens/s (ratio gptlab / peer)")
+    print(f"\nmedians of {args.rounds} rounds, tokens/s (ratio gptlab / peer; at batch 1 [share of the bandwidth "
+          f"limit: weights read per token at {bandwidth / 1e9:.1f} GB/s])")
     print("| batch | dtype | gptlab | " + " | ".join(peers) + " |")
     print("|---|---|---|" + "---|" * len(peers))
     for B, dtype, r in rows:
-        cells = [f"{r[n]:.1f} ({r['gptlab'] / r[n]:.2f}x)" if n in r else "-" for n in peers]
-        print(f"| {B} | {dtype} | {r['gptlab']:.1f} | " + " | ".join(cells) + " |")
+        def share(name: str, rate: float, B: int = B, dtype: str = dtype) -> str:
+            limit = bandwidth / weight_bytes(shape, name, dtype)
+            return f" [{100 * rate / limit:.0f}%]" if B == 1 else ""
+
+        cells = [f"{r[n]:.1f} ({r['gptlab'] / r[n]:.2f}x){share(n, r[n])}" if n in r else "-" for n in peers]
+        print(f"| {B} | {dtype} | {r['gptlab']:.1f}{share('gptlab', r['gptlab'])} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -115,18 +115,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPTLAB_CACHE_DIR") or Path.home() / ".cache" / "gptlab")
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo; else what `platform` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _device_key(device: torch.device, dtype: torch.dtype) -> str:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine()
-        try:  # the CPU model, on Linux
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return f"{device.type}|{name}|threads={torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}"
 
 

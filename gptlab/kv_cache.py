@@ -109,6 +109,11 @@ class KVCache:
         mask = causal_mask(pos, end) if lo != hi or (T > 1 and lo > 0) else None  # (B or 1, 1, T, end)
         return pos, masks_for(pos, end, mask, sliding_window)
 
+    def step_target(self) -> tuple[int | tuple[torch.Tensor, torch.Tensor], int]:
+        """Where the step `begin` planned writes its keys (a position every row shares, or (rows (B, 1), positions
+        (B, T)) of each row's own), and how many keys it attends over: for steps that write the cache themselves."""
+        return self._where, self._end
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer `layer`'s new keys and values (B, nkv, T, hs) at the positions `begin` planned; return
         the layer's keys and values so far (B, nkv, end, hs), in the cache's dtype."""

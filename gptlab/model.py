@@ -61,18 +61,19 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
+        return self.dropout(self.c_proj(self.activate(self.c_fc(x))))
+
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The nonlinearity over c_fc's output (a gated one halves the width: [gate | up] -> act(gate) * up)."""
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.kind == "geglu":
+            return F.silu(gate) * up
+        if self.kind == "geglu":
             gate, up = h.chunk(2, dim=-1)
-            h = F.gelu(gate, approximate=self.gelu_approximate) * up
-        elif self.kind == "relu2":
-            h = F.relu(h).square()
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        return self.dropout(self.c_proj(h))
+            return F.gelu(gate, approximate=self.gelu_approximate) * up
+        if self.kind == "relu2":
+            return F.relu(h).square()
+        return F.gelu(h, approximate=self.gelu_approximate)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Decoding one token reads every weight once and does little arithmetic with it, so its speed is set by how many
 bytes of weights it reads: int8 halves a bf16 model's, int4 quarters it. The activations are not stored
-quantized (the AVX2 kernel below rounds them to 16-bit fixed point inside the product).
+quantized (gptlab's kernel below rounds them to 16-bit fixed point inside the product).
 
 * Which layers: every Linear in the blocks (attention's q/k/v and output projections, the MLP's two) and the LM
   head. The head is GPT-2's largest matrix (38.6M of its 124M parameters, a third of the bytes read per token),
@@ -24,13 +24,14 @@ Both round to the nearest level, so |w - dequantized w| <= scale / 2 for every e
 them) and computes x @ dequantized(W).T + b. `reference` does exactly that in PyTorch; `forward` calls a faster
 kernel where one runs:
 
-* CPUs whose best vector unit is AVX2 (AMD Zen 2/3, older Xeons): gptlab's own kernel (`gptlab.kernels`, built
-  once per machine). It multiplies the integers with integer multiply-adds against the activations put in 16-bit
-  fixed point per row (rounding error at most 2^-16 of the row's largest value: finer than the bf16 activations
-  PyTorch's kernels take, for every value above 1/128 of the largest), sums exactly in int32 and scales in fp32.
+* CPUs where it is the faster path (measured once per machine by `gptlab.kernels.dispatch`: so far every x86 CPU
+  tried, AVX2-only and AVX-512 alike): gptlab's own kernel (`gptlab.kernels`, built once per machine). It
+  multiplies the integers with integer multiply-adds against the activations put in 16-bit fixed point per row
+  (rounding error at most 2^-16 of the row's largest value: finer than the bf16 activations PyTorch's kernels
+  take, for every value above 1/128 of the largest), sums exactly in int32 and scales in fp32.
   PyTorch's kernels below were slower there than the bf16 model (GPT-2 124M, batch 1, 2-core Zen 3: int8 41
   tokens/s, int4 51, bf16 69); benchmarks/generate_throughput.py --settings 1:int8,1:int4 times this kernel.
-* Other CPUs: PyTorch's `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`, with bf16 (or fp16)
+* Elsewhere on CPUs: PyTorch's `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`, with bf16 (or fp16)
   activations and scales. With fp32 activations these kernels are 5-30x slower than with bf16 (measured, AMD EPYC
   Zen 3, GPT-2 124M shapes), so an fp32 model's activations go through them in bf16 and come back in fp32: the
   same rounding a bf16 matmul has. Dequantizing and then multiplying is 4-8x slower than either kernel at batch 1
@@ -48,14 +49,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
-from gptlab.kernels import avx2_only_ops, avx2_ops
+from gptlab.kernels.dispatch import chosen_ops
 from gptlab.lora import has_lora
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class QuantizedLinear(nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._runs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}  # input's kind -> its forward
-        self._avx2: tuple[torch.Tensor, torch.Tensor] | None = None  # the AVX2 kernel's layout, made on first use
+        self._kernel: tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None = None  # gptlab's kernel: (ops, layout)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""
@@ -164,24 +165,36 @@ class QuantizedLinear(nn.Module):
         """Drop the kernels' copies of the weights; done on `.to()` and `load_state_dict`, needed after any other
         write to the buffers."""
         self._runs.clear()
-        self._avx2 = None
+        self._kernel = None
 
-    def avx2_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(packed integers, qparams) in the layout of gptlab's AVX2 kernel (see gptlab/kernels/linear_avx2.cpp),
-        made once: where the layer is on a CPU whose CPU forward runs that kernel; None elsewhere (and for int8
-        weights of an odd input width, which its column pairs do not fit)."""
-        if self._avx2 is not None:  # made for this device and these buffers (`forget_kernels` drops it)
-            return self._avx2
-        ops = avx2_only_ops() if self.qweight.device.type == "cpu" else None
-        if self.mode == "int8" and self.in_features % 2:
-            return None
-        if ops is None:
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed integers, qparams) in the layout of gptlab's own kernel (see gptlab/kernels/linear_avx2.cpp),
+        made once: where the layer is on a CPU on which that kernel is the faster path for this mode
+        (`gptlab.kernels.dispatch`); None elsewhere (and for int8 weights of an odd input width, which its
+        column pairs do not fit)."""
+        kernel = self._kernel_and_weights()
+        return None if kernel is None else kernel[1]
+
+    def kernel_name(self, dtype: torch.dtype = torch.bfloat16) -> str:
+        """Which kernel runs this layer's forward for inputs of `dtype` on its device."""
+        kernel = self._kernel_and_weights() if self.qweight.device.type == "cpu" else None
+        if kernel is not None and dtype in (torch.float32, torch.bfloat16):
+            return f"{kernel[0].name} ({self.mode})"
+        make = _kernel_for(self.mode, self.qweight.device)
+        return f"torch {self.mode} kernel" if make is not None else f"dequantize + F.linear ({self.mode})"
+
+    def _kernel_and_weights(self) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
+        if self._kernel is not None:  # made for this device and these buffers (`forget_kernels` drops it)
+            return self._kernel
+        ops = chosen_ops(self.mode) if self.qweight.device.type == "cpu" else None
+        if ops is None or (self.mode == "int8" and self.in_features % 2):
             return None
         if self.mode == "int8":
-            self._avx2 = ops.pack_int8(self.qweight), self.scale.float().contiguous()
+            weights = ops.pack_int8(self.qweight), self.scale.float().contiguous()
         else:
-            self._avx2 = tuple(ops.pack_int4(unpack_nibbles(self.qweight), self.scale, self.zero))
-        return self._avx2
+            weights = tuple(ops.pack_int4(unpack_nibbles(self.qweight), self.scale, self.zero))
+        self._kernel = ops, weights
+        return self._kernel
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's: .to(), .cuda(), .half(), ...
         self.forget_kernels()
@@ -195,9 +208,10 @@ class QuantizedLinear(nn.Module):
         """The forward for inputs of this device, dtype and autocast state: a kernel with its copies of the
         weights where one works here, else the reference."""
         out_dtype = torch.get_autocast_dtype(device.type) if autocast else dtype
-        avx2 = self.avx2_weights() if device.type == "cpu" and out_dtype in (torch.float32, torch.bfloat16) else None
-        if avx2 is not None:
-            return functools.partial(_avx2_cpu, avx2, None if self.bias is None else self.bias.detach().float(),
+        own = device.type == "cpu" and out_dtype in (torch.float32, torch.bfloat16)
+        kernel = self._kernel_and_weights() if own else None
+        if kernel is not None:
+            return functools.partial(_kernel_cpu, *kernel, None if self.bias is None else self.bias.detach().float(),
                                      self.out_features, out_dtype)
         make = _kernel_for(self.mode, device) if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else None
         compute = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16  # see the docstring
@@ -220,11 +234,11 @@ class QuantizedLinear(nn.Module):
         return run
 
 
-def _avx2_cpu(weights: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None, n: int, dtype: torch.dtype,
-              x: torch.Tensor) -> torch.Tensor:
-    """x @ W.T + bias through gptlab's AVX2 kernel, in `dtype` (x's own, or autocast's)."""
+def _kernel_cpu(ops: Any, weights: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None, n: int,
+                dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T + bias through gptlab's own kernel, in `dtype` (x's own, or autocast's)."""
     packed, qparams = weights
-    return avx2_ops().linear(x.to(dtype), packed, qparams, bias, n)  # built: _prepare chose this path
+    return ops.linear(x.to(dtype), packed, qparams, bias, n)
 
 
 # --- PyTorch's kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------

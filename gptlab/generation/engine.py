@@ -26,14 +26,17 @@ cast to fp32 before any sampling arithmetic.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from gptlab.errors import GptlabError
+from gptlab.generation import native_decode
 from gptlab.generation.fast_decode import decode_hidden, supports
-from gptlab.generation.packed_linear import try_pack
+from gptlab.generation.packed_linear import kernel_name, try_pack
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import (
     FINISH_ERROR,
@@ -45,6 +48,7 @@ from gptlab.generation.rows import (
 from gptlab.generation.sampling import TokenLogprob, sample_next, token_logprobs
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
+from gptlab.quantize import QuantizedLinear
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -81,10 +85,20 @@ class Engine:
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         self._packed = try_pack(model, max_batch) if pack_weights else None
-        self._lean = supports(model)  # GPT-2-shaped: decode steps skip the general forward's framework time
+        self._lean = supports(model)  # decode steps skip the general forward's framework time
 
     def _kernels(self) -> contextlib.AbstractContextManager:
         return self._packed.active() if self._packed is not None else contextlib.nullcontext()
+
+    def kernels(self) -> dict[str, Any]:
+        """What runs this engine's decode steps on this machine: the decode step ("native C++": the blocks in one
+        call, "lean", or "plain": the general forward) and each Linear's kernel, counted by name."""
+        with self._kernels():
+            names = Counter(kernel_name(m) if isinstance(m, nn.Linear) else m.kernel_name(self.dtype)
+                            for m in self.model.modules() if isinstance(m, (nn.Linear, QuantizedLinear)))
+            native = native_decode.weights(self.model, self.cache) is not None
+        step = "native C++" if self._lean and native else "lean" if self._lean else "plain"
+        return {"decode step": step, "linears": dict(names)}
 
     # --- bookkeeping ----------------------------------------------------------------------------------------
     @property

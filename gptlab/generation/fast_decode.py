@@ -1,117 +1,164 @@
-"""A lean decode step for GPT-2-shaped models: the same maths as `GPT.hidden_states` for one new token per row,
-with the framework time taken out.
+"""A lean decode step for every model gptlab builds: the same maths as `GPT.hidden_states` for one new token per
+row, with the framework time taken out.
 
-At batch 1 a decode step is mostly reading weights (~250 MB for GPT-2 124M in bf16, ~13 ms on a 2-core Zen 3),
-but the general forward adds about as much again in Python and small ops: module calls, dropout and dtype
-switches, q/k/v reshapes and casts, checks of the token ids, per layer. This step does only what a pre-norm
-LayerNorm/GELU model with learned positions needs for T = 1, in a flat loop:
+At batch 1 a decode step is mostly reading weights, but the general forward adds a good share again in Python
+and small ops: module calls, dropout, checks of the token ids, q/k/v transposes, per layer (a Llama-shaped model
+of 30 layers pays it 30 times). This step reads the model's config once and runs, for T = 1 in a flat loop, only
+the ops the config asks for:
 
-    x = wte[token] + wpe[pos]
-    per layer: x += c_proj(attention(split(c_attn(ln_1(x))), cache));  x += mlp(ln_2(x))
-    ln_f(x)
+    x = embed(token) (+ wpe[pos]);  rope = cos/sin at the rows' positions
+    per layer (pre-norm; parallel and sandwich alike):
+        q, k, v = split(c_attn(norm_1(x)));  q/k norm;  rotate q, k;  cache k, v
+        x += c_proj(attention(q, keys, values));  x += mlp(norm_2(x))
+    norm_f(x)
 
-The Linear layers are still called as modules, so whatever forward they have (packed weights, LoRA, a quantized
-Linear) runs unchanged; the KV cache's own `begin` / `append` / `advance` place keys and masks. `supports` picks
-the models it is exact for (the GPT-2 family, in eval mode or without dropout); tests compare its hidden states
-and greedy tokens with the plain forward.
+The Linear layers are called as modules, so whatever forward they have (packed weights, LoRA, a quantized Linear)
+runs unchanged; the KV cache's own `begin` / `append` / `advance` place keys and masks. Where every Linear runs on
+gptlab's own kernel, the blocks run as one C++ call instead (`gptlab.generation.native_decode`).
+
+`supports` is safe by default: the step names the config switches it computes (`LEAN_SWITCHES`); a model whose
+config sets any other field away from its default (a switch added to `GPTConfig` later) takes the plain forward.
+Tests compare its hidden states (to the bit) and greedy tokens with the plain forward, family by family.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.attention import CausalSelfAttention
-from gptlab.generation.packed_linear import avx2_packed
-from gptlab.kernels import avx2_ops
-from gptlab.kv_cache import KVCache, Masks
-from gptlab.model import GPT, MLP, Block
-from gptlab.quantize import QuantizedLinear
+from gptlab.config import GPTConfig
+from gptlab.generation import native_decode
+from gptlab.kv_cache import KVCache
+from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
+from gptlab.rope import apply_rope, rope_tables
+
+# The GPTConfig fields this step reads, at any value; any other field must be at its default for `supports`.
+LEAN_SWITCHES = frozenset({
+    "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim",
+    "norm", "norm_eps", "norm_weight", "norm_unit_offset", "embedding_norm", "scale_embeddings",
+    "bias", "qkv_bias", "attn_proj_bias", "norm_bias", "head_bias",
+    "position", "rope_base", "rotary_fraction", "rope_interleaved", "rope_scaling",
+    "mlp", "gelu_approximate", "mlp_hidden", "mlp_ratio", "mlp_multiple",
+    "block", "shared_norm",
+    "qk_norm", "qk_norm_weight", "attn_scale", "attn_softcap", "sliding_window", "global_layer_every",
+    "tie_embeddings", "logit_softcap", "attention", "dropout",  # the head's and training's: not the step's
+    "init_std", "scale_residual_init", "name", "hf_architecture",
+})
+NORMS = (nn.LayerNorm, nn.RMSNorm, UnitOffsetRMSNorm, nn.Identity)
+
+
+def unknown_switches(config: GPTConfig) -> list[str]:
+    """Fields of `config` outside LEAN_SWITCHES that are not at their defaults: what the step would ignore."""
+    default = GPTConfig()
+    return [f.name for f in dataclasses.fields(config)
+            if f.name not in LEAN_SWITCHES and getattr(config, f.name) != getattr(default, f.name)]
 
 
 def supports(model: GPT) -> bool:
-    """Whether `decode_hidden` computes exactly what `model.hidden_states` does for this model."""
+    """Whether `decode_hidden` computes exactly what `model.hidden_states` does for this model: its config sets
+    only switches the step knows, it is in eval mode (or has no dropout), and its modules are gptlab's own
+    classes (a replaced block, attention or norm may compute something else)."""
     cfg = model.config
-    plain = (
-        cfg.block == "pre" and cfg.norm == "layernorm" and not cfg.norm_unit_offset and cfg.position == "learned"
-        and cfg.mlp == "gelu" and not (cfg.qk_norm or cfg.qk_norm_weight) and cfg.attn_softcap is None
-        and cfg.sliding_window is None and cfg.attention == "sdpa" and not cfg.scale_embeddings
-        and not cfg.embedding_norm and (cfg.dropout == 0 or not model.training)
-    )
-    return plain and type(model.transformer.ln_f) is nn.LayerNorm and all(
-        type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP
-        and type(b.ln_1) is nn.LayerNorm and type(b.ln_2) is nn.LayerNorm and b.attn.attention_dtype is None
-        and b.attn.n_kv_head == b.attn.n_head  # q, k, v of equal width (no grouped heads)
-        for b in model.transformer.h
-    )
+    if unknown_switches(cfg) or (cfg.dropout and model.training):
+        return False
+    t = model.transformer
+    norms = [t.ln_f, *([t.ln_emb] if cfg.embedding_norm else [])]
+    for b in t.h:
+        if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
+            return False
+        if b.attn.attention_dtype is not None:
+            return False
+        norms += [b.ln_1, *([] if cfg.shared_norm else [b.ln_2])]
+        if cfg.block == "sandwich":
+            norms += [b.ln_attn_out, b.ln_mlp_out]
+    return all(type(n) in NORMS for n in norms)
 
 
-def _norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A norm module's forward, as a function (what nn.LayerNorm / nn.RMSNorm call, without the module call)."""
+    kind = type(module)
+    if kind is nn.LayerNorm:
+        return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+    if kind is nn.RMSNorm:
+        return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
+    return module(x)  # unit-offset RMSNorm (computes in fp32), Identity
 
 
-def _native_weights(model: GPT) -> list[torch.Tensor | None] | None:
-    """Every block's norms and (packed weight, qparams, bias) per Linear in `gpt2_decode`'s order, when all its
-    Linears run through gptlab's AVX2 kernel right now (plain ones inside `PackedLinears.active()`, int8/int4 ones,
-    `QuantizedLinear`, on a CPU where that is their forward) and every norm has ln_f's epsilon; None otherwise.
-    Built every step (the packs may change between steps), so submodules and parameters are read from `_modules`
-    / `_parameters` directly: nn.Module's attribute lookup made this ~5% of a batch-1 step."""
-    out: list[torch.Tensor | None] = []
-    eps = model.transformer.ln_f.eps  # the C++ step takes one epsilon for every norm
-    for b in model.transformer.h:
-        parts = b._modules
-        attn, mlp = parts["attn"]._modules, parts["mlp"]._modules
-        halves = (parts["ln_1"], (attn["c_attn"], attn["c_proj"])), (parts["ln_2"], (mlp["c_fc"], mlp["c_proj"]))
-        for ln, linears in halves:
-            if ln.eps != eps:
-                return None
-            out += [ln._parameters["weight"], ln._parameters["bias"]]
-            for lin in linears:
-                if isinstance(lin, QuantizedLinear):
-                    weights = lin.avx2_weights()
-                else:
-                    packed = avx2_packed(lin)
-                    weights = None if packed is None else (packed, None)
-                if weights is None:
-                    return None
-                out += [*weights, lin._parameters["bias"]]
-    return out
+def _mlp(m: MLP, x: torch.Tensor) -> torch.Tensor:
+    """MLP.forward without its dropout."""
+    return m.c_proj(m.activate(m.c_fc(x)))
 
 
-def _native_step(model: GPT, x: torch.Tensor, cache: KVCache, masks: Masks, weights: list) -> torch.Tensor:
-    """The blocks of `decode_hidden` in one C++ call (`gpt2_decode` in gptlab/kernels/decode_avx2.cpp)."""
-    a, cfg = model.transformer.h[0].attn, model.config
-    where = cache._where
-    rows, pos = (None, None) if isinstance(where, int) else where
-    return avx2_ops().gpt2_decode(
-        x, weights, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, cache._end, masks.full,
-        a.n_head, a.head_size, model.transformer.h[0].mlp.c_fc.out_features, model.transformer.ln_f.eps, a.scale,
-        cfg.gelu_approximate)
+def _attention(a: CausalSelfAttention, x: torch.Tensor, rope, masks, cache: KVCache) -> torch.Tensor:  # noqa: ANN001
+    """CausalSelfAttention.forward for one token per row (B, 1, C), in eval mode."""
+    B, cfg, hs = x.shape[0], a.config, a.head_size
+    nh, nkv = a.n_head, a.n_kv_head
+    q, k, v = a.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+    q, k, v = q.view(B, nh, 1, hs), k.view(B, nkv, 1, hs), v.view(B, nkv, 1, hs)  # T = 1: no transpose needed
+    out_dtype = q.dtype
+    if cfg.qk_norm_weight:
+        q, k = norm(a.q_norm, q), norm(a.k_norm, k)
+    elif cfg.qk_norm:
+        q, k = F.rms_norm(q, (hs,), eps=cfg.norm_eps), F.rms_norm(k, (hs,), eps=cfg.norm_eps)
+    if rope is not None:
+        q, k = apply_rope(q, *rope, cfg.rope_interleaved), apply_rope(k, *rope, cfg.rope_interleaved)
+    k, v = cache.append(a.layer, k, v)  # (B, nkv, T_k, hs), in the cache's dtype
+    dtype = torch.promote_types(q.dtype, k.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    mask = masks.window if a.sliding else masks.full
+    if cfg.attention == "manual" or cfg.attn_softcap is not None:
+        y, _ = a._manual_attention(q, k, v, mask, 0.0)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale, enable_gqa=nkv != nh)
+    return a.c_proj(y.to(out_dtype).reshape(B, 1, nh * hs))  # (B, nh, 1, hs) read as (B, 1, nh * hs)
+
+
+def _block(b: Block, x: torch.Tensor, rope, masks, cache: KVCache) -> torch.Tensor:  # noqa: ANN001
+    """Block.forward for one token per row, without dropout or the attention weights."""
+    if b.layout == "pre":
+        x = x + _attention(b.attn, norm(b.ln_1, x), rope, masks, cache)
+        return x + _mlp(b.mlp, norm(b.ln_2, x))
+    if b.layout == "parallel":
+        h = norm(b.ln_1, x)
+        return x + _attention(b.attn, h, rope, masks, cache) + _mlp(b.mlp, h if b.shared_norm else norm(b.ln_2, x))
+    if b.layout == "sandwich":
+        x = x + norm(b.ln_attn_out, _attention(b.attn, norm(b.ln_1, x), rope, masks, cache))
+        return x + norm(b.ln_mlp_out, _mlp(b.mlp, norm(b.ln_2, x)))
+    x = norm(b.ln_1, x + _attention(b.attn, x, rope, masks, cache))  # post
+    return norm(b.ln_2, x + _mlp(b.mlp, x))
+
+
+def embed(model: GPT, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The first block's input (B, T, C) for tokens idx at positions pos, as `GPT.hidden_states` makes it."""
+    cfg, t = model.config, model.transformer
+    x = t.wte(idx)
+    if cfg.scale_embeddings:
+        x = x * torch.tensor(math.sqrt(cfg.n_embd), dtype=x.dtype)
+    if cfg.position == "learned":
+        x = x + t.wpe(pos)
+    if cfg.embedding_norm:
+        x = norm(t.ln_emb, x)
+    return x
 
 
 def decode_hidden(model: GPT, idx: torch.Tensor, cache: KVCache, native: bool = True) -> torch.Tensor:
     """Final-norm hidden states (B, 1, C) of one new token per row (idx (B, 1)), appended to `cache`: what
     `model.hidden_states(idx, kv_cache=cache)` returns, for a model `supports` accepts. With `native` and every
-    Linear on gptlab's AVX2 kernel, the blocks run as one C++ call doing the same ops."""
-    B = idx.shape[0]
-    t = model.transformer
-    pos, masks = cache.begin(1)  # (1 or B, 1); a mask only when rows differ in length
-    x = t.wte(idx) + t.wpe(pos)  # (B, 1, C)
-    weights = _native_weights(model) if native else None
+    Linear on gptlab's own kernel, the blocks run as one C++ call doing the same maths."""
+    cfg, t = model.config, model.transformer
+    pos, masks = cache.begin(1, cfg.sliding_window)  # (1 or B, 1); masks only when rows differ or a window cuts
+    x = embed(model, idx, pos)  # (B, 1, C)
+    rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
+    weights = native_decode.weights(model, cache) if native else None
     if weights is not None:
-        x = _native_step(model, x, cache, masks, weights)
-        cache.advance(1)
-        return _norm(t.ln_f, x)
-    for layer, block in enumerate(t.h):
-        a = block.attn
-        nh, hs = a.n_head, a.head_size
-        # (B, 1, 3 * nh * hs) -> q, k, v (B, nh, 1, hs): views of the one projection
-        q, k, v = a.c_attn(_norm(block.ln_1, x)).view(B, 3, nh, 1, hs).unbind(1)
-        k, v = cache.append(layer, k, v)  # (B, nh, T_k, hs), in the cache's dtype
-        y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=masks.full, scale=a.scale)
-        x = x + a.c_proj(y.to(x.dtype).view(B, 1, nh * hs))  # (B, nh, 1, hs) is laid out as (B, 1, nh * hs)
-        m = block.mlp
-        x = x + m.c_proj(F.gelu(m.c_fc(_norm(block.ln_2, x)), approximate=m.gelu_approximate))
+        x = native_decode.step(model, x, rope, masks, cache, weights)
+    else:
+        for block in t.h:
+            x = _block(block, x, rope, masks, cache)
     cache.advance(1)
-    return _norm(t.ln_f, x)
+    return norm(t.ln_f, x)

@@ -9,9 +9,10 @@
 * fp32: MKL's matrix-vector path is faster for x @ W with W stored (in, out) than for x @ W.T with the (out,
   in) nn.Linear weight (the layout transformers' GPT-2 Conv1D uses): 20 -> 24-25 tokens/s at batch 1, same
   tokens.
-* AVX2-only CPUs (AMD Zen 2/3, older Xeons; torch's CPU capability "AVX2"): oneDNN cannot prepack bf16 there and
-  torch's bf16 matmul is several times slower than fp32, so both bf16 and fp32 weights go to gptlab's own kernel
-  (`gptlab.kernels`, built once per machine), packed in panels of 16 rows: on a 2-core Zen 3 it streams bf16
+* gptlab's own kernel (`gptlab.kernels`, built once per machine), where `gptlab.kernels.dispatch` measured it to be
+  the fastest path for the weights' dtype (on AVX2-only CPUs, AMD Zen 2/3 and older Xeons, oneDNN cannot prepack
+  bf16 and torch's bf16 matmul is several times slower than fp32; on AVX-512 CPUs it also beat oneDNN): both bf16
+  and fp32 weights go to it, packed in panels of 16 rows: on a 2-core Zen 3 it streams bf16
   weights at 25-45 GB/s at batch 1 (torch's bf16 F.linear: 15-30) and reaches ~150-170 GFLOP/s at batch 32
   (MKL fp32 on transposed weights: 60-90). Where the kernels cannot be built, bf16 stays on the plain forward.
 
@@ -39,23 +40,24 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from gptlab.kernels import avx2_only_ops, avx2_ops
+from gptlab.kernels.dispatch import chosen_ops, kind_of
 
 log = logging.getLogger(__name__)
 
 
 def packing_helps(device: torch.device, dtype: torch.dtype) -> bool:
     """True where a re-laid-out weight is the faster path and works here: fp32, or bf16 with oneDNN or gptlab's
-    AVX2 kernel, on a CPU."""
+    own kernel, on a CPU."""
     if device.type != "cpu":
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and (_bf16_packing_works() or avx2_only_ops() is not None)
+    return dtype == torch.bfloat16 and (_bf16_packing_works() or chosen_ops("bfloat16") is not None)
 
 
 @functools.cache
@@ -82,8 +84,9 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _avx2_forward(out_features: int, packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return avx2_ops().linear(x, packed, None, bias, out_features)
+def _kernel_forward(ops: Any, out_features: int, packed: torch.Tensor, bias: torch.Tensor | None,
+                    x: torch.Tensor) -> torch.Tensor:
+    return ops.linear(x, packed, None, bias, out_features)
 
 
 def _transposed_forward(weight_t: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -127,8 +130,9 @@ def _pack(module: nn.Linear, batch_hint: int) -> _Pack | None:
     with torch.no_grad():
         w = weight.detach()
         try:
-            if avx2_only_ops() is not None:
-                kernel, packed = functools.partial(_avx2_forward, w.shape[0]), avx2_ops().pack(w)
+            ops = chosen_ops(kind_of(w.dtype))  # gptlab's kernel where it is the fastest path here
+            if ops is not None:
+                kernel, packed = functools.partial(_kernel_forward, ops, w.shape[0]), ops.pack(w)
             elif w.dtype == torch.float32:
                 kernel, packed = _transposed_forward, w.t().contiguous()
             else:
@@ -139,11 +143,23 @@ def _pack(module: nn.Linear, batch_hint: int) -> _Pack | None:
     return _Pack(module, weakref.ref(weight), _fingerprint(weight), kernel, packed)
 
 
-def avx2_packed(module: nn.Module) -> torch.Tensor | None:
-    """The packed weight a Linear runs through gptlab's AVX2 kernel (inside `PackedLinears.active()`), else None."""
+def kernel_packed(module: nn.Module) -> torch.Tensor | None:
+    """The packed weight a Linear runs through gptlab's own kernel (inside `PackedLinears.active()`), else None."""
     pack = getattr(module.__dict__.get("forward"), "__self__", None)
     kernel = getattr(pack, "kernel", None)
-    return pack.weight if isinstance(pack, _Pack) and getattr(kernel, "func", None) is _avx2_forward else None
+    return pack.weight if isinstance(pack, _Pack) and getattr(kernel, "func", None) is _kernel_forward else None
+
+
+def kernel_name(module: nn.Module) -> str:
+    """Which kernel runs a plain Linear's forward right now (inside or outside `PackedLinears.active()`)."""
+    pack = getattr(module.__dict__.get("forward"), "__self__", None)
+    if not isinstance(pack, _Pack):
+        return f"torch F.linear ({str(module.weight.dtype).removeprefix('torch.')})"
+    kernel = getattr(pack.kernel, "func", pack.kernel)
+    dtype = str(pack.weight.dtype).removeprefix("torch.")
+    if kernel is _kernel_forward:
+        return f"{pack.kernel.args[0].name} ({dtype})"  # the build's torch.ops namespace, e.g. gptlab_avx2
+    return "oneDNN packed (bfloat16)" if kernel is _packed_forward else f"MKL, transposed weight ({dtype})"
 
 
 def packable(module: nn.Module) -> bool:

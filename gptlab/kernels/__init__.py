@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 import shutil
 import warnings
 from pathlib import Path
@@ -28,16 +29,18 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_avx2.cpp"]
+SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_avx2.cpp", HERE / "decode_step.cpp"]
 HEADERS = [HERE / "linear_avx2.h", HERE / "int_tiles.h"]
 
 
 def cpu_has_avx2() -> bool:
-    """Whether this CPU runs AVX2 + FMA code (torch's own dispatch level says so)."""
+    """Whether this CPU runs AVX2 + FMA code (an x86 CPU, and torch's own dispatch level says so)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return False  # ARM (Apple Silicon, Graviton): nothing x86 is built or probed
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _build_name() -> str:
+def build_name() -> str:
     """The build's name changes with the source and torch version, so an edited kernel is never loaded stale."""
     import hashlib
 
@@ -59,7 +62,7 @@ def avx2_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=_build_name(), sources=[str(f) for f in SOURCES], is_python_module=False, verbose=False,
+        load(name=build_name(), sources=[str(f) for f in SOURCES], is_python_module=False, verbose=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         warnings.warn(f"gptlab: building the AVX2 kernels failed, using PyTorch's ({type(e).__name__}: "
@@ -75,3 +78,9 @@ def avx2_only_ops() -> Any | None:
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         return None
     return avx2_ops()
+
+
+def kernel_builds() -> dict[str, Any]:
+    """gptlab's kernel builds this machine can execute, by name ("avx2"); empty where none could be built."""
+    ops = avx2_ops()
+    return {} if ops is None else {"avx2": ops}

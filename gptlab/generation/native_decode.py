@@ -1,0 +1,101 @@
+"""The lean decode step's blocks as one C++ call (`decode_step` in gptlab/kernels/decode_step.cpp), for a model
+whose every Linear runs on gptlab's own kernel: plain Linears inside `PackedLinears.active()`, and int8/int4
+`QuantizedLinear`s where that kernel is their forward.
+
+`weights(model)` gathers, per layer, the norms' parameters and each Linear's (packed, qparams, bias) in the
+order the C++ step reads them, or returns None when the step cannot run this model exactly (a Linear on another
+kernel or wrapped by an adapter, a norm with an epsilon other than the config's); `step` then runs every block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from gptlab.config import GPTConfig
+from gptlab.generation.packed_linear import kernel_packed
+from gptlab.kernels import kernel_builds
+from gptlab.kernels.dispatch import chosen_ops, kind_of
+from gptlab.kv_cache import KVCache, Masks
+from gptlab.model import GPT
+from gptlab.quantize import QuantizedLinear
+
+LAYOUTS = {"pre": 0, "parallel": 1, "sandwich": 2, "post": 3}
+MLPS = {"gelu": 0, "swiglu": 1, "geglu": 2, "relu2": 3}
+PER_LAYER = 22  # decode_step.cpp's kPerLayer
+
+
+def _norm_kind(cfg: GPTConfig) -> int:
+    return 2 if cfg.norm_unit_offset else 1 if cfg.norm == "rmsnorm" else 0
+
+
+def _shape(model: GPT) -> list[int]:
+    """decode_step's `shape`: the sizes and switches of decode_step.cpp's Shape, then a sliding flag per layer."""
+    cfg, a = model.config, model.transformer.h[0].attn
+    qk = 1 if cfg.qk_norm or cfg.qk_norm_weight else 0
+    return [a.n_head, a.n_kv_head, a.head_size, cfg.hidden_size, LAYOUTS[cfg.block], int(cfg.shared_norm),
+            _norm_kind(cfg), MLPS[cfg.mlp], int(cfg.gelu_approximate == "tanh"), qk, int(cfg.rope_interleaved),
+            cfg.rotary_dim if cfg.position == "rope" else 0, *(int(b.attn.sliding) for b in model.transformer.h)]
+
+
+def _linear(lin: nn.Module) -> list[torch.Tensor | None] | None:
+    """(packed, qparams, bias) of a Linear that runs on gptlab's kernel right now; None otherwise."""
+    if isinstance(lin, QuantizedLinear):
+        packed = lin.kernel_weights()
+        return None if packed is None else [*packed, lin._parameters.get("bias")]
+    packed = kernel_packed(lin)
+    return None if packed is None else [packed, None, lin._parameters["bias"]]
+
+
+def _norm(module: nn.Module | None, eps: float) -> list[torch.Tensor | None] | None:
+    """(weight, bias) of a norm whose epsilon is `eps` (None, None when absent); None for another epsilon."""
+    if module is None:
+        return [None, None]
+    if getattr(module, "eps", eps) != eps:
+        return None
+    params = module._parameters
+    return [params.get("weight"), params.get("bias")]
+
+
+def weights(model: GPT, cache: KVCache) -> list[torch.Tensor | None] | None:
+    """Every layer's PER_LAYER tensors in decode_step's order, or None where the C++ step cannot run this model
+    now (or this cache: it takes fp32 keys and values). Gathered every step (packs may change between steps),
+    reading `_modules` / `_parameters` directly: nn.Module's attribute lookup costs several percent of a batch-1
+    step."""
+    if not kernel_builds() or cache.k.dtype != torch.float32:
+        return None
+    cfg = model.config
+    eps = cfg.norm_eps
+    out: list[torch.Tensor | None] = []
+    for b in model.transformer.h:
+        parts = b._modules
+        attn, mlp = parts["attn"]._modules, parts["mlp"]._modules
+        groups = [
+            _norm(parts["ln_1"], eps), _linear(attn["c_attn"]), _linear(attn["c_proj"]),
+            _norm(parts.get("ln_2"), eps), _linear(mlp["c_fc"]), _linear(mlp["c_proj"]),
+            _norm(parts.get("ln_attn_out"), eps), _norm(parts.get("ln_mlp_out"), eps),
+            _norm(attn.get("q_norm"), eps), _norm(attn.get("k_norm"), eps),
+        ]
+        if any(g is None for g in groups):
+            return None
+        for g in groups[:-2]:
+            out += g
+        out += [groups[-2][0], groups[-1][0]]  # the q/k norms have a weight only
+    return out
+
+
+def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, masks: Masks,
+         cache: KVCache, weights: list[torch.Tensor | None]) -> torch.Tensor:
+    """x (B, 1, C) through every block (before the final norm), this token's keys and values written to `cache`
+    (fp32): the loop of the lean step in one C++ call."""
+    cfg, a = model.config, model.transformer.h[0].attn
+    where, end = cache.step_target()
+    rows, pos = (None, None) if isinstance(where, int) else where
+    cos = sin = None
+    if rope is not None:  # (1 or B, 1, 1, rot / 2) fp32, rounded to the model's dtype as apply_rope does
+        cos, sin = (t.to(x.dtype).float().flatten(1) for t in rope)
+    ops = chosen_ops(kind_of(x.dtype)) or next(iter(kernel_builds().values()))  # packs fit every build
+    return ops.decode_step(
+        x, weights, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
+        masks.window, cos, sin, _shape(model), cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0)
+

@@ -1,0 +1,279 @@
+// One decode step of any gptlab model (one new token per row) in one C++ call, over weights packed for this
+// library's `linear`: the loop of gptlab/generation/fast_decode.py's lean step without a Python or ATen round trip
+// per op. Norms, rotary embeddings, q/k norms, grouped-query attention over the fp32 KV cache, soft-caps and the
+// MLP's activation are plain loops over a few rows; only the Linear products go to the kernel.
+//
+// Values are kept in fp32 and rounded to the model's dtype (`act_bf16`) wherever the lean step holds a tensor of
+// that dtype (after each norm, product, activation, rotation and residual add), so a bf16 model's step follows the
+// lean one to within a bf16 rounding here and there (a norm or rotation rounded once rather than per op).
+//
+// Per layer, `weights` holds kPerLayer tensors (None where absent): ln_1 weight, bias; c_attn (packed, qparams,
+// bias); attn c_proj (3); ln_2 weight, bias; c_fc (3); mlp c_proj (3); ln_attn_out weight, bias; ln_mlp_out weight,
+// bias (sandwich blocks); q_norm weight, k_norm weight. `shape`: n_head, n_kv_head, head_size, hidden, layout,
+// shared_norm, norm kind, mlp kind, gelu tanh, qk norm, rope interleaved, rotary dim, then one sliding flag per layer.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "linear_avx2.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using gptlab_avx2::linear;
+
+constexpr int64_t kPerLayer = 22;
+enum Layout { kPre = 0, kParallel = 1, kSandwich = 2, kPost = 3 };
+enum Norm { kLayerNorm = 0, kRMSNorm = 1, kUnitOffset = 2 };
+enum Mlp { kGelu = 0, kSwiGLU = 1, kGeGLU = 2, kReLU2 = 3 };
+
+struct Shape {
+  int64_t nh, nkv, hs, hidden, layout, shared_norm, norm, mlp, gelu_tanh, qk_norm, interleaved, rot;
+};
+
+using Weights = c10::List<c10::optional<at::Tensor>>;
+
+inline float round_to(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
+inline void round_all(float* p, int64_t n, bool bf16) {
+  if (bf16)
+    for (int64_t i = 0; i < n; ++i) p[i] = round_to(p[i], true);
+}
+inline float value(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kBFloat16 ? static_cast<float>(t.data_ptr<at::BFloat16>()[i]) : t.data_ptr<float>()[i];
+}
+
+// rows of width n, normalized (LayerNorm, RMSNorm, or Gemma's RMSNorm scaled by 1 + weight): out = norm(in)
+void norm_rows(const float* in, float* out, int64_t rows, int64_t n, int kind, const c10::optional<at::Tensor>& w,
+               const c10::optional<at::Tensor>& b, float eps, bool bf16) {
+  const bool has_w = w.has_value() && w->defined(), has_b = b.has_value() && b->defined();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = in + r * n;
+    float* y = out + r * n;
+    double mean = 0.0, sq = 0.0;
+    if (kind == kLayerNorm) {
+      for (int64_t i = 0; i < n; ++i) mean += x[i];
+      mean /= n;
+    }
+    for (int64_t i = 0; i < n; ++i) sq += (x[i] - mean) * (x[i] - mean);
+    const float inv = 1.0f / std::sqrt(static_cast<float>(sq / n) + eps);
+    for (int64_t i = 0; i < n; ++i) {
+      float v = (x[i] - static_cast<float>(mean)) * inv;
+      if (kind == kUnitOffset) v *= 1.0f + value(*w, i);
+      else if (has_w) v *= value(*w, i);
+      if (has_b) v += value(*b, i);
+      y[i] = round_to(v, bf16);
+    }
+  }
+}
+
+// y (M, N) = x (M, K) @ W.T + bias through the packed kernel; the weight's three entries start at weights[i]
+void project(const float* x, int64_t M, int64_t K, const Weights& wl, int64_t i, int64_t N, float* y, bool bf16) {
+  auto xt = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);
+  auto out = linear(xt, *wl.get(i), wl.get(i + 1), wl.get(i + 2), N);
+  std::copy_n(out.data_ptr<float>(), M * N, y);
+  round_all(y, M * N, bf16);
+}
+
+// rotate a head's first `rot` dims by (cos, sin) (rot / 2 each): pairs (i, i + rot / 2), or (2i, 2i + 1)
+void rotate(float* h, const float* cos, const float* sin, int64_t rot, bool interleaved, bool bf16) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+    const float a = h[ia], b = h[ib];
+    h[ia] = round_to(a * cos[i] - b * sin[i], bf16);
+    h[ib] = round_to(b * cos[i] + a * sin[i], bf16);
+  }
+}
+
+float gelu(float v, bool tanh_form) {
+  if (tanh_form) return 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+  return 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f));
+}
+
+struct Step {
+  const Shape& s;
+  const Weights& w;
+  int64_t B, C, L;
+  bool bf16;
+  float eps, scale, softcap;
+  const at::Tensor &k_cache, &v_cache;  // (L, B, nkv, max_len, hs) fp32
+  int64_t where, end;
+  const int64_t *rows, *pos;      // where < 0: row b writes at rows[b], pos[b]
+  const bool *full, *window;      // (B or 1, end) masks, or null: every key
+  int64_t full_rows, window_rows;
+  const float *cos, *sin;         // (B or 1, rot / 2), or null
+  int64_t rope_rows;
+
+  c10::optional<at::Tensor> at(int64_t layer, int64_t i) const { return w.get(kPerLayer * layer + i); }
+
+  // the attention branch for input h (B, C) -> out (B, C), writing this token's keys and values to the cache
+  void attention(int64_t layer, bool sliding, const float* h, float* out) const {
+    const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, width = (nh + 2 * nkv) * hs;
+    std::vector<float> qkv(B * width), y(B * nh * hs);
+    project(h, B, C, w, kPerLayer * layer + 2, width, qkv.data(), bf16);
+    auto kl = k_cache.select(0, layer), vl = v_cache.select(0, layer);  // (B, nkv, max_len, hs)
+    float *kp = kl.data_ptr<float>(), *vp = vl.data_ptr<float>();
+    const int64_t sb = kl.stride(0), sh = kl.stride(1), st = kl.stride(2);
+    const auto qn = at(layer, 20), kn = at(layer, 21);
+    for (int64_t b = 0; b < B; ++b) {
+      float* row = qkv.data() + b * width;
+      for (int64_t j = 0; j < nh + nkv; ++j) {  // q heads then k heads: q/k norm, then the rotation
+        float* head = row + j * hs;
+        if (s.qk_norm) norm_rows(head, head, 1, hs, kRMSNorm, j < nh ? qn : kn, c10::nullopt, eps, bf16);
+        if (cos) {
+          const int64_t r = rope_rows > 1 ? b : 0;
+          rotate(head, cos + r * (s.rot / 2), sin + r * (s.rot / 2), s.rot, s.interleaved, bf16);
+        }
+      }
+      const int64_t slot = where >= 0 ? b : rows[b], t = where >= 0 ? where : pos[b];
+      for (int64_t j = 0; j < nkv; ++j) {
+        std::copy_n(row + (nh + j) * hs, hs, kp + slot * sb + j * sh + t * st);
+        std::copy_n(row + (nh + nkv + j) * hs, hs, vp + slot * sb + j * sh + t * st);
+      }
+    }
+    const bool* mask = sliding ? window : full;
+    const int64_t mask_rows = sliding ? window_rows : full_rows;
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(end * hs, 1));
+    at::parallel_for(0, B * nh, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> p(end);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / nh, h = i % nh, g = h / (nh / nkv);
+        const float* q = qkv.data() + b * width + h * hs;
+        const float *keys = kp + b * sb + g * sh, *vals = vp + b * sb + g * sh;
+        const bool* m = mask ? mask + (mask_rows > 1 ? b : 0) * end : nullptr;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < end; ++t) {
+          if (m && !m[t]) { p[t] = -std::numeric_limits<float>::infinity(); continue; }
+          float d = 0.0f;
+          for (int64_t e = 0; e < hs; ++e) d += q[e] * keys[t * st + e];
+          d *= scale;
+          if (softcap > 0.0f) d = softcap * std::tanh(d / softcap);
+          p[t] = d;
+          top = std::max(top, d);
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < end; ++t) total += (p[t] = std::exp(p[t] - top));
+        float* yi = y.data() + b * nh * hs + h * hs;
+        std::fill_n(yi, hs, 0.0f);
+        for (int64_t t = 0; t < end; ++t) {
+          if (p[t] == 0.0f) continue;
+          const float pw = p[t] / total;
+          for (int64_t e = 0; e < hs; ++e) yi[e] += pw * vals[t * st + e];
+        }
+        for (int64_t e = 0; e < hs; ++e) yi[e] = round_to(yi[e], bf16);
+      }
+    });
+    project(y.data(), B, nh * hs, w, kPerLayer * layer + 5, C, out, bf16);
+  }
+
+  void mlp(int64_t layer, const float* h, float* out) const {
+    const bool gated = s.mlp == kSwiGLU || s.mlp == kGeGLU;
+    const int64_t H = s.hidden, fc = gated ? 2 * H : H;
+    std::vector<float> a(B * fc), act(B * H);
+    project(h, B, C, w, kPerLayer * layer + 10, fc, a.data(), bf16);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < H; ++i) {
+        const float v = a[b * fc + i];
+        float r;
+        if (s.mlp == kSwiGLU) r = round_to(round_to(v / (1.0f + std::exp(-v)), bf16) * a[b * fc + H + i], bf16);
+        else if (s.mlp == kGeGLU) r = round_to(round_to(gelu(v, s.gelu_tanh), bf16) * a[b * fc + H + i], bf16);
+        else if (s.mlp == kReLU2) r = round_to(round_to(std::max(v, 0.0f), bf16) * std::max(v, 0.0f), bf16);
+        else r = round_to(gelu(v, s.gelu_tanh), bf16);
+        act[b * H + i] = r;
+      }
+    project(act.data(), B, H, w, kPerLayer * layer + 13, C, out, bf16);
+  }
+
+  void add(float* x, const float* y) const {
+    for (int64_t i = 0; i < B * C; ++i) x[i] = round_to(x[i] + y[i], bf16);
+  }
+
+  void norm(int64_t layer, int64_t i, const float* in, float* out) const {
+    norm_rows(in, out, B, C, s.norm, at(layer, i), at(layer, i + 1), eps, bf16);
+  }
+
+  void layer(int64_t l, bool sliding, float* x) const {
+    std::vector<float> h(B * C), a(B * C), m(B * C);
+    switch (s.layout) {
+      case kPre:
+        norm(l, 0, x, h.data()), attention(l, sliding, h.data(), a.data()), add(x, a.data());
+        norm(l, 8, x, h.data()), mlp(l, h.data(), m.data()), add(x, m.data());
+        break;
+      case kParallel:
+        norm(l, 0, x, h.data()), attention(l, sliding, h.data(), a.data());
+        if (!s.shared_norm) norm(l, 8, x, h.data());
+        mlp(l, h.data(), m.data()), add(x, a.data()), add(x, m.data());
+        break;
+      case kSandwich:
+        norm(l, 0, x, h.data()), attention(l, sliding, h.data(), a.data()), norm(l, 16, a.data(), h.data());
+        add(x, h.data());
+        norm(l, 8, x, h.data()), mlp(l, h.data(), m.data()), norm(l, 18, m.data(), h.data()), add(x, h.data());
+        break;
+      default:  // post
+        attention(l, sliding, x, a.data()), add(x, a.data()), norm(l, 0, x, x);
+        mlp(l, x, m.data()), add(x, m.data()), norm(l, 8, x, x);
+    }
+  }
+};
+
+const bool* mask_data(const c10::optional<at::Tensor>& mask, int64_t end, int64_t& rows) {
+  if (!mask.has_value() || !mask->defined()) return nullptr;
+  TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->size(-1) == end,
+              "decode_step: masks must be contiguous bool (B or 1, 1, 1, end)");
+  rows = mask->size(0);
+  return mask->data_ptr<bool>();
+}
+
+// x (B, 1, C) in the model's dtype: the first block's input; returns x after the last block (before ln_f)
+at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, int64_t where, const c10::optional<at::Tensor>& rows,
+                       const c10::optional<at::Tensor>& pos, int64_t end, const c10::optional<at::Tensor>& full,
+                       const c10::optional<at::Tensor>& window, const c10::optional<at::Tensor>& cos,
+                       const c10::optional<at::Tensor>& sin, at::IntArrayRef shape, double eps, double scale,
+                       double softcap) {
+  TORCH_CHECK(shape.size() >= 12, "decode_step: shape holds 12 sizes and a sliding flag per layer");
+  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], shape[8], shape[9],
+                shape[10], shape[11]};
+  const int64_t L = static_cast<int64_t>(shape.size()) - 12, B = x.size(0), C = x.size(2);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * L, "decode_step: ", kPerLayer, " tensors a layer");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 5 &&
+              k_cache.stride(4) == 1 && v_cache.strides() == k_cache.strides(), "decode_step: an fp32 cache");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "decode_step: bf16 or fp32");
+  TORCH_CHECK(s.nkv > 0 && s.nh % s.nkv == 0 && end > 0 && end <= k_cache.size(3), "decode_step: bad sizes");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor rows_c, pos_c, cos_c, sin_c;
+  if (where < 0) {
+    rows_c = rows->reshape({-1}).contiguous(), pos_c = pos->reshape({-1}).contiguous();
+    TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "decode_step: a row and position per row");
+  }
+  int64_t rope_rows = 0;
+  if (cos.has_value() && cos->defined()) {
+    cos_c = cos->to(at::kFloat).contiguous(), sin_c = sin->to(at::kFloat).contiguous();
+    rope_rows = cos_c.size(0);
+    TORCH_CHECK(cos_c.numel() == rope_rows * (s.rot / 2), "decode_step: cos/sin (B or 1, rot / 2)");
+  }
+  int64_t full_rows = 0, window_rows = 0;
+  const bool* full_p = mask_data(full, end, full_rows);
+  const bool* window_p = mask_data(window, end, window_rows);
+  Step step{s, weights, B, C, L, bf16, static_cast<float>(eps), static_cast<float>(scale),
+            static_cast<float>(softcap), k_cache, v_cache, where, end,
+            where < 0 ? rows_c.data_ptr<int64_t>() : nullptr, where < 0 ? pos_c.data_ptr<int64_t>() : nullptr,
+            full_p, window_p, full_rows, window_rows,
+            rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr, rope_rows};
+  auto xs = x.reshape({B, C}).to(at::kFloat).contiguous();
+  std::vector<float> buf(xs.data_ptr<float>(), xs.data_ptr<float>() + B * C);
+  for (int64_t l = 0; l < L; ++l) step.layer(l, shape[12 + l] != 0, buf.data());
+  return at::from_blob(buf.data(), {B, 1, C}, at::kFloat).to(x.scalar_type(), false, /*copy=*/true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gptlab_avx2, m) {
+  m.def("decode_step(Tensor x, Tensor?[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
+        "Tensor? pos, int end, Tensor? full, Tensor? window, Tensor? cos, Tensor? sin, int[] shape, float eps, "
+        "float scale, float softcap) -> Tensor", &decode_step);
+}

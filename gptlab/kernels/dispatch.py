@@ -1,0 +1,184 @@
+"""Which kernel runs a Linear at decoding shapes on this machine, decided by measurement rather than by the name of
+the CPU's vector unit.
+
+For each kind of weight (bf16, fp32, int8, int4) the candidates are gptlab's own builds that this CPU can execute
+(`gptlab.kernels.kernel_builds`: AVX2, AVX-512) and PyTorch's path for that kind (oneDNN's packed bf16 product where
+it works, else `F.linear`; MKL on a transposed fp32 weight; `_weight_int8pack_mm`; `_weight_int4pack_mm_for_cpu`).
+A short probe (a fraction of a second a kind, on first use) times each on decoding-shaped products (batch 1,
+768 x 2304 and 3072 x 768, over weights larger than the CPU's cache) at the process's thread count, candidates
+taking turns, and the fastest wins. The result is cached per CPU
+model, thread count, torch version and kernel source in ~/.cache/gptlab/kernels.json (GPTLAB_CACHE_DIR moves it),
+so later runs decide in no time. Measured: on an AVX2-only AMD EPYC the AVX2 build beats PyTorch for every kind; on
+an AMD Zen 4 with AVX-512 the rule "keep oneDNN there" lost 1.3-2.5x (see benchmarks/kernel_throughput.py).
+
+`GPTLAB_KERNEL=torch|avx2|avx512` overrides the choice (for comparisons and tests: a build the CPU cannot run falls
+back to the probe's choice); `GPTLAB_NO_KERNELS=1` keeps PyTorch's paths everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gptlab.errors import GptlabError
+from gptlab.fileio import atomic_write_json
+from gptlab.hardware import cache_dir, cpu_name
+
+KINDS = ("bfloat16", "float32", "int8", "int4")
+TORCH = "torch"
+CACHE_FILE = "kernels.json"
+_SHAPES = ((2304, 768), (768, 3072))  # (N, K): a fused q/k/v projection and an MLP's down projection
+_GROUP = 32
+
+
+def _builds() -> dict[str, Any]:
+    from gptlab.kernels import kernel_builds  # the package imports this module
+
+    return kernel_builds()
+
+
+def kind_of(dtype: torch.dtype | str) -> str:
+    """The kind a weight dtype (or a quantization mode, "int8" / "int4") is probed as."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def choice(kind: str) -> str:
+    """The name of the path that runs `kind` weights here: a build of `kernel_builds()`, or "torch"."""
+    builds = _builds()
+    forced = os.environ.get("GPTLAB_KERNEL")
+    if forced == TORCH or not builds:
+        return TORCH
+    if forced in builds:
+        return forced
+    return _measured(kind, tuple(sorted(builds)))
+
+
+def chosen_ops(kind: str) -> Any | None:
+    """The build (torch.ops namespace) that runs `kind` weights here, or None where PyTorch's path is faster or
+    there is no build."""
+    name = choice(kind)
+    return None if name == TORCH else _builds()[name]
+
+
+@functools.cache
+def _measured(kind: str, names: tuple[str, ...]) -> str:
+    key = "|".join([cpu_name(), f"threads={torch.get_num_threads()}", torch.__version__, _source_key(), kind])
+    path = cache_dir() / CACHE_FILE
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key)
+    if isinstance(entry, dict) and entry.get("choice") in (*names, TORCH):
+        return entry["choice"]
+    times = probe(kind, names)
+    best = min(times, key=times.get)
+    cached[key] = {"choice": best, "seconds": times}
+    try:
+        atomic_write_json(path, cached)
+    except (OSError, GptlabError):
+        pass  # a read-only home: probe again next time
+    return best
+
+
+def _source_key() -> str:
+    from gptlab.kernels import build_name
+
+    return build_name()
+
+
+def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, calls: int = 3) -> dict[str, float]:
+    """Seconds for each candidate ("torch" and each build in `names`) to run the probe's products once over weights
+    several times the size of the CPU's last-level cache (decoding streams its weights from memory; a probe whose
+    weights stay in cache measures another machine). The fastest of `rounds` x `calls` passes, candidates taking
+    turns: on a shared machine another process's time slice lands in some passes, never in a kernel's favour, so
+    the minimum is what each path can do."""
+    builds = _builds()
+    names = tuple(builds) if names is None else names
+    gen = torch.Generator().manual_seed(0)  # not the global one: a seeded run's draws stay as they are
+    bytes_per_weight = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}[kind]
+    copies = max(1, math.ceil(_working_set() / (bytes_per_weight * sum(n * k for n, k in _SHAPES))))
+    runs: dict[str, list] = {name: [] for name in (TORCH, *names)}
+    for n, k in _SHAPES:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        x = torch.randn(1, k, generator=gen).to(torch.bfloat16 if kind != "float32" else torch.float32)
+        for _ in range(copies):  # each copy laid out anew: its own memory
+            runs[TORCH].append(_torch_product(kind, w, x))
+            for name in names:
+                runs[name].append(_build_product(builds[name], kind, w, x))
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, products in runs.items():
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                for product in products:
+                    product()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def _working_set() -> int:
+    """Bytes of weights the probe streams: four times the last-level cache (Linux's sysfs), at least 64 MiB."""
+    llc = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            llc = max(llc, int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            continue
+    return max(4 * llc, 64 * 2**20)
+
+
+def _int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w as gptlab.quantize's int4 (q in 0..15, per-group scale and zero), for the probe only."""
+    groups = w.view(w.shape[0], -1, _GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    zero = lo + 8 * scale
+    q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).view_as(w)
+    return q, scale, zero
+
+
+def _torch_product(kind: str, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN202 - a () -> Tensor
+    """PyTorch's path for `kind` as gptlab runs it (generation.packed_linear, quantize)."""
+    if kind == "float32":
+        wt = w.t().contiguous()
+        return lambda: x @ wt
+    if kind == "bfloat16":
+        wb = w.bfloat16()
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(wb, 1)
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return lambda: F.linear(x, wb)
+    if kind == "int8":
+        scale = w.abs().amax(1).clamp(min=1e-8) / 127
+        q = (w / scale[:, None]).round().to(torch.int8)
+        s = scale.bfloat16()
+        return lambda: torch.ops.aten._weight_int8pack_mm(x, q, s)
+    q, scale, zero = _int4(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    pairs = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()
+    return lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, _GROUP, pairs)
+
+
+def _build_product(ops: Any, kind: str, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN202 - a () -> Tensor
+    n = w.shape[0]
+    if kind in ("float32", "bfloat16"):
+        packed = ops.pack(w.to(x.dtype))
+        return lambda: ops.linear(x, packed, None, None, n)
+    if kind == "int8":
+        scale = w.abs().amax(1).clamp(min=1e-8) / 127
+        packed = ops.pack_int8((w / scale[:, None]).round().to(torch.int8))
+        return lambda: ops.linear(x, packed, scale, None, n)
+    packed, qparams = ops.pack_int4(*_int4(w))
+    return lambda: ops.linear(x, packed, qparams, None, n)
