@@ -1,10 +1,8 @@
-"""Fast decoding paths against the plain ones: gptlab's AVX2 Linear kernel against float64 matmuls, and the lean
-decode step (`fast_decode`, Python and C++) against `GPT.hidden_states` and the engine's plain forward.
+"""Fast decoding paths against the plain ones: the lean decode step (`fast_decode`, Python and C++) against
+`GPT.hidden_states` and the engine's plain forward (the kernels themselves, per build: tests/test_kernels.py).
 
-Tolerances: the kernel accumulates in fp32 and rounds once, so fp32 outputs are within ~1e-5 of float64 (relative
-to the largest output) and bf16 ones within one bf16 rounding (2**-8 relative). The lean step runs the same ops as
-the plain forward, so its hidden states must be equal to the bit; the packed kernel against torch's own bf16
-linear differs only by rounding order (logits within 2e-2)."""
+The lean step runs the same ops as the plain forward, so its hidden states must be equal to the bit; the packed
+kernel against torch's own bf16 linear differs only by rounding order (logits within 2e-2)."""
 
 from __future__ import annotations
 
@@ -12,24 +10,16 @@ import pytest
 import torch
 import torch.nn as nn
 from helpers import tiny_model
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import gptlab.generation.engine as engine_module
+import gptlab.generation.fast_decode as fast_decode
 from gptlab.generation import generate
 from gptlab.generation.fast_decode import _native_weights, decode_hidden, supports
 from gptlab.generation.packed_linear import PackedLinears, avx2_packed, forget_packed
-from gptlab.kernels import avx2_ops
+from gptlab.kernels import avx2_ops, kernel_builds
 from gptlab.kv_cache import KVCache
 from gptlab.lora import LoRASpec, add_lora
-from gptlab.quantize import (
-    QuantizedLinear,
-    dequantize_int4,
-    dequantize_int8,
-    quantize_int4,
-    quantize_int8,
-    quantize_model,
-)
+from gptlab.quantize import QuantizedLinear, quantize_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,72 +38,6 @@ def gpt2_like(**kw: object) -> nn.Module:
     """A tiny model of the GPT-2 family: pre-norm LayerNorm blocks, GELU MLP, learned positions."""
     kw = {"n_kv_head": None, **kw}
     return tiny_model(position="learned", vocab_size=97, norm="layernorm", mlp="gelu", bias=True, **kw)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The kernel
-# ---------------------------------------------------------------------------------------------------------------
-@settings(max_examples=25, deadline=None)
-@given(M=st.integers(1, 20), N=st.integers(1, 70), K=st.integers(1, 70), bias=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_kernel_matches_a_float64_matmul(ops, M: int, N: int, K: int, bias: bool,  # noqa: ANN001
-                                         dtype: torch.dtype, seed: int) -> None:
-    """Any shape (panels padded, row tiles of 1-6, the k tail) gives x @ W.T + b to one rounding of the dtype."""
-    g = torch.Generator().manual_seed(seed)
-    W, x = torch.randn(N, K, generator=g).to(dtype), torch.randn(M, K, generator=g).to(dtype)
-    b = torch.randn(N, generator=g).to(dtype) if bias else None
-    y = ops.linear(x, ops.pack(W), None, b, N)
-    ref = x.double() @ W.double().T + (b.double() if bias else 0)
-    assert y.dtype == dtype and y.shape == (M, N)
-    tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
-    assert (y.double() - ref).abs().max() <= tol * max(ref.abs().max().item(), 1.0)
-
-
-def test_kernel_keeps_leading_dims_and_reads_fp32_bias_under_bf16(ops) -> None:  # noqa: ANN001
-    W = torch.randn(40, 24).bfloat16()
-    x = torch.randn(2, 3, 24).bfloat16()
-    b = torch.randn(40)
-    y = ops.linear(x, ops.pack(W), None, b, 40)
-    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
-    ref = x.double() @ W.double().T + b.double()
-    assert (y.double() - ref).abs().max() <= 2**-8 * ref.abs().max()
-
-
-@settings(max_examples=25, deadline=None)
-@given(M=st.integers(1, 14), N=st.integers(1, 70), K=st.integers(1, 8), group=st.sampled_from([2, 4, 32]),
-       mode=st.sampled_from(["int8", "int4"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**16))
-def test_integer_kernels_equal_the_dequantized_weight_in_float64(ops, M: int, N: int, K: int, group: int,  # noqa: ANN001
-                                                                  mode: str, dtype: torch.dtype, seed: int) -> None:
-    """int8 (row scales) and int4 (nibbles, a scale and zero per group, groups of 2 to 32 columns) through the
-    kernel: the dequantized weight (the quantize module's own formula) times x in 16-bit fixed point (within its
-    rounding bound), rounded once to x's dtype. Row tiles of 1-6 and padded panels are all reached."""
-    g = torch.Generator().manual_seed(seed)
-    K = K * group if mode == "int4" else K * 10  # int4: whole groups; int8: column pairs
-    W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)
-    if mode == "int8":
-        q, scale = quantize_int8(W)
-        y, dense = ops.linear(x, ops.pack_int8(q), scale, b, N), dequantize_int8(q, scale)
-    else:
-        q, scale, zero = quantize_int4(W, group)
-        packed, qparams = ops.pack_int4(q, scale, zero)
-        y, dense = ops.linear(x, packed, qparams, b, N), dequantize_int4(q, scale, zero)
-    ref = x.double() @ dense.double().T + b.double()
-    assert y.dtype == dtype and y.shape == (M, N)
-    tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
-    bound = tol * max(ref.abs().max().item(), 1.0)
-    # x rounded to 16-bit fixed point: each x[m, k] within max|x[m]| / 65534
-    bound = bound + (x.double().abs().amax(dim=1, keepdim=True) / 65534) @ dense.double().abs().sum(1)[None]
-    assert bool(((y.double() - ref).abs() <= bound).all())
-
-
-def test_kernel_refuses_a_mismatched_input(ops) -> None:  # noqa: ANN001
-    packed = ops.pack(torch.randn(16, 8))
-    with pytest.raises(RuntimeError, match="input has 9 features, the weight 8"):
-        ops.linear(torch.randn(1, 9), packed, None, None, 16)
-    q, scale = quantize_int8(torch.randn(16, 8))
-    with pytest.raises(RuntimeError, match="int8 and int4 weights take qparams"):
-        ops.linear(torch.randn(1, 8), ops.pack_int8(q), None, None, 16)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,6 +103,23 @@ def test_quantized_native_step_equals_the_lean_one(ops, mode: str, dtype: torch.
     model = quantize_model(gpt2_like(n_embd=64).to(dtype).eval(), mode, 32 if mode == "int4" else None)
     assert all(m.avx2_weights() is not None for m in model.modules() if isinstance(m, QuantizedLinear))
     assert _native_weights(model) is not None  # the C++ step runs
+    lean = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache, native=False), [7, 2, 4])
+    native = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache), [7, 2, 4])
+    assert torch.equal(lean, native)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("build", ["avx2", "avx512"])
+def test_every_build_runs_the_quantized_native_step(build: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpt2_decode` is in every kernel build: given the same packed weights, each build's C++ step gives the lean
+    step's numbers to the bit (the lean step's Linears run the AVX2 build; the builds agree on int8/int4)."""
+    ops = kernel_builds().get(build)
+    if ops is None:
+        pytest.skip(f"gptlab's {build} kernels are not available here")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # QuantizedLinear packs
+    monkeypatch.setattr(fast_decode, "avx2_ops", lambda: ops)
+    model = quantize_model(gpt2_like(n_embd=64).eval(), mode, 32 if mode == "int4" else None)
+    assert _native_weights(model) is not None
     lean = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache, native=False), [7, 2, 4])
     native = _steps(model, lambda m, idx, cache: decode_hidden(m, idx, cache), [7, 2, 4])
     assert torch.equal(lean, native)

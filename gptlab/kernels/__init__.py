@@ -1,17 +1,23 @@
 """C++ kernels shipped as source and built on first use, for CPUs whose PyTorch kernels are slow at decoding shapes.
 
 `linear_avx2.cpp` (see its header): bf16, fp32, int8 and int4 matrix-vector and small-batch products over
-weights re-laid out once, for CPUs with AVX2 + FMA; the path for bf16 weights where the CPU has no native bf16
-matmul and oneDNN cannot prepack them (AMD Zen 2/3 and older Xeons), and for `gptlab.quantize`'s int8/int4
-weights there. GPT-2 124M decoding on a 2-core Zen 3: see `gptlab.generation.packed_linear` and `gptlab.quantize`.
-`decode_avx2.cpp`: a GPT-2-shaped model's decode step over those packed weights in one call
-(`gptlab.generation.fast_decode`). Both are built into one library (`linear_avx2.h` is what they share;
-`int_tiles.h` holds the int8/int4 micro-kernels).
+weights re-laid out once; the path for bf16 weights where the CPU has no native bf16 matmul and oneDNN cannot
+prepack them (AMD Zen 2/3 and older Xeons), and for `gptlab.quantize`'s int8/int4 weights there. GPT-2 124M
+decoding on a 2-core Zen 3: see `gptlab.generation.packed_linear` and `gptlab.quantize`. `decode_avx2.cpp`: a
+GPT-2-shaped model's decode step over those packed weights in one call (`gptlab.generation.fast_decode`). Both
+are built into one library (`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the
+bf16/fp32 and int8/int4 micro-kernels).
+
+The sources are built twice, one library each (`kernel_builds()` lists those this machine runs): `avx2_ops()`
+(AVX2 + FMA, torch.ops.gptlab_avx2) and `avx512_ops()` (AVX-512 F/BW/VL/DQ with VNNI integer and BF16 dot
+products, torch.ops.gptlab_avx512: Zen 4, Sapphire Rapids and later). Both read the same packed weights, so a
+weight packed once runs on either; int8/int4 outputs are equal to the bit, bf16/fp32 ones within fp32 rounding.
+Which build serves a model is the callers' choice (`avx2_only_ops()`: the AVX2 build on AVX2-only CPUs).
 
 The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
 version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`) and loaded from there
-next time. Where no compiler is present or the build fails, `avx2_ops()` returns None after one warning, and
-callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns the kernels off (for comparisons).
+next time. Where no compiler is present or the build fails, `avx2_ops()` / `avx512_ops()` return None after one
+warning, and callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns the kernels off (for comparisons).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 import shutil
 import warnings
 from pathlib import Path
@@ -29,7 +36,14 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_avx2.cpp"]
-HEADERS = [HERE / "linear_avx2.h", HERE / "int_tiles.h"]
+HEADERS = sorted(HERE.glob("*.h"))
+_COMMON_FLAGS = ["-O3", "-fopenmp"]
+AVX2_FLAGS = ["-mavx2", "-mfma"]
+# the AVX-512 build: the int8/int4 kernels need VNNI (vpdpwssd), the bf16 one BF16 (vdpbf16ps); Zen 4, Ice Lake
+# server with BF16 (Cooper Lake), Sapphire Rapids and later have all of them
+AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
+AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                              "avx512_bf16"})
 
 
 def cpu_has_avx2() -> bool:
@@ -37,35 +51,79 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _build_name() -> str:
-    """The build's name changes with the source and torch version, so an edited kernel is never loaded stale."""
+def _cpu_flags() -> frozenset[str]:
+    """The x86 CPU's feature flags as Linux lists them (/proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU (and the OS, which lists a flag only where it saves the registers) runs the AVX-512 build:
+    F/BW/VL/DQ with VNNI and BF16."""
+    return platform.machine().lower() in ("x86_64", "amd64") and AVX512_CPU_FLAGS <= _cpu_flags()
+
+
+def _build_name(library: str, flags: list[str]) -> str:
+    """The build's name changes with every source and header, the flags and the torch version, so an edited kernel
+    is never loaded stale."""
     import hashlib
 
     code = b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])
-    digest = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:12]
-    return f"gptlab_avx2_{digest}"
+    digest = hashlib.sha256(code + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    return f"{library}_{digest}"
 
 
-@functools.cache
-def avx2_ops() -> Any | None:
-    """torch.ops.gptlab_avx2 (`pack`, `linear`), built on first use; None (after one warning) where this CPU lacks
-    AVX2, no compiler is present, the build fails, or GPTLAB_NO_KERNELS is set."""
-    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx2():
-        return None
+def _build(library: str, what: str, flags: list[str]) -> Any | None:
+    """torch.ops.<library>: the sources compiled with `flags` (their macros pick the library's name), or None after
+    one warning where no compiler is present or the build fails."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        warnings.warn("gptlab: no C++ compiler found, so bf16 decoding on this CPU runs PyTorch's slower kernels "
-                      "(install g++ to build gptlab's AVX2 kernels once)", stacklevel=2)
+        warnings.warn(f"gptlab: no C++ compiler found, so decoding on this CPU runs PyTorch's kernels (install g++ "
+                      f"to build gptlab's {what} kernels once)", stacklevel=3)
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=_build_name(), sources=[str(f) for f in SOURCES], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        cflags = [*_COMMON_FLAGS, *flags]
+        load(name=_build_name(library, cflags), sources=[str(f) for f in SOURCES], is_python_module=False,
+             verbose=False, extra_cflags=cflags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
-        warnings.warn(f"gptlab: building the AVX2 kernels failed, using PyTorch's ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=2)
+        warnings.warn(f"gptlab: building the {what} kernels failed, using PyTorch's ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)
         return None
-    return torch.ops.gptlab_avx2
+    return getattr(torch.ops, library)
+
+
+@functools.cache
+def avx2_ops() -> Any | None:
+    """torch.ops.gptlab_avx2 (`pack`, `pack_int8`, `pack_int4`, `linear`, `gpt2_decode`), built on first use; None
+    (after one warning) where this CPU lacks AVX2, no compiler is present, the build fails, or GPTLAB_NO_KERNELS is
+    set."""
+    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx2():
+        return None
+    return _build("gptlab_avx2", "AVX2", AVX2_FLAGS)
+
+
+@functools.cache
+def avx512_ops() -> Any | None:
+    """torch.ops.gptlab_avx512: the same operators built for AVX-512 (VNNI integer and BF16 dot products), reading
+    the same packed weights as `avx2_ops()`; built on first use, None (after one warning where a build was tried)
+    where this CPU lacks any of AVX512F/BW/VL/DQ/VNNI/BF16, on non-x86 CPUs, where no compiler is present, the
+    build fails, or GPTLAB_NO_KERNELS is set."""
+    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx512():
+        return None
+    return _build("gptlab_avx512", "AVX-512", AVX512_FLAGS)
+
+
+def kernel_builds() -> dict[str, Any]:
+    """Every build of the kernels this machine can execute, by name ("avx2", "avx512"), each built on first use.
+    A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout)."""
+    builds = {"avx2": avx2_ops(), "avx512": avx512_ops()}
+    return {name: ops for name, ops in builds.items() if ops is not None}
 
 
 def avx2_only_ops() -> Any | None:

@@ -16,7 +16,7 @@
 
 namespace {
 
-using gptlab_avx2::linear;
+using GPTLAB_NS::linear;
 
 // Attention of one new query per row over fp32 keys/values (B, nh, T, hs) without a mask (every row the same
 // length): per (row, head) the T scores, their softmax and the weighted sum of values, in fp32. SDPA's general CPU
@@ -111,7 +111,7 @@ at::Tensor gpt2_decode(at::Tensor x, const c10::List<c10::optional<at::Tensor>>&
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(gptlab_avx2, m) {
+GPTLAB_LIBRARY_FRAGMENT(GPTLAB_NS, m) {
   m.def("gpt2_decode(Tensor x, Tensor?[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
         "Tensor? pos, int end, Tensor? mask, int n_head, int head_size, int hidden, float eps, float scale, "
         "str approximate) -> Tensor", &gpt2_decode);
