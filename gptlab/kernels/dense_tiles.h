@@ -250,6 +250,7 @@ inline void tile1(const float* x, const at::BFloat16* xb, const at::BFloat16* pa
       return _mm512_dpbf16_ps(acc, (__m512bh)zload(panel + kk * kPanel), (__m512bh)_mm512_set1_epi32(pair));
     };
     for (; k + 8 <= K; k += 8) {
+      prefetch_ahead(panel + k * kPanel, 8 * kPanel * 2);
       c0 = dot(c0, k);
       c1 = dot(c1, k + 2);
       c2 = dot(c2, k + 4);

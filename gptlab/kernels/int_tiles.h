@@ -129,6 +129,7 @@ inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const f
   GPTLAB_ZQACC {                                                                             \
     int64_t j = jbegin;                                                                      \
     for (; j + C <= (jend); j += C) {                                                        \
+      prefetch_ahead(wptr(j), C * kPairBytes);                                               \
       GPTLAB_ZSTEP(0) GPTLAB_ZSTEP(1) GPTLAB_ZSTEP(2) GPTLAB_ZSTEP(3)                        \
     }                                                                                        \
     for (; j < (jend); ++j) {                                                                \
@@ -153,6 +154,8 @@ template <int R>
 inline void tile_i8(const int16_t* xq, int64_t ldx, const float* xscale, const int8_t* panel, int64_t pairs,
                     float out[][kPanel]) {
   constexpr int C = kChains<R>;
+  constexpr int kPairBytes = 2 * kPanel;
+  const auto wptr = [panel](int64_t j) { return panel + j * 2 * kPanel; };
   const auto wload = [panel](int64_t j) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 2 * kPanel)));
   };
@@ -171,6 +174,8 @@ inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const f
                     const float* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
   constexpr int C = kChains<R>;
   const int64_t G = pairs / group_pairs;
+  constexpr int kPairBytes = kPanel;
+  const auto wptr = [panel](int64_t j) { return panel + j * kPanel; };
   const __m256i shifts = _mm256_setr_epi64x(0, 0, 4, 4), nibble = _mm256_set1_epi8(15);
   const auto wload = [&](int64_t j) {
     const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + j * kPanel)));
