@@ -39,10 +39,10 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")  # where a model can run (not "meta": tens
 
 
 def resolve_device(name: str = "auto", flag: str = "--device") -> str:
-    """"auto" is "cuda" when a GPU is there, else "cpu". Anything else must name a device this machine has
-    (cpu, cuda, cuda:N, mps): otherwise a one-line GptlabError naming `flag`."""
+    """"auto" is "cuda" when a GPU is there, else "mps" on a Mac whose Metal device works, else "cpu". Anything else
+    must name a device this machine has (cpu, cuda, cuda:N, mps): otherwise a one-line GptlabError naming `flag`."""
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "mps" if _mps_works() else "cpu"
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
@@ -58,6 +58,17 @@ def resolve_device(name: str = "auto", flag: str = "--device") -> str:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise GptlabError(f"{flag} {name!r} requested but MPS is not available here; use {flag} cpu")
     return name
+
+
+def _mps_works() -> bool:
+    """Apple's Metal device is there and runs a small matmul (it can be listed yet unusable, e.g. in a VM)."""
+    if not torch.backends.mps.is_available():
+        return False
+    try:
+        x = torch.ones(4, 4, device="mps")
+        return bool((x @ x).sum().item() == 64.0)
+    except RuntimeError:
+        return False
 
 
 def max_threads() -> int:

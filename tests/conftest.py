@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 from helpers import TIKTOKEN_CACHE, TINY_SHAKESPEARE
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))  # no test needs the network
+# probes (MFU, which kernel runs a Linear) measure under whatever else the test machine runs: not the user's cache
+os.environ.setdefault("GPTLAB_CACHE_DIR", tempfile.mkdtemp(prefix="gptlab-test-cache-"))
 
 
 @pytest.fixture(scope="module")

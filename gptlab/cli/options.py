@@ -9,7 +9,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:1, mps, ... (default: cuda when available, else mps on a Mac, else cpu)")
 
 
 def add_dtype(p: argparse.ArgumentParser, help: str | None = None) -> None:

@@ -1,17 +1,22 @@
 """C++ kernels shipped as source and built on first use, for CPUs whose PyTorch kernels are slow at decoding shapes.
 
 `linear_avx2.cpp` (see its header): bf16, fp32, int8 and int4 matrix-vector and small-batch products over
-weights re-laid out once, for CPUs with AVX2 + FMA; the path for bf16 weights where the CPU has no native bf16
-matmul and oneDNN cannot prepack them (AMD Zen 2/3 and older Xeons), and for `gptlab.quantize`'s int8/int4
-weights there. GPT-2 124M decoding on a 2-core Zen 3: see `gptlab.generation.packed_linear` and `gptlab.quantize`.
-`decode_avx2.cpp`: a GPT-2-shaped model's decode step over those packed weights in one call
-(`gptlab.generation.fast_decode`). Both are built into one library (`linear_avx2.h` is what they share;
-`int_tiles.h` holds the int8/int4 micro-kernels).
+weights re-laid out once, for `gptlab.generation.packed_linear` and `gptlab.quantize`'s int8/int4 weights, on CPUs
+where they are faster than PyTorch's kernels (`dispatch` measures which path runs each kind of weight here).
+`decode_step.cpp`: the decode step of any gptlab model over those packed weights in one call
+(`gptlab.generation.native_decode`). Both are built into one library (`linear_avx2.h` is what they share;
+`dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels).
+
+The sources are built twice, one library each (`kernel_builds()` lists those this machine runs): `avx2_ops()`
+(AVX2 + FMA, torch.ops.gptlab_avx2) and `avx512_ops()` (AVX-512 F/BW/VL/DQ with VNNI integer and BF16 dot
+products, torch.ops.gptlab_avx512: Zen 4, Sapphire Rapids and later). Both read the same packed weights, so a
+weight packed once runs on either; int8/int4 outputs are equal to the bit, bf16/fp32 ones within fp32 rounding.
+Which build (or PyTorch) serves each kind of weight is measured once per machine by `gptlab.kernels.dispatch`.
 
 The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
 version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`) and loaded from there
-next time. Where no compiler is present or the build fails, `avx2_ops()` returns None after one warning, and
-callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns the kernels off (for comparisons).
+next time. Where no compiler is present or the build fails, `avx2_ops()` / `avx512_ops()` return None after one
+warning, and callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns the kernels off (for comparisons).
 """
 
 from __future__ import annotations
@@ -29,58 +34,104 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_avx2.cpp", HERE / "decode_step.cpp"]
-HEADERS = [HERE / "linear_avx2.h", HERE / "int_tiles.h"]
+SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_step.cpp"]
+HEADERS = sorted(HERE.glob("*.h"))
+_COMMON_FLAGS = ["-O3", "-fopenmp"]
+AVX2_FLAGS = ["-mavx2", "-mfma"]
+# the AVX-512 build: the int8/int4 kernels need VNNI (vpdpwssd), the bf16 one BF16 (vdpbf16ps); Zen 4, Ice Lake
+# server with BF16 (Cooper Lake), Sapphire Rapids and later have all of them
+AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
+AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                              "avx512_bf16"})
+
+
+def _x86() -> bool:
+    """An x86-64 CPU: elsewhere (ARM: Apple Silicon, Graviton) nothing x86 is built or probed."""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def cpu_has_avx2() -> bool:
     """Whether this CPU runs AVX2 + FMA code (an x86 CPU, and torch's own dispatch level says so)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
-        return False  # ARM (Apple Silicon, Graviton): nothing x86 is built or probed
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return _x86() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def build_name() -> str:
-    """The build's name changes with the source and torch version, so an edited kernel is never loaded stale."""
-    import hashlib
+def _cpu_flags() -> frozenset[str]:
+    """The x86 CPU's feature flags as Linux lists them (/proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
-    code = b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])
-    digest = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:12]
-    return f"gptlab_avx2_{digest}"
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU (and the OS, which lists a flag only where it saves the registers) runs the AVX-512 build:
+    F/BW/VL/DQ with VNNI and BF16."""
+    return _x86() and AVX512_CPU_FLAGS <= _cpu_flags()
 
 
 @functools.cache
-def avx2_ops() -> Any | None:
-    """torch.ops.gptlab_avx2 (`pack`, `linear`), built on first use; None (after one warning) where this CPU lacks
-    AVX2, no compiler is present, the build fails, or GPTLAB_NO_KERNELS is set."""
-    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx2():
-        return None
+def source_digest() -> str:
+    """A digest of every source and header: it names the builds (an edited kernel is never loaded stale) and keys
+    the dispatch's measurements."""
+    import hashlib
+
+    return hashlib.sha256(b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])).hexdigest()[:12]
+
+
+def _build_name(library: str, flags: list[str]) -> str:
+    """The build's name changes with every source and header, the flags and the torch version."""
+    import hashlib
+
+    key = source_digest() + " ".join(flags) + torch.__version__
+    return f"{library}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _build(library: str, what: str, flags: list[str]) -> Any | None:
+    """torch.ops.<library>: the sources compiled with `flags` (their macros pick the library's name), or None after
+    one warning where no compiler is present or the build fails."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        warnings.warn("gptlab: no C++ compiler found, so bf16 decoding on this CPU runs PyTorch's slower kernels "
-                      "(install g++ to build gptlab's AVX2 kernels once)", stacklevel=2)
+        warnings.warn(f"gptlab: no C++ compiler found, so decoding on this CPU runs PyTorch's kernels (install g++ "
+                      f"to build gptlab's {what} kernels once)", stacklevel=3)
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=build_name(), sources=[str(f) for f in SOURCES], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        cflags = [*_COMMON_FLAGS, *flags]
+        load(name=_build_name(library, cflags), sources=[str(f) for f in SOURCES], is_python_module=False,
+             verbose=False, extra_cflags=cflags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
-        warnings.warn(f"gptlab: building the AVX2 kernels failed, using PyTorch's ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=2)
+        warnings.warn(f"gptlab: building the {what} kernels failed, using PyTorch's ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)
         return None
-    return torch.ops.gptlab_avx2
+    return getattr(torch.ops, library)
 
 
-def avx2_only_ops() -> Any | None:
-    """`avx2_ops()` on CPUs whose best vector unit is AVX2 (torch's capability "AVX2": no AVX-512, so oneDNN
-    cannot prepack bf16 and PyTorch's bf16 and int8/int4 weight-only kernels are slower than these); None elsewhere
-    (CPUs with AVX-512 keep PyTorch's and oneDNN's kernels) or where they could not be built."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+@functools.cache
+def avx2_ops() -> Any | None:
+    """torch.ops.gptlab_avx2 (`pack`, `pack_int8`, `pack_int4`, `linear`, `decode_step`), built on first use; None
+    (after one warning) where this CPU lacks AVX2, no compiler is present, the build fails, or GPTLAB_NO_KERNELS is
+    set."""
+    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx2():
         return None
-    return avx2_ops()
+    return _build("gptlab_avx2", "AVX2", AVX2_FLAGS)
+
+
+@functools.cache
+def avx512_ops() -> Any | None:
+    """torch.ops.gptlab_avx512: the same operators built for AVX-512 (VNNI integer and BF16 dot products), reading
+    the same packed weights as `avx2_ops()`; built on first use, None (after one warning where a build was tried)
+    where this CPU lacks any of AVX512F/BW/VL/DQ/VNNI/BF16, on non-x86 CPUs, where no compiler is present, the
+    build fails, or GPTLAB_NO_KERNELS is set."""
+    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx512():
+        return None
+    return _build("gptlab_avx512", "AVX-512", AVX512_FLAGS)
 
 
 def kernel_builds() -> dict[str, Any]:
-    """gptlab's kernel builds this machine can execute, by name ("avx2"); empty where none could be built."""
-    ops = avx2_ops()
-    return {} if ops is None else {"avx2": ops}
+    """Every build of the kernels this machine can execute, by name ("avx2", "avx512"), each built on first use.
+    A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout)."""
+    builds = {"avx2": avx2_ops(), "avx512": avx512_ops()}
+    return {name: ops for name, ops in builds.items() if ops is not None}

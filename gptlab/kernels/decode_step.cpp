@@ -3,9 +3,10 @@
 // per op. Norms, rotary embeddings, q/k norms, grouped-query attention over the fp32 KV cache, soft-caps and the
 // MLP's activation are plain loops over a few rows; only the Linear products go to the kernel.
 //
-// Values are kept in fp32 and rounded to the model's dtype (`act_bf16`) wherever the lean step holds a tensor of
-// that dtype (after each norm, product, activation, rotation and residual add), so a bf16 model's step follows the
-// lean one to within a bf16 rounding here and there (a norm or rotation rounded once rather than per op).
+// Values are kept in fp32 and rounded to a bf16 model's dtype wherever the lean step holds a bf16 tensor (after
+// each norm, product, activation, rotation and residual add; a norm once, as ATen's bf16 norms round), so a bf16
+// model's step follows the lean one but for the odd rounding where an fp32 sum ran in another order (attention,
+// a norm's statistics) or an fp32 exp/tanh differs in its last bit.
 //
 // Per layer, `weights` holds kPerLayer tensors (None where absent): ln_1 weight, bias; c_attn (packed, qparams,
 // bias); attn c_proj (3); ln_2 weight, bias; c_fc (3); mlp c_proj (3); ln_attn_out weight, bias; ln_mlp_out weight,
@@ -24,7 +25,7 @@
 
 namespace {
 
-using gptlab_avx2::linear;
+using GPTLAB_NS::linear;
 
 constexpr int64_t kPerLayer = 22;
 enum Layout { kPre = 0, kParallel = 1, kSandwich = 2, kPost = 3 };
@@ -42,14 +43,23 @@ inline void round_all(float* p, int64_t n, bool bf16) {
   if (bf16)
     for (int64_t i = 0; i < n; ++i) p[i] = round_to(p[i], true);
 }
-inline float value(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kBFloat16 ? static_cast<float>(t.data_ptr<at::BFloat16>()[i]) : t.data_ptr<float>()[i];
-}
+// a norm's weight or bias (bf16 or fp32) read as fp32; empty where absent
+struct Vec {
+  const float* f = nullptr;
+  const at::BFloat16* h = nullptr;
+  explicit Vec(const c10::optional<at::Tensor>& t) {
+    if (!t.has_value() || !t->defined()) return;
+    if (t->scalar_type() == at::kBFloat16) h = t->data_ptr<at::BFloat16>();
+    else f = t->data_ptr<float>();
+  }
+  bool present() const { return f || h; }
+  float operator[](int64_t i) const { return f ? f[i] : static_cast<float>(h[i]); }
+};
 
 // rows of width n, normalized (LayerNorm, RMSNorm, or Gemma's RMSNorm scaled by 1 + weight): out = norm(in)
 void norm_rows(const float* in, float* out, int64_t rows, int64_t n, int kind, const c10::optional<at::Tensor>& w,
                const c10::optional<at::Tensor>& b, float eps, bool bf16) {
-  const bool has_w = w.has_value() && w->defined(), has_b = b.has_value() && b->defined();
+  const Vec weight(w), bias(b);
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = in + r * n;
     float* y = out + r * n;
@@ -59,12 +69,12 @@ void norm_rows(const float* in, float* out, int64_t rows, int64_t n, int kind, c
       mean /= n;
     }
     for (int64_t i = 0; i < n; ++i) sq += (x[i] - mean) * (x[i] - mean);
-    const float inv = 1.0f / std::sqrt(static_cast<float>(sq / n) + eps);
+    const float inv = 1.0f / std::sqrt(static_cast<float>(sq / n) + eps), m = static_cast<float>(mean);
     for (int64_t i = 0; i < n; ++i) {
-      float v = (x[i] - static_cast<float>(mean)) * inv;
-      if (kind == kUnitOffset) v *= 1.0f + value(*w, i);
-      else if (has_w) v *= value(*w, i);
-      if (has_b) v += value(*b, i);
+      float v = (x[i] - m) * inv;
+      if (kind == kUnitOffset) v *= 1.0f + weight[i];
+      else if (weight.present()) v *= weight[i];
+      if (bias.present()) v += bias[i];
       y[i] = round_to(v, bf16);
     }
   }
@@ -84,8 +94,9 @@ void rotate(float* h, const float* cos, const float* sin, int64_t rot, bool inte
   for (int64_t i = 0; i < half; ++i) {
     const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
     const float a = h[ia], b = h[ib];
-    h[ia] = round_to(a * cos[i] - b * sin[i], bf16);
-    h[ib] = round_to(b * cos[i] + a * sin[i], bf16);
+    // each product rounded, then the sum, as apply_rope's ops on a bf16 tensor do
+    h[ia] = round_to(round_to(a * cos[i], bf16) - round_to(b * sin[i], bf16), bf16);
+    h[ib] = round_to(round_to(b * cos[i], bf16) + round_to(a * sin[i], bf16), bf16);
   }
 }
 
@@ -272,7 +283,7 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(gptlab_avx2, m) {
+GPTLAB_LIBRARY_FRAGMENT(GPTLAB_NS, m) {
   m.def("decode_step(Tensor x, Tensor?[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
         "Tensor? pos, int end, Tensor? full, Tensor? window, Tensor? cos, Tensor? sin, int[] shape, float eps, "
         "float scale, float softcap) -> Tensor", &decode_step);

@@ -90,9 +90,9 @@ def _measured(kind: str, names: tuple[str, ...]) -> str:
 
 
 def _source_key() -> str:
-    from gptlab.kernels import build_name
+    from gptlab.kernels import source_digest
 
-    return build_name()
+    return source_digest()
 
 
 def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, calls: int = 3) -> dict[str, float]:

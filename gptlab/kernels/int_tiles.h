@@ -10,7 +10,9 @@
 
 #include "linear_avx2.h"
 
-namespace gptlab_avx2::int_tiles {
+namespace GPTLAB_NS::int_tiles {
+
+constexpr int64_t kExactPairs = 256;  // int8: pairs summed in int32 before the fp32 total (see below)
 
 // int8 and int4: x in 16-bit fixed point (per row: x ~ xq * xscale, |xq| <= 32767) against the weights' integers.
 // A panel's column pair (k, k + 1) is laid out so that 8 rows' weights widen to (q[r][k], q[r][k + 1]) int16 pairs
@@ -23,7 +25,7 @@ namespace gptlab_avx2::int_tiles {
 //   columns (at most 256: exact in int32) the sum goes to the fp32 total times the group's scale s, plus its offset
 //   m times the group's sum of xq (w = q * s + m).
 // The totals are scaled by xscale at the end.
-constexpr int64_t kExactPairs = 256;
+#if !defined(GPTLAB_AVX512)
 #define GPTLAB_QROW(r)                                                                        \
   if constexpr (R > r) {                                                                      \
     int32_t pair;                                                                             \
@@ -96,4 +98,107 @@ inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const f
 #undef GPTLAB_QFLUSH
 #undef GPTLAB_QZERO
 
-}  // namespace gptlab_avx2::int_tiles
+#else
+// AVX-512 VNNI: one register holds a column pair's 16 rows as int16 pairs, and vpdpwssd multiplies them by
+// (xq[k], xq[k + 1]) and adds both products to the int32 lane: the int32 sums of AVX2's madd + add, exactly, and
+// the same fp32 operations on them in the same order, so both builds give bit-identical outputs.
+// * int8: the pair's 32 bytes (rows 0-7 then 8-15) sign-extend to one register, lanes in output order.
+// * int4: the pair's 16 bytes go to both halves of a 256-bit register, the upper one shifted right by 4
+//   (vpsrlvq), then masked to nibbles and zero-extended: the low nibbles' rows 0-7, then the high nibbles' 8-15.
+// Pairs alternate between C accumulators per row (C = 4 for one row, 2 for two or three: chains that do not wait
+// on each other), added exactly in int32 before each flush.
+#define GPTLAB_ZQACC                                                                                             \
+  __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,        \
+          a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00,     \
+          a40 = a00, a41 = a00, a42 = a00, a43 = a00, a50 = a00, a51 = a00, a52 = a00, a53 = a00;
+#define GPTLAB_ZQ(r, c, w, jj)                                                      \
+  if constexpr (R > r) {                                                            \
+    int32_t pair;                                                                   \
+    std::memcpy(&pair, xq + r * ldx + 2 * (jj), sizeof pair);                       \
+    a##r##c = _mm512_dpwssd_epi32(a##r##c, w, _mm512_set1_epi32(pair));             \
+  }
+#define GPTLAB_ZQS(c, w, jj) GPTLAB_ZQ(0, c, w, jj) GPTLAB_ZQ(1, c, w, jj) GPTLAB_ZQ(2, c, w, jj) \
+  GPTLAB_ZQ(3, c, w, jj) GPTLAB_ZQ(4, c, w, jj) GPTLAB_ZQ(5, c, w, jj)
+#define GPTLAB_ZSTEP(c)                 \
+  if constexpr (C > c) {                \
+    const __m512i w = wload(j + c);     \
+    GPTLAB_ZQS(c, w, j + c)             \
+  }
+// the accumulators of pairs [jbegin, jend)
+#define GPTLAB_ZBLOCK(jbegin, jend)                                                          \
+  GPTLAB_ZQACC {                                                                             \
+    int64_t j = jbegin;                                                                      \
+    for (; j + C <= (jend); j += C) {                                                        \
+      prefetch_ahead(wptr(j), C * kPairBytes);                                               \
+      GPTLAB_ZSTEP(0) GPTLAB_ZSTEP(1) GPTLAB_ZSTEP(2) GPTLAB_ZSTEP(3)                        \
+    }                                                                                        \
+    for (; j < (jend); ++j) {                                                                \
+      const __m512i w = wload(j);                                                            \
+      GPTLAB_ZQS(0, w, j)                                                                    \
+    }                                                                                        \
+  }
+// t[r] = m * sum + (a * s + t[r]), AVX2's two FMAs per half
+#define GPTLAB_ZQFLUSH(r, s, m, sum)                                                                           \
+  if constexpr (R > r) {                                                                                       \
+    const __m512i a = _mm512_add_epi32(_mm512_add_epi32(a##r##0, a##r##1), _mm512_add_epi32(a##r##2, a##r##3)); \
+    t##r = _mm512_fmadd_ps(m, _mm512_set1_ps(sum), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, t##r));            \
+  }
+#define GPTLAB_ZQOUT(r) \
+  if constexpr (R > r) _mm512_storeu_ps(out[r], _mm512_mul_ps(t##r, _mm512_set1_ps(xscale[r])));
+#define GPTLAB_ZQOUTS GPTLAB_ZQOUT(0) GPTLAB_ZQOUT(1) GPTLAB_ZQOUT(2) GPTLAB_ZQOUT(3) GPTLAB_ZQOUT(4) GPTLAB_ZQOUT(5)
+
+template <int R>
+constexpr int kChains = R == 1 ? 4 : R <= 3 ? 2 : 1;
+
+template <int R>
+inline void tile_i8(const int16_t* xq, int64_t ldx, const float* xscale, const int8_t* panel, int64_t pairs,
+                    float out[][kPanel]) {
+  constexpr int C = kChains<R>;
+  constexpr int kPairBytes = 2 * kPanel;
+  const auto wptr = [panel](int64_t j) { return panel + j * 2 * kPanel; };
+  const auto wload = [panel](int64_t j) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 2 * kPanel)));
+  };
+  __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0, t4 = t0, t5 = t0;
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < pairs; j0 += kExactPairs) {
+    GPTLAB_ZBLOCK(j0, std::min(pairs, j0 + kExactPairs))
+    GPTLAB_ZQFLUSH(0, one, zero, 0.0f) GPTLAB_ZQFLUSH(1, one, zero, 0.0f) GPTLAB_ZQFLUSH(2, one, zero, 0.0f)
+    GPTLAB_ZQFLUSH(3, one, zero, 0.0f) GPTLAB_ZQFLUSH(4, one, zero, 0.0f) GPTLAB_ZQFLUSH(5, one, zero, 0.0f)
+  }
+  GPTLAB_ZQOUTS
+}
+
+template <int R>
+inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const float* xqsum, const uint8_t* panel,
+                    const float* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
+  constexpr int C = kChains<R>;
+  const int64_t G = pairs / group_pairs;
+  constexpr int kPairBytes = kPanel;
+  const auto wptr = [panel](int64_t j) { return panel + j * kPanel; };
+  const __m256i shifts = _mm256_setr_epi64x(0, 0, 4, 4), nibble = _mm256_set1_epi8(15);
+  const auto wload = [&](int64_t j) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + j * kPanel)));
+    return _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srlv_epi64(v, shifts), nibble));
+  };
+  __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0, t4 = t0, t5 = t0;
+  for (int64_t g = 0; g < G; ++g, qp += 2 * kPanel) {
+    GPTLAB_ZBLOCK(g * group_pairs, (g + 1) * group_pairs)
+    const __m512 s = _mm512_loadu_ps(qp), m = _mm512_loadu_ps(qp + kPanel);
+    GPTLAB_ZQFLUSH(0, s, m, xqsum[g]) GPTLAB_ZQFLUSH(1, s, m, xqsum[G + g])
+    GPTLAB_ZQFLUSH(2, s, m, xqsum[2 * G + g]) GPTLAB_ZQFLUSH(3, s, m, xqsum[3 * G + g])
+    GPTLAB_ZQFLUSH(4, s, m, xqsum[4 * G + g]) GPTLAB_ZQFLUSH(5, s, m, xqsum[5 * G + g])
+  }
+  GPTLAB_ZQOUTS
+}
+#undef GPTLAB_ZQACC
+#undef GPTLAB_ZQ
+#undef GPTLAB_ZQS
+#undef GPTLAB_ZSTEP
+#undef GPTLAB_ZBLOCK
+#undef GPTLAB_ZQFLUSH
+#undef GPTLAB_ZQOUT
+#undef GPTLAB_ZQOUTS
+#endif
+
+}  // namespace GPTLAB_NS::int_tiles

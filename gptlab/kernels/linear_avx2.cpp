@@ -5,27 +5,29 @@
 // Decoding multiplies a few activation rows (M = the batch) by every weight matrix once per token, so the work is
 // reading the weights: the kernel must stream them at memory speed and do its arithmetic in fp32 on the way.
 //
+// Built twice (gptlab/kernels/__init__.py): for AVX2 + FMA (torch.ops.gptlab_avx2) and for AVX-512 with VNNI and
+// BF16 (torch.ops.gptlab_avx512: see linear_avx2.h); one packing layout, so a weight packed by either runs on both.
+//
 // * `pack(W)`: W (N, K), bf16 or fp32, re-laid out once per model as panels of 16 output rows: (ceil(N/16), K, 16),
-//   zero-padded. One panel's column k is 16 consecutive values, i.e. two 8-float AVX registers after conversion
-//   (bf16 ones interleaved so that the conversion is a shift and a mask: see load16).
+//   zero-padded. fp32: one panel's column k is 16 consecutive values; bf16: column pairs, each output's
+//   (W[n][k], W[n][k + 1]) in one 32-bit lane (the int8 layout; see dense_tiles.h).
 // * `pack_int8(q)`, `pack_int4(q, scale, zero)`: int8 q (N, K), or q (N, K) in 0..15 with per-group scale and zero
 //   (gptlab.quantize's per-row int8 w = q * scale and asymmetric int4 w = (q - 8) * scale + zero), in the same
-//   panels as column pairs (see int_tiles.h); int4 comes with `qparams` (panels, K / group, 2, 16) fp32: per group and
-//   output row the scale s and the offset m = zero - 8 s. Each row of x is put in 16-bit fixed point (xq * s,
+//   panels as column pairs (see int_tiles.h); int4 comes with `qparams` (panels, K / group, 2, 16) fp32: per group
+//   and output row the scale s and the offset m = zero - 8 s. Each row of x is put in 16-bit fixed point (xq * s,
 //   |xq| <= 32767: rounding error up to 2^-16 of the row's largest value, no more than bf16's 2^-9 for values
 //   above 1/128 of it) and multiplied with integer multiply-adds, summed exactly in int32, scaled in fp32.
-// * `linear(x, packed, qparams, bias, N)` (declared in linear_avx2.h for decode_avx2.cpp's step): y = x @ W.T + bias for x (M, K) in bf16 or fp32, out in x's dtype. A
-//   micro-kernel takes up to 6 rows of x and one panel. bf16/fp32: per k it converts the panel's 16 weights to
-//   fp32, broadcasts x[r, k] and does 2 FMAs per row into 12 fp32 accumulators (the classic 6x16 sgemm tile), so
-//   each weight converted serves 6 rows; one row (batch 1) instead unrolls k to keep 8 FMA chains in flight.
-//   Threads (torch's pool, at::parallel_for) split the panels; rows go in blocks of 96 so a block of x stays in L2.
-//   The result is rounded once: for bf16 the numbers of a native bf16 matmul (fp32 accumulation), for int8/int4
-//   those of the dequantized weight times x in 16-bit fixed point.
+// * `linear(x, packed, qparams, bias, N)` (declared in linear_avx2.h for decode_step.cpp's step): y = x @ W.T +
+//   bias for x (M, K) in bf16 or fp32, out in x's dtype. A micro-kernel (dense_tiles.h, int_tiles.h) takes up to 6
+//   rows of x and one panel. Threads (torch's pool, at::parallel_for) split the panels; rows go in blocks of 96 so
+//   a block of x stays in L2. The result is rounded once: for bf16 the numbers of a native bf16 matmul (fp32
+//   accumulation), for int8/int4 those of the dequantized weight times x in 16-bit fixed point.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "dense_tiles.h"
 #include "int_tiles.h"
 #include "linear_avx2.h"
 
@@ -39,86 +41,13 @@
 
 namespace {
 
-using gptlab_avx2::kPanel;
-using gptlab_avx2::kTile;
-using gptlab_avx2::int_tiles::tile_i8;
-using gptlab_avx2::int_tiles::tile_q4;
+using GPTLAB_NS::kPanel;
+using GPTLAB_NS::kTile;
+using GPTLAB_NS::dense_tiles::tile;
+using GPTLAB_NS::dense_tiles::tile1;
+using GPTLAB_NS::int_tiles::tile_i8;
+using GPTLAB_NS::int_tiles::tile_q4;
 constexpr int64_t kRowBlock = 96;
-
-// one panel column: 16 weights as two 8-float registers (outputs 0-7, 8-15)
-inline void load16(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
-}
-// bf16 columns are packed interleaved (outputs 0, 8, 1, 9, ... 7, 15), so one 32-byte load splits into both halves
-// with a shift (the even 16-bit lanes become floats) and a mask (the odd ones): 3 instructions for 16 weights
-inline void load16(const at::BFloat16* p, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// out[r][0..16) = x[r] . panel columns, for R rows of x (fp32, row stride ldx). The accumulators are named
-// variables, not an array: GCC keeps an array of them on the stack, storing all 12 every k (3x slower).
-#define GPTLAB_ROW(r, k)                                               \
-  if constexpr (R > r) {                                               \
-    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + (k));          \
-    a##r##0 = _mm256_fmadd_ps(w0, xb, a##r##0);                        \
-    a##r##1 = _mm256_fmadd_ps(w1, xb, a##r##1);                        \
-  }
-#define GPTLAB_ROWS(k) GPTLAB_ROW(0, k) GPTLAB_ROW(1, k) GPTLAB_ROW(2, k) GPTLAB_ROW(3, k) GPTLAB_ROW(4, k) \
-  GPTLAB_ROW(5, k)
-#define GPTLAB_STORE(r)                                                \
-  if constexpr (R > r) {                                               \
-    _mm256_storeu_ps(out[r], a##r##0);                                 \
-    _mm256_storeu_ps(out[r] + 8, a##r##1);                             \
-  }
-#define GPTLAB_ACCUMULATORS                                                                                    \
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00, \
-         a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-#define GPTLAB_STORES GPTLAB_STORE(0) GPTLAB_STORE(1) GPTLAB_STORE(2) GPTLAB_STORE(3) GPTLAB_STORE(4) GPTLAB_STORE(5)
-
-template <int R, typename W>
-inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, float out[][kPanel]) {
-  GPTLAB_ACCUMULATORS
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w0, w1;
-    load16(panel + k * kPanel, w0, w1);
-    GPTLAB_ROWS(k)
-  }
-  GPTLAB_STORES
-}
-
-// one row: k unrolled by 4 into separate accumulators, so the FMAs do not wait on each other
-template <typename W>
-inline void tile1(const float* x, const W* panel, int64_t K, float out[][kPanel]) {
-  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-  int64_t k = 0;
-  // x[k + u] times column k + u into accumulators (lo, hi)
-  const auto step = [&](int64_t u, __m256& lo, __m256& hi) {
-    __m256 w0, w1;
-    load16(panel + (k + u) * kPanel, w0, w1);
-    const __m256 xb = _mm256_broadcast_ss(x + k + u);
-    lo = _mm256_fmadd_ps(w0, xb, lo);
-    hi = _mm256_fmadd_ps(w1, xb, hi);
-  };
-  for (; k + 4 <= K; k += 4) {
-    step(0, a0, b0);
-    step(1, a1, b1);
-    step(2, a2, b2);
-    step(3, a3, b3);
-  }
-  for (; k < K; ++k) step(0, a0, b0);
-  _mm256_storeu_ps(out[0], _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  _mm256_storeu_ps(out[0] + 8, _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
-}
-
-#undef GPTLAB_ROW
-#undef GPTLAB_ROWS
-#undef GPTLAB_STORE
-#undef GPTLAB_ACCUMULATORS
-#undef GPTLAB_STORES
-
 
 // A weight in panels, its input, and how to run one micro-kernel for rows m.. of the input on panel p: `Dense<W>`
 // for bf16/fp32 columns, `Int8` for column pairs against 16-bit x, `Int4` for nibble pairs with group parameters.
@@ -127,17 +56,19 @@ struct Dense {
   static constexpr int kRows = kTile;
   const W* data;
   int64_t K;
-  const float* x;  // (M, K)
+  const float* x;             // (M, K)
+  const at::BFloat16* xb;     // x as it came in bf16 (M, K), or null
   void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
     const W* panel = data + p * K * kPanel;
     const float* xm = x + m * K;
+    const at::BFloat16* xbm = xb ? xb + m * K : nullptr;
     switch (rows) {
-      case 1: return tile1<W>(xm, panel, K, out);
-      case 2: return tile<2, W>(xm, K, panel, K, out);
-      case 3: return tile<3, W>(xm, K, panel, K, out);
-      case 4: return tile<4, W>(xm, K, panel, K, out);
-      case 5: return tile<5, W>(xm, K, panel, K, out);
-      default: return tile<6, W>(xm, K, panel, K, out);
+      case 1: return tile1(xm, xbm, panel, K, out);
+      case 2: return tile<2>(xm, K, xbm, panel, K, out);
+      case 3: return tile<3>(xm, K, xbm, panel, K, out);
+      case 4: return tile<4>(xm, K, xbm, panel, K, out);
+      case 5: return tile<5>(xm, K, xbm, panel, K, out);
+      default: return tile<6>(xm, K, xbm, panel, K, out);
     }
   }
 };
@@ -250,11 +181,14 @@ at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
               "pack: bf16 or fp32 weights only, got ", weight.scalar_type());
   auto rows = panel_rows(weight);
-  const int64_t panels = rows.size(0), K = rows.size(2);
-  if (weight.scalar_type() == at::kBFloat16)  // interleave the halves: outputs 0, 8, 1, 9, ... (see load16)
-    rows = rows.view({panels, 2, kPanel / 2, K}).transpose(1, 2).reshape({panels, kPanel, K});
-  // (panels, 16, K) -> (panels, K, 16): column k of a panel is 16 consecutive values
-  return rows.transpose(1, 2).contiguous();
+  const int64_t panels = rows.size(0), K = rows.size(2), K2 = K - K % 2;
+  if (weight.scalar_type() == at::kFloat)  // (panels, 16, K) -> (panels, K, 16): column k is 16 consecutive values
+    return rows.transpose(1, 2).contiguous();
+  // bf16: column pairs (panels, K / 2, 16, 2), as pack_int8's; with K odd the last column plain (see dense_tiles.h)
+  auto pairs = rows.narrow(2, 0, K2).reshape({panels, kPanel, K2 / 2, 2}).permute({0, 2, 1, 3});
+  auto packed = pairs.reshape({panels, K2, kPanel});
+  if (K2 < K) packed = at::cat({packed, rows.narrow(2, K2, 1).transpose(1, 2)}, 1);
+  return packed.contiguous();
 }
 
 // q (N, K) int8, K even -> (panels, K, 16) whose column pair j is (16 rows, 2): the layout tile_i8 reads
@@ -303,7 +237,7 @@ std::vector<at::Tensor> pack_int4(const at::Tensor& q, const at::Tensor& scale, 
 
 }  // namespace
 
-namespace gptlab_avx2 {
+namespace GPTLAB_NS {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
                   const c10::optional<at::Tensor>& bias, int64_t N) {
@@ -360,18 +294,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
                           xqsum.data()}, nullptr, b, N, y);
     }
   } else if (packed.scalar_type() == at::kBFloat16) {
-    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp}, nullptr, b, N, y);
+    const auto* xb = x2.scalar_type() == at::kBFloat16 ? x2.data_ptr<at::BFloat16>() : nullptr;
+    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb}, nullptr, b, N, y);
   } else {
-    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp}, nullptr, b, N, y);
+    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr}, nullptr, b, N, y);
   }
   return y.view(sizes);
 }
 
-}  // namespace gptlab_avx2
+}  // namespace GPTLAB_NS
 
-TORCH_LIBRARY(gptlab_avx2, m) {
+GPTLAB_LIBRARY(GPTLAB_NS, m) {
   m.def("pack(Tensor weight) -> Tensor", &pack);
   m.def("pack_int8(Tensor q) -> Tensor", &pack_int8);
   m.def("pack_int4(Tensor q, Tensor scale, Tensor zero) -> Tensor[]", &pack_int4);
-  m.def("linear(Tensor x, Tensor packed, Tensor? qparams, Tensor? bias, int N) -> Tensor", &gptlab_avx2::linear);
+  m.def("linear(Tensor x, Tensor packed, Tensor? qparams, Tensor? bias, int N) -> Tensor", &GPTLAB_NS::linear);
 }

@@ -1,0 +1,204 @@
+"""gptlab's C++ Linear kernels, for every build this machine can execute (`gptlab.kernels.kernel_builds()`: AVX2,
+AVX-512; a build that is absent here is skipped): each against float64 matmuls, and the builds against each other
+on the same packed weights (one layout: int8/int4 to the bit, bf16/fp32 within fp32 rounding).
+
+Tolerances: the kernel accumulates in fp32 and rounds once, so fp32 outputs are within ~1e-5 of float64 (relative
+to the largest output) and bf16 ones within one bf16 rounding (2**-8 relative)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gptlab.kernels import avx512_ops, cpu_has_avx512, kernel_builds
+from gptlab.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BUILDS = ["avx2", "avx512"]
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict:
+    return kernel_builds()
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def ops(request, builds):  # noqa: ANN001, ANN201
+    """One build of the kernels, or a skip saying it is not available here."""
+    if request.param not in builds:
+        pytest.skip(f"gptlab's {request.param} kernels are not available here (CPU, compiler, or the build failed: "
+                    "see the warning)")
+    return builds[request.param]
+
+
+@pytest.fixture(scope="module")
+def two(builds):  # noqa: ANN001, ANN201
+    if len(builds) < 2:
+        pytest.skip(f"only {list(builds)} built here: nothing to compare")
+    return list(builds.values())
+
+
+def test_builds_are_named_and_share_one_layout(builds) -> None:  # noqa: ANN001
+    assert set(builds) <= set(BUILDS)
+    if "avx512" in builds:
+        assert cpu_has_avx512() and avx512_ops() is builds["avx512"]
+    W = torch.randn(37, 31)
+    q, scale, zero = quantize_int4(torch.randn(37, 64), 32)
+    for a, b in itertools.combinations(builds.values(), 2):
+        assert all(torch.equal(a.pack(W.to(dt)), b.pack(W.to(dt))) for dt in (torch.float32, torch.bfloat16))
+        assert torch.equal(a.pack_int8(quantize_int8(W[:, :30])[0]), b.pack_int8(quantize_int8(W[:, :30])[0]))
+        pa, pb = a.pack_int4(q, scale, zero), b.pack_int4(q, scale, zero)
+        assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    for ops in builds.values():
+        assert hasattr(ops, "decode_step")
+
+
+@settings(max_examples=30, deadline=None)
+@given(M=st.integers(1, 20), N=st.integers(1, 70), K=st.integers(1, 70), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), x_fp32=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_matches_a_float64_matmul(ops, M: int, N: int, K: int, bias: bool,  # noqa: ANN001
+                                         dtype: torch.dtype, x_fp32: bool, seed: int) -> None:
+    """Any shape (panels padded, row tiles of 1-6, an odd K's last column, the k tails) gives x @ W.T + b to one
+    rounding of x's dtype; bf16 weights also take fp32 inputs."""
+    g = torch.Generator().manual_seed(seed)
+    W, x = torch.randn(N, K, generator=g).to(dtype), torch.randn(M, K, generator=g).to(dtype)
+    x = x.float() if x_fp32 else x
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    y = ops.linear(x, ops.pack(W), None, b, N)
+    ref = x.double() @ W.double().T + (b.double() if bias else 0)
+    assert y.dtype == x.dtype and y.shape == (M, N)
+    tol = 2**-8 if x.dtype == torch.bfloat16 else 1e-5
+    assert (y.double() - ref).abs().max() <= tol * max(ref.abs().max().item(), 1.0)
+
+
+def test_kernel_keeps_leading_dims_and_reads_fp32_bias_under_bf16(ops) -> None:  # noqa: ANN001
+    W = torch.randn(40, 24).bfloat16()
+    x = torch.randn(2, 3, 24).bfloat16()
+    b = torch.randn(40)
+    y = ops.linear(x, ops.pack(W), None, b, 40)
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    ref = x.double() @ W.double().T + b.double()
+    assert (y.double() - ref).abs().max() <= 2**-8 * ref.abs().max()
+
+
+def quantized(mode: str, W: torch.Tensor, group: int, ops) -> tuple:  # noqa: ANN001
+    """(packed, qparams, the dequantized weight) of W in `mode`, packed by `ops`"""
+    if mode == "int8":
+        q, scale = quantize_int8(W)
+        return ops.pack_int8(q), scale, dequantize_int8(q, scale)
+    q, scale, zero = quantize_int4(W, group)
+    return *ops.pack_int4(q, scale, zero), dequantize_int4(q, scale, zero)
+
+
+@settings(max_examples=30, deadline=None)
+@given(M=st.integers(1, 14), N=st.integers(1, 70), K=st.integers(1, 72), group=st.sampled_from([2, 4, 32, 64]),
+       mode=st.sampled_from(["int8", "int4"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_integer_kernels_equal_the_dequantized_weight_in_float64(ops, M: int, N: int, K: int, group: int,  # noqa: ANN001
+                                                                  mode: str, dtype: torch.dtype, seed: int) -> None:
+    """int8 (row scales) and int4 (nibbles, a scale and zero per group, groups of 2 to 64 columns) through the
+    kernel: the dequantized weight (the quantize module's own formula) times x in 16-bit fixed point (within its
+    rounding bound), rounded once to x's dtype. Row tiles of 1-6, padded panels, int8's blocks of 256 column pairs
+    (K up to 720) and the pair loops' tails are all reached."""
+    g = torch.Generator().manual_seed(seed)
+    K = (K % 12 + 1) * group if mode == "int4" else K * 10  # int4: whole groups; int8: even widths
+    W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)
+    packed, qparams, dense = quantized(mode, W, group, ops)
+    y = ops.linear(x, packed, qparams, b, N)
+    ref = x.double() @ dense.double().T + b.double()
+    assert y.dtype == dtype and y.shape == (M, N)
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    bound = tol * max(ref.abs().max().item(), 1.0)
+    # x rounded to 16-bit fixed point: each x[m, k] within max|x[m]| / 65534
+    bound = bound + (x.double().abs().amax(dim=1, keepdim=True) / 65534) @ dense.double().abs().sum(1)[None]
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+def test_kernel_refuses_a_mismatched_input(ops) -> None:  # noqa: ANN001
+    packed = ops.pack(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="input has 9 features, the weight 8"):
+        ops.linear(torch.randn(1, 9), packed, None, None, 16)
+    q, scale = quantize_int8(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="int8 and int4 weights take qparams"):
+        ops.linear(torch.randn(1, 8), ops.pack_int8(q), None, None, 16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 13), N=st.integers(1, 70).map(lambda n: n | 1), K=st.integers(1, 72),
+       group=st.sampled_from([2, 4, 32, 64]), mode=st.sampled_from(["int8", "int4"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_builds_give_identical_integer_outputs(two, M: int, N: int, K: int, group: int, mode: str,  # noqa: ANN001
+                                               dtype: torch.dtype, seed: int) -> None:
+    """The same int8/int4 weight, packed once, through every build: the same int32 sums and the same fp32
+    operations on them, so equal to the bit (odd N, groups of 2-64, K past int8's 256-pair blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    K = (K % 12 + 1) * group if mode == "int4" else K * 10
+    W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)
+    packed, qparams, _ = quantized(mode, W, group, two[0])
+    ys = [ops.linear(x, packed, qparams, b, N) for ops in two]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 13), N=st.integers(1, 70).map(lambda n: n | 1), K=st.integers(1, 300),
+       w_dtype=st.sampled_from([torch.float32, torch.bfloat16]), x_dtype=st.sampled_from([torch.float32,
+                                                                                           torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_builds_agree_on_float_weights_within_fp32_rounding(two, M: int, N: int, K: int,  # noqa: ANN001
+                                                            w_dtype: torch.dtype, x_dtype: torch.dtype,
+                                                            seed: int) -> None:
+    """The same bf16/fp32 weight, packed once, through every build: the sums run in other orders (and bf16 x
+    against bf16 weights through AVX-512 BF16 dot products), so fp32 outputs agree within fp32 rounding of the
+    sums and bf16 outputs within one bf16 rounding of each other."""
+    g = torch.Generator().manual_seed(seed)
+    W, x = torch.randn(N, K, generator=g).to(w_dtype), torch.randn(M, K, generator=g).to(x_dtype)
+    packed = two[0].pack(W)
+    ys = [ops.linear(x, packed, None, None, N).double() for ops in two]
+    scale = (x.double().abs() @ W.double().abs().T)  # the sum of |products|: what rounding errors scale with
+    for y in ys[1:]:
+        if x_dtype == torch.float32:
+            assert bool(((y - ys[0]).abs() <= 2 * K * 2**-24 * scale + 1e-30).all())
+        else:
+            assert bool(((y - ys[0]).abs() <= 2**-8 * ys[0].abs() + 2 * K * 2**-24 * scale + 1e-30).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The dispatch: which path runs each kind of weight, by measurement
+# ---------------------------------------------------------------------------------------------------------------
+def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from gptlab.kernels import dispatch
+
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "_builds", lambda: {"avx2": "A", "avx512": "B"})
+    calls = []
+    times = {"torch": 2.0, "avx2": 3.0, "avx512": 1.0}
+    monkeypatch.setattr(dispatch, "probe", lambda kind, names: calls.append(kind) or dict(times))
+    dispatch._measured.cache_clear()
+    assert dispatch.choice("int8") == "avx512" and dispatch.chosen_ops("int8") == "B"
+    dispatch._measured.cache_clear()  # a new process: read from kernels.json, not measured again
+    assert dispatch.choice("int8") == "avx512" and calls == ["int8"]
+    times.update(torch=0.5)
+    assert dispatch.choice("bfloat16") == "torch" and dispatch.chosen_ops("bfloat16") is None
+    monkeypatch.setenv("GPTLAB_KERNEL", "avx2")  # the override, for comparisons and tests
+    assert dispatch.choice("bfloat16") == "avx2"
+    monkeypatch.setenv("GPTLAB_KERNEL", "torch")
+    assert dispatch.choice("int8") == "torch"
+    monkeypatch.setattr(dispatch, "_builds", dict)  # nothing built (no compiler, ARM, GPTLAB_NO_KERNELS)
+    monkeypatch.setenv("GPTLAB_KERNEL", "avx2")
+    assert dispatch.choice("int8") == "torch"
+    dispatch._measured.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float32", "int8", "int4"])
+def test_probe_times_every_candidate(builds, kind: str, monkeypatch) -> None:  # noqa: ANN001
+    """The probe runs each path on real products (a path that failed would raise here) and times it."""
+    from gptlab.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_working_set", lambda: 2**20)  # a small probe for the test
+    times = dispatch.probe(kind, tuple(builds), rounds=1, calls=1)
+    assert set(times) == {"torch", *builds} and all(t > 0 for t in times.values())
