@@ -45,9 +45,10 @@ device and dtype and kept beside the buffers, not in `state_dict`; `.to()` and `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -65,6 +66,26 @@ MODES: tuple[str, ...] = ("int8", "int4")
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)  # what PyTorch's int4 kernels take
 DEFAULT_GROUP_SIZE = 32
 _TINY = 1e-12  # the scale of an all-equal row or group: anything positive, q is then 0 (int8) or w = min (int4)
+# PyTorch's CPU int8 kernel reads the input width in blocks of 16 with no tail: at other widths it returns garbage
+# or crashes (torch 2.13: K = 24, 40, 264 wrong, K = 8, 33, 56 SIGSEGV), so the weight and x are padded to it
+_INT8_CPU_K_MULTIPLE = 16
+_CPU_PATH: str | None = None  # set by `kernel_path`
+
+
+@contextlib.contextmanager
+def kernel_path(path: Literal["torch", "avx2"] | None) -> Iterator[None]:
+    """Which CPU kernel the layers prepared inside this block use, whatever this CPU's best one is: "torch"
+    (PyTorch's int8/int4 kernels, as GPTLAB_NO_KERNELS=1 gives), "avx2" (gptlab's AVX2 kernel, where it builds;
+    a layer it does not fit takes PyTorch's), None (the default choice). For tests and comparisons. A layer picks
+    its forward on its first call per kind of input: call `forget_kernels()` on layers that ran before."""
+    global _CPU_PATH
+    if path not in ("torch", "avx2", None):
+        raise ValueError(f"kernel path must be 'torch', 'avx2' or None, got {path!r}")
+    before, _CPU_PATH = _CPU_PATH, path
+    try:
+        yield
+    finally:
+        _CPU_PATH = before
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -122,15 +143,17 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.mode, self.group_size = mode, group_size if mode == "int4" else 0
         w = linear.weight.detach()
+        # contiguous whatever the weight's layout (a transposed view keeps its strides through the arithmetic): the
+        # kernels read the buffers as dense row-major
         if mode == "int8":
             q, scale = quantize_int8(w)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scale", scale)
+            self.register_buffer("qweight", q.contiguous())
+            self.register_buffer("scale", scale.contiguous())
         else:
             q, scale, zero = quantize_int4(w, group_size)
-            self.register_buffer("qweight", pack_nibbles(q))
-            self.register_buffer("scale", scale)
-            self.register_buffer("zero", zero)
+            self.register_buffer("qweight", pack_nibbles(q).contiguous())
+            self.register_buffer("scale", scale.contiguous())
+            self.register_buffer("zero", zero.contiguous())
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._runs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}  # input's kind -> its forward
@@ -172,7 +195,8 @@ class QuantizedLinear(nn.Module):
         weights of an odd input width, which its column pairs do not fit)."""
         if self._avx2 is not None:  # made for this device and these buffers (`forget_kernels` drops it)
             return self._avx2
-        ops = avx2_only_ops() if self.qweight.device.type == "cpu" else None
+        cpu = self.qweight.device.type == "cpu"
+        ops = None if not cpu or _CPU_PATH == "torch" else avx2_ops() if _CPU_PATH == "avx2" else avx2_only_ops()
         if self.mode == "int8" and self.in_features % 2:
             return None
         if ops is None:
@@ -230,6 +254,10 @@ def _avx2_cpu(weights: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | N
 # --- PyTorch's kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------
 def _int8_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = layer.qweight, layer.scale.to(dtype)
+    pad = -layer.in_features % _INT8_CPU_K_MULTIPLE
+    if pad:  # zero columns of the weight times zeros of x: the same sums
+        q = F.pad(q, (0, pad))
+        return lambda x: torch.ops.aten._weight_int8pack_mm(F.pad(x, (0, pad)), q, scale)
     return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)
 
 
