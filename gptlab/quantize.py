@@ -66,6 +66,9 @@ MODES: tuple[str, ...] = ("int8", "int4")
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)  # what PyTorch's int4 kernels take
 DEFAULT_GROUP_SIZE = 32
 _TINY = 1e-12  # the scale of an all-equal row or group: anything positive, q is then 0 (int8) or w = min (int4)
+# PyTorch's CPU int8 kernel reads the input width in blocks of 16 with no tail: at other widths it returns garbage
+# or crashes (torch 2.13: K = 24, 40, 264 wrong, K = 8, 33, 56 SIGSEGV), so the weight and x are padded to it
+_INT8_CPU_K_MULTIPLE = 16
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -123,15 +126,17 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.mode, self.group_size = mode, group_size if mode == "int4" else 0
         w = linear.weight.detach()
+        # contiguous whatever the weight's layout (a transposed view keeps its strides through the arithmetic): the
+        # kernels read the buffers as dense row-major
         if mode == "int8":
             q, scale = quantize_int8(w)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scale", scale)
+            self.register_buffer("qweight", q.contiguous())
+            self.register_buffer("scale", scale.contiguous())
         else:
             q, scale, zero = quantize_int4(w, group_size)
-            self.register_buffer("qweight", pack_nibbles(q))
-            self.register_buffer("scale", scale)
-            self.register_buffer("zero", zero)
+            self.register_buffer("qweight", pack_nibbles(q).contiguous())
+            self.register_buffer("scale", scale.contiguous())
+            self.register_buffer("zero", zero.contiguous())
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._runs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}  # input's kind -> its forward
@@ -196,6 +201,11 @@ class QuantizedLinear(nn.Module):
         self._kernel = ops, weights
         return self._kernel
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the kernels' copies behind (made again on first use; a kernel build is no
+        object to copy)."""
+        return {**self.__dict__, "_runs": {}, "_kernel": None}
+
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's: .to(), .cuda(), .half(), ...
         self.forget_kernels()
         return super()._apply(fn, recurse)
@@ -244,6 +254,10 @@ def _kernel_cpu(ops: Any, weights: tuple[torch.Tensor, torch.Tensor], bias: torc
 # --- PyTorch's kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------
 def _int8_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = layer.qweight, layer.scale.to(dtype)
+    pad = -layer.in_features % _INT8_CPU_K_MULTIPLE
+    if pad:  # zero columns of the weight times zeros of x: the same sums
+        q = F.pad(q, (0, pad))
+        return lambda x: torch.ops.aten._weight_int8pack_mm(F.pad(x, (0, pad)), q, scale)
     return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)
 
 

@@ -7,27 +7,49 @@ import tempfile
 
 import pytest
 import torch
-from helpers import TIKTOKEN_CACHE, TINY_SHAKESPEARE
+from helpers import GPT2_SKIP_REASON, corpus_text, tiktoken_has_gpt2
 
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))  # no test needs the network
 # probes (MFU, which kernel runs a Linear) measure under whatever else the test machine runs: not the user's cache
 os.environ.setdefault("GPTLAB_CACHE_DIR", tempfile.mkdtemp(prefix="gptlab-test-cache-"))
+# helpers points TIKTOKEN_CACHE_DIR at shared/data/tiktoken_cache where that exists. No test uses the network:
+# where tiktoken's gpt2 files are not cached, the tests that need them skip, and a load that slips through fails
+# at once instead of downloading.
+_OFFLINE_GPT2 = tiktoken_has_gpt2()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_tiktoken_downloads():  # noqa: ANN202
+    if _OFFLINE_GPT2:
+        yield
+        return
+    import tiktoken.load
+
+    def refuse(url: str) -> bytes:
+        raise ConnectionError(f"the tests make no network request (tiktoken asked for {url}): {GPT2_SKIP_REASON}")
+
+    before = tiktoken.load.read_file
+    tiktoken.load.read_file = refuse
+    yield
+    tiktoken.load.read_file = before
 
 
 @pytest.fixture(scope="module")
 def gpt2():  # noqa: ANN201
-    """tiktoken's GPT-2 tokenizer (from the offline cache)."""
+    """tiktoken's GPT-2 tokenizer (from the offline cache; the test skips where that lacks it)."""
     from gptlab.tokenizer import GPT2Tokenizer
+
+    if not _OFFLINE_GPT2:
+        pytest.skip(GPT2_SKIP_REASON)
 
     return GPT2Tokenizer()
 
 
 @pytest.fixture(scope="module")
-def shakespeare_bpe():  # noqa: ANN201
-    """A 600-token byte-level BPE trained on the first 200k characters of tiny Shakespeare."""
+def corpus_bpe():  # noqa: ANN201
+    """A 600-token byte-level BPE trained on 200k characters of the test corpus."""
     from gptlab.tokenizer import HFTokenizer
 
-    text = TINY_SHAKESPEARE.read_text(encoding="utf-8")[:200_000]
+    text = corpus_text(200_000)
     return HFTokenizer.train((text[i : i + 10_000] for i in range(0, len(text), 10_000)), vocab_size=600)
 
 

@@ -4,17 +4,93 @@ and the check that a command failed with one clean line. Import them as `from he
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import random
+import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from gptlab import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"  # shared/data beside the repository (CI clones it there too)
+# Real data files, present only where shared/data sits beside the repository (this project's CI clones it there);
+# the tests that need them skip without them (`needs_shakespeare`, `needs_gpt2_bpe`), the rest use CORPUS.
+SHARED_DATA = REPO.parent / "shared" / "data"
 TINY_SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
 GPT2_FILES = SHARED_DATA / "gpt2"  # encoder.json + vocab.bpe: OpenAI's original GPT-2 BPE files
 TIKTOKEN_CACHE = SHARED_DATA / "tiktoken_cache"
+# a 6.6 KB play-like text committed with the tests (tests/data/README.md): what every test that needs "some text"
+# reads, so a fresh clone runs them
+CORPUS = REPO / "tests" / "data" / "corpus.txt"
+
+needs_shakespeare = pytest.mark.skipif(
+    not TINY_SHAKESPEARE.is_file(),
+    reason=f"checks figures of the real tiny Shakespeare: needs {TINY_SHAKESPEARE} (the project's shared/data "
+    "beside the clone)",
+)
+
+
+# --- text and GPT-2's BPE files -----------------------------------------------------------------------------------
+@functools.cache
+def corpus_text(chars: int | None = None) -> str:
+    """CORPUS's text, or its first `chars` characters where it has that many; past its length, its speeches
+    (blank-line separated) again in a fixed shuffled order per round, so any length is the same text everywhere."""
+    text = CORPUS.read_text(encoding="utf-8")
+    if chars is None or chars <= len(text):
+        return text if chars is None else text[:chars]
+    speeches = text.strip("\n").split("\n\n")
+    rng, parts, size = random.Random(0), [text], len(text)
+    while size < chars:
+        order = rng.sample(speeches, len(speeches))
+        more = "\n" + "\n\n".join(order) + "\n"
+        parts.append(more)
+        size += len(more)
+    return "".join(parts)[:chars]
+
+
+def tiktoken_cache_dir() -> Path:
+    """The folder tiktoken reads its cached files from (tiktoken.load.read_file_cached's rule)."""
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if var in os.environ:
+            return Path(os.environ[var])
+    return Path(tempfile.gettempdir()) / "data-gym-cache"
+
+
+_GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+
+
+def gpt2_bpe_files() -> tuple[Path, Path] | None:
+    """(encoder.json, vocab.bpe): OpenAI's GPT-2 BPE files, from GPT2_FILES or else tiktoken's cache (which holds
+    the same bytes under the SHA-1 of their URLs); None where neither has them. Where this is None, tiktoken's
+    `gpt2` encoding would be downloaded: the tests that need it skip instead (no test uses the network)."""
+    if (GPT2_FILES / "encoder.json").is_file() and (GPT2_FILES / "vocab.bpe").is_file():
+        return GPT2_FILES / "encoder.json", GPT2_FILES / "vocab.bpe"
+    cache = tiktoken_cache_dir()
+    files = tuple(cache / hashlib.sha1((_GPT2_URL + name).encode()).hexdigest() for name in ("encoder.json",
+                                                                                             "vocab.bpe"))
+    return files if all(f.is_file() for f in files) else None  # type: ignore[return-value]
+
+
+GPT2_SKIP_REASON = ("needs GPT-2's BPE files offline: set TIKTOKEN_CACHE_DIR to a folder with tiktoken's cached gpt2 "
+                    "files (this project's CI has them in shared/data/tiktoken_cache beside the clone)")
+if TIKTOKEN_CACHE.is_dir():  # before anything loads tiktoken's gpt2 (conftest imports this module first)
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+
+
+def tiktoken_has_gpt2() -> bool:
+    """Whether tiktoken's `gpt2` encoding loads here without the network (its two files are in its cache)."""
+    cache = tiktoken_cache_dir()
+    return all((cache / hashlib.sha1((_GPT2_URL + name).encode()).hexdigest()).is_file()
+               for name in ("encoder.json", "vocab.bpe"))
+
+
+# tests that load tiktoken's gpt2 (the `gpt2` fixture skips by itself) or read GPT-2's BPE files
+needs_gpt2_bpe = pytest.mark.skipif(not tiktoken_has_gpt2() and gpt2_bpe_files() is None, reason=GPT2_SKIP_REASON)
+needs_tiktoken_gpt2 = pytest.mark.skipif(not tiktoken_has_gpt2(), reason=GPT2_SKIP_REASON)
 
 
 # --- command-line results ---------------------------------------------------------------------------------------
@@ -118,11 +194,11 @@ TINY_RECIPE = dict(
 
 
 def make_data(root: Path, chars: int = 60_000) -> Path:
-    """A char-level DATA_DIR made from the start of tiny Shakespeare (90% train / 10% val)."""
+    """A char-level DATA_DIR made from `chars` characters of the test corpus (90% train / 10% val)."""
     from gptlab.data import prepare
 
     text = root / "text.txt"
-    text.write_text(TINY_SHAKESPEARE.read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    text.write_text(corpus_text(chars), encoding="utf-8")
     out = root / "data"
     prepare([text], out, tokenizer="char")
     return out
@@ -185,4 +261,30 @@ def hf_llama_dir(directory: Path, text: str, block_size: int = 64, chat_template
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    return directory
+
+
+def hf_gpt2_dir(directory: Path, text: str, block_size: int = 64, vocab_size: int = 400) -> Path:
+    """A random GPT-2 (n_layer 2, n_embd 64) saved by transformers' save_pretrained, its Conv1D weights stored
+    (in, out), with a byte-level BPE trained on `text` (end-of-text <|endoftext|>): no GPT-2 files needed."""
+    import json
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text[i : i + 5000] for i in range(0, len(text), 5000)], trainer)
+    eos = tok.token_to_id("<|endoftext|>")
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                  "eos_token": "<|endoftext|>"}))
+    cfg = transformers.GPT2Config(vocab_size=tok.get_vocab_size(), n_embd=64, n_layer=2, n_head=4,
+                                  n_positions=block_size, bos_token_id=eos, eos_token_id=eos, initializer_range=0.3)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(directory)
     return directory

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import GPT2_FILES
+from helpers import GPT2_SKIP_REASON, gpt2_bpe_files
 
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import load_tokenizer
@@ -109,7 +109,10 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[object,
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    base = Tokenizer(models.BPE.from_file(str(GPT2_FILES / "encoder.json"), str(GPT2_FILES / "vocab.bpe")))
+    files = gpt2_bpe_files()
+    if files is None:
+        pytest.skip(GPT2_SKIP_REASON)
+    base = Tokenizer(models.BPE.from_file(*map(str, files)))
     base.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     base.decoder = decoders.ByteLevel()
     base.add_special_tokens(SPECIAL)

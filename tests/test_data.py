@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TINY_SHAKESPEARE, one_line_error
+from helpers import TINY_SHAKESPEARE, corpus_text, needs_shakespeare, one_line_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +20,7 @@ from gptlab.data.text_stream import chunk_text, iter_file_text, resolve_inputs
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer, HFTokenizer, load_tokenizer
 
-SHAKESPEARE = TINY_SHAKESPEARE.read_text(encoding="utf-8")
+CORPUS = corpus_text(200_000)  # the committed test corpus, extended
 TEXT_A = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
 TEXT_B = "Second Citizen:\nOne word, good citizens.\n\tIndented 😀 line\nend"
 
@@ -31,9 +31,10 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-# --- tiny Shakespeare: the reference figures --------------------------------------------------------------------
+# --- tiny Shakespeare: the reference figures (the real file, from shared/data) -----------------------------------
 
 
+@needs_shakespeare
 def test_char_shakespeare_matches_nanogpt(tmp_path: Path, capsys) -> None:
     rc, out, _ = cli(capsys, str(TINY_SHAKESPEARE), "--tokenizer", "char", "--out", str(tmp_path / "d"))
     assert rc == 0 and "1,003,854" in out
@@ -51,7 +52,8 @@ def test_char_shakespeare_matches_nanogpt(tmp_path: Path, capsys) -> None:
     tok = load_tokenizer(tmp_path / "d")
     train, val = load_split(tmp_path / "d", "train"), load_split(tmp_path / "d", "val")
     assert train.dtype == np.dtype("<u2") and len(train) == 1_003_854
-    assert tok.decode(train) == SHAKESPEARE[:1_003_854] and tok.decode(val) == SHAKESPEARE[1_003_854:]
+    shakespeare = TINY_SHAKESPEARE.read_text(encoding="utf-8")
+    assert tok.decode(train) == shakespeare[:1_003_854] and tok.decode(val) == shakespeare[1_003_854:]
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
         "meta.json",
         "tokenizer_meta.json",
@@ -60,13 +62,15 @@ def test_char_shakespeare_matches_nanogpt(tmp_path: Path, capsys) -> None:
     ]
 
 
+@needs_shakespeare
 def test_gpt2_shakespeare_counts_and_chunking_invariance(tmp_path: Path, gpt2: GPT2Tokenizer) -> None:
+    shakespeare = TINY_SHAKESPEARE.read_text(encoding="utf-8")
     meta = prepare([TINY_SHAKESPEARE], tmp_path / "big", tokenizer="gpt2")
     # the 90% cut splits a word, yet the total equals encoding the whole text (338,025)
     assert (meta["train_tokens"], meta["val_tokens"], meta["eot_id"]) == (301_966, 36_059, 50256)
     train = load_split(tmp_path / "big", "train")
-    assert train[:8].tolist() == gpt2.encode(SHAKESPEARE[:1_003_854])[:8]
-    assert np.array_equal(train, gpt2.encode(SHAKESPEARE[:1_003_854]))
+    assert train[:8].tolist() == gpt2.encode(shakespeare[:1_003_854])[:8]
+    assert np.array_equal(train, gpt2.encode(shakespeare[:1_003_854]))
     # 4,000-character chunks (~280 cuts) give byte-identical files
     prepare([TINY_SHAKESPEARE], tmp_path / "small", tokenizer="gpt2", chunk_chars=4000)
     for split in ("train", "val"):
@@ -83,11 +87,11 @@ WS_HEAVY = st.text(
 
 @settings(max_examples=150, deadline=None)
 @given(WS_HEAVY, st.integers(1, 12), st.integers(1, 9))
-def test_chunked_encoding_equals_whole(gpt2, shakespeare_bpe, text: str, chunk: int, piece: int) -> None:
+def test_chunked_encoding_equals_whole(gpt2, corpus_bpe, text: str, chunk: int, piece: int) -> None:
     pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
     chunks = list(chunk_text(pieces, chunk, hard=False))
     assert "".join(chunks) == text
-    for tok in (gpt2, shakespeare_bpe):
+    for tok in (gpt2, corpus_bpe):
         assert [i for c in chunks for i in tok.encode(c)] == tok.encode(text)
 
 
@@ -105,9 +109,11 @@ def test_chunk_sizes_and_fallbacks() -> None:
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bpe", "char"])
-def test_process_pool_gives_same_files(tmp_path: Path, monkeypatch, tokenizer: str) -> None:
-    (tmp_path / "a.txt").write_text(SHAKESPEARE[:30_000])
-    (tmp_path / "b.txt").write_text(SHAKESPEARE[30_000:50_000])
+def test_process_pool_gives_same_files(tmp_path: Path, monkeypatch, request, tokenizer: str) -> None:
+    if tokenizer == "gpt2":
+        request.getfixturevalue("gpt2")  # skips where tiktoken's gpt2 files are not cached
+    (tmp_path / "a.txt").write_text(CORPUS[:30_000])
+    (tmp_path / "b.txt").write_text(CORPUS[30_000:50_000])
     kw = dict(tokenizer=tokenizer, vocab_size=300 if tokenizer == "bpe" else None, chunk_chars=3000)
     prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "one", workers=1, **kw)
     if tokenizer != "gpt2":  # spawning workers costs ~2 s each (they import gptlab): one kind is enough
@@ -163,7 +169,7 @@ def test_directories_expand_to_sorted_txt_files_and_char_concatenates(tmp_path: 
 
 
 def test_bpe_prepare_trains_on_train_split(tmp_path: Path, capsys) -> None:
-    text = SHAKESPEARE[:200_000]
+    text = CORPUS[:200_000]
     (tmp_path / "in.txt").write_text(text)
     out = tmp_path / "d"
     rc, _, _ = cli(capsys, str(tmp_path / "in.txt"), "--tokenizer", "bpe", "--vocab-size", "512", "--out", str(out))
@@ -214,8 +220,21 @@ def test_tokenizer_from_char_dir_rejects_unknown_characters(tmp_path: Path, caps
 # --- tiny Shakespeare download / cache --------------------------------------------------------------------------
 
 
-def test_shakespeare_name_uses_the_cache_without_network(tmp_path: Path, monkeypatch) -> None:
-    shutil.copy(TINY_SHAKESPEARE, tmp_path / "tinyshakespeare.txt")
+@pytest.fixture
+def stand_in(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> Path:
+    """The test corpus standing in for tiny Shakespeare: corpora checks its size and sha256 instead."""
+    import hashlib
+
+    path = tmp_path_factory.mktemp("stand_in") / "corpus.txt"
+    path.write_text(CORPUS[:5000], encoding="utf-8")
+    data = path.read_bytes()
+    monkeypatch.setattr(corpora, "SHAKESPEARE_BYTES", len(data))
+    monkeypatch.setattr(corpora, "SHAKESPEARE_SHA256", hashlib.sha256(data).hexdigest())
+    return path
+
+
+def test_shakespeare_name_uses_the_cache_without_network(tmp_path: Path, monkeypatch, stand_in: Path) -> None:
+    shutil.copy(stand_in, tmp_path / "tinyshakespeare.txt")
     monkeypatch.setenv("GPTLAB_DATA_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)  # no file called "shakespeare" here
 
@@ -226,7 +245,8 @@ def test_shakespeare_name_uses_the_cache_without_network(tmp_path: Path, monkeyp
     assert resolve_inputs(["shakespeare"]) == [tmp_path / "tinyshakespeare.txt"]
 
 
-def test_shakespeare_bad_cached_copy_is_downloaded_again_atomically(tmp_path: Path, monkeypatch) -> None:
+def test_shakespeare_bad_cached_copy_is_downloaded_again_atomically(tmp_path: Path, monkeypatch,
+                                                                    stand_in: Path) -> None:
     (tmp_path / "tinyshakespeare.txt").write_text("truncated")
     monkeypatch.setenv("GPTLAB_DATA_DIR", str(tmp_path))
     calls = []
@@ -234,11 +254,11 @@ def test_shakespeare_bad_cached_copy_is_downloaded_again_atomically(tmp_path: Pa
     def fake_download(url: str, dest: Path) -> None:
         calls.append(url)
         assert dest.parent == tmp_path and dest.name != "tinyshakespeare.txt"  # a temp name, renamed after
-        shutil.copy(TINY_SHAKESPEARE, dest)
+        shutil.copy(stand_in, dest)
 
     monkeypatch.setattr(corpora, "_download", fake_download)
     path = corpora.fetch_shakespeare()
-    assert calls == [corpora.SHAKESPEARE_URL] and path.read_bytes() == TINY_SHAKESPEARE.read_bytes()
+    assert calls == [corpora.SHAKESPEARE_URL] and path.read_bytes() == stand_in.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tinyshakespeare.txt"]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import GPT2_FILES, one_line_error, write_jsonl
+from helpers import GPT2_SKIP_REASON, gpt2_bpe_files, needs_tiktoken_gpt2, one_line_error, write_jsonl
 
 from gptlab.cli import main
 from gptlab.data import (
@@ -57,7 +57,10 @@ def hf_chat_dir(root: Path, template: str, eos: str = "<|im_end|>") -> Path:
     """A Hugging Face tokenizer directory: GPT-2's BPE with ChatML's special tokens, and `template`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    tok = Tokenizer(models.BPE.from_file(str(GPT2_FILES / "encoder.json"), str(GPT2_FILES / "vocab.bpe")))
+    files = gpt2_bpe_files()
+    if files is None:
+        pytest.skip(GPT2_SKIP_REASON)
+    tok = Tokenizer(models.BPE.from_file(*map(str, files)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
@@ -192,6 +195,7 @@ def test_text_records_end_with_eot_and_text_field(tmp_path: Path, gpt2) -> None:
 # --- formats ----------------------------------------------------------------------------------------------------
 
 
+@needs_tiktoken_gpt2
 def test_every_format_gives_the_same_files(tmp_path: Path) -> None:
     pa, pq, datasets = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet"), \
         pytest.importorskip("datasets")
@@ -282,6 +286,7 @@ ERRORS = [
 ]
 
 
+@needs_tiktoken_gpt2
 @pytest.mark.parametrize("name, content, args, expected", ERRORS, ids=[e[3][:40] for e in ERRORS])
 def test_user_errors_are_one_line(tmp_path: Path, monkeypatch, capsys, name, content, args, expected) -> None:
     monkeypatch.chdir(tmp_path)
@@ -315,6 +320,7 @@ def test_user_errors_are_one_line(tmp_path: Path, monkeypatch, capsys, name, con
     assert not list(tmp_path.glob("out/.*"))  # no partial files
 
 
+@needs_tiktoken_gpt2
 def test_missing_split_and_empty_val(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     datasets.DatasetDict({"test": datasets.Dataset.from_list(PAIRS)}).save_to_disk(str(tmp_path / "dict"))

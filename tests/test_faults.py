@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, make_data, write_recipe
+from helpers import REPO, make_data, needs_tiktoken_gpt2, write_recipe
 from safetensors.torch import load_file
 
 from gptlab import checkpoint as ckpt
@@ -276,6 +276,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@needs_tiktoken_gpt2
 def test_a_killed_prepare_leaves_no_workers_and_no_partial_files(tmp_path: Path) -> None:
     text = tmp_path / "in.txt"
     text.write_text(("hello world, this is a line of text.\n" * 200) * 400)  # ~3 MB

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TINY_SHAKESPEARE, hf_llama_dir
+from helpers import REPO, corpus_text, hf_llama_dir
 
 from gptlab.cli import main
 from gptlab.loading import load_model
@@ -32,7 +32,7 @@ def digest(directory: Path) -> str:
 
 
 def test_prepare_lora_chat_convert_and_score(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    text = TINY_SHAKESPEARE.read_text(encoding="utf-8")[:30_000]
+    text = corpus_text(30_000)
     base = hf_llama_dir(tmp_path / "base", text, block_size=64, chat_template=TEMPLATE)
     before = digest(base)
     lines = [line for line in text.splitlines() if 8 < len(line) < 24]

@@ -4,12 +4,12 @@ greedy tokens against gptlab's."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import gpt2_bpe_files, needs_tiktoken_gpt2
 
 from gptlab import GPT, GPTConfig
 from gptlab.checkpoint import save_model
@@ -19,7 +19,6 @@ from gptlab.tokenizer import CharTokenizer
 
 gguf = pytest.importorskip("gguf")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
 
 
@@ -123,14 +122,13 @@ def test_q4_0_keeps_every_weight_within_one_step_of_its_block(tmp_path: Path) ->
     assert np.abs(got - blocks).max() > 0  # it did quantize
 
 
-@pytest.mark.skipif(not (SHARED / "gpt2" / "vocab.bpe").is_file(), reason="needs ../shared/data/gpt2/vocab.bpe")
-def test_gpt2_merges_recovered_from_tiktoken_equal_openais_vocab_bpe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", os.environ.get("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache")))
+@needs_tiktoken_gpt2
+def test_gpt2_merges_recovered_from_tiktoken_equal_openais_vocab_bpe() -> None:
     from gptlab.interop.gguf import gguf_vocabulary
     from gptlab.tokenizer import GPT2Tokenizer
 
     tokens, merges, types = gguf_vocabulary(GPT2Tokenizer(), 50257)
-    reference = (SHARED / "gpt2" / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]
+    reference = gpt2_bpe_files()[1].read_text(encoding="utf-8").splitlines()[1:]
     assert merges == [line for line in reference if line]
     assert tokens[50256] == "<|endoftext|>" and types[50256] == 3 and tokens[220] == "Ġ"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_SHAKESPEARE, hf_llama_dir, one_line_error, tiny_model
+from helpers import corpus_text, hf_llama_dir, one_line_error, tiny_model
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TASKS = ["tiny_mc", "tiny_docs", "tiny_gen"]
 BLOCK = 64
-TEXT = TINY_SHAKESPEARE.read_text(encoding="utf-8")[:40_000]
+TEXT = corpus_text(40_000)
 LINES = [line for line in TEXT.splitlines() if len(line) > 20]
 
 

@@ -177,11 +177,12 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
     monkeypatch.setattr(dispatch, "_builds", lambda: {"avx2": "A", "avx512": "B"})
     calls = []
     times = {"torch": 2.0, "avx2": 3.0, "avx512": 1.0}
-    monkeypatch.setattr(dispatch, "probe", lambda kind, names: calls.append(kind) or dict(times))
+    monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: calls.append((kind, rows)) or dict(times))
     dispatch._measured.cache_clear()
     assert dispatch.choice("int8") == "avx512" and dispatch.chosen_ops("int8") == "B"
     dispatch._measured.cache_clear()  # a new process: read from kernels.json, not measured again
-    assert dispatch.choice("int8") == "avx512" and calls == ["int8"]
+    assert dispatch.choice("int8") == "avx512" and calls == [("int8", 1)]
+    assert dispatch.choice("int8", rows=20) == "avx512" and calls[-1] == ("int8", 32)  # large batches apart
     times.update(torch=0.5)
     assert dispatch.choice("bfloat16") == "torch" and dispatch.chosen_ops("bfloat16") is None
     monkeypatch.setenv("GPTLAB_KERNEL", "avx2")  # the override, for comparisons and tests
@@ -200,5 +201,5 @@ def test_probe_times_every_candidate(builds, kind: str, monkeypatch) -> None:  #
     from gptlab.kernels import dispatch
 
     monkeypatch.setattr(dispatch, "_working_set", lambda: 2**20)  # a small probe for the test
-    times = dispatch.probe(kind, tuple(builds), rounds=1, calls=1)
+    times = dispatch.probe(kind, tuple(builds), rounds=1, calls=1, rows=3)
     assert set(times) == {"torch", *builds} and all(t > 0 for t in times.values())

@@ -4,12 +4,14 @@ embeddings, greedy tokens), `load_model(quantize=...)` and the CLI flags, and th
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 
 import pytest
 import torch
 import torch.nn as nn
-from helpers import make_data, tiny_model, write_recipe
+from helpers import corpus_text, hf_gpt2_dir, hf_llama_dir, make_data, tiny_model, write_recipe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +19,7 @@ import gptlab
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import SamplingParams, generate_batch
+from gptlab.kernels import kernel_builds
 from gptlab.quantize import (
     GROUP_SIZES,
     QuantizedLinear,
@@ -205,8 +208,15 @@ def test_quantized_logits_and_greedy_tokens_follow_fp32(trained, mode, tolerance
         top2 = exact.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
         assert bool((quant.argmax(-1) == exact.argmax(-1))[clear].all()) and int(clear.sum()) >= len(seq[0]) // 2
-    if mode == "int8":
-        assert [g.token_ids for g in generate_batch(model, prompts, params)] == want
+    if mode == "int8":  # the same greedy tokens, up to a near-tie of fp32's (the test corpus repeats itself)
+        for prompt, tokens, got in zip(prompts, want, [g.token_ids for g in generate_batch(model, prompts, params)],
+                                       strict=True):
+            first = next((i for i, (a, b) in enumerate(zip(tokens, got, strict=True)) if a != b), None)
+            if first is not None:
+                with torch.no_grad():
+                    exact = reference(torch.tensor([prompt + tokens[:first]]))[0][0, -1]
+                top2 = exact.topk(2).values
+                assert float(top2[0] - top2[1]) <= 2 * tolerance * float(exact.std()), (first, tokens, got)
 
 
 def test_quantized_loss_uses_the_quantized_head() -> None:
@@ -311,3 +321,120 @@ def test_lm_eval_model_args_quantize(trained) -> None:
     assert isinstance(lm.model.lm_head, QuantizedLinear) and lm.model.lm_head.group_size == 32
     with pytest.raises(GptlabError, match="group size must be one of"):
         GptlabLM(str(path), device="cpu", quantize="int4", group_size="48")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every CPU kernel path, on imported models and at odd widths
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(params=["torch", "avx2", "avx512"])
+def cpu_path(request, monkeypatch):  # noqa: ANN001, ANN201
+    """Each CPU kernel this machine runs, whatever the dispatch would pick: PyTorch's int8/int4 kernels and each
+    of gptlab's builds that runs here (GPTLAB_KERNEL)."""
+    if request.param != "torch" and request.param not in kernel_builds():
+        pytest.skip(f"gptlab's {request.param} kernels do not build or run here")
+    monkeypatch.setenv("GPTLAB_KERNEL", request.param)
+    return request.param
+
+
+def reference_model(model: nn.Module) -> nn.Module:
+    """A copy of a quantized model whose QuantizedLinears compute dequantize-then-matmul."""
+    plain = copy.deepcopy(model)
+    for m in plain.modules():
+        if isinstance(m, QuantizedLinear):
+            m.forward = m.reference
+    return plain
+
+
+@contextlib.contextmanager
+def each_layer_checked(model: nn.Module):  # noqa: ANN201
+    """Inside: every QuantizedLinear call's output is checked against `reference` on the same input (the model's
+    own activations, prefill and decode steps alike) within kernel_tolerance; yields the list of checked calls."""
+    calls = []
+
+    def check(layer: QuantizedLinear, args: tuple, out: torch.Tensor) -> None:
+        x = args[0]
+        assert bool(((out.float() - layer.reference(x.float())).abs() <= kernel_tolerance(x, layer)).all())
+        calls.append(layer)
+
+    hooks = [m.register_forward_hook(check) for m in model.modules() if isinstance(m, QuantizedLinear)]
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):  # noqa: ANN201
+    """Random transformers GPT-2 (Conv1D weights, stored transposed) and Llama, saved with save_pretrained and a
+    tokenizer."""
+    pytest.importorskip("transformers")
+    text = corpus_text()
+    root = tmp_path_factory.mktemp("hf")
+    return {"gpt2": hf_gpt2_dir(root / "gpt2", text), "llama": hf_llama_dir(root / "llama", text)}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_imported_models_quantize_and_generate_on_every_path(hf_dirs, family, mode, cpu_path) -> None:
+    """GPT-2's transposed Conv1D weights once reached QuantizedLinear as non-contiguous views, and PyTorch's int8
+    kernel refused them mid-generation ("expect B to be contiguous")."""
+    model, tok = gptlab.load_model(hf_dirs[family], quantize=mode)  # as the CLI loads it
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(b.is_contiguous() for m in layers for b in m.buffers())
+    prompt = torch.tensor([tok.encode("First Citizen:")])
+    with each_layer_checked(model) as calls:
+        out = gptlab.generate(model, prompt, max_new_tokens=8, temperature=0.0)
+        assert out.shape == (1, prompt.shape[1] + 8) and {id(m) for m in calls} == {id(m) for m in layers}
+        with torch.no_grad():
+            got, want = model(out)[0], reference_model(model)(out)[0]
+    # a random model is chaotic (see above): the kernels' bf16 activations move its logits by a few percent
+    assert float((got - want).abs().max()) <= 0.15 * float(want.std())
+
+
+def test_imported_weights_and_quantized_buffers_are_contiguous(hf_dirs) -> None:
+    model, _ = gptlab.load_model(hf_dirs["gpt2"])
+    assert all(p.is_contiguous() for p in model.parameters())
+    linear = nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight = nn.Parameter(torch.randn(64, 48).t())  # a transposed view, as a Conv1D weight arrives
+    assert not linear.weight.is_contiguous()
+    for mode in ("int8", "int4"):
+        layer = QuantizedLinear(linear, mode)
+        assert all(b.is_contiguous() for b in layer.buffers())
+        x = torch.randn(3, 64)
+        assert bool(((layer(x) - layer.reference(x)).abs() <= kernel_tolerance(x, layer)).all())
+
+
+def test_sample_int8_on_an_imported_gpt2(hf_dirs, capsys) -> None:
+    args = ["sample", str(hf_dirs["gpt2"]), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0"]
+    assert main([*args, "--quantize", "int8"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+@pytest.mark.parametrize("width", [33, 40, 48, 72, 96, 132, 264])
+def test_int8_rows_of_any_width_match_the_reference_on_every_path(width, cpu_path) -> None:
+    """PyTorch's CPU int8 kernel reads the input width in blocks of 16: at 33 it crashed (SIGSEGV) and at 40, 72
+    or 264 gave wrong sums; the AVX2 kernel takes even widths only (the odd ones go to PyTorch's, padded)."""
+    torch.manual_seed(width)
+    layer = QuantizedLinear(nn.Linear(width, 37), "int8")
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 5, 64):
+            x = torch.randn(rows, width, dtype=dtype)
+            got = layer(x)
+            assert got.dtype == dtype and got.shape == (rows, 37)
+            assert bool(((got.float() - layer.reference(x.float())).abs() <= kernel_tolerance(x, layer)).all())
+
+
+@pytest.mark.parametrize("width, mode", [(33, "int8"), (48, "int8"), (96, "int8"), (96, "int4")])
+def test_models_of_odd_widths_keep_their_loss(width, mode, cpu_path) -> None:
+    """Issue 22: `gptlab eval --quantize int8` at width 33 (3 heads) crashed, at 48/96 the loss strayed."""
+    hidden = 4 * width + 4 if mode == "int8" else 4 * width  # int8: an MLP width that is no multiple of 16 either
+    model = tiny_model(vocab_size=65, n_embd=width, n_head=3, n_kv_head=3, mlp_hidden=hidden)
+    quantize_model(model, mode)
+    idx = torch.randint(0, 65, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), each_layer_checked(model) as calls:
+        (got, loss), (want, want_loss) = model(idx, idx), reference_model(model)(idx, idx)
+    assert {id(m) for m in model.modules() if isinstance(m, QuantizedLinear)} <= {id(m) for m in calls}
+    # each layer matched above; the random model (chaotic, see above) still keeps its loss
+    assert float(loss) == pytest.approx(float(want_loss), rel=0.02) and got.shape == want.shape

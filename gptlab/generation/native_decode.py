@@ -94,7 +94,7 @@ def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | 
     cos = sin = None
     if rope is not None:  # (1 or B, 1, 1, rot / 2) fp32, rounded to the model's dtype as apply_rope does
         cos, sin = (t.to(x.dtype).float().flatten(1) for t in rope)
-    ops = chosen_ops(kind_of(x.dtype)) or next(iter(kernel_builds().values()))  # packs fit every build
+    ops = chosen_ops(kind_of(x.dtype), x.shape[0]) or next(iter(kernel_builds().values()))  # packs fit every build
     return ops.decode_step(
         x, weights, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
         masks.window, cos, sin, _shape(model), cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0)

@@ -50,14 +50,14 @@ from gptlab.kernels.dispatch import chosen_ops, kind_of
 log = logging.getLogger(__name__)
 
 
-def packing_helps(device: torch.device, dtype: torch.dtype) -> bool:
+def packing_helps(device: torch.device, dtype: torch.dtype, rows: int = 1) -> bool:
     """True where a re-laid-out weight is the faster path and works here: fp32, or bf16 with oneDNN or gptlab's
     own kernel, on a CPU."""
     if device.type != "cpu":
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and (_bf16_packing_works() or chosen_ops("bfloat16") is not None)
+    return dtype == torch.bfloat16 and (_bf16_packing_works() or chosen_ops("bfloat16", rows) is not None)
 
 
 @functools.cache
@@ -125,12 +125,12 @@ class _Pack:
 def _pack(module: nn.Linear, batch_hint: int) -> _Pack | None:
     """The packed weight of one Linear; None where packing does not help (or fails) for its dtype and device."""
     weight = module.weight
-    if not packing_helps(weight.device, weight.dtype):
+    if not packing_helps(weight.device, weight.dtype, batch_hint):
         return None
     with torch.no_grad():
         w = weight.detach()
         try:
-            ops = chosen_ops(kind_of(w.dtype))  # gptlab's kernel where it is the fastest path here
+            ops = chosen_ops(kind_of(w.dtype), batch_hint)  # gptlab's kernel where it is the fastest path here
             if ops is not None:
                 kernel, packed = functools.partial(_kernel_forward, ops, w.shape[0]), ops.pack(w)
             elif w.dtype == torch.float32:

@@ -320,7 +320,8 @@ def to_ours(rules: list[Rule], tensors: dict[str, torch.Tensor], ignore: re.Patt
         missing = [name for name in rule.theirs if name not in tensors]
         if missing:
             raise GptlabError(f"{where} lacks weight {missing[0]!r}")
-        state[rule.ours] = rule.join([tensors[name] for name in rule.theirs])
+        # contiguous: a transposed Conv1D weight is a view, and the model takes these tensors as its parameters
+        state[rule.ours] = rule.join([tensors[name] for name in rule.theirs]).contiguous()
         used.update(rule.theirs)
     extra = sorted(name for name in tensors if name not in used and not ignore.search(name))
     if extra:

@@ -4,9 +4,9 @@ the CPU's vector unit.
 For each kind of weight (bf16, fp32, int8, int4) the candidates are gptlab's own builds that this CPU can execute
 (`gptlab.kernels.kernel_builds`: AVX2, AVX-512) and PyTorch's path for that kind (oneDNN's packed bf16 product where
 it works, else `F.linear`; MKL on a transposed fp32 weight; `_weight_int8pack_mm`; `_weight_int4pack_mm_for_cpu`).
-A short probe (a fraction of a second a kind, on first use) times each on decoding-shaped products (batch 1,
-768 x 2304 and 3072 x 768, over weights larger than the CPU's cache) at the process's thread count, candidates
-taking turns, and the fastest wins. The result is cached per CPU
+A short probe (a fraction of a second a kind, on first use) times each on decoding-shaped products (768 x 2304
+and 3072 x 768, over weights larger than the CPU's cache; batch 1, and batch 32 for engines of 8 rows or more) at
+the process's thread count, candidates taking turns, and the fastest wins. The result is cached per CPU
 model, thread count, torch version and kernel source in ~/.cache/gptlab/kernels.json (GPTLAB_CACHE_DIR moves it),
 so later runs decide in no time. Measured: on an AVX2-only AMD EPYC the AVX2 build beats PyTorch for every kind; on
 an AMD Zen 4 with AVX-512 the rule "keep oneDNN there" lost 1.3-2.5x (see benchmarks/kernel_throughput.py).
@@ -37,6 +37,7 @@ TORCH = "torch"
 CACHE_FILE = "kernels.json"
 _SHAPES = ((2304, 768), (768, 3072))  # (N, K): a fused q/k/v projection and an MLP's down projection
 _GROUP = 32
+SMALL_BATCH, BATCH = 8, 32  # inputs of fewer rows than SMALL_BATCH are probed at 1 row, the others at BATCH
 
 
 def _builds() -> dict[str, Any]:
@@ -50,27 +51,30 @@ def kind_of(dtype: torch.dtype | str) -> str:
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
-def choice(kind: str) -> str:
-    """The name of the path that runs `kind` weights here: a build of `kernel_builds()`, or "torch"."""
+def choice(kind: str, rows: int = 1) -> str:
+    """The name of the path that runs `kind` weights here for inputs of about `rows` rows (decoding: the batch): a
+    build of `kernel_builds()`, or "torch". Small batches and large ones are probed apart (1 and 32 rows): reading
+    the weights dominates the first, arithmetic the second, and a different kernel may win each."""
     builds = _builds()
     forced = os.environ.get("GPTLAB_KERNEL")
     if forced == TORCH or not builds:
         return TORCH
     if forced in builds:
         return forced
-    return _measured(kind, tuple(sorted(builds)))
+    return _measured(kind, tuple(sorted(builds)), BATCH if rows >= SMALL_BATCH else 1)
 
 
-def chosen_ops(kind: str) -> Any | None:
-    """The build (torch.ops namespace) that runs `kind` weights here, or None where PyTorch's path is faster or
-    there is no build."""
-    name = choice(kind)
+def chosen_ops(kind: str, rows: int = 1) -> Any | None:
+    """The build (torch.ops namespace) that runs `kind` weights here for about `rows` input rows, or None where
+    PyTorch's path is faster or there is no build."""
+    name = choice(kind, rows)
     return None if name == TORCH else _builds()[name]
 
 
 @functools.cache
-def _measured(kind: str, names: tuple[str, ...]) -> str:
-    key = "|".join([cpu_name(), f"threads={torch.get_num_threads()}", torch.__version__, _source_key(), kind])
+def _measured(kind: str, names: tuple[str, ...], rows: int) -> str:
+    key = "|".join([cpu_name(), f"threads={torch.get_num_threads()}", torch.__version__, _source_key(), kind,
+                    f"rows={rows}"])
     path = cache_dir() / CACHE_FILE
     try:
         cached = json.loads(path.read_text())
@@ -79,7 +83,7 @@ def _measured(kind: str, names: tuple[str, ...]) -> str:
     entry = cached.get(key)
     if isinstance(entry, dict) and entry.get("choice") in (*names, TORCH):
         return entry["choice"]
-    times = probe(kind, names)
+    times = probe(kind, names, rows=rows)
     best = min(times, key=times.get)
     cached[key] = {"choice": best, "seconds": times}
     try:
@@ -95,12 +99,13 @@ def _source_key() -> str:
     return source_digest()
 
 
-def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, calls: int = 3) -> dict[str, float]:
-    """Seconds for each candidate ("torch" and each build in `names`) to run the probe's products once over weights
-    several times the size of the CPU's last-level cache (decoding streams its weights from memory; a probe whose
-    weights stay in cache measures another machine). The fastest of `rounds` x `calls` passes, candidates taking
-    turns: on a shared machine another process's time slice lands in some passes, never in a kernel's favour, so
-    the minimum is what each path can do."""
+def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, calls: int = 3,
+          rows: int = 1) -> dict[str, float]:
+    """Seconds for each candidate ("torch" and each build in `names`) to run the probe's products (inputs of
+    `rows` rows) once over weights several times the size of the CPU's last-level cache (decoding streams its
+    weights from memory; a probe whose weights stay in cache measures another machine). The fastest of `rounds` x
+    `calls` passes, candidates taking turns: on a shared machine another process's time slice lands in some
+    passes, never in a kernel's favour, so the minimum is what each path can do."""
     builds = _builds()
     names = tuple(builds) if names is None else names
     gen = torch.Generator().manual_seed(0)  # not the global one: a seeded run's draws stay as they are
@@ -109,7 +114,7 @@ def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, call
     runs: dict[str, list] = {name: [] for name in (TORCH, *names)}
     for n, k in _SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.02
-        x = torch.randn(1, k, generator=gen).to(torch.bfloat16 if kind != "float32" else torch.float32)
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16 if kind != "float32" else torch.float32)
         for _ in range(copies):  # each copy laid out anew: its own memory
             runs[TORCH].append(_torch_product(kind, w, x))
             for name in names:
