@@ -176,7 +176,7 @@ def test_lean_step_keeps_a_lora_layers_own_forward(family: str) -> None:
 def _greedy_with_and_without_the_lean_step(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     idx = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
     calls = []
-    monkeypatch.setattr(engine_module, "decode_hidden", lambda *a: calls.append(1) or decode_hidden(*a))
+    monkeypatch.setattr(engine_module, "decode_hidden", lambda *a, **kw: calls.append(1) or decode_hidden(*a, **kw))
     fast = generate(model, idx, 24, temperature=0)
     assert len(calls) == 23  # every step after the prefill took the lean path
     monkeypatch.setattr(engine_module, "supports", lambda m: False)

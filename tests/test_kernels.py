@@ -183,6 +183,8 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
     dispatch._measured.cache_clear()  # a new process: read from kernels.json, not measured again
     assert dispatch.choice("int8") == "avx512" and calls == [("int8", 1)]
     assert dispatch.choice("int8", rows=20) == "avx512" and calls[-1] == ("int8", 32)  # large batches apart
+    times.update(torch=0.95, avx512=1.0)  # a build within the margin keeps the one-call decode step
+    assert dispatch.choice("float32") == "avx512"
     times.update(torch=0.5)
     assert dispatch.choice("bfloat16") == "torch" and dispatch.chosen_ops("bfloat16") is None
     monkeypatch.setenv("GPTLAB_KERNEL", "avx2")  # the override, for comparisons and tests

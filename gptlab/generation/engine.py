@@ -86,9 +86,23 @@ class Engine:
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         self._packed = try_pack(model, max_batch) if pack_weights else None
         self._lean = supports(model)  # decode steps skip the general forward's framework time
+        # The weights are checked for changes (and packed again) when prompts are prefilled, not before every
+        # decode step, and the C++ step's weight list is kept until they change (a per-step walk over every Linear
+        # cost ~5% of a batch-1 token): weights written while rows are decoding count from the next prefill.
+        self._native: list | None = None
 
-    def _kernels(self) -> contextlib.AbstractContextManager:
-        return self._packed.active() if self._packed is not None else contextlib.nullcontext()
+    def _kernels(self, refresh: bool = False) -> contextlib.AbstractContextManager:
+        if self._packed is None:
+            return contextlib.nullcontext()
+        if refresh and self._packed.refresh():
+            self._native = None  # packs made anew: gather the C++ step's weights again
+        return self._packed.active(refresh=False)
+
+    def _native_weights(self) -> list | None:
+        """The C++ decode step's weights (inside `_kernels()`), gathered on the first decode step."""
+        if self._native is None:
+            self._native = native_decode.weights(self.model, self.cache) or []
+        return self._native or None
 
     def kernels(self) -> dict[str, Any]:
         """What runs this engine's decode steps on this machine: the decode step ("native C++": the blocks in one
@@ -96,7 +110,7 @@ class Engine:
         with self._kernels():
             names = Counter(kernel_name(m) if isinstance(m, nn.Linear) else m.kernel_name(self.dtype)
                             for m in self.model.modules() if isinstance(m, (nn.Linear, QuantizedLinear)))
-            native = native_decode.weights(self.model, self.cache) is not None
+            native = self._native_weights() is not None
         step = "native C++" if self._lean and native else "lean" if self._lean else "plain"
         return {"decode step": step, "linears": dict(names)}
 
@@ -172,7 +186,7 @@ class Engine:
         part, g.pending = tokens[:chunk], tokens[chunk:]
         done = len(g.prompt_ids) - len(g.pending) - len(part)  # prompt tokens already in the cache
         view = self.cache.rows(g.slot, g.slot + 1)
-        with self._kernels():
+        with self._kernels(refresh=True):
             hidden = self.model.hidden_states(torch.tensor([part], device=self.device), kv_cache=view)[0]
             self._score_prompt(g, hidden, done)
             if not g.pending:
@@ -205,7 +219,7 @@ class Engine:
         view = self.cache.rows(start, start + n)
         view.lengths.zero_()
         last = torch.tensor(lengths, device=self.device)
-        with self._kernels():
+        with self._kernels(refresh=True):
             h = self.model.hidden_states(idx.to(self.device), kv_cache=view)
             view.lengths.copy_(last)  # rewind each row past its padding
             return self.model.logits(h[torch.arange(n, device=self.device), last - 1]), h
@@ -237,7 +251,7 @@ class Engine:
         rows = torch.tensor([g.slot for g in running], device=self.device)
         with self._kernels():
             if self._lean and not self.model.training:
-                h = decode_hidden(self.model, tokens.to(self.device), view)
+                h = decode_hidden(self.model, tokens.to(self.device), view, native=self._native_weights())
             else:
                 h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
             logits = self.model.logits(h[rows, -1])

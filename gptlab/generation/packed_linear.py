@@ -198,9 +198,11 @@ class PackedLinears:
         return len(stale)
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Run the packed forwards inside the block (packing stale weights again first)."""
-        self.refresh()
+    def active(self, refresh: bool = True) -> Iterator[None]:
+        """Run the packed forwards inside the block (packing stale weights again first, unless `refresh` is False:
+        an engine checks once, not every step)."""
+        if refresh:
+            self.refresh()
         # a module whose forward someone else has already replaced keeps it (and gets it back on exit)
         installed = [p for p in self.packs if "forward" not in p.module.__dict__]
         for p in installed:  # an instance attribute shadows Linear.forward (set directly: this runs every step)

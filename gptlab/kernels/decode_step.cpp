@@ -1,7 +1,7 @@
 // One decode step of any gptlab model (one new token per row) in one C++ call, over weights packed for this
-// library's `linear`: the loop of gptlab/generation/fast_decode.py's lean step without a Python or ATen round trip
-// per op. Norms, rotary embeddings, q/k norms, grouped-query attention over the fp32 KV cache, soft-caps and the
-// MLP's activation are plain loops over a few rows; only the Linear products go to the kernel.
+// library's `linear`: the loop of gptlab/generation/fast_decode.py's lean step without a Python round trip per op.
+// Norms, rotary embeddings, q/k norms, grouped-query attention over the fp32 KV cache and soft-caps are plain loops
+// over a few rows; the Linear products go to the kernel, the MLP's activation to ATen's vectorized ops.
 //
 // Values are kept in fp32 and rounded to a bf16 model's dtype wherever the lean step holds a bf16 tensor (after
 // each norm, product, activation, rotation and residual add; a norm once, as ATen's bf16 norms round), so a bf16
@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -100,9 +101,34 @@ void rotate(float* h, const float* cos, const float* sin, int64_t rot, bool inte
   }
 }
 
-float gelu(float v, bool tanh_form) {
-  if (tanh_form) return 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-  return 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f));
+// q . k over n values in 16 independent lanes (summed at the end), so that the compiler vectorizes it: a plain
+// running sum is one dependent chain (and the attention's scores were scalar)
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];
+  float sum = 0.0f;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) sum += lanes[j];
+  return sum;
+}
+
+// exp(x) for x <= 0 (softmax's shifted scores), branch-free so that a loop over it vectorizes: 2^n by the exponent
+// bits, e^r on |r| <= ln2 / 2 by its Taylor polynomial to r^7 (relative error ~1e-7, as std::exp's fp32 result);
+// below -87 the result is 0 (as an fp32 exp underflows)
+inline float exp_nonpositive(float x) {
+  const bool underflows = x < -87.0f;  // -inf (a masked key) included
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720, p = p * r + 1.0f / 120, p = p * r + 1.0f / 24, p = p * r + 1.0f / 6, p = p * r + 0.5f;
+  p = p * r + 1.0f, p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // n >= -126: a normal power of two
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return underflows ? 0.0f : p * scale;
 }
 
 struct Step {
@@ -159,15 +185,14 @@ struct Step {
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < end; ++t) {
           if (m && !m[t]) { p[t] = -std::numeric_limits<float>::infinity(); continue; }
-          float d = 0.0f;
-          for (int64_t e = 0; e < hs; ++e) d += q[e] * keys[t * st + e];
-          d *= scale;
+          float d = dot(q, keys + t * st, hs) * scale;
           if (softcap > 0.0f) d = softcap * std::tanh(d / softcap);
           p[t] = d;
           top = std::max(top, d);
         }
+        for (int64_t t = 0; t < end; ++t) p[t] = exp_nonpositive(p[t] - top);  // a masked key's -inf gives 0
         float total = 0.0f;
-        for (int64_t t = 0; t < end; ++t) total += (p[t] = std::exp(p[t] - top));
+        for (int64_t t = 0; t < end; ++t) total += p[t];
         float* yi = y.data() + b * nh * hs + h * hs;
         std::fill_n(yi, hs, 0.0f);
         for (int64_t t = 0; t < end; ++t) {
@@ -181,22 +206,22 @@ struct Step {
     project(y.data(), B, nh * hs, w, kPerLayer * layer + 5, C, out, bf16);
   }
 
+  // the activation is ATen's, on a tensor of the model's dtype: vectorized (exp, tanh and erf per element were a
+  // tenth of a batch-1 step and most of a batch-32 one as scalar loops), and the lean step's numbers to the bit
   void mlp(int64_t layer, const float* h, float* out) const {
     const bool gated = s.mlp == kSwiGLU || s.mlp == kGeGLU;
     const int64_t H = s.hidden, fc = gated ? 2 * H : H;
-    std::vector<float> a(B * fc), act(B * H);
+    std::vector<float> a(B * fc);
     project(h, B, C, w, kPerLayer * layer + 10, fc, a.data(), bf16);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < H; ++i) {
-        const float v = a[b * fc + i];
-        float r;
-        if (s.mlp == kSwiGLU) r = round_to(round_to(v / (1.0f + std::exp(-v)), bf16) * a[b * fc + H + i], bf16);
-        else if (s.mlp == kGeGLU) r = round_to(round_to(gelu(v, s.gelu_tanh), bf16) * a[b * fc + H + i], bf16);
-        else if (s.mlp == kReLU2) r = round_to(round_to(std::max(v, 0.0f), bf16) * std::max(v, 0.0f), bf16);
-        else r = round_to(gelu(v, s.gelu_tanh), bf16);
-        act[b * H + i] = r;
-      }
-    project(act.data(), B, H, w, kPerLayer * layer + 13, C, out, bf16);
+    auto t = at::from_blob(a.data(), {B, fc}, at::kFloat).to(bf16 ? at::kBFloat16 : at::kFloat);
+    const c10::string_view approx = s.gelu_tanh ? "tanh" : "none";
+    at::Tensor act;
+    if (s.mlp == kSwiGLU) act = at::silu(t.narrow(1, 0, H)) * t.narrow(1, H, H);
+    else if (s.mlp == kGeGLU) act = at::gelu(t.narrow(1, 0, H), approx) * t.narrow(1, H, H);
+    else if (s.mlp == kReLU2) act = at::square(at::relu(t));
+    else act = at::gelu(t, approx);
+    const auto act32 = act.to(at::kFloat).contiguous();
+    project(act32.data_ptr<float>(), B, H, w, kPerLayer * layer + 13, C, out, bf16);
   }
 
   void add(float* x, const float* y) const {
