@@ -205,3 +205,65 @@ def test_probe_times_every_candidate(builds, kind: str, monkeypatch) -> None:  #
     monkeypatch.setattr(dispatch, "_working_set", lambda: 2**20)  # a small probe for the test
     times = dispatch.probe(kind, tuple(builds), rounds=1, calls=1, rows=3)
     assert set(times) == {"torch", *builds} and all(t > 0 for t in times.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building: a killed build leaves nothing that blocks or crashes the next run
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    """cpp_extension's load replaced by one that writes a "library" (no compiler runs); returns its calls."""
+    import torch.utils.cpp_extension as cpp
+
+    calls = []
+
+    def load(name: str, **kw) -> None:  # noqa: ANN003
+        assert not (tmp_path / name / "lock").exists(), "a stale lock would make load wait for ever"
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / f"{name}.so").write_bytes(b"library " + name.encode())
+        calls.append(name)
+
+    monkeypatch.setattr(cpp, "load", load)
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    return calls
+
+
+def test_a_stale_build_lock_is_removed_and_the_library_checksummed(tmp_path, fake_build) -> None:  # noqa: ANN001
+    from gptlab.kernels.build import CHECKSUM, load_library
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "lock").write_text("")  # left by a build killed with Ctrl-C
+    load_library("lib", [], [], [])
+    assert fake_build == ["lib"] and (tmp_path / "lib" / CHECKSUM).is_file()
+    load_library("lib", [], [], [])  # a good cached build is loaded as it is
+    assert (tmp_path / "lib" / "lib.so").read_bytes() == b"library lib"
+
+
+def test_a_library_cut_short_is_built_again(tmp_path, fake_build) -> None:  # noqa: ANN001
+    from gptlab.kernels.build import load_library
+
+    load_library("lib", [], [], [])
+    (tmp_path / "lib" / "lib.so").write_bytes(b"libr")  # truncated: a build killed while it linked
+    (tmp_path / "lib" / "object.o").write_bytes(b"")
+    load_library("lib", [], [], [])
+    assert not (tmp_path / "lib" / "object.o").exists()  # the directory was made anew
+    assert (tmp_path / "lib" / "lib.so").read_bytes() == b"library lib"
+
+
+def test_the_build_lock_dies_with_its_holder(tmp_path) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+    import time
+
+    from gptlab.kernels.build import held
+
+    lock = tmp_path / "x.gptlab-lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from gptlab.kernels.build import held\n"
+                               f"with held(__import__('pathlib').Path({str(lock)!r})):\n"
+                               "    print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()  # SIGKILL mid-build
+    holder.wait()
+    t = time.monotonic()
+    with held(lock):
+        assert time.monotonic() - t < 5

@@ -91,12 +91,12 @@ class Engine:
         # cost ~5% of a batch-1 token): weights written while rows are decoding count from the next prefill.
         self._native: list | None = None
 
-    def _kernels(self, refresh: bool = False) -> contextlib.AbstractContextManager:
+    def _kernels(self, refresh: bool = False, head_only: bool = False) -> contextlib.AbstractContextManager:
         if self._packed is None:
             return contextlib.nullcontext()
         if refresh and self._packed.refresh():
             self._native = None  # packs made anew: gather the C++ step's weights again
-        return self._packed.active(refresh=False)
+        return self._packed.active(refresh=False, only=self.model.lm_head if head_only else None)
 
     def _native_weights(self) -> list | None:
         """The C++ decode step's weights (inside `_kernels()`), gathered on the first decode step."""
@@ -249,7 +249,7 @@ class Engine:
         if idle:
             view.lengths[idle] = 0  # idle rows compute a throwaway token at position 0
         rows = torch.tensor([g.slot for g in running], device=self.device)
-        with self._kernels():
+        with self._kernels(head_only=bool(self._native)):  # the C++ step (gathered before) reads its packs itself
             if self._lean and not self.model.training:
                 h = decode_hidden(self.model, tokens.to(self.device), view, native=self._native_weights())
             else:

@@ -157,9 +157,10 @@ def decode_hidden(model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | 
     rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
     weights = native_decode.weights(model, cache) if native is True else native or None
     if weights is not None:
-        x = native_decode.step(model, x, rope, masks, cache, weights)
+        x = native_decode.step(model, x, rope, masks, cache, weights)  # the final norm included
     else:
         for block in t.h:
             x = _block(block, x, rope, masks, cache)
+        x = norm(t.ln_f, x)
     cache.advance(1)
-    return norm(t.ln_f, x)
+    return x

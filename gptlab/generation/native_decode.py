@@ -22,7 +22,7 @@ from gptlab.quantize import QuantizedLinear
 
 LAYOUTS = {"pre": 0, "parallel": 1, "sandwich": 2, "post": 3}
 MLPS = {"gelu": 0, "swiglu": 1, "geglu": 2, "relu2": 3}
-PER_LAYER = 22  # decode_step.cpp's kPerLayer
+PER_LAYER = 22  # decode_step.cpp's kPerLayer; the final norm's weight and bias follow the layers
 
 
 def _norm_kind(cfg: GPTConfig) -> int:
@@ -81,12 +81,14 @@ def weights(model: GPT, cache: KVCache) -> list[torch.Tensor | None] | None:
         for g in groups[:-2]:
             out += g
         out += [groups[-2][0], groups[-1][0]]  # the q/k norms have a weight only
-    return out
+    final = model.transformer.ln_f
+    final = _norm(None if isinstance(final, nn.Identity) else final, eps)
+    return None if final is None else out + final
 
 
 def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, masks: Masks,
          cache: KVCache, weights: list[torch.Tensor | None]) -> torch.Tensor:
-    """x (B, 1, C) through every block (before the final norm), this token's keys and values written to `cache`
+    """x (B, 1, C) through every block and the final norm, this token's keys and values written to `cache`
     (fp32): the loop of the lean step in one C++ call."""
     cfg, a = model.config, model.transformer.h[0].attn
     where, end = cache.step_target()
@@ -97,5 +99,6 @@ def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | 
     ops = chosen_ops(kind_of(x.dtype), x.shape[0]) or next(iter(kernel_builds().values()))  # packs fit every build
     return ops.decode_step(
         x, weights, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
-        masks.window, cos, sin, _shape(model), cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0)
+        masks.window, cos, sin, _shape(model), cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0,
+        not isinstance(model.transformer.ln_f, nn.Identity))
 

@@ -198,13 +198,15 @@ class PackedLinears:
         return len(stale)
 
     @contextlib.contextmanager
-    def active(self, refresh: bool = True) -> Iterator[None]:
+    def active(self, refresh: bool = True, only: nn.Module | None = None) -> Iterator[None]:
         """Run the packed forwards inside the block (packing stale weights again first, unless `refresh` is False:
-        an engine checks once, not every step)."""
+        an engine checks at each prefill, not every step); with `only`, that module's alone (the C++ decode step
+        reads the packs itself and leaves the LM head to its module)."""
         if refresh:
             self.refresh()
         # a module whose forward someone else has already replaced keeps it (and gets it back on exit)
-        installed = [p for p in self.packs if "forward" not in p.module.__dict__]
+        packs = self.packs if only is None else [p for p in self.packs if p.module is only]
+        installed = [p for p in packs if "forward" not in p.module.__dict__]
         for p in installed:  # an instance attribute shadows Linear.forward (set directly: this runs every step)
             p.module.__dict__["forward"] = p.forward
         try:

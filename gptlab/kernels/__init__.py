@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from gptlab.kernels.build import load_library
+
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_step.cpp"]
@@ -97,11 +99,8 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
                       f"to build gptlab's {what} kernels once)", stacklevel=3)
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         cflags = [*_COMMON_FLAGS, *flags]
-        load(name=_build_name(library, cflags), sources=[str(f) for f in SOURCES], is_python_module=False,
-             verbose=False, extra_cflags=cflags, extra_ldflags=["-fopenmp"])
+        load_library(_build_name(library, cflags), SOURCES, cflags, ["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         warnings.warn(f"gptlab: building the {what} kernels failed, using PyTorch's ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)

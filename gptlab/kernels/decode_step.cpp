@@ -12,6 +12,7 @@
 // bias); attn c_proj (3); ln_2 weight, bias; c_fc (3); mlp c_proj (3); ln_attn_out weight, bias; ln_mlp_out weight,
 // bias (sandwich blocks); q_norm weight, k_norm weight. `shape`: n_head, n_kv_head, head_size, hidden, layout,
 // shared_norm, norm kind, mlp kind, gelu tanh, qk norm, rope interleaved, rotary dim, then one sliding flag per layer.
+// After the layers' tensors come the final norm's weight and bias, applied where `final_norm` is set.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -264,18 +265,19 @@ const bool* mask_data(const c10::optional<at::Tensor>& mask, int64_t end, int64_
   return mask->data_ptr<bool>();
 }
 
-// x (B, 1, C) in the model's dtype: the first block's input; returns x after the last block (before ln_f)
+// x (B, 1, C) in the model's dtype: the first block's input; returns x after the last block and the final norm
 at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, int64_t where, const c10::optional<at::Tensor>& rows,
                        const c10::optional<at::Tensor>& pos, int64_t end, const c10::optional<at::Tensor>& full,
                        const c10::optional<at::Tensor>& window, const c10::optional<at::Tensor>& cos,
                        const c10::optional<at::Tensor>& sin, at::IntArrayRef shape, double eps, double scale,
-                       double softcap) {
+                       double softcap, bool final_norm) {
   TORCH_CHECK(shape.size() >= 12, "decode_step: shape holds 12 sizes and a sliding flag per layer");
   const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], shape[8], shape[9],
                 shape[10], shape[11]};
   const int64_t L = static_cast<int64_t>(shape.size()) - 12, B = x.size(0), C = x.size(2);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * L, "decode_step: ", kPerLayer, " tensors a layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * L + 2, "decode_step: ", kPerLayer,
+              " tensors a layer and the final norm's two");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 5 &&
               k_cache.stride(4) == 1 && v_cache.strides() == k_cache.strides(), "decode_step: an fp32 cache");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "decode_step: bf16 or fp32");
@@ -303,6 +305,9 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
   auto xs = x.reshape({B, C}).to(at::kFloat).contiguous();
   std::vector<float> buf(xs.data_ptr<float>(), xs.data_ptr<float>() + B * C);
   for (int64_t l = 0; l < L; ++l) step.layer(l, shape[12 + l] != 0, buf.data());
+  if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
+    norm_rows(buf.data(), buf.data(), B, C, s.norm, weights.get(kPerLayer * L), weights.get(kPerLayer * L + 1),
+              static_cast<float>(eps), bf16);
   return at::from_blob(buf.data(), {B, 1, C}, at::kFloat).to(x.scalar_type(), false, /*copy=*/true);
 }
 
@@ -311,5 +316,5 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
 GPTLAB_LIBRARY_FRAGMENT(GPTLAB_NS, m) {
   m.def("decode_step(Tensor x, Tensor?[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
         "Tensor? pos, int end, Tensor? full, Tensor? window, Tensor? cos, Tensor? sin, int[] shape, float eps, "
-        "float scale, float softcap) -> Tensor", &decode_step);
+        "float scale, float softcap, bool final_norm) -> Tensor", &decode_step);
 }
