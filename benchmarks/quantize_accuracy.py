@@ -2,11 +2,12 @@
 
 `gptlab eval` on the validation split of tiny Shakespeare, char-level and GPT-2 tokens, for the same model run in
 bf16 (`--dtype bfloat16`), int8 and int4 (`--quantize`), with the ratios int8 / bf16 and int4 / bf16 (targets:
-within 1% and 5%). The models are trained here into a temporary directory unless given: the char one by
+within 0.1% and 2%). The models are trained here into a temporary directory unless given: the char one by
 configs/speedrun_cpu.toml (~15 s on 2 cores), the GPT-2-token one by GPT2_RECIPE below (4 layers, width 128, 300
 steps of 8 x 128 tokens: a few minutes on 2 cores). Or pass --char-run / --gpt2-run with their --char-data /
---gpt2-data. The evaluation runs the kernels `--quantize` runs on this machine (on AVX2-only CPUs gptlab's own,
-whose activations are 16-bit fixed point), so the figures are those of the fast path.
+--gpt2-data. The evaluation runs the kernels `--quantize` runs on this machine (where the dispatch picks gptlab's
+own, as on every x86 CPU tried so far, their activations are 16-bit fixed point), so the figures are those of the
+fast path.
 
 Decode speed of the same modes against llama.cpp's q8_0 / q4_0 and CTranslate2's int8 is
 benchmarks/generate_throughput.py's `--settings 1:int8,1:int4`.
