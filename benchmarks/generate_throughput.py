@@ -78,8 +78,8 @@ def family_config(family: str) -> GPTConfig:
 
 
 # bytes per weight each format reads (q8_0: 32 int8 + an f16 scale; q4_0: 32 nibbles + an f16 scale; gptlab's int4:
-# 32 nibbles + an fp32 scale and offset; int8: an fp32 scale per row, negligible)
-BYTES = {"gptlab": {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.75},
+# 32 nibbles + an fp16 scale and offset; int8: an fp32 scale per row, negligible)
+BYTES = {"gptlab": {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.625},
          "llama.cpp": {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}}
 
 

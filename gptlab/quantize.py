@@ -88,13 +88,35 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 (N, K) in [0, 15], scale fp32 (N, K / group_size), zero fp32 (same)) with
-    w ~ (q - 8) * scale + zero within each group of `group_size` consecutive inputs."""
+    w ~ (q - 8) * scale + zero within each group of `group_size` consecutive inputs.
+
+    The scale and the group's low end (zero - 8 * scale) are fp16 values wherever fp16 holds them (weights below
+    65504 in magnitude), so a kernel may store them in 2 bytes each without rounding (gptlab's does: it then reads
+    0.625 bytes a weight at group 32, not 0.75). The low end is rounded down and the scale up, so the 16 levels
+    still cover the group and every weight stays within scale / 2 of its level."""
     n, k = w.shape
     groups = w.float().reshape(n, k // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=_TINY)
-    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return q.reshape(n, k), scale, lo + 8 * scale
+    low = _fp16_toward(lo, down=True)
+    scale = _fp16_toward(((hi - low) / 15).clamp(min=_TINY), down=False)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, low + 8 * scale
+
+
+def _fp16_toward(x: torch.Tensor, down: bool) -> torch.Tensor:
+    """x (fp32) as the nearest fp16 value toward -inf (`down`) or +inf, in fp32; x itself where fp16 cannot hold it
+    (beyond 65504)."""
+    half = x.half()
+    step = torch.nextafter(half, torch.full_like(half, float("-inf") if down else float("inf")))
+    wrong_side = (half.float() > x) if down else (half.float() < x)
+    out = torch.where(wrong_side, step, half).float()
+    return torch.where(out.isfinite(), out, x)
+
+
+def int4_params_fit_fp16(scale: torch.Tensor, zero: torch.Tensor) -> bool:
+    """Whether int4's scale and low end (zero - 8 * scale) are fp16 values, which gptlab's kernel stores exactly."""
+    low = zero - 8 * scale
+    return all(torch.equal(t.half().float(), t) for t in (scale.float(), low.float()))
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -194,6 +216,8 @@ class QuantizedLinear(nn.Module):
         ops = chosen_ops(self.mode) if self.qweight.device.type == "cpu" else None
         if ops is None or (self.mode == "int8" and self.in_features % 2):
             return None
+        if self.mode == "int4" and not int4_params_fit_fp16(self.scale, self.zero):
+            return None  # weights beyond fp16's range, or quantized elsewhere: PyTorch's int4 kernel
         if self.mode == "int8":
             weights = ops.pack_int8(self.qweight), self.scale.float().contiguous()
         else:

@@ -39,11 +39,11 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_step.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
-AVX2_FLAGS = ["-mavx2", "-mfma"]
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)
 # the AVX-512 build: the int8/int4 kernels need VNNI (vpdpwssd), the bf16 one BF16 (vdpbf16ps); Zen 4, Ice Lake
 # server with BF16 (Cooper Lake), Sapphire Rapids and later have all of them
 AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
-AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
                               "avx512_bf16"})
 
 

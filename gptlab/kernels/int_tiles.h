@@ -12,7 +12,13 @@
 
 namespace GPTLAB_NS::int_tiles {
 
-constexpr int64_t kExactPairs = 256;  // int8: pairs summed in int32 before the fp32 total (see below)
+constexpr int64_t kExactPairs = 256;
+
+// int4's per-group scale and offset are stored in fp16 (2 bytes each: at group 32 a weight reads 0.625 bytes, not
+// 0.75) and widened exactly by F16C's vcvtph2ps
+inline __m256 fp16x8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}  // int8: pairs summed in int32 before the fp32 total (see below)
 
 // int8 and int4: x in 16-bit fixed point (per row: x ~ xq * xscale, |xq| <= 32767) against the weights' integers.
 // A panel's column pair (k, k + 1) is laid out so that 8 rows' weights widen to (q[r][k], q[r][k + 1]) int16 pairs
@@ -72,7 +78,7 @@ inline void tile_i8(const int16_t* xq, int64_t ldx, const float* xscale, const i
 // qp: the panel's (groups, 2, 16) scales and offsets; xqsum (rows, groups, row stride G): each group's sum of xq
 template <int R>
 inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const float* xqsum, const uint8_t* panel,
-                    const float* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
+                    const at::Half* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
   float tot[R][kPanel] = {};
   const int64_t G = pairs / group_pairs;
   const __m128i nibble = _mm_set1_epi8(15);
@@ -84,8 +90,7 @@ inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const f
       const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
       GPTLAB_QROWS
     }
-    const __m256 s0 = _mm256_loadu_ps(qp), s1 = _mm256_loadu_ps(qp + 8);
-    const __m256 m0 = _mm256_loadu_ps(qp + kPanel), m1 = _mm256_loadu_ps(qp + kPanel + 8);
+    const __m256 s0 = fp16x8(qp), s1 = fp16x8(qp + 8), m0 = fp16x8(qp + kPanel), m1 = fp16x8(qp + kPanel + 8);
     GPTLAB_QFLUSH(0, s0, s1, m0, m1, xqsum[g]) GPTLAB_QFLUSH(1, s0, s1, m0, m1, xqsum[G + g])
     GPTLAB_QFLUSH(2, s0, s1, m0, m1, xqsum[2 * G + g]) GPTLAB_QFLUSH(3, s0, s1, m0, m1, xqsum[3 * G + g])
     GPTLAB_QFLUSH(4, s0, s1, m0, m1, xqsum[4 * G + g]) GPTLAB_QFLUSH(5, s0, s1, m0, m1, xqsum[5 * G + g])
@@ -171,7 +176,7 @@ inline void tile_i8(const int16_t* xq, int64_t ldx, const float* xscale, const i
 
 template <int R>
 inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const float* xqsum, const uint8_t* panel,
-                    const float* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
+                    const at::Half* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
   constexpr int C = kChains<R>;
   const int64_t G = pairs / group_pairs;
   constexpr int kPairBytes = kPanel;
@@ -184,7 +189,8 @@ inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const f
   __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0, t4 = t0, t5 = t0;
   for (int64_t g = 0; g < G; ++g, qp += 2 * kPanel) {
     GPTLAB_ZBLOCK(g * group_pairs, (g + 1) * group_pairs)
-    const __m512 s = _mm512_loadu_ps(qp), m = _mm512_loadu_ps(qp + kPanel);
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp))),
+                 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + kPanel)));
     GPTLAB_ZQFLUSH(0, s, m, xqsum[g]) GPTLAB_ZQFLUSH(1, s, m, xqsum[G + g])
     GPTLAB_ZQFLUSH(2, s, m, xqsum[2 * G + g]) GPTLAB_ZQFLUSH(3, s, m, xqsum[3 * G + g])
     GPTLAB_ZQFLUSH(4, s, m, xqsum[4 * G + g]) GPTLAB_ZQFLUSH(5, s, m, xqsum[5 * G + g])

@@ -13,8 +13,8 @@
 //   (W[n][k], W[n][k + 1]) in one 32-bit lane (the int8 layout; see dense_tiles.h).
 // * `pack_int8(q)`, `pack_int4(q, scale, zero)`: int8 q (N, K), or q (N, K) in 0..15 with per-group scale and zero
 //   (gptlab.quantize's per-row int8 w = q * scale and asymmetric int4 w = (q - 8) * scale + zero), in the same
-//   panels as column pairs (see int_tiles.h); int4 comes with `qparams` (panels, K / group, 2, 16) fp32: per group
-//   and output row the scale s and the offset m = zero - 8 s. Each row of x is put in 16-bit fixed point (xq * s,
+//   panels as column pairs (see int_tiles.h); int4 comes with `qparams` (panels, K / group, 2, 16) fp16: per group
+//   and output row the scale s and the offset m = zero - 8 s (exact for gptlab.quantize's, fp16 values). Each row of x is put in 16-bit fixed point (xq * s,
 //   |xq| <= 32767: rounding error up to 2^-16 of the row's largest value, no more than bf16's 2^-9 for values
 //   above 1/128 of it) and multiplied with integer multiply-adds, summed exactly in int32, scaled in fp32.
 // * `linear(x, packed, qparams, bias, N)` (declared in linear_avx2.h for decode_step.cpp's step): y = x @ W.T +
@@ -96,14 +96,14 @@ struct Int8 {
 struct Int4 {
   static constexpr int kRows = kTile;
   const uint8_t* data;
-  const float* qparams;  // (panels, G, 2, 16)
+  const at::Half* qparams;  // (panels, G, 2, 16)
   int64_t K, G;
   const int16_t* xq;    // (M, K)
   const float* xscale;  // (M,)
   const float* xqsum;   // (M, G)
   void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
     const uint8_t* panel = data + p * (K / 2) * kPanel;
-    const float* qp = qparams + p * G * 2 * kPanel;
+    const at::Half* qp = qparams + p * G * 2 * kPanel;
     const int16_t* xm = xq + m * K;
     const float *xs = xscale + m, *sums = xqsum + m * G;
     const int64_t gp = K / G / 2;
@@ -232,7 +232,8 @@ std::vector<at::Tensor> pack_int4(const at::Tensor& q, const at::Tensor& scale, 
   auto packed = pairs.narrow(2, 0, kPanel).bitwise_or(pairs.narrow(2, kPanel, kPanel).mul(16)).contiguous();
   const auto s = scale.to(at::kFloat), offset = zero.to(at::kFloat) - 8 * s;  // w = q * s + (zero - 8 s)
   auto qparams = at::stack({panel_rows(s).transpose(1, 2), panel_rows(offset).transpose(1, 2)}, 2);
-  return std::vector<at::Tensor>{packed, qparams.contiguous()};  // qparams (panels, G, 2, 16)
+  // fp16 (2 bytes a value): exact for gptlab.quantize's int4 weights, whose scales and low ends are fp16 values
+  return std::vector<at::Tensor>{packed, qparams.to(at::kHalf).contiguous()};  // qparams (panels, G, 2, 16)
 }
 
 }  // namespace
@@ -253,10 +254,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
     TORCH_CHECK(qparams->scalar_type() == at::kFloat && qparams->is_contiguous() && qparams->numel() >= N,
                 "linear: int8 qparams are the fp32 row scales");
   if (int4)
-    TORCH_CHECK(qparams->scalar_type() == at::kFloat && qparams->is_contiguous() && qparams->dim() == 4 &&
+    TORCH_CHECK(qparams->scalar_type() == at::kHalf && qparams->is_contiguous() && qparams->dim() == 4 &&
                 qparams->size(0) == panels && qparams->size(1) > 0 && K % qparams->size(1) == 0 &&
                 (K / qparams->size(1)) % 2 == 0 && qparams->size(2) == 2 && qparams->size(3) == kPanel,
-                "linear: int4 qparams must be (panels, groups, 2, 16) fp32");
+                "linear: int4 qparams must be (panels, groups, 2, 16) fp16");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   const auto x2 = x.reshape({-1, K}).contiguous();
@@ -290,7 +291,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
       std::vector<float> xqsum(M * G);  // per row and group: the sum of xq (exact in fp32: |sum| < 2^24)
       for (int64_t i = 0; i < M * G; ++i)
         xqsum[i] = static_cast<float>(std::accumulate(xq.begin() + i * gs, xq.begin() + (i + 1) * gs, int64_t{0}));
-      dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<float>(), K, G, xq.data(), xscale.data(),
+      dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), xscale.data(),
                           xqsum.data()}, nullptr, b, N, y);
     }
   } else if (packed.scalar_type() == at::kBFloat16) {
