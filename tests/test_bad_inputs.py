@@ -99,6 +99,20 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         w[f"tok_{name}"] = hf_tokenizer_dir(root / f"tok_{name}", {"chat_template": template})
     w["tok_link"] = hf_tokenizer_dir(root / "tok_link", {})
     (w["tok_link"] / "chat_template.jinja").symlink_to(w["latin1_prompt"])
+    # a LoRA run on the trained run, and copies whose lora.json was edited
+    w["lora"] = root / "lora"
+    assert main([*fill(TRAIN, w), "--out", str(w["lora"]), "--init-from", str(w["ckpt"]), "--lora-rank", "2"]) == 0
+    for name, change in [("lora_alpha_nan", {"alpha": float("nan")}), ("lora_rank_huge", {"rank": 1_000_000_000}),
+                         ("lora_rank_text", {"rank": "8"}), ("lora_base_self", "self")]:
+        w[name] = copy_lora = root / name
+        shutil.copytree(w["lora"], copy_lora)
+        for path in copy_lora.glob("checkpoints/*/lora.json"):
+            meta = json.loads(path.read_text())
+            if change == "self":
+                meta["base"]["path"] = str(path.parent)
+            else:
+                meta.update(change)
+            path.write_text(json.dumps(meta))
     w["hf_loops"] = hf_llama_dir(root / "hf_loops", corpus_text(3000), chat_template=LOOPS)
     return w
 
@@ -205,6 +219,15 @@ ROWS = [
                                   "--block-size", "16"], 2,
      "outside the model directory"),
     ("chat-template-loops", ["chat", "{hf_loops}"], 2, "tokenizer_config.json takes more than 5 s to render"),
+    # --- LoRA files
+    ("sample-lora-alpha-nan", ["sample", "{lora_alpha_nan}", "--max-new-tokens", "2"], 2,
+     "lora.json: alpha must be a finite number above 0, got nan"),
+    ("sample-lora-rank-huge", ["sample", "{lora_rank_huge}", "--max-new-tokens", "2"], 2,
+     "lora.json: LoRA rank 1000000000 is larger than the q layer's width 32"),
+    ("sample-lora-rank-text", ["sample", "{lora_rank_text}", "--max-new-tokens", "2"], 2,
+     "lora.json: rank must be a whole number"),
+    ("sample-lora-base-self", ["sample", "{lora_base_self}", "--max-new-tokens", "2"], 2,
+     "holds LoRA adapters itself"),
     # --- silently accepted nonsense
     ("train-grad-clip-nan", [*TRAIN, "--out", "{root}/r_x", "--grad-clip", "nan"], 2, "grad_clip must be a finite"),
     ("train-lr-inf", [*TRAIN, "--out", "{root}/r_x", "--lr", "inf"], 2, "lr must be a finite"),
