@@ -203,6 +203,8 @@ ROWS = [
     ("eval-block-size-negative", ["eval", "{ckpt}", "--data", "{data}", "--block-size", "-1"], 2,
      "--block-size must be at least 1"),
     ("eval-block-size-zero", ["eval", "{ckpt}", "--data", "{data}", "--block-size", "0"], 2, "--block-size"),
+    ("eval-batch-size-huge", ["eval", "{ckpt}", "--data", "{data}", "--batch-size", "100000000"], 2,
+     "--batch-size 100000000 x block_size 32 needs at least"),
     ("eval-batch-size-negative", ["eval", "{ckpt}", "--data", "{data}", "--batch-size", "-1"], 2,
      "--batch-size must be at least 1"),
     # --- chat templates of a model directory
