@@ -21,6 +21,8 @@ import torch
 
 from gptlab.data import load_mask, load_split, read_meta
 from gptlab.errors import GptlabError
+from gptlab.fileio import human_bytes
+from gptlab.hardware import available_memory
 from gptlab.tokenizer import optional_tokenizer
 
 
@@ -128,6 +130,22 @@ def default_batch_size(block_size: int, vocab_size: int, device_type: str = "cpu
     speedrun model), 64k on an accelerator; fewer for big vocabularies so that the fp32 logits stay under 512 MB."""
     tokens = 4096 if device_type == "cpu" else 65536
     return max(1, min(tokens, 2**27 // vocab_size) // block_size)
+
+
+def batch_memory(vocab_size: int, n_embd: int, batch_size: int, block_size: int) -> int:
+    """A lower bound on the bytes of one forward pass of `batch_size` windows: the fp32 logits and a few activations
+    per token and channel (no backward: a layer's are freed before the next's)."""
+    return 4 * batch_size * block_size * (vocab_size + 16 * n_embd)
+
+
+def check_batch_memory(config: Any, batch_size: int, block_size: int, device: str | torch.device,
+                       name: str = "batch_size") -> None:
+    """Refuse before any work a batch whose forward pass cannot fit in the device's free memory (as training's
+    check does): `name` is how the caller's user gave it (a flag)."""
+    need, have = batch_memory(config.vocab_size, config.n_embd, batch_size, block_size), available_memory(device)
+    if have is not None and need > have:
+        raise GptlabError(f"{name} {batch_size} x block_size {block_size} needs at least {human_bytes(need)} of "
+                          f"memory per forward pass, {device} has {human_bytes(have)} free: lower {name}")
 
 
 def split_bytes(data_dir: str | Path, data: np.ndarray) -> int | None:

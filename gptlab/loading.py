@@ -26,6 +26,7 @@ from gptlab.checkpoint import (
     BEST_NAME,
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    LORA_CONFIG,
     LORA_FILE,
     MODEL_FILE,
     STATE_FILE,
@@ -40,7 +41,7 @@ from gptlab.checkpoint import (
 from gptlab.errors import GptlabError
 from gptlab.fileio import MARKER, is_gptlab_output
 from gptlab.interop import from_hf, save_hf, save_peft_adapter
-from gptlab.lora import add_lora, merge_lora
+from gptlab.lora import LoRAError, add_lora, merge_lora
 from gptlab.model import GPT
 from gptlab.quantize import check_options as check_quantize_options
 from gptlab.quantize import quantize_model
@@ -156,11 +157,17 @@ def load_lora_model(
     if not base_dir.is_dir():
         raise GptlabError(f"{directory}'s adapters belong to the base {base_dir}, which does not exist any more: "
                           "put it back there (or edit lora.json's base.path to where it is now)")
+    if (resolve_checkpoint(base_dir) / LORA_FILE).is_file():  # gptlab never writes one: a loop, or a chain
+        raise GptlabError(f"{directory / LORA_CONFIG}: base.path {base_dir} holds LoRA adapters itself, not a whole "
+                          "model: a LoRA checkpoint's base must be a plain model")
     if weights_sha256(base_dir) != base["sha256"]:
         raise GptlabError(f"the base {base_dir} has changed since {directory}'s adapters were trained on it "
                           "(its weights' sha256 differs): the adapters would not fit it")
     model, _ = load_model(base_dir, device=device, dtype=torch.float32)
-    add_lora(model, spec, base=base)
+    try:
+        add_lora(model, spec, base=base)
+    except LoRAError as e:
+        raise GptlabError(f"{directory / LORA_CONFIG}: {e}") from None
     model.load_state_dict(load_adapter_tensors(directory, model), strict=False)
     if merge:
         merge_lora(model)

@@ -288,6 +288,12 @@ def add_lora(
     for p in model.parameters():
         p.requires_grad_(False)
     slices_of = layer_slices(model.config)
+    for parent, attr, inner in _adaptable(model):  # a rank past a layer's width adds nothing but memory
+        for target, (start, end) in slices_of[inner].items():
+            width = min(getattr(parent, attr).in_features, end - start)
+            if target in targets and spec.rank > width:
+                raise LoRAError(f"LoRA rank {spec.rank} is larger than the {target} layer's width {width}: at most "
+                                f"{width}")
     for parent, attr, inner in _adaptable(model):
         wanted = {t: rows for t, rows in slices_of[inner].items() if t in targets}
         if wanted:

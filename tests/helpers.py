@@ -264,6 +264,25 @@ def hf_llama_dir(directory: Path, text: str, block_size: int = 64, chat_template
     return directory
 
 
+def hf_tokenizer_dir(root: Path, config: dict) -> Path:
+    """A Hugging Face tokenizer directory (a byte-level BPE trained on a line, end-of-text <|endoftext|>) with
+    `config` in its tokenizer_config.json."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", **config}))
+    return root
+
+
 def hf_gpt2_dir(directory: Path, text: str, block_size: int = 64, vocab_size: int = 400) -> Path:
     """A random GPT-2 (n_layer 2, n_embd 64) saved by transformers' save_pretrained, its Conv1D weights stored
     (in, out), with a byte-level BPE trained on `text` (end-of-text <|endoftext|>): no GPT-2 files needed."""

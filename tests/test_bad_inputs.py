@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import REPO, make_data, write_recipe
+from helpers import REPO, corpus_text, hf_llama_dir, hf_tokenizer_dir, make_data, write_jsonl, write_recipe
 
 from gptlab.cli import main
 
@@ -92,7 +92,32 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     w["big_prompt"].write_text("a" * 50_000_000)
     w["latin1_prompt"] = root / "latin1.txt"
     w["latin1_prompt"].write_bytes("caf\xe9".encode("latin-1"))
+    # model directories whose chat template is hostile, and chats to render with them
+    w["chats"] = write_jsonl(root / "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                 {"role": "assistant", "content": "hello"}]}] * 2)
+    for name, template in [("include", "{% include 'x.jinja' %}"), ("number", 3), ("loops", LOOPS)]:
+        w[f"tok_{name}"] = hf_tokenizer_dir(root / f"tok_{name}", {"chat_template": template})
+    w["tok_link"] = hf_tokenizer_dir(root / "tok_link", {})
+    (w["tok_link"] / "chat_template.jinja").symlink_to(w["latin1_prompt"])
+    # a LoRA run on the trained run, and copies whose lora.json was edited
+    w["lora"] = root / "lora"
+    assert main([*fill(TRAIN, w), "--out", str(w["lora"]), "--init-from", str(w["ckpt"]), "--lora-rank", "2"]) == 0
+    for name, change in [("lora_alpha_nan", {"alpha": float("nan")}), ("lora_rank_huge", {"rank": 1_000_000_000}),
+                         ("lora_rank_text", {"rank": "8"}), ("lora_base_self", "self")]:
+        w[name] = copy_lora = root / name
+        shutil.copytree(w["lora"], copy_lora)
+        for path in copy_lora.glob("checkpoints/*/lora.json"):
+            meta = json.loads(path.read_text())
+            if change == "self":
+                meta["base"]["path"] = str(path.parent)
+            else:
+                meta.update(change)
+            path.write_text(json.dumps(meta))
+    w["hf_loops"] = hf_llama_dir(root / "hf_loops", corpus_text(3000), chat_template=LOOPS)
     return w
+
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # 1e10 steps
 
 
 class Hang(BaseException):
@@ -178,8 +203,33 @@ ROWS = [
     ("eval-block-size-negative", ["eval", "{ckpt}", "--data", "{data}", "--block-size", "-1"], 2,
      "--block-size must be at least 1"),
     ("eval-block-size-zero", ["eval", "{ckpt}", "--data", "{data}", "--block-size", "0"], 2, "--block-size"),
+    ("eval-batch-size-huge", ["eval", "{ckpt}", "--data", "{data}", "--batch-size", "100000000"], 2,
+     "--batch-size 100000000 x block_size 32 needs at least"),
     ("eval-batch-size-negative", ["eval", "{ckpt}", "--data", "{data}", "--batch-size", "-1"], 2,
      "--batch-size must be at least 1"),
+    # --- chat templates of a model directory
+    ("prepare-template-include", ["prepare", "{chats}", "--tokenizer-from", "{tok_include}", "--out", "{root}/p_t",
+                                  "--block-size", "16"],
+     2, "tokenizer_config.json uses {% include %}"),
+    ("prepare-template-loops", ["prepare", "{chats}", "--tokenizer-from", "{tok_loops}", "--out", "{root}/p_t",
+                                  "--block-size", "16"], 2,
+     "tokenizer_config.json takes more than 5 s to render"),
+    ("prepare-template-number", ["prepare", "{chats}", "--tokenizer-from", "{tok_number}", "--out", "{root}/p_t",
+                                  "--block-size", "16"],
+     2, "tokenizer_config.json: chat_template must be a Jinja template string, got int"),
+    ("prepare-template-link", ["prepare", "{chats}", "--tokenizer-from", "{tok_link}", "--out", "{root}/p_t",
+                                  "--block-size", "16"], 2,
+     "outside the model directory"),
+    ("chat-template-loops", ["chat", "{hf_loops}"], 2, "tokenizer_config.json takes more than 5 s to render"),
+    # --- LoRA files
+    ("sample-lora-alpha-nan", ["sample", "{lora_alpha_nan}", "--max-new-tokens", "2"], 2,
+     "lora.json: alpha must be a finite number above 0, got nan"),
+    ("sample-lora-rank-huge", ["sample", "{lora_rank_huge}", "--max-new-tokens", "2"], 2,
+     "lora.json: LoRA rank 1000000000 is larger than the q layer's width 32"),
+    ("sample-lora-rank-text", ["sample", "{lora_rank_text}", "--max-new-tokens", "2"], 2,
+     "lora.json: rank must be a whole number"),
+    ("sample-lora-base-self", ["sample", "{lora_base_self}", "--max-new-tokens", "2"], 2,
+     "holds LoRA adapters itself"),
     # --- silently accepted nonsense
     ("train-grad-clip-nan", [*TRAIN, "--out", "{root}/r_x", "--grad-clip", "nan"], 2, "grad_clip must be a finite"),
     ("train-lr-inf", [*TRAIN, "--out", "{root}/r_x", "--lr", "inf"], 2, "lr must be a finite"),

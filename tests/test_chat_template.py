@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import GPT2_SKIP_REASON, gpt2_bpe_files
+from helpers import GPT2_SKIP_REASON, gpt2_bpe_files, hf_tokenizer_dir
 
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import load_tokenizer
@@ -206,3 +206,101 @@ def test_check_messages_errors() -> None:
     ]:
         with pytest.raises(GptlabError, match=expected):
             check_messages(bad, "chat")
+
+
+# --- templates that are not what they seem: each one line naming the file, quickly ---------------------------------
+NS = "{% set ns = namespace(s='ab') %}"
+HOSTILE = {
+    "include": ("{% include 'other.jinja' %}", "uses {% include %} (line 1): a chat template may not load other"),
+    "import": ("{% import 'other.jinja' as x %}", "uses {% import %}"),
+    "from-import": ("{% from 'other.jinja' import x %}", "uses {% from ... import %}"),
+    "extends": ("{% extends 'other.jinja' %}", "uses {% extends %}"),
+    "syntax": ("{% for m in messages %}{{ m.content }}", "is not a valid Jinja template: Unexpected end of template"),
+    "unknown-filter": ("{{ messages | shout }}", "is not a valid Jinja template: No filter named 'shout'"),
+    "unknown-filter-late": ("{% if messages %}{{ messages | shout }}{% endif %}", "No filter named 'shout'"),
+    "division-by-zero": ("{{ messages | length // 0 }}", "failed: ZeroDivisionError"),
+    "range-over-the-cap": ("{% for i in range(1000000) %}{% endfor %}", "failed: OverflowError: Range too big"),
+    "tojson-unserialisable": ("{{ namespace(a=1) | tojson }}", "failed: TypeError: Object of type Namespace"),
+    "recursive-macro": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "failed: RecursionError"),
+    "gigabyte-string": ("{{ 'a' * 1000000000 }}", "builds a value of more than"),
+    "doubling-concat": (NS + "{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "builds a value"),
+    "doubling-plus": (NS + "{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "builds a value"),
+    "huge-replace": ("{% set s = 'a' * 100000 %}{{ s.replace('a', s) }}", "builds a value"),
+    "huge-join": ("{% set s = 'a' * 100000 %}{{ ([s] * 100000) | join }}", "more than"),
+    "huge-width": ("{{ 'a' | center(10000000000) }}", "passes the number 10000000000"),
+    "huge-format": ("{{ '{:>10000000000}'.format(1) }}", "a width or precision of 10 million"),
+    "huge-printf": ("{{ '%*s' % (1000000000, 'a') }}", "passes the number 1000000000"),
+    "huge-power": ("{{ 10 ** 1000000000 }}", "a number of more than 4096 bits"),
+    "nested-loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                     "takes more than 0.5 s to render"),
+    "endless-output": ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
+                       "writes more than"),
+    "lipsum": ("{{ lipsum(100000) * 1000 }}", "'lipsum' is undefined"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_template_is_one_line_naming_its_file(name: str, monkeypatch) -> None:
+    import time
+
+    from gptlab.tokenizer import template_sandbox
+
+    monkeypatch.setattr(template_sandbox, "MAX_RENDER_SECONDS", 0.5)
+    source, fragment = HOSTILE[name]
+    template = ChatTemplate(source, origin="/models/m/chat_template.jinja")
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError) as caught:
+        template.render(TURNS, add_generation_prompt=True)
+    message = str(caught.value)
+    assert message.startswith("the chat template in /models/m/chat_template.jinja "), message
+    assert fragment in message and "\n" not in message, message
+    assert time.monotonic() - start < 10  # bounded: no hang, no gigabytes built
+
+
+def test_the_sandbox_still_renders_what_real_templates_use() -> None:
+    source = ("{% for m in messages %}{{ m.role ~ ': ' ~ m.content }}{% if not loop.last %}|{% endif %}{% endfor %}"
+              "{{ '%s=%d' | format('n', messages | length) }} {{ [1, 2] | join(',') }} {{ '-' * 3 }} {{ 2 ** 10 }}"
+              " {{ '{}!'.format('ok') }} {{ messages[0] | tojson }}")
+    text = ChatTemplate(source).render(TURNS[:2])
+    assert text == ('user: What is the capital of France?|assistant: Paris.n=2 1,2 --- 1024 ok! '
+                    '{"role": "user", "content": "What is the capital of France?"}')
+
+
+@pytest.mark.parametrize("value, message", [
+    (3, "chat_template must be a Jinja template string, got int"),
+    ({"template": "x"}, "chat_template must be a Jinja template string, got dict"),
+    (["x"], "chat_template is a list whose items are not all {name, template} objects"),
+    ([{"name": "tool_use", "template": "x"}], "lists templates named 'tool_use' but none named 'default'"),
+    ([{"name": "default", "template": 7}], "chat_template[name='default'] must be a Jinja template string, got int"),
+])
+def test_a_chat_template_field_that_is_not_a_string_is_refused(tmp_path: Path, value, message: str) -> None:
+    d = hf_tokenizer_dir(tmp_path / "m", {"chat_template": value})
+    with pytest.raises(GptlabError) as caught:
+        load_tokenizer(d)
+    assert str(caught.value).startswith(f"{d / 'tokenizer_config.json'}: chat_template") and message in str(
+        caught.value)
+
+
+def test_the_default_of_a_list_of_templates_is_used_and_errors_name_its_file(tmp_path: Path) -> None:
+    d = hf_tokenizer_dir(tmp_path / "m", {"chat_template": [{"name": "tool_use", "template": "T"},
+                                                         {"name": "default", "template": "{{ 1 / 0 }}"}]})
+    template = chat_template_for(load_tokenizer(d))
+    assert template.source == "{{ 1 / 0 }}"
+    with pytest.raises(ChatTemplateError, match=f"the chat template in {d / 'tokenizer_config.json'} failed"):
+        template.render(TURNS)
+    (d / "chat_template.jinja").write_text("{% include 'x' %}")
+    with pytest.raises(ChatTemplateError, match=f"the chat template in {d / 'chat_template.jinja'} uses"):
+        chat_template_for(load_tokenizer(d)).render(TURNS)
+
+
+def test_a_chat_template_jinja_linking_outside_the_model_is_refused(tmp_path: Path) -> None:
+    d = hf_tokenizer_dir(tmp_path / "m", {})
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours")
+    (d / "chat_template.jinja").symlink_to(secret)
+    with pytest.raises(GptlabError, match="chat_template.jinja is a link to .*secret.txt, outside the model"):
+        load_tokenizer(d)
+    (d / "chat_template.jinja").unlink()
+    (d / "inside.jinja").write_text("{{ messages[0].content }}")
+    (d / "chat_template.jinja").symlink_to(d / "inside.jinja")  # a link within the directory is fine
+    assert chat_template_for(load_tokenizer(d)).render(TURNS) == TURNS[0]["content"]

@@ -272,8 +272,8 @@ ERRORS = [
     ("chats.json", ['"a string"'], [], r"chats\.json: expected a JSON list of objects, or one object per line"),
     ("chats.json", [GOOD, "{"], [], r"chats\.json line 2: invalid JSON: .* \(a \.json file holds a list"),
     ("chats.json", ["[" + GOOD + "," + GOOD], [], r"chats\.json line 2: invalid JSON: the list is not closed"),
-    ("chats.jsonl", [GOOD, GOOD], ["--chat-template-from-tokenizer"], r"line 1: the tokenizer chat template could not "
-     r"render this conversation: no system role"),
+    ("chats.jsonl", [GOOD, GOOD], ["--chat-template-from-tokenizer"],
+     r"line 1: the chat template in \S+tokenizer_config\.json could not render this conversation: no system role"),
     ("chats.jsonl", [GOOD, GOOD], ["--no-block-size"], r"record inputs need --block-size N"),
     ("bad.csv", ["prompt,completion", '"a'], [], r"bad\.csv: datasets could not read it \(ParserError: "),
     ("p.parquet", "truncated", [], r"p\.parquet is not a readable parquet file \(corrupt or truncated\?\)"),

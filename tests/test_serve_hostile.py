@@ -315,6 +315,30 @@ def test_tokenizing_does_not_block_the_event_loop(monkeypatch):
         assert pending.result().status_code == 200
 
 
+def test_a_runaway_chat_template_is_an_error_in_seconds_and_blocks_no_one(monkeypatch):
+    """A model whose template loops 1e10 times: its chat requests get a 400 naming the template's file when the
+    rendering's time bound runs out, and a completion sent meanwhile is answered."""
+    from gptlab.tokenizer import template_sandbox
+
+    monkeypatch.setattr(template_sandbox, "MAX_RENDER_SECONDS", 2.0)
+
+    class Runaway(BytesWithEot):
+        chat_template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+        chat_template_file = "/models/m/tokenizer_config.json"
+
+    app = create_app(tiny_model(vocab_size=256), Runaway(), max_batch=2)
+    with ServerThread(app) as server, ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        chat = pool.submit(post, server, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        other = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert other.status_code == 200 and not chat.done()
+        error = assert_openai_error(chat.result(), 400, "messages")
+        assert time.monotonic() - start < TIMEOUT
+        assert error["message"] == ("the chat template in /models/m/tokenizer_config.json takes more than 2 s to "
+                                    "render (a runaway loop?)")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Clients that hang up, and a request that fails mid-batch
 # ---------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ sha256 of the base they belong to (`weights_sha256`).
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,13 @@ def read_lora_config(directory: str | Path) -> tuple[LoRASpec, dict[str, str]]:
         base = {"path": str(meta["base"]["path"]), "sha256": str(meta["base"]["sha256"])}
     except (KeyError, TypeError, ValueError) as e:
         raise GptlabError(f"{path} lacks or garbles {e}: the adapters cannot be placed") from None
+    # JSON allows NaN and any integer: a NaN alpha samples garbage, a huge rank allocates gigabytes
+    if isinstance(meta["rank"], bool) or not isinstance(meta["rank"], int) or spec.rank < 1:
+        raise GptlabError(f"{path}: rank must be a whole number of at least 1, got {meta['rank']!r}")
+    if not (math.isfinite(spec.alpha) and spec.alpha > 0):
+        raise GptlabError(f"{path}: alpha must be a finite number above 0, got {meta['alpha']!r}")
+    if not (math.isfinite(spec.dropout) and 0 <= spec.dropout < 1):
+        raise GptlabError(f"{path}: dropout must be in [0, 1), got {meta['dropout']!r}")
     return spec, base
 
 

@@ -50,13 +50,16 @@ def run(args: argparse.Namespace) -> int:
     if args.tasks is not None:
         return _run_tasks(args)
     from gptlab.data import read_meta
-    from gptlab.evaluate import evaluate_split
+    from gptlab.evaluate import check_batch_memory, evaluate_split
     from gptlab.hardware import resolve_device
     from gptlab.loading import load_model
 
     read_meta(args.data)  # a bad data directory fails before the model is loaded
     device = resolve_device(args.device)
     model, _ = load_model(args.checkpoint, device=device, **quantize_options(args))
+    if args.batch_size is not None:
+        check_batch_memory(model.config, args.batch_size, args.block_size or model.config.block_size, device,
+                           "--batch-size")
     out = evaluate_split(model, args.data, args.split, block_size=args.block_size, batch_size=args.batch_size,
                          dtype=torch_dtype(args.dtype), device=device)
     if args.json:

@@ -190,6 +190,7 @@ def prepare_records(
         # pass 1: check every record before any long work; count them (the split), and the characters for char
         # (built-in templates use no special tokens, so a template made before the tokenizer renders the same)
         draft = chat_template_for(tok, options.chat_template)
+        draft.compile()  # a template that is not valid Jinja fails now, not after the pass over every record
         collect = tok is None and tokenizer == "char"
         charset: set[str] = set()
         counts, shapes = [], []

@@ -36,7 +36,12 @@ from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
 from gptlab.model import GPT
-from gptlab.tokenizer.chat_template import ChatTemplate, ChatTemplateError, chat_template_for
+from gptlab.tokenizer.chat_template import (
+    BrokenChatTemplateError,
+    ChatTemplate,
+    ChatTemplateError,
+    chat_template_for,
+)
 
 Message = dict[str, str]
 DEFAULT_REPLY_TOKENS = 512  # per reply, at most half the context (default_max_new_tokens)
@@ -55,9 +60,11 @@ def default_max_new_tokens(block_size: int) -> int:
 def turn_end_stops(template: ChatTemplate) -> list[str]:
     """The text `template` writes after an assistant message (whitespace stripped), as a stop string: a model
     trained on the template writes it to end its turn. Empty when the template writes only whitespace there
-    (e.g. "plain") or cannot render the sample conversation."""
+    (e.g. "plain") or rejects the sample conversation; a broken template's error (not Jinja, too slow) goes on."""
     try:
         text = template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}])
+    except BrokenChatTemplateError:
+        raise
     except ChatTemplateError:
         return []
     at = text.rfind(_PROBE)

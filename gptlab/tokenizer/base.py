@@ -55,6 +55,7 @@ class Tokenizer:
     eot_id: int | None = None
     bos_id: int | None = None
     chat_template: str | None = None
+    chat_template_file: str | None = None  # where chat_template was read from: its errors name it
 
     @property
     def adds_bos(self) -> bool:

@@ -19,13 +19,12 @@ is not part of the reply.
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gptlab.errors import GptlabError
+from gptlab.tokenizer.template_sandbox import TemplateLimitError, environment, render_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -48,31 +47,57 @@ class ChatTemplateError(GptlabError):
     """A conversation the template cannot render (it raised, or it is not made of prefix-stable turns)."""
 
 
+class BrokenChatTemplateError(ChatTemplateError):
+    """A template that cannot render any conversation: not valid Jinja, loading other templates, or running past
+    the bounds on time or size (`template_sandbox`)."""
+
+
 @dataclass
 class ChatTemplate:
     """A Jinja chat template with the special-token strings it renders; `stop` are the strings that end the
-    assistant's turn when the model has no end-of-turn token of its own (built-in templates)."""
+    assistant's turn when the model has no end-of-turn token of its own (built-in templates); `origin` is the
+    file it was read from, named in its errors."""
 
     source: str
     name: str = "tokenizer"
     bos_token: str = ""
     eos_token: str = ""
     stop: list[str] = field(default_factory=list)
+    origin: str | None = None
     _compiled: Any = field(default=None, repr=False, compare=False)
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The text of `messages`, plus the assistant's opening when `add_generation_prompt`."""
         from jinja2.exceptions import TemplateError
 
-        if self._compiled is None:
-            self._compiled = _environment().from_string(self.source)
+        self.compile()
+        context = dict(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None,
+                       documents=None, bos_token=self.bos_token, eos_token=self.eos_token)
         try:
-            return self._compiled.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-                bos_token=self.bos_token, eos_token=self.eos_token,
-            )
+            return render_bounded(self._compiled, context)
+        except TemplateLimitError as e:
+            raise BrokenChatTemplateError(f"{self.label} {e}") from e
         except TemplateError as e:
-            raise ChatTemplateError(f"the {self.name} chat template could not render this conversation: {e}") from e
+            raise ChatTemplateError(f"{self.label} could not render this conversation: {_one_line(e)}") from e
+        except (Exception, RecursionError) as e:  # the template's own code failed: 1/0, a recursive macro, ...
+            raise ChatTemplateError(f"{self.label} failed: {type(e).__name__}: {_one_line(e)}") from e
+
+    def compile(self) -> None:
+        """Compile the template once; BrokenChatTemplateError naming its file when it is not one gptlab runs."""
+        from jinja2.exceptions import TemplateError
+
+        if self._compiled is None:
+            try:
+                self._compiled = environment().from_string(self.source)
+            except TemplateLimitError as e:  # {% include %} and kin
+                raise BrokenChatTemplateError(f"{self.label} {e}") from e
+            except TemplateError as e:  # a syntax error, an unknown filter
+                raise BrokenChatTemplateError(f"{self.label} is not a valid Jinja template: {_one_line(e)}") from e
+
+    @property
+    def label(self) -> str:
+        """How errors name this template: its file where it has one."""
+        return f"the chat template in {self.origin}" if self.origin else f"the {self.name} chat template"
 
     def segments(self, messages: Sequence[dict[str, Any]]) -> list[tuple[str, bool]]:
         """The whole conversation as (text, is_assistant_reply) pieces that concatenate to `render(messages)`."""
@@ -96,7 +121,7 @@ class ChatTemplate:
             through = self.render(messages[: i + 1])
             if not (full.startswith(prompt) and full.startswith(through) and done <= len(prompt) <= len(through)):
                 raise ChatTemplateError(
-                    f"the {self.name} chat template renders turn {i + 1} differently inside the conversation than "
+                    f"{self.label} renders turn {i + 1} differently inside the conversation than "
                     "on its own (it rewrites earlier turns), so the assistant's tokens cannot be located"
                 )
             add(len(prompt), False)
@@ -165,34 +190,10 @@ def chat_template_for(tokenizer: Any, name: str | None = None) -> ChatTemplate:
     def token(i: int | None) -> str:
         return tokenizer.decode([i]) if i is not None else ""
 
+    origin = getattr(tokenizer, "chat_template_file", None) if name is None else None
     return ChatTemplate(source=source, name=name or "tokenizer", bos_token=token(getattr(tokenizer, "bos_id", None)),
-                        eos_token=token(getattr(tokenizer, "eot_id", None)), stop=stop)
+                        eos_token=token(getattr(tokenizer, "eot_id", None)), stop=stop, origin=origin)
 
 
-def _environment() -> Any:
-    from jinja2 import nodes
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask markers): render the body."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    def raise_exception(message: str) -> None:  # templates call it to reject a conversation
-        raise TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
-    return env
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

@@ -61,6 +61,7 @@ class HFTokenizer(Tokenizer):
         eot_id: int | None = None,
         bos_id: int | None = None,
         chat_template: str | None = None,
+        chat_template_file: str | None = None,
     ):
         self.kind = kind
         self._tok = tok
@@ -68,6 +69,7 @@ class HFTokenizer(Tokenizer):
         self._special_tok: Any = None  # a second instance for allow_special=True (the flag is not per call)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eot_id, self.bos_id, self.chat_template = eot_id, bos_id, chat_template
+        self.chat_template_file = chat_template_file
         # only the decoder's JSON: parsing the whole tokenizer.json (MBs) would cost ~0.1 s per load
         decoder = tok.decoder
         steps = _decoder_types(json.loads(decoder.__getstate__()) if decoder is not None else None)
@@ -216,12 +218,7 @@ def load_hf_dir(d: Path) -> HFTokenizer:
         if tok.token_to_id(EOT_TEXT) is not None:
             tok.add_special_tokens([EOT_TEXT])
     cfg = read_json_object(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
-    template = cfg.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", next(iter(named.values()), None))
-    if (d / "chat_template.jinja").is_file():  # newer transformers save the template on its own
-        template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    template, template_file = _chat_template(d, cfg)
     eos = _token_content(cfg.get("eos_token"))
     eot_id = tok.token_to_id(eos) if eos else None
     if eot_id is None:
@@ -232,4 +229,35 @@ def load_hf_dir(d: Path) -> HFTokenizer:
         eot_id = tok.token_to_id(EOT_TEXT)
     bos = _token_content(cfg.get("bos_token"))
     bos_id = tok.token_to_id(bos) if bos else None
-    return HFTokenizer(tok, "hf", eot_id, bos_id, template if isinstance(template, str) else None)
+    return HFTokenizer(tok, "hf", eot_id, bos_id, template, template_file)
+
+
+def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The directory's chat template and the file it came from: chat_template.jinja (newer transformers save it on
+    its own), else `chat_template` in tokenizer_config.json: a string, or Hugging Face's list of {name, template}
+    of which gptlab takes the one named "default"."""
+    jinja = d / "chat_template.jinja"
+    if jinja.is_symlink() or jinja.is_file():
+        if not jinja.resolve().is_relative_to(d.resolve()):  # a model directory may not make us read other files
+            raise GptlabError(f"{jinja} is a link to {jinja.resolve()}, outside the model directory: refused")
+        if not jinja.is_file():
+            raise GptlabError(f"{jinja} is not a file")
+        try:
+            return jinja.read_text(encoding="utf-8"), str(jinja)
+        except (OSError, UnicodeDecodeError) as e:
+            raise GptlabError(f"cannot read {jinja}: {e}") from e
+    where = f"{d / 'tokenizer_config.json'}: chat_template"
+    template = cfg.get("chat_template")
+    if template is None:
+        return None, None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+            raise GptlabError(f"{where} is a list whose items are not all {{name, template}} objects")
+        named = {t["name"]: t.get("template") for t in template}
+        if "default" not in named:
+            raise GptlabError(f"{where} lists templates named {', '.join(map(repr, named))} but none named "
+                              "'default', the one gptlab would use")
+        where, template = f"{where}[name='default']", named["default"]
+    if not isinstance(template, str):
+        raise GptlabError(f"{where} must be a Jinja template string, got {type(template).__name__}")
+    return template, str(d / "tokenizer_config.json")

@@ -34,7 +34,8 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
             from tokenizers import Tokenizer as HFTok
 
             tok = HFTok.from_file(str(d / HF_FILE))
-            return HFTokenizer(tok, kind, meta.get("eot_id"), meta.get("bos_id"), meta.get("chat_template"))
+            return HFTokenizer(tok, kind, meta.get("eot_id"), meta.get("bos_id"), meta.get("chat_template"),
+                               str(d / META_FILE))
         raise GptlabError(f"{d / META_FILE} has unknown tokenizer kind {kind!r} (expected one of {KINDS})")
     if (d / HF_FILE).is_file() or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()):
         return load_hf_dir(d)
