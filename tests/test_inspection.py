@@ -315,7 +315,8 @@ def test_ui_endpoints_answer_what_the_library_computes(ui_server):
 
 @pytest.mark.parametrize("body, param", [({"text": "ab", "layer": 2}, "layer"), ({"text": "ab", "head": 9}, "head"),
                                          ({"text": ""}, "text"), ({"text": "~"}, "text"), ({"text": "a" * 65}, "text"),
-                                         ({"text": 5}, "text"), ({"text": "a", "layer": "1"}, "layer")])
+                                         ({"text": 5}, "text"), ({"text": "a", "layer": "1"}, "layer"),
+                                         ({"text": "a", "layer": 1.0}, "layer"), ({"text": "a", "layr": 1}, "layr")])
 def test_ui_bad_input_is_a_400_in_openai_shape(ui_server, body, param):
     import httpx
 

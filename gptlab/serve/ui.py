@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from gptlab.errors import GptlabError
 from gptlab.inspection.attention import attention_map, check_index
 from gptlab.inspection.lens import logit_lens
-from gptlab.serve.schemas import ApiError, Int
+from gptlab.serve.schemas import ApiError
 from gptlab.serve.state import Server
 
 STATIC = Path(__file__).parent / "static"
@@ -39,18 +39,24 @@ MAX_TOKENS = 256  # tokens a page request may look at: weights are T x T per hea
 MAX_CHARS = 16_384
 
 
+def Index(lo: int, hi: int) -> Any:  # noqa: N802 - a type
+    """An integer in [lo, hi], a JSON integer only: the page's own protocol has no OpenAI clients to humour, so
+    `"layer": 1.0` is refused (unlike the /v1 routes' whole floats)."""
+    return Annotated[int, Field(ge=lo, le=hi, strict=True)]
+
+
 class TextRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")  # a misspelt field is an error, not a default
     text: Annotated[str, Field(min_length=1, max_length=MAX_CHARS)]
 
 
 class AttentionRequest(TextRequest):
-    layer: Int(0, 10_000) = 0
-    head: Int(0, 10_000) | None = None
+    layer: Index(0, 10_000) = 0
+    head: Index(0, 10_000) | None = None
 
 
 class LensRequest(TextRequest):
-    top_k: Int(1, 20) = 5
+    top_k: Index(1, 20) = 5
 
 
 def _bounded(server: Server) -> int:
