@@ -287,7 +287,8 @@ def test_a_killed_prepare_leaves_no_workers_and_no_partial_files(tmp_path: Path)
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 600  # a bound for a hang; starting torch is slow under load
-    while not list(out.glob(".*.partial")) or len(descendants(proc.pid)) < 3:  # forkserver + 2 workers
+    building = f".{out.name}.tmp-*/.*.partial"  # the new DATA_DIR is built beside `out`, then swapped in
+    while not list(tmp_path.glob(building)) or len(descendants(proc.pid)) < 3:  # forkserver + 2 workers
         assert proc.poll() is None, "prepare ended early"
         assert time.time() < deadline, "prepare did not start its workers"
         time.sleep(0.01)
@@ -298,15 +299,18 @@ def test_a_killed_prepare_leaves_no_workers_and_no_partial_files(tmp_path: Path)
     while any(alive(p) for p in family):
         assert time.time() < deadline, f"workers outlived a killed prepare: {[p for p in family if alive(p)]}"
         time.sleep(0.05)
-    assert list(out.glob(".*.partial"))  # SIGKILL runs no cleanup: the next run does it
+    assert list(tmp_path.glob(building)) and not out.exists()  # SIGKILL runs no cleanup: the next run does it
     small = tmp_path / "small.txt"
     small.write_text("some text to prepare, long enough for both splits.\n" * 50)
     assert main(["prepare", str(small), "--tokenizer", "char", "--out", str(out)]) == 0
-    assert not list(out.glob(".*.partial"))
+    assert not list(tmp_path.glob(f".{out.name}.*")) and not list(out.glob(".*.partial"))
 
 
-def test_a_full_disk_during_prepare_says_what_was_needed(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_a_full_disk_during_prepare_says_what_was_needed_and_keeps_the_old_data(tmp_path: Path, monkeypatch,
+                                                                                 capsys) -> None:
     from gptlab.data import preparation
+    from gptlab.data.dataset import load_split, read_meta
+    from gptlab.tokenizer import load_tokenizer
 
     class FillsUp:  # a token file on a disk with 1 KiB left
         def __init__(self, path: Path, mode: str) -> None:
@@ -327,14 +331,20 @@ def test_a_full_disk_during_prepare_says_what_was_needed(tmp_path: Path, monkeyp
     def fake_open(path: Path, mode: str = "r", *args, **kw):  # noqa: ANN202 - reads go to the real open
         return FillsUp(path, mode) if "w" in mode else open(path, mode, *args, **kw)  # noqa: SIM115
 
+    out = tmp_path / "data"
+    (tmp_path / "good.txt").write_text("a good small text, prepared before the disk filled up.\n" * 50)
+    assert main(["prepare", str(tmp_path / "good.txt"), "--tokenizer", "char", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     monkeypatch.setattr(preparation, "open", fake_open, raising=False)
     text = tmp_path / "in.txt"
-    text.write_text("words and more words\n" * 1000)
-    out = tmp_path / "data"
+    text.write_text("words and more words, with other letters: xyz\n" * 1000)
     assert main(["prepare", str(text), "--tokenizer", "char", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: no space left on the device of") and "needs about 41.0 KiB" in err, err
-    assert not list(out.glob(".*.partial")) and not (out / "meta.json").exists()
+    assert err.startswith(f"error: no space left on the device of {out}: writing train.bin needs about 89.8 KiB")
+    assert "nothing was replaced" in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # meta.json and the tokenizer untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "good.txt", "in.txt"]  # nothing half-built
+    assert load_tokenizer(out).decode(load_split(out, "train")[:6]) == "a good" and read_meta(out)["vocab_size"]
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("tensorboard") is not None,
