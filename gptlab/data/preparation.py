@@ -210,6 +210,9 @@ def prepare(
     """
     workers = min(4, os.cpu_count() or 1) if workers is None else workers
     check_options(tokenizer, vocab_size, val_fraction, workers, tokenizer_from is not None)
+    if any(not str(i).strip() for i in inputs):  # Path("") is ".": everything under the current directory
+        raise GptlabError("an INPUT is empty: name text files, directories of .txt files, record files or "
+                          "`shakespeare`")
     out = output_dir(out_dir)
     options = RecordOptions(block_size, pack, chat_template, train_on_prompt, text_field, split_name)
     if are_records(inputs):
