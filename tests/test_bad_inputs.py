@@ -142,6 +142,12 @@ ROWS = [
     ("resume-config-shapes", [*TRAIN, "--out", "{bad_shapes}", "--resume"], 2, "config.json"),
     ("resume-other-vocabulary", ["train", "{recipe}", "--data", "{other_data}", "--out", "{run}", "--resume",
                                  "--quiet"], 2, "vocabulary"),
+    ("init-from-other-tokenizer", ["train", "{recipe}", "--data", "{other_data}", "--out", "{root}/r_tok",
+                                   "--init-from", "{run}", "--quiet"], 2,
+     "was tokenized with another tokenizer (char, 11 ids"),
+    ("init-from-other-tokenizer-lora", ["train", "{recipe}", "--data", "{other_data}", "--out", "{root}/r_tok",
+                                        "--init-from", "{run}", "--lora-rank", "8", "--quiet"], 2,
+     "prepare the data with --tokenizer-from"),
     ("resume-empty-dir", [*TRAIN, "--out", "{empty_run}", "--resume"], 2, "no checkpoint to continue from"),
     ("sample-missing-path", ["sample", "{root}/nowhere"], 2, "does not exist"),
     # --- devices and threads
