@@ -138,7 +138,8 @@ def test_a_second_train_on_the_same_run_dir_refuses(tmp_path: Path, data: Path, 
         first.communicate()
     # its lock died with it: a lock file naming a dead pid is taken over, with a notice
     assert (run / LOCK_FILE).read_text().strip() == str(first.pid)
-    assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--max-steps", "2"]) == 0
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--max-steps", "2",
+                 "--warmup-steps", "1"]) == 0
     assert f"taking over {run / LOCK_FILE} from pid {first.pid}" in capsys.readouterr().err
     assert (run / LOCK_FILE).read_text() == ""  # released cleanly
 
@@ -174,7 +175,7 @@ def test_a_directory_is_replaced_in_one_step_and_only_when_gptlab_wrote_it(tmp_p
 
 def test_sample_says_so_when_best_is_missing(tmp_path: Path, data: Path, capsys) -> None:
     run = tmp_path / "run"
-    recipe = write_recipe(tmp_path, max_steps=4, eval_interval=2, checkpoint_interval=2, keep_last=3)
+    recipe = write_recipe(tmp_path, max_steps=4, eval_interval=2, checkpoint_interval=2, keep_last=3, warmup_steps=1)
     assert main(train_argv(recipe, data, run)) == 0
     best = run / "checkpoints" / "best"
     # a run stopped between the two renames of a system without an atomic swap: the old best is aside
@@ -202,7 +203,7 @@ def test_a_failing_final_evaluation_keeps_the_weights(tmp_path: Path, data: Path
 
     monkeypatch.setattr(Trainer, "evaluate", broken)
     run = tmp_path / "run"
-    assert main(train_argv(write_recipe(tmp_path, max_steps=3, eval_interval=0), data, run)) == 1
+    assert main(train_argv(write_recipe(tmp_path, max_steps=3, eval_interval=0, warmup_steps=1), data, run)) == 1
     assert "evaluation broke" in capsys.readouterr().err
     (step,) = ckpt.list_step_checkpoints(run)
     assert step.name == "step-0000003" and load_model(step)[0] is not None
@@ -227,7 +228,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one(tmp_path: Path,
 
     monkeypatch.setattr(writing, "save_file", fills_the_disk)
     run = tmp_path / "run"
-    recipe = write_recipe(tmp_path, max_steps=4, checkpoint_interval=2, eval_interval=0)
+    recipe = write_recipe(tmp_path, max_steps=4, checkpoint_interval=2, eval_interval=0, warmup_steps=1)
     assert main(train_argv(recipe, data, run)) == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and err.count("\n") == 0
@@ -350,6 +351,6 @@ def test_a_full_disk_during_prepare_says_what_was_needed_and_keeps_the_old_data(
 @pytest.mark.skipif(__import__("importlib").util.find_spec("tensorboard") is not None,
                     reason="tensorboard is installed here")
 def test_tensorboard_asked_for_but_missing_is_said_once(tmp_path: Path, data: Path, capsys) -> None:
-    recipe = write_recipe(tmp_path, max_steps=2, tensorboard=True, eval_interval=0)
+    recipe = write_recipe(tmp_path, max_steps=2, tensorboard=True, eval_interval=0, warmup_steps=1)
     assert main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().err.count("tensorboard package is not installed") == 1

@@ -296,6 +296,9 @@ def validate(cfg: TrainConfig) -> None:
     ):
         if getattr(cfg, key) < 0:
             raise GptlabError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.warmup_steps >= cfg.max_steps:  # the run would end before its learning rate ever peaked
+        raise GptlabError(f"warmup_steps ({cfg.warmup_steps}) must be less than max_steps ({cfg.max_steps}): "
+                          "lower warmup_steps or raise max_steps")
     if not 0.0 <= cfg.min_lr <= 1.0:
         raise GptlabError(f"min_lr is a fraction of the peak learning rate: expected 0..1, got {cfg.min_lr}")
     if not 0.0 <= cfg.decay_fraction <= 1.0:
