@@ -214,6 +214,22 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def read_utf8(path: str | Path) -> str:
+    """The text of a UTF-8 file; a GptlabError naming the file (and the offset of a bad byte) otherwise."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise GptlabError(f"{path} not found") from None
+    except OSError as e:
+        raise GptlabError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise GptlabError(f"{path} is not UTF-8 text (bad byte at offset {e.start}, line {line})") from None
+
+
 def read_json_object(path: str | Path, hint: str = "") -> dict[str, Any]:
     """The JSON object in `path`; a GptlabError naming the file (and `hint`, what to do) if it is missing,
     unreadable, not JSON or not an object."""

@@ -92,6 +92,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     w["big_prompt"].write_text("a" * 50_000_000)
     w["latin1_prompt"] = root / "latin1.txt"
     w["latin1_prompt"].write_bytes("caf\xe9".encode("latin-1"))
+    w["latin1_recipe"] = root / "latin1.toml"
+    w["latin1_recipe"].write_bytes(recipe.read_bytes() + "# caf\xe9\n".encode("latin-1"))
+    w["latin1_metrics"] = copy("latin1_metrics")
+    with open(w["latin1_metrics"] / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 5, "note": "caf\xe9"}\n')
     return w
 
 
@@ -174,6 +179,10 @@ ROWS = [
     ("convert-dst-empty", ["convert", "{ckpt}", ""], 2, "DST is empty"),
     ("convert-dst-file", ["convert", "{ckpt}", "{a_file}"], 2, "is a file"),
     ("convert-dst-not-ours", ["convert", "{ckpt}", "{git_dir}"], 2, "gptlab did not write"),
+    ("train-recipe-not-utf8", ["train", "{latin1_recipe}", "--data", "{data}", "--out", "{root}/r_x"], 2,
+     "latin1.toml is not UTF-8 text (bad byte at offset"),
+    ("plot-metrics-not-utf8", ["plot", "{latin1_metrics}", "-o", "{root}/plot.png"], 2,
+     "metrics.jsonl is not UTF-8 text (bad byte at offset"),
     # --- sizes
     ("train-batch-huge", [*TRAIN, "--out", "{root}/r_mem", "--batch-size", "100000000"], 2, "of memory per step"),
     ("train-model-huge", [*TRAIN, "--out", "{root}/r_mem", "--n-embd", "1048576", "--n-head", "2"], 2,

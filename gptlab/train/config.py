@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
+from gptlab.fileio import read_utf8
 
 
 @dataclass
@@ -238,7 +239,7 @@ def _load_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise GptlabError(f"config file {path} not found (recipes live in configs/*.toml)")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(read_utf8(path))
     except tomllib.TOMLDecodeError as e:
         raise GptlabError(f"{path} is not valid TOML: {e}") from None
 
