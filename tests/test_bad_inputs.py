@@ -92,6 +92,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     w["big_prompt"].write_text("a" * 50_000_000)
     w["latin1_prompt"] = root / "latin1.txt"
     w["latin1_prompt"].write_bytes("caf\xe9".encode("latin-1"))
+    w["trunc_tok_meta"] = copy("trunc_tok_meta")
+    meta = step(w["trunc_tok_meta"]) / "tokenizer_meta.json"
+    meta.write_bytes(meta.read_bytes()[:40])
+    w["trunc_bpe"] = root / "trunc_bpe"
+    assert main(["prepare", str(other / "t.txt"), "--tokenizer", "bpe", "--vocab-size", "300", "--out",
+                 str(w["trunc_bpe"])]) == 0
+    bpe = w["trunc_bpe"] / "tokenizer.json"
+    bpe.write_bytes(bpe.read_bytes()[:200])
     w["latin1_recipe"] = root / "latin1.toml"
     w["latin1_recipe"].write_bytes(recipe.read_bytes() + "# caf\xe9\n".encode("latin-1"))
     w["latin1_metrics"] = copy("latin1_metrics")
@@ -155,6 +163,10 @@ ROWS = [
      "prepare the data with --tokenizer-from"),
     ("resume-empty-dir", [*TRAIN, "--out", "{empty_run}", "--resume"], 2, "no checkpoint to continue from"),
     ("sample-missing-path", ["sample", "{root}/nowhere"], 2, "does not exist"),
+    ("sample-truncated-tokenizer-meta", ["sample", "{trunc_tok_meta}/checkpoints/step-0000004"], 2,
+     "step-0000004/tokenizer_meta.json is damaged (not JSON"),
+    ("prepare-tokenizer-from-truncated-bpe", ["prepare", "{a_file}", "--tokenizer-from", "{trunc_bpe}", "--out",
+                                              "{root}/p_bpe"], 2, "trunc_bpe/tokenizer.json is damaged"),
     # --- devices and threads
     ("sample-device-potato", ["sample", "{ckpt}", "--device", "potato"], 2, "--device 'potato'"),
     ("sample-device-cuda", ["sample", "{ckpt}", "--device", "cuda"], 2, "CUDA is not available"),

@@ -11,7 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, fingerprint, load_tokenizer
+from gptlab.tokenizer import (
+    CharTokenizer,
+    DamagedTokenizer,
+    GPT2Tokenizer,
+    HFTokenizer,
+    Tokenizer,
+    fingerprint,
+    load_tokenizer,
+    optional_tokenizer,
+)
 
 FAST = settings(max_examples=60, deadline=None)
 SAMPLE = "Hello, world! Héllo wörld 😀 — 你好\n\n  tabs\tand 'quotes' 12345\r\n<|endoftext|> end"
@@ -313,8 +322,10 @@ def test_load_tokenizer_errors(tmp_path) -> None:
     with pytest.raises(GptlabError, match="unknown tokenizer kind"):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_meta.json").write_text("{not json")
-    with pytest.raises(GptlabError, match="cannot read"):
+    with pytest.raises(DamagedTokenizer, match="tokenizer_meta.json is damaged"):
         load_tokenizer(tmp_path)
+    with pytest.raises(DamagedTokenizer):  # damaged is not "none": optional_tokenizer says so too
+        optional_tokenizer(tmp_path)
 
 
 # --- fingerprints -----------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from gptlab.tokenizer.base import (
     META_FILE,
     MIN_BPE_VOCAB,
     CharTokenizer,
+    DamagedTokenizer,
     GPT2Tokenizer,
     Tokenizer,
     fingerprint,
@@ -41,4 +42,5 @@ from gptlab.tokenizer.huggingface import HFTokenizer
 from gptlab.tokenizer.loading import load_tokenizer, optional_tokenizer
 
 __all__ = ["EOT_TEXT", "HF_FILE", "KINDS", "META_FILE", "MAX_BPE_VOCAB", "MIN_BPE_VOCAB", "CharTokenizer",
-           "GPT2Tokenizer", "HFTokenizer", "Tokenizer", "fingerprint", "load_tokenizer", "optional_tokenizer"]
+           "DamagedTokenizer", "GPT2Tokenizer", "HFTokenizer", "Tokenizer", "fingerprint", "load_tokenizer",
+           "optional_tokenizer"]

@@ -27,6 +27,11 @@ KINDS = ("char", "gpt2", "bpe", "hf")
 _REPLACEMENT = "\ufffd".encode()
 
 
+class DamagedTokenizer(GptlabError):
+    """A tokenizer file that is there but unreadable (truncated, not JSON): an error even where a tokenizer is
+    optional, so that a damaged one is never taken for none."""
+
+
 def checked_ids(ids: Iterable[int], vocab_size: int, errors: str = "strict") -> list[int]:
     """`ids` as a list; with errors="strict" a ValueError for the first id outside [0, vocab_size)."""
     ids = _as_int_list(ids)
