@@ -282,6 +282,17 @@ def test_an_unexpected_exception_is_one_line_unless_gptlab_debug(world: dict[str
         main(["info"])
 
 
+def test_prepare_takes_the_tokenizer_of_a_run_or_a_checkpoint(world: dict[str, Path], capsys) -> None:
+    from gptlab.tokenizer import fingerprint, load_tokenizer
+
+    want = fingerprint(load_tokenizer(world["data"]))
+    for source in ("run", "ckpt"):
+        out = world["root"] / f"from_{source}"
+        assert main(["prepare", str(world["a_file"]), "--tokenizer-from", str(world[source]), "--out", str(out),
+                     "--val-fraction", "0.5"]) == 0, capsys.readouterr().err
+        assert fingerprint(load_tokenizer(out)) == want
+
+
 # --- rows that need a real process ------------------------------------------------------------------------------
 def gptlab(*argv: str, stdin: str | None = None, env: dict[str, str] | None = None,
            timeout: int = PROCESS_SECONDS) -> subprocess.CompletedProcess:

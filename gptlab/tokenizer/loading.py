@@ -51,10 +51,33 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
         raise GptlabError(f"{d / META_FILE} has unknown tokenizer kind {kind!r} (expected one of {KINDS})")
     if (d / HF_FILE).is_file() or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()):
         return load_hf_dir(d)
+    held = _held_by_model(d)
+    if held is not None:
+        return load_tokenizer(held)
     raise GptlabError(
         f"no tokenizer in {d}: expected {META_FILE} (written by gptlab) or a Hugging Face {HF_FILE} "
         "(or vocab.json + merges.txt)"
     )
+
+
+def _held_by_model(d: Path) -> Path | None:
+    """Where a run's or a LoRA checkpoint's tokenizer is: a run's checkpoints (best, else the newest step, which
+    all copied the tokenizer of the run's data), a LoRA checkpoint's base. Its layout is spelt out here, not
+    imported from gptlab.checkpoint: tokenizers never import torch."""
+    root = d / "checkpoints"
+    if root.is_dir():
+        steps = sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        for candidate in (root / "best", *reversed(steps)):
+            if (candidate / META_FILE).is_file() or (candidate / HF_FILE).is_file():
+                return candidate
+    if (d / "lora.json").is_file():
+        try:
+            base = json.loads(read_utf8(d / "lora.json"))["base"]["path"]
+        except (GptlabError, ValueError, KeyError, TypeError):
+            return None
+        if isinstance(base, str) and Path(base).is_dir() and Path(base).resolve() != d.resolve():
+            return Path(base)
+    return None
 
 
 def damaged(path: Path, why: str) -> DamagedTokenizer:
