@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, make_data, needs_tiktoken_gpt2, write_recipe
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gptlab import checkpoint as ckpt
@@ -215,29 +216,61 @@ def test_bad_training_keys_are_refused_before_the_first_step(tmp_path: Path, dat
     assert "eval_tokens must be at least 1" in capsys.readouterr().err and not run.exists()
 
 
+FULL_DISK = "Error while serializing: I/O error: No space left on device (os error 28)"  # as safetensors says it
+
+
+@pytest.mark.parametrize("lora", [False, True])
 def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one(tmp_path: Path, data: Path, monkeypatch,
-                                                                  capsys) -> None:
+                                                                  capsys, lora: bool) -> None:
     real_save = writing.save_file
     calls = {"n": 0}
+    weights = ckpt.LORA_FILE if lora else ckpt.OPTIMIZER_FILE
 
-    def fills_the_disk(tensors, path, **kw) -> None:  # the second checkpoint's optimizer file does not fit
-        calls["n"] += 1
-        if calls["n"] > 2 and path.endswith(ckpt.OPTIMIZER_FILE):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    def fills_the_disk(tensors, path, **kw) -> None:  # the second checkpoint's weights or optimizer do not fit
+        if path.endswith(weights):
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise SafetensorError(FULL_DISK)
         real_save(tensors, path, **kw)
 
+    recipe = write_recipe(tmp_path, max_steps=4, checkpoint_interval=2, eval_interval=0, warmup_steps=1)
+    extra: list[str] = []
+    if lora:  # adapters on a small trained base
+        assert main(train_argv(recipe, data, tmp_path / "base", "--max-steps", "2")) == 0
+        extra = ["--init-from", str(tmp_path / "base"), "--lora-rank", "2"]
     monkeypatch.setattr(writing, "save_file", fills_the_disk)
     run = tmp_path / "run"
-    recipe = write_recipe(tmp_path, max_steps=4, checkpoint_interval=2, eval_interval=0, warmup_steps=1)
-    assert main(train_argv(recipe, data, run)) == 2
+    assert main(train_argv(recipe, data, run, *extra)) == 2
     err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and err.count("\n") == 0
-    assert "no space left on the device" in err and "step-0000004 needs about" in err and "KiB" in err
+    assert "Traceback" not in err and err.count("\n") == 0, err
+    assert err.startswith(f"error: no space left on the device of {run / 'checkpoints'}: writing step-0000004 "
+                          "needs about") and "KiB" in err and "nothing was replaced" in err, err
     (good,) = ckpt.list_step_checkpoints(run)
     assert good.name == "step-0000002" and load_model(good)[0] is not None
     assert not list((run / "checkpoints").glob(".*"))  # the half-written one is gone
     monkeypatch.undo()
-    assert main(train_argv(recipe, data, run, "--resume")) == 0  # and the run goes on from it
+    assert main(train_argv(recipe, data, run, "--resume", *extra)) == 0  # and the run goes on from it
+
+
+def test_a_full_disk_during_convert_to_hf_keeps_the_previous_copy(tmp_path: Path, data: Path, monkeypatch,
+                                                                    capsys) -> None:
+    recipe = write_recipe(tmp_path, max_steps=2, eval_interval=0, warmup_steps=1)
+    assert main(train_argv(recipe, data, tmp_path / "run")) == 0
+    dst = tmp_path / "hf"
+    assert main(["convert", str(tmp_path / "run"), str(dst), "--to", "hf"]) == 0
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    capsys.readouterr()
+
+    def full(*args, **kw) -> None:
+        raise SafetensorError(FULL_DISK)
+
+    monkeypatch.setattr(writing, "save_file", full)
+    assert main(["convert", str(tmp_path / "run"), str(dst), "--to", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no space left on the device of {tmp_path}: writing hf needs about"), err
+    assert err.count("\n") == 1 and "nothing was replaced" in err
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before and load_model(dst)[0] is not None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
 def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path: Path, capsys) -> None:
