@@ -387,3 +387,30 @@ def test_tensorboard_asked_for_but_missing_is_said_once(tmp_path: Path, data: Pa
     recipe = write_recipe(tmp_path, max_steps=2, tensorboard=True, eval_interval=0, warmup_steps=1)
     assert main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().err.count("tensorboard package is not installed") == 1
+
+
+@pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_written_files_honour_the_umask(tmp_path: Path, data: Path, umask: int, file_mode: int,
+                                        dir_mode: int) -> None:
+    """As open() and mkdir() would: mkstemp's 0600 (and mkdtemp's 0700) are not left on what gptlab writes."""
+    from gptlab.data import prepare
+
+    def mode(p: Path) -> int:
+        return p.stat().st_mode & 0o777
+
+    old = os.umask(umask)
+    try:
+        assert fileio.current_umask() == umask
+        fileio.atomic_write_text(tmp_path / "a.txt", "text")
+        fileio.atomic_write_dir(tmp_path / "d", lambda tmp: fileio.atomic_write_json(tmp / "x.json", {}))
+        (tmp_path / "in.txt").write_text("some text to prepare, long enough for both splits.\n" * 50)
+        prepare([tmp_path / "in.txt"], tmp_path / "data", tokenizer="char")
+        recipe = write_recipe(tmp_path, max_steps=2, eval_interval=0, warmup_steps=1)
+        assert main(train_argv(recipe, data, tmp_path / "run")) == 0
+    finally:
+        os.umask(old)
+    (step,) = ckpt.list_step_checkpoints(tmp_path / "run")
+    assert mode(tmp_path / "a.txt") == file_mode
+    assert mode(tmp_path / "d") == mode(tmp_path / "data") == mode(step) == dir_mode
+    written = [tmp_path / "d" / "x.json", *(tmp_path / "data").iterdir(), *step.iterdir()]
+    assert {p.name: mode(p) for p in written} == {p.name: file_mode for p in written}
