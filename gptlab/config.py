@@ -211,6 +211,12 @@ class GPTConfig:
             raise ValueError(f"rotary_fraction={self.rotary_fraction} leaves fewer than 2 rotary dims per head")
         if self.mlp_hidden is not None and self.mlp_hidden < 1:
             raise ValueError(f"mlp_hidden must be a positive integer, got {self.mlp_hidden}")
+        if not (_is_number(self.mlp_ratio) and self.mlp_ratio > 0):
+            raise ValueError(f"mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
+        if not isinstance(self.mlp_multiple, int) or isinstance(self.mlp_multiple, bool) or self.mlp_multiple < 1:
+            raise ValueError(f"mlp_multiple must be a positive integer, got {self.mlp_multiple!r}")
+        if self.hidden_size < 1:  # a tiny ratio rounds down to no hidden layer at all
+            raise ValueError(f"mlp_ratio={self.mlp_ratio} leaves the MLP no hidden units at n_embd={self.n_embd}")
         for key in ("attn_scale", "attn_softcap", "logit_softcap"):
             value = getattr(self, key)
             if value is not None and not (_is_number(value) and value > 0):

@@ -4,6 +4,7 @@ Every file gptlab writes goes through `atomic_write_text` (or `atomic_write_dir`
 the content goes to a temporary name in the same directory, is fsynced, then renamed over the target, and the
 rename itself is made durable by fsyncing the directory. A crash, a full disk or a kill at any moment leaves
 either the old file or the new one, never a truncated one, and the temporary leftovers are hidden (`.name.tmp-*`).
+What is written gets the mode `open()` and `mkdir()` would give it under the umask (not mkstemp's 0600).
 
 A directory replaces an older one in a single step (Linux's `renameat2(RENAME_EXCHANGE)` swaps the two, so there
 is no moment without one; elsewhere two renames), and only when gptlab wrote the older one too: every directory
@@ -87,6 +88,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask can only set it: setting and
+    restoring races with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_file(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Have `write(tmp)` create a file at a temporary path beside `path`, then fsync it and rename it over
     `path`: a crash leaves the old file or the new one, never half of one."""
@@ -99,6 +114,7 @@ def atomic_write_file(path: str | Path, write: Callable[[Path], None]) -> Path:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600: give it the mode open() would
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -139,13 +155,16 @@ def atomic_write_dir(
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700: give it the mode mkdir() would
     except OSError as e:
         raise write_error(target, e, needed) from None
     try:
         write(tmp)
         (tmp / MARKER).write_text('{"written_by": "gptlab"}\n')
+        file_mode = 0o666 & ~current_umask()
         for f in tmp.rglob("*"):
             if f.is_file():
+                os.chmod(f, file_mode)  # safetensors (like mkstemp) makes its files 0600 whatever the umask
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         fsync_dir(tmp)
@@ -212,6 +231,22 @@ def safetensors_problem(path: Path) -> str | None:
     if 8 + n + end != size:
         return f"{path} is truncated or damaged (its tensors need {8 + n + end} bytes, the file has {size})"
     return None
+
+
+def read_utf8(path: str | Path) -> str:
+    """The text of a UTF-8 file; a GptlabError naming the file (and the offset of a bad byte) otherwise."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise GptlabError(f"{path} not found") from None
+    except OSError as e:
+        raise GptlabError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise GptlabError(f"{path} is not UTF-8 text (bad byte at offset {e.start}, line {line})") from None
 
 
 def read_json_object(path: str | Path, hint: str = "") -> dict[str, Any]:

@@ -114,6 +114,19 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 meta.update(change)
             path.write_text(json.dumps(meta))
     w["hf_loops"] = hf_llama_dir(root / "hf_loops", corpus_text(3000), chat_template=LOOPS)
+    w["trunc_tok_meta"] = copy("trunc_tok_meta")
+    meta = step(w["trunc_tok_meta"]) / "tokenizer_meta.json"
+    meta.write_bytes(meta.read_bytes()[:40])
+    w["trunc_bpe"] = root / "trunc_bpe"
+    assert main(["prepare", str(other / "t.txt"), "--tokenizer", "bpe", "--vocab-size", "300", "--out",
+                 str(w["trunc_bpe"])]) == 0
+    bpe = w["trunc_bpe"] / "tokenizer.json"
+    bpe.write_bytes(bpe.read_bytes()[:200])
+    w["latin1_recipe"] = root / "latin1.toml"
+    w["latin1_recipe"].write_bytes(recipe.read_bytes() + "# caf\xe9\n".encode("latin-1"))
+    w["latin1_metrics"] = copy("latin1_metrics")
+    with open(w["latin1_metrics"] / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 5, "note": "caf\xe9"}\n')
     return w
 
 
@@ -167,8 +180,18 @@ ROWS = [
     ("resume-config-shapes", [*TRAIN, "--out", "{bad_shapes}", "--resume"], 2, "config.json"),
     ("resume-other-vocabulary", ["train", "{recipe}", "--data", "{other_data}", "--out", "{run}", "--resume",
                                  "--quiet"], 2, "vocabulary"),
+    ("init-from-other-tokenizer", ["train", "{recipe}", "--data", "{other_data}", "--out", "{root}/r_tok",
+                                   "--init-from", "{run}", "--quiet"], 2,
+     "was tokenized with another tokenizer (char, 11 ids"),
+    ("init-from-other-tokenizer-lora", ["train", "{recipe}", "--data", "{other_data}", "--out", "{root}/r_tok",
+                                        "--init-from", "{run}", "--lora-rank", "8", "--quiet"], 2,
+     "prepare the data with --tokenizer-from"),
     ("resume-empty-dir", [*TRAIN, "--out", "{empty_run}", "--resume"], 2, "no checkpoint to continue from"),
     ("sample-missing-path", ["sample", "{root}/nowhere"], 2, "does not exist"),
+    ("sample-truncated-tokenizer-meta", ["sample", "{trunc_tok_meta}/checkpoints/step-0000004"], 2,
+     "step-0000004/tokenizer_meta.json is damaged (not JSON"),
+    ("prepare-tokenizer-from-truncated-bpe", ["prepare", "{a_file}", "--tokenizer-from", "{trunc_bpe}", "--out",
+                                              "{root}/p_bpe"], 2, "trunc_bpe/tokenizer.json is damaged"),
     # --- devices and threads
     ("sample-device-potato", ["sample", "{ckpt}", "--device", "potato"], 2, "--device 'potato'"),
     ("sample-device-cuda", ["sample", "{ckpt}", "--device", "cuda"], 2, "CUDA is not available"),
@@ -185,10 +208,18 @@ ROWS = [
     ("train-out-file", [*TRAIN, "--out", "{a_file}"], 2, "is a file"),
     ("train-out-under-file", [*TRAIN, "--out", "{a_file}/run"], 2, "is a file"),
     ("prepare-out-empty", ["prepare", "{a_file}", "--tokenizer", "char", "--out", ""], 2, "--out is empty"),
+    ("prepare-input-empty", ["prepare", "", "--tokenizer", "char", "--out", "{root}/p_empty"], 2,
+     "an INPUT is empty"),
+    ("prepare-input-blank", ["prepare", "{a_file}", " ", "--tokenizer", "char", "--out", "{root}/p_empty"], 2,
+     "an INPUT is empty"),
     ("prepare-out-file", ["prepare", "{a_file}", "--tokenizer", "char", "--out", "{a_file}"], 2, "is a file"),
     ("convert-dst-empty", ["convert", "{ckpt}", ""], 2, "DST is empty"),
     ("convert-dst-file", ["convert", "{ckpt}", "{a_file}"], 2, "is a file"),
     ("convert-dst-not-ours", ["convert", "{ckpt}", "{git_dir}"], 2, "gptlab did not write"),
+    ("train-recipe-not-utf8", ["train", "{latin1_recipe}", "--data", "{data}", "--out", "{root}/r_x"], 2,
+     "latin1.toml is not UTF-8 text (bad byte at offset"),
+    ("plot-metrics-not-utf8", ["plot", "{latin1_metrics}", "-o", "{root}/plot.png"], 2,
+     "metrics.jsonl is not UTF-8 text (bad byte at offset"),
     # --- sizes
     ("train-batch-huge", [*TRAIN, "--out", "{root}/r_mem", "--batch-size", "100000000"], 2, "of memory per step"),
     ("train-model-huge", [*TRAIN, "--out", "{root}/r_mem", "--n-embd", "1048576", "--n-head", "2"], 2,
@@ -239,6 +270,10 @@ ROWS = [
     ("train-eval-tokens-zero", [*TRAIN, "--out", "{root}/r_x", "--eval-tokens", "0"], 2, "eval_tokens must be"),
     ("train-seed-huge", [*TRAIN, "--out", "{root}/r_x", "--seed", str(2**70)], 2, "seed must be in"),
     ("train-max-time-nan", [*TRAIN, "--out", "{root}/r_x", "--max-time", "nan"], 2, "max_time"),
+    ("train-mlp-ratio-zero", [*TRAIN, "--out", "{root}/r_x", "--mlp-ratio", "0"], 2, "mlp_ratio must be a positive"),
+    ("train-mlp-ratio-negative", [*TRAIN, "--out", "{root}/r_x", "--mlp-ratio", "-2"], 2, "mlp_ratio"),
+    ("train-warmup-past-max-steps", [*TRAIN, "--out", "{root}/r_x", "--warmup-steps", "100000"], 2,
+     "warmup_steps (100000) must be less than max_steps (4)"),
     ("train-dropout-nan", [*TRAIN, "--out", "{root}/r_x", "--dropout", "nan"], 2, "dropout"),
     ("sample-seed-huge", ["sample", "{ckpt}", "--seed", str(2**70), "--max-new-tokens", "2"], 2, "--seed"),
     ("sample-top-k-huge", ["sample", "{ckpt}", "--top-k", str(2**70), "--max-new-tokens", "2"], 2, "--top-k"),
@@ -295,6 +330,17 @@ def test_an_unexpected_exception_is_one_line_unless_gptlab_debug(world: dict[str
     monkeypatch.setenv("GPTLAB_DEBUG", "1")
     with pytest.raises(RuntimeError, match="something"):
         main(["info"])
+
+
+def test_prepare_takes_the_tokenizer_of_a_run_or_a_checkpoint(world: dict[str, Path], capsys) -> None:
+    from gptlab.tokenizer import fingerprint, load_tokenizer
+
+    want = fingerprint(load_tokenizer(world["data"]))
+    for source in ("run", "ckpt"):
+        out = world["root"] / f"from_{source}"
+        assert main(["prepare", str(world["a_file"]), "--tokenizer-from", str(world[source]), "--out", str(out),
+                     "--val-fraction", "0.5"]) == 0, capsys.readouterr().err
+        assert fingerprint(load_tokenizer(out)) == want
 
 
 # --- rows that need a real process ------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ def test_char_shakespeare_matches_nanogpt(tmp_path: Path, capsys) -> None:
     shakespeare = TINY_SHAKESPEARE.read_text(encoding="utf-8")
     assert tok.decode(train) == shakespeare[:1_003_854] and tok.decode(val) == shakespeare[1_003_854:]
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
+        ".gptlab",
         "meta.json",
         "tokenizer_meta.json",
         "train.bin",
@@ -349,11 +350,11 @@ def test_argparse_requires_a_tokenizer(capsys) -> None:
 # --- output directory and readers -------------------------------------------------------------------------------
 
 
-def test_failed_rerun_leaves_directory_incomplete_not_stale(tmp_path: Path, monkeypatch) -> None:
+def test_failed_rerun_leaves_the_previous_directory_whole(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "in.txt").write_text(TEXT_A * 20)
     out = tmp_path / "d"
-    prepare([tmp_path / "in.txt"], out, tokenizer="bpe", vocab_size=300)
-    assert (out / "tokenizer.json").is_file()
+    before = prepare([tmp_path / "in.txt"], out, tokenizer="bpe", vocab_size=300)
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
@@ -361,12 +362,12 @@ def test_failed_rerun_leaves_directory_incomplete_not_stale(tmp_path: Path, monk
     monkeypatch.setattr(preparation, "_encode_text", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare([tmp_path / "in.txt"], out, tokenizer="char")
-    assert not (out / "meta.json").exists() and not list(out.glob(".*"))
-    with pytest.raises(GptlabError, match="interrupted.*gptlab prepare"):
-        load_split(out, "train")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files  # not a byte changed
+    assert read_meta(out) == before and len(load_split(out, "train")) == before["train_tokens"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "in.txt"]  # no half-built directory beside it
     monkeypatch.undo()
-    meta = prepare([tmp_path / "in.txt"], out, tokenizer="char")  # a rerun fixes it
-    assert meta["tokenizer"] == "char" and not (out / "tokenizer.json").exists()  # stale bpe file removed
+    meta = prepare([tmp_path / "in.txt"], out, tokenizer="char")  # a rerun replaces it
+    assert meta["tokenizer"] == "char" and not (out / "tokenizer.json").exists()  # no stale bpe file
     assert load_tokenizer(out).kind == "char"
 
 
@@ -413,6 +414,20 @@ def test_meta_json_is_valid_and_written_last(tmp_path: Path) -> None:
     (tmp_path / "in.txt").write_text(TEXT_A)
     prepare([tmp_path / "in.txt"], tmp_path / "d", tokenizer="char")
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
-    mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "d").iterdir()}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "d").iterdir() if p.name != ".gptlab"}
     assert mtimes["meta.json"] >= max(mtimes.values())
     assert isinstance(load_tokenizer(tmp_path / "d"), CharTokenizer) and meta["vocab_size"] > 10
+
+
+def test_out_is_replaced_whole_and_only_when_it_holds_data(tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text(TEXT_A * 3)
+    old = tmp_path / "old"  # prepared in place by an older gptlab: no marker, only a DATA_DIR's files
+    prepare([tmp_path / "in.txt"], old, tokenizer="char")
+    (old / ".gptlab").unlink()
+    assert prepare([tmp_path / "in.txt"], old, tokenizer="char")["tokenizer"] == "char"
+    mine = tmp_path / "mine"  # someone's folder: never deleted
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(GptlabError, match="not written by gptlab"):
+        prepare([tmp_path / "in.txt"], mine, tokenizer="char")
+    assert (mine / "notes.txt").read_text() == "keep me"

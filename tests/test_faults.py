@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, make_data, needs_tiktoken_gpt2, write_recipe
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gptlab import checkpoint as ckpt
@@ -138,7 +139,8 @@ def test_a_second_train_on_the_same_run_dir_refuses(tmp_path: Path, data: Path, 
         first.communicate()
     # its lock died with it: a lock file naming a dead pid is taken over, with a notice
     assert (run / LOCK_FILE).read_text().strip() == str(first.pid)
-    assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--max-steps", "2"]) == 0
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--max-steps", "2",
+                 "--warmup-steps", "1"]) == 0
     assert f"taking over {run / LOCK_FILE} from pid {first.pid}" in capsys.readouterr().err
     assert (run / LOCK_FILE).read_text() == ""  # released cleanly
 
@@ -174,7 +176,7 @@ def test_a_directory_is_replaced_in_one_step_and_only_when_gptlab_wrote_it(tmp_p
 
 def test_sample_says_so_when_best_is_missing(tmp_path: Path, data: Path, capsys) -> None:
     run = tmp_path / "run"
-    recipe = write_recipe(tmp_path, max_steps=4, eval_interval=2, checkpoint_interval=2, keep_last=3)
+    recipe = write_recipe(tmp_path, max_steps=4, eval_interval=2, checkpoint_interval=2, keep_last=3, warmup_steps=1)
     assert main(train_argv(recipe, data, run)) == 0
     best = run / "checkpoints" / "best"
     # a run stopped between the two renames of a system without an atomic swap: the old best is aside
@@ -202,7 +204,7 @@ def test_a_failing_final_evaluation_keeps_the_weights(tmp_path: Path, data: Path
 
     monkeypatch.setattr(Trainer, "evaluate", broken)
     run = tmp_path / "run"
-    assert main(train_argv(write_recipe(tmp_path, max_steps=3, eval_interval=0), data, run)) == 1
+    assert main(train_argv(write_recipe(tmp_path, max_steps=3, eval_interval=0, warmup_steps=1), data, run)) == 1
     assert "evaluation broke" in capsys.readouterr().err
     (step,) = ckpt.list_step_checkpoints(run)
     assert step.name == "step-0000003" and load_model(step)[0] is not None
@@ -214,29 +216,61 @@ def test_bad_training_keys_are_refused_before_the_first_step(tmp_path: Path, dat
     assert "eval_tokens must be at least 1" in capsys.readouterr().err and not run.exists()
 
 
+FULL_DISK = "Error while serializing: I/O error: No space left on device (os error 28)"  # as safetensors says it
+
+
+@pytest.mark.parametrize("lora", [False, True])
 def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one(tmp_path: Path, data: Path, monkeypatch,
-                                                                  capsys) -> None:
+                                                                  capsys, lora: bool) -> None:
     real_save = writing.save_file
     calls = {"n": 0}
+    weights = ckpt.LORA_FILE if lora else ckpt.OPTIMIZER_FILE
 
-    def fills_the_disk(tensors, path, **kw) -> None:  # the second checkpoint's optimizer file does not fit
-        calls["n"] += 1
-        if calls["n"] > 2 and path.endswith(ckpt.OPTIMIZER_FILE):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    def fills_the_disk(tensors, path, **kw) -> None:  # the second checkpoint's weights or optimizer do not fit
+        if path.endswith(weights):
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise SafetensorError(FULL_DISK)
         real_save(tensors, path, **kw)
 
+    recipe = write_recipe(tmp_path, max_steps=4, checkpoint_interval=2, eval_interval=0, warmup_steps=1)
+    extra: list[str] = []
+    if lora:  # adapters on a small trained base
+        assert main(train_argv(recipe, data, tmp_path / "base", "--max-steps", "2")) == 0
+        extra = ["--init-from", str(tmp_path / "base"), "--lora-rank", "2"]
     monkeypatch.setattr(writing, "save_file", fills_the_disk)
     run = tmp_path / "run"
-    recipe = write_recipe(tmp_path, max_steps=4, checkpoint_interval=2, eval_interval=0)
-    assert main(train_argv(recipe, data, run)) == 2
+    assert main(train_argv(recipe, data, run, *extra)) == 2
     err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and err.count("\n") == 0
-    assert "no space left on the device" in err and "step-0000004 needs about" in err and "KiB" in err
+    assert "Traceback" not in err and err.count("\n") == 0, err
+    assert err.startswith(f"error: no space left on the device of {run / 'checkpoints'}: writing step-0000004 "
+                          "needs about") and "KiB" in err and "nothing was replaced" in err, err
     (good,) = ckpt.list_step_checkpoints(run)
     assert good.name == "step-0000002" and load_model(good)[0] is not None
     assert not list((run / "checkpoints").glob(".*"))  # the half-written one is gone
     monkeypatch.undo()
-    assert main(train_argv(recipe, data, run, "--resume")) == 0  # and the run goes on from it
+    assert main(train_argv(recipe, data, run, "--resume", *extra)) == 0  # and the run goes on from it
+
+
+def test_a_full_disk_during_convert_to_hf_keeps_the_previous_copy(tmp_path: Path, data: Path, monkeypatch,
+                                                                    capsys) -> None:
+    recipe = write_recipe(tmp_path, max_steps=2, eval_interval=0, warmup_steps=1)
+    assert main(train_argv(recipe, data, tmp_path / "run")) == 0
+    dst = tmp_path / "hf"
+    assert main(["convert", str(tmp_path / "run"), str(dst), "--to", "hf"]) == 0
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    capsys.readouterr()
+
+    def full(*args, **kw) -> None:
+        raise SafetensorError(FULL_DISK)
+
+    monkeypatch.setattr(writing, "save_file", full)
+    assert main(["convert", str(tmp_path / "run"), str(dst), "--to", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no space left on the device of {tmp_path}: writing hf needs about"), err
+    assert err.count("\n") == 1 and "nothing was replaced" in err
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before and load_model(dst)[0] is not None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
 def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path: Path, capsys) -> None:
@@ -287,7 +321,8 @@ def test_a_killed_prepare_leaves_no_workers_and_no_partial_files(tmp_path: Path)
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 600  # a bound for a hang; starting torch is slow under load
-    while not list(out.glob(".*.partial")) or len(descendants(proc.pid)) < 3:  # forkserver + 2 workers
+    building = f".{out.name}.tmp-*/.*.partial"  # the new DATA_DIR is built beside `out`, then swapped in
+    while not list(tmp_path.glob(building)) or len(descendants(proc.pid)) < 3:  # forkserver + 2 workers
         assert proc.poll() is None, "prepare ended early"
         assert time.time() < deadline, "prepare did not start its workers"
         time.sleep(0.01)
@@ -298,15 +333,18 @@ def test_a_killed_prepare_leaves_no_workers_and_no_partial_files(tmp_path: Path)
     while any(alive(p) for p in family):
         assert time.time() < deadline, f"workers outlived a killed prepare: {[p for p in family if alive(p)]}"
         time.sleep(0.05)
-    assert list(out.glob(".*.partial"))  # SIGKILL runs no cleanup: the next run does it
+    assert list(tmp_path.glob(building)) and not out.exists()  # SIGKILL runs no cleanup: the next run does it
     small = tmp_path / "small.txt"
     small.write_text("some text to prepare, long enough for both splits.\n" * 50)
     assert main(["prepare", str(small), "--tokenizer", "char", "--out", str(out)]) == 0
-    assert not list(out.glob(".*.partial"))
+    assert not list(tmp_path.glob(f".{out.name}.*")) and not list(out.glob(".*.partial"))
 
 
-def test_a_full_disk_during_prepare_says_what_was_needed(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_a_full_disk_during_prepare_says_what_was_needed_and_keeps_the_old_data(tmp_path: Path, monkeypatch,
+                                                                                 capsys) -> None:
     from gptlab.data import preparation
+    from gptlab.data.dataset import load_split, read_meta
+    from gptlab.tokenizer import load_tokenizer
 
     class FillsUp:  # a token file on a disk with 1 KiB left
         def __init__(self, path: Path, mode: str) -> None:
@@ -327,19 +365,52 @@ def test_a_full_disk_during_prepare_says_what_was_needed(tmp_path: Path, monkeyp
     def fake_open(path: Path, mode: str = "r", *args, **kw):  # noqa: ANN202 - reads go to the real open
         return FillsUp(path, mode) if "w" in mode else open(path, mode, *args, **kw)  # noqa: SIM115
 
+    out = tmp_path / "data"
+    (tmp_path / "good.txt").write_text("a good small text, prepared before the disk filled up.\n" * 50)
+    assert main(["prepare", str(tmp_path / "good.txt"), "--tokenizer", "char", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     monkeypatch.setattr(preparation, "open", fake_open, raising=False)
     text = tmp_path / "in.txt"
-    text.write_text("words and more words\n" * 1000)
-    out = tmp_path / "data"
+    text.write_text("words and more words, with other letters: xyz\n" * 1000)
     assert main(["prepare", str(text), "--tokenizer", "char", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: no space left on the device of") and "needs about 41.0 KiB" in err, err
-    assert not list(out.glob(".*.partial")) and not (out / "meta.json").exists()
+    assert err.startswith(f"error: no space left on the device of {out}: writing train.bin needs about 89.8 KiB")
+    assert "nothing was replaced" in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # meta.json and the tokenizer untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "good.txt", "in.txt"]  # nothing half-built
+    assert load_tokenizer(out).decode(load_split(out, "train")[:6]) == "a good" and read_meta(out)["vocab_size"]
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("tensorboard") is not None,
                     reason="tensorboard is installed here")
 def test_tensorboard_asked_for_but_missing_is_said_once(tmp_path: Path, data: Path, capsys) -> None:
-    recipe = write_recipe(tmp_path, max_steps=2, tensorboard=True, eval_interval=0)
+    recipe = write_recipe(tmp_path, max_steps=2, tensorboard=True, eval_interval=0, warmup_steps=1)
     assert main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().err.count("tensorboard package is not installed") == 1
+
+
+@pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_written_files_honour_the_umask(tmp_path: Path, data: Path, umask: int, file_mode: int,
+                                        dir_mode: int) -> None:
+    """As open() and mkdir() would: mkstemp's 0600 (and mkdtemp's 0700) are not left on what gptlab writes."""
+    from gptlab.data import prepare
+
+    def mode(p: Path) -> int:
+        return p.stat().st_mode & 0o777
+
+    old = os.umask(umask)
+    try:
+        assert fileio.current_umask() == umask
+        fileio.atomic_write_text(tmp_path / "a.txt", "text")
+        fileio.atomic_write_dir(tmp_path / "d", lambda tmp: fileio.atomic_write_json(tmp / "x.json", {}))
+        (tmp_path / "in.txt").write_text("some text to prepare, long enough for both splits.\n" * 50)
+        prepare([tmp_path / "in.txt"], tmp_path / "data", tokenizer="char")
+        recipe = write_recipe(tmp_path, max_steps=2, eval_interval=0, warmup_steps=1)
+        assert main(train_argv(recipe, data, tmp_path / "run")) == 0
+    finally:
+        os.umask(old)
+    (step,) = ckpt.list_step_checkpoints(tmp_path / "run")
+    assert mode(tmp_path / "a.txt") == file_mode
+    assert mode(tmp_path / "d") == mode(tmp_path / "data") == mode(step) == dir_mode
+    written = [tmp_path / "d" / "x.json", *(tmp_path / "data").iterdir(), *step.iterdir()]
+    assert {p.name: mode(p) for p in written} == {p.name: file_mode for p in written}

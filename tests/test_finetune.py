@@ -133,7 +133,7 @@ def test_lora_needs_its_base_unchanged(tmp_path: Path, data: Path, base: Path) -
     moved.mkdir()
     for f in base.iterdir():
         (moved / f.name).write_bytes(f.read_bytes())
-    recipe = write_finetune_recipe(tmp_path, init_from=str(moved), lora_rank=2, max_steps=2)
+    recipe = write_finetune_recipe(tmp_path, init_from=str(moved), lora_rank=2, max_steps=2, warmup_steps=1)
     assert train(recipe, data, tmp_path / "run") == 0
     weights = moved / "model.safetensors"
     tensors = load_file(str(weights))

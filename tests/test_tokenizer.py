@@ -11,7 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from gptlab.tokenizer import (
+    CharTokenizer,
+    DamagedTokenizer,
+    GPT2Tokenizer,
+    HFTokenizer,
+    Tokenizer,
+    fingerprint,
+    load_tokenizer,
+    optional_tokenizer,
+)
 
 FAST = settings(max_examples=60, deadline=None)
 SAMPLE = "Hello, world! Héllo wörld 😀 — 你好\n\n  tabs\tand 'quotes' 12345\r\n<|endoftext|> end"
@@ -313,5 +322,21 @@ def test_load_tokenizer_errors(tmp_path) -> None:
     with pytest.raises(GptlabError, match="unknown tokenizer kind"):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_meta.json").write_text("{not json")
-    with pytest.raises(GptlabError, match="cannot read"):
+    with pytest.raises(DamagedTokenizer, match="tokenizer_meta.json is damaged"):
         load_tokenizer(tmp_path)
+    with pytest.raises(DamagedTokenizer):  # damaged is not "none": optional_tokenizer says so too
+        optional_tokenizer(tmp_path)
+
+
+# --- fingerprints -----------------------------------------------------------------------------------------------
+
+
+@needs_gpt2_bpe
+@pytest.mark.parametrize("with_json", [False, True])
+def test_fingerprint_is_what_ids_mean_not_the_kind(tmp_path, gpt2: GPT2Tokenizer, char: CharTokenizer,
+                                                   bpe: HFTokenizer, with_json: bool) -> None:
+    hf = load_tokenizer(_gpt2_hf_dir(tmp_path, with_json))
+    assert hf.kind == "hf" and fingerprint(hf) == fingerprint(gpt2)  # GPT-2 data fine-tunes a HF GPT-2
+    assert len({fingerprint(gpt2), fingerprint(char), fingerprint(bpe)}) == 3
+    assert fingerprint(char) == fingerprint(CharTokenizer(char.chars))
+    assert fingerprint(char) != fingerprint(CharTokenizer(char.chars[1:] + ["\u2603"]))  # one symbol differs

@@ -74,6 +74,7 @@ from gptlab.checkpoint.writing import (
     prune_checkpoints,
     save_checkpoint,
     save_model,
+    save_tensors,
     whole,
     write_model,
 )
@@ -84,5 +85,6 @@ __all__ = [
     "list_step_checkpoints", "load_adapter_tensors", "load_gptlab_model", "load_training_checkpoint", "load_weights",
     "model_state_dict", "optimizer_from_flat", "optimizer_to_flat", "plain_shapes", "prune_checkpoints",
     "read_config", "read_lora_config", "read_tensors", "read_training_state", "save_checkpoint", "save_model",
+    "save_tensors",
     "shard_like", "step_dir_name", "unwrap_model", "weights_sha256", "whole", "with_tied_head", "write_model",
 ]

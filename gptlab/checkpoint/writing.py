@@ -2,8 +2,9 @@
 
 Every write goes through a temporary directory swapped into place (`gptlab.fileio`, which also leaves its
 `.gptlab` marker in each), so a crash leaves the previous checkpoint intact and readers never see a partial one;
-`prune_checkpoints` removes what a killed write left behind. Every safetensors file is written here (through
-`save_file`).
+`prune_checkpoints` removes what a killed write left behind. Every safetensors file is written through
+`save_tensors` (checkpoints here, Hugging Face and peft directories in `gptlab.interop`), whose failures are
+OSErrors: the atomic write turns them into its one-line message (a full disk: what was needed, what is free).
 
 What is saved is the plain model's weights, unwrapped from torch.compile / DDP / FSDP (FSDP shards gathered
 whole: every process calls `model_state_dict` and `save_checkpoint`, one writes), a tied matrix once, and for a
@@ -12,13 +13,16 @@ LoRA run only the adapters, with their base's path and sha256.
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from gptlab.checkpoint.layout import (
@@ -42,6 +46,20 @@ from gptlab.lora import has_lora, lora_state_dict
 # ------------------------------------------------------------------------------------------------------------
 # Model weights
 # ------------------------------------------------------------------------------------------------------------
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """`save_file`, its failures raised as OSError with their errno: safetensors reports a full disk as
+    SafetensorError("... I/O error: No space left on device (os error 28)"), which no write handler knows."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        raise OSError(int(code.group(1)) if code else errno.EIO, str(e), str(path)) from None
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
 def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU.
     FSDP-sharded weights are gathered whole: under FSDP every process must call this."""
@@ -71,11 +89,11 @@ def write_model(
         base = getattr(plain, "lora_base", None)
         if base is None:
             raise GptlabError("a model with LoRA adapters needs `lora_base` (its base's path and sha256) to be saved")
-        save_file(weights, str(directory / LORA_FILE), metadata=metadata)
+        save_tensors(weights, directory / LORA_FILE, metadata)
         lora = {"format": LORA_FORMAT, "version": 1, **plain.lora_spec.to_dict(), "base": base}
         (directory / LORA_CONFIG).write_text(json.dumps(lora, indent=2) + "\n")
     else:
-        save_file(weights, str(directory / MODEL_FILE), metadata=metadata)
+        save_tensors(weights, directory / MODEL_FILE, metadata)
     (directory / CONFIG_FILE).write_text(json.dumps(plain.config.to_dict(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(directory)
@@ -83,7 +101,8 @@ def write_model(
 
 def save_model(path: str | Path, model: torch.nn.Module, tokenizer: Any = None) -> Path:
     """Save a model (and tokenizer) as a checkpoint directory, atomically."""
-    return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer))
+    weights = model_state_dict(model)
+    return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer, weights), needed=_nbytes(weights))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -129,14 +148,14 @@ def save_checkpoint(
     def write(tmp: Path) -> None:
         write_model(tmp, model, weights=weights)
         if optimizers:
-            save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"library": "gptlab"})
+            save_tensors(tensors, tmp / OPTIMIZER_FILE, {"library": "gptlab"})
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
         for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
             src = Path(tokenizer_dir) / name
             if src.is_file():
                 shutil.copyfile(src, tmp / name)
 
-    needed = sum(t.nbytes for t in (*weights.values(), *tensors.values()))
+    needed = _nbytes(weights) + _nbytes(tensors)
     return atomic_write_dir(directory, write, needed=needed, replace_unmarked=True)
 
 

@@ -7,7 +7,9 @@ Kept apart so the two preparers import it rather than each other.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import numpy as np
 
 from gptlab.data.dataset import META, SPLITS
 from gptlab.errors import GptlabError
-from gptlab.fileio import check_out_dir, write_error
+from gptlab.fileio import atomic_write_dir, check_out_dir
 from gptlab.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB, GPT2Tokenizer, Tokenizer, load_tokenizer
 
 
@@ -76,26 +78,22 @@ def output_dir(out_dir: str | os.PathLike[str]) -> Path:
     return check_out_dir(out_dir, "--out")
 
 
-def remove_stale_partials(out: Path) -> None:
-    """Hidden .partial files a killed run left (up to the size of the whole output): this run writes its own."""
-    for stale in out.glob(".*.partial"):
-        stale.unlink(missing_ok=True)
+# what a DATA_DIR holds: a directory of nothing else may be replaced even without the marker (older gptlab)
+DATA_FILES = frozenset({META, "tokenizer_meta.json", "tokenizer.json", *(f"{s}.bin" for s in SPLITS),
+                        *(f"{s}.mask.bin" for s in SPLITS), *(f".{s}.bin.partial" for s in SPLITS),
+                        *(f".{s}.mask.bin.partial" for s in SPLITS)})
 
 
-def begin_output(out: Path, tok: Tokenizer) -> None:
-    """Make `out` look incomplete (no meta.json) and save the tokenizer, removing files an earlier run of
-    another kind left (a bpe tokenizer.json, loss masks) so that nothing stale passes for this run's output."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise write_error(out, e) from None
-    remove_stale_partials(out)
-    (out / META).unlink(missing_ok=True)  # from here on the directory must not look complete
-    for split in SPLITS:
-        (out / f"{split}.mask.bin").unlink(missing_ok=True)
-    tok.save(out)
-    if tok.kind in ("char", "gpt2"):
-        (out / "tokenizer.json").unlink(missing_ok=True)  # a stale HF file from an earlier bpe run
+def write_output(out: Path, write: Callable[[Path], None]) -> None:
+    """Have `write(tmp)` build the whole DATA_DIR in a fresh directory beside `out`, swapped in only when
+    complete: a failure (a full disk, a bad record, a kill) leaves the previous `out` as it was.
+
+    A directory gptlab did not write is refused unless it holds only a DATA_DIR's files (one an older gptlab
+    prepared, in place); what a killed run left beside `out` is removed first."""
+    for leftover in (*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+    data_only = out.is_dir() and all(p.name in DATA_FILES for p in out.iterdir())
+    atomic_write_dir(out, write, replace_unmarked=data_only)
 
 
 def base_meta(tok: Tokenizer, tokens: dict[str, int], chars: dict[str, int], val_fraction: float,

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gptlab.data.common import base_meta, begin_output, dtype_for, early_tokenizer, progress, show_progress
+from gptlab.data.common import base_meta, dtype_for, early_tokenizer, progress, show_progress, write_output
 from gptlab.data.dataset import META, SPLITS
 from gptlab.data.records import Record, RecordFile
 from gptlab.errors import GptlabError
@@ -218,28 +218,33 @@ def prepare_records(
                 print(f"note: the records only support {tok.vocab_size} bpe tokens, not {vocab_size}",
                       file=sys.stderr)
         template = chat_template_for(tok, options.chat_template)
-        begin_output(out, tok)
-        writers, chars = _write_windows(out, tok, template, files, options, window, n_train, total)
-        sources = [{"path": str(f.path), "format": f.format, "shape": shape, "records": n}
-                   for f, shape, n in zip(files, shapes, counts, strict=True)]
-        for src, f in zip(sources, files, strict=True):
-            src["bytes"], src["sha256"] = f.fingerprint()
-    chat = any(s != "text" for s in shapes)
-    meta = {
-        **base_meta(tok, {split: writers[split].windows * window for split in SPLITS}, chars, val_fraction,
-                    tok.eot_id is not None),
-        "sources": sources,
-        "mask": True,
-        "window_tokens": window,
-        "layout": "packed" if options.pack else "padded",
-        "examples": {s: writers[s].examples for s in SPLITS},
-        "truncated": sum(w.truncated for w in writers.values()),
-        "dropped": sum(w.dropped for w in writers.values()),
-        "pad_id": writers["train"].pad_id,
-        "chat_template": template.name if chat else None,
-        "train_on_prompt": options.train_on_prompt,
-    }
-    atomic_write_json(out / META, meta)  # last: its presence marks a complete directory
+        chat = any(s != "text" for s in shapes)
+        meta: dict[str, Any] = {}
+
+        def write(tmp: Path) -> None:
+            tok.save(tmp)
+            writers, chars = _write_windows(tmp, tok, template, files, options, window, n_train, total)
+            sources = [{"path": str(f.path), "format": f.format, "shape": shape, "records": n}
+                       for f, shape, n in zip(files, shapes, counts, strict=True)]
+            for src, f in zip(sources, files, strict=True):
+                src["bytes"], src["sha256"] = f.fingerprint()
+            meta.update({
+                **base_meta(tok, {split: writers[split].windows * window for split in SPLITS}, chars, val_fraction,
+                            tok.eot_id is not None),
+                "sources": sources,
+                "mask": True,
+                "window_tokens": window,
+                "layout": "packed" if options.pack else "padded",
+                "examples": {s: writers[s].examples for s in SPLITS},
+                "truncated": sum(w.truncated for w in writers.values()),
+                "dropped": sum(w.dropped for w in writers.values()),
+                "pad_id": writers["train"].pad_id,
+                "chat_template": template.name if chat else None,
+                "train_on_prompt": options.train_on_prompt,
+            })
+            atomic_write_json(tmp / META, meta)
+
+        write_output(out, write)  # built beside `out`, swapped in whole
     return meta
 
 

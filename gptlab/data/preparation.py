@@ -6,7 +6,8 @@
 * the tokenizer (``tokenizer_meta.json`` [+ ``tokenizer.json``], see :mod:`gptlab.tokenizer`);
 * ``meta.json`` -- ``{"tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens",
   "sources": [{"path", "bytes", "sha256", "chars"}], "val_fraction", "separator", ...}``.
-  It is written last: a DATA_DIR without it is incomplete, and readers refuse it.
+  A DATA_DIR without it is incomplete, and readers refuse it. The whole directory is built beside DATA_DIR
+  (``.NAME.tmp-*``) and swapped in only when complete, so a failure leaves the previous DATA_DIR as it was.
 
 How the text becomes tokens:
 
@@ -43,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from gptlab.data.common import base_meta, begin_output, check_options, dtype_for, early_tokenizer, output_dir
+from gptlab.data.common import base_meta, check_options, dtype_for, early_tokenizer, output_dir, write_output
 from gptlab.data.common import progress as _progress
 from gptlab.data.common import show_progress as _show_progress
 from gptlab.data.dataset import META, SPLITS
@@ -158,14 +159,15 @@ def _full_disk_message(out: Path, needed: int) -> Iterator[None]:
 
 
 def _write_bins(
-    out: Path, tok: Tokenizer, pieces: Iterable[tuple[str, str | None]], total: int, workers: int
+    out: Path, tok: Tokenizer, pieces: Iterable[tuple[str, str | None]], total: int, workers: int, target: Path
 ) -> dict[str, int]:
-    """Encode into hidden .partial files, renamed into place only when both splits are good."""
+    """Encode into hidden .partial files in `out` (the directory being built), renamed into place only when both
+    splits are good; a full disk is reported against `target`, the DATA_DIR the user named."""
     dtype = dtype_for(tok.vocab_size)
     partial = {s: out / f".{s}.bin.partial" for s in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     try:
-        with ExitStack() as stack, _full_disk_message(out, total * dtype.itemsize):
+        with ExitStack() as stack, _full_disk_message(target, total * dtype.itemsize):
             files = {s: stack.enter_context(open(partial[s], "wb")) for s in SPLITS}
             bar = stack.enter_context(_progress(total, f"tokenize ({tok.kind})", "char"))
             for split, ids, n in _encode_stream(pieces, tok, out, dtype, workers):
@@ -208,6 +210,9 @@ def prepare(
     """
     workers = min(4, os.cpu_count() or 1) if workers is None else workers
     check_options(tokenizer, vocab_size, val_fraction, workers, tokenizer_from is not None)
+    if any(not str(i).strip() for i in inputs):  # Path("") is ".": everything under the current directory
+        raise GptlabError("an INPUT is empty: name text files, directories of .txt files, record files or "
+                          "`shakespeare`")
     out = output_dir(out_dir)
     options = RecordOptions(block_size, pack, chat_template, train_on_prompt, text_field, split_name)
     if are_records(inputs):
@@ -240,12 +245,16 @@ def prepare(
     bpe_like = tok.kind != "char"  # cut chunks only at safe newlines; separate documents with eot
     sep = bpe_like and tok.eot_id is not None
 
-    begin_output(out, tok)
     pieces = iter_split_pieces(sources, split_at, sep, bpe_like, chunk_chars)
-    counts = _write_bins(out, tok, pieces, total, workers if total >= PARALLEL_MIN_CHARS else 1)
-    meta = {
-        **base_meta(tok, counts, {"train": split_at, "val": total - split_at}, val_fraction, sep),
-        "sources": [{"path": str(s.path), "bytes": s.bytes, "sha256": s.sha256, "chars": s.chars} for s in sources],
-    }
-    atomic_write_json(out / META, meta)  # last: its presence marks a complete directory
+    meta: dict[str, Any] = {}
+
+    def write(tmp: Path) -> None:
+        tok.save(tmp)  # before encoding: the pool's workers load it from here
+        counts = _write_bins(tmp, tok, pieces, total, workers if total >= PARALLEL_MIN_CHARS else 1, out)
+        meta.update(base_meta(tok, counts, {"train": split_at, "val": total - split_at}, val_fraction, sep))
+        meta["sources"] = [{"path": str(s.path), "bytes": s.bytes, "sha256": s.sha256, "chars": s.chars}
+                           for s in sources]
+        atomic_write_json(tmp / META, meta)
+
+    write_output(out, write)
     return meta

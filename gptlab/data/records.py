@@ -103,6 +103,9 @@ def _sharegpt(turns: Any, where: str) -> Any:
     out = []
     for i, t in enumerate(turns):
         if isinstance(t, dict) and "from" in t:
+            if not isinstance(t["from"], str):  # a list or an object can't be looked up (unhashable)
+                raise GptlabError(f"{where}: conversations[{i}]: field 'from' must be a string, got "
+                                  f"{type(t['from']).__name__}")
             role = _SHAREGPT_ROLES.get(t["from"])
             if role is None:
                 raise GptlabError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected human, gpt "
@@ -167,9 +170,12 @@ def _jsonl_rows(path: Path, hint: str = "") -> Iterator[tuple[str, Any]]:
             except UnicodeDecodeError as e:
                 raise GptlabError(f"{where}: not UTF-8 text (bad byte at column {e.start + 1})") from None
             try:
-                yield where, json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise GptlabError(f"{where}: invalid JSON: {e.msg} (column {e.colno}){hint}") from None
+            except RecursionError:
+                raise GptlabError(f"{where}: JSON nested too deeply to be a record") from None
+            yield where, row
 
 
 class _Text:
@@ -228,6 +234,8 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 try:
                     obj, end = decoder.raw_decode(text.buf, text.pos)
                     break
+                except RecursionError:
+                    raise GptlabError(f"{path} line {text.line()}: JSON nested too deeply to be a record") from None
                 except json.JSONDecodeError as e:
                     # the element may just be cut by the block end: read on, unless more text changed nothing
                     # (a real error: stop before reading the rest of a broken file; a long string moves nothing)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptlab.errors import GptlabError
-from gptlab.fileio import read_json_object
+from gptlab.fileio import read_json_object, read_utf8
 
 METRICS_FILE = "metrics.jsonl"  # as gptlab.train.runlog writes it (train sits beside this layer: no import)
 RESOLVED_CONFIG = "config.resolved.json"
@@ -62,12 +62,13 @@ def read_curves(run: str | Path, x: str = "step", name: str | None = None) -> Cu
     if not run.is_dir():
         raise GptlabError(f"{run} is not a run directory (`gptlab train --out DIR` makes one)")
     path = run / METRICS_FILE
-    if not path.is_file() or not path.read_text(encoding="utf-8").strip():
+    text = read_utf8(path) if path.is_file() else ""
+    if not text.strip():
         raise GptlabError(f"{run} has no metrics yet: {METRICS_FILE} is written at the first log step "
                           "(log_interval)")
     tokens = _tokens_per_step(run) if x == "tokens" else None
     curve = Curve(name or run.resolve().name, Series(), Series(), Series())
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -16,9 +16,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from gptlab.checkpoint import assign_weights, model_state_dict, unwrap_model
+from gptlab.checkpoint import assign_weights, model_state_dict, save_tensors, unwrap_model
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir
@@ -167,12 +166,12 @@ def save_hf(model: torch.nn.Module, path: str | Path, tokenizer: Any = None) -> 
 
     def write(tmp: Path) -> None:
         # metadata format=pt: transformers refuses safetensors files without it
-        save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / SAFETENSORS_FILE, {"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if tokenizer is not None:
             write_tokenizer(tmp, tokenizer)
 
-    return atomic_write_dir(path, write)
+    return atomic_write_dir(path, write, needed=sum(t.nbytes for t in tensors.values()))
 
 
 def write_tokenizer(directory: Path, tokenizer: Any) -> bool:

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from gptlab.checkpoint import unwrap_model
+from gptlab.checkpoint import save_tensors, unwrap_model
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir
 from gptlab.interop.common import Rule
@@ -111,7 +110,7 @@ def save_peft_adapter(model: torch.nn.Module, path: str | Path, base_model: str)
     }
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / ADAPTER_WEIGHTS, {"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
     return atomic_write_dir(path, write)

@@ -33,11 +33,14 @@ from gptlab.tokenizer.base import (
     META_FILE,
     MIN_BPE_VOCAB,
     CharTokenizer,
+    DamagedTokenizer,
     GPT2Tokenizer,
     Tokenizer,
+    fingerprint,
 )
 from gptlab.tokenizer.huggingface import HFTokenizer
 from gptlab.tokenizer.loading import load_tokenizer, optional_tokenizer
 
 __all__ = ["EOT_TEXT", "HF_FILE", "KINDS", "META_FILE", "MAX_BPE_VOCAB", "MIN_BPE_VOCAB", "CharTokenizer",
-           "GPT2Tokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "optional_tokenizer"]
+           "DamagedTokenizer", "GPT2Tokenizer", "HFTokenizer", "Tokenizer", "fingerprint", "load_tokenizer",
+           "optional_tokenizer"]

@@ -6,6 +6,7 @@ See the package docstring for the contract and the on-disk format.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -24,6 +25,11 @@ MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>: anything smaller can't e
 MAX_BPE_VOCAB = 1 << 24  # 64x the largest vocabularies in use; the tokenizers library aborts on absurd sizes
 KINDS = ("char", "gpt2", "bpe", "hf")
 _REPLACEMENT = "\ufffd".encode()
+
+
+class DamagedTokenizer(GptlabError):
+    """A tokenizer file that is there but unreadable (truncated, not JSON): an error even where a tokenizer is
+    optional, so that a damaged one is never taken for none."""
 
 
 def checked_ids(ids: Iterable[int], vocab_size: int, errors: str = "strict") -> list[int]:
@@ -100,6 +106,18 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+def fingerprint(tok: Tokenizer, samples: int = 4096) -> str:
+    """A short hash of what the ids mean: the vocabulary size and the bytes of up to `samples` evenly spaced ids
+    (and the last). Two tokenizers with equal fingerprints encode text to the same ids, whatever their kind (a
+    gptlab gpt2 and a Hugging Face GPT-2 tokenizer agree); a char vocabulary and a BPE one never do."""
+    n = tok.vocab_size
+    h = hashlib.sha256(f"{n}".encode())
+    for i in sorted({*range(0, n, max(1, n // samples)), n - 1} - {-1}):
+        piece = tok.decode_bytes([i])
+        h.update(len(piece).to_bytes(4, "little") + piece)
+    return h.hexdigest()[:12]
 
 
 # --- char -------------------------------------------------------------------------------------------------------

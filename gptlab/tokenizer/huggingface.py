@@ -20,6 +20,7 @@ from gptlab.tokenizer.base import (
     HF_FILE,
     MAX_BPE_VOCAB,
     MIN_BPE_VOCAB,
+    DamagedTokenizer,
     Tokenizer,
     _as_int_list,
     checked_ids,
@@ -208,11 +209,16 @@ def load_hf_dir(d: Path) -> HFTokenizer:
         try:
             tok = HFTok.from_file(str(d / HF_FILE))
         except Exception as e:
-            raise GptlabError(f"{d / HF_FILE} is not a tokenizer.json that `tokenizers` can read: {e}") from e
+            raise DamagedTokenizer(f"the tokenizer file {d / HF_FILE} is damaged (`tokenizers` cannot read it: "
+                                   f"{e})") from None
     else:  # GPT-2 era HF directories: vocab.json + merges.txt of a byte-level BPE
         from tokenizers import decoders, models, pre_tokenizers
 
-        tok = HFTok(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
+        try:
+            tok = HFTok(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
+        except Exception as e:
+            raise DamagedTokenizer(f"the tokenizer files {d / 'vocab.json'} and merges.txt are damaged "
+                                   f"(`tokenizers` cannot read them: {e})") from None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         if tok.token_to_id(EOT_TEXT) is not None:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from gptlab.errors import GptlabError
-from gptlab.fileio import read_json_object
-from gptlab.tokenizer.base import HF_FILE, KINDS, META_FILE, CharTokenizer, GPT2Tokenizer, Tokenizer
+from gptlab.fileio import read_utf8
+from gptlab.tokenizer.base import (
+    HF_FILE,
+    KINDS,
+    META_FILE,
+    CharTokenizer,
+    DamagedTokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+)
 from gptlab.tokenizer.huggingface import HFTokenizer, load_hf_dir
 
 
@@ -19,7 +29,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
     if not d.is_dir():
         raise GptlabError(f"tokenizer directory {d} does not exist")
     if (d / META_FILE).is_file():
-        meta = read_json_object(d / META_FILE)
+        meta = _read_meta(d / META_FILE)
         kind = meta.get("kind")
         if kind == "char":
             chars = meta.get("chars")
@@ -33,22 +43,65 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
                 raise GptlabError(f"{d} has a {kind} tokenizer_meta.json but no {HF_FILE}; re-save the tokenizer")
             from tokenizers import Tokenizer as HFTok
 
-            tok = HFTok.from_file(str(d / HF_FILE))
+            try:
+                tok = HFTok.from_file(str(d / HF_FILE))
+            except Exception as e:  # the tokenizers library raises a bare Exception for a file it can't parse
+                raise damaged(d / HF_FILE, f"`tokenizers` cannot read it: {e}") from None
             return HFTokenizer(tok, kind, meta.get("eot_id"), meta.get("bos_id"), meta.get("chat_template"),
                                str(d / META_FILE))
         raise GptlabError(f"{d / META_FILE} has unknown tokenizer kind {kind!r} (expected one of {KINDS})")
     if (d / HF_FILE).is_file() or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()):
         return load_hf_dir(d)
+    held = _held_by_model(d)
+    if held is not None:
+        return load_tokenizer(held)
     raise GptlabError(
         f"no tokenizer in {d}: expected {META_FILE} (written by gptlab) or a Hugging Face {HF_FILE} "
         "(or vocab.json + merges.txt)"
     )
 
 
+def _held_by_model(d: Path) -> Path | None:
+    """Where a run's or a LoRA checkpoint's tokenizer is: a run's checkpoints (best, else the newest step, which
+    all copied the tokenizer of the run's data), a LoRA checkpoint's base. Its layout is spelt out here, not
+    imported from gptlab.checkpoint: tokenizers never import torch."""
+    root = d / "checkpoints"
+    if root.is_dir():
+        steps = sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        for candidate in (root / "best", *reversed(steps)):
+            if (candidate / META_FILE).is_file() or (candidate / HF_FILE).is_file():
+                return candidate
+    if (d / "lora.json").is_file():
+        try:
+            base = json.loads(read_utf8(d / "lora.json"))["base"]["path"]
+        except (GptlabError, ValueError, KeyError, TypeError):
+            return None
+        if isinstance(base, str) and Path(base).is_dir() and Path(base).resolve() != d.resolve():
+            return Path(base)
+    return None
+
+
+def damaged(path: Path, why: str) -> DamagedTokenizer:
+    return DamagedTokenizer(f"the tokenizer file {path} is damaged ({why}): copy it again from where it came "
+                            "from, or re-run gptlab prepare")
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(read_utf8(path))
+    except ValueError as e:
+        raise damaged(path, f"not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise damaged(path, f"a JSON {type(meta).__name__}, not an object")
+    return meta
+
+
 def optional_tokenizer(directory: str | os.PathLike[str]) -> tuple[Tokenizer | None, str]:
     """The tokenizer saved in `directory`, or (None, why not) when it has none: a model directory need not
-    carry one."""
+    carry one. A damaged one is an error (DamagedTokenizer), not none."""
     try:
         return load_tokenizer(directory), ""
+    except DamagedTokenizer:
+        raise
     except GptlabError as e:
         return None, str(e)

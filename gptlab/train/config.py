@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
+from gptlab.fileio import read_utf8
 
 
 @dataclass
@@ -238,7 +239,7 @@ def _load_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise GptlabError(f"config file {path} not found (recipes live in configs/*.toml)")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(read_utf8(path))
     except tomllib.TOMLDecodeError as e:
         raise GptlabError(f"{path} is not valid TOML: {e}") from None
 
@@ -296,6 +297,9 @@ def validate(cfg: TrainConfig) -> None:
     ):
         if getattr(cfg, key) < 0:
             raise GptlabError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.warmup_steps >= cfg.max_steps:  # the run would end before its learning rate ever peaked
+        raise GptlabError(f"warmup_steps ({cfg.warmup_steps}) must be less than max_steps ({cfg.max_steps}): "
+                          "lower warmup_steps or raise max_steps")
     if not 0.0 <= cfg.min_lr <= 1.0:
         raise GptlabError(f"min_lr is a fraction of the peak learning rate: expected 0..1, got {cfg.min_lr}")
     if not 0.0 <= cfg.decay_fraction <= 1.0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from gptlab.loading import base_reference, load_model
 from gptlab.lora import LoRASpec, add_lora, parse_targets
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
+from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
 from gptlab.train.config import TrainConfig
 
 
@@ -67,15 +69,16 @@ def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
                     targets=parse_targets(cfg.lora_targets))
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: str) -> GPT:
+def build_model(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None = None) -> GPT:
     """A fresh GPT from the recipe, or the one `init_from` names (a run, checkpoint or Hugging Face dir), with
-    adapters on a frozen copy of it when the recipe sets lora_rank. fp32 masters whatever the saved dtype."""
+    adapters on a frozen copy of it when the recipe sets lora_rank. fp32 masters whatever the saved dtype.
+    The tokenizer of `data_dir` must be init_from's own (when both are known)."""
     torch.manual_seed(cfg.seed)  # the same init on every process
     if not cfg.init_from:
         with torch.device(device):
             model = GPT(cfg.model_config(vocab_size)).train()
     else:
-        model = _pretrained(cfg, vocab_size, device)
+        model = _pretrained(cfg, vocab_size, device, data_dir)
     spec = lora_spec(cfg)
     if spec is not None:
         add_lora(model, spec, base=base_reference(cfg.init_from))
@@ -83,8 +86,10 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: str) -> GPT:
     return model
 
 
-def _pretrained(cfg: TrainConfig, vocab_size: int, device: str) -> GPT:
-    model, _ = load_model(cfg.init_from, device=device, prefer="best")
+def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None) -> GPT:
+    model, tokenizer = load_model(cfg.init_from, device=device, prefer="best")
+    if data_dir is not None:
+        check_same_tokenizer(cfg.init_from, tokenizer, str(data_dir), optional_tokenizer(data_dir)[0])
     # the architecture comes from the checkpoint: recipe keys may only restate it (or set dropout)
     clash = {k: v for k, v in cfg.model_overrides.items() if k != "dropout" and getattr(model.config, k) != v}
     if clash:
@@ -100,6 +105,20 @@ def _pretrained(cfg: TrainConfig, vocab_size: int, device: str) -> GPT:
         raise GptlabError(f"{cfg.init_from} has a vocabulary of {model.config.vocab_size}, the data needs "
                           f"{vocab_size}")
     return model.float().train()
+
+
+def check_same_tokenizer(model_path: str, model_tok: Tokenizer | None, data_dir: str, data_tok: Tokenizer | None
+                         ) -> None:
+    """Refuse data whose ids mean other text than the model's (char data for a GPT-2): it would train, on
+    nonsense. Either tokenizer unknown (a model saved without one): nothing to compare."""
+    if model_tok is None or data_tok is None:
+        return
+    ours, theirs = fingerprint(data_tok), fingerprint(model_tok)
+    if ours != theirs:
+        raise GptlabError(f"--data {data_dir} was tokenized with another tokenizer ({data_tok.kind}, "
+                          f"{data_tok.vocab_size} ids, fingerprint {ours}) than init_from {model_path}'s "
+                          f"({model_tok.kind}, {model_tok.vocab_size} ids, fingerprint {theirs}): prepare the data "
+                          f"with --tokenizer-from {model_path}")
 
 
 def rng_state() -> dict[str, Any]:

@@ -112,7 +112,7 @@ class Trainer:
                 check_split_fits(self.data_dir, split,
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
             check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device)
-        self.model = build_model(cfg, int(meta["vocab_size"]), self.device)
+        self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir)
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False)
         self.seq_len = sequence_length(self.data_dir, self.model.config.block_size)  # tokens per row
