@@ -169,6 +169,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(SamplingFields):
+    # the schema states the rule `logprobs_count` enforces, so that a client (or a schema-driven fuzzer) reading
+    # /openapi.json knows top_logprobs needs logprobs: true
+    model_config = ConfigDict(json_schema_extra={
+        "dependentSchemas": {"top_logprobs": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+    })
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
