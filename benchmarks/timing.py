@@ -8,7 +8,6 @@ priority -20 does get the machine (writing it needs root; without root this chan
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -53,13 +52,10 @@ def loadavg() -> str:
 
 
 def cpu_flags() -> str:
-    """The CPU's vector flags that matter for these kernels (from /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "?"
-    flags = re.search(r"^flags\s*:(.*)$", text, re.M)
+    """The CPU's vector flags that matter for these kernels (gptlab.hardware reads them)."""
+    from gptlab.hardware import cpu_flags as all_flags  # benchmarks that time start-up import gptlab late
+
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
               "amx_bf16", "amx_int8", "amx_tile", "f16c")
-    have = set(flags.group(1).split()) if flags else set()
-    return " ".join(f for f in wanted if f in have) or "none of " + " ".join(wanted)
+    have = all_flags()
+    return " ".join(f for f in wanted if f in have) or ("none of " + " ".join(wanted) if have else "?")

@@ -175,7 +175,7 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
 
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
-    monkeypatch.setattr(dispatch, "_builds", lambda: {"avx2": "A", "avx512": "B"})
+    monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A", "avx512": "B"})
     calls = []
     times = {"torch": 2.0, "avx2": 3.0, "avx512": 1.0}
     monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: calls.append((kind, rows)) or dict(times))
@@ -192,7 +192,7 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
     assert dispatch.choice("bfloat16") == "avx2"
     monkeypatch.setenv("GPTLAB_KERNEL", "torch")
     assert dispatch.choice("int8") == "torch"
-    monkeypatch.setattr(dispatch, "_builds", dict)  # nothing built (no compiler, ARM, GPTLAB_NO_KERNELS)
+    monkeypatch.setattr(dispatch, "kernel_builds", dict)  # nothing built (no compiler, ARM, GPTLAB_NO_KERNELS)
     monkeypatch.setenv("GPTLAB_KERNEL", "avx2")
     assert dispatch.choice("int8") == "torch"
     dispatch._measured.cache_clear()

@@ -89,7 +89,7 @@ class Engine:
         # The weights are checked for changes (and packed again) when prompts are prefilled, not before every
         # decode step, and the C++ step's weight list is kept until they change (a per-step walk over every Linear
         # cost ~5% of a batch-1 token): weights written while rows are decoding count from the next prefill.
-        self._native: list | None = None
+        self._native: list | None = None  # None: not gathered yet; []: the C++ step cannot run this model
 
     def _kernels(self, refresh: bool = False, head_only: bool = False) -> contextlib.AbstractContextManager:
         if self._packed is None:

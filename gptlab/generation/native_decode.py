@@ -59,9 +59,9 @@ def _norm(module: nn.Module | None, eps: float) -> list[torch.Tensor | None] | N
 
 def weights(model: GPT, cache: KVCache) -> list[torch.Tensor | None] | None:
     """Every layer's PER_LAYER tensors in decode_step's order, or None where the C++ step cannot run this model
-    now (or this cache: it takes fp32 keys and values). Gathered every step (packs may change between steps),
-    reading `_modules` / `_parameters` directly: nn.Module's attribute lookup costs several percent of a batch-1
-    step."""
+    now (or this cache: it takes fp32 keys and values). The engine gathers it once and again only when packs change;
+    `_modules` / `_parameters` are read directly, as nn.Module's attribute lookup is slow for a walk over every
+    Linear."""
     if not kernel_builds() or cache.k.dtype != torch.float32:
         return None
     cfg = model.config

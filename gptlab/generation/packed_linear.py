@@ -143,17 +143,22 @@ def _pack(module: nn.Linear, batch_hint: int) -> _Pack | None:
     return _Pack(module, weakref.ref(weight), _fingerprint(weight), kernel, packed)
 
 
+def _installed(module: nn.Module) -> _Pack | None:
+    """The pack whose forward a Linear runs right now (inside `PackedLinears.active()`), else None."""
+    pack = getattr(module.__dict__.get("forward"), "__self__", None)
+    return pack if isinstance(pack, _Pack) else None
+
+
 def kernel_packed(module: nn.Module) -> torch.Tensor | None:
     """The packed weight a Linear runs through gptlab's own kernel (inside `PackedLinears.active()`), else None."""
-    pack = getattr(module.__dict__.get("forward"), "__self__", None)
-    kernel = getattr(pack, "kernel", None)
-    return pack.weight if isinstance(pack, _Pack) and getattr(kernel, "func", None) is _kernel_forward else None
+    pack = _installed(module)
+    return pack.weight if pack is not None and getattr(pack.kernel, "func", None) is _kernel_forward else None
 
 
 def kernel_name(module: nn.Module) -> str:
     """Which kernel runs a plain Linear's forward right now (inside or outside `PackedLinears.active()`)."""
-    pack = getattr(module.__dict__.get("forward"), "__self__", None)
-    if not isinstance(pack, _Pack):
+    pack = _installed(module)
+    if pack is None:
         return f"torch F.linear ({str(module.weight.dtype).removeprefix('torch.')})"
     kernel = getattr(pack.kernel, "func", pack.kernel)
     dtype = str(pack.weight.dtype).removeprefix("torch.")

@@ -22,6 +22,7 @@ warning, and callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns t
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from gptlab.hardware import cpu_flags
 from gptlab.kernels.build import load_library
 
 log = logging.getLogger(__name__)
@@ -57,36 +59,20 @@ def cpu_has_avx2() -> bool:
     return _x86() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _cpu_flags() -> frozenset[str]:
-    """The x86 CPU's feature flags as Linux lists them (/proc/cpuinfo; empty elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def cpu_has_avx512() -> bool:
-    """Whether this CPU (and the OS, which lists a flag only where it saves the registers) runs the AVX-512 build:
-    F/BW/VL/DQ with VNNI and BF16."""
-    return _x86() and AVX512_CPU_FLAGS <= _cpu_flags()
+    """Whether this CPU runs the AVX-512 build: F/BW/VL/DQ with VNNI and BF16."""
+    return _x86() and AVX512_CPU_FLAGS <= cpu_flags()
 
 
 @functools.cache
 def source_digest() -> str:
     """A digest of every source and header: it names the builds (an edited kernel is never loaded stale) and keys
     the dispatch's measurements."""
-    import hashlib
-
     return hashlib.sha256(b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])).hexdigest()[:12]
 
 
 def _build_name(library: str, flags: list[str]) -> str:
     """The build's name changes with every source and header, the flags and the torch version."""
-    import hashlib
-
     key = source_digest() + " ".join(flags) + torch.__version__
     return f"{library}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 

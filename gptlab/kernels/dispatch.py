@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json
 from gptlab.hardware import cache_dir, cpu_name
+from gptlab.kernels import kernel_builds, source_digest
 
 KINDS = ("bfloat16", "float32", "int8", "int4")
 TORCH = "torch"
@@ -48,12 +49,6 @@ SMALL_BATCH, BATCH = 8, 32  # inputs of fewer rows than SMALL_BATCH are probed a
 BUILD_MARGIN = 1.1
 
 
-def _builds() -> dict[str, Any]:
-    from gptlab.kernels import kernel_builds  # the package imports this module
-
-    return kernel_builds()
-
-
 def kind_of(dtype: torch.dtype | str) -> str:
     """The kind a weight dtype (or a quantization mode, "int8" / "int4") is probed as."""
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -63,26 +58,27 @@ def choice(kind: str, rows: int = 1) -> str:
     """The name of the path that runs `kind` weights here for inputs of about `rows` rows (decoding: the batch): a
     build of `kernel_builds()`, or "torch". Small batches and large ones are probed apart (1 and 32 rows): reading
     the weights dominates the first, arithmetic the second, and a different kernel may win each."""
-    builds = _builds()
+    builds = kernel_builds()
     forced = os.environ.get("GPTLAB_KERNEL")
     if forced == TORCH or not builds:
         return TORCH
     if forced in builds:
         return forced
-    return _measured(kind, tuple(sorted(builds)), BATCH if rows >= SMALL_BATCH else 1)
+    return _measured(kind, tuple(sorted(builds)), BATCH if rows >= SMALL_BATCH else 1, torch.get_num_threads())
 
 
 def chosen_ops(kind: str, rows: int = 1) -> Any | None:
     """The build (torch.ops namespace) that runs `kind` weights here for about `rows` input rows, or None where
     PyTorch's path is faster or there is no build."""
     name = choice(kind, rows)
-    return None if name == TORCH else _builds()[name]
+    return None if name == TORCH else kernel_builds()[name]
 
 
 @functools.cache
-def _measured(kind: str, names: tuple[str, ...], rows: int) -> str:
-    key = "|".join([cpu_name(), f"threads={torch.get_num_threads()}", torch.__version__, _source_key(), kind,
-                    f"rows={rows}"])
+def _measured(kind: str, names: tuple[str, ...], rows: int, threads: int) -> str:
+    """The probe's choice, from kernels.json or measured (and saved); remembered per process for these arguments
+    (the thread count among them: a choice made on 2 threads is not one for 16)."""
+    key = "|".join([cpu_name(), f"threads={threads}", torch.__version__, source_digest(), kind, f"rows={rows}"])
     path = cache_dir() / CACHE_FILE
     try:
         cached = json.loads(path.read_text())
@@ -102,12 +98,6 @@ def _measured(kind: str, names: tuple[str, ...], rows: int) -> str:
     return best
 
 
-def _source_key() -> str:
-    from gptlab.kernels import source_digest
-
-    return source_digest()
-
-
 def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, calls: int = 3,
           rows: int = 1) -> dict[str, float]:
     """Seconds for each candidate ("torch" and each build in `names`) to run the probe's products (inputs of
@@ -115,7 +105,7 @@ def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, call
     weights from memory; a probe whose weights stay in cache measures another machine). The fastest of `rounds` x
     `calls` passes, candidates taking turns: on a shared machine another process's time slice lands in some
     passes, never in a kernel's favour, so the minimum is what each path can do."""
-    builds = _builds()
+    builds = kernel_builds()
     names = tuple(builds) if names is None else names
     gen = torch.Generator().manual_seed(0)  # not the global one: a seeded run's draws stay as they are
     bytes_per_weight = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}[kind]
