@@ -1,7 +1,10 @@
 """This machine: which device to run on, its peak matmul throughput for MFU, and how the process's allocator
 should behave.
 
-`resolve_device` turns a --device flag ("auto", "cpu", "cuda:1") into a device that exists, or a one-line error.
+`resolve_device` turns a --device flag ("auto", "cpu", "cuda:1") into a device that exists, or a one-line error;
+for a CUDA device it also lets fp32 matmuls use the tensor cores (TF32), as nanoGPT and nanochat do.
+`gpu_has_bf16` says whether a GPU multiplies bf16 in hardware (not emulated), and `inference_dtype` turns a
+--dtype flag ("auto": bf16 on such a GPU, fp16 on an older one, fp32 on a CPU) into a dtype.
 
 `retain_freed_memory` keeps glibc from handing large freed blocks back to the OS (see its docstring): on CPUs
 it takes hundreds of thousands of page faults out of every GPT-2-sized training step.
@@ -42,7 +45,10 @@ def resolve_device(name: str = "auto", flag: str = "--device") -> str:
     """"auto" is "cuda" when a GPU is there, else "mps" on a Mac whose Metal device works, else "cpu". Anything else
     must name a device this machine has (cpu, cuda, cuda:N, mps): otherwise a one-line GptlabError naming `flag`."""
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "mps" if _mps_works() else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "mps" if _mps_works() else "cpu"
+        if name == "cuda":
+            use_tensor_cores()
+        return name
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
@@ -55,9 +61,34 @@ def resolve_device(name: str = "auto", flag: str = "--device") -> str:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise GptlabError(f"{flag} {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                               f"numbered from 0")
+        use_tensor_cores()
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise GptlabError(f"{flag} {name!r} requested but MPS is not available here; use {flag} cpu")
     return name
+
+
+def use_tensor_cores() -> None:
+    """fp32 matmuls and convolutions on CUDA may round their inputs to TF32 (10-bit mantissa, fp32 accumulation):
+    ~3x faster on Ampere and later, and what every GPU training recipe (nanoGPT, nanochat) sets. Process-wide."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def gpu_has_bf16(device: str | torch.device) -> bool:
+    """Whether `device` is a CUDA GPU that multiplies bf16 in hardware: compute capability 8.0 (Ampere) or later.
+    Older ones (V100, T4) emulate it, far slower than fp16; torch.cuda.is_bf16_supported() counts emulation."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def inference_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """The weights' dtype a --dtype flag names. "auto": bf16 on a GPU with bf16 units, fp16 on an older GPU, fp32
+    elsewhere (a CPU's fp32 keeps logits exact to the reference; bf16 there is an explicit choice)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if gpu_has_bf16(device) else torch.float16
+    return torch.float32
 
 
 def _mps_works() -> bool:
@@ -192,3 +223,23 @@ def peak_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.fl
     except (OSError, GptlabError):
         pass  # a read-only home: measure again next time
     return flops
+
+
+# Dense bf16 tensor-core FLOP/s from NVIDIA's datasheets (no sparsity), by a substring of the device's name, most
+# specific first: the peak that nanoGPT, nanochat and Lightning report MFU against on a GPU.
+DATASHEET_BF16_FLOPS = (
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+    ("GH200", 989e12), ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12),
+    ("A10G", 70e12), ("A10", 125e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
+    ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("A6000", 155e12),
+)
+
+
+def datasheet_flops(device: str | torch.device) -> float | None:
+    """The datasheet's dense bf16 FLOP/s of a CUDA device, or None for one the table does not know."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in DATASHEET_BF16_FLOPS if key in name), None)
+

@@ -87,10 +87,21 @@ class KVCache:
         return view
 
     # --- one cached forward: begin, append per layer, advance ----------------------------------------------------
-    def begin(self, T: int, sliding_window: int | None = None) -> tuple[torch.Tensor, Masks]:
+    def begin(self, T: int, sliding_window: int | None = None, keys: int | None = None) -> tuple[torch.Tensor, Masks]:
         """Plan a forward of T new tokens per row: their positions (1 or B, T), and the boolean attention masks
         (B or 1, 1, T, keys) of full and sliding-window layers, None where plain causal attention (or "see every
-        key") is exact."""
+        key") is exact.
+
+        With `keys` (the caller's bound: every row holds at most keys - T tokens) nothing is read back from the
+        device and every shape depends on (B, T, keys) alone: positions come from the lengths on the device, each
+        row writes at its own, and attention runs over `keys` keys under a mask. What a CUDA graph can capture."""
+        if keys is not None:
+            if keys > self.max_len:
+                raise ValueError(f"the KV cache holds {self.max_len} tokens per row; this step needs {keys}")
+            pos = self.lengths[:, None] + torch.arange(T, device=self.lengths.device)  # (B, T)
+            self._where = (torch.arange(self.batch_size, device=pos.device)[:, None], pos)
+            self._end = keys
+            return pos, masks_for(pos, keys, causal_mask(pos, keys), sliding_window)
         lo, hi = (int(n) for n in torch.aminmax(self.lengths))
         end = hi + T
         if end > self.max_len:

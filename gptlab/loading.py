@@ -124,15 +124,17 @@ def load_model(
     if quantize is not None and not merge_adapters:
         raise GptlabError("cannot quantize a model whose LoRA adapters are kept unmerged: merge them (the default)")
     directory = resolve_checkpoint(path, prefer=prefer)
-    load_dtype = torch.float32 if quantize else dtype
+    # quantizing reads fp32 weights, in host memory: only the integers reach a GPU, so a model whose int4 weights
+    # fit the card loads even where its fp32 weights would not
+    load_dtype, load_device = (torch.float32, "cpu") if quantize else (dtype, device)
     if is_hf_dir(directory):
-        model = from_hf(directory, device=device, dtype=load_dtype)
+        model = from_hf(directory, device=load_device, dtype=load_dtype)
     elif (directory / LORA_FILE).is_file():
-        model = load_lora_model(directory, device=device, dtype=load_dtype, merge=merge_adapters)
+        model = load_lora_model(directory, device=load_device, dtype=load_dtype, merge=merge_adapters)
     else:
-        model = load_gptlab_model(directory, device=device, dtype=load_dtype)
+        model = load_gptlab_model(directory, device=load_device, dtype=load_dtype)
     if quantize:
-        model = quantize_model(model.eval(), quantize, group_size).to(dtype=dtype)
+        model = quantize_model(model.eval(), quantize, group_size).to(device=device, dtype=dtype)
     tokenizer, _ = optional_tokenizer(directory)
     if tokenizer is None and (directory / LORA_FILE).is_file():  # adapters trained on data without a tokenizer
         tokenizer, _ = optional_tokenizer(resolve_checkpoint(read_lora_config(directory)[1]["path"]))

@@ -306,8 +306,10 @@ def _int4_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Ten
 
 # --- CUDA kernels --------------------------------------------------------------------------------------------------
 def _int8_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    w = layer.dequantize().to(dtype).T
-    return lambda x: x @ w
+    """(x @ q.T) * scale: the integers stay the only copy of the weight (1 byte each at rest); each call widens one
+    layer's weight for the matmul and drops it (under torch.compile, inductor fuses the widening into the matmul)."""
+    q, scale = layer.qweight, layer.scale.to(dtype)
+    return lambda x: (x @ q.T.to(dtype)) * scale
 
 
 def _int4_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -19,6 +19,8 @@ import torch
 
 from gptlab.config import GPTConfig, RopeScaling
 
+LENGTH_DEPENDENT = ("dynamic", "longrope")  # scalings whose frequencies change with the sequence's length
+
 
 def inv_frequencies(config: GPTConfig, seq_len: int) -> tuple[torch.Tensor, float]:
     """(inv_freq (rotary_dim / 2,), attention factor) for a forward whose last position is seq_len - 1."""
@@ -100,7 +102,9 @@ def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, tor
     Computed per forward from the positions rather than cached in a buffer, so a bf16 model keeps fp32 angles and
     every row of a batch can sit at its own position.
     """
-    seq_len = int(pos.max()) + 1 if config.rope_scaling is not None else 0
+    # only dynamic and longrope scaling depend on the sequence's length: reading it stalls a GPU's queue
+    scaling = config.rope_scaling
+    seq_len = int(pos.max()) + 1 if scaling is not None and scaling.kind in LENGTH_DEPENDENT else 0
     inv_freq, attention_factor = inv_frequencies(config, seq_len)
     angles = pos.to(torch.float32)[..., None] * inv_freq.to(pos.device)  # (B, T, rot/2)
     cos, sin = angles.cos()[:, None], angles.sin()[:, None]

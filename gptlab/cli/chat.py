@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_flags(p, max_new_tokens=None,
                        max_new_tokens_help="tokens per reply at most (default: 512, or half the context if less)")
     add_device(p)
-    add_dtype(p, help="weights' dtype (default float32; bfloat16 is about 2x faster on recent CPUs)")
+    add_dtype(p)  # default auto: bf16 on a GPU; on a CPU float32 (bfloat16 is ~2x faster on recent CPUs)
     add_quantize(p)
     p.set_defaults(run=run)
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     # every flag is checked before the (slow) model load; the default reply length needs the model's context
     params = sampling_params(args, **({} if args.max_new_tokens is not None else {"max_new_tokens": 1}))
     device = resolve_device(args.device)
-    model, tokenizer = load_model(args.model, device=device, dtype=torch_dtype(args.dtype),
+    model, tokenizer = load_model(args.model, device=device, dtype=torch_dtype(args.dtype, device),
                                   **quantize_options(args))
     if tokenizer is None:
         raise GptlabError(f"{args.model} has no tokenizer: chat needs one to turn text into tokens "

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype in ("q8_0", "q4_0"):
         raise GptlabError(f"--dtype {args.dtype} is a GGUF format: add --to gguf")
     dtype = long.get(args.dtype, args.dtype)
-    done = convert(args.src, args.dst, to=args.to, dtype=torch_dtype(dtype) if dtype else None,
+    done = convert(args.src, args.dst, to=args.to, dtype=torch_dtype(dtype, "cpu") if dtype else None,
                    adapter_only=args.adapter_only)
     model, dst = done.model, done.destination
     if done.to == "peft":

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         check_batch_memory(model.config, args.batch_size, args.block_size or model.config.block_size, device,
                            "--batch-size")
     out = evaluate_split(model, args.data, args.split, block_size=args.block_size, batch_size=args.batch_size,
-                         dtype=torch_dtype(args.dtype), device=device)
+                         dtype=torch_dtype(args.dtype, device), device=device)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -77,13 +77,15 @@ def _run_tasks(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("lm_eval") is None:
         raise GptlabError(NO_LM_EVAL)
+    from gptlab.hardware import resolve_device
     from gptlab.harness import run_tasks
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
     out = run_tasks(args.checkpoint, tasks, include_path=args.include_path, limit=limit,
                     num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8, device=args.device,
-                    dtype=torch_dtype(args.dtype), max_length=args.block_size, **quantize_options(args))
+                    dtype=torch_dtype(args.dtype, resolve_device(args.device)), max_length=args.block_size,
+                    **quantize_options(args))
     results = out.get("results", {})
     if args.json:
         print(json.dumps(results, default=str))

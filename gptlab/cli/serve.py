@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-mb", type=float, default=8.0,
                    help="the largest request body in MB; larger ones are answered 413 (default 8)")
     add_device(p)
-    add_dtype(p, help="weights' dtype (default float32; bfloat16 is about 2x faster on recent CPUs)")
+    add_dtype(p)  # default auto: bf16 on a GPU; on a CPU float32 (bfloat16 is ~2x faster on recent CPUs)
     add_quantize(p)
     p.add_argument("--no-ui", action="store_true",
                    help="do not serve the web page (chat playground, attention explorer) at /")
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.max_body_mb <= 2**20:  # (also refuses nan)
         raise GptlabError(f"--max-body-mb must be a size in MB, more than 0, got {args.max_body_mb}")
     device = resolve_device(args.device)
-    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype),
+    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype, device),
                                   **quantize_options(args))
     if tokenizer is None:
         raise GptlabError(f"{args.checkpoint} has no tokenizer: the server needs one to read prompts")

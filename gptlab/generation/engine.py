@@ -36,6 +36,7 @@ import torch.nn as nn
 from gptlab.errors import GptlabError
 from gptlab.generation import native_decode
 from gptlab.generation.fast_decode import decode_hidden, supports
+from gptlab.generation.graph_decode import StaticDecode, usable
 from gptlab.generation.packed_linear import kernel_name, try_pack
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import (
@@ -67,6 +68,8 @@ class Engine:
         cache_dtype: torch.dtype | None = None,
         pack_weights: bool = True,
         prefill_chunk: int | None = None,
+        static_decode: bool | None = None,
+        compile_decode: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -84,12 +87,19 @@ class Engine:
         self._seen: torch.Tensor | None = None  # (max_batch, V) tokens in prompt or output
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
-        self._packed = try_pack(model, max_batch) if pack_weights else None
+        # (not under torch.compile: it cannot trace into the C++ kernels, and compiles its own)
+        self._packed = try_pack(model, max_batch) if pack_weights and not compile_decode else None
         self._lean = supports(model)  # decode steps skip the general forward's framework time
         # The weights are checked for changes (and packed again) when prompts are prefilled, not before every
         # decode step, and the C++ step's weight list is kept until they change (a per-step walk over every Linear
         # cost ~5% of a batch-1 token): weights written while rows are decoding count from the next prefill.
         self._native: list | None = None  # None: not gathered yet; []: the C++ step cannot run this model
+        # on a GPU: decode steps of fixed shape, each captured once in a CUDA graph (`static_decode=True` on a CPU
+        # runs the same step uncaptured; None: on CUDA, where the model allows it)
+        on_gpu = self.device.type == "cuda"
+        static = on_gpu if static_decode is None else static_decode
+        self._static = (StaticDecode(model, self.cache, capture=on_gpu, compile=compile_decode)
+                        if static and usable(model) else None)
 
     def _kernels(self, refresh: bool = False, head_only: bool = False) -> contextlib.AbstractContextManager:
         if self._packed is None:
@@ -112,6 +122,8 @@ class Engine:
                             for m in self.model.modules() if isinstance(m, (nn.Linear, QuantizedLinear)))
             native = self._native_weights() is not None
         step = "native C++" if self._lean and native else "lean" if self._lean else "plain"
+        if self._static is not None:
+            step = "CUDA graph" if self._static.capture else "static"
         return {"decode step": step, "linears": dict(names)}
 
     # --- bookkeeping ----------------------------------------------------------------------------------------
@@ -242,6 +254,9 @@ class Engine:
             if len(g.window) >= self.max_len:  # the window is what the row's cache holds
                 self._slide(g)
         hi = max(g.slot for g in running + prefilling) + 1  # rows past the last busy one are left out
+        static = self._static is not None and not self.model.training
+        if static:
+            hi = self._static.rows_for(hi)
         idle = [i for i in range(hi) if self.slots[i] is None]
         tokens = torch.zeros(hi, 1, dtype=torch.long)
         tokens[[g.slot for g in running], 0] = torch.tensor([g.token_ids[-1] for g in running])
@@ -250,11 +265,16 @@ class Engine:
             view.lengths[idle] = 0  # idle rows compute a throwaway token at position 0
         rows = torch.tensor([g.slot for g in running], device=self.device)
         with self._kernels(head_only=bool(self._native)):  # the C++ step (gathered before) reads its packs itself
-            if self._lean and not self.model.training:
+            if static:  # the rows' lengths after this step, known here: the cache holds each row's window
+                longest = max([len(g.window) + 1 for g in running]
+                              + [len(g.prompt_ids) - len(g.pending) + 1 for g in prefilling])
+                logits = self._static(tokens, longest)[rows]
+            elif self._lean and not self.model.training:
                 h = decode_hidden(self.model, tokens.to(self.device), view, native=self._native_weights())
             else:
                 h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
-            logits = self.model.logits(h[rows, -1])
+            if not static:
+                logits = self.model.logits(h[rows, -1])
         if idle:
             view.lengths[idle] = 0
         for g in prefilling:  # their throwaway token sits where their next chunk will be written

@@ -146,13 +146,17 @@ def embed(model: GPT, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def decode_hidden(model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | list | None = True) -> torch.Tensor:
+def decode_hidden(
+    model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | list | None = True, keys: int | None = None
+) -> torch.Tensor:
     """Final-norm hidden states (B, 1, C) of one new token per row (idx (B, 1)), appended to `cache`: what
     `model.hidden_states(idx, kv_cache=cache)` returns, for a model `supports` accepts. With `native` and every
     Linear on gptlab's own kernel, the blocks run as one C++ call doing the same maths (`native` may be the C++
-    step's weights, gathered once by the caller: `native_decode.weights`; None or False: the Python step)."""
+    step's weights, gathered once by the caller: `native_decode.weights`; None or False: the Python step).
+    With `keys` (a bound on the rows' lengths + 1, see `KVCache.begin`) the step reads nothing back from the
+    device and its shapes are fixed: what `gptlab.generation.graph_decode` captures."""
     cfg, t = model.config, model.transformer
-    pos, masks = cache.begin(1, cfg.sliding_window)  # (1 or B, 1); masks only when rows differ or a window cuts
+    pos, masks = cache.begin(1, cfg.sliding_window, keys)  # (1 or B, 1); masks when rows differ or a window cuts
     x = embed(model, idx, pos)  # (B, 1, C)
     rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
     weights = native_decode.weights(model, cache) if native is True else native or None

@@ -78,8 +78,10 @@ class TrainConfig:
     # "auto": bfloat16 where the device has fast bf16 matmuls (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else
     # float32 (on an AVX2-only CPU a bf16 run is ~4x slower than fp32: torch's bf16 kernels there are emulated)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    attention_fp32: bool = True  # under bf16/fp16, compute attention in fp32 (CPU bf16 attention backward is slow)
-    compile: bool = False
+    # under bf16/fp16, compute attention in fp32: "auto" = on a CPU only (its bf16 attention backward is slow), not on
+    # a GPU, where flash / cuDNN attention need bf16/fp16 inputs (and fp32 GQA attention has no fused kernel at all)
+    attention_fp32: bool | Literal["auto"] = "auto"
+    compile: bool | Literal["auto"] = "auto"  # torch.compile the model: "auto" = on CUDA (~2x there), off elsewhere
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 slower
     # with several processes (torchrun): ddp = every process holds the whole model, gradients all-reduced;
     # fsdp = parameters, gradients and optimizer state sharded over the processes (PyTorch's fully_shard)
@@ -168,8 +170,8 @@ def coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
     if origin is Literal:
         if value in args:
             return value
-    elif type(None) in args:  # Optional[X]
-        if value is None or (from_text and str(value).strip().lower() in ("none", "null")):
+    elif origin in (typing.Union, types.UnionType):  # X | Y, Optional[X]
+        if type(None) in args and (value is None or (from_text and str(value).strip().lower() in ("none", "null"))):
             return None
         inner = [a for a in args if a is not type(None)]
         for a in inner:

@@ -83,6 +83,10 @@ class Trainer:
             if not quiet:
                 print(f"dtype auto: {cfg.dtype} on {device}")
         check_dtype(cfg.dtype, device)
+        on_gpu = torch.device(device).type == "cuda"  # "auto" switches, recorded as what they chose
+        cfg = self.cfg = dataclasses.replace(
+            cfg, attention_fp32=not on_gpu if cfg.attention_fp32 == "auto" else cfg.attention_fp32,
+            compile=on_gpu if cfg.compile == "auto" else cfg.compile)
         self.procs = init_distributed(device)
         self.device = self.procs.device
         if cfg.batch_size % (self.procs.world * cfg.grad_accum):
