@@ -33,6 +33,6 @@ stage() {  # stage NAME SECONDS COMMAND...
     tail -n 40 "$LOGS/$name.txt"
     echo "=== $name: exit $rc after $((SECONDS - t0)) s"
 }
-stage tests "${TESTS_LIMIT:-200}" $PY -m pytest -m cuda -p no:cacheprovider -q -x -rs tests/test_cuda.py --durations=5
+stage tests "${TESTS_LIMIT:-200}" $PY -m pytest -m cuda -p no:cacheprovider -q -rs tests/test_cuda.py --durations=5
 stage train "${TRAIN_LIMIT:-240}" $PY benchmarks/gpu.py train --nanogpt "$NANOGPT" ${TRAIN_ARGS:-}
 stage decode "${DECODE_LIMIT:-180}" $PY benchmarks/gpu.py decode ${DECODE_ARGS:-}

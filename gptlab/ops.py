@@ -190,6 +190,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     targets = targets.long()
+    if logits.device.type == "cuda" and torch.compiler.is_compiling():
+        # compiled on a GPU, inductor fuses this into passes over the logits that hold no fp32 copy of them: fewer
+        # bytes than the chunks below (GPT-2 124M at B16 x T1024 on an H100: 49 ms a step with the chunks)
+        return F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction=reduction)
     losses = _CrossEntropy.apply(logits, targets)
     if reduction == "none":
         return losses

@@ -306,10 +306,28 @@ def _int4_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Ten
 
 # --- CUDA kernels --------------------------------------------------------------------------------------------------
 def _int8_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(x @ q.T) * scale: the integers stay the only copy of the weight (1 byte each at rest); each call widens one
-    layer's weight for the matmul and drops it (under torch.compile, inductor fuses the widening into the matmul)."""
+    """PyTorch's weight-only int8 kernel where this build has it for CUDA, else (x @ q.T) * scale: either way the
+    integers stay the only copy of the weight (1 byte each at rest); the fallback widens one layer's weight per
+    call for the matmul and drops it (under torch.compile, inductor fuses the widening into the matmul)."""
     q, scale = layer.qweight, layer.scale.to(dtype)
+    if _cuda_int8pack_mm(q.device):
+        return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)
     return lambda x: (x @ q.T.to(dtype)) * scale
+
+
+@functools.cache
+def _cuda_int8pack_mm(device: torch.device) -> bool:
+    """Whether aten._weight_int8pack_mm runs on this GPU and gets the reference's numbers (CUDA builds vary)."""
+    try:
+        gen = torch.Generator(device).manual_seed(0)
+        x = torch.randn(3, 64, device=device, generator=gen).bfloat16()
+        q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, device=device, generator=gen)
+        scale = torch.rand(32, device=device, generator=gen).bfloat16()
+        got = torch.ops.aten._weight_int8pack_mm(x, q, scale).float()
+        want = (x.float() @ q.float().T) * scale.float()
+        return bool((got - want).norm() <= 1e-2 * want.norm())
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _int4_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

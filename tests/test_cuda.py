@@ -39,7 +39,7 @@ def start(tmp_path_factory: pytest.TempPathFactory, data: Path) -> Path:
     """One CPU step's checkpoint: both devices start from the same weights (the same seed draws other weights on
     a GPU's generator)."""
     root = tmp_path_factory.mktemp("start")
-    _train(write_recipe(root, max_steps=1, eval_interval=0), data, root / "run", "--device", "cpu")
+    _train(write_recipe(root, max_steps=1, warmup_steps=0, eval_interval=0), data, root / "run", "--device", "cpu")
     return root / "run"
 
 
@@ -123,11 +123,11 @@ def test_quantized_layers_on_the_gpu_are_small_and_match_the_reference(mode: str
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(1024, 4096, bias=True)
-    q = QuantizedLinear(layer, mode, group_size=128 if mode == "int4" else None).to("cuda")
+    q = QuantizedLinear(layer, mode, group_size=128).to("cuda")
     x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
     ref = q.reference(x).float()
     assert (q(x).float() - ref).norm() / ref.norm() < 1e-2
-    model = quantize_model(tiny_model(n_embd=256, n_layer=2).eval(), mode, 128 if mode == "int4" else None)
+    model = quantize_model(tiny_model(n_embd=256, n_layer=2).eval(), mode, 32 if mode == "int4" else None)
     model = model.to("cuda", torch.bfloat16)
     weight_bytes = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantizedLinear)
                        for b in (m.qweight,))
@@ -145,11 +145,13 @@ def test_quantized_loading_keeps_fp32_weights_off_the_gpu(tmp_path: Path) -> Non
     from gptlab.tokenizer import CharTokenizer
 
     tok = CharTokenizer.from_text("abcdefgh ")
-    path = save_model(tmp_path / "ckpt", tiny_model(vocab_size=tok.vocab_size, n_embd=256), tok)
+    shape = dict(vocab_size=tok.vocab_size, n_embd=512, n_layer=4, n_head=8, n_kv_head=8)
+    path = save_model(tmp_path / "ckpt", tiny_model(**shape), tok)
+    fp32_bytes = 4 * sum(p.numel() for p in tiny_model(**shape).parameters())
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     model, _ = load_model(path, device="cuda", dtype=torch.bfloat16, quantize="int8")
-    fp32_bytes = 4 * sum(p.numel() for p in tiny_model(vocab_size=tok.vocab_size, n_embd=256).parameters())
-    assert torch.cuda.max_memory_allocated() < fp32_bytes / 2
+    assert torch.cuda.max_memory_allocated() - before < fp32_bytes / 3  # int8 Linears, bf16 embeddings and norms
 
 
 def test_the_server_answers_from_the_gpu(tmp_path: Path) -> None:

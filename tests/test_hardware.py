@@ -29,3 +29,65 @@ def test_auto_picks_cuda_then_a_working_mps_then_the_cpu(cuda: bool, mps: bool, 
 
     monkeypatch.setattr(torch, "ones", ones)
     assert hardware.resolve_device("auto") == want
+
+
+@pytest.mark.parametrize(("name", "want"), [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                            ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce GTX 1080", None)])
+def test_datasheet_peaks_by_device_name(name: str, want: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert hardware.datasheet_flops("cuda") == want
+    assert hardware.datasheet_flops("cpu") is None
+
+
+def test_the_run_log_reports_mfu_against_the_datasheet_where_it_knows_the_gpu(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from gptlab.train.runlog import RunLog
+
+    monkeypatch.setattr(hardware, "peak_flops", lambda device, dtype: 500e12)
+    monkeypatch.setattr(hardware, "datasheet_flops", lambda device: 1000e12 if device == "cuda" else None)
+    log = RunLog(tmp_path, enabled=False, quiet=True, tensorboard=False, flops_per_token=1e9, device="cuda",
+                 world_size=2, dtype="bfloat16")
+    assert log.utilization(100_000) == pytest.approx({"mfu": 0.1, "mfu_datasheet": 0.05})
+    cpu = RunLog(tmp_path, enabled=False, quiet=True, tensorboard=False, flops_per_token=1e9, device="cpu",
+                 world_size=1, dtype="bfloat16")
+    assert cpu.utilization(100_000) == pytest.approx({"mfu": 0.2})
+
+
+@pytest.mark.parametrize(("capability", "want"), [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),
+                                                  ((7, 5), torch.float16), ((7, 0), torch.float16)])
+def test_dtype_auto_for_inference(capability: tuple[int, int], want: torch.dtype,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a GPU with bf16 units, fp16 on one that only emulates bf16 (V100, T4), fp32 on a CPU; a named dtype
+    is taken as named."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert hardware.inference_dtype("auto", "cuda:0") == want
+    assert hardware.inference_dtype("auto", "cpu") == torch.float32
+    assert hardware.inference_dtype("float16", "cpu") == torch.float16
+
+
+def test_a_cuda_device_lets_fp32_matmuls_use_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # process-wide switches
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        assert hardware.resolve_device("cpu") == "cpu" and not torch.backends.cuda.matmul.allow_tf32
+        assert hardware.resolve_device("cuda:0") == "cuda:0"
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_auto_switches_of_a_recipe_follow_the_device() -> None:
+    from gptlab.train import build_train_config
+    from gptlab.train.config import resolve_device_switches
+
+    cfg = build_train_config({"model": "tiny"})
+    assert (cfg.attention_fp32, cfg.compile) == ("auto", "auto")
+    cpu, gpu = resolve_device_switches(cfg, "cpu"), resolve_device_switches(cfg, "cuda")
+    assert (cpu.attention_fp32, cpu.compile) == (True, False)
+    assert (gpu.attention_fp32, gpu.compile) == (False, True)
+    chosen = build_train_config({"model": "tiny", "attention_fp32": True, "compile": False})
+    assert resolve_device_switches(chosen, "cuda") == chosen
+    with pytest.raises(Exception, match="attention_fp32"):
+        build_train_config({"model": "tiny", "attention_fp32": "sometimes"})

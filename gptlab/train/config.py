@@ -343,3 +343,13 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError("optimizer muon needs whole matrices, which distributed = \"fsdp\" shards: use "
                           "optimizer adamw, or distributed ddp")
     cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read
+
+
+def resolve_device_switches(cfg: TrainConfig, device_type: str) -> TrainConfig:
+    """The recipe with its "auto" switches decided for a device type ("cpu", "cuda", ...), as the run records
+    them: attention in fp32 on a CPU only, torch.compile on CUDA only."""
+    on_gpu = device_type == "cuda"
+    return dataclasses.replace(
+        cfg, attention_fp32=not on_gpu if cfg.attention_fp32 == "auto" else cfg.attention_fp32,
+        compile=on_gpu if cfg.compile == "auto" else cfg.compile)
+

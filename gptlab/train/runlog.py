@@ -4,7 +4,9 @@
   run keeps every row up to its end (a resumed run first drops the rows past its checkpoint, see the trainer);
 - TensorBoard events beside it when the tensorboard package is installed (a note says so once when it is not);
 - MFU (model FLOPs utilization) against this machine's measured matmul peak (`gptlab.hardware.peak_flops`),
-  which is honest on a laptop CPU where a datasheet number would not be.
+  which is honest on a laptop CPU where a datasheet number would not be; on a GPU the datasheet knows (an H100's
+  989 TFLOP/s dense bf16) also `mfu_datasheet` against that: what nanoGPT, nanochat and Lightning report.
+  Both count the model's matmul FLOPs as `gptlab.flops` does (causal attention at half the T x T products).
 
 Only one process of a distributed run writes: the others get `enabled=False`.
 """
@@ -55,6 +57,16 @@ class RunLog:
         # low-precision matmuls (bf16 or fp16) peak alike; measure the one every device has
         self.peak_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
         self._peak: float | None = None
+
+    def utilization(self, tokens_per_sec: float) -> dict[str, float]:
+        """{"mfu"} against the measured peak, and {"mfu_datasheet"} where the device's datasheet peak is known."""
+        out = {"mfu": self.mfu(tokens_per_sec)}
+        from gptlab.hardware import datasheet_flops
+
+        peak = datasheet_flops(self.device) if self.peak_dtype == torch.bfloat16 else None
+        if peak:
+            out["mfu_datasheet"] = self.flops_per_token * tokens_per_sec / (peak * self.world_size)
+        return out
 
     def mfu(self, tokens_per_sec: float) -> float:
         """Share of the machine's matmul peak (over all processes) that `tokens_per_sec` amounts to."""

@@ -33,7 +33,7 @@ from gptlab.fileio import atomic_write_json, check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
 from gptlab.train.batches import Split, sequence_length, step_batch
-from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig
+from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig, resolve_device_switches
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
@@ -83,10 +83,7 @@ class Trainer:
             if not quiet:
                 print(f"dtype auto: {cfg.dtype} on {device}")
         check_dtype(cfg.dtype, device)
-        on_gpu = torch.device(device).type == "cuda"  # "auto" switches, recorded as what they chose
-        cfg = self.cfg = dataclasses.replace(
-            cfg, attention_fp32=not on_gpu if cfg.attention_fp32 == "auto" else cfg.attention_fp32,
-            compile=on_gpu if cfg.compile == "auto" else cfg.compile)
+        cfg = self.cfg = resolve_device_switches(cfg, torch.device(device).type)
         self.procs = init_distributed(device)
         self.device = self.procs.device
         if cfg.batch_size % (self.procs.world * cfg.grad_accum):
@@ -315,7 +312,7 @@ class Trainer:
             if self.step % cfg.log_interval == 0 or do_eval:
                 tps = (self.step - window_step) * self.tokens_per_step / max(time.perf_counter() - window_t0, 1e-9)
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
-                       "tokens_per_sec": tps, "elapsed_sec": self.elapsed, "mfu": log.mfu(tps)}
+                       "tokens_per_sec": tps, "elapsed_sec": self.elapsed, **log.utilization(tps)}
                 if do_eval:
                     t_eval = time.perf_counter()
                     row["val_loss"] = self._eval_and_track()
