@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gptlab.errors import GptlabError
+
 
 @dataclass(frozen=True)
 class Processes:
@@ -85,7 +87,11 @@ def shard_model(model: torch.nn.Module) -> None:
     """FSDP (PyTorch's fully_shard), in place: each block's parameters, then the rest (embeddings, final norm,
     head), become shards of this process; forward and backward gather each block's weights when it runs.
     Call it before building the optimizers: they must hold the shards."""
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # the public path since torch 2.6; an older CUDA wheel may sit below pyproject's floor
+        raise GptlabError(f"distributed = \"fsdp\" needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), this is "
+                          f"torch {torch.__version__}: upgrade torch, or use distributed = \"ddp\"") from None
 
     for block in model.iter_blocks():
         fully_shard(block)
