@@ -23,21 +23,35 @@ from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
 from gptlab.train.config import TrainConfig
 
 
+def native_bf16(device: str) -> bool:
+    """Whether this CUDA device multiplies bf16 in hardware: sm80 (Ampere) and later, or any ROCm GPU.
+    Not torch.cuda.is_bf16_supported(): by default it also counts sm70/75 (V100, T4), which only emulate bf16,
+    far slower than fp16 with loss scaling there."""
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(torch.device(device)) >= (8, 0)
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
-    """The training dtype for "auto": bfloat16 where the device multiplies bf16 natively, else float32."""
+    """The training dtype for "auto": bfloat16 where the device multiplies bf16 natively; on older GPUs with fp16
+    tensor cores (sm70/75) float16, which `Precision` runs with a GradScaler; else float32."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        if native_bf16(device):
+            return "bfloat16"
+        return "float16" if torch.cuda.get_device_capability(torch.device(device)) >= (7, 0) else "float32"
     return "bfloat16" if device == "cpu" and native_low_precision_matmul(torch.bfloat16) else "float32"
 
 
 def check_dtype(dtype: str, device: str) -> None:
-    """One-line errors for a training dtype the device cannot run."""
+    """One-line errors for a training dtype the device cannot run (or only emulates)."""
     if dtype == "float16" and device == "cpu":
         raise GptlabError("dtype float16 is not supported for training on the CPU; use bfloat16 or float32")
-    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise GptlabError("this GPU has no bfloat16 support; use --dtype float16 (loss scaling) or float32")
+    if dtype == "bfloat16" and device.startswith("cuda") and not native_bf16(device):
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+        raise GptlabError(f"dtype bfloat16: this GPU (sm{major}{minor}) has no bfloat16 units (torch would emulate "
+                          "them, slowly); use --dtype float16 (loss scaling) or float32")
 
 
 def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) -> int:
