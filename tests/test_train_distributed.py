@@ -5,15 +5,18 @@ group playing rank r of many, and the pure functions that split a batch over pro
 from __future__ import annotations
 
 import contextlib
+import datetime
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from gptlab.errors import GptlabError
-from gptlab.train.distributed import shard_model
+from gptlab.train import build_train_config
+from gptlab.train.distributed import Processes, init_distributed, shard_model
 from gptlab.train.optim import OptimizerSpec, build_optimizers
 from gptlab.train.setup import check_dtype, resolve_dtype
 
@@ -58,6 +61,70 @@ def test_float16_on_a_gpu_trains_with_a_grad_scaler() -> None:
     with pytest.warns(UserWarning) if not torch.cuda.is_available() else contextlib.nullcontext():
         precision = Precision(model, "float16", "cuda", attention_fp32=True, distributed=False)
     assert precision.mode == "autocast" and precision.scaler is not None
+
+
+# --- B7: joining the process group ------------------------------------------------------------------------------
+@pytest.fixture
+def fake_group(monkeypatch):
+    """dist.init_process_group replaced by torch's fake process group (collectives are no-ops), recording what
+    gptlab asked for."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    calls: list[tuple[str, dict]] = []
+    real = dist.init_process_group
+
+    def init(backend: str, **options) -> None:
+        calls.append((backend, options))
+        real("fake", store=FakeStore(), rank=int(__import__("os").environ["RANK"]),
+             world_size=int(__import__("os").environ["WORLD_SIZE"]))
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    yield calls
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_world_size_without_local_rank_is_refused(monkeypatch, fake_group) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for device in ("cuda", "cpu"):
+        with pytest.raises(GptlabError, match="^WORLD_SIZE=16 but LOCAL_RANK is not set: launch with torchrun"):
+            init_distributed(device)
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(GptlabError, match="^WORLD_SIZE=16 but RANK is not set"):
+        init_distributed("cpu")
+    monkeypatch.setenv("RANK", "nine")
+    with pytest.raises(GptlabError, match="^the environment variable RANK='nine' must be a whole number"):
+        init_distributed("cpu")
+    assert fake_group == []  # refused before joining anything
+
+
+def test_second_node_takes_its_local_gpu_and_binds_nccl_to_it(monkeypatch, gpu, fake_group) -> None:
+    """RANK 9 of 16 on the second node of 8-GPU machines is that node's GPU 1 (not cuda:0 as before: every
+    process of a node on one GPU)."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    procs = init_distributed("cuda", timeout=90)
+    assert procs == Processes(rank=9, world=16, device="cuda:1") and chosen == ["cuda:1"]
+    (backend, options), = fake_group
+    assert backend == "nccl"
+    assert options == {"device_id": torch.device("cuda:1"), "timeout": datetime.timedelta(seconds=90)}
+    dist.destroy_process_group()
+    monkeypatch.setenv("LOCAL_RANK", "8")  # more processes on this node than GPUs
+    with pytest.raises(GptlabError, match="^LOCAL_RANK=8 but this node shows 8 GPU"):
+        init_distributed("cuda")
+
+
+def test_distributed_timeout_is_checked() -> None:
+    assert build_train_config({"distributed_timeout": 120}).distributed_timeout == 120.0
+    with pytest.raises(GptlabError, match="^distributed_timeout must be positive"):
+        build_train_config({"distributed_timeout": 0})
 
 
 # --- B11: torch too old for what the recipe asks ----------------------------------------------------------------

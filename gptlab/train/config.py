@@ -84,6 +84,9 @@ class TrainConfig:
     # with several processes (torchrun): ddp = every process holds the whole model, gradients all-reduced;
     # fsdp = parameters, gradients and optimizer state sharded over the processes (PyTorch's fully_shard)
     distributed: Literal["ddp", "fsdp"] = "ddp"
+    # seconds a process waits in a collective for its peers before the run fails; None = torch's default (10
+    # minutes under NCCL). A peer that died makes the others wait this long
+    distributed_timeout: float | None = None
     seed: int = 1337
     device: str = "auto"  # auto = cuda when available, else cpu
     threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -128,8 +131,16 @@ RESUMABLE_CHANGES = frozenset(
         "compile",
         "distributed",  # checkpoints hold whole tensors either way
         "activation_checkpointing",  # recomputes the same activations
+        "distributed_timeout",
     }
 )
+
+
+def resume_differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """The keys outside RESUMABLE_CHANGES whose value in a checkpoint's saved config differs from `cfg`'s. A key
+    the checkpoint predates counts as its default, so adding a key leaves older runs resumable."""
+    defaults, now = TrainConfig().to_dict(), cfg.to_dict()
+    return [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != now[k]]
 
 _TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "model_overrides"}
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(GPTConfig) if f.name not in ("vocab_size", "name")}
@@ -328,6 +339,9 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError(f"max_time must be positive seconds, got {cfg.max_time}")
     if cfg.batch_size % cfg.grad_accum:
         raise GptlabError(f"batch_size {cfg.batch_size} is not divisible by grad_accum {cfg.grad_accum}")
+    if cfg.distributed_timeout is not None and cfg.distributed_timeout <= 0:
+        raise GptlabError(f"distributed_timeout must be positive seconds (or none for torch's default), got "
+                          f"{cfg.distributed_timeout}")
     if cfg.lora_rank < 0:
         raise GptlabError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {cfg.lora_rank}")
     if cfg.lora_rank and not cfg.init_from:

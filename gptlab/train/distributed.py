@@ -16,6 +16,7 @@ Everything that needs more than one process lives here, so the trainer reads the
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -68,19 +69,41 @@ class Processes:
         dist.destroy_process_group()
 
 
-def init_distributed(device: str) -> Processes:
-    """Join torchrun's process group (each process takes the GPU of its LOCAL_RANK); alone, just `device`."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def init_distributed(device: str, timeout: float | None = None) -> Processes:
+    """Join torchrun's process group (each process takes the GPU of its LOCAL_RANK); alone, just `device`.
+    `timeout`: seconds a collective waits for its peers (None: torch's default)."""
+    world = _env_int("WORLD_SIZE", "1")
     if world == 1:
         return Processes(0, 1, device)
     import torch.distributed as dist
 
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    # torchrun sets all three; a launcher that sets only RANK/WORLD_SIZE (some srun/mpirun wrappers) would put
+    # every process of a node on cuda:0 (OOM or NCCL's "Duplicate GPU detected"): refuse instead of guessing
+    missing = [k for k in ("RANK", "LOCAL_RANK") if k not in os.environ]
+    if missing:
+        raise GptlabError(f"WORLD_SIZE={world} but {missing[0]} is not set: launch with torchrun, or have the launcher "
+                          "set RANK (this process's place in the run) and LOCAL_RANK (its place on its node)")
+    rank, local_rank = _env_int("RANK"), _env_int("LOCAL_RANK")
+    options: dict = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if device.startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise GptlabError(f"LOCAL_RANK={local_rank} but this node shows {visible} GPU(s): start at most {visible} "
+                              "process(es) per node (torchrun --nproc-per-node), or check CUDA_VISIBLE_DEVICES")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        options["device_id"] = torch.device(device)  # binds NCCL's communicator to this GPU at once
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **options)
     return Processes(rank, world, device)
+
+
+def _env_int(name: str, default: str | None = None) -> int:
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise GptlabError(f"the environment variable {name}={text!r} must be a whole number (torchrun sets it)"
+                          ) from None
 
 
 def shard_model(model: torch.nn.Module) -> None:

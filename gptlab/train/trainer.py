@@ -33,7 +33,7 @@ from gptlab.fileio import atomic_write_json, check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
 from gptlab.train.batches import Split, sequence_length, step_batch
-from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig
+from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig, resume_differences
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
@@ -83,7 +83,7 @@ class Trainer:
             if not quiet:
                 print(f"dtype auto: {cfg.dtype} on {device}")
         check_dtype(cfg.dtype, device)
-        self.procs = init_distributed(device)
+        self.procs = init_distributed(device, cfg.distributed_timeout)
         self.device = self.procs.device
         if cfg.batch_size % (self.procs.world * cfg.grad_accum):
             raise GptlabError(f"batch_size {cfg.batch_size} does not split over {self.procs.world} process(es) x "
@@ -186,10 +186,11 @@ class Trainer:
         state = ckpt.load_training_checkpoint(directory, self.model, self.optimizers)
         if state["config_hash"] != self.cfg.hash(RESUMABLE_CHANGES):
             saved, now = state["config"], self.cfg.to_dict()
-            diff = [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+            diff = resume_differences(saved, self.cfg)  # none: only keys this checkpoint predates are new
             shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now[k]!r})" for k in diff[:4])
-            raise GptlabError(f"cannot resume {directory}: the config differs in {shown}; only "
-                              f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
+            if diff:
+                raise GptlabError(f"cannot resume {directory}: the config differs in {shown}; only "
+                                  f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
         self.step, self.elapsed = state["step"], state["elapsed_sec"]
         self.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
         self.warmup_elapsed = state.get("warmup_elapsed_sec", self.warmup_elapsed)
