@@ -72,7 +72,7 @@ def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: s
         params = sum(math.prod(s) for s in plain_shapes(config).values())
         raise GptlabError(f"training this model ({params:,} parameters) at batch_size {cfg.batch_size} x block_size "
                           f"{config.block_size} needs at least {human_bytes(need)} of memory per step, {device} has "
-                          f"{human_bytes(have)} free: lower batch_size, raise grad_accum, or choose a smaller model")
+                          f"{human_bytes(have)} free: lower batch_size or micro_batch_size, or choose a smaller model")
 
 
 def lora_spec(cfg: TrainConfig) -> LoRASpec | None:

@@ -33,7 +33,7 @@ from gptlab.fileio import atomic_write_json, check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
 from gptlab.train.batches import Split, sequence_length, step_batch
-from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig, resume_differences
+from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig, micro_steps, resume_differences
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
@@ -85,9 +85,8 @@ class Trainer:
         check_dtype(cfg.dtype, device)
         self.procs = init_distributed(device, cfg.distributed_timeout)
         self.device = self.procs.device
-        if cfg.batch_size % (self.procs.world * cfg.grad_accum):
-            raise GptlabError(f"batch_size {cfg.batch_size} does not split over {self.procs.world} process(es) x "
-                              f"grad_accum {cfg.grad_accum}")
+        # the micro-steps on this many processes (with micro_batch_size: the recipe's global batch on any number)
+        cfg = self.cfg = dataclasses.replace(cfg, grad_accum=micro_steps(cfg, self.procs.world))
 
         # --- run directory: ours alone (a lock), fresh or resumed from its latest checkpoint
         self.lock = RunLock(check_out_dir(self.run_dir), quiet) if self.procs.is_master else None
