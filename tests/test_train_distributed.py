@@ -19,6 +19,7 @@ from gptlab.train import build_train_config, load_train_config
 from gptlab.train.config import micro_steps, resume_differences
 from gptlab.train.distributed import Processes, init_distributed, shard_model
 from gptlab.train.optim import OptimizerSpec, build_optimizers
+from gptlab.train.rng import rank_seed, restore_rng_state, rng_state, seed_dropout
 from gptlab.train.setup import check_dtype, resolve_dtype
 
 REPO = Path(__file__).resolve().parents[1]
@@ -210,3 +211,145 @@ def test_torch_floor_and_one_line_errors_below_it(monkeypatch) -> None:
         shard_model(model)
 
 
+# --- B1, B12: each process's own dropout stream, saved and put back ---------------------------------------------
+def _cpu_rank_states(seed: int, world: int, draws: int = 3) -> list[dict]:
+    """The CPU states ranks 0..world-1 would reach: the identical init, their own seed, `draws` dropout masks."""
+    states = []
+    for rank in range(world):
+        torch.manual_seed(seed)
+        torch.randn(100)  # the init, alike everywhere
+        seed_dropout(seed, Processes(rank, world, "cpu"))
+        for _ in range(draws):
+            torch.rand(50)
+        states.append(torch.get_rng_state())
+    return states
+
+
+def _checkpoint(states: list[torch.Tensor], monkeypatch) -> dict:
+    """state.json's "rng" as rank 0 writes it, with each rank's CPU state in place of the gathered ones."""
+    from gptlab.train import rng
+
+    monkeypatch.setattr(Processes, "gather", lambda self, value: [{"torch": rng._b64(s)} for s in states])
+    return rng_state(Processes(0, len(states), "cpu"))
+
+
+def test_ranks_draw_their_own_dropout_masks() -> None:
+    """The bug: every rank seeded alike for the init kept the same stream, hence the same dropout masks."""
+    masks = []
+    for rank in range(3):
+        torch.manual_seed(7)
+        seed_dropout(7, Processes(rank, 3, "cpu"))
+        masks.append(torch.nn.functional.dropout(torch.ones(1000), 0.5))
+    torch.manual_seed(7)  # rank 0 keeps the stream it has: one process draws as it always did
+    assert torch.equal(masks[0], torch.nn.functional.dropout(torch.ones(1000), 0.5))
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
+def test_resume_puts_back_each_ranks_stream_on_2_processes_and_on_1(monkeypatch) -> None:
+    saved = _cpu_rank_states(7, 2)
+    state = _checkpoint(saved, monkeypatch)
+    assert len(state["ranks"]) == 2 and "torch" in state["ranks"][1]  # rank 1's own CPU state
+    for rank in (0, 1):  # the same number of processes: each its own stream, exactly
+        torch.manual_seed(0)
+        restore_rng_state(state, Processes(rank, 2, "cpu"), seed=7, step=10)
+        assert torch.equal(torch.get_rng_state(), saved[rank])
+    torch.manual_seed(0)  # 2 -> 1: the single process continues rank 0's stream
+    restore_rng_state(state, Processes(0, 1, "cpu"), seed=7, step=10)
+    assert torch.equal(torch.get_rng_state(), saved[0])
+
+
+def test_resume_on_more_processes_seeds_the_new_ranks(monkeypatch) -> None:
+    (saved,) = _cpu_rank_states(7, 1)
+    state = _checkpoint([saved], monkeypatch)
+    restore_rng_state(state, Processes(0, 2, "cpu"), seed=7, step=10)
+    assert torch.equal(torch.get_rng_state(), saved)
+    restore_rng_state(state, Processes(1, 2, "cpu"), seed=7, step=10)  # none saved: its own, from (seed, rank, step)
+    rank1 = torch.get_rng_state()
+    torch.manual_seed(rank_seed(7, 1, 10))
+    assert torch.equal(rank1, torch.get_rng_state()) and not torch.equal(rank1, saved)
+    assert len({rank_seed(7, r, s) for r in range(4) for s in range(4)}) == 16
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """`count` fake GPUs, each with a 16-byte RNG state; torch's set_rng_state_all fails as it does (2.13) when
+    given more states than there are GPUs."""
+    fake = types.SimpleNamespace(count=1, states={}, seeds={}, current=0)
+
+    def check(index: int) -> int:
+        if index >= fake.count:
+            raise IndexError("tuple index out of range")  # torch's default_generators[i]
+        return index
+
+    def set_state(state: torch.Tensor, device: torch.device | int = "cuda") -> None:
+        fake.states[check(torch.device(device).index or 0)] = bytes(state.numpy())
+
+    def set_all(states: list[torch.Tensor]) -> None:
+        for i, s in enumerate(states):
+            set_state(s, torch.device("cuda", i))
+
+    def get_state(device: torch.device | int = "cuda") -> torch.Tensor:
+        index = check(torch.device(device).index or 0)
+        return torch.frombuffer(bytearray(fake.states.get(index, bytes(16))), dtype=torch.uint8)
+
+    @contextlib.contextmanager
+    def device(d: torch.device):
+        fake.current = check(torch.device(d).index or 0)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: fake.count)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_state)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [get_state(i) for i in range(fake.count)])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: fake.seeds.__setitem__(fake.current, s))
+    return fake
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()
+
+
+def test_an_8_gpu_checkpoint_resumes_on_1_gpu(gpus) -> None:
+    """The bug: the checkpoint held one CUDA state per visible GPU (8), and set_rng_state_all put them back on 1:
+    IndexError. A checkpoint from then is still read: rank 0 takes its own GPU's state."""
+    old = {"torch": _b64(bytes(torch.get_rng_state().numpy())), "cuda": [_b64(bytes([i]) * 16) for i in range(8)]}
+    restore_rng_state(old, Processes(0, 1, "cuda:0"), seed=7, step=10)
+    assert gpus.states == {0: bytes([0]) * 16}
+    restore_rng_state(old, Processes(1, 2, "cuda:0"), seed=7, step=10)  # rank 1 of it: a stream of its own
+    assert gpus.seeds == {0: rank_seed(7, 1, 10)}
+
+
+def test_cuda_states_are_saved_per_rank_and_put_back_where_the_gpu_exists(gpus, monkeypatch) -> None:
+    gpus.count = 8
+    own = {f"cuda:{r}": _b64(bytes([r]) * 16) for r in range(8)}
+    cpu = _b64(bytes(torch.get_rng_state().numpy()))
+    # 8 ranks on 8 GPUs: each saves its own GPU's state (and one CPU state: they are alike on GPUs)
+    monkeypatch.setattr(Processes, "gather", lambda self, value: [{"torch": cpu, "cuda": own[f"cuda:{r}"]}
+                                                                  for r in range(8)])
+    gpus.states = {r: bytes([r]) * 16 for r in range(8)}
+    state = rng_state(Processes(0, 8, "cuda:0"))
+    assert state == {"torch": cpu, "ranks": [{"cuda": own[f"cuda:{r}"]} for r in range(8)]}
+    # resumed on 4 processes of one 4-GPU node; then on 2 nodes of 2 (local rank 1 of rank 3 is cuda:1)
+    gpus.count, gpus.states = 4, {}
+    for rank in range(4):
+        restore_rng_state(state, Processes(rank, 4, f"cuda:{rank}"), seed=7, step=10)
+    assert gpus.states == {r: bytes([r]) * 16 for r in range(4)}
+    restore_rng_state(state, Processes(3, 4, "cuda:1"), seed=7, step=10)
+    assert gpus.states[1] == bytes([3]) * 16
+    # resumed on more processes than were saved: the new ranks are seeded apart
+    gpus.count, gpus.states = 16, {}
+    restore_rng_state(state, Processes(12, 16, "cuda:12"), seed=7, step=10)
+    assert gpus.states == {} and gpus.seeds == {12: rank_seed(7, 12, 10)}
+
+
+def test_own_state_reads_only_this_process_gpu(gpus) -> None:
+    from gptlab.train.rng import own_state
+
+    gpus.count, gpus.states = 2, {0: bytes([1]) * 16, 1: bytes([2]) * 16}
+    assert own_state("cuda:1")["cuda"] == _b64(bytes([2]) * 16)
+    assert "cuda" not in own_state("cpu")

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +58,16 @@ class Processes:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.broadcast(t, src=0)
         return float(t[0])
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's `value` (small and picklable), in rank order, on every process."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
 
     def close(self, clean: bool) -> None:
         """Leave the process group; after a clean run, first wait for every peer to get here."""

@@ -1,12 +1,10 @@
 """What a run starts from: the model (fresh from the recipe, a pretrained one, or a pretrained one under LoRA
-adapters), the dtype check, and the torch RNG state a checkpoint saves and restores."""
+adapters), the dtype check, and the memory check. The random streams a checkpoint saves are `rng`'s."""
 
 from __future__ import annotations
 
-import base64
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -133,26 +131,3 @@ def check_same_tokenizer(model_path: str, model_tok: Tokenizer | None, data_dir:
                           f"{data_tok.vocab_size} ids, fingerprint {ours}) than init_from {model_path}'s "
                           f"({model_tok.kind}, {model_tok.vocab_size} ids, fingerprint {theirs}): prepare the data "
                           f"with --tokenizer-from {model_path}")
-
-
-def rng_state() -> dict[str, Any]:
-    """The torch RNG states (CPU, and every GPU's), base64 for state.json: dropout draws from them."""
-
-    def b64(t: torch.Tensor) -> str:
-        return base64.b64encode(t.numpy().tobytes()).decode()
-
-    state: dict[str, Any] = {"torch": b64(torch.get_rng_state())}
-    if torch.cuda.is_available():
-        state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of `rng_state` (GPU states only where there are GPUs)."""
-
-    def tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-    torch.set_rng_state(tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])

@@ -37,9 +37,10 @@ from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig, micro_steps, res
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
+from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
 from gptlab.train.rundir import RunLock, checkpoint_to_resume, trim_metrics
 from gptlab.train.runlog import METRICS_FILE, RunLog
-from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype, restore_rng_state, rng_state
+from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype
 
 RESOLVED_CONFIG = "config.resolved.json"
 
@@ -112,6 +113,7 @@ class Trainer:
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
             check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device)
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir)
+        seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False)
         self.seq_len = sequence_length(self.data_dir, self.model.config.block_size)  # tokens per row
@@ -146,7 +148,7 @@ class Trainer:
         self._last_step_time = 0.0
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
+    def _state(self, rng: dict[str, Any]) -> dict[str, Any]:
         """state.json of a step checkpoint: where the run is, and what it must match to be resumed."""
         return {
             "step": self.step,
@@ -154,7 +156,7 @@ class Trainer:
             "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
             "warmup_elapsed_sec": self.warmup_elapsed,
             "tokens_seen": self.step * self.tokens_per_step,
-            "rng": rng_state(),
+            "rng": rng,
             "config_hash": self.cfg.hash(RESUMABLE_CHANGES),
             "config": self.cfg.to_dict(),
             "data_dir": str(self.data_dir),
@@ -195,15 +197,17 @@ class Trainer:
         self.warmup_elapsed = state.get("warmup_elapsed_sec", self.warmup_elapsed)
         if self.warmup_elapsed is None and self.step >= self.cfg.warmup_steps:  # a checkpoint from before the key
             self.warmup_elapsed = self.elapsed * self.cfg.warmup_steps / self.step  # steps of about equal time
-        restore_rng_state(state["rng"])
+        restore_rng_state(state["rng"], self.procs, self.cfg.seed, self.step)
         self.precision.sync_weights()
 
-    def save_checkpoint(self) -> Path | None:
-        """A resumable step checkpoint (keeping the newest `keep_last`); its path on the writing process."""
+    def save_checkpoint(self, gather: bool = True) -> Path | None:
+        """A resumable step checkpoint (keeping the newest `keep_last`); its path on the writing process. Every
+        process calls it (each one's dropout stream is gathered), unless `gather` is False (after an error)."""
+        rng = rng_state(self.procs, gather)
         if not self.procs.is_master and not self.fsdp:  # under FSDP every process takes part in gathering shards
             return None
         path = self.run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(self.step)
-        written = ckpt.save_checkpoint(path, self.model, self._state(), self.optimizers,
+        written = ckpt.save_checkpoint(path, self.model, self._state(rng), self.optimizers,
                                        tokenizer_dir=self.data_dir, writer=self.procs.is_master)
         if written is not None:
             ckpt.prune_checkpoints(self.run_dir, self.cfg.keep_last)
@@ -332,7 +336,7 @@ class Trainer:
             try:
                 val = self._eval_and_track()
             except BaseException:  # the weights of the whole run must not depend on the evaluation succeeding
-                path = self.save_checkpoint()
+                path = self.save_checkpoint(gather=False)  # the failure may be this process's alone
                 log.say(f"the final evaluation failed; the weights of step {self.step} are saved in {path}")
                 raise
             log.write({"step": self.step, "val_loss": val, "elapsed_sec": self.elapsed})
