@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -568,6 +569,37 @@ def test_torchrun_resume_with_dropout_on_2_processes_is_exact_and_on_1_or_from_1
     assert _losses(grown) == pytest.approx(_losses(ref1), abs=0.05)
     state = json.loads((grown / "checkpoints" / "step-0000008" / "state.json").read_text())
     assert len(state["rng"]["ranks"]) == 2 and state["rng"]["ranks"][1]["torch"] != state["rng"]["torch"]
+
+
+def test_a_check_failing_on_one_node_stops_the_other(tmp_path: Path, data: Path) -> None:
+    """Two "nodes" (torchrun each, one process each) without a shared filesystem: node 1's --out already holds
+    checkpoints. Its process fails that check; the process of node 0 must not go on to the first collective and
+    wait there for it, but stop too, each with a one-line error. (Without the vote, gloo notices the peer's closed
+    socket and node 0 fails with an internal error and a traceback; NCCL would wait out its timeout.)"""
+    recipe = write_recipe(tmp_path, max_steps=6, eval_interval=0)
+    held = tmp_path / "held"
+    assert train(recipe, data, held) == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def node(rank: int, out: Path) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "gptlab.cli",
+               "train", str(recipe), "--data", str(data), "--out", str(out), "--quiet"]
+        return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    nodes = [node(0, tmp_path / "fresh"), node(1, held)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode != 0 for p in nodes), errs
+    assert "error: " + str(held) + " already holds checkpoints" in errs[1]
+    assert "error: rank 1 of 2 processes failed the checks before training (its own error says why)" in errs[0]
+    assert not list_step_checkpoints(tmp_path / "fresh")
 
 
 def test_init_from_fine_tunes_a_previous_run(tmp_path: Path, data: Path, capsys) -> None:

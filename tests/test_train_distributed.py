@@ -195,6 +195,35 @@ def test_distributed_timeout_is_checked() -> None:
         build_train_config({"distributed_timeout": 0})
 
 
+# --- B8: a check that fails on one process stops them all -----------------------------------------------------
+def test_a_failed_check_on_any_rank_fails_every_rank(monkeypatch, fake_group) -> None:
+    """Rank 3 of 8, its own checks passed: it raises when a peer's failed (the fake group's all-reduce is a no-op,
+    so the peer's vote is written in by hand), and goes on when none failed."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    procs = init_distributed("cpu")
+    with procs.all_or_none("the checks"):
+        pass  # nobody failed
+    votes = []
+
+    def all_reduce(t: torch.Tensor, *args, **kwargs) -> None:
+        votes.append(t.clone())
+        t[5] = 1.0  # rank 5 failed
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with pytest.raises(GptlabError, match=r"^rank 5 of 8 processes failed the checks \(its own error says why\)"):
+        with procs.all_or_none("the checks"):
+            pass
+    with pytest.raises(GptlabError, match="already holds checkpoints"):  # the failing rank: its own error
+        with procs.all_or_none("the checks"):
+            raise GptlabError("RUN already holds checkpoints")
+    assert [v.tolist() for v in votes] == [[0.0] * 8, [0, 0, 0, 1, 0, 0, 0, 0]]
+    alone = Processes(0, 1, "cpu")  # one process: no vote at all
+    with pytest.raises(GptlabError, match="mine"), alone.all_or_none("the checks"):
+        raise GptlabError("mine")
+
+
 # --- B11: torch too old for what the recipe asks ----------------------------------------------------------------
 def test_torch_floor_and_one_line_errors_below_it(monkeypatch) -> None:
     assert '"torch>=2.9"' in (REPO / "pyproject.toml").read_text()  # torch.optim.Muon is 2.9's

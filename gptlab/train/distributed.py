@@ -8,7 +8,8 @@ Everything that needs more than one process lives here, so the trainer reads the
 - `gradient_sync` skips the gradient exchange on all but the last micro-step of gradient accumulation;
 - decisions that every process must take alike (stop on a signal, stop on the clock, save a new best) go
   through `Processes.mean_and_any` and `Processes.from_rank0`, or a process would wait forever in a
-  collective its peers never enter;
+  collective its peers never enter; so do the checks before training (`Processes.all_or_none`): a process
+  that fails one (its own files, its GPU's free memory) stops its peers too;
 - `Processes.close` leaves together: a rank that exits while a peer still writes a checkpoint can abort gloo's
   teardown ("terminate called ...").
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,35 @@ class Processes:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.broadcast(t, src=0)
         return float(t[0])
+
+    @contextlib.contextmanager
+    def all_or_none(self, what: str) -> Iterator[None]:
+        """Work of each process alone (no collective inside) that may fail on some only: if it fails on any, it
+        fails on all. The failing process raises its own error, its peers a one-line one naming it; without
+        this they would go on to their next collective and wait there for it until the timeout."""
+        if self.world == 1:
+            yield
+            return
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # telling the peers is best effort: the error itself matters more
+                self._failed_ranks(True)
+            raise
+        failed = self._failed_ranks(False)
+        if failed:
+            which = ", ".join(str(r) for r in failed)
+            raise GptlabError(f"rank {which} of {self.world} processes failed {what} (its own error says why): every "
+                              "process stops")
+
+    def _failed_ranks(self, failed: bool) -> list[int]:
+        """The ranks that say they failed (a collective: every process calls it once per `all_or_none`)."""
+        import torch.distributed as dist
+
+        flags = torch.zeros(self.world, device=self.device)
+        flags[self.rank] = float(failed)
+        dist.all_reduce(flags)
+        return [r for r, flag in enumerate(flags.tolist()) if flag]
 
     def gather(self, value: Any) -> list[Any]:
         """Every process's `value` (small and picklable), in rank order, on every process."""

@@ -78,27 +78,31 @@ class Trainer:
         self.quiet, self.resume_command = quiet, resume_command
         if cfg.threads:
             set_threads(cfg.threads)
-        device = resolve_device(cfg.device, flag="device")
+        self.procs = init_distributed(resolve_device(cfg.device, flag="device"), cfg.distributed_timeout)
+        self.device, self.lock = self.procs.device, None
+        try:
+            # a check that fails on one process only (its files, its GPU's free memory) stops every process, each
+            # with a one-line error, before the first collective: else the others would wait for it until a timeout
+            with self.procs.all_or_none("the checks before training"):
+                resume_from = self._setup(resume)
+            self._setup_steps(resume_from)
+        except BaseException:
+            self.release()
+            raise
+
+    def _setup(self, resume: bool) -> Path | None:
+        """The checks, the model and the data: work of this process alone (no collective)."""
+        cfg, quiet, device = self.cfg, self.quiet, self.device
         if cfg.dtype == "auto":
             cfg = self.cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
             if not quiet:
                 print(f"dtype auto: {cfg.dtype} on {device}")
         check_dtype(cfg.dtype, device)
-        self.procs = init_distributed(device, cfg.distributed_timeout)
-        self.device = self.procs.device
         # the micro-steps on this many processes (with micro_batch_size: the recipe's global batch on any number)
         cfg = self.cfg = dataclasses.replace(cfg, grad_accum=micro_steps(cfg, self.procs.world))
 
         # --- run directory: ours alone (a lock), fresh or resumed from its latest checkpoint
         self.lock = RunLock(check_out_dir(self.run_dir), quiet) if self.procs.is_master else None
-        try:
-            self._setup(resume)
-        except BaseException:
-            self.release()
-            raise
-
-    def _setup(self, resume: bool) -> None:
-        cfg, quiet = self.cfg, self.quiet
         steps = ckpt.list_step_checkpoints(self.run_dir)
         if steps and not resume:
             raise GptlabError(f"{self.run_dir} already holds checkpoints: pass --resume to continue it, or choose "
@@ -122,8 +126,12 @@ class Trainer:
         self.train_data = Split.load(self.data_dir, "train")
         self.val_data = Split.load(self.data_dir, "val")
         self.tokens_per_step = cfg.batch_size * self.seq_len
+        return resume_from
 
-        # --- how the steps run: precision, sharding, optimizers, then the wrappers forward runs through
+    def _setup_steps(self, resume_from: Path | None) -> None:
+        """How the steps run: precision, sharding, optimizers, the checkpoint, then the wrappers forward runs
+        through (collectives from here on: FSDP's and DDP's)."""
+        cfg, quiet = self.cfg, self.quiet
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         if cfg.distributed == "fsdp" and self.procs.world == 1 and not quiet:
             print("note: distributed = fsdp shards over torchrun's processes; one process trains unsharded",
