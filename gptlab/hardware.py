@@ -75,10 +75,13 @@ def use_tensor_cores() -> None:
 
 
 def gpu_has_bf16(device: str | torch.device) -> bool:
-    """Whether `device` is a CUDA GPU that multiplies bf16 in hardware: compute capability 8.0 (Ampere) or later.
-    Older ones (V100, T4) emulate it, far slower than fp16; torch.cuda.is_bf16_supported() counts emulation."""
+    """Whether `device` is a GPU that multiplies bf16 in hardware: compute capability 8.0 (Ampere) or later, or
+    any ROCm GPU. Not torch.cuda.is_bf16_supported(): by default it also counts sm70/75 (V100, T4), which only
+    emulate bf16, far slower than fp16 with loss scaling there."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def inference_dtype(name: str, device: str | torch.device) -> torch.dtype:

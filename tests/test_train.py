@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -490,6 +492,114 @@ def test_torchrun_fsdp_matches_one_process_and_resumes(tmp_path: Path, data: Pat
     assert len(val_fsdp) == 2 and val_fsdp == pytest.approx(val_one, abs=1e-4)
     with pytest.raises(GptlabError, match="muon"):
         build_train_config({"distributed": "fsdp", "optimizer": "muon"})
+
+
+def _torchrun(recipe: Path, data: Path, out: Path, *extra: str, nproc: int = 2) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "gptlab.cli", "train", str(recipe), "--data", str(data), "--out", str(out), "--quiet", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _from_step_4(run: Path, copy: Path) -> Path:
+    """A copy of a run stopped at its step-4 checkpoint (its step-8 one removed): --resume continues from there."""
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step-0000008")
+    return copy
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["train_loss"] for r in metrics(run) if "train_loss" in r]
+
+
+def test_a_checkpoint_from_before_per_rank_rng_states_and_the_batch_keys_resumes_exactly(
+        tmp_path: Path, data: Path) -> None:
+    """state.json as gptlab wrote it before: one "torch" state (and "cuda", one per visible GPU), a config without
+    micro_batch_size / distributed_timeout, and a config hash taken over other keys. It resumes, bit-identically."""
+    recipe = write_recipe(tmp_path, max_steps=8, checkpoint_interval=4, eval_interval=0, dropout=0.1)
+    ref = tmp_path / "ref"
+    assert train(recipe, data, ref) == 0
+    old = _from_step_4(ref, tmp_path / "old")
+    path = old / "checkpoints" / "step-0000004" / "state.json"
+    state = json.loads(path.read_text())
+    state["rng"] = {"torch": state["rng"]["torch"]}
+    for key in ("micro_batch_size", "distributed_timeout"):
+        del state["config"][key]
+    state["config"]["grad_accum"], state["config_hash"] = 1, "0123456789abcdef"
+    path.write_text(json.dumps(state))
+    assert train(recipe, data, old, "--resume") == 0
+    final, final_ref = (load_file(r / "checkpoints" / "step-0000008" / "model.safetensors") for r in (old, ref))
+    assert all(torch.equal(final[k], final_ref[k]) for k in final_ref)
+
+
+def test_torchrun_resume_with_dropout_on_2_processes_is_exact_and_on_1_or_from_1_continues(
+        tmp_path: Path, data: Path) -> None:
+    """Dropout on, micro_batch_size 2 (2 micro-steps on 2 processes, 4 on 1). Every rank has its own dropout
+    stream, saved in the checkpoint: resumed on 2 processes the run is bit-identical to the uninterrupted one.
+    Resumed from 2 processes on 1, or from 1 on 2, it continues with the same global batches (a function of (seed,
+    step)) but not the same dropout masks: rows move to another process or micro-step, and a stream a process
+    did not have (rank 1's on 1 process) cannot be drawn from. So those are only close."""
+    recipe = write_recipe(tmp_path, max_steps=8, checkpoint_interval=4, eval_interval=0, log_interval=1,
+                          dropout=0.1, micro_batch_size=2, warmup_steps=2)
+    ref2, ref1 = tmp_path / "ref2", tmp_path / "ref1"
+    _torchrun(recipe, data, ref2)
+    state = json.loads((ref2 / "checkpoints" / "step-0000004" / "state.json").read_text())
+    assert len(state["rng"]["ranks"]) == 2 and state["rng"]["ranks"][1]["torch"] != state["rng"]["torch"]
+    assert json.loads((ref2 / "config.resolved.json").read_text())["train"]["grad_accum"] == 2
+
+    # 2 -> 2: exact
+    two = _from_step_4(ref2, tmp_path / "two")
+    _torchrun(recipe, data, two, "--resume")
+    assert _losses(two) == _losses(ref2)
+    final, final_ref = (load_file(r / "checkpoints" / "step-0000008" / "model.safetensors") for r in (two, ref2))
+    assert all(torch.equal(final[k], final_ref[k]) for k in final_ref)
+
+    # 2 -> 1: the same steps, 4 micro-steps each; rank 0's stream goes on, rank 1's is gone
+    one = _from_step_4(ref2, tmp_path / "one")
+    assert train(recipe, data, one, "--resume") == 0
+    assert json.loads((one / "config.resolved.json").read_text())["train"]["grad_accum"] == 4
+    assert _losses(one)[:4] == _losses(ref2)[:4] and _losses(one)[4:] != _losses(ref2)[4:]
+    assert _losses(one) == pytest.approx(_losses(ref2), abs=0.05)
+
+    # 1 -> 2: rank 0 takes the saved stream, rank 1 one of its own (none was saved for it)
+    assert train(recipe, data, ref1) == 0
+    grown = _from_step_4(ref1, tmp_path / "grown")
+    _torchrun(recipe, data, grown, "--resume")
+    assert _losses(grown)[:4] == _losses(ref1)[:4]
+    assert _losses(grown) == pytest.approx(_losses(ref1), abs=0.05)
+    state = json.loads((grown / "checkpoints" / "step-0000008" / "state.json").read_text())
+    assert len(state["rng"]["ranks"]) == 2 and state["rng"]["ranks"][1]["torch"] != state["rng"]["torch"]
+
+
+def test_a_check_failing_on_one_node_stops_the_other(tmp_path: Path, data: Path) -> None:
+    """Two "nodes" (torchrun each, one process each) without a shared filesystem: node 1's --out already holds
+    checkpoints. Its process fails that check; the process of node 0 must not go on to the first collective and
+    wait there for it, but stop too, each with a one-line error. (Without the vote, gloo notices the peer's closed
+    socket and node 0 fails with an internal error and a traceback; NCCL would wait out its timeout.)"""
+    recipe = write_recipe(tmp_path, max_steps=6, eval_interval=0)
+    held = tmp_path / "held"
+    assert train(recipe, data, held) == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def node(rank: int, out: Path) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "gptlab.cli",
+               "train", str(recipe), "--data", str(data), "--out", str(out), "--quiet"]
+        return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    nodes = [node(0, tmp_path / "fresh"), node(1, held)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode != 0 for p in nodes), errs
+    assert "error: " + str(held) + " already holds checkpoints" in errs[1]
+    assert "error: rank 1 of 2 processes failed the checks before training (its own error says why)" in errs[0]
+    assert not list_step_checkpoints(tmp_path / "fresh")
 
 
 def test_init_from_fine_tunes_a_previous_run(tmp_path: Path, data: Path, capsys) -> None:

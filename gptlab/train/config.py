@@ -44,7 +44,10 @@ class TrainConfig:
     lora_targets: str = "all-linear"  # comma-separated q,k,v,o,gate,up,down (or q_proj, ...), or all-linear
     # --- batch ---
     batch_size: int = 32  # sequences per optimizer step in total: split over processes and grad_accum micro-steps
-    grad_accum: int = 1
+    # sequences per micro-step on each process (what fits a device): grad_accum becomes batch_size / (processes x
+    # micro_batch_size), so one recipe keeps its global batch on 1 GPU or 16 (as litgpt's micro_batch_size)
+    micro_batch_size: int | None = None
+    grad_accum: int | None = None  # micro-steps per optimizer step; None = 1, or what micro_batch_size implies
     # --- length of the run ---
     max_steps: int = 1000
     max_time: float | None = None  # seconds of training loop; when set the LR schedule follows elapsed time
@@ -86,6 +89,9 @@ class TrainConfig:
     # with several processes (torchrun): ddp = every process holds the whole model, gradients all-reduced;
     # fsdp = parameters, gradients and optimizer state sharded over the processes (PyTorch's fully_shard)
     distributed: Literal["ddp", "fsdp"] = "ddp"
+    # seconds a process waits in a collective for its peers before the run fails; None = torch's default (10
+    # minutes under NCCL). A peer that died makes the others wait this long
+    distributed_timeout: float | None = None
     seed: int = 1337
     device: str = "auto"  # auto = cuda when available, else cpu
     threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -130,8 +136,38 @@ RESUMABLE_CHANGES = frozenset(
         "compile",
         "distributed",  # checkpoints hold whole tensors either way
         "activation_checkpointing",  # recomputes the same activations
+        "grad_accum",  # the same global batch, split otherwise (as on another number of processes)
+        "micro_batch_size",
+        "distributed_timeout",
     }
 )
+
+
+def resume_differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """The keys outside RESUMABLE_CHANGES whose value in a checkpoint's saved config differs from `cfg`'s. A key
+    the checkpoint predates counts as its default, so adding a key leaves older runs resumable."""
+    defaults, now = TrainConfig().to_dict(), cfg.to_dict()
+    return [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != now[k]]
+
+
+def micro_steps(cfg: TrainConfig, world: int) -> int:
+    """grad_accum on `world` processes: as the recipe gives it, or batch_size / (world x micro_batch_size).
+    Every process runs the same number of micro-steps of the same size, so the global batch must split evenly."""
+    batch, micro, accum = cfg.batch_size, cfg.micro_batch_size, cfg.grad_accum
+    if micro is None:
+        accum = accum or 1
+        if batch % (world * accum):
+            raise GptlabError(f"batch_size {batch} does not split over {world} process(es) x grad_accum {accum}: "
+                              f"make batch_size a multiple of {world * accum}, or set micro_batch_size instead")
+        return accum
+    if batch % (world * micro):
+        raise GptlabError(f"batch_size {batch} does not split over {world} process(es) x micro_batch_size {micro}: "
+                          f"make batch_size a multiple of {world * micro}, or lower micro_batch_size")
+    derived = batch // (world * micro)
+    if accum is not None and accum != derived:
+        raise GptlabError(f"grad_accum {accum} disagrees with micro_batch_size {micro}: batch_size {batch} over "
+                          f"{world} process(es) x micro_batch_size {micro} is grad_accum {derived}; set only one")
+    return derived
 
 _TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "model_overrides"}
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(GPTConfig) if f.name not in ("vocab_size", "name")}
@@ -284,9 +320,9 @@ def validate(cfg: TrainConfig) -> None:
         numbers = value if isinstance(value, tuple) else (value,)
         if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
             raise GptlabError(f"{name} must be a finite number, got {value}")
-    positive = ("batch_size", "grad_accum", "max_steps", "log_interval", "keep_last")
+    positive = ("batch_size", "micro_batch_size", "grad_accum", "max_steps", "log_interval", "keep_last")
     for key in positive:
-        if getattr(cfg, key) < 1:
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise GptlabError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in (
         "warmup_steps",
@@ -328,8 +364,16 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError(f"eval_batch_size must be at least 1, got {cfg.eval_batch_size}")
     if cfg.max_time is not None and cfg.max_time <= 0:
         raise GptlabError(f"max_time must be positive seconds, got {cfg.max_time}")
-    if cfg.batch_size % cfg.grad_accum:
-        raise GptlabError(f"batch_size {cfg.batch_size} is not divisible by grad_accum {cfg.grad_accum}")
+    # a batch that splits on no number of processes fails now; the trainer checks its own number of processes
+    if cfg.micro_batch_size is not None and cfg.grad_accum is not None:  # together they imply the number
+        if cfg.batch_size % (cfg.micro_batch_size * cfg.grad_accum):
+            raise GptlabError(f"batch_size {cfg.batch_size} is not a multiple of micro_batch_size "
+                              f"{cfg.micro_batch_size} x grad_accum {cfg.grad_accum}: set only one of them")
+    else:
+        micro_steps(cfg, 1)
+    if cfg.distributed_timeout is not None and cfg.distributed_timeout <= 0:
+        raise GptlabError(f"distributed_timeout must be positive seconds (or none for torch's default), got "
+                          f"{cfg.distributed_timeout}")
     if cfg.lora_rank < 0:
         raise GptlabError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {cfg.lora_rank}")
     if cfg.lora_rank and not cfg.init_from:

@@ -8,7 +8,8 @@ Everything that needs more than one process lives here, so the trainer reads the
 - `gradient_sync` skips the gradient exchange on all but the last micro-step of gradient accumulation;
 - decisions that every process must take alike (stop on a signal, stop on the clock, save a new best) go
   through `Processes.mean_and_any` and `Processes.from_rank0`, or a process would wait forever in a
-  collective its peers never enter;
+  collective its peers never enter; so do the checks before training (`Processes.all_or_none`): a process
+  that fails one (its own files, its GPU's free memory) stops its peers too;
 - `Processes.close` leaves together: a rank that exits while a peer still writes a checkpoint can abort gloo's
   teardown ("terminate called ...").
 """
@@ -16,10 +17,15 @@ Everything that needs more than one process lives here, so the trainer reads the
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from gptlab.errors import GptlabError
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,45 @@ class Processes:
         dist.broadcast(t, src=0)
         return float(t[0])
 
+    @contextlib.contextmanager
+    def all_or_none(self, what: str) -> Iterator[None]:
+        """Work of each process alone (no collective inside) that may fail on some only: if it fails on any, it
+        fails on all. The failing process raises its own error, its peers a one-line one naming it; without
+        this they would go on to their next collective and wait there for it until the timeout."""
+        if self.world == 1:
+            yield
+            return
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # telling the peers is best effort: the error itself matters more
+                self._failed_ranks(True)
+            raise
+        failed = self._failed_ranks(False)
+        if failed:
+            which = ", ".join(str(r) for r in failed)
+            raise GptlabError(f"rank {which} of {self.world} processes failed {what} (its own error says why): every "
+                              "process stops")
+
+    def _failed_ranks(self, failed: bool) -> list[int]:
+        """The ranks that say they failed (a collective: every process calls it once per `all_or_none`)."""
+        import torch.distributed as dist
+
+        flags = torch.zeros(self.world, device=self.device)
+        flags[self.rank] = float(failed)
+        dist.all_reduce(flags)
+        return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's `value` (small and picklable), in rank order, on every process."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
+
     def close(self, clean: bool) -> None:
         """Leave the process group; after a clean run, first wait for every peer to get here."""
         if self.world == 1:
@@ -66,26 +111,52 @@ class Processes:
         dist.destroy_process_group()
 
 
-def init_distributed(device: str) -> Processes:
-    """Join torchrun's process group (each process takes the GPU of its LOCAL_RANK); alone, just `device`."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def init_distributed(device: str, timeout: float | None = None) -> Processes:
+    """Join torchrun's process group (each process takes the GPU of its LOCAL_RANK); alone, just `device`.
+    `timeout`: seconds a collective waits for its peers (None: torch's default)."""
+    world = _env_int("WORLD_SIZE", "1")
     if world == 1:
         return Processes(0, 1, device)
     import torch.distributed as dist
 
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    # torchrun sets all three; a launcher that sets only RANK/WORLD_SIZE (some srun/mpirun wrappers) would put
+    # every process of a node on cuda:0 (OOM or NCCL's "Duplicate GPU detected"): refuse instead of guessing
+    missing = [k for k in ("RANK", "LOCAL_RANK") if k not in os.environ]
+    if missing:
+        raise GptlabError(f"WORLD_SIZE={world} but {missing[0]} is not set: launch with torchrun, or have the launcher "
+                          "set RANK (this process's place in the run) and LOCAL_RANK (its place on its node)")
+    rank, local_rank = _env_int("RANK"), _env_int("LOCAL_RANK")
+    options: dict = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if device.startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise GptlabError(f"LOCAL_RANK={local_rank} but this node shows {visible} GPU(s): start at most {visible} "
+                              "process(es) per node (torchrun --nproc-per-node), or check CUDA_VISIBLE_DEVICES")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        options["device_id"] = torch.device(device)  # binds NCCL's communicator to this GPU at once
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **options)
     return Processes(rank, world, device)
+
+
+def _env_int(name: str, default: str | None = None) -> int:
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise GptlabError(f"the environment variable {name}={text!r} must be a whole number (torchrun sets it)"
+                          ) from None
 
 
 def shard_model(model: torch.nn.Module) -> None:
     """FSDP (PyTorch's fully_shard), in place: each block's parameters, then the rest (embeddings, final norm,
     head), become shards of this process; forward and backward gather each block's weights when it runs.
     Call it before building the optimizers: they must hold the shards."""
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # the public path since torch 2.6; an older CUDA wheel may sit below pyproject's floor
+        raise GptlabError(f"distributed = \"fsdp\" needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), this is "
+                          f"torch {torch.__version__}: upgrade torch, or use distributed = \"ddp\"") from None
 
     for block in model.iter_blocks():
         fully_shard(block)

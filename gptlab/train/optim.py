@@ -273,6 +273,16 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients: tuple[float, float,
     return x.mT if tall else x
 
 
+def torch_muon() -> type:
+    """torch.optim.Muon, or a one-line error on a torch older than 2.9 (a CUDA wheel from an older index can
+    be installed beside pyproject's floor): said before the first step, not as an AttributeError mid-setup."""
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is None:
+        raise GptlabError(f"optimizer_impl \"torch\" with optimizer muon needs torch >= 2.9 (torch.optim.Muon), this "
+                          f"is torch {torch.__version__}: upgrade torch, or set optimizer_impl = \"gptlab\"")
+    return muon
+
+
 def build_optimizers(model: torch.nn.Module, spec: OptimizerSpec) -> list:
     """The optimizers for `model`'s trainable parameters (a plain GPT, or one with frozen parts).
 
@@ -293,7 +303,7 @@ def build_optimizers(model: torch.nn.Module, spec: OptimizerSpec) -> list:
             if spec.impl == "gptlab":
                 optimizers.append(BatchedMuon(matrices, **kwargs))
             else:  # "original" scales lr by sqrt(max(1, rows/cols)) per matrix, as Keller Jordan's Muon does
-                optimizers.append(torch.optim.Muon(matrices, **kwargs, adjust_lr_fn="original"))
+                optimizers.append(torch_muon()(matrices, **kwargs, adjust_lr_fn="original"))
         if rest:
             optimizers.append(adamw([{"params": rest, "weight_decay": 0.0}], spec))
     if not optimizers:

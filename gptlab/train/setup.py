@@ -1,12 +1,10 @@
 """What a run starts from: the model (fresh from the recipe, a pretrained one, or a pretrained one under LoRA
-adapters), the dtype check, and the torch RNG state a checkpoint saves and restores."""
+adapters), the dtype check, and the memory check. The random streams a checkpoint saves are `rng`'s."""
 
 from __future__ import annotations
 
-import base64
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -14,7 +12,7 @@ from gptlab.checkpoint import plain_shapes
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
-from gptlab.hardware import available_memory
+from gptlab.hardware import available_memory, gpu_has_bf16
 from gptlab.loading import base_reference, load_model
 from gptlab.lora import LoRASpec, add_lora, parse_targets
 from gptlab.model import GPT
@@ -24,20 +22,25 @@ from gptlab.train.config import TrainConfig
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """The training dtype for "auto": bfloat16 where the device multiplies bf16 natively, else float32."""
+    """The training dtype for "auto": bfloat16 where the device multiplies bf16 natively; on older GPUs with fp16
+    tensor cores (sm70/75) float16, which `Precision` runs with a GradScaler; else float32."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        if gpu_has_bf16(device):
+            return "bfloat16"
+        return "float16" if torch.cuda.get_device_capability(torch.device(device)) >= (7, 0) else "float32"
     return "bfloat16" if device == "cpu" and native_low_precision_matmul(torch.bfloat16) else "float32"
 
 
 def check_dtype(dtype: str, device: str) -> None:
-    """One-line errors for a training dtype the device cannot run."""
+    """One-line errors for a training dtype the device cannot run (or only emulates)."""
     if dtype == "float16" and device == "cpu":
         raise GptlabError("dtype float16 is not supported for training on the CPU; use bfloat16 or float32")
-    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise GptlabError("this GPU has no bfloat16 support; use --dtype float16 (loss scaling) or float32")
+    if dtype == "bfloat16" and device.startswith("cuda") and not gpu_has_bf16(device):
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+        raise GptlabError(f"dtype bfloat16: this GPU (sm{major}{minor}) has no bfloat16 units (torch would emulate "
+                          "them, slowly); use --dtype float16 (loss scaling) or float32")
 
 
 def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) -> int:
@@ -58,7 +61,7 @@ def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: s
         params = sum(math.prod(s) for s in plain_shapes(config).values())
         raise GptlabError(f"training this model ({params:,} parameters) at batch_size {cfg.batch_size} x block_size "
                           f"{config.block_size} needs at least {human_bytes(need)} of memory per step, {device} has "
-                          f"{human_bytes(have)} free: lower batch_size, raise grad_accum, or choose a smaller model")
+                          f"{human_bytes(have)} free: lower batch_size or micro_batch_size, or choose a smaller model")
 
 
 def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
@@ -119,26 +122,3 @@ def check_same_tokenizer(model_path: str, model_tok: Tokenizer | None, data_dir:
                           f"{data_tok.vocab_size} ids, fingerprint {ours}) than init_from {model_path}'s "
                           f"({model_tok.kind}, {model_tok.vocab_size} ids, fingerprint {theirs}): prepare the data "
                           f"with --tokenizer-from {model_path}")
-
-
-def rng_state() -> dict[str, Any]:
-    """The torch RNG states (CPU, and every GPU's), base64 for state.json: dropout draws from them."""
-
-    def b64(t: torch.Tensor) -> str:
-        return base64.b64encode(t.numpy().tobytes()).decode()
-
-    state: dict[str, Any] = {"torch": b64(torch.get_rng_state())}
-    if torch.cuda.is_available():
-        state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of `rng_state` (GPU states only where there are GPUs)."""
-
-    def tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-    torch.set_rng_state(tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])

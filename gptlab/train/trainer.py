@@ -33,13 +33,20 @@ from gptlab.fileio import atomic_write_json, check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
 from gptlab.train.batches import Split, sequence_length, step_batch
-from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig, resolve_device_switches
+from gptlab.train.config import (
+    RESUMABLE_CHANGES,
+    TrainConfig,
+    micro_steps,
+    resolve_device_switches,
+    resume_differences,
+)
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
+from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
 from gptlab.train.rundir import RunLock, checkpoint_to_resume, trim_metrics
 from gptlab.train.runlog import METRICS_FILE, RunLog
-from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype, restore_rng_state, rng_state
+from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype
 
 RESOLVED_CONFIG = "config.resolved.json"
 
@@ -77,29 +84,32 @@ class Trainer:
         self.quiet, self.resume_command = quiet, resume_command
         if cfg.threads:
             set_threads(cfg.threads)
-        device = resolve_device(cfg.device, flag="device")
+        self.procs = init_distributed(resolve_device(cfg.device, flag="device"), cfg.distributed_timeout)
+        self.device, self.lock = self.procs.device, None
+        try:
+            # a check that fails on one process only (its files, its GPU's free memory) stops every process, each
+            # with a one-line error, before the first collective: else the others would wait for it until a timeout
+            with self.procs.all_or_none("the checks before training"):
+                resume_from = self._setup(resume)
+            self._setup_steps(resume_from)
+        except BaseException:
+            self.release()
+            raise
+
+    def _setup(self, resume: bool) -> Path | None:
+        """The checks, the model and the data: work of this process alone (no collective)."""
+        cfg, quiet, device = self.cfg, self.quiet, self.device
         if cfg.dtype == "auto":
             cfg = self.cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
             if not quiet:
                 print(f"dtype auto: {cfg.dtype} on {device}")
         check_dtype(cfg.dtype, device)
         cfg = self.cfg = resolve_device_switches(cfg, torch.device(device).type)
-        self.procs = init_distributed(device)
-        self.device = self.procs.device
-        if cfg.batch_size % (self.procs.world * cfg.grad_accum):
-            raise GptlabError(f"batch_size {cfg.batch_size} does not split over {self.procs.world} process(es) x "
-                              f"grad_accum {cfg.grad_accum}")
+        # the micro-steps on this many processes (with micro_batch_size: the recipe's global batch on any number)
+        cfg = self.cfg = dataclasses.replace(cfg, grad_accum=micro_steps(cfg, self.procs.world))
 
         # --- run directory: ours alone (a lock), fresh or resumed from its latest checkpoint
         self.lock = RunLock(check_out_dir(self.run_dir), quiet) if self.procs.is_master else None
-        try:
-            self._setup(resume)
-        except BaseException:
-            self.release()
-            raise
-
-    def _setup(self, resume: bool) -> None:
-        cfg, quiet = self.cfg, self.quiet
         steps = ckpt.list_step_checkpoints(self.run_dir)
         if steps and not resume:
             raise GptlabError(f"{self.run_dir} already holds checkpoints: pass --resume to continue it, or choose "
@@ -114,6 +124,7 @@ class Trainer:
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
             check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device)
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir)
+        seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False)
         self.seq_len = sequence_length(self.data_dir, self.model.config.block_size)  # tokens per row
@@ -122,8 +133,12 @@ class Trainer:
         self.train_data = Split.load(self.data_dir, "train")
         self.val_data = Split.load(self.data_dir, "val")
         self.tokens_per_step = cfg.batch_size * self.seq_len
+        return resume_from
 
-        # --- how the steps run: precision, sharding, optimizers, then the wrappers forward runs through
+    def _setup_steps(self, resume_from: Path | None) -> None:
+        """How the steps run: precision, sharding, optimizers, the checkpoint, then the wrappers forward runs
+        through (collectives from here on: FSDP's and DDP's)."""
+        cfg, quiet = self.cfg, self.quiet
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         if cfg.distributed == "fsdp" and self.procs.world == 1 and not quiet:
             print("note: distributed = fsdp shards over torchrun's processes; one process trains unsharded",
@@ -148,7 +163,7 @@ class Trainer:
         self._last_step_time = 0.0
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
+    def _state(self, rng: dict[str, Any]) -> dict[str, Any]:
         """state.json of a step checkpoint: where the run is, and what it must match to be resumed."""
         return {
             "step": self.step,
@@ -156,7 +171,7 @@ class Trainer:
             "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
             "warmup_elapsed_sec": self.warmup_elapsed,
             "tokens_seen": self.step * self.tokens_per_step,
-            "rng": rng_state(),
+            "rng": rng,
             "config_hash": self.cfg.hash(RESUMABLE_CHANGES),
             "config": self.cfg.to_dict(),
             "data_dir": str(self.data_dir),
@@ -187,24 +202,27 @@ class Trainer:
         state = ckpt.load_training_checkpoint(directory, self.model, self.optimizers)
         if state["config_hash"] != self.cfg.hash(RESUMABLE_CHANGES):
             saved, now = state["config"], self.cfg.to_dict()
-            diff = [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+            diff = resume_differences(saved, self.cfg)  # none: only keys this checkpoint predates are new
             shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now[k]!r})" for k in diff[:4])
-            raise GptlabError(f"cannot resume {directory}: the config differs in {shown}; only "
-                              f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
+            if diff:
+                raise GptlabError(f"cannot resume {directory}: the config differs in {shown}; only "
+                                  f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
         self.step, self.elapsed = state["step"], state["elapsed_sec"]
         self.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
         self.warmup_elapsed = state.get("warmup_elapsed_sec", self.warmup_elapsed)
         if self.warmup_elapsed is None and self.step >= self.cfg.warmup_steps:  # a checkpoint from before the key
             self.warmup_elapsed = self.elapsed * self.cfg.warmup_steps / self.step  # steps of about equal time
-        restore_rng_state(state["rng"])
+        restore_rng_state(state["rng"], self.procs, self.cfg.seed, self.step)
         self.precision.sync_weights()
 
-    def save_checkpoint(self) -> Path | None:
-        """A resumable step checkpoint (keeping the newest `keep_last`); its path on the writing process."""
+    def save_checkpoint(self, gather: bool = True) -> Path | None:
+        """A resumable step checkpoint (keeping the newest `keep_last`); its path on the writing process. Every
+        process calls it (each one's dropout stream is gathered), unless `gather` is False (after an error)."""
+        rng = rng_state(self.procs, gather)
         if not self.procs.is_master and not self.fsdp:  # under FSDP every process takes part in gathering shards
             return None
         path = self.run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(self.step)
-        written = ckpt.save_checkpoint(path, self.model, self._state(), self.optimizers,
+        written = ckpt.save_checkpoint(path, self.model, self._state(rng), self.optimizers,
                                        tokenizer_dir=self.data_dir, writer=self.procs.is_master)
         if written is not None:
             ckpt.prune_checkpoints(self.run_dir, self.cfg.keep_last)
@@ -333,7 +351,7 @@ class Trainer:
             try:
                 val = self._eval_and_track()
             except BaseException:  # the weights of the whole run must not depend on the evaluation succeeding
-                path = self.save_checkpoint()
+                path = self.save_checkpoint(gather=False)  # the failure may be this process's alone
                 log.say(f"the final evaluation failed; the weights of step {self.step} are saved in {path}")
                 raise
             log.write({"step": self.step, "val_loss": val, "elapsed_sec": self.elapsed})
