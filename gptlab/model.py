@@ -180,17 +180,22 @@ class GPT(nn.Module):
         kv_cache: KVCache | None = None,
         return_attention: bool = False,
         reduction: str = "mean",
+        check_ids: bool = True,
     ):  # noqa: ANN201 - (logits, loss) or (logits, loss, attentions)
         """logits (B, T, vocab) for every position, and the cross-entropy over targets that are not -1 (their mean,
         or with `reduction="sum"` their sum: a trainer averaging over a whole batch of masked targets needs sums).
 
         With `kv_cache`, idx holds only the new tokens of each row; they are appended to the cache. With
         `return_attention=True` the manual attention path runs and a list of (B, nh, T, T_k) weights per layer is
-        returned as a third element.
+        returned as a third element. `check_ids=False`: the caller has checked idx and targets against the
+        vocabulary already (the trainer does, on the host), so nothing on the forward's path reads a value back.
         """
-        if targets is not None and targets.device.type == "cpu" and targets.numel():
-            self.check_targets(targets)
-        h = self.hidden_states(idx, kv_cache=kv_cache, return_attention=return_attention)
+        if check_ids and targets is not None and targets.numel():
+            message = (f"a target is outside the vocabulary: targets must be in [0, {self.config.vocab_size}) or -1 "
+                       "(ignored)")
+            if not _assert_in_range(targets, -1, self.config.vocab_size, message) and targets.device.type == "cpu":
+                self.check_targets(targets)
+        h = self.hidden_states(idx, kv_cache=kv_cache, return_attention=return_attention, check_ids=check_ids)
         h, attentions = h if return_attention else (h, None)
         loss = None
         if targets is None:
@@ -205,7 +210,9 @@ class GPT(nn.Module):
     def check_targets(self, targets: torch.Tensor) -> None:
         """A ValueError naming the first target outside the vocabulary (-1, ignored, aside): the loss would
         otherwise fail with a bare IndexError. Two reductions over the targets, nothing next to the forward;
-        done on CPU tensors only, since on a GPU reading the result back would stall every step."""
+        `forward` runs it on CPU tensors only: on a GPU reading the result back would stall every step, so there
+        the check is an assertion on the device (`_assert_in_range`), which names the problem where the loss
+        would fail with a bare device-side assert."""
         low, high = int(targets.min()), int(targets.max())
         if low < -1 or high >= self.config.vocab_size:
             bad = low if low < -1 else high
@@ -222,11 +229,17 @@ class GPT(nn.Module):
         return logits
 
     def hidden_states(
-        self, idx: torch.Tensor, *, kv_cache: KVCache | None = None, return_attention: bool = False
+        self,
+        idx: torch.Tensor,
+        *,
+        kv_cache: KVCache | None = None,
+        return_attention: bool = False,
+        check_ids: bool = True,
     ):  # noqa: ANN201 - tensor, or (tensor, attentions)
-        """Final-norm hidden states (B, T, C); callers that need only some positions apply `logits` to those."""
+        """Final-norm hidden states (B, T, C); callers that need only some positions apply `logits` to those.
+        `check_ids=False`: idx is known to be in the vocabulary (see `forward`)."""
         cfg = self.config
-        idx = self._check_input(idx, kv_cache)
+        idx = self._check_input(idx, kv_cache, check_ids)
         B, T = idx.shape
         device = idx.device
         manual = return_attention or cfg.attention == "manual"
@@ -260,8 +273,10 @@ class GPT(nn.Module):
             kv_cache.advance(T)
         return (x, attentions) if return_attention else x
 
-    def _check_input(self, idx: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
-        """Clear ValueErrors for bad input instead of index errors deep inside torch."""
+    def _check_input(self, idx: torch.Tensor, kv_cache: KVCache | None, check_ids: bool = True) -> torch.Tensor:
+        """Clear ValueErrors for bad input instead of index errors deep inside torch. The ids' values are read
+        back only from CPU tensors: on a GPU that read would stall the host on every forward, so there they are
+        an assertion on the device (`_assert_in_range`)."""
         cfg = self.config
         if not isinstance(idx, torch.Tensor):
             raise ValueError(f"token ids must be a torch.Tensor, got {type(idx).__name__}")
@@ -278,7 +293,8 @@ class GPT(nn.Module):
             raise ValueError("a KV-cached forward is for inference: run it under torch.no_grad() or inference_mode()")
         if kv_cache is not None and kv_cache.batch_size != B:
             raise ValueError(f"the KV cache has {kv_cache.batch_size} rows but the input has {B}")
-        if not torch.compiler.is_compiling():
+        if check_ids and not torch.compiler.is_compiling() and not _assert_in_range(
+                idx, 0, cfg.vocab_size, f"a token id is outside [0, {cfg.vocab_size}) (the model's vocab_size)"):
             lo, hi = torch.aminmax(idx)
             if lo < 0 or hi >= cfg.vocab_size:
                 bad = int(lo) if lo < 0 else int(hi)
@@ -326,6 +342,17 @@ class GPT(nn.Module):
 
     def iter_blocks(self) -> Iterator[Block]:
         return iter(self.transformer.h)
+
+
+def _assert_in_range(t: torch.Tensor, low: int, high: int, message: str) -> bool:
+    """On a CUDA tensor: queue a device-side assertion that every value is in [low, high) and return True (the
+    caller then reads nothing back: the check costs no host sync; a failure stops the process with `message`
+    when the GPU gets there). On any other device False: the caller checks on the host, with a ValueError."""
+    if t.device.type != "cuda":
+        return False
+    lo, hi = torch.aminmax(t)
+    torch._assert_async((lo >= low) & (hi < high), message)
+    return True
 
 
 def parameter_breakdown(config: GPTConfig) -> dict[str, int]:

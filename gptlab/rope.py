@@ -106,6 +106,9 @@ def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, tor
     scaling = config.rope_scaling
     seq_len = int(pos.max()) + 1 if scaling is not None and scaling.kind in LENGTH_DEPENDENT else 0
     inv_freq, attention_factor = inv_frequencies(config, seq_len)
+    if pos.is_cuda and not torch.compiler.is_compiling():
+        # from pageable memory the copy would wait for the GPU's whole queue, on every forward
+        inv_freq = inv_freq.pin_memory().to(pos.device, non_blocking=True)
     angles = pos.to(torch.float32)[..., None] * inv_freq.to(pos.device)  # (B, T, rot/2)
     cos, sin = angles.cos()[:, None], angles.sin()[:, None]
     if attention_factor != 1.0:

@@ -74,3 +74,58 @@ def step_batch(split: Split, seed: int, step: int, batch_size: int, block_size: 
         return StepBatch(tokens, None, batch_size * block_size)
     mask = windows(split.mask, starts, block_size)
     return StepBatch(tokens, mask, int((mask[:, 1:] != 0).sum()))
+
+
+def check_tokens(windows: np.ndarray, vocab_size: int) -> None:
+    """The model's forward reads no token id back on the trainer's path (a host read per micro-step would stall
+    a GPU), so the trainer checks each batch here, on the host, with the forward's one-line error."""
+    if windows.size and int(windows.max()) >= vocab_size:  # token files hold unsigned ids: none below 0
+        raise GptlabError(f"token id {int(windows.max())} is outside [0, {vocab_size}) (the model's vocab_size)")
+
+
+@dataclass
+class DeviceStep:
+    """One optimizer step as this process runs it: its micro-steps' (inputs, targets) on the device, and how
+    many targets count in the whole global batch."""
+
+    step: int
+    micro: list[tuple[torch.Tensor, torch.Tensor]]
+    n_targets: int
+
+
+class StepFeed:
+    """This process's batches of each step, cut, checked and sent to the device one step ahead.
+
+    `prefetch(s + 1)` is called while the device still runs step s: the host cuts the windows, checks them and
+    queues the copies (from pinned memory with non_blocking=True on CUDA, so the host does not wait for the
+    device), and `get(s + 1)` then has them ready. The batches are those of `step_batch`, a pure function of
+    (seed, step): preparing them early changes nothing."""
+
+    def __init__(self, split: Split, *, seed: int, batch_size: int, seq_len: int, rank: int, world: int,
+                 grad_accum: int, vocab_size: int, device: str) -> None:
+        self.split, self.seed, self.batch_size, self.seq_len = split, seed, batch_size, seq_len
+        self.rank, self.world, self.grad_accum = rank, world, grad_accum
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self._ahead: DeviceStep | None = None
+
+    def get(self, step: int) -> DeviceStep:
+        """The batches of `step`: those prepared ahead when they are this step's, else made now."""
+        ready, self._ahead = self._ahead, None
+        return ready if ready is not None and ready.step == step else self._prepare(step)
+
+    def prefetch(self, step: int) -> None:
+        """Prepare `step`'s batches now, for the coming `get(step)`."""
+        self._ahead = self._prepare(step)
+
+    def _prepare(self, step: int) -> DeviceStep:
+        batch = step_batch(self.split, self.seed, step, self.batch_size, self.seq_len)
+        check_tokens(batch.windows, self.vocab_size)
+        micro = [tuple(self._to_device(t) for t in batch.micro(self.rank, self.world, m, self.grad_accum))
+                 for m in range(self.grad_accum)]
+        return DeviceStep(step, micro, batch.n_targets)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":  # nothing to overlap on a CPU: the tensor as `micro` made it
+            return t.to(self.device)
+        # a pageable copy would wait for the device to finish its queue; a pinned one is queued like a kernel
+        return t.contiguous().pin_memory().to(self.device, non_blocking=True)

@@ -7,7 +7,7 @@ Everything that needs more than one process lives here, so the trainer reads the
 - the model is either replicated (`wrap_ddp`: gradients all-reduced) or sharded (`shard_model`: FSDP);
 - `gradient_sync` skips the gradient exchange on all but the last micro-step of gradient accumulation;
 - decisions that every process must take alike (stop on a signal, stop on the clock, save a new best) go
-  through `Processes.mean_and_any` and `Processes.from_rank0`, or a process would wait forever in a
+  through `Processes.sum_and_any` and `Processes.from_rank0`, or a process would wait forever in a
   collective its peers never enter; so do the checks before training (`Processes.all_or_none`): a process
   that fails one (its own files, its GPU's free memory) stops its peers too;
 - `Processes.close` leaves together: a rank that exits while a peer still writes a checkpoint can abort gloo's
@@ -41,15 +41,16 @@ class Processes:
         """Rank 0: the one that writes files and prints."""
         return self.rank == 0
 
-    def mean_and_any(self, value: torch.Tensor, flag: bool) -> tuple[float, bool]:
-        """The mean of a scalar tensor over all processes, and whether `flag` is set on any of them."""
+    def sum_and_any(self, value: torch.Tensor, flag: bool) -> tuple[torch.Tensor, torch.Tensor | bool]:
+        """The sum of a scalar tensor over all processes, and whether `flag` is set on any of them, both left on
+        the device (one all-reduce, no host read); alone, `value` and `flag` themselves."""
         if self.world == 1:
-            return float(value), flag
+            return value, flag
         import torch.distributed as dist
 
-        t = torch.stack([value.float(), torch.tensor(1.0 if flag else 0.0, device=value.device)])
+        t = torch.stack([value.float(), torch.full((), 1.0 if flag else 0.0, device=value.device)])
         dist.all_reduce(t)
-        return float(t[0]) / self.world, bool(t[1] > 0)
+        return t[0], t[1] > 0
 
     def from_rank0(self, value: float) -> float:
         """Rank 0's value on every process."""

@@ -153,7 +153,12 @@ class LeanOptimizer:
 
 
 class FusedAdamW(LeanOptimizer):
-    """AdamW through the fused kernel that torch.optim.AdamW(fused=True) calls: bit-identical updates."""
+    """AdamW through the fused kernel that torch.optim.AdamW(fused=True) calls: bit-identical updates.
+
+    Like torch's fused AdamW it takes GradScaler's `grad_scale` / `found_inf` attributes (set for the step):
+    where `found_inf` is 1 the kernel changes nothing, a decision taken on the device, with no host read."""
+
+    _step_supports_amp_scaling = True  # GradScaler then hands found_inf over instead of reading it
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),  # noqa: ANN001
                  eps: float = 1e-8, weight_decay: float = 0.01) -> None:
@@ -161,6 +166,7 @@ class FusedAdamW(LeanOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         for group in self.param_groups:
             params = self._stepping(group, lambda p: {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                                       "exp_avg": torch.zeros_like(p),
@@ -174,7 +180,9 @@ class FusedAdamW(LeanOptimizer):
             torch._fused_adamw_(params, [p.grad for p in params], [st["exp_avg"] for st in states],
                                 [st["exp_avg_sq"] for st in states], [], steps, lr=group["lr"], beta1=beta1,
                                 beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
-                                maximize=False)
+                                maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+            if found_inf is not None:  # a skipped step is not counted (bias correction), as torch's fused AdamW
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 class BatchedMuon(LeanOptimizer):
@@ -206,6 +214,11 @@ class BatchedMuon(LeanOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
+        # found_inf (a 0-dim tensor, set for the step as GradScaler sets it on fused optimizers): where it is 1
+        # nothing changes. Decided on the device by selecting the old values back (torch.where), so a finite
+        # step computes exactly what it did without it
+        found_inf = getattr(self, "found_inf", None)
+        skip = None if found_inf is None else found_inf != 0
         for group in self.param_groups:
             params = self._stepping(group, lambda p: {"momentum_buffer": torch.zeros_like(p)})
             if not params:
@@ -213,11 +226,13 @@ class BatchedMuon(LeanOptimizer):
             grads = [p.grad for p in params]
             bufs = [self.state[p]["momentum_buffer"] for p in params]
             mu = group["momentum"]
-            torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, grads)
+            if skip is None:
+                torch._foreach_mul_(bufs, mu)
+                torch._foreach_add_(bufs, grads)
+            else:
+                for b, new in zip(bufs, torch._foreach_add(torch._foreach_mul(bufs, mu), grads), strict=True):
+                    torch.where(skip, b, new, out=b)
             updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
-            if group["weight_decay"]:
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
             for idx, (rows_max, cols_max) in newton_schulz_stacks([p.shape for p in params]):
                 wide = updates[idx[0]].new_zeros(len(idx), rows_max, cols_max)  # zero padding changes nothing
                 for j, i in enumerate(idx):
@@ -228,7 +243,18 @@ class BatchedMuon(LeanOptimizer):
                     rows, cols = params[i].shape
                     o = ortho[j, : min(rows, cols), : max(rows, cols)]
                     o = o.mT if rows > cols else o
-                    params[i].add_(o.to(params[i].dtype), alpha=-group["lr"] * math.sqrt(max(1.0, rows / cols)))
+                    self._apply(params[i], o, group, math.sqrt(max(1.0, rows / cols)), skip)
+
+    @staticmethod
+    def _apply(p: torch.Tensor, o: torch.Tensor, group: dict, scale: float, skip: torch.Tensor | None) -> None:
+        """p <- p * (1 - lr * weight_decay) - lr * scale * o (decoupled weight decay, then the update); left as
+        it is where `skip` is true."""
+        new = p if skip is None else p.clone()
+        if group["weight_decay"]:
+            new.mul_(1 - group["lr"] * group["weight_decay"])
+        new.add_(o.to(p.dtype), alpha=-group["lr"] * scale)
+        if skip is not None:
+            torch.where(skip, p, new, out=p)
 
 
 PAD_MAX_ELEMENTS = 1 << 17  # matrices up to this size: per-call overhead outweighs the FLOPs padding adds
@@ -319,3 +345,31 @@ def set_lr(optimizers: list, multiplier: float) -> None:
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["peak_lr"] * multiplier
+
+
+def takes_found_inf(opt: object) -> bool:
+    """Whether `opt.step()` reads a `found_inf` attribute (GradScaler's protocol for fused optimizers) and changes
+    nothing where it is 1: torch's fused optimizers, FusedAdamW and BatchedMuon."""
+    return isinstance(opt, (FusedAdamW, BatchedMuon)) or bool(getattr(opt, "_step_supports_amp_scaling", False))
+
+
+def step_optimizers(optimizers: list, skip: torch.Tensor | None = None) -> None:
+    """Step every optimizer, unless `skip` (a 0-dim bool tensor) is true: then neither the weights nor the
+    optimizer state change. Optimizers that take `found_inf` decide on the device, so the host never waits for
+    the step's loss; others (torch.optim.Muon, unfused AdamW) cost one read of `skip`, as GradScaler reads
+    found_inf for them."""
+    found_inf, host_skip = (None if skip is None else skip.float()), None
+    for opt in optimizers:
+        if found_inf is None:
+            opt.step()
+        elif takes_found_inf(opt):
+            opt.found_inf = found_inf
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
+        else:
+            if host_skip is None:
+                host_skip = bool(skip)
+            if not host_skip:
+                opt.step()

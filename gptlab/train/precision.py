@@ -24,6 +24,7 @@ import copy
 import torch
 
 from gptlab.lora import has_lora
+from gptlab.train.optim import step_optimizers
 
 
 class Precision:
@@ -68,8 +69,12 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizers: list[torch.optim.Optimizer], grad_clip: float) -> None:
-        """Gradients to the masters, unscale, clip, step, zero the gradients, refresh the working weights."""
+    def step(self, optimizers: list[torch.optim.Optimizer], grad_clip: float,
+             skip: torch.Tensor | None = None) -> None:
+        """Gradients to the masters, unscale, clip, step, zero the gradients, refresh the working weights.
+
+        `skip`: a 0-dim bool tensor on the device; where it is true the step changes no weight and no optimizer
+        state, decided on the device (`step_optimizers`) so that the host need not wait for this step's loss."""
         params = [p for _, p in self._pairs] if self.working is not None else None
         if self.working is not None:
             for w, m in self._pairs:
@@ -77,18 +82,19 @@ class Precision:
                     m.grad = w.grad.to(torch.float32)
                     w.grad = None
         if self.scaler is not None:
+            if skip is not None:  # GradScaler skips a step whose gradients are not finite: make them so
+                _poison_gradients(optimizers, skip)
             for opt in optimizers:
                 self.scaler.unscale_(opt)
         if grad_clip > 0:
             params = params or [p for p in self.master.parameters() if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
-        for opt in optimizers:
-            if self.scaler is not None:
-                self.scaler.step(opt)
-            else:
-                opt.step()
         if self.scaler is not None:
+            for opt in optimizers:
+                self.scaler.step(opt)
             self.scaler.update()
+        else:
+            step_optimizers(optimizers, skip)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         self.sync_weights()
@@ -98,3 +104,13 @@ class Precision:
         """Copy the fp32 masters into the working weights (after a step or a checkpoint load)."""
         if self.working is not None:
             torch._foreach_copy_([w for w, _ in self._pairs], [m for _, m in self._pairs])
+
+
+def _poison_gradients(optimizers: list, skip: torch.Tensor) -> None:
+    """Where `skip` is true, one NaN in a gradient of each optimizer (its smallest), so that GradScaler's own
+    check on the device skips the step; otherwise the gradients stay exactly as they are."""
+    for opt in optimizers:
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            g = min(grads, key=torch.Tensor.numel)
+            torch.where(skip, torch.full((), float("nan"), dtype=g.dtype, device=g.device), g, out=g)

@@ -96,3 +96,13 @@ class RunLog:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def progress_bar(total: int, initial: int, show: bool) -> Any:
+    """A tqdm bar of the run's steps on a terminal (None when not `show`n or stderr is not a terminal). Its loss
+    is updated at log rows only: reading the loss every step would make the host wait for the device."""
+    if not show or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

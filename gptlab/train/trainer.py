@@ -32,7 +32,7 @@ from gptlab.evaluate import evaluate_loss
 from gptlab.fileio import atomic_write_json, check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
-from gptlab.train.batches import Split, sequence_length, step_batch
+from gptlab.train.batches import Split, StepFeed, sequence_length
 from gptlab.train.config import (
     RESUMABLE_CHANGES,
     TrainConfig,
@@ -41,11 +41,12 @@ from gptlab.train.config import (
     resume_differences,
 )
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
+from gptlab.train.losses import DeviceLosses
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
 from gptlab.train.precision import Precision
 from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
 from gptlab.train.rundir import RunLock, checkpoint_to_resume, trim_metrics
-from gptlab.train.runlog import METRICS_FILE, RunLog
+from gptlab.train.runlog import METRICS_FILE, RunLog, progress_bar
 from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype
 
 RESOLVED_CONFIG = "config.resolved.json"
@@ -133,6 +134,10 @@ class Trainer:
         self.train_data = Split.load(self.data_dir, "train")
         self.val_data = Split.load(self.data_dir, "val")
         self.tokens_per_step = cfg.batch_size * self.seq_len
+        self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
+                             rank=self.procs.rank, world=self.procs.world, grad_accum=cfg.grad_accum,
+                             vocab_size=self.model.config.vocab_size, device=self.device)
+        self.losses = DeviceLosses(self.procs.world)
         return resume_from
 
     def _setup_steps(self, resume_from: Path | None) -> None:
@@ -160,6 +165,10 @@ class Trainer:
         if cfg.compile:
             self.net = torch.compile(self.net)
         self.stop_signal: int | None = None
+        # under torchrun: whether any process has seen a stop signal, all-reduced in the step before (read a step
+        # late, so the host never waits for it) and the decision every process takes alike
+        self._stop_flag: torch.Tensor | None = None
+        self._stop_agreed = False
         self._last_step_time = 0.0
 
     # --- checkpoints ----------------------------------------------------------------------------------------
@@ -256,30 +265,43 @@ class Trainer:
         return val
 
     # --- the loop -------------------------------------------------------------------------------------------
-    def train_step(self) -> float:
-        """One optimizer step; returns the mean loss over the counted targets of the whole global batch (the
-        weights are left alone when it is not finite)."""
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step; returns the mean loss over the counted targets of the whole global batch, a 0-dim
+        tensor on the device: nothing here waits for the device. A non-finite loss leaves the weights and the
+        optimizer state alone (decided on the device), as does every step after it until `read_loss`, which
+        then stops the run."""
         cfg, procs = self.cfg, self.procs
-        batch = step_batch(self.train_data, cfg.seed, self.step, cfg.batch_size, self.seq_len)
+        batch = self.feed.get(self.step)
         # gradients are averaged over processes, so each process's share is scaled up by their number
         scale = procs.world / max(batch.n_targets, 1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for micro in range(cfg.grad_accum):
-            x, y = batch.micro(procs.rank, procs.world, micro, cfg.grad_accum)
+        for micro, (x, y) in enumerate(batch.micro):
             with self.precision.autocast(), gradient_sync(self.net, self.model, micro == cfg.grad_accum - 1):
-                _, loss = self.net(x.to(self.device), y.to(self.device), reduction="sum")
+                _, loss = self.net(x, y, reduction="sum", check_ids=False)  # the feed checked the ids
                 loss = loss * scale
             self.precision.backward(loss)
             loss_sum += loss.detach()
+        if self.step + 1 < cfg.max_steps:
+            self.feed.prefetch(self.step + 1)  # the host's share of the next step, while the device runs this one
         # all processes stop at the same step: a signal seen by one (torchrun forwards it to all) stops every one
-        loss_value, any_stop = procs.mean_and_any(loss_sum, self.stop_signal is not None)
-        if any_stop and self.stop_signal is None:
-            self.stop_signal = signal.SIGTERM
-        if not math.isfinite(loss_value):
-            return loss_value
-        self.precision.step(self.optimizers, cfg.grad_clip)
+        total, any_stop = procs.sum_and_any(loss_sum, self.stop_signal is not None)
+        self.precision.step(self.optimizers, cfg.grad_clip, skip=self.losses.add(self.step, total))
         self.step += 1
-        return loss_value
+        if isinstance(any_stop, torch.Tensor):  # read the step before's flag, whose all-reduce is done by now
+            previous, self._stop_flag = self._stop_flag, any_stop
+            self._stop_agreed = self._stop_agreed or (previous is not None and bool(previous))
+            if self._stop_agreed and self.stop_signal is None:
+                self.stop_signal = signal.SIGTERM
+        return total if procs.world == 1 else total / procs.world
+
+    def read_loss(self) -> float:
+        """The latest step's loss, read from the device with every loss since the last read; a non-finite one
+        among them stops the run (a GptlabError naming its step, where the weights still are)."""
+        loss, bad = self.losses.read()
+        if bad is not None:
+            self.step = bad.step  # no step from the bad one on changed the weights
+            raise bad.error(ckpt.list_step_checkpoints(self.run_dir))
+        return loss
 
     def run(self) -> int:
         """Train to max_steps (or max_time), then evaluate and checkpoint once more; returns the exit code."""
@@ -291,7 +313,7 @@ class Trainer:
             flops_per_token=flops_per_token(model_cfg, self.seq_len),
             device=self.device, world_size=self.procs.world, dtype=self.cfg.dtype,
         )
-        bar = self._progress_bar()
+        bar = progress_bar(self.cfg.max_steps, self.step, show=not self.quiet and self.procs.is_master)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         clean = False
         try:
@@ -315,9 +337,7 @@ class Trainer:
             t0 = time.perf_counter()
             multiplier = self._lr_multiplier()
             set_lr(self.optimizers, multiplier)
-            loss = self.train_step()
-            if not math.isfinite(loss):
-                raise self._non_finite(loss)
+            self.train_step()
             self._last_step_time = time.perf_counter() - t0
             # under a time budget every process must stop at the same step: all take rank 0's clock
             self.elapsed += self._last_step_time
@@ -325,9 +345,9 @@ class Trainer:
                 self.elapsed = self.procs.from_rank0(self.elapsed)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             do_eval = cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps
             if self.step % cfg.log_interval == 0 or do_eval:
+                loss = self.read_loss()  # the losses' only read between checkpoints: it waits for the device
                 tps = (self.step - window_step) * self.tokens_per_step / max(time.perf_counter() - window_t0, 1e-9)
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
                        "tokens_per_sec": tps, "elapsed_sec": self.elapsed, **log.utilization(tps)}
@@ -341,10 +361,12 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=True)
                 window_t0, window_step = time.perf_counter(), self.step
             if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
+                self.read_loss()  # never a checkpoint of a step that a non-finite loss skipped
                 self.save_checkpoint()
-            if self.stop_signal is not None:
+            if self._stop_agreed if self.procs.world > 1 else self.stop_signal is not None:
+                self.read_loss()
                 return self._stop_on_signal(bar)
-        # the end: a final evaluation (unless this step just had one) and checkpoint
+        self.read_loss()  # the end: a final evaluation (unless this step just had one) and checkpoint
         if bar is not None:
             bar.close()
         if last_eval_step != self.step:
@@ -392,12 +414,6 @@ class Trainer:
                   f"resume with: {how}", file=sys.stderr)
         return 0
 
-    def _non_finite(self, loss: float) -> GptlabError:
-        last = ckpt.list_step_checkpoints(self.run_dir)
-        where = f"last good checkpoint: {last[-1]}" if last else "no checkpoint was written yet"
-        return GptlabError(f"loss is {loss} at step {self.step + 1}; stopped without updating the weights "
-                           f"({where}). Try a lower lr, grad_clip, or float32")
-
     def _prepare_run_dir(self) -> None:
         """config.resolved.json, and for a resumed run metrics.jsonl without the rows past its checkpoint (they
         will be written again)."""
@@ -406,10 +422,3 @@ class Trainer:
                     "world_size": self.procs.world, "device": self.device}
         atomic_write_json(self.run_dir / RESOLVED_CONFIG, resolved)
         trim_metrics(self.run_dir / METRICS_FILE, self.step, self.quiet)
-
-    def _progress_bar(self) -> Any:
-        if self.quiet or not self.procs.is_master or not sys.stderr.isatty():
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
