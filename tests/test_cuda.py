@@ -172,3 +172,20 @@ def test_the_server_answers_from_the_gpu(tmp_path: Path) -> None:
         r = httpx.post(server.url + "/v1/completions", json={"model": "t", "prompt": "Hello", "max_tokens": 12,
                                                              "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+
+
+def test_an_odd_lm_head_runs_padded_on_the_gpu() -> None:
+    """GPT-2's 50,257-wide head at 50,304 for the tensor cores (ops.linear): the same logits and gradients."""
+    from gptlab import ops
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
+    w = torch.randn(50257, 256, device="cuda", requires_grad=True)
+    assert ops._gpu_pads(x, w)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, want = ops.linear(x, w), torch.nn.functional.linear(x, w)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)  # another kernel may sum in another order
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [x, w], grad), torch.autograd.grad(want, [x, w], grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -87,6 +87,27 @@ def test_padded_head_equals_f_linear_with_its_gradients(bias: bool, rows: int) -
         torch.testing.assert_close(a.double(), e.double(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gpus_padded_head_equals_f_linear_with_its_gradients(bias: bool) -> None:
+    """What a GPU runs for an LM head of an odd width (F.pad of the weight, a slice of the output), run here on
+    the CPU: the same output and gradients as F.linear; taken only on CUDA and only for wide, odd weights."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 70, 32, dtype=torch.float64).requires_grad_()
+    w = torch.randn(4097, 32, dtype=torch.float64).requires_grad_()
+    b = torch.randn(4097, dtype=torch.float64).requires_grad_() if bias else None
+    out, expected = ops.padded_linear(x, w, b), F.linear(x, w, b)
+    assert out.shape == expected.shape == (3, 70, 4097)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn(out.shape, dtype=torch.float64)
+    inputs = [x, w] + ([b] if bias else [])
+    for a, e in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, inputs, grad), strict=True):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e)
+    assert not ops._gpu_pads(x, w)  # a CPU tensor: the CPU's own rule applies
+    meta = torch.empty(4097, 32, device="meta")
+    assert not ops._gpu_pads(torch.empty(3, 70, 32, device="meta"), meta)
+
+
 def test_fused_fp32_lora_path_equals_the_plain_one(no_native_bf16: None) -> None:
     """With a bf16 base on such a CPU the LoRA layer runs as one fp32 function; it must compute what the plain
     path (a bf16 base matmul plus fp32 adapters) computes, and the same adapter gradients."""
