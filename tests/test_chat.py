@@ -22,9 +22,8 @@ from gptlab.checkpoint import save_model
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import ChatSession, MessageTooLongError, SamplingParams, generate
-from gptlab.generation.chat import turn_end_stops
 from gptlab.tokenizer import CharTokenizer
-from gptlab.tokenizer.chat_template import BUILTIN_TEMPLATES, chat_template_for
+from gptlab.tokenizer.chat_template import BUILTIN_TEMPLATES, chat_template_for, turn_end_stops
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,6 +153,33 @@ def test_replies_end_at_the_end_of_turn_token_or_the_templates_turn_end(tokenize
         assert turn_end_stops(session.template) == ["~"] and "~" in session.params.stop
     assert turn_end_stops(chat_template_for(tokenizer, "chatml")) == ["<|im_end|>"]
     assert turn_end_stops(chat_template_for(tokenizer, "plain")) == []
+
+
+@pytest.mark.parametrize("tokenizer, script, stop", [
+    (TildeTemplate(), "> yo~\n", None),  # the template's turn end, which the server used to miss
+    (TildeTemplate(), "> yQZk~\n", "Z"),  # the user's stop string with the template's
+    (ByteTokenizer(), "yo\nUser:", None),  # "plain": the user's next line
+    (ByteTokenizer(), "yo\nUser:", "o"),  # "plain" with a stop of the user's: both kept (the server dropped one)
+])
+def test_the_chat_command_and_the_server_stop_a_reply_alike(tokenizer, script, stop) -> None:
+    """One policy (`reply_stops`): `gptlab chat`'s session and /v1/chat/completions end the same reply at the
+    same place, the user's stop strings and the template's together."""
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from gptlab.serve import ServerThread, create_app
+
+    model = loop_model(tokenizer, script, 256, block_size=64)
+    session = ChatSession(model, tokenizer, SamplingParams(temperature=0, max_new_tokens=16,
+                                                           stop=(stop,) if stop else ()))
+    want = session.ask("hi")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0,
+            **({"stop": stop} if stop else {})}
+    with ServerThread(create_app(model, tokenizer, model_name="m", max_batch=1, ui=False)) as server:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    # the same reply; the session keeps it without the whitespace a template puts before it, the server as is
+    assert r.json()["choices"][0]["message"]["content"].strip() == want and want
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ from helpers import ByteTokenizer, one_line_error, tiny_model  # noqa: E402
 
 from gptlab.generation import SamplingParams, generate_batch  # noqa: E402
 from gptlab.generation.params import INT64_MAX, INT64_MIN, MAX_STOP_CHARS, InvalidSamplingParam  # noqa: E402
+from gptlab.generation.prompts import MAX_CHARS_PER_TOKEN  # noqa: E402
 from gptlab.serve import ServerThread, create_app  # noqa: E402
-from gptlab.serve.state import MAX_CHARS_PER_TOKEN  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,9 +17,9 @@ from typing import Any
 from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
 from gptlab.errors import GptlabError
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams  # torch-free: `gptlab --help` stays fast
+from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
 
 SEPARATOR = "\n---------------\n"
-MAX_CHARS_PER_TOKEN = 64  # text averages 3-5 characters per token: a prompt past 64 per token of context is too long
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -72,14 +72,10 @@ def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParam
 def _prompt_ids(prompt: str, tokenizer: Any) -> list[int]:
     """The prompt's token ids; an empty prompt starts from the end-of-text token."""
     ids = tokenizer.encode(prompt) if prompt else []  # a char vocabulary raises GptlabError naming unknown chars
-    if ids:
-        return ids
-    eot = getattr(tokenizer, "eot_id", None)
-    if eot is None:
-        raise GptlabError(
-            "the prompt is empty and this tokenizer has no end-of-text token to start from: pass --prompt TEXT"
-        )
-    return [eot]
+    try:
+        return start_ids(ids, getattr(tokenizer, "eot_id", None))
+    except EmptyPromptError as e:
+        raise GptlabError(f"{e}: pass --prompt TEXT") from None
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -95,11 +91,10 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def bound_prompt(prompt: str, block_size: int, truncate: bool) -> str:
-    """A prompt no longer than the context can hold, checked on its characters before it is tokenized (a
-    50 MB prompt would take minutes to tokenize only to be refused), with a wide margin (MAX_CHARS_PER_TOKEN
-    characters per token of context). With `truncate` its start is dropped instead; the engine then cuts the
-    tokens to the context exactly."""
-    limit = block_size * MAX_CHARS_PER_TOKEN
+    """A prompt no longer than the context can hold, checked on its characters before it is tokenized
+    (`gptlab.generation.prompts`). With `truncate` its start is dropped instead; the engine then cuts the tokens
+    to the context exactly."""
+    limit = prompt_char_limit(block_size)
     if len(prompt) <= limit:
         return prompt
     if truncate:

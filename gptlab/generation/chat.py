@@ -36,16 +36,10 @@ from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
 from gptlab.model import GPT
-from gptlab.tokenizer.chat_template import (
-    BrokenChatTemplateError,
-    ChatTemplate,
-    ChatTemplateError,
-    chat_template_for,
-)
+from gptlab.tokenizer.chat_template import ChatTemplate, chat_template_for, reply_stops
 
 Message = dict[str, str]
 DEFAULT_REPLY_TOKENS = 512  # per reply, at most half the context (default_max_new_tokens)
-_PROBE = "GPTLAB-END-OF-REPLY-PROBE"  # a reply text no template changes, to find what follows a reply
 
 
 class MessageTooLongError(GptlabError):
@@ -55,21 +49,6 @@ class MessageTooLongError(GptlabError):
 def default_max_new_tokens(block_size: int) -> int:
     """A reply budget that leaves at least half of the context to the conversation."""
     return max(1, min(DEFAULT_REPLY_TOKENS, block_size // 2))
-
-
-def turn_end_stops(template: ChatTemplate) -> list[str]:
-    """The text `template` writes after an assistant message (whitespace stripped), as a stop string: a model
-    trained on the template writes it to end its turn. Empty when the template writes only whitespace there
-    (e.g. "plain") or rejects the sample conversation; a broken template's error (not Jinja, too slow) goes on."""
-    try:
-        text = template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}])
-    except BrokenChatTemplateError:
-        raise
-    except ChatTemplateError:
-        return []
-    at = text.rfind(_PROBE)
-    tail = text[at + len(_PROBE) :].strip() if at >= 0 else ""
-    return [tail] if tail else []
 
 
 class ChatSession:
@@ -99,8 +78,7 @@ class ChatSession:
                 f"a reply of up to {params.max_new_tokens} new tokens leaves no room for the conversation in the "
                 f"model's context of {self.block_size} tokens: allow between 1 and {self.block_size - 1}"
             )
-        stops = dict.fromkeys([*params.stop, *self.template.stop, *turn_end_stops(self.template)])  # ordered set
-        self.params = dataclasses.replace(params, stop=tuple(stops))
+        self.params = dataclasses.replace(params, stop=reply_stops(self.template, params.stop))
         self.system = system
         self.turns: list[Message] = []  # user and assistant messages, alternating, oldest first
         self.on_notice = on_notice

@@ -2,12 +2,11 @@
 
     schemas        protocol: request bodies, error bodies, logprobs objects
     limits         request bodies too large (413) or too slow (408)
-    chat_template  chat messages -> prompt text
     scheduler      the thread that runs the engine (continuous batching)
     state          Server: what the routes share; a request -> generations
     streaming      server-sent events
     completions    POST /v1/completions
-    chat           POST /v1/chat/completions
+    chat           POST /v1/chat/completions: messages -> prompt text (the chat template), where replies stop
     app            create_app: the FastAPI app, middleware, error handlers
     thread         ServerThread: uvicorn in a background thread (tests, benchmarks)
 
@@ -22,14 +21,14 @@ from gptlab.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gptlab.serve.app import create_app
-    from gptlab.serve.chat_template import DEFAULT_CHAT_STOP, render_chat
+    from gptlab.serve.chat import DEFAULT_CHAT_STOP, render_chat
     from gptlab.serve.thread import ServerThread
 
 _LAZY = {
     "create_app": "gptlab.serve.app",
     "ServerThread": "gptlab.serve.thread",
-    "render_chat": "gptlab.serve.chat_template",
-    "DEFAULT_CHAT_STOP": "gptlab.serve.chat_template",
+    "render_chat": "gptlab.serve.chat",
+    "DEFAULT_CHAT_STOP": "gptlab.serve.chat",
 }
 __all__ = ["create_app", "ServerThread", "render_chat", "DEFAULT_CHAT_STOP"]  # = _LAZY's names
 

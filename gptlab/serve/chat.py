@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: answer a conversation.
 
-The messages become one prompt through the tokenizer's chat template (`chat_template`); without one, generation
-also stops at DEFAULT_CHAT_STOP unless the request gives its own stop strings. Without max_tokens (or
+The messages become one prompt through `gptlab.tokenizer.chat_template` (the tokenizer's own Jinja template, or
+the built-in "plain" one for a base model), and the answer stops where `gptlab chat`'s does (`reply_stops`: the
+request's stop strings, the template's own, and what the template writes after a reply; under "plain", where
+nothing in the model marks the end of its turn, DEFAULT_CHAT_STOP: the user's next line). Without max_tokens (or
 max_completion_tokens) the answer may run to the end of the context. `logprobs: true` reports each token's
 log-probability, `top_logprobs` = N its N likeliest alternatives too.
 """
@@ -15,10 +17,30 @@ from typing import Any
 
 from fastapi import Request
 
-from gptlab.serve.chat_template import DEFAULT_CHAT_STOP, render_chat
-from gptlab.serve.schemas import ChatRequest, chat_logprobs
+from gptlab.serve.schemas import ApiError, ChatRequest, chat_logprobs
 from gptlab.serve.state import Server, usage
 from gptlab.serve.streaming import event_stream
+from gptlab.tokenizer.chat_template import BUILTIN_STOPS, ChatTemplateError, chat_template_for, reply_stops
+
+DEFAULT_CHAT_STOP = BUILTIN_STOPS["plain"][0]
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, bool]:
+    """The prompt text for `messages`, and whether it came from the tokenizer's own template."""
+    text, templated, _ = _render(tokenizer, messages, [])
+    return text, templated
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], user_stops: list[str]) -> tuple[str, bool, tuple]:
+    """The prompt text, whether the tokenizer's own template made it, and where the reply stops (a 400 naming
+    the messages where the template cannot render them)."""
+    template = chat_template_for(tokenizer)
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+        stops = reply_stops(template, user_stops)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), param="messages") from e
+    return text, template.name == "tokenizer", stops
 
 
 async def create_chat_completion(server: Server, req: ChatRequest, request: Request) -> Any:
@@ -27,8 +49,8 @@ async def create_chat_completion(server: Server, req: ChatRequest, request: Requ
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     server.check_prompt_chars(sum(len(m["content"]) for m in messages), param="messages")
     server.check_queue(req.n)
-    text, templated = await asyncio.to_thread(render_chat, tokenizer, messages)  # Jinja, off the event loop
-    stops = req.stop_list() + ([] if templated or req.stop else [DEFAULT_CHAT_STOP])
+    # Jinja, off the event loop
+    text, templated, stops = await asyncio.to_thread(_render, tokenizer, messages, req.stop_list())
     prompts = await server.encode([text], special=templated)
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     job = server.start(

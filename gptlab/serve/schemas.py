@@ -23,7 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from gptlab.generation.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_STOP_CHARS  # torch-free
 
 MAX_N = 16
-MAX_STOPS = 4
+SERVER_MAX_STOPS = 4  # OpenAI's limit; the engine takes more (generation.params.MAX_STOPS)
 MAX_PROMPTS = 64  # prompts in one completions request (each is n generations, bounded by the queue too)
 
 
@@ -120,7 +120,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: Choices = 1
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=SERVER_MAX_STOPS)] | None = None
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

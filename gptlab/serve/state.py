@@ -6,7 +6,7 @@ must leave room for one token; max_tokens is capped to the room left), and the s
 `SamplingParams` checks (its `InvalidSamplingParam` becomes a 400 naming the request's field).
 
 Nothing slow runs on the event loop: prompts are tokenized in a worker thread (a 20 MB prompt took 12 s, during
-which /health waited), and a text longer than MAX_CHARS_PER_TOKEN characters per context position cannot fit,
+which /health waited), and a text longer than `prompt_char_limit` characters cannot fit,
 so it is refused before it is tokenized at all. A request whose client hangs up stops its generations (`wait`),
 streamed or not, so its rows go to the next requests.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -23,12 +23,9 @@ from fastapi import Request
 from gptlab.errors import GptlabError
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
+from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
-
-# no token of a real vocabulary is longer (GPT-2's longest is 128 bytes): a text over this many characters per
-# context position holds more tokens than the context, whatever the tokenizer
-MAX_CHARS_PER_TOKEN = 1024
 
 
 class Server:
@@ -51,7 +48,7 @@ class Server:
 
     def check_prompt_chars(self, chars: int, param: str = "prompt") -> None:
         """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens."""
-        if chars > self.block_size * MAX_CHARS_PER_TOKEN:
+        if chars > prompt_char_limit(self.block_size):
             raise ApiError(
                 400,
                 f"This model's maximum context length is {self.block_size} tokens; the {param} has {chars} "
@@ -85,7 +82,7 @@ class Server:
         req: SamplingFields,
         *,
         max_tokens: int | None,
-        stops: list[str],
+        stops: Sequence[str],
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
         param_names: Mapping[str, str] | None = None,
@@ -131,10 +128,10 @@ class Server:
 
     def _check_prompt(self, ids: list[int]) -> list[int]:
         """The prompt's token ids (an empty prompt starts from end-of-text), if they fit the model."""
-        if not ids:
-            if self.tokenizer.eot_id is None:
-                raise ApiError(400, "the prompt is empty and the tokenizer has no end-of-text token", param="prompt")
-            ids = [self.tokenizer.eot_id]
+        try:
+            ids = start_ids(ids, self.tokenizer.eot_id)
+        except EmptyPromptError as e:
+            raise ApiError(400, str(e), param="prompt") from e
         if any(not 0 <= t < self.engine.config.vocab_size for t in ids):
             raise ApiError(400, "prompt token ids must be in [0, vocab_size)", param="prompt")
         if len(ids) >= self.block_size:

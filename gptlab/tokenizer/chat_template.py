@@ -197,3 +197,29 @@ def chat_template_for(tokenizer: Any, name: str | None = None) -> ChatTemplate:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+_PROBE = "GPTLAB-END-OF-REPLY-PROBE"  # a reply text no template changes, to find what follows a reply
+
+
+def turn_end_stops(template: ChatTemplate) -> list[str]:
+    """The text `template` writes after an assistant message (whitespace stripped), as a stop string: a model
+    trained on the template writes it to end its turn. Empty when the template writes only whitespace there
+    (e.g. "plain") or rejects the sample conversation; a broken template's error (not Jinja, too slow) goes on."""
+    try:
+        text = template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}])
+    except BrokenChatTemplateError:
+        raise
+    except ChatTemplateError:
+        return []
+    at = text.rfind(_PROBE)
+    tail = text[at + len(_PROBE) :].strip() if at >= 0 else ""
+    return [tail] if tail else []
+
+
+def reply_stops(template: ChatTemplate, user_stops: Sequence[str] = ()) -> tuple[str, ...]:
+    """Where a reply under `template` stops: the user's stop strings, then the template's own (a built-in's, e.g.
+    "plain"'s "\nUser:"), then what it writes after a reply (`turn_end_stops`), each once. The one policy of
+    `gptlab chat`, `/v1/chat/completions` and the web page's chat."""
+    return tuple(dict.fromkeys([*user_stops, *template.stop, *turn_end_stops(template)]))
+

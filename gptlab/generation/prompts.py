@@ -1,0 +1,36 @@
+"""What every entry point (`gptlab sample`, `gptlab chat`, the server) does with a prompt before the engine sees it,
+written once. Torch-free: the command line reads it before torch is imported.
+
+* A text longer than `prompt_char_limit(block_size)` characters cannot fit the context whatever the tokenizer (no
+  token of a real vocabulary is longer than MAX_CHARS_PER_TOKEN characters; GPT-2's longest is 128 bytes): it is
+  refused, or cut to its end, before it is tokenized (a 50 MB prompt would take minutes to tokenize only to be
+  refused). The engine then checks the tokens against the context exactly.
+* An empty prompt starts from the end-of-text token (`start_ids`), as nanoGPT's sample.py does; a tokenizer without
+  one cannot start from nothing (`EmptyPromptError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gptlab.errors import GptlabError
+
+MAX_CHARS_PER_TOKEN = 1024
+
+
+class EmptyPromptError(GptlabError, ValueError):
+    """An empty prompt, and a tokenizer with no end-of-text token to start from."""
+
+
+def prompt_char_limit(block_size: int) -> int:
+    """The most characters a prompt for a context of `block_size` tokens may have before it is tokenized."""
+    return block_size * MAX_CHARS_PER_TOKEN
+
+
+def start_ids(ids: Sequence[int], eot_id: int | None) -> list[int]:
+    """The prompt's token ids, or for an empty prompt the end-of-text token alone."""
+    if ids:
+        return list(ids)
+    if eot_id is None:
+        raise EmptyPromptError("the prompt is empty and this tokenizer has no end-of-text token to start from")
+    return [eot_id]
