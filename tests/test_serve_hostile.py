@@ -202,6 +202,8 @@ def test_openapi_documents_400_and_the_bounds_and_there_is_no_cdn_page(hostile):
     assert fields["n"]["maximum"] == 16 and fields["top_k"]["maximum"] == INT64_MAX
     assert fields["seed"]["anyOf"][0].items() >= {"minimum": INT64_MIN, "maximum": INT64_MAX}.items()
     assert any(m.get("maxItems") == 4 for m in fields["stop"]["anyOf"])
+    ids = [m for m in fields["prompt"]["anyOf"] if m.get("type") == "array" and m["items"].get("type") == "integer"]
+    assert ids[0]["items"]["maximum"] == 255  # the model's vocabulary: an id past it is outside the schema too
     chat = schema["components"]["schemas"]["ChatRequest"]  # the rule a 400 enforces is stated, not only enforced
     assert chat["dependentSchemas"]["top_logprobs"] == {"required": ["logprobs"],
                                                         "properties": {"logprobs": {"const": True}}}

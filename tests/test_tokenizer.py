@@ -217,6 +217,22 @@ def test_bpe_saved_file_is_plain_hugging_face(bpe: HFTokenizer, tmp_path) -> Non
     assert plain.encode("First Citizen:").ids == bpe.encode("First Citizen:")
 
 
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("chat_template", ["not", "text"], "chat_template must be text"),
+    ("chat_template", 7, "chat_template must be text"),
+    ("eot_id", "0", "eot_id must be a token id"), ("bos_id", -1, "bos_id must be a token id"),
+    ("eot_id", True, "eot_id must be a token id"),
+])
+def test_a_saved_tokenizer_with_mistyped_fields_is_named_damaged(bpe: HFTokenizer, tmp_path, field, value,
+                                                                 why) -> None:
+    """A chat template that is not text is not silently replaced by the built-in one: the file is named."""
+    bpe.save(tmp_path)
+    meta = json.loads((tmp_path / "tokenizer_meta.json").read_text())
+    (tmp_path / "tokenizer_meta.json").write_text(json.dumps({**meta, field: value}))
+    with pytest.raises(DamagedTokenizer, match=f"tokenizer_meta.json is damaged \\({why}"):
+        load_tokenizer(tmp_path)
+
+
 # --- Hugging Face model directories -----------------------------------------------------------------------------
 
 

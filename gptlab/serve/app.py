@@ -88,7 +88,7 @@ def create_app(
 
     app = FastAPI(title="gptlab", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, model.config.vocab_size)  # type: ignore[method-assign]
     app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout=body_timeout)
 
     @app.middleware("http")
@@ -148,14 +148,17 @@ def create_app(
     return app
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, vocab_size: int) -> dict[str, Any]:
     """FastAPI's schema without its 422 answers (this server answers a bad request 400, `RESPONSES`), and with
     pydantic's own schemas of the bodies: FastAPI's pass through its models writes every bound as a float, and
-    INT64_MAX as a float is 2**63, out of range."""
+    INT64_MAX as a float is 2**63, out of range. A prompt of token ids is bounded by this model's vocabulary."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         bodies = [(model, "validation") for model in (CompletionRequest, ChatRequest)]
         _, defs = models_json_schema(bodies, ref_template="#/components/schemas/{model}")
+        for form in defs["$defs"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+            if form.get("type") == "array" and form["items"].get("type") == "integer":
+                form["items"]["maximum"] = vocab_size - 1
         schema["components"]["schemas"].update(defs["$defs"])
         for path in schema["paths"].values():
             for operation in path.values():

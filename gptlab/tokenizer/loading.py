@@ -47,6 +47,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
                 tok = HFTok.from_file(str(d / HF_FILE))
             except Exception as e:  # the tokenizers library raises a bare Exception for a file it can't parse
                 raise damaged(d / HF_FILE, f"`tokenizers` cannot read it: {e}") from None
+            _check_meta_fields(d / META_FILE, meta)
             return HFTokenizer(tok, kind, meta.get("eot_id"), meta.get("bos_id"), meta.get("chat_template"),
                                str(d / META_FILE))
         raise GptlabError(f"{d / META_FILE} has unknown tokenizer kind {kind!r} (expected one of {KINDS})")
@@ -59,6 +60,18 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
         f"no tokenizer in {d}: expected {META_FILE} (written by gptlab) or a Hugging Face {HF_FILE} "
         "(or vocab.json + merges.txt)"
     )
+
+
+def _check_meta_fields(path: Path, meta: dict) -> None:
+    """tokenizer_meta.json's optional fields have their types (a damaged file is named, never half-used: a chat
+    template that is not text would otherwise be replaced by the built-in one without a word)."""
+    for key in ("eot_id", "bos_id"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise damaged(path, f"{key} must be a token id (an integer >= 0) or null, got {value!r}")
+    template = meta.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise damaged(path, f"chat_template must be text (a Jinja template) or null, got {type(template).__name__}")
 
 
 def _held_by_model(d: Path) -> Path | None:
