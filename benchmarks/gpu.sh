@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU and no network: install gptlab from this checkout (and the wheels
-# brought along in .whl/, if any, for what the machine's Python lacks: the server's fastapi/uvicorn), run the CUDA
-# tests, then time training against nanoGPT's model and decoding against transformers (benchmarks/gpu.py).
+# brought along in .whl/, if any, for what the machine's Python lacks: the server's fastapi/uvicorn, fetched
+# beforehand by benchmarks/gpu_wheels.sh), run the CUDA tests, then time training against nanoGPT's model and
+# decoding against transformers (benchmarks/gpu.py). nanoGPT's checkout comes along too (its model.py is the peer).
 #
 #   benchmarks/gpu.sh [NANOGPT_CHECKOUT] [LOG_DIR]     # defaults: .gpu/nanogpt, ./gpu-logs
 #
