@@ -140,11 +140,11 @@ def retain_freed_memory() -> bool:
 
     PyTorch's CPU tensors come straight from malloc. By default glibc serves blocks over 32 MB (and often
     smaller ones) with a fresh mmap and unmaps them on free, so a training step that makes and drops a few
-    (B*T, vocab) logits tensors touches new pages every time: GPT-2 124M at 4 x 256 tokens took ~360,000 page
-    faults per step and ran at 250 tokens/s; with freed memory kept, 0 faults and 345 tokens/s (AMD Zen 4, 2
-    threads). The cost: memory a process freed stays reserved by it, which a training process reuses on its
-    next step anyway (a long-lived server, whose sizes vary, is left as it is). Process-wide; `gptlab
-    train/eval/sample` call it. Returns whether it applied (False off glibc Linux, e.g. macOS or musl).
+    (B*T, vocab) logits tensors touches new pages every time: hundreds of thousands of page faults a step for
+    GPT-2 124M, a good share of its time (tests/test_train.py counts them). The cost: memory a process freed
+    stays reserved by it, which a training process reuses on its next step anyway (a long-lived server, whose
+    sizes vary, is left as it is). Process-wide; `gptlab train/eval/sample` call it. Returns whether it applied
+    (False off glibc Linux, e.g. macOS or musl).
     """
     if not sys.platform.startswith("linux"):
         return False

@@ -1,16 +1,14 @@
 """Matmul and loss kernels the model and its adapters run through, for CPUs as they are.
 
 * `linear`: F.linear, except for bf16/fp16 weights on a CPU without native low-precision matmuls (no AVX512-BF16
-  or AMX: AMD Zen 3, older Xeons), where torch's bf16 matmul is 3-20x slower than fp32 (over 100x for an LM head's
-  backward). There it computes in fp32, in chunks of the weight's rows, and rounds once: the numbers of a native
-  bf16 matmul (fp32 accumulation, one rounding) at fp32 speed.
+  or AMX: AMD Zen 3, older Xeons), where torch's bf16 matmul is several times slower than fp32 (two orders of
+  magnitude for an LM head's backward). There it computes in fp32, in chunks of the weight's rows, and rounds
+  once: the numbers of a native bf16 matmul (fp32 accumulation, one rounding) at fp32 speed.
   And for an fp32 LM head whose vocabulary is not a multiple of 64 (GPT-2's 50,257) on a CPU: MKL's matmuls with
-  such an odd output width ran 20-60% slower (forward 836 ms against 529 at 1,024 tokens x 768 on a 2-core Zen 3:
-  nanoGPT pads its vocabulary to 50,304 for this); `linear` pads the weight with zero rows for the products and
-  slices the result, the same numbers at the aligned width's speed. On a GPU the same holds for the tensor cores:
-  GPT-2 124M trained 7% faster on an H100 with its vocabulary padded to 50,304 (37.0 against 39.9 ms a step at
-  B16 x T1024, bf16, compiled); there the padding is `F.pad` of the weight, which torch.compile fuses into
-  autocast's cast of it.
+  such an odd output width run markedly slower (nanoGPT pads its vocabulary to 50,304 for this); `linear` pads the
+  weight with zero rows for the products and slices the result, the same numbers at the aligned width's speed.
+  The same holds for a GPU's tensor cores (a padded vocabulary trains GPT-2 faster: README, "On a GPU"); there
+  the padding is `F.pad` of the weight, which torch.compile fuses into autocast's cast of it.
 * `cross_entropy`: F.cross_entropy(logits.float(), targets, ignore_index=-1) without an fp32 copy of the whole
   (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words.
 """
@@ -27,8 +25,8 @@ import torch.nn.functional as F
 @functools.cache
 def native_low_precision_matmul(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies `dtype` matrices natively. Without AVX512-BF16 or AMX (AVX2-only CPUs such as
-    AMD Zen 3) torch's bf16 matmul is 3-20x slower than fp32, and over 100x slower with a long inner dimension
-    (an LM head's backward, 2048 x 49152 @ 49152 x 576: 127 s against 0.8 s through fp32 on a Zen 3)."""
+    AMD Zen 3) torch's bf16 matmul is several times slower than fp32, and two orders of magnitude slower with a
+    long inner dimension (an LM head's backward)."""
     def has(feature: str) -> bool:  # torch's CPU feature probes (private: assume native if one is missing)
         return bool(getattr(torch.cpu, f"_is_{feature}_supported", lambda: True)())
 
@@ -211,8 +209,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     targets = targets.long()
     if logits.device.type == "cuda" and torch.compiler.is_compiling():
-        # compiled on a GPU, inductor fuses this into passes over the logits that hold no fp32 copy of them: fewer
-        # bytes than the chunks below (GPT-2 124M at B16 x T1024 on an H100: 49 ms a step with the chunks)
+        # compiled on a GPU, inductor fuses this into passes over the logits that hold no fp32 copy of them: far
+        # fewer bytes than the chunks below, which are for a CPU's memory
         return F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction=reduction)
     losses = _CrossEntropy.apply(logits, targets)
     if reduction == "none":

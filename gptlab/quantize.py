@@ -15,8 +15,8 @@ quantized (gptlab's kernel below rounds them to 16-bit fixed point inside the pr
   PyTorch's int4 kernels): scale = (max - min) / 15, q = round((w - min) / scale) in [0, 15], w ~ (q - 8) *
   scale + zero with zero = min + 8 * scale (= q * scale + min). A zero point spends the 16 levels on the range
   the group actually has, where a symmetric grid wastes part of it on the side with the smaller magnitude.
-  Group size 32 by default: the most accurate of the kernels' sizes, and at batch 1 as fast as 64 or 128 (GPT-2
-  124M's 49 matrices: 10.6 ms against 11.2 and 11.6 on a Zen 3; at batch 32 128 is 20% faster).
+  Group size 32 by default: the most accurate of the kernels' sizes, and at batch 1 about as fast as 64 or 128
+  (at batch 32 larger groups are faster: benchmarks/kernel_throughput.py).
 
 Both round to the nearest level, so |w - dequantized w| <= scale / 2 for every element (tests check this).
 
@@ -29,15 +29,16 @@ kernel where one runs:
   multiplies the integers with integer multiply-adds against the activations put in 16-bit fixed point per row
   (rounding error at most 2^-16 of the row's largest value: finer than the bf16 activations PyTorch's kernels
   take, for every value above 1/128 of the largest), sums exactly in int32 and scales in fp32.
-  PyTorch's kernels below were slower there than the bf16 model (GPT-2 124M, batch 1, 2-core Zen 3: int8 41
-  tokens/s, int4 51, bf16 69); benchmarks/generate_throughput.py --settings 1:int8,1:int4 times this kernel.
+  PyTorch's kernels below were slower there than the bf16 model; benchmarks/generate_throughput.py --settings
+  1:int8,1:int4 times this kernel against them.
 * Elsewhere on CPUs: PyTorch's `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`, with bf16 (or fp16)
-  activations and scales. With fp32 activations these kernels are 5-30x slower than with bf16 (measured, AMD EPYC
-  Zen 3, GPT-2 124M shapes), so an fp32 model's activations go through them in bf16 and come back in fp32: the
-  same rounding a bf16 matmul has. Dequantizing and then multiplying is 4-8x slower than either kernel at batch 1
-  and 32, so it is only the reference.
-* CUDA: int4 through `aten._weight_int4pack_mm` (tinygemm), checked once against the reference on a small
-  weight before use; int8 by dequantizing to the activations' dtype and a plain matmul.
+  activations and scales. With fp32 activations these kernels are several times slower than with bf16, so an fp32
+  model's activations go through them in bf16 and come back in fp32: the same rounding a bf16 matmul has.
+  Dequantizing and then multiplying is several times slower than either kernel, so it is only the reference.
+* CUDA (quantized on the CPU, only the integers moved: `gptlab.loading`): int4 through `aten._weight_int4pack_mm`
+  (tinygemm), checked once against the reference on a small weight before use; int8 through
+  `aten._weight_int8pack_mm` where the CUDA build has it, else (x @ q.T) * scale with each layer's weight widened
+  for its call only: the integers stay the one copy at rest.
 * Anywhere else (another device, float64 inputs, a kernel that refuses a shape): the reference.
 
 The kernels' copies of the weights (packed layouts, scales in the activations' dtype) are made on first use per

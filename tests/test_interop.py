@@ -463,3 +463,11 @@ def test_convert_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> No
     assert main(["convert", str(tmp_path / "tiny"), str(tmp_path / "precious")]) == 2
     assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
     assert main(["convert", str(tmp_path / "tiny"), str(tmp_path / "tiny" / "hf")]) == 2
+
+
+def test_convert_help_names_every_family_the_registry_lists() -> None:
+    """`gptlab convert --help` names its families without importing torch: the list it names is the registry's."""
+    from gptlab.cli.convert import HF_ARCHITECTURES
+    from gptlab.interop.registry import SUPPORTED_ARCHITECTURES
+
+    assert HF_ARCHITECTURES == SUPPORTED_ARCHITECTURES

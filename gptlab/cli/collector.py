@@ -2,8 +2,7 @@
 
 `import torch` creates about 170,000 long-lived objects (modules, functions, dispatch tables), many in reference
 cycles. The collector scans them repeatedly while they are made, and again in the interpreter's final collections
-at exit: on the 2-core machine of the CPU speedrun about 0.15 s of start-up and 0.4 s of shutdown, for a process
-that takes a few seconds in all (and `gptlab sample --max-new-tokens 1` about as long as that start-up).
+at exit: a noticeable share of a command that takes a few seconds in all (`gptlab sample --max-new-tokens 1`).
 
 * `import_torch_quietly`: torch imported with the collector paused, then everything alive moved to the collector's
   permanent generation (`gc.freeze`), which later collections skip; the collector runs as usual afterwards.

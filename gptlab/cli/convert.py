@@ -8,13 +8,18 @@ import argparse
 from gptlab.cli.options import torch_dtype
 from gptlab.errors import GptlabError
 
+# the families gptlab.interop.registry lists (named here: importing it imports torch, and --help should not)
+HF_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM", "Qwen2ForCausalLM",
+                    "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+                    "GPTJForCausalLM")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert", help="convert between gptlab checkpoints and Hugging Face directories",
-        description="A Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM, GPTNeoXForCausalLM) "
-        "becomes a gptlab checkpoint; a gptlab checkpoint or run becomes a Hugging Face directory; either "
-        "becomes one GGUF file for llama.cpp with --to gguf (GPT-2 and Llama families). The "
+        description=f"A Hugging Face directory ({', '.join(HF_ARCHITECTURES)}) becomes a gptlab checkpoint; "
+        "a gptlab checkpoint or run becomes a Hugging Face directory; either becomes one GGUF file for "
+        "llama.cpp with --to gguf (GPT-2 and Llama families). The "
         "tokenizer comes along when SRC has one. DST is replaced atomically. A LoRA run is written with its "
         "adapters merged into the base, or with --adapter-only as a peft adapter directory.",
     )

@@ -384,9 +384,8 @@ def default_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype
     """fp32 keys/values on CPUs whatever the weights' dtype, else the weights' dtype.
 
     Attention runs in the cache's dtype when it is the wider one. On CPUs PyTorch's bf16 attention kernels are
-    slower than fp32 ones at decoding shapes, even though they read half the bytes (measured on GPT-2 124M: a
-    batch-32 decode step 164 ms with a bf16 cache, 127 ms with an fp32 one; batch 1: 47 vs 34 ms); fp32 is
-    also the more accurate choice."""
+    slower than fp32 ones at decoding shapes, even though they read half the bytes; fp32 is also the more accurate
+    choice."""
     return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
 
 

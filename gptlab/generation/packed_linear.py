@@ -2,13 +2,11 @@
 
 * bf16: `F.linear` hands oneDNN a plain row-major weight, which it re-lays out or runs through a slow generic
   kernel on every call. Packing each weight once in oneDNN's blocked layout (what torch.compile's freezing pass
-  does) and calling oneDNN's linear on it gives the same numbers much faster: GPT-2 124M greedy decoding (AMD
-  Zen 4, 1 thread) went from 20 to 34 tokens/s at batch 1 and from 219 to 314 at batch 32, identical tokens.
+  does) and calling oneDNN's linear on it gives the same numbers much faster.
   oneDNN packs bf16 only on CPUs with AVX512-BW or AVX-NE-CONVERT; elsewhere (e.g. AVX2-only CPUs) the reorder
   raises, so `packing_helps` tries a tiny one first.
 * fp32: MKL's matrix-vector path is faster for x @ W with W stored (in, out) than for x @ W.T with the (out,
-  in) nn.Linear weight (the layout transformers' GPT-2 Conv1D uses): 20 -> 24-25 tokens/s at batch 1, same
-  tokens.
+  in) nn.Linear weight (the layout transformers' GPT-2 Conv1D uses).
 * gptlab's own kernel (`gptlab.kernels`, built once per machine), where `gptlab.kernels.dispatch` measured it to be
   the fastest path for the weights' dtype (on AVX2-only CPUs, AMD Zen 2/3 and older Xeons, oneDNN cannot prepack
   bf16 and torch's bf16 matmul is several times slower than fp32; on AVX-512 CPUs it also beat oneDNN): both bf16
