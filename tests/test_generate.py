@@ -100,7 +100,7 @@ def test_rows_join_and_leave_between_steps():
     assert short.finished and engine.slots[0] is None  # short freed its row
     late = engine.prepare([8, 9, 10, 11], SamplingParams(temperature=0, max_new_tokens=20))
     engine.add([late])
-    assert late.slot == 0
+    assert late.row.slot == 0
     while engine.running:
         engine.step()
     assert long.token_ids == reference_greedy(model, [1, 2, 3], 25)
@@ -564,7 +564,7 @@ def test_chunked_prefill_equals_whole_prefill(chunk, lengths):
     engine = Engine(_CHUNK_MODEL, max_batch=len(prompts), prefill_chunk=chunk)
     chunked = engine.run([engine.prepare(p, params) for p in prompts])
     for a, b in zip(whole, chunked, strict=True):
-        assert a.token_ids == b.token_ids and b.pending == []
+        assert a.token_ids == b.token_ids and b.row.pending == []
         assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-5)
         assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(a.prompt_ids)
         assert [e.logprob for e in a.prompt_logprobs[1:]] == pytest.approx(

@@ -46,7 +46,7 @@ from gptlab.generation.rows import (
     Generation,
     prepare_generation,
 )
-from gptlab.generation.sampling import TokenLogprob, sample_next, token_logprobs
+from gptlab.generation.sampling import TokenCounts, TokenLogprob, sample_next, token_logprobs
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 from gptlab.quantize import QuantizedLinear
@@ -83,8 +83,7 @@ class Engine:
         self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device,
                              dtype=cache_dtype or default_cache_dtype(self.device, self.dtype))
         self.slots: list[Generation | None] = [None] * max_batch
-        self._counts: torch.Tensor | None = None  # (max_batch, V) output-token counts, made on first penalty
-        self._seen: torch.Tensor | None = None  # (max_batch, V) tokens in prompt or output
+        self._penalties: TokenCounts | None = None  # made when a row first asks for a penalty
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         # (not under torch.compile: it cannot trace into the C++ kernels, and compiles its own)
@@ -140,8 +139,8 @@ class Engine:
 
     def release(self, gen: Generation) -> None:
         """Free a row (finished or cancelled); its cache entries are simply overwritten by the next user."""
-        if 0 <= gen.slot < self.max_batch and self.slots[gen.slot] is gen:
-            self.slots[gen.slot] = None
+        if 0 <= gen.row.slot < self.max_batch and self.slots[gen.row.slot] is gen:
+            self.slots[gen.row.slot] = None
         if not gen.finished:
             gen._finish(FINISH_STOP)
 
@@ -176,14 +175,14 @@ class Engine:
                 self.add([g])
             return
         for i, g in enumerate(gens):
-            g.slot = start + i
-            self.slots[g.slot] = g
-            g.window = list(g.prompt_ids)
+            g.row.slot = start + i
+            self.slots[g.row.slot] = g
+            g.row.window = list(g.prompt_ids)
             g.prompt_logprobs = [None] if g.params.prompt_logprobs else []
         self._reset_penalty_rows(gens)
         if self.prefill_chunk is not None and any(len(g.prompt_ids) > self.prefill_chunk for g in gens):
             for g in gens:  # each row on its own: its first chunk now, the rest over the next steps
-                self.cache.lengths[g.slot] = 0  # whatever the slot's previous user left
+                self.cache.lengths[g.row.slot] = 0  # whatever the slot's previous user left
                 self._prefill_part(g, g.prompt_ids)
             return
         logits, hidden = self._prefill(start, [g.prompt_ids for g in gens])
@@ -192,16 +191,16 @@ class Engine:
         self._accept(gens, logits)
 
     def _prefill_part(self, g: Generation, tokens: list[int]) -> None:
-        """Append up to prefill_chunk of `tokens` to g's row; the rest waits (g.pending) for the next steps.
+        """Append up to prefill_chunk of `tokens` to g's row; the rest waits (g.row.pending) for the next steps.
         When the prompt is complete, sample the row's first token."""
         chunk = self.prefill_chunk or len(tokens)
-        part, g.pending = tokens[:chunk], tokens[chunk:]
-        done = len(g.prompt_ids) - len(g.pending) - len(part)  # prompt tokens already in the cache
-        view = self.cache.rows(g.slot, g.slot + 1)
+        part, g.row.pending = tokens[:chunk], tokens[chunk:]
+        done = len(g.prompt_ids) - len(g.row.pending) - len(part)  # prompt tokens already in the cache
+        view = self.cache.rows(g.row.slot, g.row.slot + 1)
         with self._kernels(refresh=True):
             hidden = self.model.hidden_states(torch.tensor([part], device=self.device), kv_cache=view)[0]
             self._score_prompt(g, hidden, done)
-            if not g.pending:
+            if not g.row.pending:
                 self._accept([g], self.model.logits(hidden[-1:]))
 
     def _score_prompt(self, g: Generation, hidden: torch.Tensor, start: int) -> None:
@@ -241,33 +240,33 @@ class Engine:
     def step(self) -> list[Generation]:
         """Feed every running row its newest token and sample the next, and give each row still prefilling its
         next prompt chunk; returns the rows that got a token."""
-        prefilling = [g for g in self.running if g.pending]
-        running = [g for g in self.running if not g.pending]
+        prefilling = [g for g in self.running if g.row.pending]
+        running = [g for g in self.running if not g.row.pending]
         if running:
             self._decode(running, prefilling)
         for g in prefilling:  # one more chunk of each long prompt; the last one samples its first token
-            self._prefill_part(g, g.pending)
+            self._prefill_part(g, g.row.pending)
         return running + [g for g in prefilling if g.token_ids]
 
     def _decode(self, running: list[Generation], prefilling: list[Generation]) -> None:
         for g in running:
-            if len(g.window) >= self.max_len:  # the window is what the row's cache holds
+            if len(g.row.window) >= self.max_len:  # the window is what the row's cache holds
                 self._slide(g)
-        hi = max(g.slot for g in running + prefilling) + 1  # rows past the last busy one are left out
+        hi = max(g.row.slot for g in running + prefilling) + 1  # rows past the last busy one are left out
         static = self._static is not None and not self.model.training
         if static:
             hi = self._static.rows_for(hi)
         idle = [i for i in range(hi) if self.slots[i] is None]
         tokens = torch.zeros(hi, 1, dtype=torch.long)
-        tokens[[g.slot for g in running], 0] = torch.tensor([g.token_ids[-1] for g in running])
+        tokens[[g.row.slot for g in running], 0] = torch.tensor([g.token_ids[-1] for g in running])
         view = self.cache.rows(0, hi)
         if idle:
             view.lengths[idle] = 0  # idle rows compute a throwaway token at position 0
-        rows = torch.tensor([g.slot for g in running], device=self.device)
+        rows = torch.tensor([g.row.slot for g in running], device=self.device)
         with self._kernels(head_only=bool(self._native)):  # the C++ step (gathered before) reads its packs itself
             if static:  # the rows' lengths after this step, known here: the cache holds each row's window
-                longest = max([len(g.window) + 1 for g in running]
-                              + [len(g.prompt_ids) - len(g.pending) + 1 for g in prefilling])
+                longest = max([len(g.row.window) + 1 for g in running]
+                              + [len(g.prompt_ids) - len(g.row.pending) + 1 for g in prefilling])
                 logits = self._static(tokens, longest)[rows]
             elif self._lean and not self.model.training:
                 h = decode_hidden(self.model, tokens.to(self.device), view, native=self._native_weights())
@@ -278,9 +277,9 @@ class Engine:
         if idle:
             view.lengths[idle] = 0
         for g in prefilling:  # their throwaway token sits where their next chunk will be written
-            view.lengths[g.slot] -= 1
+            view.lengths[g.row.slot] -= 1
         for g in running:
-            g.window.append(g.token_ids[-1])
+            g.row.window.append(g.token_ids[-1])
         self._accept(running, logits)
 
     def _slide(self, g: Generation) -> None:
@@ -288,11 +287,11 @@ class Engine:
 
         Only RoPE (or position-free) rows get here: learned-position rows finish at max_len first."""
         n_keep = self.max_len // 2 - 1  # + the pending token, fed by the step that follows
-        keep = g.window[len(g.window) - n_keep :] if n_keep > 0 else []
-        g.window = list(keep)
-        self.cache.lengths[g.slot] = 0
+        keep = g.row.window[len(g.row.window) - n_keep :] if n_keep > 0 else []
+        g.row.window = list(keep)
+        self.cache.lengths[g.row.slot] = 0
         if keep:
-            self._prefill(g.slot, [keep])
+            self._prefill(g.row.slot, [keep])
 
     def _sample(
         self, gens: list[Generation], logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None
@@ -319,29 +318,35 @@ class Engine:
 
     def _accept(self, gens: list[Generation], logits: torch.Tensor) -> None:
         """Sample one token per row, record it, and finish / free the rows that are done."""
-        counts = seen = slots = None
-        if self._counts is not None:
-            slots = torch.tensor([g.slot for g in gens], device=self.device)
-            counts, seen = self._counts[slots], self._seen[slots]
-        new = self._sample(gens, logits, counts, seen)
+        counts = self._penalties
+        slots = torch.tensor([g.row.slot for g in gens], device=self.device) if counts is not None else None
+        new = self._sample(gens, logits, *(counts.rows(slots) if counts is not None else (None, None)))
         if None in new:  # rows that failed are gone: go on with the others
             ok = [i for i, t in enumerate(new) if t is not None]
             gens, new, logits = [gens[i] for i in ok], [new[i] for i in ok], logits[ok]
             slots = None if slots is None else slots[ok]
             if not gens:
                 return
+        self._record_logprobs(gens, logits, new)
+        if counts is not None:
+            counts.add(slots, new)
+        self._finish_rows(gens, new)
+
+    def _record_logprobs(self, gens: list[Generation], logits: torch.Tensor, new: list[int]) -> None:
+        """Each row that asked for logprobs gets its new token's, with its top alternatives."""
         scored = [i for i, g in enumerate(gens) if g.params.logprobs is not None]
-        if scored:
-            n_top = max(gens[i].params.logprobs for i in scored)
-            rows = torch.tensor(scored, device=self.device)
-            entries = token_logprobs(logits[rows], torch.tensor([new[i] for i in scored]), n_top)
-            for i, entry in zip(scored, entries, strict=True):
-                k = gens[i].params.logprobs
-                gens[i].logprobs.append(TokenLogprob(entry.token_id, entry.logprob, entry.top[:k]))
-        if self._counts is not None:
-            new_ids = torch.tensor(new, device=self.device)
-            self._counts[slots, new_ids] += 1
-            self._seen[slots, new_ids] = True
+        if not scored:
+            return
+        n_top = max(gens[i].params.logprobs for i in scored)
+        rows = torch.tensor(scored, device=self.device)
+        entries = token_logprobs(logits[rows], torch.tensor([new[i] for i in scored]), n_top)
+        for i, entry in zip(scored, entries, strict=True):
+            k = gens[i].params.logprobs
+            gens[i].logprobs.append(TokenLogprob(entry.token_id, entry.logprob, entry.top[:k]))
+
+    def _finish_rows(self, gens: list[Generation], new: list[int]) -> None:
+        """The new tokens appended; rows that stopped (a stop token or string, their length, the learned positions'
+        end) finish and free their slot."""
         for g, tok in zip(gens, new, strict=True):
             g.token_ids.append(tok)
             stopped = tok in g.stop_ids
@@ -357,16 +362,11 @@ class Engine:
                 self.release(g)
 
     def _reset_penalty_rows(self, gens: list[Generation]) -> None:
-        if self._counts is None and not any(g.params.penalized for g in gens):
-            return
-        if self._counts is None:
-            V = self.config.vocab_size
-            self._counts = torch.zeros(self.max_batch, V, device=self.device)
-            self._seen = torch.zeros(self.max_batch, V, dtype=torch.bool, device=self.device)
-        for g in gens:
-            self._counts[g.slot].zero_()
-            self._seen[g.slot].zero_()
-            self._seen[g.slot, torch.tensor(g.prompt_ids, device=self.device)] = True
+        if self._penalties is None and any(g.params.penalized for g in gens):
+            self._penalties = TokenCounts(self.max_batch, self.config.vocab_size, self.device)
+        if self._penalties is not None:
+            for g in gens:
+                self._penalties.reset(g.row.slot, g.prompt_ids)
 
     # --- whole runs -----------------------------------------------------------------------------------------
     def run(self, gens: Sequence[Generation]) -> list[Generation]:

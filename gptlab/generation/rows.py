@@ -2,9 +2,10 @@
 
 * `prepare_generation` checks a prompt against the vocabulary and the context (or truncates it), works out its
   stop tokens, seeds its own random generator, and returns a `Generation`; `Engine.add` then prefills it.
-* `Generation` is the state of one row: prompt, tokens so far, finish reason, and (with a tokenizer) its text.
-  Text is decoded incrementally (`detokenize`): streamed deltas never split a UTF-8 character and never show
-  the beginning of a stop string that may still complete.
+* `Generation` is one request and its result: prompt, tokens so far, finish reason, and (with a tokenizer) its
+  text. Text is decoded incrementally (`detokenize`): streamed deltas never split a UTF-8 character and never
+  show the beginning of a stop string that may still complete. Where it runs (its row of the engine's cache, the
+  tokens that row holds, prompt tokens still to prefill) is the engine's bookkeeping, `RowState`.
 
 A prompt must leave room for one new token (at most context - 1 tokens): longer ones raise `PromptTooLongError`
 unless `truncate_prompt=True`, which keeps the prompt's last context - max(1, min(max_new_tokens, context // 2))
@@ -31,9 +32,19 @@ class PromptTooLongError(GptlabError, ValueError):
     """The prompt does not fit the model's context (and truncation was not asked for)."""
 
 
+@dataclass
+class RowState:
+    """The engine's bookkeeping of the row a generation runs in (not the user's result: `Engine` alone reads it)."""
+
+    slot: int = -1  # the row of the engine's cache
+    window: list[int] = field(default_factory=list)  # the tokens the row's cache holds (sliding window)
+    pending: list[int] = field(default_factory=list)  # prompt tokens not prefilled yet (chunked prefill)
+
+
 @dataclass(eq=False)
 class Generation:
-    """One prompt being continued in one row of the engine's cache."""
+    """One prompt being continued: what the user asked (prompt, params) and gets back (tokens, text, finish reason,
+    logprobs, error). Where it runs in the engine is the engine's (`row`)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -42,13 +53,11 @@ class Generation:
     text_state: TextState | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    slot: int = -1
     truncated: int = 0  # prompt tokens dropped from the left by truncate_prompt
-    window: list[int] = field(default_factory=list)  # the tokens the row's cache holds (sliding window)
-    pending: list[int] = field(default_factory=list)  # prompt tokens not prefilled yet (chunked prefill)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
     error: Exception | None = None  # why it finished with FINISH_ERROR (a failure of this row alone)
+    row: RowState = field(default_factory=RowState, repr=False)  # the engine's, see RowState
 
     @property
     def finished(self) -> bool:

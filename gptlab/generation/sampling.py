@@ -154,3 +154,29 @@ def row_seed(seed: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
     return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+class TokenCounts:
+    """Per row of an engine's cache, how often each token was generated and which tokens the prompt or output
+    hold: what presence, frequency and repetition penalties read. Made on the first row that asks for a penalty
+    (two (rows, vocab) tables are no small cost at batch 32 and a 150k vocabulary)."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        self.counts = torch.zeros(rows, vocab_size, device=device)  # (rows, V) output-token counts
+        self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)  # (rows, V) prompt or output
+
+    def reset(self, slot: int, prompt_ids: list[int]) -> None:
+        """A new generation in `slot`: nothing generated yet, its prompt seen."""
+        self.counts[slot].zero_()
+        self.seen[slot].zero_()
+        self.seen[slot, torch.tensor(prompt_ids, device=self.seen.device)] = True
+
+    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.counts[slots], self.seen[slots]
+
+    def add(self, slots: torch.Tensor, new: list[int]) -> None:
+        """Each row's new token, counted."""
+        new_ids = torch.tensor(new, device=self.counts.device)
+        self.counts[slots, new_ids] += 1
+        self.seen[slots, new_ids] = True
+
