@@ -356,3 +356,14 @@ def test_fingerprint_is_what_ids_mean_not_the_kind(tmp_path, gpt2: GPT2Tokenizer
     assert len({fingerprint(gpt2), fingerprint(char), fingerprint(bpe)}) == 3
     assert fingerprint(char) == fingerprint(CharTokenizer(char.chars))
     assert fingerprint(char) != fingerprint(CharTokenizer(char.chars[1:] + ["\u2603"]))  # one symbol differs
+
+
+def test_every_tokenizer_is_a_text_tokenizer(bpe: HFTokenizer) -> None:
+    """The Protocol the rest of gptlab is typed against: gptlab's tokenizers and the tests' duck-typed one."""
+    from helpers import ByteTokenizer
+
+    from gptlab.tokenizer import TextTokenizer
+
+    for tok in (CharTokenizer.from_text("abc"), bpe, ByteTokenizer()):
+        assert isinstance(tok, TextTokenizer)
+    assert not isinstance(object(), TextTokenizer)

@@ -19,7 +19,7 @@ import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -41,6 +41,9 @@ from gptlab.checkpoint.layout import (
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir
 from gptlab.lora import has_lora, lora_state_dict
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -78,7 +81,10 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_model(
-    directory: Path, model: torch.nn.Module, tokenizer: Any = None, weights: dict[str, torch.Tensor] | None = None
+    directory: Path,
+    model: torch.nn.Module,
+    tokenizer: TextTokenizer | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write weights (`model_state_dict(model)` unless given), config and (optionally) the tokenizer into an
     existing directory."""
@@ -99,7 +105,7 @@ def write_model(
         tokenizer.save(directory)
 
 
-def save_model(path: str | Path, model: torch.nn.Module, tokenizer: Any = None) -> Path:
+def save_model(path: str | Path, model: torch.nn.Module, tokenizer: TextTokenizer | None = None) -> Path:
     """Save a model (and tokenizer) as a checkpoint directory, atomically."""
     weights = model_state_dict(model)
     return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer, weights), needed=_nbytes(weights))

@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
 from gptlab.errors import GptlabError
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams  # torch-free: `gptlab --help` stays fast
 from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 SEPARATOR = "\n---------------\n"
 
@@ -69,7 +72,7 @@ def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParam
         raise GptlabError(f"--{e.field.replace('_', '-')} {e.requirement}, got {e.value!r}") from None
 
 
-def _prompt_ids(prompt: str, tokenizer: Any) -> list[int]:
+def _prompt_ids(prompt: str, tokenizer: TextTokenizer) -> list[int]:
     """The prompt's token ids; an empty prompt starts from the end-of-text token."""
     ids = tokenizer.encode(prompt) if prompt else []  # a char vocabulary raises GptlabError naming unknown chars
     try:

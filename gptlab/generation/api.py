@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from gptlab.generation.engine import Engine, cache_length
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
 from gptlab.model import GPT
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 PACK_MIN_TOKENS = 16  # re-laying the weights out (`packed_linear`) pays off only over enough decoding steps
 
@@ -39,7 +42,7 @@ def _eval_mode(model: GPT) -> Iterator[None]:
         model.train(was_training)
 
 
-def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: Any) -> Engine:
+def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: TextTokenizer) -> Engine:
     return Engine(
         model,
         max_batch=max(1, len(prompts)),
@@ -54,7 +57,7 @@ def generate_batch(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | None = None,
     *,
-    tokenizer: Any = None,
+    tokenizer: TextTokenizer | None = None,
     truncate_prompt: bool = False,
 ) -> list[Generation]:
     """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each.
@@ -87,7 +90,7 @@ def stream_deltas(engine: Engine, gen: Generation) -> Iterator[str]:
 
 def generate_stream(
     model: GPT,
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
     prompt: str | Sequence[int],
     params: SamplingParams | None = None,
     *,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gptlab.errors import GptlabError
 from gptlab.generation.api import PACK_MIN_TOKENS, stream_deltas
@@ -37,6 +37,9 @@ from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
 from gptlab.model import GPT
 from gptlab.tokenizer.chat_template import ChatTemplate, chat_template_for, reply_stops
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 Message = dict[str, str]
 DEFAULT_REPLY_TOKENS = 512  # per reply, at most half the context (default_max_new_tokens)
@@ -62,7 +65,7 @@ class ChatSession:
     def __init__(
         self,
         model: GPT,
-        tokenizer: Any,
+        tokenizer: TextTokenizer,
         params: SamplingParams | None = None,
         *,
         system: str | None = None,

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 _CONTEXT = 4  # earlier tokens decoded with each new one
 
@@ -25,7 +28,7 @@ _CONTEXT = 4  # earlier tokens decoded with each new one
 class TextState:
     """The text of one generation, built one token at a time."""
 
-    def __init__(self, tokenizer: Any, context_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: TextTokenizer, context_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self._longest_stop = max((len(s) for s in self.stop), default=0)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -51,6 +51,9 @@ from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 from gptlab.quantize import QuantizedLinear
 
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The engine
@@ -63,7 +66,7 @@ class Engine:
         model: GPT,
         max_batch: int = 1,
         *,
-        tokenizer: Any = None,
+        tokenizer: TextTokenizer | None = None,
         max_len: int | None = None,
         cache_dtype: torch.dtype | None = None,
         pack_weights: bool = True,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +24,9 @@ from gptlab.errors import GptlabError
 from gptlab.generation.detokenize import TextState
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.sampling import TokenLogprob, row_seed
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = "stop", "length", "error"
 
@@ -86,7 +89,7 @@ def prepare_generation(
     *,
     vocab_size: int,
     context: int,
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
     device: torch.device,
     sample_index: int = 0,
     truncate_prompt: bool = False,

@@ -12,15 +12,18 @@ and the server's page share.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
 
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
-def encode_prompt(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
+
+def encode_prompt(tokenizer: TextTokenizer, text: str, max_tokens: int) -> list[int]:
     """The prompt's token ids, checked to be 1..max_tokens long (the model's context, or a server's bound)."""
     if not text:
         raise GptlabError("the prompt is empty: pass some text to look at")
@@ -33,7 +36,7 @@ def encode_prompt(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
     return ids
 
 
-def token_labels(tokenizer: Any, ids: list[int]) -> list[str]:
+def token_labels(tokenizer: TextTokenizer, ids: list[int]) -> list[str]:
     """Each token as its own text (a byte-level token that is part of a character shows as U+FFFD)."""
     return [tokenizer.decode_bytes([i]).decode("utf-8", errors="replace") for i in ids]
 
@@ -94,7 +97,7 @@ def _rounded(w: torch.Tensor, digits: int) -> list[list[float]]:
 
 
 @torch.no_grad()
-def attention_map(model: GPT, tokenizer: Any, text: str, max_tokens: int | None = None) -> AttentionMap:
+def attention_map(model: GPT, tokenizer: TextTokenizer, text: str, max_tokens: int | None = None) -> AttentionMap:
     """The attention weights of `text` (at most `max_tokens` tokens, default the model's context)."""
     ids = encode_prompt(tokenizer, text, max_tokens or model.config.block_size)
     device = next(model.parameters()).device

@@ -12,12 +12,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gptlab.inspection.attention import encode_prompt, token_labels
 from gptlab.model import GPT
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 
 @dataclass
@@ -34,7 +37,7 @@ class LensResult:
     def layers(self) -> list[str]:
         return ["embeddings"] + [f"layer {i}" for i in range(self.probs.shape[0] - 1)]
 
-    def top(self, tokenizer: Any) -> list[list[list[tuple[str, float]]]]:
+    def top(self, tokenizer: TextTokenizer) -> list[list[list[tuple[str, float]]]]:
         """[stage][position] -> the k guesses as (text, probability)."""
         unique = self.ids.unique().tolist()
         labels = dict(zip(unique, token_labels(tokenizer, unique), strict=True))
@@ -42,7 +45,7 @@ class LensResult:
                  for pos_ids, pos_p in zip(stage_ids, stage_p, strict=True)]
                 for stage_ids, stage_p in zip(self.ids.tolist(), self.probs.tolist(), strict=True)]
 
-    def to_json(self, tokenizer: Any) -> dict[str, Any]:
+    def to_json(self, tokenizer: TextTokenizer) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
             "token_ids": self.token_ids,
@@ -74,7 +77,9 @@ def stage_logits(model: GPT, ids: list[int]) -> Iterator[torch.Tensor]:
         yield model.logits(model.transformer.ln_f(x))[0].float()
 
 
-def logit_lens(model: GPT, tokenizer: Any, text: str, k: int = 3, max_tokens: int | None = None) -> LensResult:
+def logit_lens(
+    model: GPT, tokenizer: TextTokenizer, text: str, k: int = 3, max_tokens: int | None = None
+) -> LensResult:
     """The lens over `text` (at most `max_tokens` tokens, default the model's context): k guesses per stage."""
     ids = encode_prompt(tokenizer, text, max_tokens or model.config.block_size)
     k = min(k, model.config.vocab_size)
@@ -83,7 +88,7 @@ def logit_lens(model: GPT, tokenizer: Any, text: str, k: int = 3, max_tokens: in
     return LensResult(token_labels(tokenizer, ids), ids, probs, torch.stack([t.indices.cpu() for t in tops]))
 
 
-def format_lens(result: LensResult, tokenizer: Any) -> str:
+def format_lens(result: LensResult, tokenizer: TextTokenizer) -> str:
     """Per position: the token there, then each stage's guesses with their probabilities."""
     top = result.top(tokenizer)
     width = max(len(name) for name in result.layers)

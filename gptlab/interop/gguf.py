@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_file
 from gptlab.interop.hf import export_family
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
@@ -43,7 +46,7 @@ def _gguf() -> Any:
     return gguf
 
 
-def save_gguf(model: torch.nn.Module, path: str | Path, tokenizer: Any, dtype: str = "f16") -> Path:
+def save_gguf(model: torch.nn.Module, path: str | Path, tokenizer: TextTokenizer, dtype: str = "f16") -> Path:
     """Write `model` and `tokenizer` as a GGUF file llama.cpp loads; GptlabError for what GGUF cannot hold."""
     gguf = _gguf()
     if dtype not in GGUF_DTYPES:
@@ -183,7 +186,7 @@ def _spell(token: bytes) -> str:
     return "".join(table[b] for b in token)
 
 
-def gguf_vocabulary(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[str], list[int]]:
+def gguf_vocabulary(tokenizer: TextTokenizer, vocab_size: int) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token types) of a tokenizer as byte-level BPE, padded to the model's vocab_size."""
     kind = getattr(tokenizer, "kind", None)
     if kind == "gpt2":
@@ -204,7 +207,7 @@ def gguf_vocabulary(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[st
     return tokens, merges, types
 
 
-def _tiktoken_vocabulary(tokenizer: Any) -> tuple[list[str], list[str], set[int]]:
+def _tiktoken_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
     """GPT-2's tokens from tiktoken's ranks; each merge is recovered by running BPE on the token's bytes with
     only the ranks below its own, which leaves exactly the two parts it was merged from."""
     encoding = tokenizer._enc  # tiktoken.Encoding
@@ -233,7 +236,7 @@ def _split_by_rank(ranks: dict[bytes, int], token: bytes, rank: int) -> tuple[by
     return parts[0], parts[1]
 
 
-def _hf_vocabulary(tokenizer: Any) -> tuple[list[str], list[str], set[int]]:
+def _hf_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
     """A tokenizer.json's BPE. llama.cpp splits text by a pre-tokenizer it knows by name; the file says "gpt-2",
     which is exact for a ByteLevel pre-tokenizer with GPT-2's regex. Other splits (Llama 3's, Qwen's regexes) would
     tokenize differently there, so they are refused rather than written under a wrong name."""
@@ -263,7 +266,7 @@ def _hf_vocabulary(tokenizer: Any) -> tuple[list[str], list[str], set[int]]:
 NEVER_MERGES = "ĠĠ ĠĠ"
 
 
-def _char_vocabulary(tokenizer: Any) -> tuple[list[str], list[str], set[int]]:
+def _char_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
     """Single-byte characters spelled as byte-level BPE tokens: each character its own token, nothing merged."""
     chars = tokenizer.chars
     wide = [c for c in chars if len(c.encode("utf-8")) != 1]

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from gptlab.fileio import atomic_write_dir
 from gptlab.interop.common import CARRIED, SAFETENSORS_FILE, read_hf_config, read_hf_weights, to_ours, to_theirs
 from gptlab.interop.registry import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, SUPPORTED_ARCHITECTURES
 from gptlab.model import GPT
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 GPT2_VOCAB, GPT2_EOT = 50257, 50256
 
@@ -84,7 +87,9 @@ def export_family(cfg: GPTConfig) -> ModuleType:
     return family
 
 
-def config_to_hf(cfg: GPTConfig, dtype: torch.dtype = torch.float32, tokenizer: Any = None) -> dict[str, Any]:
+def config_to_hf(
+    cfg: GPTConfig, dtype: torch.dtype = torch.float32, tokenizer: TextTokenizer | None = None
+) -> dict[str, Any]:
     """A config.json dict that transformers 4.x and 5.x both read; GptlabError if `cfg` has no equivalent."""
     family = export_family(cfg)
     if tokenizer is not None and getattr(tokenizer, "eot_id", None) is not None:
@@ -150,7 +155,7 @@ def _dtype(name: str) -> torch.dtype:
 # ------------------------------------------------------------------------------------------------------------
 # Export
 # ------------------------------------------------------------------------------------------------------------
-def save_hf(model: torch.nn.Module, path: str | Path, tokenizer: Any = None) -> Path:
+def save_hf(model: torch.nn.Module, path: str | Path, tokenizer: TextTokenizer | None = None) -> Path:
     """Write `model` as a Hugging Face directory (config.json + model.safetensors, atomically) that
     `transformers.AutoModelForCausalLM.from_pretrained` loads. With a tokenizer, its files go in too (see
     `write_tokenizer`). Raises GptlabError naming the switch when the config has no Hugging Face
@@ -174,7 +179,7 @@ def save_hf(model: torch.nn.Module, path: str | Path, tokenizer: Any = None) -> 
     return atomic_write_dir(path, write, needed=sum(t.nbytes for t in tensors.values()))
 
 
-def write_tokenizer(directory: Path, tokenizer: Any) -> bool:
+def write_tokenizer(directory: Path, tokenizer: TextTokenizer) -> bool:
     """Save a gptlab tokenizer into a Hugging Face directory; True if transformers can load it too.
 
     `Tokenizer.save` always writes gptlab's tokenizer_meta.json (so `gptlab convert` can come back), and for

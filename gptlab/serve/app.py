@@ -29,7 +29,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +44,9 @@ from gptlab.serve.limits import BodyLimits
 from gptlab.serve.schemas import ApiError, ChatRequest, CompletionRequest, ErrorResponse, error_body, validation_error
 from gptlab.serve.state import Server
 from gptlab.serve.ui import GUARDED_PREFIX, mount_ui
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 # what a generation route answers, as the OpenAPI schema documents it: 200 (JSON, or server-sent events when
 # streamed) or an error body
@@ -62,7 +65,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def create_app(
     model: Any,
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
     *,
     model_name: str = "gptlab",
     max_batch: int = 8,

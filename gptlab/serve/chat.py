@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -22,16 +22,19 @@ from gptlab.serve.state import Server, usage
 from gptlab.serve.streaming import event_stream
 from gptlab.tokenizer.chat_template import BUILTIN_STOPS, ChatTemplateError, chat_template_for, reply_stops
 
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
+
 DEFAULT_CHAT_STOP = BUILTIN_STOPS["plain"][0]
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, bool]:
+def render_chat(tokenizer: TextTokenizer, messages: list[dict[str, str]]) -> tuple[str, bool]:
     """The prompt text for `messages`, and whether it came from the tokenizer's own template."""
     text, templated, _ = _render(tokenizer, messages, [])
     return text, templated
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], user_stops: list[str]) -> tuple[str, bool, tuple]:
+def _render(tokenizer: TextTokenizer, messages: list[dict[str, str]], user_stops: list[str]) -> tuple[str, bool, tuple]:
     """The prompt text, whether the tokenizer's own template made it, and where the reply stops (a 400 naming
     the messages where the template cannot render them)."""
     template = chat_template_for(tokenizer)

@@ -16,11 +16,14 @@ An integer field takes a whole float too ("n": 1.0): JSON Schema's "integer" is 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from gptlab.generation.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_STOP_CHARS  # torch-free
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 MAX_N = 16
 SERVER_MAX_STOPS = 4  # OpenAI's limit; the engine takes more (generation.params.MAX_STOPS)
@@ -190,13 +193,13 @@ class ChatRequest(SamplingFields):
 # ---------------------------------------------------------------------------------------------------------
 # Logprobs in answers (entries are gptlab.generation.TokenLogprob, or None for a first prompt token)
 # ---------------------------------------------------------------------------------------------------------
-def _token(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
+def _token(tokenizer: TextTokenizer, token_id: int) -> tuple[str, bytes]:
     """A token's text (a token holding part of a UTF-8 character shows U+FFFD) and its exact bytes."""
     raw = tokenizer.decode_bytes([token_id])
     return raw.decode("utf-8", errors="replace"), raw
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[Any]) -> dict[str, list]:
+def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries: list[Any]) -> dict[str, list]:
     """The legacy completions object: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset;
     `entries` align with `token_ids` (None: not scored, e.g. the first token of an echoed prompt)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -211,7 +214,7 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[Any]
     return out
 
 
-def chat_logprobs(tokenizer: Any, entries: list[Any]) -> dict[str, Any]:
+def chat_logprobs(tokenizer: TextTokenizer, entries: list[Any]) -> dict[str, Any]:
     """The chat object: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:

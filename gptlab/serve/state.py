@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -27,6 +27,9 @@ from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
 
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
+
 
 class Server:
     """The model behind the routes: tokenizer, name, engine and scheduler."""
@@ -34,7 +37,7 @@ class Server:
     def __init__(
         self,
         model: Any,
-        tokenizer: Any,
+        tokenizer: TextTokenizer,
         model_name: str,
         max_batch: int,
         max_queue: int,

@@ -35,6 +35,7 @@ from gptlab.tokenizer.base import (
     CharTokenizer,
     DamagedTokenizer,
     GPT2Tokenizer,
+    TextTokenizer,
     Tokenizer,
     fingerprint,
 )
@@ -42,5 +43,6 @@ from gptlab.tokenizer.huggingface import HFTokenizer
 from gptlab.tokenizer.loading import load_tokenizer, optional_tokenizer
 
 __all__ = ["EOT_TEXT", "HF_FILE", "KINDS", "META_FILE", "MAX_BPE_VOCAB", "MIN_BPE_VOCAB", "CharTokenizer",
-           "DamagedTokenizer", "GPT2Tokenizer", "HFTokenizer", "Tokenizer", "fingerprint", "load_tokenizer",
+           "DamagedTokenizer", "GPT2Tokenizer", "HFTokenizer", "TextTokenizer", "Tokenizer", "fingerprint",
+           "load_tokenizer",
            "optional_tokenizer"]

@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -25,6 +25,22 @@ MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>: anything smaller can't e
 MAX_BPE_VOCAB = 1 << 24  # 64x the largest vocabularies in use; the tokenizers library aborts on absurd sizes
 KINDS = ("char", "gpt2", "bpe", "hf")
 _REPLACEMENT = "\ufffd".encode()
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """What generation, serving, export and inspection use of a tokenizer: every `Tokenizer` here has it, and so
+    may any other object (a test's byte tokenizer, a wrapper of another library's). `eot_id` None: no end-of-text
+    token; `bos_id`, `chat_template` and `kind` are read where present."""
+
+    vocab_size: int
+    eot_id: int | None
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes: ...
 
 
 class DamagedTokenizer(GptlabError):

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gptlab.errors import GptlabError
 from gptlab.tokenizer.template_sandbox import TemplateLimitError, environment, render_bounded
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -174,7 +177,7 @@ def check_messages(messages: Any, where: str = "messages") -> list[dict[str, str
     return checked
 
 
-def chat_template_for(tokenizer: Any, name: str | None = None) -> ChatTemplate:
+def chat_template_for(tokenizer: TextTokenizer, name: str | None = None) -> ChatTemplate:
     """The template to use with `tokenizer`: the built-in `name` if given, else the tokenizer's own, else
     "plain"."""
     if name is not None and name not in BUILTIN_TEMPLATES:
