@@ -364,7 +364,7 @@ def test_gptlab_optimizers_match_torch_optim() -> None:
 
 
 def test_newton_schulz_zero_padding_is_exact_and_large_matrices_stack_by_shape() -> None:
-    from gptlab.train.optim import newton_schulz, newton_schulz_stacks
+    from gptlab.train.muon import newton_schulz, newton_schulz_stacks
 
     shapes = [(48, 16), (16, 16), (64, 16), (16, 64), (12, 40)]
     ((idx, (rows, cols)),) = newton_schulz_stacks(shapes)  # small: one stack, padded to the largest
@@ -787,7 +787,7 @@ def test_flops_per_token_counts_matmuls_head_and_attention_not_embeddings() -> N
 def test_newton_schulz_on_a_cpu_without_bf16_units_rounds_as_bf16_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where bf16 matmuls are emulated (AVX2), each product runs in fp32 and is rounded to bf16 once, as a bf16
     matmul does: the result equals the bf16 path up to summation order."""
-    from gptlab.train import optim
+    from gptlab.train import muon as optim
 
     torch.manual_seed(0)
     g = torch.randn(3, 24, 16)
