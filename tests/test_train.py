@@ -460,6 +460,29 @@ def test_torchrun_ddp_matches_one_process(tmp_path: Path, data: Path) -> None:
     assert len(list_step_checkpoints(ddp)) == 1  # rank 0 alone writes
 
 
+@pytest.mark.parametrize("impl", ["gptlab", "torch"])
+def test_torchrun_muon_splits_newton_schulz_and_matches_one_process(tmp_path: Path, data: Path, impl: str) -> None:
+    """Muon under DDP: each of 2 processes orthogonalizes its own matrices and gathers the other's (P7); the run
+    follows 1 process x 2 micro-steps, and its checkpoint resumes on 1 process (the same optimizer class)."""
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, log_interval=5, optimizer="muon",
+                          optimizer_impl=impl, checkpoint_interval=5, keep_last=2)
+    _torchrun(recipe, data, tmp_path / "ddp")
+    assert train(recipe, data, tmp_path / "one", "--grad-accum", "2") == 0
+    assert _losses(tmp_path / "ddp") == pytest.approx(_losses(tmp_path / "one"), abs=1e-4)
+    (val_ddp,) = [r["val_loss"] for r in metrics(tmp_path / "ddp") if "val_loss" in r]
+    (val_one,) = [r["val_loss"] for r in metrics(tmp_path / "one") if "val_loss" in r]
+    assert val_ddp == pytest.approx(val_one, abs=1e-4)
+    resumed = _from_step_5(tmp_path / "ddp", tmp_path / "resumed")
+    assert train(recipe, data, resumed, "--grad-accum", "2", "--resume") == 0
+    assert _losses(resumed)[-1] == pytest.approx(_losses(tmp_path / "one")[-1], abs=1e-4)
+
+
+def _from_step_5(run: Path, copy: Path) -> Path:
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step-0000010")
+    return copy
+
+
 def test_torchrun_fsdp_matches_one_process_and_resumes(tmp_path: Path, data: Path) -> None:
     """FSDP over 2 processes (gloo), 2 micro-steps each, follows 1 process x 4 micro-steps; its checkpoint holds
     whole tensors (gathered from the shards), and resumed, it goes on as the resumed single process does."""

@@ -28,7 +28,7 @@ import torch
 
 from gptlab.errors import GptlabError
 from gptlab.train.lean import FusedAdamW, LeanOptimizer
-from gptlab.train.muon import BatchedMuon, torch_muon
+from gptlab.train.muon import BatchedMuon, split_torch_muon, torch_muon
 
 __all__ = ["BatchedMuon", "FusedAdamW", "LeanOptimizer", "OptimizerSpec", "Schedule", "build_optimizers",
            "set_lr", "step_optimizers", "takes_found_inf"]
@@ -111,11 +111,14 @@ def adamw(groups: list[dict], spec: OptimizerSpec) -> torch.optim.Optimizer | Fu
     return torch.optim.AdamW(groups, **kwargs, fused=_fused_ok(params) or None)
 
 
-def build_optimizers(model: torch.nn.Module, spec: OptimizerSpec) -> list:
+def build_optimizers(model: torch.nn.Module, spec: OptimizerSpec, *, rank: int = 0, world: int = 1) -> list:
     """The optimizers for `model`'s trainable parameters (a plain GPT, or one with frozen parts).
 
     The parameters come from the model's own grouping (`parameter_groups_by_kind`, `optimizer_groups`), which
     leaves frozen ones out. Each param group records its peak lr in `peak_lr`, which `set_lr` scales.
+    `rank` of `world` replicas (DDP, whose gradients are all-reduced before the step): Muon orthogonalizes this
+    process's share of the matrices and gathers the rest (`gptlab.train.muon`); every process must then step
+    together. Sharded parameters (FSDP) are not whole matrices: leave world at 1 there.
     """
     if spec.kind == "adamw":
         groups = model.optimizer_groups(spec.weight_decay)
@@ -129,9 +132,12 @@ def build_optimizers(model: torch.nn.Module, spec: OptimizerSpec) -> list:
             kwargs = dict(lr=spec.muon_lr, momentum=spec.muon_momentum, nesterov=spec.muon_nesterov,
                           weight_decay=spec.muon_weight_decay)
             if spec.impl == "gptlab":
-                optimizers.append(BatchedMuon(matrices, **kwargs))
-            else:  # "original" scales lr by sqrt(max(1, rows/cols)) per matrix, as Keller Jordan's Muon does
+                optimizers.append(BatchedMuon(matrices, **kwargs, rank=rank, world=world))
+            elif world == 1:  # "original" scales lr by sqrt(max(1, rows/cols)) per matrix, as Keller Jordan's Muon
                 optimizers.append(torch_muon()(matrices, **kwargs, adjust_lr_fn="original"))
+            else:
+                optimizers.append(split_torch_muon()(matrices, **kwargs, adjust_lr_fn="original", rank=rank,
+                                                     world=world))
         if rest:
             optimizers.append(adamw([{"params": rest, "weight_decay": 0.0}], spec))
     if not optimizers:

@@ -153,7 +153,9 @@ class Trainer:
         if self.fsdp:  # in place, before the optimizers see the parameters: they become this process's shards
             shard_model(self.model)
         self.opt_spec, self.schedule = optimizer_spec(cfg), lr_schedule(cfg)
-        self.optimizers = build_optimizers(self.model, self.opt_spec)
+        # DDP replicas split Muon's Newton-Schulz between them; FSDP's shards are no whole matrices (no Muon there)
+        self.optimizers = build_optimizers(self.model, self.opt_spec, rank=self.procs.rank,
+                                           world=1 if self.fsdp else self.procs.world)
         self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
         # elapsed_sec when warm-up ended (None before): a time budget's decay runs from there to max_time
         self.warmup_elapsed: float | None = 0.0 if cfg.warmup_steps == 0 else None
