@@ -1,8 +1,8 @@
 """Optimizers and learning-rate schedules for `gptlab train`, described by two small specs.
 
-The trainer turns its recipe into an `OptimizerSpec` (which optimizer, its hyper-parameters) and a `Schedule`
-(how the learning rate moves over the run); nothing here needs the whole TrainConfig, so the parts can be used
-and tested on their own (benchmarks/train_throughput.py builds a training step from them).
+A recipe becomes an `OptimizerSpec` (which optimizer, its hyper-parameters: `optimizer_spec`) and a `Schedule`
+(how the learning rate moves over the run: `lr_schedule`); nothing else here needs the whole TrainConfig, so the
+parts can be used and tested on their own (benchmarks/train_throughput.py builds a training step from them).
 
 Two setups:
 - "adamw": AdamW on everything, weight decay on the hidden weight matrices only.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -30,8 +30,11 @@ from gptlab.errors import GptlabError
 from gptlab.train.lean import FusedAdamW, LeanOptimizer
 from gptlab.train.muon import BatchedMuon, split_torch_muon, torch_muon
 
+if TYPE_CHECKING:
+    from gptlab.train.config import TrainConfig
+
 __all__ = ["BatchedMuon", "FusedAdamW", "LeanOptimizer", "OptimizerSpec", "Schedule", "build_optimizers",
-           "set_lr", "step_optimizers", "takes_found_inf"]
+           "lr_schedule", "optimizer_spec", "set_lr", "step_optimizers", "takes_found_inf"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,21 @@ class Schedule:
         """The decay's progress `elapsed` seconds into a `max_time` budget whose warm-up ended at
         `warmup_elapsed`: (elapsed - warmup_elapsed) / (max_time - warmup_elapsed)."""
         return _share(elapsed - warmup_elapsed, max_time - warmup_elapsed)
+
+
+def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
+    """The recipe's optimizer settings, as this module takes them."""
+    return OptimizerSpec(
+        kind=cfg.optimizer, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+        muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum, muon_nesterov=cfg.muon_nesterov,
+        muon_weight_decay=cfg.muon_weight_decay, impl=cfg.optimizer_impl,
+    )
+
+
+def lr_schedule(cfg: TrainConfig) -> Schedule:
+    """The recipe's learning-rate schedule."""
+    return Schedule(warmup_steps=cfg.warmup_steps, kind=cfg.schedule, min_lr=cfg.min_lr,
+                    decay_fraction=cfg.decay_fraction)
 
 
 def _share(done: float, span: float) -> float:
