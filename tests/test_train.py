@@ -477,6 +477,21 @@ def test_torchrun_muon_splits_newton_schulz_and_matches_one_process(tmp_path: Pa
     assert _losses(resumed)[-1] == pytest.approx(_losses(tmp_path / "one")[-1], abs=1e-4)
 
 
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_torchrun_evaluates_the_whole_split_in_shares(tmp_path: Path, data: Path, distributed: str) -> None:
+    """eval_tokens unset: the whole val split (187 windows of 32 and a shorter one), each of 2 processes scoring
+    its half in batches of 4 (24 forwards on one, 25 on the other: FSDP's gathers need the one-token forward that
+    evens them) and one all-reduce summing: the val losses of one process (P8)."""
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=5, log_interval=5, eval_batch_size=4)
+    recipe.write_text("".join(line + "\n" for line in recipe.read_text().splitlines()
+                              if not line.startswith("eval_tokens")))
+    _torchrun(recipe, data, tmp_path / "two", "--distributed", distributed)
+    assert train(recipe, data, tmp_path / "one", "--grad-accum", "2") == 0
+    val_two = [r["val_loss"] for r in metrics(tmp_path / "two") if "val_loss" in r]
+    val_one = [r["val_loss"] for r in metrics(tmp_path / "one") if "val_loss" in r]
+    assert len(val_one) == 2 and val_two == pytest.approx(val_one, abs=1e-4)
+
+
 def _from_step_5(run: Path, copy: Path) -> Path:
     shutil.copytree(run, copy)
     shutil.rmtree(copy / "checkpoints" / "step-0000010")

@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gptlab.config import GPTConfig
+from gptlab.evaluate import default_batch_size, evaluate_loss, window_share
 from gptlab.model import GPT
 from gptlab.train import muon
 from gptlab.train.muon import BatchedMuon, matrix_owners, newton_schulz_cost, split_torch_muon
@@ -147,3 +149,68 @@ def test_split_muon_on_two_gloo_processes_is_one_process_muon(tmp_path: Path) ->
         params = _params()
         expected[impl] = _steps(_optimizers(params, 0, 1)[impl], params)
     mp.spawn(_two_processes, args=(str(tmp_path / "store"), expected), nprocs=2)
+
+
+# --- P8: the validation windows split over processes --------------------------------------------------------
+@pytest.mark.parametrize("world", range(1, 9))
+def test_window_shares_are_disjoint_and_cover_every_window_once(world: int) -> None:
+    for n in [*range(0, 30), 1000, 1001]:
+        shares = [window_share(n, rank, world) for rank in range(world)]
+        assert [w for share in shares for w in share] == list(range(n))  # in order: disjoint, every one once
+        sizes = [len(share) for share in shares]
+        assert max(sizes) - min(sizes) <= 1
+
+
+class Recorder(torch.nn.Module):
+    """The model, recording each forward's input rows; scored ones go through without the model's id checks (so
+    that only evaluate_loss's own host reads are counted where that matters)."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model, self.rows, self.calls = model, [], 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, **kwargs) -> tuple:
+        self.calls += 1
+        if y is not None:
+            self.rows += [tuple(r.tolist()) for r in x]
+        return self.model(x, y, check_ids=False, **kwargs)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_each_process_scores_only_its_windows_and_all_run_as_many_forwards(packed: bool, fake_rank) -> None:
+    """Rank r of 1..8 scores its own windows (9 of them: 8 full and a shorter last one; packed: 9 windows with a
+    loss mask), every window once over all ranks, each rank running as many forwards (an FSDP model gathers its
+    weights in each); the ranks' sums (the fake group's all-reduce is a no-op: each returns its own) add up to
+    one process's loss."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=50))
+    data = np.random.default_rng(0).integers(0, 50, 9 * 20 if packed else 8 * 16 + 6).astype(np.uint16)
+    mask = (np.arange(len(data)) % 3 != 0).astype(np.uint8) if packed else None
+    kwargs = dict(batch_size=2, mask=mask, window_tokens=20 if packed else None)
+    alone = evaluate_loss(model, data, 16, **kwargs)
+    everyone = Recorder(model)
+    evaluate_loss(everyone, data, 16, **kwargs)
+    assert len(everyone.rows) == 9
+    for world in range(2, 9):
+        rows, calls, total, tokens = [], set(), 0.0, 0
+        for rank in range(world):
+            fake_rank(rank, world)
+            recorder = Recorder(model)
+            part = evaluate_loss(recorder, data, 16, **kwargs, rank=rank, world=world)
+            rows += recorder.rows
+            calls.add(recorder.calls)
+            total, tokens = total + part.loss * part.tokens, tokens + part.tokens
+        assert sorted(rows) == sorted(everyone.rows), world  # every window once
+        assert len(calls) == 1, world  # lockstep
+        assert tokens == alone.tokens and total / tokens == pytest.approx(alone.loss, rel=1e-6)
+
+
+def test_default_eval_batch_grows_with_a_gpus_free_memory() -> None:
+    """The fp32 logits of a forward stay under 512 MB, or on a CUDA GPU under a quarter of its free memory: GPT-2
+    on an H100 with 60 GB free scores 64 windows of 1024 per forward, not 2. CPUs keep their 4k tokens."""
+    assert default_batch_size(1024, 50257, "cuda") == 2
+    assert default_batch_size(1024, 50257, "cuda", free_memory=1 << 30) == 2  # never below the 512 MB of before
+    assert default_batch_size(1024, 50257, "cuda", free_memory=60 << 30) == 64  # 65536 tokens: the cap
+    assert default_batch_size(1024, 50257, "cuda", free_memory=16 << 30) == 20
+    assert default_batch_size(64, 65, "cpu", free_memory=60 << 30) == default_batch_size(64, 65, "cpu") == 64
+    assert default_batch_size(1024, 50257, "mps", free_memory=60 << 30) == 2

@@ -232,16 +232,20 @@ class Trainer:
 
     # --- evaluation -----------------------------------------------------------------------------------------
     def evaluate(self) -> float:
-        """Validation loss over `eval_tokens` of the val split (all of it by default)."""
-        val = self.val_data
+        """Validation loss over `eval_tokens` of the val split (all of it by default); each process scores its
+        share of the windows and gets the loss over all of them."""
+        val, procs = self.val_data, self.procs
         return evaluate_loss(
             self.precision.eval_module, val.tokens, self.seq_len,
             batch_size=self.cfg.eval_batch_size, max_tokens=self.cfg.eval_tokens, device=self.device,
-            autocast=self.precision.autocast(), mask=val.mask, window_tokens=val.window_tokens,
+            autocast=self.precision.autocast(), mask=val.mask, window_tokens=val.window_tokens, rank=procs.rank,
+            world=procs.world,
         ).loss
 
     def _eval_and_track(self) -> float:
-        val = self.procs.from_rank0(self.evaluate())  # under FSDP saving a best is collective: decide together
+        # every process has the all-reduced loss; rank 0's, to be sure they decide alike (under FSDP saving a best
+        # is collective)
+        val = self.procs.from_rank0(self.evaluate())
         if val < self.best_val:
             self.best_val = val
             self.save_best()
