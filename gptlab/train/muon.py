@@ -32,7 +32,9 @@ class BatchedMuon(LeanOptimizer):
     instead of one per matrix save most of the tiny matmuls' overhead. Same hyper-parameters and state
     ("momentum_buffer") as torch.optim.Muon with adjust_lr_fn="original": B = momentum * B + g; update =
     NS(g + momentum * B) (Nesterov) or NS(B); p -= lr * sqrt(max(1, rows / cols)) * update, after decoupled
-    weight decay.
+    weight decay. (torch's "momentum_buffer" is an average: (1 - momentum) times this one (torch 2.13, by lerp);
+    Newton-Schulz normalizes the scale away, so the updates agree up to bf16 rounding, but the buffers of one
+    implementation are not the other's: optimizer_impl may not change on resume.)
     """
 
     def __init__(
