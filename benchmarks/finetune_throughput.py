@@ -67,10 +67,9 @@ def gptlab_contender(args: argparse.Namespace, full: bool):  # noqa: ANN201 - (s
 
     from gptlab.hardware import retain_freed_memory
     from gptlab.train import build_train_config
-    from gptlab.train.optim import build_optimizers, set_lr
+    from gptlab.train.optim import build_optimizers, lr_schedule, optimizer_spec, set_lr
     from gptlab.train.precision import Precision
     from gptlab.train.setup import build_model
-    from gptlab.train.trainer import lr_schedule, optimizer_spec
 
     if not args.default_malloc:
         retain_freed_memory()  # as `gptlab train` does

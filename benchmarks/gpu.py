@@ -54,9 +54,8 @@ def describe() -> str:
 def gptlab_trainer_step(x: torch.Tensor, vocab: int, compile: bool):  # noqa: ANN201
     from gptlab.model import GPT
     from gptlab.train import build_train_config
-    from gptlab.train.optim import build_optimizers
+    from gptlab.train.optim import build_optimizers, optimizer_spec
     from gptlab.train.precision import Precision
-    from gptlab.train.trainer import optimizer_spec
 
     cfg = build_train_config({"model": "gpt2", "optimizer": "adamw", "dtype": "bfloat16", "block_size": 1024})
     torch.manual_seed(0)

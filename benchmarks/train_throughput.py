@@ -42,9 +42,8 @@ def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
     """One `gptlab train` optimizer step, built from the trainer's own parts."""
     from gptlab.model import GPT
     from gptlab.train import build_train_config
-    from gptlab.train.optim import build_optimizers
+    from gptlab.train.optim import build_optimizers, optimizer_spec
     from gptlab.train.precision import Precision
-    from gptlab.train.trainer import optimizer_spec
 
     cfg = build_train_config({"model": "gpt2", "optimizer": "adamw", "dtype": args.dtype, "block_size": args.seq,
                               "optimizer_impl": args.optimizer_impl, "attention_fp32": not args.bf16_attention})

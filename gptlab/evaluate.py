@@ -6,12 +6,17 @@ shorter window included). Loss is the mean cross-entropy in nats over those targ
 
 Chat and prompt/completion data (a loss mask, examples packed into windows of `window_tokens`) is scored window
 by window as it was trained: each window's first block_size + 1 tokens, counting only the masked-in targets.
+
+Under torchrun each process scores a share of the windows (`window_share`) and one all-reduce sums the losses and
+the counts, so evaluation gets faster with more GPUs instead of repeating the whole split on each; the losses stay
+on the device until then (one host read per evaluation, not one per forward).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,12 +52,18 @@ def evaluate_loss(
     autocast: contextlib.AbstractContextManager | None = None,
     mask: np.ndarray | None = None,
     window_tokens: int | None = None,
+    *,
+    rank: int = 0,
+    world: int = 1,
 ) -> EvalResult:
     """Mean loss of `model` over `data` (1-D token ids), scoring each target once; `max_tokens` scores a
     prefix. With `mask` (1 = the target counts) and `window_tokens`, data is scored in its packed windows.
 
     `batch_size` windows go through the model at once (default: `default_batch_size`). `autocast` is an optional
-    context (e.g. torch.autocast) to run the forward passes under.
+    context (e.g. torch.autocast) to run the forward passes under. `rank` of `world` processes (torchrun; every
+    one must call this together): each scores its own share of the windows (`window_share`) and one all-reduce
+    sums the losses and their counts, so each returns the loss over all of them, as one process would (up to the
+    order of fp32 sums). The losses stay on the device until that sum: one host read per evaluation.
     """
     for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_tokens", max_tokens)):
         if value is not None and value < 1:  # a window of 0 tokens scores nothing and reports a loss of 0
@@ -64,60 +75,103 @@ def evaluate_loss(
         raise GptlabError(f"cannot evaluate on {len(data)} token(s): need at least 2")
     if batch_size is None:
         vocab_size = getattr(getattr(model, "config", None), "vocab_size", 50257)
-        batch_size = default_batch_size(block_size, vocab_size, torch.device(device).type)
+        device_type = torch.device(device).type
+        free = available_memory(device) if device_type == "cuda" else None
+        batch_size = default_batch_size(block_size, vocab_size, device_type, free)
     if window_tokens:
-        return _evaluate_windows(model, data, mask, window_tokens, block_size, batch_size, max_tokens, device,
-                                 autocast)
+        n_full = len(data) // window_tokens  # packed windows, all of one length
+        if max_tokens is not None:
+            n_full = min(n_full, max(1, max_tokens // block_size))
+        n_windows = n_full
+        rows = _packed_rows(data, mask, n_full, window_tokens, block_size)
+    else:  # windows of block_size targets, the last one maybe shorter
+        n_full = n_targets // block_size
+        n_windows = n_full + int(n_targets > n_full * block_size)
+        rows = _split_rows(data, n_targets, block_size)
+    batches = _batches(window_share(n_windows, rank, world), n_full, batch_size)
+    # a sharded (FSDP) model gathers its weights in every forward: every process runs as many, a process whose
+    # share ran out runs one-token forwards that score nothing
+    passes = max(len(_batches(window_share(n_windows, r, world), n_full, batch_size)) for r in range(world))
+    parts, count = [], 0
     was_training = model.training
     model.eval()
-    T = block_size
-    n_full = n_targets // T
-    total = 0.0  # summed in float64 so 100k+ per-token losses add up exactly enough
-    windows = np.asarray(data[: n_full * T + 1]).astype(np.int64)
     with autocast or contextlib.nullcontext():
-        for start in range(0, n_full, batch_size):
-            stop = min(start + batch_size, n_full)
-            x = torch.from_numpy(windows[start * T : stop * T].reshape(-1, T))
-            y = torch.from_numpy(windows[start * T + 1 : stop * T + 1].reshape(-1, T))
-            _, loss = model(x.to(device), y.to(device))
-            total += float(loss) * y.numel()
-        rest = n_targets - n_full * T
-        if rest:  # the last, shorter window
-            tail = np.asarray(data[n_full * T : n_targets + 1]).astype(np.int64)
-            x, y = torch.from_numpy(tail[:-1])[None], torch.from_numpy(tail[1:])[None]
-            _, loss = model(x.to(device), y.to(device))
-            total += float(loss) * rest
+        for windows in batches:
+            x, y, counted = rows(windows)
+            _, loss = model(x.to(device), y.to(device), reduction="sum")
+            parts.append(loss)
+            count += counted
+        for _ in range(passes - len(batches)):
+            model(torch.from_numpy(np.asarray(data[:1]).astype(np.int64))[None].to(device))
     model.train(was_training)
-    return EvalResult(loss=total / n_targets, tokens=n_targets)
+    total, count = _sum_over_processes(parts, count, device, world)
+    if count == 0:
+        raise GptlabError("no target in the evaluated windows counts (the loss mask is all zeros)")
+    return EvalResult(loss=total / count, tokens=count)
 
 
-def _evaluate_windows(
-    model: torch.nn.Module, data: np.ndarray, mask: np.ndarray | None, window_tokens: int, block_size: int,
-    batch_size: int, max_tokens: int | None, device: str | torch.device,
-    autocast: contextlib.AbstractContextManager | None,
-) -> EvalResult:
-    """Mean loss over the counted targets of every packed window (its first block_size + 1 tokens)."""
-    n_windows = len(data) // window_tokens
-    if max_tokens is not None:
-        n_windows = min(n_windows, max(1, max_tokens // block_size))
+# windows -> inputs, targets (-1: not counted) and how many targets count, known on the host without reading a tensor
+Rows = Callable[[range], tuple[torch.Tensor, torch.Tensor, int]]
+
+
+def window_share(n_windows: int, rank: int, world: int) -> range:
+    """The windows `rank` of `world` processes scores: a contiguous run, the shares differing by one window at
+    most (with more processes than windows some get none); disjoint, and together every window once. A function
+    of its arguments alone, so every process knows every share without asking."""
+    return range(rank * n_windows // world, (rank + 1) * n_windows // world)
+
+
+def _batches(share: range, n_full: int, batch_size: int) -> list[range]:
+    """A share's forward passes: its full windows `batch_size` at a time, then the shorter last window (index
+    `n_full`, when there is one and the share holds it) alone."""
+    stop = min(share.stop, n_full)
+    passes = [range(a, min(a + batch_size, stop)) for a in range(share.start, stop, batch_size)]
+    return passes + ([range(n_full, n_full + 1)] if share.stop > n_full else [])
+
+
+def _split_rows(data: np.ndarray, n_targets: int, T: int) -> Rows:
+    """Full windows w (tokens w*T .. w*T+T) as (x, y) rows; window n_targets // T, past them, predicts the rest."""
+    n_full = n_targets // T
+
+    def rows(windows: range) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if windows.start == n_full:  # the shorter last window, alone
+            tail = torch.from_numpy(np.asarray(data[n_full * T : n_targets + 1]).astype(np.int64))
+            return tail[:-1][None], tail[1:][None], len(tail) - 1
+        tokens = torch.from_numpy(np.asarray(data[windows.start * T : windows.stop * T + 1]).astype(np.int64))
+        return tokens[:-1].reshape(-1, T), tokens[1:].reshape(-1, T), len(windows) * T
+
+    return rows
+
+
+def _packed_rows(data: np.ndarray, mask: np.ndarray | None, n_windows: int, window_tokens: int,
+                 block_size: int) -> Rows:
+    """Packed windows as (x, y) rows: each one's first block_size + 1 tokens, the targets the mask leaves out -1."""
     tokens = _window_rows(data, n_windows, window_tokens)[:, : block_size + 1]
     keep = None if mask is None else _window_rows(mask, n_windows, window_tokens)[:, 1 : block_size + 1]
-    total, counted = 0.0, 0
-    was_training = model.training
-    model.eval()
-    with autocast or contextlib.nullcontext():
-        for start in range(0, n_windows, batch_size):
-            rows = torch.from_numpy(tokens[start : start + batch_size].astype(np.int64))
-            x, y = rows[:, :-1], rows[:, 1:]
-            if keep is not None:
-                y = y.masked_fill(torch.from_numpy(keep[start : start + batch_size] == 0), -1)
-            _, loss = model(x.to(device), y.to(device), reduction="sum")
-            total += float(loss)
-            counted += int((y != -1).sum())
-    model.train(was_training)
-    if counted == 0:
-        raise GptlabError("no target in the evaluated windows counts (the loss mask is all zeros)")
-    return EvalResult(loss=total / counted, tokens=counted)
+
+    def rows(windows: range) -> tuple[torch.Tensor, torch.Tensor, int]:
+        picked = torch.from_numpy(tokens[windows.start : windows.stop].astype(np.int64))
+        x, y = picked[:, :-1], picked[:, 1:]
+        if keep is None:
+            return x, y, y.numel()
+        dropped = keep[windows.start : windows.stop] == 0
+        return x, y.masked_fill(torch.from_numpy(dropped), -1), int(dropped.size - dropped.sum())
+
+    return rows
+
+
+def _sum_over_processes(parts: list[torch.Tensor], count: int, device: str | torch.device,
+                        world: int) -> tuple[float, int]:
+    """The summed losses (0-dim tensors on the device) and counted targets of every process, in one host read."""
+    acc = torch.float32 if torch.device(device).type == "mps" else torch.float64  # MPS has no float64
+    total = torch.stack(parts).to(acc).sum() if parts else torch.zeros((), dtype=acc, device=device)
+    both = torch.stack([total, torch.tensor(float(count), dtype=acc).to(device)])
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(both)
+    total_sum, counted = both.tolist()
+    return total_sum, round(counted)
 
 
 def _window_rows(array: np.ndarray, n_windows: int, window_tokens: int) -> np.ndarray:
@@ -125,11 +179,21 @@ def _window_rows(array: np.ndarray, n_windows: int, window_tokens: int) -> np.nd
     return np.asarray(array[: n_windows * window_tokens]).reshape(n_windows, window_tokens)
 
 
-def default_batch_size(block_size: int, vocab_size: int, device_type: str = "cpu") -> int:
+LOGITS_BYTES = 2**29  # fp32 logits per forward where the free memory is not consulted (CPU, MPS): 512 MB
+LOGITS_SHARE = 4  # on a GPU, the fp32 logits may take a quarter of its free memory (the loss, activations: rest)
+
+
+def default_batch_size(block_size: int, vocab_size: int, device_type: str = "cpu", free_memory: int | None = None
+                       ) -> int:
     """Windows per forward pass: about 4k tokens on a CPU (activations stay in cache: twice as fast as 64k for the
-    speedrun model), 64k on an accelerator; fewer for big vocabularies so that the fp32 logits stay under 512 MB."""
+    speedrun model), 64k on an accelerator; fewer for big vocabularies so that the fp32 logits stay under 512 MB,
+    or on a CUDA GPU under a quarter of its `free_memory` where that is more (GPT-2 on an 80 GB H100: 2 windows
+    of 1024 per forward at 512 MB, 64 with 60 GB free)."""
     tokens = 4096 if device_type == "cpu" else 65536
-    return max(1, min(tokens, 2**27 // vocab_size) // block_size)
+    budget = LOGITS_BYTES
+    if device_type == "cuda" and free_memory is not None:
+        budget = max(budget, free_memory // LOGITS_SHARE)
+    return max(1, min(tokens, budget // (4 * vocab_size)) // block_size)
 
 
 def batch_memory(vocab_size: int, n_embd: int, batch_size: int, block_size: int) -> int:

@@ -116,6 +116,26 @@ def test_training_reads_the_device_only_at_log_rows(tmp_path: Path, data: Path, 
     assert len([r for r in rows if "train_loss" in r]) == 2
 
 
+def test_evaluation_reads_the_device_once(data: Path) -> None:
+    """The evaluation's losses stay on the device, summed there, and are read once at the end (it read each
+    forward's loss before: `float(loss)` per batch of windows). The model checks no ids here, so that what is
+    counted is evaluate_loss's own reads."""
+    from gptlab.evaluate import evaluate_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=70))
+
+    class Unchecked(torch.nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, **kwargs) -> tuple:
+            return model(x, y, check_ids=False, **kwargs)
+
+    val = Split.load(data, "val").tokens[:16 * 20 + 7]  # 20 full windows and a shorter one: 7 forwards of 3
+    with HostReads() as reads:
+        result = evaluate_loss(Unchecked(), val, 16, batch_size=3)
+    assert reads.count == 1 and result.tokens == 16 * 20 + 6
+    assert result.loss == pytest.approx(evaluate_loss(model, val, 16, batch_size=1000).loss, rel=1e-6)
+
+
 def test_the_forward_reads_no_value_when_the_ids_are_checked_already() -> None:
     """`check_ids=False` (the trainer's batches are checked on the host): a forward and backward over fake
     tensors, which have no values to read, runs through. The default check reads the ids on the CPU, and on a

@@ -364,7 +364,7 @@ def test_gptlab_optimizers_match_torch_optim() -> None:
 
 
 def test_newton_schulz_zero_padding_is_exact_and_large_matrices_stack_by_shape() -> None:
-    from gptlab.train.optim import newton_schulz, newton_schulz_stacks
+    from gptlab.train.muon import newton_schulz, newton_schulz_stacks
 
     shapes = [(48, 16), (16, 16), (64, 16), (16, 64), (12, 40)]
     ((idx, (rows, cols)),) = newton_schulz_stacks(shapes)  # small: one stack, padded to the largest
@@ -458,6 +458,44 @@ def test_torchrun_ddp_matches_one_process(tmp_path: Path, data: Path) -> None:
     train_one = [r["train_loss"] for r in metrics(tmp_path / "one") if "train_loss" in r]
     assert train_ddp == pytest.approx(train_one, abs=1e-4)
     assert len(list_step_checkpoints(ddp)) == 1  # rank 0 alone writes
+
+
+@pytest.mark.parametrize("impl", ["gptlab", "torch"])
+def test_torchrun_muon_splits_newton_schulz_and_matches_one_process(tmp_path: Path, data: Path, impl: str) -> None:
+    """Muon under DDP: each of 2 processes orthogonalizes its own matrices and gathers the other's (P7); the run
+    follows 1 process x 2 micro-steps, and its checkpoint resumes on 1 process (the same optimizer class)."""
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, log_interval=5, optimizer="muon",
+                          optimizer_impl=impl, checkpoint_interval=5, keep_last=2)
+    _torchrun(recipe, data, tmp_path / "ddp")
+    assert train(recipe, data, tmp_path / "one", "--grad-accum", "2") == 0
+    assert _losses(tmp_path / "ddp") == pytest.approx(_losses(tmp_path / "one"), abs=1e-4)
+    (val_ddp,) = [r["val_loss"] for r in metrics(tmp_path / "ddp") if "val_loss" in r]
+    (val_one,) = [r["val_loss"] for r in metrics(tmp_path / "one") if "val_loss" in r]
+    assert val_ddp == pytest.approx(val_one, abs=1e-4)
+    resumed = _from_step_5(tmp_path / "ddp", tmp_path / "resumed")
+    assert train(recipe, data, resumed, "--grad-accum", "2", "--resume") == 0
+    assert _losses(resumed)[-1] == pytest.approx(_losses(tmp_path / "one")[-1], abs=1e-4)
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_torchrun_evaluates_the_whole_split_in_shares(tmp_path: Path, data: Path, distributed: str) -> None:
+    """eval_tokens unset: the whole val split (187 windows of 32 and a shorter one), each of 2 processes scoring
+    its half in batches of 4 (24 forwards on one, 25 on the other: FSDP's gathers need the one-token forward that
+    evens them) and one all-reduce summing: the val losses of one process (P8)."""
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=5, log_interval=5, eval_batch_size=4)
+    recipe.write_text("".join(line + "\n" for line in recipe.read_text().splitlines()
+                              if not line.startswith("eval_tokens")))
+    _torchrun(recipe, data, tmp_path / "two", "--distributed", distributed)
+    assert train(recipe, data, tmp_path / "one", "--grad-accum", "2") == 0
+    val_two = [r["val_loss"] for r in metrics(tmp_path / "two") if "val_loss" in r]
+    val_one = [r["val_loss"] for r in metrics(tmp_path / "one") if "val_loss" in r]
+    assert len(val_one) == 2 and val_two == pytest.approx(val_one, abs=1e-4)
+
+
+def _from_step_5(run: Path, copy: Path) -> Path:
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step-0000010")
+    return copy
 
 
 def test_torchrun_fsdp_matches_one_process_and_resumes(tmp_path: Path, data: Path) -> None:
@@ -787,7 +825,7 @@ def test_flops_per_token_counts_matmuls_head_and_attention_not_embeddings() -> N
 def test_newton_schulz_on_a_cpu_without_bf16_units_rounds_as_bf16_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where bf16 matmuls are emulated (AVX2), each product runs in fp32 and is rounded to bf16 once, as a bf16
     matmul does: the result equals the bf16 path up to summation order."""
-    from gptlab.train import optim
+    from gptlab.train import muon as optim
 
     torch.manual_seed(0)
     g = torch.randn(3, 24, 16)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from gptlab import checkpoint as ckpt
 from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_text, safetensors_problem, write_error
+from gptlab.fileio import atomic_write_json, atomic_write_text, safetensors_problem, write_error
+from gptlab.train.runlog import METRICS_FILE
 
 LOCK_FILE = ".lock"
 # what a resumable step checkpoint's state.json must hold (the trainer writes more)
@@ -71,6 +72,17 @@ class RunLock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = -1
+
+
+RESOLVED_CONFIG = "config.resolved.json"
+
+
+def prepare_run_dir(run_dir: Path, resolved: dict, step: int, quiet: bool = False) -> None:
+    """config.resolved.json (`resolved`: the recipe as it runs), and for a run resumed at `step` metrics.jsonl
+    without the rows past its checkpoint (they will be written again)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir / RESOLVED_CONFIG, resolved)
+    trim_metrics(run_dir / METRICS_FILE, step, quiet)
 
 
 def trim_metrics(path: Path, last_step: int, quiet: bool = False) -> None:

@@ -29,7 +29,7 @@ from gptlab import checkpoint as ckpt
 from gptlab.data import check_split_fits, read_meta
 from gptlab.errors import GptlabError
 from gptlab.evaluate import evaluate_loss
-from gptlab.fileio import atomic_write_json, check_out_dir
+from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
 from gptlab.train.batches import Split, StepFeed, sequence_length
@@ -42,29 +42,12 @@ from gptlab.train.config import (
 )
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.losses import DeviceLosses
-from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
+from gptlab.train.optim import build_optimizers, lr_schedule, optimizer_spec, set_lr
 from gptlab.train.precision import Precision
 from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
-from gptlab.train.rundir import RunLock, checkpoint_to_resume, trim_metrics
-from gptlab.train.runlog import METRICS_FILE, RunLog, progress_bar
+from gptlab.train.rundir import RunLock, checkpoint_to_resume, prepare_run_dir
+from gptlab.train.runlog import RunLog, progress_bar
 from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype
-
-RESOLVED_CONFIG = "config.resolved.json"
-
-
-def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
-    """The recipe's optimizer settings, as `gptlab.train.optim` takes them."""
-    return OptimizerSpec(
-        kind=cfg.optimizer, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-        muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum, muon_nesterov=cfg.muon_nesterov,
-        muon_weight_decay=cfg.muon_weight_decay, impl=cfg.optimizer_impl,
-    )
-
-
-def lr_schedule(cfg: TrainConfig) -> Schedule:
-    """The recipe's learning-rate schedule."""
-    return Schedule(warmup_steps=cfg.warmup_steps, kind=cfg.schedule, min_lr=cfg.min_lr,
-                    decay_fraction=cfg.decay_fraction)
 
 
 class Trainer:
@@ -153,7 +136,9 @@ class Trainer:
         if self.fsdp:  # in place, before the optimizers see the parameters: they become this process's shards
             shard_model(self.model)
         self.opt_spec, self.schedule = optimizer_spec(cfg), lr_schedule(cfg)
-        self.optimizers = build_optimizers(self.model, self.opt_spec)
+        # DDP replicas split Muon's Newton-Schulz between them; FSDP's shards are no whole matrices (no Muon there)
+        self.optimizers = build_optimizers(self.model, self.opt_spec, rank=self.procs.rank,
+                                           world=1 if self.fsdp else self.procs.world)
         self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
         # elapsed_sec when warm-up ended (None before): a time budget's decay runs from there to max_time
         self.warmup_elapsed: float | None = 0.0 if cfg.warmup_steps == 0 else None
@@ -247,16 +232,20 @@ class Trainer:
 
     # --- evaluation -----------------------------------------------------------------------------------------
     def evaluate(self) -> float:
-        """Validation loss over `eval_tokens` of the val split (all of it by default)."""
-        val = self.val_data
+        """Validation loss over `eval_tokens` of the val split (all of it by default); each process scores its
+        share of the windows and gets the loss over all of them."""
+        val, procs = self.val_data, self.procs
         return evaluate_loss(
             self.precision.eval_module, val.tokens, self.seq_len,
             batch_size=self.cfg.eval_batch_size, max_tokens=self.cfg.eval_tokens, device=self.device,
-            autocast=self.precision.autocast(), mask=val.mask, window_tokens=val.window_tokens,
+            autocast=self.precision.autocast(), mask=val.mask, window_tokens=val.window_tokens, rank=procs.rank,
+            world=procs.world,
         ).loss
 
     def _eval_and_track(self) -> float:
-        val = self.procs.from_rank0(self.evaluate())  # under FSDP saving a best is collective: decide together
+        # every process has the all-reduced loss; rank 0's, to be sure they decide alike (under FSDP saving a best
+        # is collective)
+        val = self.procs.from_rank0(self.evaluate())
         if val < self.best_val:
             self.best_val = val
             self.save_best()
@@ -415,10 +404,6 @@ class Trainer:
         return 0
 
     def _prepare_run_dir(self) -> None:
-        """config.resolved.json, and for a resumed run metrics.jsonl without the rows past its checkpoint (they
-        will be written again)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"train": self.cfg.to_dict(), "model": self.model.config.to_dict(), "data": str(self.data_dir),
                     "world_size": self.procs.world, "device": self.device}
-        atomic_write_json(self.run_dir / RESOLVED_CONFIG, resolved)
-        trim_metrics(self.run_dir / METRICS_FILE, self.step, self.quiet)
+        prepare_run_dir(self.run_dir, resolved, self.step, self.quiet)
