@@ -23,7 +23,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
-from gptlab.cli.sample import add_sampling_flags, sampling_params
+from gptlab.cli.sample import add_sampling_flags, check_biased_tokens, sampling_params
 from gptlab.errors import GptlabError
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, device=device, dtype=torch_dtype(args.dtype, device),
                                   **quantize_options(args))
+    check_biased_tokens(params, model.config.vocab_size)
     if tokenizer is None:
         raise GptlabError(f"{args.model} has no tokenizer: chat needs one to turn text into tokens "
                           "(save the checkpoint with its tokenizer)")

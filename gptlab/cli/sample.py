@@ -61,15 +61,38 @@ def add_sampling_flags(
                    help="keep tokens with probability >= MIN_P x the top one's; 0 = all (default)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (HF-style)")
     p.add_argument("--seed", type=int, help="same seed, same samples")
+    p.add_argument("--logit-bias", metavar="ID=BIAS", action="append", default=[],
+                   help="add BIAS (-100..100) to token ID's logit before sampling; -100 bans it (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
     """SamplingParams from the flags (then `overrides`); a value out of range is a one-line error naming its
     flag."""
     try:
-        return SamplingParams.from_fields(vars(args), **overrides)
+        return SamplingParams.from_fields(vars(args), **{"logit_bias": _logit_bias(args.logit_bias), **overrides})
     except InvalidSamplingParam as e:
         raise GptlabError(f"--{e.field.replace('_', '-')} {e.requirement}, got {e.value!r}") from None
+
+
+def check_biased_tokens(params: SamplingParams, vocab_size: int) -> None:
+    """--logit-bias names tokens of the loaded model's vocabulary (known only once it is loaded)."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise GptlabError(f"--logit-bias names token {bad[0]}, outside the model's vocabulary [0, {vocab_size})")
+
+
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    """--logit-bias ID=BIAS flags as {id: bias}; a malformed one is a one-line error naming it."""
+    bias = {}
+    for pair in pairs:
+        token, sep, value = pair.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise GptlabError(f"--logit-bias {pair!r}: expected TOKEN_ID=BIAS, e.g. 50256=-100") from None
+    return bias
 
 
 def _prompt_ids(prompt: str, tokenizer: TextTokenizer) -> list[int]:
@@ -120,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype, device),
                                   **quantize_options(args))
+    check_biased_tokens(params, model.config.vocab_size)
     if tokenizer is None:
         raise GptlabError(
             f"{args.checkpoint} has no tokenizer: sampling needs one to turn text into tokens "

@@ -27,6 +27,8 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch's integers (seeds, top-k) are int64
 MAX_STOPS = 64  # stop strings per request (the server allows fewer: its policy, in serve/schemas.py)
 MAX_STOP_CHARS = 512  # characters per stop string
+MAX_LOGIT_BIAS = 1024  # biased tokens per request
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 all but forces it
 
 
 class InvalidSamplingParam(ValueError):
@@ -43,6 +45,24 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _bias_pairs(bias: Any) -> tuple:
+    """logit_bias as sorted (id, bias) pairs: from a mapping or pairs; an id given twice is refused, a shape that
+    is neither is kept as it is for `_check` to refuse."""
+    try:
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else [tuple(p) for p in bias]
+    except TypeError:
+        return (bias,)
+    if any(len(p) != 2 for p in pairs):
+        return tuple(pairs)
+    pairs = [(_as_int(t) if _as_int(t) is not None else t, b) for t, b in pairs]
+    if len({t for t, _ in pairs if _is_int(t)}) < len(pairs):
+        raise InvalidSamplingParam("logit_bias", bias, "must name each token once")
+    try:
+        return tuple(sorted(pairs, key=lambda p: p[0]))
+    except TypeError:  # ids that do not compare: `_check` names them
+        return tuple(pairs)
 
 
 def _as_int(value: Any) -> int | None:
@@ -75,6 +95,10 @@ class SamplingParams:
       before penalties, temperature and filters, as vLLM reports them by default.
     - prompt_logprobs: also record the log-probability of every prompt token after the first (and as many
       alternatives as `logprobs` asks), e.g. to score a text.
+    - logit_bias: {token id: bias} added to those tokens' logits first, before penalties, temperature and the
+      filters (OpenAI's: biases in [-100, 100]; -100 bans a token, 100 all but forces it), greedy rows included.
+      Stored as sorted (id, bias) pairs. The ids are checked against the vocabulary where it is known
+      (`prepare_generation`).
 
     Frozen: the checks in __post_init__ hold for the object's whole life (use dataclasses.replace to vary one).
     """
@@ -93,6 +117,7 @@ class SamplingParams:
     ignore_eot: bool = False
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
 
     def __post_init__(self) -> None:
         # normalize first, so that the checks (and everybody after them) see one spelling of each setting
@@ -105,6 +130,7 @@ class SamplingParams:
             "min_p": 0.0 if self.min_p is None else self.min_p,
             "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
             "stop_token_ids": stop_ids,
+            "logit_bias": _bias_pairs(self.logit_bias),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)  # frozen: __setattr__ itself refuses
@@ -144,6 +170,10 @@ class SamplingParams:
         require(len(self.stop) <= MAX_STOPS, "stop", f"must hold at most {MAX_STOPS} strings")
         require(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
                 f"must be non-empty strings of at most {MAX_STOP_CHARS} characters")
+        require(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"must bias at most {MAX_LOGIT_BIAS} tokens")
+        require(all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_number(p[1])
+                    and math.isfinite(p[1]) and abs(p[1]) <= LOGIT_BIAS_RANGE for p in self.logit_bias), "logit_bias",
+                f"must map token ids (integers >= 0) to biases in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
         require(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",

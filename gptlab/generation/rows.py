@@ -22,7 +22,7 @@ import torch
 
 from gptlab.errors import GptlabError
 from gptlab.generation.detokenize import TextState
-from gptlab.generation.params import SamplingParams
+from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.generation.sampling import TokenLogprob, row_seed
 
 if TYPE_CHECKING:
@@ -101,6 +101,8 @@ def prepare_generation(
     V, ctx = vocab_size, context
     if any(t < 0 or t >= V for t in ids):
         raise ValueError(f"prompt token ids must be in [0, {V})")
+    if any(t >= V for t, _ in params.logit_bias):
+        raise InvalidSamplingParam("logit_bias", dict(params.logit_bias), f"must name token ids in [0, {V})")
     truncated = 0
     if len(ids) >= ctx:
         if not truncate_prompt:

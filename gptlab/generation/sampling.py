@@ -95,6 +95,8 @@ def sample_next(
     """
     logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
     dev = logits.device
+    if any(sp.logit_bias for sp in params):
+        logits = apply_logit_bias(logits, params)
     if any(sp.penalized for sp in params):
         rep, freq, pres = (_column(params, name, dev) for name in PENALTIES)
         logits = apply_penalties(logits, counts, seen, rep, freq, pres)
@@ -154,6 +156,17 @@ def row_seed(seed: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
     return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's `logit_bias` added to its logits (n, V), in one scatter over every biased (row, token)."""
+    rows = [i for i, sp in enumerate(params) for _ in sp.logit_bias]
+    ids = [t for sp in params for t, _ in sp.logit_bias]
+    bias = [b for sp in params for _, b in sp.logit_bias]
+    dev = logits.device
+    logits = logits.clone()  # the caller's logits (the engine's, also read for logprobs) stay as they are
+    logits[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] += torch.tensor(bias, device=dev)
+    return logits
 
 
 class TokenCounts:

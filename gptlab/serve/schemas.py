@@ -1,9 +1,11 @@
 """The server's protocol: request bodies (pydantic, strict types), OpenAI-style error bodies, and the logprobs
 objects of its answers.
 
-Strict: a string where a number belongs is an error, not coerced. Unknown fields are ignored (clients send
-`user`, `logit_bias`, ... that gptlab does not act on). Besides OpenAI's fields, requests accept vLLM-style
-extras: top_k, min_p, repetition_penalty, ignore_eos.
+Strict: a string where a number belongs is an error, not coerced. No field is silently ignored: an OpenAI field
+this server does not implement (`UNSUPPORTED`: tools, response_format, ...) is a 400 naming it and why, and any
+other unknown field a 400 as OpenAI answers one ("Unrecognized request argument supplied"). `user` (the caller's
+own tag for its end user) is accepted and has no effect on the answer, as with OpenAI. Besides OpenAI's fields,
+requests accept vLLM-style extras: top_k, min_p, repetition_penalty, ignore_eos.
 
 Every field is bounded here, so that the OpenAPI schema (/openapi.json) states each bound and a request out of
 range is a 400 before any work: the server's own policy limits (OpenAI's temperature <= 2, penalties in [-2, 2],
@@ -20,7 +22,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from gptlab.generation.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_STOP_CHARS  # torch-free
+from gptlab.generation.params import (  # torch-free
+    INT64_MAX,
+    INT64_MIN,
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+)
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -94,6 +103,12 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
             "We could not parse the JSON body of your request: it is not valid JSON.",
             code="invalid_json",
         )
+    if first.get("type") == "extra_forbidden":  # a field this server does not take: never ignored silently
+        name = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        why = UNSUPPORTED.get(name)
+        message = (f"'{name}' is not supported by this server: {why}" if why
+                   else f"Unrecognized request argument supplied: {name}")
+        return ApiError(400, message, param=name, code="unsupported_parameter" if why else "unknown_parameter")
     # a union field (stop: a string or a list) reports one error per member: the one that says what is wrong
     # is a broken bound (a list too long), not "not a string"
     same_field = [e for e in errors if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
@@ -109,6 +124,25 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     )
 
 
+# OpenAI request fields this server does not implement, with why: a request naming one is refused (400), never
+# answered as if the field were not there (free text where JSON or a tool call was asked for)
+UNSUPPORTED = {
+    "response_format": "structured outputs (JSON mode, JSON schema) are not implemented",
+    "tools": "tool calls are not implemented", "tool_choice": "tool calls are not implemented",
+    "parallel_tool_calls": "tool calls are not implemented", "functions": "function calls are not implemented",
+    "function_call": "function calls are not implemented", "suffix": "insertion (a suffix) is not implemented",
+    "best_of": "best_of is not implemented (n is)", "audio": "only text is generated",
+    "modalities": "only text is generated", "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "the model has no reasoning settings", "web_search_options": "there is no web search",
+    "store": "nothing is stored", "metadata": "nothing is stored", "service_tier": "there is one tier",
+    "verbosity": "the model has no verbosity setting", "moderation": "there is no moderation",
+    "prompt_cache_key": "prompt caching is not implemented", "prompt_cache_retention": "prompt caching is not "
+    "implemented", "prompt_cache_options": "prompt caching is not implemented",
+}
+TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id, as JSON object keys are strings
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -117,7 +151,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions. Only policy limits here; see the module docstring."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -134,6 +168,10 @@ class SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)  # a cap of this server's, as OpenAI caps its penalties
     ignore_eos: bool = False
+    logit_bias: Annotated[dict[TokenKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # the caller's tags for its end user (abuse monitoring on OpenAI's side): no effect on the answer, as there
+    user: str | None = Field(None, max_length=256)
+    safety_identifier: str | None = Field(None, max_length=256)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -112,14 +112,15 @@ class Server:
                     ignore_eot=req.ignore_eos,
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
+                    logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
                 )
+                gens += [self.engine.prepare(ids, params, sample_index=j) for j in range(req.n)]
             except InvalidSamplingParam as e:
                 param = (param_names or {}).get(e.field, e.field)
                 raise ApiError(
                     400, f"Invalid value for '{param}': {e.requirement}, got {e.value!r}", param=param,
                     code="invalid_value",
                 ) from e
-            gens += [self.engine.prepare(ids, params, sample_index=j) for j in range(req.n)]
         job = Job(gens, loop=asyncio.get_running_loop())
         try:
             self.scheduler.submit(job)
