@@ -3,12 +3,10 @@ adapters), the dtype check, and the memory check. The random streams a checkpoin
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
-from gptlab.checkpoint import plain_shapes
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
@@ -44,24 +42,53 @@ def check_dtype(dtype: str, device: str) -> None:
 
 
 def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) -> int:
-    """A lower bound on the bytes one training step needs on each process: fp32 weights, gradients and AdamW's
-    two moments (a fresh model; a loaded one is already in memory), the logits with their gradient, and the
-    activations each block keeps for backward (about 16 values per token and channel: the residual, norms, q/k/v,
-    attention output, the MLP's hidden layer)."""
+    """A lower bound on the bytes one training step needs on each process.
+
+    States: fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter (a fresh model; a loaded one is
+    already in memory); under low precision without FSDP also the weights' low-precision copies (autocast's casts
+    kept for backward, or the working copy). Under FSDP each process holds 1/world of the states, plus what it
+    gathers: the root's weights (embeddings, head, final norm: kept through forward and backward) and one block's
+    at a time, with their gradients before the reduce-scatter, in the compute dtype.
+    Activations, in the compute dtype: the logits with their gradient, and what each block keeps for backward
+    (the residual, norms, q/k/v, the attention output: 8 values per channel; the MLP's hidden layer: 2, gated 4,
+    values per hidden unit); under activation checkpointing only each block's input, plus one block recomputed."""
+    elt = 4 if cfg.dtype == "float32" else 2  # "auto" is resolved before the trainer asks; 2 is the lower bound
+    fsdp = cfg.distributed == "fsdp" and world > 1
+    total, block, root = parameter_counts(config)
+    if not fresh:
+        states = 0
+    elif fsdp:
+        states = 16 * total // world + 2 * elt * (root + block)
+    else:
+        states = 16 * total + (2 * total if elt == 2 else 0)
     tokens = cfg.batch_size // max(world * cfg.grad_accum, 1) * config.block_size
-    params = sum(math.prod(s) for s in plain_shapes(config).values()) if fresh else 0
-    per_token = 2 * config.vocab_size + 16 * config.n_layer * config.n_embd
-    return 4 * (4 * params + tokens * per_token)
+    per_block = 8 * config.n_embd + (4 if config.gated_mlp else 2) * config.hidden_size
+    if cfg.activation_checkpointing:
+        kept = config.n_layer * config.n_embd + per_block
+    else:
+        kept = config.n_layer * per_block
+    return states + elt * tokens * (2 * config.vocab_size + kept)
+
+
+def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:
+    """(all parameters, the largest block's, those outside the blocks), tied ones once (the meta device: free)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    total = sum(p.numel() for p in model.parameters())
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.iter_blocks())
+    return total, block, total - sum(p.numel() for b in model.iter_blocks() for p in b.parameters())
 
 
 def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: str, fresh: bool = True) -> None:
     """Refuse before any work a batch (or model) that cannot fit in the device's free memory."""
     need, have = step_memory(cfg, config, world, fresh), available_memory(device)
     if have is not None and need > have:
-        params = sum(math.prod(s) for s in plain_shapes(config).values())
+        params = parameter_counts(config)[0]
+        more = "" if cfg.activation_checkpointing else ", set activation_checkpointing = true"
         raise GptlabError(f"training this model ({params:,} parameters) at batch_size {cfg.batch_size} x block_size "
                           f"{config.block_size} needs at least {human_bytes(need)} of memory per step, {device} has "
-                          f"{human_bytes(have)} free: lower batch_size or micro_batch_size, or choose a smaller model")
+                          f"{human_bytes(have)} free: lower batch_size or micro_batch_size{more}, or choose a "
+                          "smaller model")
 
 
 def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
