@@ -4,10 +4,27 @@ playing rank r of many, collectives no-ops) or real 2-process gloo runs (torchru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import make_data, write_recipe
+
+from gptlab.config import GPTConfig
+from gptlab.model import GPT
 from gptlab.train import build_train_config
+from gptlab.train.distributed import shard_model
+from gptlab.train.precision import Precision, sharding_dtype
 from gptlab.train.setup import parameter_counts, step_memory
+
+REPO = Path(__file__).resolve().parents[1]
 
 GB = 1e9
 
@@ -49,3 +66,89 @@ def test_the_memory_check_of_one_process_is_unchanged_in_kind() -> None:
     assert bf16 == 18 * params + activations // 2
     recomputed = _step_memory("gpt2", 1024, 1, dtype="bfloat16", activation_checkpointing=True)
     assert recomputed == 18 * params + 2 * 1024 * (2 * 50257 + 12 * 768 + 16 * 768)
+
+
+# --- fake ranks ----------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_rank(rank: int, world: int) -> Iterator[None]:
+    """This process as rank `rank` of `world` in torch's fake process group: collectives return at once, with
+    their outputs left as they were (so gathered values are garbage, their shapes and dtypes right)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tiny(**changes: object) -> GPTConfig:
+    return GPTConfig.preset("tiny", **{"n_embd": 32, "n_head": 2, "n_kv_head": 2, "block_size": 16,
+                                       "vocab_size": 50, **changes})
+
+
+# --- P6: FSDP gathers in the compute dtype, reduces in fp32, without autocast ------------------------------------
+def test_fsdp_under_bf16_gathers_bf16_weights_and_reduces_in_fp32() -> None:
+    seen: dict[str, torch.dtype] = {}
+    with fake_rank(1, 2):
+        model = GPT(tiny())
+        shard_model(model, sharding_dtype("bfloat16", lora=False))
+        for name in ("transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_fc", "transformer.wte"):
+            module = model.get_submodule(name)
+            module.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, m.weight.dtype))
+        precision = Precision(model, "bfloat16", "cpu", attention_fp32=True, distributed=True, sharded=True)
+        assert precision.mode == "sharded"
+        assert isinstance(precision.autocast(), contextlib.nullcontext)  # the policy casts, autocast would again
+        with precision.autocast():
+            _, loss = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+        for block in [*model.iter_blocks(), model]:
+            policy = block._get_fsdp_state()._mp_policy
+            assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+        loss.backward()
+        for p in model.parameters():  # the shards stay fp32 masters, their gradients fp32
+            assert p.dtype == p.grad.dtype == torch.float32 and type(p).__name__ == "DTensor"
+    assert seen == dict.fromkeys(seen, torch.bfloat16) and len(seen) == 3
+    # fp32 and LoRA runs: no policy, as before
+    assert sharding_dtype("float32", lora=False) is None and sharding_dtype("bfloat16", lora=True) is None
+    with fake_rank(0, 2):
+        model = GPT(tiny())
+        shard_model(model, None)
+        assert model._get_fsdp_state()._mp_policy.param_dtype is None
+        assert Precision(model, "float32", "cpu", attention_fp32=True, distributed=True, sharded=True).mode == \
+            "float32"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_data(tmp_path_factory.mktemp("fsdp_data"))
+
+
+def _torchrun(recipe: Path, data: Path, out: Path, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptlab.cli",
+           "train", str(recipe), "--data", str(data), "--out", str(out), "--quiet", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _train(recipe: Path, data: Path, out: Path, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "gptlab.cli", "train", str(recipe), "--data", str(data), "--out", str(out),
+           "--quiet", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _metric(run: Path, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
+
+
+def test_torchrun_fsdp_bf16_trains_and_follows_one_bf16_process(tmp_path: Path, data: Path) -> None:
+    """2 processes (gloo) under FSDP's bf16 policy against 1 process's bf16 working weights: the same numbers up to
+    bf16's rounding (where the sums are taken differs), and the loss falls."""
+    recipe = write_recipe(tmp_path, max_steps=20, eval_interval=0, log_interval=5, dtype="bfloat16")
+    _torchrun(recipe, data, tmp_path / "fsdp", "--distributed", "fsdp", "--grad-accum", "2")
+    _train(recipe, data, tmp_path / "one", "--grad-accum", "4")
+    sharded, one = _metric(tmp_path / "fsdp", "train_loss"), _metric(tmp_path / "one", "train_loss")
+    assert len(sharded) == 4 and sharded == pytest.approx(one, rel=2e-2)
+    assert sharded[-1] < sharded[0] - 0.3
+    assert _metric(tmp_path / "fsdp", "val_loss") == pytest.approx(_metric(tmp_path / "one", "val_loss"), rel=2e-2)

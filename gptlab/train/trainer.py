@@ -32,6 +32,7 @@ from gptlab.evaluate import evaluate_loss
 from gptlab.fileio import atomic_write_json, check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
+from gptlab.lora import has_lora
 from gptlab.train.batches import Split, StepFeed, sequence_length
 from gptlab.train.config import (
     RESUMABLE_CHANGES,
@@ -43,7 +44,7 @@ from gptlab.train.config import (
 from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
 from gptlab.train.losses import DeviceLosses
 from gptlab.train.optim import OptimizerSpec, Schedule, build_optimizers, set_lr
-from gptlab.train.precision import Precision
+from gptlab.train.precision import Precision, sharding_dtype
 from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
 from gptlab.train.rundir import RunLock, checkpoint_to_resume, trim_metrics
 from gptlab.train.runlog import METRICS_FILE, RunLog, progress_bar
@@ -149,9 +150,9 @@ class Trainer:
             print("note: distributed = fsdp shards over torchrun's processes; one process trains unsharded",
                   file=sys.stderr)
         self.precision = Precision(self.model, cfg.dtype, self.device, cfg.attention_fp32,
-                                   distributed=self.procs.world > 1)
+                                   distributed=self.procs.world > 1, sharded=self.fsdp)
         if self.fsdp:  # in place, before the optimizers see the parameters: they become this process's shards
-            shard_model(self.model)
+            shard_model(self.model, sharding_dtype(cfg.dtype, lora=has_lora(self.model)))
         self.opt_spec, self.schedule = optimizer_spec(cfg), lr_schedule(cfg)
         self.optimizers = build_optimizers(self.model, self.opt_spec)
         self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
