@@ -152,3 +152,52 @@ def test_torchrun_fsdp_bf16_trains_and_follows_one_bf16_process(tmp_path: Path, 
     assert len(sharded) == 4 and sharded == pytest.approx(one, rel=2e-2)
     assert sharded[-1] < sharded[0] - 0.3
     assert _metric(tmp_path / "fsdp", "val_loss") == pytest.approx(_metric(tmp_path / "one", "val_loss"), rel=2e-2)
+
+
+# --- B5: a checkpoint's whole tensors live on the writer alone ---------------------------------------------------
+def _trained_shards() -> tuple[GPT, list[torch.optim.Optimizer]]:
+    """A tiny FSDP-sharded model with AdamW moments, after one step (in the fake group: garbage values)."""
+    from gptlab.train.optim import OptimizerSpec, build_optimizers
+
+    model = GPT(tiny())
+    shard_model(model)
+    optimizers = build_optimizers(model, OptimizerSpec(kind="adamw"))
+    _, loss = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    loss.backward()
+    for opt in optimizers:
+        opt.step()
+    return model, optimizers
+
+
+@pytest.mark.parametrize("writer", [False, True])
+def test_an_fsdp_checkpoint_keeps_whole_tensors_on_the_writer_alone(tmp_path: Path, monkeypatch, writer) -> None:
+    """Rank 1 of 8 takes part in every gather (in the same order as its peers) but holds at most the tensor being
+    gathered (before: every weight and moment, whole, on every rank's CPU); the writer keeps them all."""
+    import weakref
+
+    from gptlab.checkpoint import save_checkpoint, writing
+
+    real, alive, order = writing.whole, set(), []
+    peak = [0]
+
+    def spy(t: torch.Tensor) -> torch.Tensor:
+        full = real(t)
+        if full is not t:  # a shard gathered
+            order.append(tuple(t.shape))
+            storage = full.untyped_storage()  # lives as long as any view of it (detach, contiguous, cpu on a CPU)
+            alive.add(id(storage))
+            peak[0] = max(peak[0], len(alive))
+            weakref.finalize(storage, alive.discard, id(storage))
+        return full
+
+    monkeypatch.setattr(writing, "whole", spy)
+    with fake_rank(0 if writer else 1, 8):
+        model, optimizers = _trained_shards()
+        shards = sum(1 for p in model.parameters()) * 3  # weights, exp_avg, exp_avg_sq
+        written = save_checkpoint(tmp_path / "ckpt", model, {"step": 1}, optimizers, writer=writer)
+    assert len(order) == shards
+    if writer:
+        assert written == tmp_path / "ckpt" and peak[0] == shards
+    else:
+        assert written is None and not (tmp_path / "ckpt").exists()
+        assert peak[0] <= 2  # the one being gathered, and the one before it while the next is
