@@ -12,11 +12,13 @@ from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
 from gptlab.hardware import available_memory, gpu_has_bf16
 from gptlab.loading import base_reference, load_model
-from gptlab.lora import LoRASpec, add_lora, parse_targets
+from gptlab.lora import LoRASpec, add_lora, has_lora, parse_targets
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
 from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
 from gptlab.train.config import TrainConfig
+from gptlab.train.distributed import shard_model
+from gptlab.train.precision import sharding_dtype
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -99,21 +101,77 @@ def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
                     targets=parse_targets(cfg.lora_targets))
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None = None) -> GPT:
+def build_model(
+    cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None = None, sharded: bool = False
+) -> GPT:
     """A fresh GPT from the recipe, or the one `init_from` names (a run, checkpoint or Hugging Face dir), with
     adapters on a frozen copy of it when the recipe sets lora_rank. fp32 masters whatever the saved dtype.
-    The tokenizer of `data_dir` must be init_from's own (when both are known)."""
-    torch.manual_seed(cfg.seed)  # the same init on every process
+    The tokenizer of `data_dir` must be init_from's own (when both are known).
+
+    A fresh model is built on the meta device and initialized by `init_weights` (the same weights on any device
+    and any number of processes). `sharded` (FSDP): nothing whole reaches `device`; `shard` then places it. A
+    fresh model stays on the meta device (`shard` materializes only this process's shards), a pretrained one is
+    loaded into host memory (`shard` moves it to the device one block at a time)."""
+    torch.manual_seed(cfg.seed)  # the same adapters (LoRA's init) and dropout stream of rank 0 on every process
     if not cfg.init_from:
-        with torch.device(device):
+        with torch.device("meta"):
             model = GPT(cfg.model_config(vocab_size)).train()
+        if not sharded:
+            model.to_empty(device=device)
+            if model.config.tie_embeddings:  # to_empty gave the head a Parameter of its own (FSDP's swap keeps it)
+                model.lm_head.weight = model.transformer.wte.weight
+            init_weights(model, cfg.seed)
     else:
-        model = _pretrained(cfg, vocab_size, device, data_dir)
+        model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir)
     spec = lora_spec(cfg)
     if spec is not None:
         add_lora(model, spec, base=base_reference(cfg.init_from))
     model.activation_checkpointing = cfg.activation_checkpointing
     return model
+
+
+def shard(model: GPT, cfg: TrainConfig, device: str) -> None:
+    """FSDP, in place (`shard_model`: fully_shard per block, the compute dtype's policy), of a model from
+    `build_model(sharded=True)`: a fresh one is then given this process's shards on `device` alone, initialized
+    as `init_weights` initializes a whole model; a pretrained one moves there block by block, each block whole on
+    the device only while it is sharded."""
+    fresh = next(model.parameters()).is_meta
+    shard_model(model, sharding_dtype(cfg.dtype, lora=has_lora(model)))
+    if fresh:
+        model.to_empty(device=device)
+        init_weights(model, cfg.seed)
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int) -> None:
+    """GPT's init (`GPT.initializers`), drawn on the CPU from a generator of its own seeded with `seed`, one whole
+    parameter at a time in the order a model built whole draws them, so the weights are the same on any device and
+    over any number of processes. Of a sharded parameter each process keeps its part (the rest is dropped): at
+    most one parameter's whole fp32 values are in host memory at a time."""
+    generator = torch.Generator().manual_seed(seed)
+    for param, init in model.initializers():
+        values = torch.empty(param.shape, dtype=param.dtype)
+        init(values, generator)
+        target = param.to_local() if hasattr(param, "to_local") else param
+        target.copy_(local_part(values, param))
+
+
+def local_part(values: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter's whole `values`: all of them, or for an FSDP shard (DTensor, dim 0
+    cut as torch.chunk cuts it, an empty part past the last piece) its rows."""
+    if not hasattr(param, "device_mesh"):
+        return values
+    from torch.distributed.tensor import Shard
+
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):  # shard_model makes only these
+        raise RuntimeError(f"expected a 1-D mesh sharded on dim 0, got {mesh} {param.placements}")
+    pieces, rank = torch.chunk(values, mesh.size(), dim=0), mesh.get_local_rank()
+    part = pieces[rank] if rank < len(pieces) else values[:0]
+    if part.shape != param.to_local().shape:
+        raise RuntimeError(f"a shard of shape {tuple(param.to_local().shape)}, its part of {tuple(values.shape)} "
+                           f"would be {tuple(part.shape)}")
+    return part
 
 
 def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None) -> GPT:
