@@ -169,12 +169,7 @@ class GPT(nn.Module):
         def normal(std: float) -> Callable[[torch.Tensor, torch.Generator | None], None]:
             return lambda t, g: nn.init.normal_(t, mean=0.0, std=std, generator=g)
 
-        def zeros(t: torch.Tensor, g: torch.Generator | None) -> None:
-            nn.init.zeros_(t)
-
-        def ones(t: torch.Tensor, g: torch.Generator | None) -> None:
-            nn.init.ones_(t)
-
+        zeros, ones = (lambda t, g: nn.init.zeros_(t)), (lambda t, g: nn.init.ones_(t))
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 yield module.weight, normal(std * (residual_scale if name.endswith("c_proj") else 1.0))
