@@ -9,7 +9,7 @@ Shapes: B batch, T sequence, C n_embd, nh query heads, nkv key/value heads, hs h
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -151,25 +151,38 @@ class GPT(nn.Module):
         if init:
             self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 * n_layer) (unless
         `scale_residual_init` is off); norms scale by 1 (a unit-offset norm's weight is 0)."""
+        with torch.no_grad():
+            for param, init in self.initializers():
+                init(param, generator)
+
+    def initializers(self) -> Iterator[tuple[nn.Parameter, Callable[[torch.Tensor, torch.Generator | None], None]]]:
+        """Each parameter with its init (a function of a tensor of its shape and a generator), in the order
+        `reset_parameters` draws them: a tied matrix twice, the head's draw last. Run in this order from one
+        generator, they give the same weights whether each writes the parameter or a whole copy of it elsewhere
+        (a sharded model keeps its part of each)."""
         std = self.config.init_std
         residual_scale = 1 / math.sqrt(2 * self.config.n_layer) if self.config.scale_residual_init else 1.0
+
+        def normal(std: float) -> Callable[[torch.Tensor, torch.Generator | None], None]:
+            return lambda t, g: nn.init.normal_(t, mean=0.0, std=std, generator=g)
+
+        zeros, ones = (lambda t, g: nn.init.zeros_(t)), (lambda t, g: nn.init.ones_(t))
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                scale = residual_scale if name.endswith("c_proj") else 1.0
-                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                yield module.weight, normal(std * (residual_scale if name.endswith("c_proj") else 1.0))
                 if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+                    yield module.bias, zeros
             elif isinstance(module, nn.Embedding):  # a tied table gets the same N(0, std) from either side
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                yield module.weight, normal(std)
             elif isinstance(module, UnitOffsetRMSNorm):
-                nn.init.zeros_(module.weight)
+                yield module.weight, zeros
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
-                nn.init.ones_(module.weight)
+                yield module.weight, ones
                 if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                    yield module.bias, zeros
 
     # --- forward -------------------------------------------------------------------------------------------------
     def forward(

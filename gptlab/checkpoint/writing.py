@@ -6,9 +6,10 @@ Every write goes through a temporary directory swapped into place (`gptlab.filei
 `save_tensors` (checkpoints here, Hugging Face and peft directories in `gptlab.interop`), whose failures are
 OSErrors: the atomic write turns them into its one-line message (a full disk: what was needed, what is free).
 
-What is saved is the plain model's weights, unwrapped from torch.compile / DDP / FSDP (FSDP shards gathered
-whole: every process calls `model_state_dict` and `save_checkpoint`, one writes), a tied matrix once, and for a
-LoRA run only the adapters, with their base's path and sha256.
+What is saved is the plain model's weights, unwrapped from torch.compile / DDP / FSDP, a tied matrix once, and for a
+LoRA run only the adapters, with their base's path and sha256. FSDP shards are gathered whole one tensor at a time:
+every process takes part in each gather (`save_checkpoint`), and only the writer keeps a copy on the CPU, so host
+memory holds one set of whole tensors per run, not one per process.
 """
 
 from __future__ import annotations
@@ -63,21 +64,34 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.nbytes for t in tensors.values())
 
 
-def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def model_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU.
-    FSDP-sharded weights are gathered whole: under FSDP every process must call this."""
+    FSDP-sharded weights are gathered whole: under FSDP every process must call this, and those that will not
+    write pass `keep=False` (they take part in the gathers, keep nothing and get {})."""
     model = unwrap_model(model)
     if has_lora(model):  # the base is frozen and lives elsewhere: only the adapters are the run's
-        return {k: whole(v).detach().contiguous().cpu() for k, v in lora_state_dict(model).items()}
+        return _on_cpu(lora_state_dict(model), keep)
     state = model.state_dict()
     if getattr(model, "config", None) is not None and model.config.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as transformer.wte.weight
-    return {k: whole(v).detach().contiguous().cpu() for k, v in state.items()}
+    return _on_cpu(state, keep)
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A tensor in full: an FSDP shard (DTensor) gathered from every process (collective), else itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _on_cpu(tensors: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
+    """Each tensor whole, contiguous, on the CPU; with `keep=False` only the gathers of shards (the collectives
+    every process must enter, in the same order), each whole tensor dropped at once: {}."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        if keep:
+            out[name] = whole(value).detach().contiguous().cpu()
+        elif hasattr(value, "full_tensor"):
+            whole(value)  # gathered on the device, freed before the next one
+    return out
 
 
 def write_model(
@@ -114,8 +128,11 @@ def save_model(path: str | Path, model: torch.nn.Module, tokenizer: TextTokenize
 # ------------------------------------------------------------------------------------------------------------
 # Training checkpoints: weights + optimizer state (safetensors) + trainer state (JSON)
 # ------------------------------------------------------------------------------------------------------------
-def optimizer_to_flat(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Optimizer state as flat tensors `opt{i}.{param}.{name}`, plus JSON-able param groups and scalars."""
+def optimizer_to_flat(
+    optimizers: list[torch.optim.Optimizer], keep: bool = True
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Optimizer state as flat tensors `opt{i}.{param}.{name}`, plus JSON-able param groups and scalars. FSDP:
+    sharded moments are gathered whole, so every process calls this; `keep=False` keeps no tensor ({})."""
     tensors: dict[str, torch.Tensor] = {}
     described: list[dict] = []
     for i, opt in enumerate(optimizers):
@@ -123,12 +140,12 @@ def optimizer_to_flat(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str
         scalars: dict[str, dict[str, Any]] = {}
         for pid, state in sd["state"].items():
             for name, value in state.items():
-                if isinstance(value, torch.Tensor):  # FSDP: gathered whole, so every process calls this
-                    tensors[f"opt{i}.{pid}.{name}"] = whole(value).detach().contiguous().cpu()
+                if isinstance(value, torch.Tensor):
+                    tensors[f"opt{i}.{pid}.{name}"] = value
                 else:
                     scalars.setdefault(str(pid), {})[name] = value
         described.append({"type": type(opt).__name__, "param_groups": sd["param_groups"], "scalars": scalars})
-    return tensors, described
+    return _on_cpu(tensors, keep), described
 
 
 def save_checkpoint(
@@ -143,9 +160,9 @@ def save_checkpoint(
     tokenizer files copied from `tokenizer_dir` (the data directory) and, when there are optimizers,
     optimizer.safetensors with their state in state.json (a resumable checkpoint).
 
-    Under FSDP every process calls this (the shards are gathered) and only the `writer` writes."""
-    weights = model_state_dict(model)
-    tensors, described = optimizer_to_flat(list(optimizers))
+    Under FSDP every process calls this (the shards are gathered) and only the `writer` keeps and writes them."""
+    weights = model_state_dict(model, keep=writer)
+    tensors, described = optimizer_to_flat(list(optimizers), keep=writer)
     if not writer:
         return None
     if optimizers:

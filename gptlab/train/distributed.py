@@ -149,19 +149,24 @@ def _env_int(name: str, default: str | None = None) -> int:
                           ) from None
 
 
-def shard_model(model: torch.nn.Module) -> None:
+def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> None:
     """FSDP (PyTorch's fully_shard), in place: each block's parameters, then the rest (embeddings, final norm,
     head), become shards of this process; forward and backward gather each block's weights when it runs.
+    `param_dtype`: gather them in this dtype and reduce-scatter gradients in fp32 (None: as they are).
     Call it before building the optimizers: they must hold the shards."""
     try:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # the public path since torch 2.6; an older CUDA wheel may sit below pyproject's floor
         raise GptlabError(f"distributed = \"fsdp\" needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), this is "
                           f"torch {torch.__version__}: upgrade torch, or use distributed = \"ddp\"") from None
 
+    # the blocks' inputs are left as they come: the residual stream is already in param_dtype (the embeddings'),
+    # and RoPE's tables stay fp32 for an attention computed in fp32 (as autocast leaves them)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                                  cast_forward_inputs=False)
     for block in model.iter_blocks():
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def wrap_ddp(module: torch.nn.Module, device: str) -> torch.nn.Module:

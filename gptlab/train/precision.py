@@ -1,9 +1,12 @@
 """How forward and backward run: fp32, autocast (bf16 / fp16 with loss scaling), or bf16 working weights.
 
-The optimizer always owns fp32 master weights (the model passed in). Four modes:
+The optimizer always owns fp32 master weights (the model passed in). Five modes:
 - float32:   forward/backward on the masters.
 - autocast:  forward/backward on the masters under torch.autocast; fp16 adds a GradScaler against underflow.
-             Used on GPUs and under DDP/FSDP.
+             Used on GPUs and under DDP.
+- sharded:   (FSDP) FSDP's mixed-precision policy (`sharding_dtype`): each block's weights are gathered in the
+             compute dtype (half the bytes of fp32 all-gathers) and its gradients reduce-scattered in fp32 into the
+             fp32 shards; no autocast, which would cast every gathered weight again. fp16 adds a GradScaler.
 - working:   (bf16 in a single CPU process) a bf16 copy of the model runs forward/backward; after backward its
              gradients are copied into the masters' .grad in fp32, and after the optimizer step the masters
              are cast back into the copy. Faster on CPU than autocast, which re-casts every weight in every
@@ -27,9 +30,16 @@ from gptlab.lora import has_lora
 from gptlab.train.optim import step_optimizers
 
 
+def sharding_dtype(dtype: str, lora: bool) -> torch.dtype | None:
+    """The dtype FSDP gathers weights in (its MixedPrecisionPolicy's param_dtype) for a training dtype; None: as
+    they are (fp32, or a LoRA run, whose frozen base is cast in place and whose adapters compute in fp32)."""
+    return None if dtype == "float32" or lora else getattr(torch, dtype)
+
+
 class Precision:
     def __init__(
-        self, model: torch.nn.Module, dtype: str, device: str, attention_fp32: bool, distributed: bool
+        self, model: torch.nn.Module, dtype: str, device: str, attention_fp32: bool, distributed: bool,
+        sharded: bool = False,
     ) -> None:
         self.master = model
         self.device_type = torch.device(device).type
@@ -41,6 +51,8 @@ class Precision:
                 for p in model.parameters():
                     if not p.requires_grad:
                         p.data = p.data.to(self.dtype)
+        elif dtype != "float32" and sharded:  # the model was sharded with `sharding_dtype(dtype)`'s policy
+            self.mode = "sharded"
         elif dtype != "float32":
             cpu_bf16 = self.dtype == torch.bfloat16 and self.device_type == "cpu"
             self.mode = "working" if cpu_bf16 and not distributed else "autocast"

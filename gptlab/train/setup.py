@@ -3,22 +3,22 @@ adapters), the dtype check, and the memory check. The random streams a checkpoin
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
-from gptlab.checkpoint import plain_shapes
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
 from gptlab.hardware import available_memory, gpu_has_bf16
 from gptlab.loading import base_reference, load_model
-from gptlab.lora import LoRASpec, add_lora, parse_targets
+from gptlab.lora import LoRASpec, add_lora, has_lora, parse_targets
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
 from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
 from gptlab.train.config import TrainConfig
+from gptlab.train.distributed import shard_model
+from gptlab.train.precision import sharding_dtype
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -44,24 +44,53 @@ def check_dtype(dtype: str, device: str) -> None:
 
 
 def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) -> int:
-    """A lower bound on the bytes one training step needs on each process: fp32 weights, gradients and AdamW's
-    two moments (a fresh model; a loaded one is already in memory), the logits with their gradient, and the
-    activations each block keeps for backward (about 16 values per token and channel: the residual, norms, q/k/v,
-    attention output, the MLP's hidden layer)."""
+    """A lower bound on the bytes one training step needs on each process.
+
+    States: fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter (a fresh model; a loaded one is
+    already in memory); under low precision without FSDP also the weights' low-precision copies (autocast's casts
+    kept for backward, or the working copy). Under FSDP each process holds 1/world of the states, plus what it
+    gathers: the root's weights (embeddings, head, final norm: kept through forward and backward) and one block's
+    at a time, with their gradients before the reduce-scatter, in the compute dtype.
+    Activations, in the compute dtype: the logits with their gradient, and what each block keeps for backward
+    (the residual, norms, q/k/v, the attention output: 8 values per channel; the MLP's hidden layer: 2, gated 4,
+    values per hidden unit); under activation checkpointing only each block's input, plus one block recomputed."""
+    elt = 4 if cfg.dtype == "float32" else 2  # "auto" is resolved before the trainer asks; 2 is the lower bound
+    fsdp = cfg.distributed == "fsdp" and world > 1
+    total, block, root = parameter_counts(config)
+    if not fresh:
+        states = 0
+    elif fsdp:
+        states = 16 * total // world + 2 * elt * (root + block)
+    else:
+        states = 16 * total + (2 * total if elt == 2 else 0)
     tokens = cfg.batch_size // max(world * cfg.grad_accum, 1) * config.block_size
-    params = sum(math.prod(s) for s in plain_shapes(config).values()) if fresh else 0
-    per_token = 2 * config.vocab_size + 16 * config.n_layer * config.n_embd
-    return 4 * (4 * params + tokens * per_token)
+    per_block = 8 * config.n_embd + (4 if config.gated_mlp else 2) * config.hidden_size
+    if cfg.activation_checkpointing:
+        kept = config.n_layer * config.n_embd + per_block
+    else:
+        kept = config.n_layer * per_block
+    return states + elt * tokens * (2 * config.vocab_size + kept)
+
+
+def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:
+    """(all parameters, the largest block's, those outside the blocks), tied ones once (the meta device: free)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    total = sum(p.numel() for p in model.parameters())
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.iter_blocks())
+    return total, block, total - sum(p.numel() for b in model.iter_blocks() for p in b.parameters())
 
 
 def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: str, fresh: bool = True) -> None:
     """Refuse before any work a batch (or model) that cannot fit in the device's free memory."""
     need, have = step_memory(cfg, config, world, fresh), available_memory(device)
     if have is not None and need > have:
-        params = sum(math.prod(s) for s in plain_shapes(config).values())
+        params = parameter_counts(config)[0]
+        more = "" if cfg.activation_checkpointing else ", set activation_checkpointing = true"
         raise GptlabError(f"training this model ({params:,} parameters) at batch_size {cfg.batch_size} x block_size "
                           f"{config.block_size} needs at least {human_bytes(need)} of memory per step, {device} has "
-                          f"{human_bytes(have)} free: lower batch_size or micro_batch_size, or choose a smaller model")
+                          f"{human_bytes(have)} free: lower batch_size or micro_batch_size{more}, or choose a "
+                          "smaller model")
 
 
 def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
@@ -72,21 +101,77 @@ def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
                     targets=parse_targets(cfg.lora_targets))
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None = None) -> GPT:
+def build_model(
+    cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None = None, sharded: bool = False
+) -> GPT:
     """A fresh GPT from the recipe, or the one `init_from` names (a run, checkpoint or Hugging Face dir), with
     adapters on a frozen copy of it when the recipe sets lora_rank. fp32 masters whatever the saved dtype.
-    The tokenizer of `data_dir` must be init_from's own (when both are known)."""
-    torch.manual_seed(cfg.seed)  # the same init on every process
+    The tokenizer of `data_dir` must be init_from's own (when both are known).
+
+    A fresh model is built on the meta device and initialized by `init_weights` (the same weights on any device
+    and any number of processes). `sharded` (FSDP): nothing whole reaches `device`; `shard` then places it. A
+    fresh model stays on the meta device (`shard` materializes only this process's shards), a pretrained one is
+    loaded into host memory (`shard` moves it to the device one block at a time)."""
+    torch.manual_seed(cfg.seed)  # the same adapters (LoRA's init) and dropout stream of rank 0 on every process
     if not cfg.init_from:
-        with torch.device(device):
+        with torch.device("meta"):
             model = GPT(cfg.model_config(vocab_size)).train()
+        if not sharded:
+            model.to_empty(device=device)
+            if model.config.tie_embeddings:  # to_empty gave the head a Parameter of its own (FSDP's swap keeps it)
+                model.lm_head.weight = model.transformer.wte.weight
+            init_weights(model, cfg.seed)
     else:
-        model = _pretrained(cfg, vocab_size, device, data_dir)
+        model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir)
     spec = lora_spec(cfg)
     if spec is not None:
         add_lora(model, spec, base=base_reference(cfg.init_from))
     model.activation_checkpointing = cfg.activation_checkpointing
     return model
+
+
+def shard(model: GPT, cfg: TrainConfig, device: str) -> None:
+    """FSDP, in place (`shard_model`: fully_shard per block, the compute dtype's policy), of a model from
+    `build_model(sharded=True)`: a fresh one is then given this process's shards on `device` alone, initialized
+    as `init_weights` initializes a whole model; a pretrained one moves there block by block, each block whole on
+    the device only while it is sharded."""
+    fresh = next(model.parameters()).is_meta
+    shard_model(model, sharding_dtype(cfg.dtype, lora=has_lora(model)))
+    if fresh:
+        model.to_empty(device=device)
+        init_weights(model, cfg.seed)
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int) -> None:
+    """GPT's init (`GPT.initializers`), drawn on the CPU from a generator of its own seeded with `seed`, one whole
+    parameter at a time in the order a model built whole draws them, so the weights are the same on any device and
+    over any number of processes. Of a sharded parameter each process keeps its part (the rest is dropped): at
+    most one parameter's whole fp32 values are in host memory at a time."""
+    generator = torch.Generator().manual_seed(seed)
+    for param, init in model.initializers():
+        values = torch.empty(param.shape, dtype=param.dtype)
+        init(values, generator)
+        target = param.to_local() if hasattr(param, "to_local") else param
+        target.copy_(local_part(values, param))
+
+
+def local_part(values: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter's whole `values`: all of them, or for an FSDP shard (DTensor, dim 0
+    cut as torch.chunk cuts it, an empty part past the last piece) its rows."""
+    if not hasattr(param, "device_mesh"):
+        return values
+    from torch.distributed.tensor import Shard
+
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):  # shard_model makes only these
+        raise RuntimeError(f"expected a 1-D mesh sharded on dim 0, got {mesh} {param.placements}")
+    pieces, rank = torch.chunk(values, mesh.size(), dim=0), mesh.get_local_rank()
+    part = pieces[rank] if rank < len(pieces) else values[:0]
+    if part.shape != param.to_local().shape:
+        raise RuntimeError(f"a shard of shape {tuple(param.to_local().shape)}, its part of {tuple(values.shape)} "
+                           f"would be {tuple(part.shape)}")
+    return part
 
 
 def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None) -> GPT:

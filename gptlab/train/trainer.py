@@ -40,14 +40,14 @@ from gptlab.train.config import (
     resolve_device_switches,
     resume_differences,
 )
-from gptlab.train.distributed import gradient_sync, init_distributed, shard_model, wrap_ddp
+from gptlab.train.distributed import gradient_sync, init_distributed, wrap_ddp
 from gptlab.train.losses import DeviceLosses
 from gptlab.train.optim import build_optimizers, lr_schedule, optimizer_spec, set_lr
 from gptlab.train.precision import Precision
 from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
 from gptlab.train.rundir import RunLock, checkpoint_to_resume, prepare_run_dir
 from gptlab.train.runlog import RunLog, progress_bar
-from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype
+from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype, shard
 
 
 class Trainer:
@@ -107,7 +107,8 @@ class Trainer:
                 check_split_fits(self.data_dir, split,
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
             check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device)
-        self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir)
+        self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
+        self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir, sharded=self.fsdp)
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False)
@@ -127,14 +128,13 @@ class Trainer:
         """How the steps run: precision, sharding, optimizers, the checkpoint, then the wrappers forward runs
         through (collectives from here on: FSDP's and DDP's)."""
         cfg, quiet = self.cfg, self.quiet
-        self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         if cfg.distributed == "fsdp" and self.procs.world == 1 and not quiet:
             print("note: distributed = fsdp shards over torchrun's processes; one process trains unsharded",
                   file=sys.stderr)
         self.precision = Precision(self.model, cfg.dtype, self.device, cfg.attention_fp32,
-                                   distributed=self.procs.world > 1)
+                                   distributed=self.procs.world > 1, sharded=self.fsdp)
         if self.fsdp:  # in place, before the optimizers see the parameters: they become this process's shards
-            shard_model(self.model)
+            shard(self.model, cfg, self.device)
         self.opt_spec, self.schedule = optimizer_spec(cfg), lr_schedule(cfg)
         # DDP replicas split Muon's Newton-Schulz between them; FSDP's shards are no whole matrices (no Muon there)
         self.optimizers = build_optimizers(self.model, self.opt_spec, rank=self.procs.rank,

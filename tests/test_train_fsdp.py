@@ -1,0 +1,281 @@
+"""FSDP on a CPU: the memory check per process (pure), building and initializing a sharded model, checkpoints
+gathered to the writer alone, and the mixed-precision policy, under torch's fake process group (one process
+playing rank r of many, collectives no-ops) or real 2-process gloo runs (torchrun)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import make_data, write_recipe
+
+from gptlab.config import GPTConfig
+from gptlab.model import GPT
+from gptlab.train import build_train_config
+from gptlab.train.distributed import shard_model
+from gptlab.train.precision import Precision, sharding_dtype
+from gptlab.train.setup import parameter_counts, step_memory
+
+REPO = Path(__file__).resolve().parents[1]
+
+GB = 1e9
+
+
+# --- B3: the memory check counts what one process of an FSDP run holds -------------------------------------------
+def _step_memory(model: str, T: int, world: int, **keys: object) -> int:
+    """The check's bytes for `model` at block_size T, one sequence per process, one micro-step."""
+    cfg = build_train_config({"model": model, "block_size": T, "batch_size": world, **keys})
+    cfg = dataclasses.replace(cfg, grad_accum=1)
+    return step_memory(cfg, cfg.model_config(), world, fresh=True)
+
+
+def test_mistral_7b_under_fsdp_on_8_gpus_fits_in_80_gb() -> None:
+    """The review's case: counted whole on every process, in fp32 activations, it was 133.6 GB and refused."""
+    params = parameter_counts(build_train_config({"model": "mistral-7b"}).model_config())[0]
+    assert 7.2e9 < params < 7.3e9
+    sharded = _step_memory("mistral-7b", 2048, 8, distributed="fsdp", dtype="bfloat16")
+    assert 16 * params / 8 < sharded < 40 * GB  # 1/8 of the states, plus the gathered root and block, activations
+    recomputed = _step_memory("mistral-7b", 2048, 8, distributed="fsdp", dtype="bfloat16",
+                              activation_checkpointing=True)
+    assert 16 * params / 8 < recomputed < sharded - 8 * GB  # activations of one block instead of 32
+    fp32 = _step_memory("mistral-7b", 2048, 8, distributed="fsdp", dtype="float32")
+    assert fp32 > sharded + 8 * GB  # fp32 activations are twice bf16's
+    # DDP replicates everything: 16 bytes a parameter (and the bf16 copies) on every process, as one process does
+    for world in (1, 8):
+        assert _step_memory("mistral-7b", 2048, world, distributed="ddp", dtype="bfloat16") > 18 * params
+
+
+def test_the_memory_check_of_one_process_is_unchanged_in_kind() -> None:
+    """GPT-2 (124M, tied head counted once) at T=1024, 1 sequence, fp32: 16 bytes a parameter, 4-byte activations."""
+    params = parameter_counts(build_train_config({"model": "gpt2"}).model_config())[0]
+    assert 124e6 < params < 125e6
+    fp32 = _step_memory("gpt2", 1024, 1, dtype="float32")
+    activations = 4 * 1024 * (2 * 50257 + 12 * 16 * 768)
+    assert fp32 == 16 * params + activations
+    # fsdp with one process is one unsharded process
+    assert _step_memory("gpt2", 1024, 1, dtype="float32", distributed="fsdp") == fp32
+    bf16 = _step_memory("gpt2", 1024, 1, dtype="bfloat16")
+    assert bf16 == 18 * params + activations // 2
+    recomputed = _step_memory("gpt2", 1024, 1, dtype="bfloat16", activation_checkpointing=True)
+    assert recomputed == 18 * params + 2 * 1024 * (2 * 50257 + 12 * 768 + 16 * 768)
+
+
+# --- fake ranks ----------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_rank(rank: int, world: int) -> Iterator[None]:
+    """This process as rank `rank` of `world` in torch's fake process group: collectives return at once, with
+    their outputs left as they were (so gathered values are garbage, their shapes and dtypes right)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tiny(**changes: object) -> GPTConfig:
+    return GPTConfig.preset("tiny", **{"n_embd": 32, "n_head": 2, "n_kv_head": 2, "block_size": 16,
+                                       "vocab_size": 50, **changes})
+
+
+# --- P6: FSDP gathers in the compute dtype, reduces in fp32, without autocast ------------------------------------
+def test_fsdp_under_bf16_gathers_bf16_weights_and_reduces_in_fp32() -> None:
+    seen: dict[str, torch.dtype] = {}
+    with fake_rank(1, 2):
+        model = GPT(tiny())
+        shard_model(model, sharding_dtype("bfloat16", lora=False))
+        for name in ("transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_fc", "transformer.wte"):
+            module = model.get_submodule(name)
+            module.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, m.weight.dtype))
+        precision = Precision(model, "bfloat16", "cpu", attention_fp32=True, distributed=True, sharded=True)
+        assert precision.mode == "sharded"
+        assert isinstance(precision.autocast(), contextlib.nullcontext)  # the policy casts, autocast would again
+        with precision.autocast():
+            _, loss = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+        for block in [*model.iter_blocks(), model]:
+            policy = block._get_fsdp_state()._mp_policy
+            assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+        loss.backward()
+        for p in model.parameters():  # the shards stay fp32 masters, their gradients fp32
+            assert p.dtype == p.grad.dtype == torch.float32 and type(p).__name__ == "DTensor"
+    assert seen == dict.fromkeys(seen, torch.bfloat16) and len(seen) == 3
+    # fp32 and LoRA runs: no policy, as before
+    assert sharding_dtype("float32", lora=False) is None and sharding_dtype("bfloat16", lora=True) is None
+    with fake_rank(0, 2):
+        model = GPT(tiny())
+        shard_model(model, None)
+        assert model._get_fsdp_state()._mp_policy.param_dtype is None
+        assert Precision(model, "float32", "cpu", attention_fp32=True, distributed=True, sharded=True).mode == \
+            "float32"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_data(tmp_path_factory.mktemp("fsdp_data"))
+
+
+def _torchrun(recipe: Path, data: Path, out: Path, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptlab.cli",
+           "train", str(recipe), "--data", str(data), "--out", str(out), "--quiet", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _train(recipe: Path, data: Path, out: Path, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "gptlab.cli", "train", str(recipe), "--data", str(data), "--out", str(out),
+           "--quiet", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _metric(run: Path, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
+
+
+def test_torchrun_fsdp_bf16_trains_and_follows_one_bf16_process(tmp_path: Path, data: Path) -> None:
+    """2 processes (gloo) under FSDP's bf16 policy against 1 process's bf16 working weights: the same numbers up to
+    bf16's rounding (where the sums are taken differs), and the loss falls."""
+    recipe = write_recipe(tmp_path, max_steps=20, eval_interval=0, log_interval=5, dtype="bfloat16")
+    _torchrun(recipe, data, tmp_path / "fsdp", "--distributed", "fsdp", "--grad-accum", "2")
+    _train(recipe, data, tmp_path / "one", "--grad-accum", "4")
+    sharded, one = _metric(tmp_path / "fsdp", "train_loss"), _metric(tmp_path / "one", "train_loss")
+    assert len(sharded) == 4 and sharded == pytest.approx(one, rel=2e-2)
+    assert sharded[-1] < sharded[0] - 0.3
+    assert _metric(tmp_path / "fsdp", "val_loss") == pytest.approx(_metric(tmp_path / "one", "val_loss"), rel=2e-2)
+
+
+# --- B5: a checkpoint's whole tensors live on the writer alone ---------------------------------------------------
+def _trained_shards() -> tuple[GPT, list[torch.optim.Optimizer]]:
+    """A tiny FSDP-sharded model with AdamW moments, after one step (in the fake group: garbage values)."""
+    from gptlab.train.optim import OptimizerSpec, build_optimizers
+
+    model = GPT(tiny())
+    shard_model(model)
+    optimizers = build_optimizers(model, OptimizerSpec(kind="adamw"))
+    _, loss = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    loss.backward()
+    for opt in optimizers:
+        opt.step()
+    return model, optimizers
+
+
+@pytest.mark.parametrize("writer", [False, True])
+def test_an_fsdp_checkpoint_keeps_whole_tensors_on_the_writer_alone(tmp_path: Path, monkeypatch, writer) -> None:
+    """Rank 1 of 8 takes part in every gather (in the same order as its peers) but holds at most the tensor being
+    gathered (before: every weight and moment, whole, on every rank's CPU); the writer keeps them all."""
+    import weakref
+
+    from gptlab.checkpoint import save_checkpoint, writing
+
+    real, alive, order = writing.whole, set(), []
+    peak = [0]
+
+    def spy(t: torch.Tensor) -> torch.Tensor:
+        full = real(t)
+        if full is not t:  # a shard gathered
+            order.append(tuple(t.shape))
+            storage = full.untyped_storage()  # lives as long as any view of it (detach, contiguous, cpu on a CPU)
+            alive.add(id(storage))
+            peak[0] = max(peak[0], len(alive))
+            weakref.finalize(storage, alive.discard, id(storage))
+        return full
+
+    monkeypatch.setattr(writing, "whole", spy)
+    with fake_rank(0 if writer else 1, 8):
+        model, optimizers = _trained_shards()
+        shards = sum(1 for p in model.parameters()) * 3  # weights, exp_avg, exp_avg_sq
+        written = save_checkpoint(tmp_path / "ckpt", model, {"step": 1}, optimizers, writer=writer)
+    assert len(order) == shards
+    if writer:
+        assert written == tmp_path / "ckpt" and peak[0] == shards
+    else:
+        assert written is None and not (tmp_path / "ckpt").exists()
+        assert peak[0] <= 2  # the one being gathered, and the one before it while the next is
+
+
+# --- B4: a sharded model is built on the meta device and only this process's shards are materialized -------------
+def _recipe(**keys: object):
+    return build_train_config({"model": "tiny", "n_embd": 32, "n_head": 2, "n_kv_head": 2, "block_size": 16,
+                               "seed": 3, **keys})
+
+
+def _expected_part(whole: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    pieces = torch.chunk(whole, world, dim=0)
+    return pieces[rank] if rank < len(pieces) else whole[:0]
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (2, 3), (5, 8), (40, 64)])
+def test_fsdp_init_gives_each_rank_its_part_of_the_one_process_weights(rank: int, world: int) -> None:
+    """Whatever the number of processes, each holds exactly its rows of the weights one process would start from
+    (64 processes: the 32-wide norms leave ranks 32-63 empty parts); the tied head stays tied."""
+    from gptlab.train.setup import build_model, shard
+
+    for keys in ({}, {"model": "smollm2-135m", "n_layer": 2, "n_head": 2, "n_kv_head": 1, "mlp_hidden": 48}):
+        cfg = _recipe(**keys)
+        one = {k: v.clone() for k, v in build_model(cfg, 50, "cpu").state_dict().items()}
+        with fake_rank(rank, world):
+            model = build_model(cfg, 50, "cpu", sharded=True)
+            assert all(p.is_meta for p in model.parameters())  # nothing allocated before sharding
+            shard(model, cfg, "cpu")
+            assert model.lm_head.weight is model.transformer.wte.weight
+            for name, p in model.state_dict().items():
+                assert torch.equal(p.to_local(), _expected_part(one[name], rank, world)), name
+    # one process builds as it always did: the same draws as GPT()'s own init, from the recipe's seed
+    torch.manual_seed(0)
+    assert all(torch.isfinite(p).all() and not p.is_meta for p in build_model(_recipe(), 50, "cpu").parameters())
+
+
+def test_fsdp_init_from_a_checkpoint_shards_it_without_a_whole_copy_on_the_device(tmp_path: Path) -> None:
+    """init_from under FSDP: loaded into host memory, then each block moves to the device only to be sharded."""
+    from gptlab.checkpoint import save_model
+    from gptlab.train.setup import build_model, shard
+
+    torch.manual_seed(1)
+    saved = GPT(tiny())
+    save_model(tmp_path / "base", saved)
+    cfg = _recipe(init_from=str(tmp_path / "base"))
+    with fake_rank(1, 2):
+        model = build_model(cfg, 50, "cpu", sharded=True)
+        assert all(p.device.type == "cpu" and not hasattr(p, "to_local") for p in model.parameters())
+        shard(model, cfg, "cpu")
+        for name, p in model.state_dict().items():
+            assert torch.equal(p.to_local(), _expected_part(saved.state_dict()[name], 1, 2)), name
+
+
+PEAK = """
+import resource, sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from gptlab.train import build_train_config
+from gptlab.train import setup
+import torch.distributed.fsdp, torch.distributed.tensor  # their imports' memory is not the model's
+world, rank, layers, embd, vocab = (int(a) for a in sys.argv[1:6])
+cfg = build_train_config({"model": "gpt2", "n_layer": layers, "n_embd": embd, "n_head": 16, "block_size": 64})
+if world > 1:
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model = setup.build_model(cfg, vocab, "cpu", sharded=world > 1)
+if world > 1:
+    setup.shard(model, cfg, "cpu")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+whole = 4 * sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole tensor's
+print((after - before) * 1024, whole)
+"""
+
+
+def test_an_fsdp_process_never_holds_the_whole_fresh_model() -> None:
+    """Rank 1 of 8 builds its shards of a 105M-parameter model (420 MB in fp32): its peak memory grows by about its
+    eighth and one whole parameter at a time, not by the whole model (as it did: every rank built it whole)."""
+    out = subprocess.run([sys.executable, "-c", PEAK, "8", "1", "8", "1024", "4096"], capture_output=True,
+                         text=True, check=True, cwd=REPO)
+    grew, whole = (int(x) for x in out.stdout.split())
+    assert whole > 400e6 and grew < whole / 2  # measured: 109 MB of 420 (one process: 476)
