@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,9 +93,7 @@ def evaluate_loss(
     # share ran out runs one-token forwards that score nothing
     passes = max(len(_batches(window_share(n_windows, r, world), n_full, batch_size)) for r in range(world))
     parts, count = [], 0
-    was_training = model.training
-    model.eval()
-    with autocast or contextlib.nullcontext():
+    with eval_mode(model), autocast or contextlib.nullcontext():
         for windows in batches:
             x, y, counted = rows(windows)
             _, loss = model(x.to(device), y.to(device), reduction="sum")
@@ -103,7 +101,6 @@ def evaluate_loss(
             count += counted
         for _ in range(passes - len(batches)):
             model(torch.from_numpy(np.asarray(data[:1]).astype(np.int64))[None].to(device))
-    model.train(was_training)
     total, count = _sum_over_processes(parts, count, device, world)
     if count == 0:
         raise GptlabError("no target in the evaluated windows counts (the loss mask is all zeros)")
@@ -112,6 +109,18 @@ def evaluate_loss(
 
 # windows -> inputs, targets (-1: not counted) and how many targets count, known on the host without reading a tensor
 Rows = Callable[[range], tuple[torch.Tensor, torch.Tensor, int]]
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Dropout off for the block, the model's own mode restored after it, also when it raises: a training model
+    left in eval mode by a failed evaluation would train on without dropout."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def window_share(n_windows: int, rank: int, world: int) -> range:

@@ -85,3 +85,19 @@ def test_eval_cli_errors_are_one_line(setup, tmp_path: Path, capsys) -> None:
     assert main(["eval", str(ckpt), "--data", str(tmp_path / "nodata")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+
+
+def test_a_failing_evaluation_gives_the_model_back_in_training_mode() -> None:
+    """eval_mode restores the caller's mode when the block raises: a training model left in eval mode would train
+    on without dropout."""
+    from gptlab.evaluate import eval_mode
+
+    model = torch.nn.Dropout(0.5).train()
+    with pytest.raises(RuntimeError), eval_mode(model):
+        assert not model.training
+        raise RuntimeError("out of memory, say")
+    assert model.training
+    model.eval()
+    with eval_mode(model):
+        pass
+    assert not model.training

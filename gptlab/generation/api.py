@@ -14,12 +14,12 @@ back afterwards, and allocates a cache only as long as the run can use.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gptlab.evaluate import eval_mode
 from gptlab.generation.engine import Engine, cache_length
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
@@ -29,17 +29,6 @@ if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
 
 PACK_MIN_TOKENS = 16  # re-laying the weights out (`packed_linear`) pays off only over enough decoding steps
-
-
-@contextlib.contextmanager
-def _eval_mode(model: GPT) -> Iterator[None]:
-    """Dropout off while generating, the caller's mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: TextTokenizer) -> Engine:
@@ -68,7 +57,7 @@ def generate_batch(
         engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt)
         for i, p in enumerate(prompts)
     ]
-    with _eval_mode(model):
+    with eval_mode(model):
         return engine.run(gens)
 
 
@@ -76,7 +65,7 @@ def stream_deltas(engine: Engine, gen: Generation) -> Iterator[str]:
     """Prefill `gen` (from `engine.prepare`) and yield its text as it is generated, in deltas of whole
     characters that never hold part of a possible stop string, until it finishes. Other rows of the engine
     advance with it. The model is in eval mode while the engine works, in the caller's mode between deltas."""
-    with _eval_mode(engine.model):
+    with eval_mode(engine.model):
         engine.add([gen])
     while True:
         delta = gen.pop_delta()
@@ -84,7 +73,7 @@ def stream_deltas(engine: Engine, gen: Generation) -> Iterator[str]:
             yield delta
         if gen.finished:
             return
-        with _eval_mode(engine.model):  # not held across the yield: the caller may use the model in between
+        with eval_mode(engine.model):  # not held across the yield: the caller may use the model in between
             engine.step()
 
 
