@@ -183,8 +183,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_id() -> str:
+    """This CPU for the caches of measurements (kernels.json, hardware.json): its model name and a digest of its
+    flags. The name alone does not tell CPUs apart: a cloud VM shows "AMD EPYC" for a Zen 3, a Zen 4 and a Zen 5,
+    whose kernels differ, and a home directory can outlive the machine under it."""
+    import hashlib
+
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    return f"{cpu_name()} [{flags}]"
+
+
 def _device_key(device: torch.device, dtype: torch.dtype) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_id()
     return f"{device.type}|{name}|threads={torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}"
 
 

@@ -198,6 +198,26 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
     dispatch._measured.cache_clear()
 
 
+def test_a_cpu_of_the_same_name_with_other_flags_is_measured_again(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A cloud VM names a Zen 4 and a Zen 5 alike ("AMD EPYC"), and a home directory outlives the machine: the
+    cached choice is one of this CPU's flags too."""
+    from gptlab import hardware
+    from gptlab.kernels import dispatch
+
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A"})
+    monkeypatch.setattr(hardware, "cpu_name", lambda: "AMD EPYC")
+    calls = []
+    monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: calls.append(kind) or {"torch": 2.0, "avx2": 1.0})
+    for flags in ({"avx2", "fma"}, {"avx2", "fma"}, {"avx2", "fma", "avx512f"}):
+        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+        dispatch._measured.cache_clear()  # a new process on this machine
+        assert dispatch.choice("int8") == "avx2"
+    assert calls == ["int8", "int8"]  # the second machine of the same flags read the first one's choice
+    dispatch._measured.cache_clear()
+
+
 @pytest.mark.parametrize("kind", ["bfloat16", "float32", "int8", "int4"])
 def test_probe_times_every_candidate(builds, kind: str, monkeypatch) -> None:  # noqa: ANN001
     """The probe runs each path on real products (a path that failed would raise here) and times it."""

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json
-from gptlab.hardware import cache_dir, cpu_name
+from gptlab.hardware import cache_dir, cpu_id
 from gptlab.kernels import kernel_builds, source_digest
 
 KINDS = ("bfloat16", "float32", "int8", "int4")
@@ -77,7 +77,7 @@ def chosen_ops(kind: str, rows: int = 1) -> Any | None:
 def _measured(kind: str, names: tuple[str, ...], rows: int, threads: int) -> str:
     """The probe's choice, from kernels.json or measured (and saved); remembered per process for these arguments
     (the thread count among them: a choice made on 2 threads is not one for 16)."""
-    key = "|".join([cpu_name(), f"threads={threads}", torch.__version__, source_digest(), kind, f"rows={rows}"])
+    key = "|".join([cpu_id(), f"threads={threads}", torch.__version__, source_digest(), kind, f"rows={rows}"])
     path = cache_dir() / CACHE_FILE
     try:
         cached = json.loads(path.read_text())
