@@ -279,3 +279,77 @@ def test_an_fsdp_process_never_holds_the_whole_fresh_model() -> None:
                          text=True, check=True, cwd=REPO)
     grew, whole = (int(x) for x in out.stdout.split())
     assert whole > 400e6 and grew < whole / 2  # measured: 109 MB of 420 (one process: 476)
+
+
+@pytest.mark.parametrize(("rank", "world"), [(1, 2), (5, 8)])
+def test_an_fsdp_resume_reads_only_each_processes_rows(tmp_path: Path, data: Path, monkeypatch, rank: int,
+                                                       world: int) -> None:
+    """Resuming under FSDP, a process reads its rows of every weight and AdamW moment from the checkpoint's one
+    safetensors file (slices), never a whole sharded tensor, and holds exactly those rows."""
+    from safetensors.torch import load_file
+
+    import gptlab.checkpoint.reading as reading
+    from gptlab.checkpoint import list_step_checkpoints, load_training_checkpoint
+    from gptlab.train.optim import build_optimizers, optimizer_spec
+    from gptlab.train.setup import build_model, shard
+
+    recipe = write_recipe(tmp_path, max_steps=4, warmup_steps=1, eval_interval=0, log_interval=2, n_embd=32, n_head=2,
+                          n_kv_head=2)
+    _train(recipe, data, tmp_path / "run")
+    (step,) = list_step_checkpoints(tmp_path / "run")
+    whole = {**load_file(str(step / "model.safetensors")), **load_file(str(step / "optimizer.safetensors"))}
+    read_whole: list[str] = []
+    real_open = reading.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):  # noqa: ANN204
+            self.f = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:  # noqa: ANN002
+            self.inner.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return self.f.keys()
+
+        def get_slice(self, key: str):  # noqa: ANN201
+            return self.f.get_slice(key)
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            read_whole.append(key)
+            return self.f.get_tensor(key)
+
+    monkeypatch.setattr(reading, "safe_open", Spy)
+    real_load = reading.load_file
+
+    def load_whole(path: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+        tensors = real_load(path, device=device)
+        read_whole.extend(tensors)
+        return tensors
+
+    monkeypatch.setattr(reading, "load_file", load_whole)
+    resolved = json.loads((tmp_path / "run" / "config.resolved.json").read_text())["train"]
+    overrides = resolved.pop("model_overrides")
+    cfg = build_train_config({**resolved, **overrides})  # the run's own recipe
+    with fake_rank(rank, world):
+        model = build_model(cfg, int(json.loads((data / "meta.json").read_text())["vocab_size"]), "cpu",
+                            sharded=True)
+        shard(model, cfg, "cpu")
+        optimizers = build_optimizers(model, optimizer_spec(cfg))
+        load_training_checkpoint(step, model, optimizers)
+        def mine(t: torch.Tensor) -> int:
+            """The rows a DTensor says are this process's: its rank, but where torch kept a mesh from an earlier
+            fake group of this test process (a real run has one process group per process)."""
+            return t.device_mesh.get_coordinate()[0]
+
+        for name, p in model.state_dict().items():  # the tied head is saved once, as the embedding
+            saved = whole[name if name in whole else "transformer.wte.weight"]
+            assert torch.equal(p.to_local(), _expected_part(saved, mine(p), world)), name
+        params = [p for group in optimizers[0].param_groups for p in group["params"]]
+        for pid, p in enumerate(params):
+            moment = optimizers[0].state[p]["exp_avg"]
+            assert torch.equal(moment.to_local(), _expected_part(whole[f"opt0.{pid}.exp_avg"], mine(p), world))
+    assert not [k for k in read_whole if whole[k].dim() > 0], read_whole  # only scalars (steps) read whole

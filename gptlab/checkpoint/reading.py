@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from gptlab.checkpoint.layout import (
@@ -93,15 +94,52 @@ def assign_weights(model: GPT, state: dict[str, torch.Tensor], where: str = "the
     return model.eval()
 
 
-def read_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors; a one-line GptlabError naming the file if it is missing or damaged."""
+def read_tensors(
+    path: Path, device: str | torch.device = "cpu", shards: Callable[[str], torch.Tensor | None] | None = None
+) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a one-line GptlabError naming the file if it is missing or damaged.
+
+    `shards(key)`: the tensor a key will be loaded into, where that is an FSDP shard (a DTensor) of the same whole
+    shape, else None. Such a key is read as this process's rows alone (a slice of the file, never the whole tensor)
+    and comes back as a DTensor sharded like its target: resuming under FSDP holds 1/world of every weight and
+    moment per process, not all of them."""
     problem = safetensors_problem(path)
     if problem:
         raise GptlabError(problem)
     try:
-        return load_file(str(path), device=str(device))
+        if shards is None:
+            return load_file(str(path), device=str(device))
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            out = {}
+            for key in f.keys():
+                target = shards(key)
+                part = f.get_slice(key)
+                if hasattr(target, "device_mesh") and tuple(part.get_shape()) == tuple(target.shape):
+                    out[key] = _local_part(part, target)
+                else:
+                    out[key] = f.get_tensor(key).to(device)
+            return out
     except (OSError, SafetensorError) as e:
         raise GptlabError(f"{path} cannot be read: {e}") from None
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _local_part(part: Any, target: torch.Tensor) -> torch.Tensor:
+    """This process's block of a file's tensor, as a DTensor laid out like `target` (read as a slice)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if 0 in shape:  # more processes than rows: this one holds none
+        local = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[part.get_dtype()])
+    else:
+        local = part[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    return DTensor.from_local(local.to(target.device), target.device_mesh, target.placements, run_check=False,
+                              shape=target.shape, stride=target.stride())
 
 
 def read_config(path: Path) -> GPTConfig:
@@ -134,6 +172,20 @@ def shard_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
         return distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
     return value
+
+
+def _moment_targets(optimizers: list[torch.optim.Optimizer]) -> Callable[[str], torch.Tensor | None]:
+    """For an optimizer file's key ("opt{i}.{param}.{name}"), the parameter its state goes with."""
+    params = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
+
+    def target(key: str) -> torch.Tensor | None:
+        parts = key.split(".", 2)
+        if len(parts) != 3 or not parts[0].startswith("opt") or not parts[0][3:].isdigit() or not parts[1].isdigit():
+            return None
+        i, pid = int(parts[0][3:]), int(parts[1])
+        return params[i][pid] if i < len(params) and pid < len(params[i]) else None
+
+    return target
 
 
 def optimizer_from_flat(
@@ -192,9 +244,9 @@ def load_training_checkpoint(
     adapters_only = has_lora(plain)  # a LoRA run's checkpoint holds the adapters, not the frozen base
     if adapters_only:
         weights = load_adapter_tensors(directory, plain)
-    else:
-        weights = read_tensors(directory / MODEL_FILE)
-    weights = {k: shard_like(v, current[k]) if k in current else v for k, v in weights.items()}  # FSDP: shard them
+    else:  # FSDP: each process reads its own rows
+        weights = read_tensors(directory / MODEL_FILE, shards=current.get)
+    weights = {k: shard_like(v, current[k]) if k in current else v for k, v in weights.items()}  # (adapters)
     with torch.no_grad():  # copies into the existing parameters: optimizers stay valid
         if adapters_only:
             plain.load_state_dict(weights, strict=False)
@@ -202,7 +254,7 @@ def load_training_checkpoint(
             load_weights(plain, weights, where=f"{directory / MODEL_FILE} (the run's model)")
     state = read_training_state(directory)
     device = next(plain.parameters()).device
-    tensors = read_tensors(directory / OPTIMIZER_FILE, device)
+    tensors = read_tensors(directory / OPTIMIZER_FILE, device, shards=_moment_targets(optimizers))
     try:
         optimizer_from_flat(optimizers, tensors, state.pop("optimizers"))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
