@@ -68,8 +68,9 @@ GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)  # what PyTorch's int4 kernels
 DEFAULT_GROUP_SIZE = 32
 _TINY = 1e-12  # the scale of an all-equal row or group: anything positive, q is then 0 (int8) or w = min (int4)
 # PyTorch's CPU int8 kernel reads the input width in blocks of 16 with no tail: at other widths it returns garbage
-# or crashes (torch 2.13: K = 24, 40, 264 wrong, K = 8, 33, 56 SIGSEGV), so the weight and x are padded to it
-_INT8_CPU_K_MULTIPLE = 16
+# or crashes (torch 2.13: K = 24, 40, 264 wrong, K = 8, 33, 56 SIGSEGV), so the weight and x are padded to it (on
+# every device: the same op, and the padding costs nothing at the usual widths)
+_INT8_K_MULTIPLE = 16
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -277,9 +278,11 @@ def _kernel_cpu(ops: Any, weights: tuple[torch.Tensor, torch.Tensor], bias: torc
 
 
 # --- PyTorch's kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------
-def _int8_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+def _int8_weight_only(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """aten._weight_int8pack_mm: the integers times the activations, scaled per output channel (CPU, and CUDA
+    builds that have it)."""
     q, scale = layer.qweight, layer.scale.to(dtype)
-    pad = -layer.in_features % _INT8_CPU_K_MULTIPLE
+    pad = -layer.in_features % _INT8_K_MULTIPLE
     if pad:  # zero columns of the weight times zeros of x: the same sums
         q = F.pad(q, (0, pad))
         return lambda x: torch.ops.aten._weight_int8pack_mm(F.pad(x, (0, pad)), q, scale)
@@ -306,29 +309,12 @@ def _int4_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Ten
 
 
 # --- CUDA kernels --------------------------------------------------------------------------------------------------
-def _int8_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """PyTorch's weight-only int8 kernel where this build has it for CUDA, else (x @ q.T) * scale: either way the
-    integers stay the only copy of the weight (1 byte each at rest); the fallback widens one layer's weight per
-    call for the matmul and drops it (under torch.compile, inductor fuses the widening into the matmul)."""
+def _int8_widened(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(x @ q.T) * scale: each call widens the layer's integers for the matmul and drops them, so they stay the
+    only copy at rest (CUDA builds without the weight-only kernel; under torch.compile, inductor fuses the
+    widening into the matmul)."""
     q, scale = layer.qweight, layer.scale.to(dtype)
-    if _cuda_int8pack_mm(q.device):
-        return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)
     return lambda x: (x @ q.T.to(dtype)) * scale
-
-
-@functools.cache
-def _cuda_int8pack_mm(device: torch.device) -> bool:
-    """Whether aten._weight_int8pack_mm runs on this GPU and gets the reference's numbers (CUDA builds vary)."""
-    try:
-        gen = torch.Generator(device).manual_seed(0)
-        x = torch.randn(3, 64, device=device, generator=gen).bfloat16()
-        q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, device=device, generator=gen)
-        scale = torch.rand(32, device=device, generator=gen).bfloat16()
-        got = torch.ops.aten._weight_int8pack_mm(x, q, scale).float()
-        want = (x.float() @ q.float().T) * scale.float()
-        return bool((got - want).norm() <= 1e-2 * want.norm())
-    except (RuntimeError, NotImplementedError):
-        return False
 
 
 def _int4_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -341,20 +327,25 @@ def _int4_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Te
     return lambda x: _unpadded(torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16), packed, g, pairs), n).to(dtype)
 
 
-_KERNELS = {("cpu", "int8"): _int8_cpu, ("cpu", "int4"): _int4_cpu, ("cuda", "int8"): _int8_cuda,
-            ("cuda", "int4"): _int4_cuda}
+# per device and mode, the kernels to try, in order of preference: the first that works here runs
+_KERNELS = {("cpu", "int8"): (_int8_weight_only,), ("cpu", "int4"): (_int4_cpu,),
+            ("cuda", "int8"): (_int8_weight_only, _int8_widened), ("cuda", "int4"): (_int4_cuda,)}
 
 
 def _kernel_for(mode: str, device: torch.device):  # noqa: ANN202 - one of the kernels above, or None
-    make = _KERNELS.get((device.type, mode))
-    return make if make is not None and _kernel_works(mode, device.type) else None
+    return _working_kernel(mode, device.type) if (device.type, mode) in _KERNELS else None
 
 
 @functools.cache
-def _kernel_works(mode: str, device_type: str) -> bool:
-    """Whether this build and device run the kernel and get the reference's numbers, tried once on a small
-    weight (an op may be missing, refuse the CPU, or lay the weights out otherwise than this module assumes)."""
-    make = _KERNELS[(device_type, mode)]
+def _working_kernel(mode: str, device_type: str):  # noqa: ANN202 - one of the kernels above, or None
+    """The first of `_KERNELS`' candidates that this build and device run with the reference's numbers (None: the
+    reference runs), each tried once on a small weight (an op may be missing, refuse the device, or lay the
+    weights out otherwise than this module assumes)."""
+    return next((make for make in _KERNELS[(device_type, mode)] if _agrees(make, mode, device_type)), None)
+
+
+def _agrees(make: Callable, mode: str, device_type: str) -> bool:
+    """Whether kernel `make` runs here and gets the reference's numbers on a small weight."""
     try:
         gen = torch.Generator().manual_seed(0)  # not the global generator: a seeded sampler's draws stay as they are
         linear = nn.utils.skip_init(nn.Linear, 256, 40, bias=False)  # 40 rows: padded by both int4 packings
@@ -366,11 +357,12 @@ def _kernel_works(mode: str, device_type: str) -> bool:
         with torch.autocast(device_type, enabled=False):  # the first call may come under a caller's autocast
             got, want = make(layer, torch.bfloat16)(x).float(), layer.reference(x.float()).float()
     except (RuntimeError, NotImplementedError) as e:
-        log.debug("no %s %s kernel here: %s", device_type, mode, e)
+        log.debug("no %s %s kernel %s here: %s", device_type, mode, make.__name__, e)
         return False
     close = got.shape == want.shape and torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     if not close:
-        log.warning("the %s %s kernel disagrees with the reference: using the reference", device_type, mode)
+        log.warning("the %s %s kernel %s disagrees with the reference: not using it", device_type, mode,
+                    make.__name__)
     return close
 
 

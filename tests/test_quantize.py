@@ -23,7 +23,7 @@ from gptlab.kernels import kernel_builds
 from gptlab.quantize import (
     GROUP_SIZES,
     QuantizedLinear,
-    _kernel_works,
+    _working_kernel,
     dequantize_int4,
     dequantize_int8,
     int4_params_fit_fp16,
@@ -134,7 +134,7 @@ CASES = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))])
 def test_each_kernel_matches_the_reference(mode, group_size, device) -> None:
-    if not _kernel_works(mode, device):
+    if not _working_kernel(mode, device):
         pytest.skip(f"no working {device} {mode} kernel in this torch build")
     torch.manual_seed(1)
     layer = QuantizedLinear(nn.Linear(256, 100), mode, group_size).to(device)  # 100 rows: padded for int4's
@@ -145,7 +145,7 @@ def test_each_kernel_matches_the_reference(mode, group_size, device) -> None:
         want = layer.reference(x.float())
         assert bool(((got.float() - want).abs() <= kernel_tolerance(x, layer)).all())
     x = torch.randn(4, 256, device=device)
-    _kernel_works.cache_clear()  # the first call of a process may come under autocast (and probe the kernel there)
+    _working_kernel.cache_clear()  # the first call of a process may come under autocast (and probe the kernel there)
     with torch.autocast(device, dtype=torch.bfloat16):  # as `gptlab eval --dtype bfloat16` runs it
         got = layer(x)
     assert got.dtype == torch.bfloat16
