@@ -204,6 +204,14 @@ def make_data(root: Path, chars: int = 60_000) -> Path:
     return out
 
 
+def run_metric(run: Path, key: str) -> list[float]:
+    """Every value of `key` (train_loss, val_loss, ...) a run logged to its metrics.jsonl, in order."""
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
+
+
 def write_recipe(root: Path, name: str = "tiny.toml", **changes: object) -> Path:
     """TINY_RECIPE with `changes`, as a TOML file."""
     lines = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import build as family_model
-from helpers import make_data, tiny_model, write_recipe
+from helpers import make_data, run_metric, tiny_model, write_recipe
 
 from gptlab.cli import main
 from gptlab.generation import Engine, SamplingParams
@@ -27,11 +27,6 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _train(recipe: Path, data: Path, out: Path, *extra: str) -> None:
     assert main(["train", str(recipe), "--data", str(data), "--out", str(out), "--quiet", *extra]) == 0
-
-
-def _losses(run: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["train_loss"] for r in rows if "train_loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +45,7 @@ def test_training_on_the_gpu_follows_the_cpu(tmp_path: Path, data: Path, start: 
     recipe = write_recipe(tmp_path, init_from=str(start), dtype=dtype, eval_interval=0, compile=False)
     _train(recipe, data, tmp_path / "cpu", "--device", "cpu")
     _train(recipe, data, tmp_path / "gpu", "--device", "cuda")
-    cpu, gpu = _losses(tmp_path / "cpu"), _losses(tmp_path / "gpu")
+    cpu, gpu = run_metric(tmp_path / "cpu", "train_loss"), run_metric(tmp_path / "gpu", "train_loss")
     assert len(cpu) == len(gpu) >= 8 and gpu[-1] < gpu[0] - 0.3
     tol = 0.02 if dtype == "float32" else 0.08
     assert max(abs(a - b) for a, b in zip(cpu, gpu, strict=True)) < tol, (cpu, gpu)
@@ -66,7 +61,7 @@ def test_compiled_bf16_training_with_flash_attention(tmp_path: Path, data: Path,
         _train(recipe, data, tmp_path / "run", "--device", "cuda")
     train = json.loads((tmp_path / "run" / "config.resolved.json").read_text())["train"]
     assert train["compile"] is True and train["attention_fp32"] is False
-    losses = _losses(tmp_path / "run")
+    losses = run_metric(tmp_path / "run", "train_loss")
     assert losses[-1] < losses[0]
 
 

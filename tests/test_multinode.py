@@ -4,7 +4,6 @@ leave behind (in the one run directory both see: the shared filesystem) resumes 
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -12,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import make_data, write_recipe
+from helpers import make_data, run_metric, write_recipe
 
 from gptlab.cli import main
 
@@ -43,21 +42,24 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _losses(run: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["train_loss"] for r in rows if "train_loss" in r]
+    return run_metric(run, "train_loss")
 
 
-def test_two_nodes_follow_one_process_and_their_run_resumes_in_one(tmp_path: Path) -> None:
-    (tmp_path / "data_root").mkdir()
-    data = make_data(tmp_path / "data_root")
-    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, log_interval=5, checkpoint_interval=10)
-    run, port = tmp_path / "nodes", _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(
+def _start_nodes(recipe: Path, data: Path, run: Path, stdout: int) -> list[subprocess.Popen]:
+    """Two torchrun "machines" of one process each on 127.0.0.1, meeting through one c10d rendezvous."""
+    port, env = _free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
          "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=gptlab-test", "-m", "gptlab.cli",
          "train", str(recipe), "--data", str(data), "--out", str(run), "--quiet"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+
+
+def test_two_nodes_follow_one_process_and_their_run_resumes_in_one(tmp_path: Path) -> None:
+    data = make_data(tmp_path)
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, log_interval=5, checkpoint_interval=10)
+    run = tmp_path / "nodes"
+    nodes = _start_nodes(recipe, data, run, subprocess.PIPE)
     try:
         outs = [n.communicate(timeout=180) for n in nodes]
     finally:
@@ -80,18 +82,11 @@ def test_when_one_node_dies_the_other_stops_too(tmp_path: Path) -> None:
     torchrun exits non-zero; the run's checkpoints are intact for --resume."""
     import time
 
-    (tmp_path / "data_root").mkdir()
-    data = make_data(tmp_path / "data_root")
+    data = make_data(tmp_path)
     recipe = write_recipe(tmp_path, max_steps=100_000, eval_interval=0, log_interval=5, checkpoint_interval=20,
                           distributed_timeout=5)
-    run, port = tmp_path / "nodes", _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
-         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=gptlab-test", "-m", "gptlab.cli",
-         "train", str(recipe), "--data", str(data), "--out", str(run), "--quiet"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for rank in (0, 1)]
+    run = tmp_path / "nodes"
+    nodes = _start_nodes(recipe, data, run, subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not list((run / "checkpoints").glob("step-*")) and time.monotonic() < deadline:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import make_data, write_recipe
+from helpers import make_data, run_metric, write_recipe
 
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
@@ -137,21 +137,17 @@ def _train(recipe: Path, data: Path, out: Path, *extra: str) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def _metric(run: Path, key: str) -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in rows if key in r]
-
-
 def test_torchrun_fsdp_bf16_trains_and_follows_one_bf16_process(tmp_path: Path, data: Path) -> None:
     """2 processes (gloo) under FSDP's bf16 policy against 1 process's bf16 working weights: the same numbers up to
     bf16's rounding (where the sums are taken differs), and the loss falls."""
     recipe = write_recipe(tmp_path, max_steps=20, eval_interval=0, log_interval=5, dtype="bfloat16")
     _torchrun(recipe, data, tmp_path / "fsdp", "--distributed", "fsdp", "--grad-accum", "2")
     _train(recipe, data, tmp_path / "one", "--grad-accum", "4")
-    sharded, one = _metric(tmp_path / "fsdp", "train_loss"), _metric(tmp_path / "one", "train_loss")
+    sharded, one = run_metric(tmp_path / "fsdp", "train_loss"), run_metric(tmp_path / "one", "train_loss")
     assert len(sharded) == 4 and sharded == pytest.approx(one, rel=2e-2)
     assert sharded[-1] < sharded[0] - 0.3
-    assert _metric(tmp_path / "fsdp", "val_loss") == pytest.approx(_metric(tmp_path / "one", "val_loss"), rel=2e-2)
+    val_sharded, val_one = run_metric(tmp_path / "fsdp", "val_loss"), run_metric(tmp_path / "one", "val_loss")
+    assert val_sharded == pytest.approx(val_one, rel=2e-2)
 
 
 # --- B5: a checkpoint's whole tensors live on the writer alone ---------------------------------------------------
