@@ -77,6 +77,10 @@ def test_logit_bias_params_are_checked_and_normalized() -> None:
     for bad in ({-1: 1.0}, {1: 101.0}, {1: float("nan")}, {"a": 1.0}, [(1, 1.0), (1, 2.0)], [(1,)], 7):
         with pytest.raises(InvalidSamplingParam, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+    with pytest.raises(InvalidSamplingParam, match="must map token ids"):
+        SamplingParams(logit_bias={"a": 1.0})
+    with pytest.raises(InvalidSamplingParam, match="each token once"):
+        SamplingParams(logit_bias=[(1, 1.0), (1, 2.0)])
 
 
 def test_logit_bias_bans_and_forces_tokens_row_by_row() -> None:

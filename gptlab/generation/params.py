@@ -56,8 +56,10 @@ def _bias_pairs(bias: Any) -> tuple:
         return (bias,)
     if any(len(p) != 2 for p in pairs):
         return tuple(pairs)
-    pairs = [(_as_int(t) if _as_int(t) is not None else t, b) for t, b in pairs]
-    if len({t for t, _ in pairs if _is_int(t)}) < len(pairs):
+    ids = [_as_int(t) for t, _ in pairs]
+    pairs = [(t if i is None else i, b) for i, (t, b) in zip(ids, pairs, strict=True)]
+    named = [i for i in ids if i is not None]  # (an id that is no integer is `_check`'s to name)
+    if len(set(named)) < len(named):
         raise InvalidSamplingParam("logit_bias", bias, "must name each token once")
     try:
         return tuple(sorted(pairs, key=lambda p: p[0]))
