@@ -95,19 +95,14 @@ class KVCache:
         With `keys` (the caller's bound: every row holds at most keys - T tokens) nothing is read back from the
         device and every shape depends on (B, T, keys) alone: positions come from the lengths on the device, each
         row writes at its own, and attention runs over `keys` keys under a mask. What a CUDA graph can capture."""
-        if keys is not None:
-            if keys > self.max_len:
-                raise ValueError(f"the KV cache holds {self.max_len} tokens per row; this step needs {keys}")
-            pos = self.lengths[:, None] + torch.arange(T, device=self.lengths.device)  # (B, T)
-            self._where = (torch.arange(self.batch_size, device=pos.device)[:, None], pos)
-            self._end = keys
-            return pos, masks_for(pos, keys, causal_mask(pos, keys), sliding_window)
-        lo, hi = (int(n) for n in torch.aminmax(self.lengths))
-        end = hi + T
+        # without `keys`, the rows' shortest and longest lengths (read back): rows of one length share positions
+        lo, hi = (int(n) for n in torch.aminmax(self.lengths)) if keys is None else (None, None)
+        end = hi + T if keys is None else keys
         if end > self.max_len:
             raise ValueError(f"the KV cache holds {self.max_len} tokens per row; this step needs {end}")
         device = self.lengths.device
-        if lo == hi:  # fast path: every row at the same length shares positions, and writes are slices
+        shared = keys is None and lo == hi
+        if shared:  # fast path: every row at the same length shares positions, and writes are slices
             pos = torch.arange(lo, end, device=device)[None]  # (1, T)
             self._where = lo
         else:
@@ -117,7 +112,7 @@ class KVCache:
         # query at position p sees cached keys at positions <= p (stale entries past a row's end never qualify).
         # No mask is needed when rows share a length and either one token is added (it sees every key) or the
         # cache was empty (plain causal).
-        mask = causal_mask(pos, end) if lo != hi or (T > 1 and lo > 0) else None  # (B or 1, 1, T, end)
+        mask = causal_mask(pos, end) if not shared or (T > 1 and lo > 0) else None  # (B or 1, 1, T, end)
         return pos, masks_for(pos, end, mask, sliding_window)
 
     def step_target(self) -> tuple[int | tuple[torch.Tensor, torch.Tensor], int]:

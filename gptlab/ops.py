@@ -139,8 +139,7 @@ class _PaddedLinear(torch.autograd.Function):
     def helps(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """An fp32 matrix-matrix product on a CPU with a wide weight (>= 4,096 rows) of a width not a multiple
         of 64: where the padding was measured to pay for its copies."""
-        return (weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32 and weight.shape[0] % 64
-                and weight.shape[0] >= 4096 and x.numel() >= 64 * x.shape[-1])
+        return weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32 and _odd_wide_product(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,10 +154,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _odd_wide_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A wide weight (an LM head, >= 4,096 rows) of a width not a multiple of 64, in a matrix-matrix product (at
+    least 64 rows of x): where padding the width pays for its copies."""
+    return bool(weight.shape[0] % 64 and weight.shape[0] >= 4096 and x.numel() >= 64 * x.shape[-1])
+
+
 def _gpu_pads(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A wide weight (an LM head, >= 4,096 rows) of a width not a multiple of 64, in a matrix product on a GPU."""
-    return (weight.device.type == "cuda" and weight.shape[0] % 64 and weight.shape[0] >= 4096
-            and x.numel() >= 64 * x.shape[-1])
+    """Such a product on a GPU, in any dtype (tensor cores want the aligned width)."""
+    return weight.device.type == "cuda" and _odd_wide_product(x, weight)
 
 
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
