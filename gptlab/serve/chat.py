@@ -20,7 +20,13 @@ from fastapi import Request
 from gptlab.serve.schemas import ApiError, ChatRequest, chat_logprobs
 from gptlab.serve.state import Server, usage
 from gptlab.serve.streaming import event_stream
-from gptlab.tokenizer.chat_template import BUILTIN_STOPS, ChatTemplateError, chat_template_for, reply_stops
+from gptlab.tokenizer.chat_template import (
+    BUILTIN_STOPS,
+    ChatTemplate,
+    ChatTemplateError,
+    chat_template_for,
+    reply_stops,
+)
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -30,14 +36,13 @@ DEFAULT_CHAT_STOP = BUILTIN_STOPS["plain"][0]
 
 def render_chat(tokenizer: TextTokenizer, messages: list[dict[str, str]]) -> tuple[str, bool]:
     """The prompt text for `messages`, and whether it came from the tokenizer's own template."""
-    text, templated, _ = _render(tokenizer, messages, [])
+    text, templated, _ = _render(chat_template_for(tokenizer), messages, [])
     return text, templated
 
 
-def _render(tokenizer: TextTokenizer, messages: list[dict[str, str]], user_stops: list[str]) -> tuple[str, bool, tuple]:
+def _render(template: ChatTemplate, messages: list[dict[str, str]], user_stops: list[str]) -> tuple[str, bool, tuple]:
     """The prompt text, whether the tokenizer's own template made it, and where the reply stops (a 400 naming
     the messages where the template cannot render them)."""
-    template = chat_template_for(tokenizer)
     try:
         text = template.render(messages, add_generation_prompt=True)
         stops = reply_stops(template, user_stops)
@@ -53,7 +58,7 @@ async def create_chat_completion(server: Server, req: ChatRequest, request: Requ
     server.check_prompt_chars(sum(len(m["content"]) for m in messages), param="messages")
     server.check_queue(req.n)
     # Jinja, off the event loop
-    text, templated, stops = await asyncio.to_thread(_render, tokenizer, messages, req.stop_list())
+    text, templated, stops = await asyncio.to_thread(_render, server.chat_template, messages, req.stop_list())
     prompts = await server.encode([text], special=templated)
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     job = server.start(

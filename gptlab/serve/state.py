@@ -26,13 +26,14 @@ from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
+from gptlab.tokenizer.chat_template import chat_template_for
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
 
 
 class Server:
-    """The model behind the routes: tokenizer, name, engine and scheduler."""
+    """The model behind the routes: tokenizer (and its chat template), name, engine and scheduler."""
 
     def __init__(
         self,
@@ -44,6 +45,8 @@ class Server:
         prefill_chunk: int | None,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
+        # one for the server's life: compiled, and its turn end found, on the first chat request, then kept
+        self.chat_template = chat_template_for(tokenizer)
         self.block_size = model.config.block_size
         self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk)
         self.scheduler = Scheduler(self.engine, max_queue=max_queue)

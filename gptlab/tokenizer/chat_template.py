@@ -68,6 +68,7 @@ class ChatTemplate:
     stop: list[str] = field(default_factory=list)
     origin: str | None = None
     _compiled: Any = field(default=None, repr=False, compare=False)
+    _turn_end: list[str] | None = field(default=None, repr=False, compare=False)  # `turn_end_stops`, found once
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The text of `messages`, plus the assistant's opening when `add_generation_prompt`."""
@@ -208,16 +209,19 @@ _PROBE = "GPTLAB-END-OF-REPLY-PROBE"  # a reply text no template changes, to fin
 def turn_end_stops(template: ChatTemplate) -> list[str]:
     """The text `template` writes after an assistant message (whitespace stripped), as a stop string: a model
     trained on the template writes it to end its turn. Empty when the template writes only whitespace there
-    (e.g. "plain") or rejects the sample conversation; a broken template's error (not Jinja, too slow) goes on."""
-    try:
-        text = template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}])
-    except BrokenChatTemplateError:
-        raise
-    except ChatTemplateError:
-        return []
-    at = text.rfind(_PROBE)
-    tail = text[at + len(_PROBE) :].strip() if at >= 0 else ""
-    return [tail] if tail else []
+    (e.g. "plain") or rejects the sample conversation; a broken template's error (not Jinja, too slow) goes on.
+    Rendered once per template: a server asks on every chat request."""
+    if template._turn_end is None:
+        try:
+            text = template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}])
+        except BrokenChatTemplateError:
+            raise
+        except ChatTemplateError:
+            text = ""
+        at = text.rfind(_PROBE)
+        tail = text[at + len(_PROBE) :].strip() if at >= 0 else ""
+        template._turn_end = [tail] if tail else []
+    return list(template._turn_end)
 
 
 def reply_stops(template: ChatTemplate, user_stops: Sequence[str] = ()) -> tuple[str, ...]:
