@@ -207,6 +207,14 @@ def test_lora_under_torchrun_matches_one_process(mode: str, tmp_path: Path, data
     whole, single = load_file(str(ckpt / "lora.safetensors")), load_file(
         str(list_step_checkpoints(tmp_path / "one")[0] / "lora.safetensors"))
     assert all(torch.allclose(whole[k], single[k], atol=1e-4) for k in single)
+    if mode == "fsdp":  # resumed, each process reads its rows of the adapters and their moments, and goes on alike
+        proc = subprocess.run([*cmd, "--resume", "--max-steps", "8"], cwd=REPO, capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert train(recipe, data, tmp_path / "one", "--grad-accum", "2", "--resume", "--max-steps", "8") == 0
+        ours = [r["train_loss"] for r in metrics(out) if "train_loss" in r]
+        one = [r["train_loss"] for r in metrics(tmp_path / "one") if "train_loss" in r]
+        assert len(ours) == 4 and ours == pytest.approx(one, abs=1e-4)
 
 
 # --- the loss mask ----------------------------------------------------------------------------------------------------

@@ -64,7 +64,6 @@ from gptlab.checkpoint.reading import (
     read_lora_config,
     read_tensors,
     read_training_state,
-    shard_like,
     weights_sha256,
     with_tied_head,
 )
@@ -86,5 +85,5 @@ __all__ = [
     "model_state_dict", "optimizer_from_flat", "optimizer_to_flat", "plain_shapes", "prune_checkpoints",
     "read_config", "read_lora_config", "read_tensors", "read_training_state", "save_checkpoint", "save_model",
     "save_tensors",
-    "shard_like", "step_dir_name", "unwrap_model", "weights_sha256", "whole", "with_tied_head", "write_model",
+    "step_dir_name", "unwrap_model", "weights_sha256", "whole", "with_tied_head", "write_model",
 ]

@@ -165,15 +165,6 @@ def load_gptlab_model(
 # ------------------------------------------------------------------------------------------------------------
 # Training checkpoints: weights + optimizer state (safetensors) + trainer state (JSON)
 # ------------------------------------------------------------------------------------------------------------
-def shard_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """A whole tensor shaped like `target`: sharded the same way if target is an FSDP shard (DTensor)."""
-    if hasattr(target, "device_mesh") and not hasattr(value, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
-    return value
-
-
 def _moment_targets(optimizers: list[torch.optim.Optimizer]) -> Callable[[str], torch.Tensor | None]:
     """For an optimizer file's key ("opt{i}.{param}.{name}"), the parameter its state goes with."""
     params = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
@@ -207,11 +198,6 @@ def optimizer_from_flat(
             if key.startswith(prefix):
                 pid, name = key[len(prefix) :].split(".", 1)
                 state.setdefault(int(pid), {})[name] = value
-        params = [p for group in opt.param_groups for p in group["params"]]
-        for pid, values in state.items():  # FSDP: sharded like their parameter
-            for name, value in values.items():
-                if pid < len(params) and value.shape == params[pid].shape:
-                    values[name] = shard_like(value, params[pid])
         for pid, values in desc["scalars"].items():
             state.setdefault(int(pid), {}).update(values)
         # JSON turned tuples (betas, ns_coefficients) into lists: turn them back, all but the param ids
@@ -242,11 +228,11 @@ def load_training_checkpoint(
     plain = unwrap_model(model)
     current = plain.state_dict()
     adapters_only = has_lora(plain)  # a LoRA run's checkpoint holds the adapters, not the frozen base
+    # FSDP: each process reads its own rows of the sharded tensors (and of the moments, below)
     if adapters_only:
-        weights = load_adapter_tensors(directory, plain)
-    else:  # FSDP: each process reads its own rows
+        weights = load_adapter_tensors(directory, plain, shards=current.get)
+    else:
         weights = read_tensors(directory / MODEL_FILE, shards=current.get)
-    weights = {k: shard_like(v, current[k]) if k in current else v for k, v in weights.items()}  # (adapters)
     with torch.no_grad():  # copies into the existing parameters: optimizers stay valid
         if adapters_only:
             plain.load_state_dict(weights, strict=False)
@@ -302,11 +288,14 @@ def read_lora_config(directory: str | Path) -> tuple[LoRASpec, dict[str, str]]:
     return spec, base
 
 
-def load_adapter_tensors(directory: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """lora.safetensors, checked to hold exactly `model`'s adapter tensors with their shapes."""
+def load_adapter_tensors(
+    directory: str | Path, model: torch.nn.Module, shards: Callable[[str], torch.Tensor | None] | None = None
+) -> dict[str, torch.Tensor]:
+    """lora.safetensors, checked to hold exactly `model`'s adapter tensors with their shapes (`shards`: as
+    `read_tensors` takes it)."""
     directory = Path(directory)
     path = directory / LORA_FILE
-    tensors = read_tensors(path)
+    tensors = read_tensors(path, shards=shards)
     expected = {k: tuple(v.shape) for k, v in lora_state_dict(unwrap_model(model)).items()}
     for name, shape in expected.items():
         if name not in tensors:
