@@ -1,5 +1,5 @@
 """FSDP on a CPU: the memory check per process (pure), building and initializing a sharded model, checkpoints
-gathered to the writer alone, and the mixed-precision policy, under torch's fake process group (one process
+written in rows by every process, and the mixed-precision policy, under torch's fake process group (one process
 playing rank r of many, collectives no-ops) or real 2-process gloo runs (torchrun)."""
 
 from __future__ import annotations
@@ -165,38 +165,115 @@ def _trained_shards() -> tuple[GPT, list[torch.optim.Optimizer]]:
     return model, optimizers
 
 
-@pytest.mark.parametrize("writer", [False, True])
-def test_an_fsdp_checkpoint_keeps_whole_tensors_on_the_writer_alone(tmp_path: Path, monkeypatch, writer) -> None:
-    """Rank 1 of 8 takes part in every gather (in the same order as its peers) but holds at most the tensor being
-    gathered (before: every weight and moment, whole, on every rank's CPU); the writer keeps them all."""
-    import weakref
+# one world size each: torch caches a device mesh per world size across fake process groups, with its old rank
+@pytest.mark.parametrize(("rank", "world"), [(1, 2), (0, 4), (5, 8), (40, 64)])
+def test_each_fsdp_process_writes_its_own_rows_of_the_one_file(tmp_path: Path, monkeypatch, rank: int,
+                                                                world: int) -> None:
+    """A checkpoint under FSDP gathers nothing: each process writes its rows of every weight and moment at their
+    place in the one safetensors file the writer laid out (64 processes: rank 40 holds no rows of the 32-wide
+    norms and writes none), the writer alone the tensors that are not sharded (AdamW's step counts)."""
+    from safetensors import safe_open
 
-    from gptlab.checkpoint import save_checkpoint, writing
+    from gptlab.checkpoint import sharded, writing
 
-    real, alive, order = writing.whole, set(), []
-    peak = [0]
-
-    def spy(t: torch.Tensor) -> torch.Tensor:
-        full = real(t)
-        if full is not t:  # a shard gathered
-            order.append(tuple(t.shape))
-            storage = full.untyped_storage()  # lives as long as any view of it (detach, contiguous, cpu on a CPU)
-            alive.add(id(storage))
-            peak[0] = max(peak[0], len(alive))
-            weakref.finalize(storage, alive.discard, id(storage))
-        return full
-
-    monkeypatch.setattr(writing, "whole", spy)
-    with fake_rank(0 if writer else 1, 8):
+    monkeypatch.setattr(writing, "whole", lambda t: pytest.fail(f"gathered a {tuple(t.shape)} tensor"))
+    with fake_rank(rank, world):
         model, optimizers = _trained_shards()
-        shards = sum(1 for p in model.parameters()) * 3  # weights, exp_avg, exp_avg_sq
-        written = save_checkpoint(tmp_path / "ckpt", model, {"step": 1}, optimizers, writer=writer)
-    assert len(order) == shards
-    if writer:
-        assert written == tmp_path / "ckpt" and peak[0] == shards
-    else:
-        assert written is None and not (tmp_path / "ckpt").exists()
-        assert peak[0] <= 2  # the one being gathered, and the one before it while the next is
+        weights, moments = writing._model_tensors(model), writing._optimizer_tensors(optimizers)[0]
+        assert sharded.applies(weights, moments)
+        for name, tensors in (("model", weights), ("optimizer", moments)):
+            path = tmp_path / f"{name}.safetensors"
+            sharded.create(tensors, path, {"library": "gptlab"})  # the writer's layout: all zeros until written
+            sharded.write_rows(path, tensors, writer=rank == 0)
+            with safe_open(str(path), framework="pt") as f:
+                assert sorted(f.keys()) == sorted(tensors)
+                for key, t in tensors.items():
+                    got = f.get_tensor(key)
+                    assert got.shape == t.shape and got.dtype == t.dtype, key
+                    if not sharded.row_sharded(t):
+                        assert torch.equal(got, t if rank == 0 else torch.zeros_like(t)), key
+                        continue
+                    part = _expected_part(got, rank, world)
+                    assert torch.equal(part, t.to_local()), key
+                    assert got.count_nonzero() <= part.numel(), key  # nothing written outside its rows
+
+
+def test_a_process_that_cannot_write_its_rows_stops_every_process(tmp_path: Path, monkeypatch) -> None:
+    """Its own OSError where it failed (the writer's becomes the atomic write's one-line message), a one-line
+    GptlabError where another process failed; and a writer that failed before laying out the files tells the
+    others, who stop too (none waits for a directory that never comes)."""
+    from gptlab.checkpoint import save_checkpoint, sharded
+    from gptlab.errors import GptlabError
+
+    with fake_rank(1, 2):
+        model, optimizers = _trained_shards()
+        path = tmp_path / "x.safetensors"
+        tensors = {"w": next(model.parameters())}
+        sharded.create(tensors, path, {})
+        monkeypatch.setattr(sharded.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+        with pytest.raises(OSError, match="No space"):
+            sharded.write_everywhere({path: tensors}, writer=False)
+        monkeypatch.undo()
+
+        def another_failed(t: torch.Tensor, op: object = None) -> None:
+            t.fill_(1)
+
+        monkeypatch.setattr(sharded.dist, "all_reduce", another_failed)
+        with pytest.raises(GptlabError, match="another process could not write its part"):
+            sharded.write_everywhere({path: tensors}, writer=False)
+        monkeypatch.undo()
+        monkeypatch.setattr(sharded, "share_directory", lambda directory, src=0: None)
+        with pytest.raises(GptlabError, match="the writing process failed"):
+            save_checkpoint(tmp_path / "ckpt", model, {"step": 1}, optimizers, writer=False)
+
+
+ROWS_VS_GATHERED = """
+import sys, torch
+from pathlib import Path
+from safetensors.torch import load_file
+from gptlab.checkpoint import save_checkpoint, sharded, writing
+from gptlab.train import build_train_config
+from gptlab.train.distributed import init_distributed
+from gptlab.train.optim import build_optimizers, optimizer_spec
+from gptlab.train.setup import build_model, shard
+
+out = Path(sys.argv[1])
+procs = init_distributed("cpu")
+cfg = build_train_config({"model": "tiny", "n_embd": 30, "n_head": 2, "n_kv_head": 2, "block_size": 16, "seed": 3})
+model = build_model(cfg, 51, "cpu", sharded=True)  # 51 and 15-row halves of 30: uneven shards
+shard(model, cfg, "cpu")
+optimizers = build_optimizers(model, optimizer_spec(cfg))
+_, loss = model(torch.arange(32).view(2, 16) % 51, torch.arange(1, 33).view(2, 16) % 51)
+loss.backward()
+for opt in optimizers:
+    opt.step()
+gathers = []
+real_whole = writing.whole
+writing.whole = lambda t: gathers.append(t.shape) or real_whole(t)
+save_checkpoint(out / "rows", model, {"step": 1}, optimizers, writer=procs.is_master)
+assert not gathers, gathers
+sharded.applies = lambda *groups: False  # the gathering path, for comparison
+save_checkpoint(out / "gathered", model, {"step": 1}, optimizers, writer=procs.is_master)
+assert gathers
+if procs.is_master:
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        rows, whole = load_file(out / "rows" / name), load_file(out / "gathered" / name)
+        assert rows.keys() == whole.keys() and all(torch.equal(rows[k], whole[k]) for k in rows), name
+    print("same", len(rows))
+procs.close(clean=True)
+"""
+
+
+def test_a_2_process_fsdp_checkpoint_in_rows_equals_the_gathered_one(tmp_path: Path) -> None:
+    """2 gloo processes: the checkpoint written in rows (no gather) holds exactly the tensors that gathering
+    every shard to the writer writes, uneven shards included."""
+    script = tmp_path / "rows.py"
+    script.write_text(ROWS_VS_GATHERED)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "same" in proc.stdout
 
 
 # --- B4: a sharded model is built on the meta device and only this process's shards are materialized -------------

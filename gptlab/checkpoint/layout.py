@@ -23,6 +23,10 @@ TOKENIZER_FILES = ("tokenizer_meta.json", "tokenizer.json")
 LORA_FILE = "lora.safetensors"
 LORA_CONFIG = "lora.json"
 LORA_FORMAT = "gptlab-lora"
+# safetensors' dtype names (a file's header) and the torch dtypes they hold
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
 STEP_NAME = re.compile(r"step-\d+")  # a step checkpoint (a copy moved aside, e.g. damaged-step-N, is not)
 
 

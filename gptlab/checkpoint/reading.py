@@ -26,6 +26,7 @@ from gptlab.checkpoint.layout import (
     LORA_FORMAT,
     MODEL_FILE,
     OPTIMIZER_FILE,
+    SAFETENSORS_DTYPES,
     STATE_FILE,
     unwrap_model,
 )
@@ -123,11 +124,6 @@ def read_tensors(
         raise GptlabError(f"{path} cannot be read: {e}") from None
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
-
-
 def _local_part(part: Any, target: torch.Tensor) -> torch.Tensor:
     """This process's block of a file's tensor, as a DTensor laid out like `target` (read as a slice)."""
     from torch.distributed.tensor import DTensor
@@ -135,7 +131,7 @@ def _local_part(part: Any, target: torch.Tensor) -> torch.Tensor:
 
     shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
     if 0 in shape:  # more processes than rows: this one holds none
-        local = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[part.get_dtype()])
+        local = torch.empty(shape, dtype=SAFETENSORS_DTYPES[part.get_dtype()])
     else:
         local = part[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
     return DTensor.from_local(local.to(target.device), target.device_mesh, target.placements, run_check=False,

@@ -7,9 +7,9 @@ Every write goes through a temporary directory swapped into place (`gptlab.filei
 OSErrors: the atomic write turns them into its one-line message (a full disk: what was needed, what is free).
 
 What is saved is the plain model's weights, unwrapped from torch.compile / DDP / FSDP, a tied matrix once, and for a
-LoRA run only the adapters, with their base's path and sha256. FSDP shards are gathered whole one tensor at a time:
-every process takes part in each gather (`save_checkpoint`), and only the writer keeps a copy on the CPU, so host
-memory holds one set of whole tensors per run, not one per process.
+LoRA run only the adapters, with their base's path and sha256. Under FSDP every process writes its own rows of each
+weight and moment into the one file (`checkpoint.sharded`): nothing is gathered. Tensors sharded some other way
+are gathered whole one at a time, every process taking part in each gather and only the writer keeping a copy.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import errno
 import json
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from gptlab.checkpoint import sharded
 from gptlab.checkpoint.layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -68,13 +69,18 @@ def model_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, tor
     """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU.
     FSDP-sharded weights are gathered whole: under FSDP every process must call this, and those that will not
     write pass `keep=False` (they take part in the gathers, keep nothing and get {})."""
+    return _on_cpu(_model_tensors(model), keep)
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors `model_state_dict` saves, as the model holds them (FSDP's DTensor shards included)."""
     model = unwrap_model(model)
     if has_lora(model):  # the base is frozen and lives elsewhere: only the adapters are the run's
-        return _on_cpu(lora_state_dict(model), keep)
+        return lora_state_dict(model)
     state = model.state_dict()
     if getattr(model, "config", None) is not None and model.config.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as transformer.wte.weight
-    return _on_cpu(state, keep)
+    return state
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -99,24 +105,27 @@ def write_model(
     model: torch.nn.Module,
     tokenizer: TextTokenizer | None = None,
     weights: dict[str, torch.Tensor] | None = None,
+    save: Callable[[dict[str, torch.Tensor], Path, dict[str, str]], None] = save_tensors,
 ) -> None:
-    """Write weights (`model_state_dict(model)` unless given), config and (optionally) the tokenizer into an
-    existing directory."""
+    """Write weights (`model_state_dict(model)` unless given; through `save`), config and (optionally) the tokenizer
+    into an existing directory."""
     plain = unwrap_model(model)
-    metadata = {"format": "pt", "library": "gptlab"}
     weights = model_state_dict(plain) if weights is None else weights
+    base = getattr(plain, "lora_base", None)
+    if has_lora(plain) and base is None:
+        raise GptlabError("a model with LoRA adapters needs `lora_base` (its base's path and sha256) to be saved")
+    save(weights, directory / weights_file(plain), {"format": "pt", "library": "gptlab"})
     if has_lora(plain):
-        base = getattr(plain, "lora_base", None)
-        if base is None:
-            raise GptlabError("a model with LoRA adapters needs `lora_base` (its base's path and sha256) to be saved")
-        save_tensors(weights, directory / LORA_FILE, metadata)
         lora = {"format": LORA_FORMAT, "version": 1, **plain.lora_spec.to_dict(), "base": base}
         (directory / LORA_CONFIG).write_text(json.dumps(lora, indent=2) + "\n")
-    else:
-        save_tensors(weights, directory / MODEL_FILE, metadata)
     (directory / CONFIG_FILE).write_text(json.dumps(plain.config.to_dict(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(directory)
+
+
+def weights_file(model: torch.nn.Module) -> str:
+    """The file a model's weights go to: its adapters' for a LoRA model, else the whole model's."""
+    return LORA_FILE if has_lora(unwrap_model(model)) else MODEL_FILE
 
 
 def save_model(path: str | Path, model: torch.nn.Module, tokenizer: TextTokenizer | None = None) -> Path:
@@ -133,6 +142,12 @@ def optimizer_to_flat(
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Optimizer state as flat tensors `opt{i}.{param}.{name}`, plus JSON-able param groups and scalars. FSDP:
     sharded moments are gathered whole, so every process calls this; `keep=False` keeps no tensor ({})."""
+    tensors, described = _optimizer_tensors(optimizers)
+    return _on_cpu(tensors, keep), described
+
+
+def _optimizer_tensors(optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """`optimizer_to_flat`'s tensors as the optimizers hold them (FSDP's DTensor shards included)."""
     tensors: dict[str, torch.Tensor] = {}
     described: list[dict] = []
     for i, opt in enumerate(optimizers):
@@ -145,7 +160,7 @@ def optimizer_to_flat(
                 else:
                     scalars.setdefault(str(pid), {})[name] = value
         described.append({"type": type(opt).__name__, "param_groups": sd["param_groups"], "scalars": scalars})
-    return _on_cpu(tensors, keep), described
+    return tensors, described
 
 
 def save_checkpoint(
@@ -160,25 +175,45 @@ def save_checkpoint(
     tokenizer files copied from `tokenizer_dir` (the data directory) and, when there are optimizers,
     optimizer.safetensors with their state in state.json (a resumable checkpoint).
 
-    Under FSDP every process calls this (the shards are gathered) and only the `writer` keeps and writes them."""
-    weights = model_state_dict(model, keep=writer)
-    tensors, described = optimizer_to_flat(list(optimizers), keep=writer)
-    if not writer:
-        return None
+    Under FSDP every process calls this and writes its rows of each file (`checkpoint.sharded`); the `writer`
+    writes the rest. Returns the checkpoint's path on the writer, None elsewhere."""
+    weights = _model_tensors(model)
+    tensors, described = _optimizer_tensors(list(optimizers))
     if optimizers:
         state = {**state, "optimizers": described}
 
-    def write(tmp: Path) -> None:
-        write_model(tmp, model, weights=weights)
-        if optimizers:
-            save_tensors(tensors, tmp / OPTIMIZER_FILE, {"library": "gptlab"})
+    def write_rest(tmp: Path) -> None:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
         for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
             src = Path(tokenizer_dir) / name
             if src.is_file():
                 shutil.copyfile(src, tmp / name)
 
-    needed = _nbytes(weights) + _nbytes(tensors)
+    needed = sharded.global_nbytes(weights) + sharded.global_nbytes(tensors)
+    if sharded.applies(weights, tensors):
+        def lay_out(tmp: Path) -> None:
+            write_model(tmp, model, weights=weights, save=sharded.create)
+            if optimizers:
+                sharded.create(tensors, tmp / OPTIMIZER_FILE, {"library": "gptlab"})
+            write_rest(tmp)
+
+        def files(tmp: Path) -> dict[Path, dict[str, torch.Tensor]]:
+            return {tmp / weights_file(model): weights, **({tmp / OPTIMIZER_FILE: tensors} if optimizers else {})}
+
+        return sharded.save_in_rows(
+            lambda write: atomic_write_dir(directory, write, needed=needed, replace_unmarked=True),
+            lay_out, files, writer)
+
+    weights, tensors = _on_cpu(weights, writer), _on_cpu(tensors, writer)
+    if not writer:
+        return None
+
+    def write(tmp: Path) -> None:
+        write_model(tmp, model, weights=weights)
+        if optimizers:
+            save_tensors(tensors, tmp / OPTIMIZER_FILE, {"library": "gptlab"})
+        write_rest(tmp)
+
     return atomic_write_dir(directory, write, needed=needed, replace_unmarked=True)
 
 

@@ -213,7 +213,7 @@ class Trainer:
         """A resumable step checkpoint (keeping the newest `keep_last`); its path on the writing process. Every
         process calls it (each one's dropout stream is gathered), unless `gather` is False (after an error)."""
         rng = rng_state(self.procs, gather)
-        if not self.procs.is_master and not self.fsdp:  # under FSDP every process takes part in gathering shards
+        if not self.procs.is_master and not self.fsdp:  # under FSDP every process writes its own rows
             return None
         path = self.run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(self.step)
         written = ckpt.save_checkpoint(path, self.model, self._state(rng), self.optimizers,
