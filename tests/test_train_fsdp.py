@@ -308,15 +308,66 @@ def test_fsdp_init_gives_each_rank_its_part_of_the_one_process_weights(rank: int
     assert all(torch.isfinite(p).all() and not p.is_meta for p in build_model(_recipe(), 50, "cpu").parameters())
 
 
-def test_fsdp_init_from_a_checkpoint_shards_it_without_a_whole_copy_on_the_device(tmp_path: Path) -> None:
-    """init_from under FSDP: loaded into host memory, then each block moves to the device only to be sharded."""
+@pytest.mark.parametrize("saved_dtype", [torch.float32, torch.bfloat16])
+def test_fsdp_init_from_a_checkpoint_reads_only_each_processes_rows(tmp_path: Path, monkeypatch,
+                                                                   saved_dtype: torch.dtype) -> None:
+    """init_from a gptlab checkpoint under FSDP: the model stays on the meta device until sharded, then each
+    process reads its rows of every weight from the file (slices: no whole tensor in host memory, as a whole
+    model per process was) into fp32 masters, exactly its part of the saved weights."""
+    import gptlab.checkpoint.reading as reading
     from gptlab.checkpoint import save_model
     from gptlab.train.setup import build_model, shard
 
     torch.manual_seed(1)
-    saved = GPT(tiny())
+    saved = GPT(tiny()).to(saved_dtype)
     save_model(tmp_path / "base", saved)
+    monkeypatch.setattr(reading, "load_file", lambda *a, **k: pytest.fail("read a whole file"))
     cfg = _recipe(init_from=str(tmp_path / "base"))
+    with fake_rank(1, 2):
+        model = build_model(cfg, 50, "cpu", sharded=True)
+        assert all(p.is_meta for p in model.parameters())
+        real_open = reading.safe_open
+
+        def no_whole_tensors(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            handle = real_open(*args, **kwargs)
+
+            class Sliced:
+                def __enter__(self):  # noqa: ANN204
+                    self.f = handle.__enter__()
+                    return self
+
+                def __exit__(self, *exc) -> None:  # noqa: ANN002
+                    handle.__exit__(*exc)
+
+                def keys(self) -> list[str]:
+                    return self.f.keys()
+
+                def get_slice(self, key: str):  # noqa: ANN201
+                    return self.f.get_slice(key)
+
+                def get_tensor(self, key: str) -> torch.Tensor:
+                    pytest.fail(f"read the whole of {key}")
+
+            return Sliced()
+
+        monkeypatch.setattr(reading, "safe_open", no_whole_tensors)
+        shard(model, cfg, "cpu")
+        assert model.lm_head.weight is model.transformer.wte.weight
+        for name, p in model.state_dict().items():
+            assert p.dtype == torch.float32
+            assert torch.equal(p.to_local(), _expected_part(saved.state_dict()[name].float(), 1, 2)), name
+
+
+def test_fsdp_init_from_a_hugging_face_directory_still_loads_it_whole(tmp_path: Path) -> None:
+    """A Hugging Face directory is converted whole (its tensors are not gptlab's): loaded into host memory, then
+    each block moves to the device only to be sharded."""
+    from gptlab.interop import save_hf
+    from gptlab.train.setup import build_model, shard
+
+    torch.manual_seed(1)
+    saved = GPT(tiny(n_layer=2))
+    save_hf(saved, tmp_path / "hf")
+    cfg = _recipe(init_from=str(tmp_path / "hf"), n_layer=2)
     with fake_rank(1, 2):
         model = build_model(cfg, 50, "cpu", sharded=True)
         assert all(p.device.type == "cpu" and not hasattr(p, "to_local") for p in model.parameters())

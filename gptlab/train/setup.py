@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
+from gptlab.checkpoint import CONFIG_FILE, LORA_FILE, MODEL_FILE, load_weights, read_config, read_tensors
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
 from gptlab.hardware import available_memory, gpu_has_bf16
-from gptlab.loading import base_reference, load_model
+from gptlab.loading import base_reference, is_hf_dir, load_model, resolve_checkpoint
 from gptlab.lora import LoRASpec, add_lora, has_lora, parse_targets
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
@@ -110,8 +111,10 @@ def build_model(
 
     A fresh model is built on the meta device and initialized by `init_weights` (the same weights on any device
     and any number of processes). `sharded` (FSDP): nothing whole reaches `device`; `shard` then places it. A
-    fresh model stays on the meta device (`shard` materializes only this process's shards), a pretrained one is
-    loaded into host memory (`shard` moves it to the device one block at a time)."""
+    fresh model stays on the meta device (`shard` materializes only this process's shards), and so does a
+    pretrained gptlab checkpoint (`shard` reads this process's rows of each weight from its file); other
+    pretrained models (Hugging Face directories, LoRA bases) are loaded into host memory (`shard` moves them to the
+    device one block at a time)."""
     torch.manual_seed(cfg.seed)  # the same adapters (LoRA's init) and dropout stream of rank 0 on every process
     if not cfg.init_from:
         with torch.device("meta"):
@@ -122,7 +125,8 @@ def build_model(
                 model.lm_head.weight = model.transformer.wte.weight
             init_weights(model, cfg.seed)
     else:
-        model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir)
+        rows = sharded and lora_spec(cfg) is None
+        model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=rows)
     spec = lora_spec(cfg)
     if spec is not None:
         add_lora(model, spec, base=base_reference(cfg.init_from))
@@ -136,10 +140,16 @@ def shard(model: GPT, cfg: TrainConfig, device: str) -> None:
     as `init_weights` initializes a whole model; a pretrained one moves there block by block, each block whole on
     the device only while it is sharded."""
     fresh = next(model.parameters()).is_meta
+    source = getattr(model, "weights_file", None)  # a pretrained checkpoint read in rows
     shard_model(model, sharding_dtype(cfg.dtype, lora=has_lora(model)))
     if fresh:
         model.to_empty(device=device)
-        init_weights(model, cfg.seed)
+        if source is None:
+            init_weights(model, cfg.seed)
+            return
+        current = model.state_dict()  # DTensor shards: each key read as this process's rows of the file
+        with torch.no_grad():
+            load_weights(model, read_tensors(source, device, shards=current.get), where=f"init_from {source}")
 
 
 @torch.no_grad()
@@ -174,8 +184,18 @@ def local_part(values: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None) -> GPT:
-    model, tokenizer = load_model(cfg.init_from, device=device, prefer="best")
+def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None, rows: bool = False
+                ) -> GPT:
+    """init_from's model, checked against the recipe and data. `rows`: a gptlab checkpoint stays on the meta
+    device, its file named in `weights_file` for `shard` (other kinds of model load whole, as without)."""
+    directory = resolve_checkpoint(cfg.init_from, prefer="best")
+    if rows and not is_hf_dir(directory) and not (directory / LORA_FILE).is_file():
+        with torch.device("meta"):
+            model = GPT(read_config(directory / CONFIG_FILE))
+        model.weights_file = directory / MODEL_FILE
+        tokenizer, _ = optional_tokenizer(directory)
+    else:
+        model, tokenizer = load_model(cfg.init_from, device=device, prefer="best")
     if data_dir is not None:
         check_same_tokenizer(cfg.init_from, tokenizer, str(data_dir), optional_tokenizer(data_dir)[0])
     # the architecture comes from the checkpoint: recipe keys may only restate it (or set dropout)
