@@ -50,3 +50,27 @@ def test_every_numeric_key_from_the_command_line_refuses_nan_inf_and_negatives(k
         message = outcome(dict(NEEDS.get(key, {})), {key: text})
         assert message is not None, f"--{key.replace('_', '-')} {text} was accepted"
         assert key in message or key.replace("_", " ") in message or "preset" in message, message
+
+
+# --- the Python API's sampling fields (the CLI's flags and the server's fields reach them through from_fields) --
+SAMPLING_VALUES = {**EXTREMES, "null": None, "list-of-text": ["x"], "list-of-huge": [2**70], "list-of-nan": [math.nan],
+                   "bias-nan": {"1": math.nan}, "hundred-thousand": list(range(100_000))}
+
+
+def sampling_fields() -> list[str]:
+    import dataclasses
+
+    from gptlab.generation.params import SamplingParams
+
+    return [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+@pytest.mark.parametrize("name", sampling_fields())
+def test_every_sampling_field_at_its_extremes_is_params_or_one_line_naming_it(name: str) -> None:
+    from gptlab.generation.params import SamplingParams
+
+    for label, value in SAMPLING_VALUES.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:  # InvalidSamplingParam, what the CLI and the server turn into exit 2 / a 400
+            assert str(e).startswith(name) and "\n" not in str(e), f"{name}={label}: {e}"
