@@ -106,8 +106,13 @@ def check_known_fields(cls: type, d: dict[str, Any], what: str) -> None:
         raise ValueError(f"unknown {what} field(s): {', '.join(unknown)}")
 
 
+MAX_DIMENSION = 2**31 - 1  # a width, a vocabulary, a context: products of two must fit torch's int64 sizes
+MAX_LAYERS = 65_536
+
+
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float: nan and inf pass no comparison (so no range check) and poison every weight."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -198,29 +203,43 @@ class GPTConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{key} must be a positive integer or null, got {value!r}")
+        for key in ("vocab_size", "block_size", "n_embd", "n_head", "n_kv_head", "head_dim", "sliding_window",
+                    "mlp_hidden"):
+            value = getattr(self, key)
+            if isinstance(value, int) and value > MAX_DIMENSION:
+                raise ValueError(f"{key}={value} is larger than any model's (at most {MAX_DIMENSION:,})")
+        if self.n_layer > MAX_LAYERS:  # each is a module built in turn: a loop that would not end
+            raise ValueError(f"n_layer={self.n_layer} is more layers than any model's (at most {MAX_LAYERS:,})")
         if self.head_dim is None and self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head} (set head_dim for "
                              "heads of another width)")
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
-        if not 0.0 <= self.dropout < 1.0:
+        if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if not 0.0 < self.rotary_fraction <= 1.0:
+        if not (_is_number(self.rotary_fraction) and 0.0 < self.rotary_fraction <= 1.0):
             raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
         if self.position == "rope" and self.rotary_dim < 2:
             raise ValueError(f"rotary_fraction={self.rotary_fraction} leaves fewer than 2 rotary dims per head")
-        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+        if self.mlp_hidden is not None and not (isinstance(self.mlp_hidden, int) and not isinstance(
+                self.mlp_hidden, bool) and self.mlp_hidden >= 1):
             raise ValueError(f"mlp_hidden must be a positive integer, got {self.mlp_hidden}")
         if not (_is_number(self.mlp_ratio) and self.mlp_ratio > 0):
             raise ValueError(f"mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
         if not isinstance(self.mlp_multiple, int) or isinstance(self.mlp_multiple, bool) or self.mlp_multiple < 1:
             raise ValueError(f"mlp_multiple must be a positive integer, got {self.mlp_multiple!r}")
+        if self.mlp_hidden is None and not _is_number(self.mlp_ratio * self.n_embd):
+            raise ValueError(f"mlp_ratio={self.mlp_ratio} x n_embd={self.n_embd} is too large a hidden size")
         if self.hidden_size < 1:  # a tiny ratio rounds down to no hidden layer at all
             raise ValueError(f"mlp_ratio={self.mlp_ratio} leaves the MLP no hidden units at n_embd={self.n_embd}")
         for key in ("attn_scale", "attn_softcap", "logit_softcap"):
             value = getattr(self, key)
             if value is not None and not (_is_number(value) and value > 0):
                 raise ValueError(f"{key} must be a positive number or null, got {value!r}")
+        for key, low in (("norm_eps", "positive"), ("rope_base", "positive"), ("init_std", "non-negative")):
+            value = getattr(self, key)
+            if not (_is_number(value) and (value > 0 if low == "positive" else value >= 0)):
+                raise ValueError(f"{key} must be a {low} number, got {value!r}")
         self._validate_combinations()
 
     def _validate_combinations(self) -> None:

@@ -215,7 +215,7 @@ def safetensors_problem(path: Path) -> str | None:
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 return f"{path} is truncated or not a safetensors file (its header claims {n} bytes, it has {size})"
-            header = json.loads(f.read(n))
+            header = parse_json(f.read(n))
     except FileNotFoundError:
         return f"{path} is missing"
     except OSError as e:
@@ -249,13 +249,22 @@ def read_utf8(path: str | Path) -> str:
         raise GptlabError(f"{path} is not UTF-8 text (bad byte at offset {e.start}, line {line})") from None
 
 
+def parse_json(text: str | bytes) -> Any:
+    """`json.loads`, with JSON nested too deeply for Python's parser (a RecursionError) a ValueError like any
+    other bad JSON: every reader of a file catches ValueError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def read_json_object(path: str | Path, hint: str = "") -> dict[str, Any]:
     """The JSON object in `path`; a GptlabError naming the file (and `hint`, what to do) if it is missing,
     unreadable, not JSON or not an object."""
     path = Path(path)
     suffix = f"; {hint}" if hint else ""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = parse_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise GptlabError(f"{path} not found{suffix}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:

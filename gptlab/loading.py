@@ -39,7 +39,7 @@ from gptlab.checkpoint import (
     weights_sha256,
 )
 from gptlab.errors import GptlabError
-from gptlab.fileio import MARKER, is_gptlab_output
+from gptlab.fileio import MARKER, is_gptlab_output, parse_json
 from gptlab.interop import from_hf, save_hf, save_peft_adapter
 from gptlab.lora import LoRAError, add_lora, merge_lora
 from gptlab.model import GPT
@@ -54,9 +54,10 @@ def is_hf_dir(path: Path) -> bool:
     if not cfg.is_file():
         return False
     try:
-        return "model_type" in json.loads(cfg.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
+        values = parse_json(cfg.read_text())
+    except (OSError, ValueError):
+        return False  # not a Hugging Face directory: gptlab's reader names what is wrong with the file
+    return isinstance(values, dict) and "model_type" in values
 
 
 def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
@@ -99,7 +100,7 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
 def _had_best(step_dir: Path) -> bool:
     """Whether a step checkpoint's state.json records a best validation loss (so checkpoints/best/ was written)."""
     try:
-        return json.loads((step_dir / STATE_FILE).read_text()).get("best_val_loss") is not None
+        return parse_json((step_dir / STATE_FILE).read_text()).get("best_val_loss") is not None
     except (OSError, ValueError, AttributeError):
         return False
 

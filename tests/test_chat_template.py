@@ -233,8 +233,8 @@ HOSTILE = {
     "huge-power": ("{{ 10 ** 1000000000 }}", "a number of more than 4096 bits"),
     "nested-loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
                      "takes more than 0.5 s to render"),
-    "endless-output": ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
-                       "writes more than"),
+    "endless-output": ("{% for i in range(100000) %}{% for j in range(100000) %}" + "x" * 1000
+                       + "{% endfor %}{% endfor %}", "writes more than"),
     "lipsum": ("{{ lipsum(100000) * 1000 }}", "'lipsum' is undefined"),
 }
 

@@ -344,6 +344,32 @@ def test_a_runaway_chat_template_is_an_error_in_seconds_and_blocks_no_one(monkey
                                     "render (a runaway loop?)")
 
 
+def test_a_chat_template_that_builds_gigabytes_in_one_step_is_a_400_and_the_server_keeps_its_memory(monkeypatch):
+    """One Jinja step (expandtabs) that the sandbox cannot stop between steps: the worker process rendering it runs
+    out of its memory, the request gets a 400 naming the template's file, and the server answers the next ones."""
+    import resource
+
+    from gptlab.tokenizer import template_worker
+
+    monkeypatch.setattr(template_worker, "MAX_RENDER_BYTES", 128 << 20)
+
+    class Bomb(BytesWithEot):
+        chat_template = "{{ ('\\t' * 3000000).expandtabs(1000) }}"
+        chat_template_file = "/models/m/chat_template.jinja"
+
+    app = create_app(tiny_model(vocab_size=256), Bomb(), max_batch=2)
+    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with ServerThread(app) as server:
+        for _ in range(2):
+            chat = post(server, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            error = assert_openai_error(chat, 400, "messages")
+            assert error["message"] == ("the chat template in /models/m/chat_template.jinja needs more than 128 MiB "
+                                        "of memory to render")
+        assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - held < 64 << 10  # KiB: the bomb went off elsewhere
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Clients that hang up, and a request that fails mid-batch
 # ---------------------------------------------------------------------------------------------------------

@@ -272,7 +272,7 @@ def read_lora_config(directory: str | Path) -> tuple[LoRASpec, dict[str, str]]:
     try:
         spec = LoRASpec.from_dict(meta)
         base = {"path": str(meta["base"]["path"]), "sha256": str(meta["base"]["sha256"])}
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: an infinite rank
         raise GptlabError(f"{path} lacks or garbles {e}: the adapters cannot be placed") from None
     # JSON allows NaN and any integer: a NaN alpha samples garbage, a huge rank allocates gigabytes
     if isinstance(meta["rank"], bool) or not isinstance(meta["rank"], int) or spec.rank < 1:

@@ -41,6 +41,11 @@ def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     missing = [k for k in ("vocab_size", "dtype", "train_tokens", "val_tokens") if k not in meta]
     if missing:
         raise GptlabError(f"{d / META} lacks {', '.join(missing)}; {_hint(d)}")
+    for key in ("train_tokens", "val_tokens", "window_tokens"):
+        if key == "window_tokens" and meta.get(key) is None:
+            continue
+        if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0:
+            raise GptlabError(f"{d / META}: {key} must be a whole number of tokens, got {meta[key]!r}; {_hint(d)}")
     return meta
 
 
@@ -85,7 +90,7 @@ def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: i
         raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
     d = Path(data_dir)
     meta = read_meta(d)
-    n = int(meta[f"{split}_tokens"])
+    n = len(load_split(d, split))  # its size checked against meta.json's count
     window = meta.get("window_tokens")
     if window is not None and block_size + 1 > int(window):
         raise GptlabError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +123,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # normalize first, so that the checks (and everybody after them) see one spelling of each setting
+        for name in ("stop", "stop_token_ids"):  # a number or None from Python would fail to iterate below
+            if not isinstance(getattr(self, name), Iterable):
+                raise InvalidSamplingParam(name, getattr(self, name), "must be a list")
         stop_ids = tuple(_as_int(t) for t in self.stop_token_ids)
         if any(t is None or t < 0 for t in stop_ids):
             raise InvalidSamplingParam("stop_token_ids", self.stop_token_ids, "must be non-negative integers")

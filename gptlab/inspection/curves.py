@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptlab.errors import GptlabError
-from gptlab.fileio import read_json_object, read_utf8
+from gptlab.fileio import parse_json, read_json_object, read_utf8
 
 METRICS_FILE = "metrics.jsonl"  # as gptlab.train.runlog writes it (train sits beside this layer: no import)
 RESOLVED_CONFIG = "config.resolved.json"
@@ -72,7 +72,7 @@ def read_curves(run: str | Path, x: str = "step", name: str | None = None) -> Cu
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_json(line)
             at = _x(row, x, tokens)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             raise GptlabError(f"{path}:{n} is not a metrics row (step, elapsed_sec, losses)") from None

@@ -8,7 +8,6 @@ files, which are read with `weights_only=True`, never unpickled).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 
 from gptlab.config import GPTConfig, RopeScaling
 from gptlab.errors import GptlabError
-from gptlab.fileio import read_json_object
+from gptlab.fileio import parse_json, read_json_object
 from gptlab.rope import inv_frequencies, longrope_mscale, yarn_mscale
 
 # GPTConfig fields every family writes, or that change nothing in a family that lacks them (rope_base under
@@ -262,7 +261,7 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
 def _load_shards(directory: Path, index_name: str, load: Callable[[Path], dict]) -> dict[str, torch.Tensor]:
     index = directory / index_name
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = parse_json(index.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise GptlabError(f"cannot read the shard index {index}: {e!r}") from None

@@ -128,8 +128,13 @@ def from_hf(
     if not directory.is_dir():
         raise GptlabError(f"{directory} is not a directory: pass a Hugging Face model directory")
     hf = read_hf_config(directory)
-    family = _family_of(hf)
-    config = config_from_hf(hf, name=directory.resolve().name)
+    try:
+        family = _family_of(hf)
+        config = config_from_hf(hf, name=directory.resolve().name)
+    except GptlabError as e:  # named by its path: a user may hold many model directories
+        path, message = directory / "config.json", str(e)
+        raise GptlabError(message.replace("config.json", str(path), 1) if message.startswith("config.json")
+                          else f"{path}: {message}") from None
     tensors = family.normalize(read_hf_weights(directory))
     state = to_ours(family.rules(config), tensors, family.IGNORE, directory)
     del tensors

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gptlab.errors import GptlabError
-from gptlab.tokenizer.template_sandbox import TemplateLimitError, environment, render_bounded
+from gptlab.tokenizer.template_sandbox import TemplateFault, compile_template, render_all
+from gptlab.tokenizer.template_worker import render_isolated
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -44,6 +45,9 @@ BUILTIN_TEMPLATES: dict[str, str] = {
 }
 # where generation stops under a built-in template: nothing in a base model's vocabulary ends a turn
 BUILTIN_STOPS: dict[str, list[str]] = {"plain": ["\nUser:"], "chatml": ["<|im_end|>"]}
+
+
+_ISOLATED = "compiled in the worker process"  # ChatTemplate._compiled of a template that runs there
 
 
 class ChatTemplateError(GptlabError):
@@ -72,31 +76,33 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The text of `messages`, plus the assistant's opening when `add_generation_prompt`."""
-        from jinja2.exceptions import TemplateError
+        return self.render_many([(messages, add_generation_prompt)])[0]
 
+    def render_many(self, conversations: Sequence[tuple[Sequence[dict[str, Any]], bool]]) -> list[str]:
+        """`render` of each (messages, add_generation_prompt), in one trip to the worker process."""
         self.compile()
-        context = dict(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None,
-                       documents=None, bos_token=self.bos_token, eos_token=self.eos_token)
+        contexts = [dict(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None,
+                         documents=None, bos_token=self.bos_token, eos_token=self.eos_token)
+                    for messages, add_generation_prompt in conversations]
         try:
-            return render_bounded(self._compiled, context)
-        except TemplateLimitError as e:
-            raise BrokenChatTemplateError(f"{self.label} {e}") from e
-        except TemplateError as e:
-            raise ChatTemplateError(f"{self.label} could not render this conversation: {_one_line(e)}") from e
-        except (Exception, RecursionError) as e:  # the template's own code failed: 1/0, a recursive macro, ...
-            raise ChatTemplateError(f"{self.label} failed: {type(e).__name__}: {_one_line(e)}") from e
+            if self._compiled is _ISOLATED:
+                return render_isolated(self.source, contexts)
+            return render_all(self._compiled, contexts)
+        except TemplateFault as e:
+            raise (BrokenChatTemplateError if e.broken else ChatTemplateError)(f"{self.label} {e}") from e
 
     def compile(self) -> None:
-        """Compile the template once; BrokenChatTemplateError naming its file when it is not one gptlab runs."""
-        from jinja2.exceptions import TemplateError
-
+        """Compile the template once; BrokenChatTemplateError naming its file when it is not one gptlab runs. A
+        built-in template is trusted and runs here; any other runs in a worker process (`template_worker`)."""
         if self._compiled is None:
             try:
-                self._compiled = environment().from_string(self.source)
-            except TemplateLimitError as e:  # {% include %} and kin
+                if self.source in BUILTIN_TEMPLATES.values():
+                    self._compiled = compile_template(self.source)
+                else:
+                    render_isolated(self.source, [])
+                    self._compiled = _ISOLATED
+            except TemplateFault as e:
                 raise BrokenChatTemplateError(f"{self.label} {e}") from e
-            except TemplateError as e:  # a syntax error, an unknown filter
-                raise BrokenChatTemplateError(f"{self.label} is not a valid Jinja template: {_one_line(e)}") from e
 
     @property
     def label(self) -> str:
@@ -105,7 +111,13 @@ class ChatTemplate:
 
     def segments(self, messages: Sequence[dict[str, Any]]) -> list[tuple[str, bool]]:
         """The whole conversation as (text, is_assistant_reply) pieces that concatenate to `render(messages)`."""
-        full = self.render(messages)
+        # every text needed, in one rendering: the whole, then each reply's prompt (the one before an opening reply
+        # is `_first_prompt`'s) and the conversation through it
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        texts = iter(self.render_many([(messages, False)] + [c for i in replies for c in (
+            [(messages[:i], True)] if i else []) + [(messages[: i + 1], False)]]))
+        full = next(texts)
+        rendered = {i: (next(texts) if i else self._first_prompt(full), next(texts)) for i in replies}
         pieces: list[tuple[str, bool]] = []
         done = 0  # characters of `full` already assigned to a piece
 
@@ -118,11 +130,8 @@ class ChatTemplate:
                     pieces.append((full[done:end], is_reply))
                 done = end
 
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt = self._first_prompt(full) if i == 0 else self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
+        for i, (prompt, through) in rendered.items():
+            message = messages[i]
             if not (full.startswith(prompt) and full.startswith(through) and done <= len(prompt) <= len(through)):
                 raise ChatTemplateError(
                     f"{self.label} renders turn {i + 1} differently inside the conversation than "
@@ -197,10 +206,6 @@ def chat_template_for(tokenizer: TextTokenizer, name: str | None = None) -> Chat
     origin = getattr(tokenizer, "chat_template_file", None) if name is None else None
     return ChatTemplate(source=source, name=name or "tokenizer", bos_token=token(getattr(tokenizer, "bos_id", None)),
                         eos_token=token(getattr(tokenizer, "eot_id", None)), stop=stop, origin=origin)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 _PROBE = "GPTLAB-END-OF-REPLY-PROBE"  # a reply text no template changes, to find what follows a reply

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from gptlab.errors import GptlabError
-from gptlab.fileio import read_utf8
+from gptlab.fileio import parse_json, read_utf8
 from gptlab.tokenizer.base import (
     HF_FILE,
     KINDS,
@@ -33,7 +32,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
         kind = meta.get("kind")
         if kind == "char":
             chars = meta.get("chars")
-            if not isinstance(chars, list):
+            if not isinstance(chars, list) or not all(isinstance(c, str) for c in chars):
                 raise GptlabError(f"{d / META_FILE} has kind 'char' but no 'chars' list; re-run gptlab prepare")
             return CharTokenizer(chars)
         if kind == "gpt2":
@@ -86,7 +85,7 @@ def _held_by_model(d: Path) -> Path | None:
                 return candidate
     if (d / "lora.json").is_file():
         try:
-            base = json.loads(read_utf8(d / "lora.json"))["base"]["path"]
+            base = parse_json(read_utf8(d / "lora.json"))["base"]["path"]
         except (GptlabError, ValueError, KeyError, TypeError):
             return None
         if isinstance(base, str) and Path(base).is_dir() and Path(base).resolve() != d.resolve():
@@ -101,7 +100,7 @@ def damaged(path: Path, why: str) -> DamagedTokenizer:
 
 def _read_meta(path: Path) -> dict[str, Any]:
     try:
-        meta = json.loads(read_utf8(path))
+        meta = parse_json(read_utf8(path))
     except ValueError as e:
         raise damaged(path, f"not JSON: {e}") from None
     if not isinstance(meta, dict):

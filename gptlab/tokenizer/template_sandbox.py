@@ -10,8 +10,10 @@ already blocks attribute access to internals and mutation; this module adds what
   it is built where its size is known in advance: `'a' * 10**9`, `s.replace(...)`, joins, format widths) against
   `MAX_RENDER_CHARS`; `lipsum` is gone (it writes any amount of text).
 
-A template over a bound raises `TemplateLimitError`; `chat_template.ChatTemplate` turns it into one line naming the
-template's file.
+A template over a bound raises `TemplateLimitError`; `compile_template` and `render_all` turn every failure into
+`TemplateFault`, which `chat_template.ChatTemplate` makes one line naming the template's file. These checks stop
+a template between its steps; `template_worker` runs the templates of model directories where one long step is
+bounded too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,54 @@ _deadline: contextvars.ContextVar[tuple[float, float]] = contextvars.ContextVar(
 
 class TemplateLimitError(Exception):
     """A template went past a bound of `render_bounded` (time or size) or used something refused."""
+
+
+class TemplateFault(Exception):
+    """What is wrong with a template, as the end of a sentence that names it ("failed: ZeroDivisionError: ...");
+    `broken` when it renders no conversation at all (not Jinja, past a bound) rather than only this one."""
+
+    def __init__(self, message: str, broken: bool) -> None:
+        super().__init__(message)
+        self.broken = broken
+
+
+def compile_template(source: str) -> Any:
+    """`source` compiled in a fresh sandbox, or TemplateFault."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return environment().from_string(source)
+    except TemplateLimitError as e:  # {% include %} and kin
+        raise TemplateFault(str(e), broken=True) from e
+    except (TemplateError, RecursionError) as e:  # a syntax error, an unknown filter, brackets nested too deep
+        raise TemplateFault(f"is not a valid Jinja template: {_one_line(e)}", broken=True) from e
+
+
+def render_all(compiled: Any, contexts: list[dict[str, Any]], seconds: float | None = None,
+               max_chars: int | None = None) -> list[str]:
+    """`compiled` rendered with each context, all within `seconds` and each within `max_chars` of output (by
+    default MAX_RENDER_SECONDS and MAX_RENDER_CHARS, read at the call: tests lower them), or TemplateFault."""
+    from jinja2.exceptions import TemplateError
+
+    seconds = MAX_RENDER_SECONDS if seconds is None else seconds
+    max_chars = MAX_RENDER_CHARS if max_chars is None else max_chars
+    token = _deadline.set((time.monotonic() + seconds, seconds))
+    try:
+        return [_render_one(compiled, context, max_chars) for context in contexts]
+    except TemplateLimitError as e:
+        raise TemplateFault(str(e), broken=True) from e
+    except MemoryError:
+        raise
+    except TemplateError as e:
+        raise TemplateFault(f"could not render this conversation: {_one_line(e)}", broken=False) from e
+    except (Exception, RecursionError) as e:  # the template's own code failed: 1/0, a recursive macro, ...
+        raise TemplateFault(f"failed: {type(e).__name__}: {_one_line(e)}", broken=False) from e
+    finally:
+        _deadline.reset(token)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _tick() -> None:
@@ -122,24 +172,16 @@ def _binop_estimate(operator: str, left: Any, right: Any) -> None:
         _check_size_estimate(len(left) + _size(right))
 
 
-def render_bounded(compiled: Any, context: dict[str, Any], seconds: float | None = None,
-                   max_chars: int | None = None) -> str:
-    """`compiled.render(**context)`, stopped with TemplateLimitError past `seconds` or `max_chars` of output
-    (by default MAX_RENDER_SECONDS and MAX_RENDER_CHARS, read at the call: tests lower them)."""
-    seconds = MAX_RENDER_SECONDS if seconds is None else seconds
-    max_chars = MAX_RENDER_CHARS if max_chars is None else max_chars
-    token = _deadline.set((time.monotonic() + seconds, seconds))
-    try:
-        chunks, total = [], 0
-        for chunk in compiled.generate(**context):  # streamed: a runaway output stops at the bound, not at OOM
-            total += len(chunk)
-            if total > max_chars:
-                raise TemplateLimitError(f"writes more than {max_chars:,} characters")
-            _tick()
-            chunks.append(chunk)
-        return "".join(chunks)
-    finally:
-        _deadline.reset(token)
+def _render_one(compiled: Any, context: dict[str, Any], max_chars: int) -> str:
+    """`compiled.render(**context)`, stopped with TemplateLimitError past the deadline or `max_chars` of output."""
+    chunks, total = [], 0
+    for chunk in compiled.generate(**context):  # streamed: a runaway output stops at the bound, not at OOM
+        total += len(chunk)
+        if total > max_chars:
+            raise TemplateLimitError(f"writes more than {max_chars:,} characters")
+        _tick()
+        chunks.append(chunk)
+    return "".join(chunks)
 
 
 def _bounded_steps(iterable: Any) -> Iterator[Any]:

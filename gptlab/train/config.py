@@ -312,6 +312,9 @@ def load_train_config(path: str | Path, overrides: dict[str, str] | None = None)
     return build_train_config(values, overrides, where=f"in {path}")
 
 
+MAX_DISTRIBUTED_TIMEOUT = 1e9  # seconds (31 years): a datetime.timedelta holds no more than ~8.6e13
+
+
 def validate(cfg: TrainConfig) -> None:
     """One-line errors for values that have the right type but make no sense: every key is checked here,
     before any data is read or any step is taken, so that a run never trains to its end and then fails."""
@@ -371,9 +374,9 @@ def validate(cfg: TrainConfig) -> None:
                               f"{cfg.micro_batch_size} x grad_accum {cfg.grad_accum}: set only one of them")
     else:
         micro_steps(cfg, 1)
-    if cfg.distributed_timeout is not None and cfg.distributed_timeout <= 0:
-        raise GptlabError(f"distributed_timeout must be positive seconds (or none for torch's default), got "
-                          f"{cfg.distributed_timeout}")
+    if cfg.distributed_timeout is not None and not 0 < cfg.distributed_timeout <= MAX_DISTRIBUTED_TIMEOUT:
+        raise GptlabError(f"distributed_timeout must be positive seconds, at most {MAX_DISTRIBUTED_TIMEOUT:.0e} (or "
+                          f"none for torch's default), got {cfg.distributed_timeout}")
     if cfg.lora_rank < 0:
         raise GptlabError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {cfg.lora_rank}")
     if cfg.lora_rank and not cfg.init_from:

@@ -14,14 +14,13 @@ is really there.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import sys
 from pathlib import Path
 
 from gptlab import checkpoint as ckpt
 from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_json, atomic_write_text, safetensors_problem, write_error
+from gptlab.fileio import atomic_write_json, atomic_write_text, parse_json, safetensors_problem, write_error
 from gptlab.train.runlog import METRICS_FILE
 
 LOCK_FILE = ".lock"
@@ -93,7 +92,7 @@ def trim_metrics(path: Path, last_step: int, quiet: bool = False) -> None:
     rows = []
     for i, line in enumerate(lines):
         try:
-            row = json.loads(line)
+            row = parse_json(line)
             step = int(row["step"])
         except (ValueError, KeyError, TypeError):
             if i == len(lines) - 1:
