@@ -13,13 +13,21 @@ bounded: per-request timeouts, a deadline, and the server is stopped at the end.
 With --long-prompt N, client 0 sends N-character prompts while the others send short ones: compare the short
 requests' longest pause between two streamed chunks with --prefill-chunk 0 (whole prompts) and the default.
 
-With --peer llamacpp, llama.cpp's OpenAI-compatible server (`python -m llama_cpp.server`, from the `bench` extra:
-llama-cpp-python[server]) serves the same weights, exported with `gptlab convert ... --to gguf` (f32 for
---dtype float32, bf16 for bfloat16), under the same load; the two servers take turns over --rounds and the medians
-and ratios gptlab / llama.cpp are printed (tokens/s: higher is better; first-token p99: lower is better). Tokens
-are counted from each stream's `usage` where the server sends it, else one per streamed chunk.
+A peer serves the same weights, exported with `gptlab convert ... --to gguf` (f32 for --dtype float32, bf16 for
+bfloat16, q8_0 for int8, where gptlab serves `--quantize int8`), under the same load: `--peer llama-server
+--llama-server BIN` is llama.cpp's own C++ server (parallel slots, continuous batching: the server llama.cpp users
+run), started with `-np` the max batch, `-t` the threads and `--ignore-eos`; `--peer llamacpp` is llama-cpp-python's
+Python server (`bench` extra), which serves one request at a time. The servers take turns over --rounds and the
+medians and ratios gptlab / peer are printed (tokens/s: higher is better; first-token p99: lower is better). Tokens
+are counted from each stream's `usage` where the server sends it, else one per streamed chunk. Beside the served
+figure: the engine's own tokens/s at the same batch without a server (`generate_batch` of max-batch prompts,
+max-tokens each, in a process of its own, once per round), and served / offline.
 
-    python benchmarks/serve_load.py --peer llamacpp --rounds 3 --seconds 20
+    python benchmarks/serve_load.py --peer llama-server --llama-server LLAMA_CPP/build/bin/llama-server --rounds 3
+
+`--profile FILE` samples the gptlab server with py-spy during the last round's load and prints where each of its
+threads spent its busy time (`pyspy.summarize`). On a shared machine run it in a session of its own at raised
+priority (see benchmarks/timing.py): `setsid sh -c 'echo -20 > /proc/self/autogroup; exec python ...'`.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from pathlib import Path
 from typing import IO
 
 import httpx
-from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
+from pyspy import Recording, summarize  # benchmarks/ is on sys.path when a benchmark runs as a script
+from timing import loadavg, priority_available, raise_priority, run_timed
 
 PROMPTS = ["ROMEO:\n", "JULIET:\nO ", "First Citizen:\nWe are ", "KING HENRY:\n", "To be, or not ",
            "HAMLET:\nThe ", "Enter a Messenger.\n", "MENENIUS:\nWhat "]
@@ -157,16 +166,32 @@ def serve_gptlab(ckpt: str, port: int, args: argparse.Namespace, log: IO) -> sub
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env.pop("GPTLAB_API_KEY", None)
     cmd = [sys.executable, "-m", "gptlab.cli", "serve", ckpt, "--port", str(port), "--max-batch",
-           str(args.max_batch), "--max-queue", str(4 * args.clients), "--dtype", args.dtype,
-           "--prefill-chunk", str(args.prefill_chunk)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+           str(args.max_batch), "--max-queue", str(4 * args.clients), *dtype_flags(args.dtype),
+           "--prefill-chunk", str(args.prefill_chunk), "--no-ui"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+                            preexec_fn=raise_priority)
+
+
+def dtype_flags(dtype: str) -> list[str]:
+    """gptlab's flags for a --dtype of this benchmark (int8: weight-only int8 Linears, the rest fp32)."""
+    return ["--quantize", "int8", "--dtype", "float32"] if dtype == "int8" else ["--dtype", dtype]
 
 
 def serve_llamacpp(gguf: Path, context: int, port: int, args: argparse.Namespace, log: IO) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
            "--n_ctx", str(context), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
            "--interrupt_requests", "False"]  # its default ends a running stream when the next request comes
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)  # a file: a full pipe would stall it
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,  # a file: a full pipe would stall it
+                            start_new_session=True, preexec_fn=raise_priority)
+
+
+def serve_llama_server(gguf: Path, context: int, port: int, args: argparse.Namespace, log: IO) -> subprocess.Popen:
+    """llama.cpp's C++ server: max-batch parallel slots of a full context each (-c is shared by the slots)."""
+    cmd = [args.llama_server, "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
+           "--parallel", str(args.max_batch), "--ctx-size", str(context * args.max_batch),
+           "--threads", str(args.threads), "--threads-batch", str(args.threads), "--ignore-eos"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+                            preexec_fn=raise_priority)
 
 
 def export_gguf(ckpt: str, directory: Path, dtype: str) -> tuple[Path, int]:
@@ -175,18 +200,51 @@ def export_gguf(ckpt: str, directory: Path, dtype: str) -> tuple[Path, int]:
 
     out = directory / "model.gguf"
     subprocess.run([sys.executable, "-m", "gptlab.cli", "convert", ckpt, str(out), "--to", "gguf", "--dtype",
-                    {"float32": "f32", "bfloat16": "bf16"}[dtype]], check=True, stdout=subprocess.DEVNULL)
+                    {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}[dtype]], check=True,
+                   stdout=subprocess.DEVNULL)
     model, _ = load_model(ckpt)
     return out, model.config.block_size
 
 
-def run_round(name: str, start, args: argparse.Namespace, log: Path) -> dict:  # noqa: ANN001 - start(port, log)
+def offline_tokens_per_s(ckpt: str, args: argparse.Namespace) -> float:
+    """The engine's own tokens/s at the served batch, no server: `generate_batch` over max-batch prompts of
+    max-tokens each at the benchmark's temperature, the median of 3 calls after a warm-up, in a process of its own
+    (at raised priority, as the servers)."""
+    code = f"""
+import statistics, time
+from gptlab.generation import SamplingParams, generate_batch
+from gptlab.loading import load_model
+quantize = "int8" if {args.dtype!r} == "int8" else None
+dtype = None if quantize else getattr(__import__("torch"), {args.dtype!r})
+model, tok = load_model({ckpt!r}, dtype=dtype, quantize=quantize)
+prompts = [tok.encode(p) for p in ({PROMPTS!r} * {args.max_batch})[:{args.max_batch}]]
+params = SamplingParams(max_new_tokens={args.max_tokens}, temperature={args.temperature}, ignore_eot=True)
+generate_batch(model, prompts, params, tokenizer=tok)
+rates = []
+for _ in range(3):
+    t0 = time.perf_counter()
+    gens = generate_batch(model, prompts, params, tokenizer=tok)
+    rates.append(sum(len(g.token_ids) for g in gens) / (time.perf_counter() - t0))
+print(statistics.median(rates))
+"""
+    _, done = run_timed([sys.executable, "-c", code], env={"OMP_NUM_THREADS": str(args.threads)})
+    return float(done.stdout.split()[-1])
+
+
+def run_round(name: str, start, args: argparse.Namespace, log: Path,  # noqa: ANN001 - start(port, log)
+              profile: Path | None = None) -> dict:
+    """One contender under the load; with `profile`, its server sampled by py-spy while the load runs."""
     port = free_port()
     with open(log, "w") as log_file:
         server = start(port, log_file)
     try:
-        wait_for_server(server, f"http://127.0.0.1:{port}", "/health" if name == "gptlab" else "/v1/models", log)
-        return load(f"http://127.0.0.1:{port}", args)
+        wait_for_server(server, f"http://127.0.0.1:{port}", "/v1/models" if name == "llama.cpp" else "/health", log)
+        recording = Recording(server.pid, profile) if profile else None
+        try:
+            return load(f"http://127.0.0.1:{port}", args)
+        finally:
+            if recording is not None:
+                recording.stop()
     finally:
         server.terminate()
         try:
@@ -217,15 +275,27 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--max-batch", type=int, default=16)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-batch", type=int, help="gptlab's rows and llama-server's slots (default: --clients)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                    help="the weights (int8: gptlab's --quantize int8 against llama.cpp's q8_0)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each server")
     ap.add_argument("--long-prompt", type=int, default=0, help="client 0 sends prompts of this many characters")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk (0: off)")
-    ap.add_argument("--peer", choices=["llamacpp"], help="also load llama.cpp's server on the same weights")
+    ap.add_argument("--peer", choices=["llama-server", "llamacpp"], help="also load a llama.cpp server on the same "
+                    "weights: llama.cpp's own llama-server (--llama-server BIN), or llama-cpp-python's")
+    ap.add_argument("--llama-server", metavar="BIN", help="llama.cpp's llama-server program (with --peer llama-server)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds, the servers taking turns (medians reported)")
+    ap.add_argument("--no-offline", action="store_true", help="skip the engine's offline tokens/s")
+    ap.add_argument("--profile", type=Path, metavar="FILE", help="sample the gptlab server with py-spy during the "
+                    "last round (raw collapsed stacks to FILE) and print where its threads spent their time")
     args = ap.parse_args()
     args.preset = args.preset or ("pocket-swiglu" if args.peer else "char-5min")
+    args.max_batch = args.max_batch or args.clients
+    if args.peer == "llama-server" and not (args.llama_server and os.access(args.llama_server, os.X_OK)):
+        ap.error("--peer llama-server needs --llama-server BIN, an executable llama-server (cmake --build build "
+                 "--target llama-server in a llama.cpp tree)")
+    if not priority_available():
+        print("note: not root, the servers run at normal priority (expect more noise)")
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.checkpoint or str(make_checkpoint(args.preset, Path(tmp)))
@@ -238,15 +308,23 @@ def main() -> None:
             else:
                 gguf, context = export_gguf(ckpt, Path(tmp), args.dtype)
                 contenders["llama.cpp"] = lambda port, log: serve_llamacpp(gguf, context, port, args, log)
+        elif args.peer == "llama-server":
+            gguf, context = export_gguf(ckpt, Path(tmp), args.dtype)
+            contenders["llama-server"] = lambda port, log: serve_llama_server(gguf, context, port, args, log)
         print(f"served {ckpt if args.checkpoint else 'random ' + args.preset} ({args.dtype}), {args.clients} "
               f"clients, {args.seconds:.0f} s, max_tokens {args.max_tokens}, temperature {args.temperature}, "
-              f"gptlab max batch {args.max_batch}, {args.threads} threads")
+              f"max batch {args.max_batch}, {args.threads} threads")
         rounds: dict[str, list[dict]] = {name: [] for name in contenders}
+        offline: list[float] = []
         for r in range(args.rounds):
             print(f"round {r + 1} (load {loadavg()})")
             for name, start in contenders.items():
-                rounds[name].append(run_round(name, start, args, Path(tmp) / f"{name}.log"))
+                profile = args.profile if name == "gptlab" and r == args.rounds - 1 else None
+                rounds[name].append(run_round(name, start, args, Path(tmp) / f"{name}.log", profile))
                 report(name, rounds[name][-1], args)
+            if not args.no_offline:  # each round: a busy spell of a shared machine hits it as it hits the servers
+                offline.append(offline_tokens_per_s(ckpt, args))
+                print(f"  gptlab's engine offline: {offline[-1]:.1f} tokens/s")
 
     med = {name: {k: statistics.median(s[k] for s in runs) for k in ("tokens_per_s", "req_per_s", "ttft50", "ttft99")}
            for name, runs in rounds.items()}
@@ -254,10 +332,19 @@ def main() -> None:
         print(f"median {name}: {m['tokens_per_s']:.1f} tokens/s, {m['req_per_s']:.2f} req/s, first token p50 "
               f"{m['ttft50'] * 1000:.0f} ms p99 {m['ttft99'] * 1000:.0f} ms, errors "
               f"{sum(len(s['errors']) for s in rounds[name])}")
-    if "llama.cpp" in med and med["llama.cpp"]["tokens_per_s"] > 0:
-        g, l = med["gptlab"], med["llama.cpp"]
-        print(f"gptlab / llama.cpp: tokens/s {g['tokens_per_s'] / l['tokens_per_s']:.2f}x, first-token p99 "
-              f"{g['ttft99'] / l['ttft99']:.2f}x (below 1 is better)")
+    g = med["gptlab"]
+    if offline:
+        engine = statistics.median(offline)
+        print(f"gptlab's engine offline at batch {args.max_batch} (generate_batch, no server): median {engine:.1f} "
+              f"tokens/s; served / offline {g['tokens_per_s'] / engine:.2f}x")
+    for peer in contenders.keys() - {"gptlab"}:
+        p = med[peer]
+        if p["tokens_per_s"] > 0:
+            print(f"gptlab / {peer}: tokens/s {g['tokens_per_s'] / p['tokens_per_s']:.2f}x, first-token p99 "
+                  f"{g['ttft99'] / p['ttft99']:.2f}x (below 1 is better)")
+    if args.profile:
+        print(f"py-spy profile of the gptlab server (last round; {args.profile}):")
+        print(summarize(args.profile))
 
 
 if __name__ == "__main__":

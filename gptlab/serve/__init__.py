@@ -2,12 +2,14 @@
 
     schemas        protocol: request bodies, error bodies, logprobs objects
     limits         request bodies too large (413) or too slow (408)
-    scheduler      the thread that runs the engine (continuous batching)
+    access         the API key (401), a pure ASGI middleware
+    metrics        GET /metrics: Prometheus counters, histograms and gauges; requests counted by route and status
+    scheduler      the thread that runs the engine (continuous batching), a step's events delivered together
     state          Server: what the routes share; a request -> generations
     streaming      server-sent events
     completions    POST /v1/completions
     chat           POST /v1/chat/completions: messages -> prompt text (the chat template), where replies stop
-    app            create_app: the FastAPI app, middleware, error handlers
+    app            create_app: the FastAPI app, its middleware (all pure ASGI), error handlers
     thread         ServerThread: uvicorn in a background thread (tests, benchmarks)
 
 The names below load on first use, so importing one module (e.g. the schemas) does not import them all.

@@ -1,8 +1,9 @@
 """`gptlab serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the generation engine.
 
 Endpoints: POST /v1/completions (`completions`), POST /v1/chat/completions (`chat`), GET /v1/models, GET
-/health. Streaming answers are server-sent events in OpenAI's chunk format, ending with `data: [DONE]`
-(`streaming`). Concurrent requests share decoding steps (continuous batching, `scheduler`).
+/health, GET /metrics (Prometheus' text format, `metrics`). Streaming answers are server-sent events in OpenAI's
+chunk format, ending with `data: [DONE]` (`streaming`). Concurrent requests share decoding steps (continuous
+batching, `scheduler`).
 
 Behaviour worth knowing:
 * Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON,
@@ -13,8 +14,9 @@ Behaviour worth knowing:
   the others in the batch go on).
 * Every bound of a request is in its schema (/openapi.json). There is no /docs page: FastAPI's loads Swagger UI
   from a CDN, and no page of a local server should make an external request.
-* The API key is compared as UTF-8 bytes in constant time (a non-ASCII key works when the client sends it as
-  UTF-8, as HTTP clients do).
+* The API key guards /v1, /metrics and the web page's JSON endpoints (`access`); it is compared as UTF-8 bytes
+  in constant time.
+* Every middleware is pure ASGI (`access`, `limits`, `metrics`): none touches a streamed chunk.
 * A prompt longer than prefill_chunk tokens is prefilled that many tokens per step, interleaved with the
   running rows' decoding steps, so a long prompt delays the others by one chunk at a time, not a whole prefill.
 * max_tokens is capped so that prompt + completion fit the context (block_size); finish_reason is then
@@ -26,7 +28,6 @@ Behaviour worth knowing:
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -34,13 +35,15 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gptlab.serve.access import ApiKeyCheck
 from gptlab.serve.chat import create_chat_completion
 from gptlab.serve.completions import create_completion
 from gptlab.serve.limits import BodyLimits
+from gptlab.serve.metrics import CONTENT_TYPE, RequestMetrics
 from gptlab.serve.schemas import ApiError, ChatRequest, CompletionRequest, ErrorResponse, error_body, validation_error
 from gptlab.serve.state import Server
 from gptlab.serve.ui import GUARDED_PREFIX, mount_ui
@@ -81,7 +84,6 @@ def create_app(
     `max_body_bytes`, `body_timeout`: the largest request body, and how long it may take to arrive. `ui`: the
     web page at / (`gptlab.serve.ui`)."""
     server = Server(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk)
-    key = api_key.encode() if api_key else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,20 +94,12 @@ def create_app(
     app = FastAPI(title="gptlab", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
     app.openapi = lambda: _openapi(app, model.config.vocab_size)  # type: ignore[method-assign]
+    # the last added runs first: requests are counted (whatever the answer), then the key, then the body's bounds
     app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout=body_timeout)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):  # noqa: ANN001, ANN202
-        if key and request.url.path.startswith(("/v1", GUARDED_PREFIX)):
-            # the header's raw bytes (Starlette decodes headers as Latin-1): a UTF-8 key compares as sent
-            header = request.headers.get("authorization", "").encode("latin-1")
-            given = header[7:] if header[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(given, key):  # constant time: no timing oracle
-                err = ApiError(
-                    401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.", code="invalid_api_key"
-                )
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKeyCheck, key=api_key.encode(), prefixes=("/v1", "/metrics", GUARDED_PREFIX))
+    routes: set[str] = set()  # the app's paths, known once every route is added
+    app.add_middleware(RequestMetrics, metrics=server.metrics, routes=lambda: routes)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -131,6 +125,10 @@ def create_app(
             "waiting": server.scheduler.waiting,
         }
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
@@ -148,6 +146,7 @@ def create_app(
 
     if ui:  # the web page at / and its JSON endpoints (gptlab.serve.ui)
         mount_ui(app, server)
+    routes.update(path for route in app.routes if (path := getattr(route, "path", None)))
     return app
 
 

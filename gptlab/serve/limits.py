@@ -39,7 +39,7 @@ class BodyLimits:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await _answer(send, 413, error_body(self._too_large(), code="request_too_large"))
+            await answer(send, 413, error_body(self._too_large(), code="request_too_large"))
             return
         deadline = time.monotonic() + self.timeout
         received, complete = 0, False
@@ -71,9 +71,11 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _answer(send: Send, status: int, body: dict[str, Any]) -> None:
+async def answer(send: Send, status: int, body: dict[str, Any], close: bool = True) -> None:
+    """A JSON answer sent by a middleware, before the app runs (`close`: the connection closes after it)."""
     payload = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-               (b"connection", b"close")]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if close:  # (a body we refuse to read must not be taken for the next request)
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

@@ -10,6 +10,12 @@ engine pins on a row of a decoding step (`Generation.error`) fails that row's re
 dropped; the other requests in the batch go on. (Before this, one request whose top_k did not fit an int64 made
 every concurrent generation end in a 500.)
 
+What a step produced reaches the event loop in one call per step (`Job.deliver` for every job it touched, by one
+`call_soon_threadsafe`), not one per row: each cross-thread call wakes the loop through a write to its pipe, 16 per
+step at 16 rows. A handler takes every event that arrived since it last looked (`Job.next_events`), so a stream
+writes them in one send however far it fell behind. With `metrics`, each step also reports its rows' new tokens,
+their time to first token and per-token latency (`gptlab.serve.metrics.ServerMetrics`).
+
 Waiting generations are bounded by max_queue: `submit` raises `QueueFull` (the server answers 429) beyond it.
 Because every row has its own position, cache row and generator, a greedy (or seeded) answer is the one the
 request would get alone.
@@ -21,13 +27,22 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gptlab.generation.engine import Engine
 from gptlab.generation.rows import FINISH_ERROR, Generation
 
+if TYPE_CHECKING:
+    from gptlab.serve.metrics import ServerMetrics
+
 log = logging.getLogger("gptlab.serve")
+
+# (index, delta, finish_reason, tokens): `tokens` is how many tokens that generation had produced when its delta
+# was taken (where the delta's logprobs end)
+Event = tuple[int, str, "str | None", int]
 
 
 class QueueFull(Exception):
@@ -36,31 +51,78 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """The generations of one request and the asyncio queue its handler reads: (index, delta, finish_reason,
-    tokens), `tokens` being how many tokens that generation had produced when its delta was taken."""
+    """The generations of one request and the events its handler reads (made on the event loop `loop`)."""
 
     gens: list[Generation]
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     error: BaseException | None = None
     cancelled: bool = False
+    created: float = field(default_factory=time.perf_counter)  # when it was submitted: time to first token
+    _inbox: list[Event] = field(default_factory=list)
+    _waiter: asyncio.Future | None = None
+    _finished: int = 0  # generations whose last event arrived
+    done: asyncio.Future = field(init=False)  # set when every generation has finished, or one failed
 
-    def emit(self, index: int, delta: str, finish: str | None, tokens: int) -> None:
-        """Thread-safe: called by the scheduler thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (index, delta, finish, tokens))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled = True
+    def __post_init__(self) -> None:
+        self.done = self.loop.create_future()
+
+    def deliver(self, events: list[Event]) -> None:
+        """On the event loop: take the scheduler's events for this job."""
+        self._inbox.extend(events)
+        self._finished += sum(e[2] is not None for e in events)
+        if not self.done.done() and (self._finished >= len(self.gens) or any(e[2] == FINISH_ERROR for e in events)):
+            self.done.set_result(None)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next_events(self, timeout: float) -> list[Event]:
+        """Every event that arrived since the last call, waiting up to `timeout` seconds for one ([] if none came).
+        (A future and a timer: asyncio.wait_for would make a task per wait, one per stream per step.)"""
+        if not self._inbox:
+            waiter = self._waiter = self.loop.create_future()
+            timer = self.loop.call_later(timeout, _settle, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        events, self._inbox = self._inbox, []
+        return events
+
+
+def _settle(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _deliver(outbox: list[tuple[Job, Event]]) -> None:
+    """On the event loop: one step's events, handed to their jobs (a job's several events together)."""
+    by_job: dict[Job, list[Event]] = {}
+    for job, event in outbox:
+        by_job.setdefault(job, []).append(event)
+    for job, events in by_job.items():
+        job.deliver(events)
+
+
+@dataclass(eq=False)
+class _Owner:
+    """A running generation's job, its index there, and what the metrics need: its tokens seen, and when."""
+
+    job: Job
+    index: int
+    tokens: int = 0
+    last: float | None = None  # when its newest token was published
 
 
 class Scheduler:
     """The thread that runs the engine; see the module docstring."""
 
-    def __init__(self, engine: Engine, max_queue: int = 64) -> None:
-        self.engine, self.max_queue = engine, max_queue
+    def __init__(self, engine: Engine, max_queue: int = 64, metrics: ServerMetrics | None = None) -> None:
+        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
         self._waiting: collections.deque[tuple[Job, int]] = collections.deque()  # (job, generation index)
-        self._owner: dict[int, tuple[Job, int]] = {}  # id(generation) -> (job, index) while it runs
+        self._owner: dict[int, _Owner] = {}  # id(generation) -> its owner while it runs
         self._cancel: list[Job] = []
+        self._outbox: list[tuple[Job, Event]] = []  # this step's events, delivered together (`_flush`)
         self._cond = threading.Condition()
         self._stop = False
         self.steps = 0  # decode steps run (for tests and stats)
@@ -115,19 +177,20 @@ class Scheduler:
                     self._owner.pop(id(gen), None)
                     engine.release(gen)
             for job, i in admitted:
-                self._run([job.gens[i]], lambda g=job.gens[i]: engine.add([g]), owner=(job, i))
+                gen = job.gens[i]
+                self._owner[id(gen)] = _Owner(job, i)
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
+                self._run([gen], lambda g=gen: engine.add([g]))
             if engine.running:
                 running = engine.running
                 self.max_rows_seen = max(self.max_rows_seen, len(running))
                 self._run(running, engine.step)
                 self.steps += 1
+            self._flush()
 
-    def _run(
-        self, gens: list[Generation], work: Callable[[], object], owner: tuple[Job, int] | None = None
-    ) -> None:
+    def _run(self, gens: list[Generation], work: Callable[[], object]) -> None:
         """Run an engine call and publish what its rows produced; a failure fails only the jobs it touches."""
-        if owner is not None:
-            self._owner[id(gens[0])] = owner
         try:
             work()
         except Exception as e:  # noqa: BLE001 - a failing request must not take the server down
@@ -135,19 +198,39 @@ class Scheduler:
             for gen in gens:
                 self._fail(gen, e)
             return
+        now = time.perf_counter()
         for gen in gens:
-            target = self._owner.get(id(gen))
-            if target is None:
+            owner = self._owner.get(id(gen))
+            if owner is None:
                 continue
             if gen.finish_reason == FINISH_ERROR:
                 log.error("generation failed: %r", gen.error)
                 self._fail(gen, gen.error)
                 continue
+            tokens = len(gen.token_ids)
+            if self.metrics is not None and tokens > owner.tokens:
+                self.metrics.tokens(tokens - owner.tokens, now - (owner.job.created if owner.last is None
+                                                                  else owner.last), first=owner.last is None)
+                owner.last = now
+            owner.tokens = tokens
             delta = gen.pop_delta()
             if delta or gen.finished:
-                target[0].emit(target[1], delta, gen.finish_reason, len(gen.token_ids))
+                self._outbox.append((owner.job, (owner.index, delta, gen.finish_reason, tokens)))
             if gen.finished:
                 self._owner.pop(id(gen), None)
+
+    def _flush(self) -> None:
+        """Hand this step's events to the event loop in one call (per loop: in practice the server's one)."""
+        outbox, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+        for job, event in outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                for job, _ in items:
+                    job.cancelled = True
 
     def _fail(self, gen: Generation, error: BaseException | None) -> None:
         """End the job `gen` belongs to with `error`: its client is told, and its other rows are freed."""
@@ -155,9 +238,9 @@ class Scheduler:
         failed = self._owner.pop(id(gen), None)
         if failed is None:
             return
-        job, index = failed
+        job = failed.job
         job.error, job.cancelled = error, True
-        job.emit(index, "", "error", len(gen.token_ids))
+        self._outbox.append((job, (failed.index, "", FINISH_ERROR, len(gen.token_ids))))
         for other in job.gens:
             if self._owner.pop(id(other), None) is not None:
                 self.engine.release(other)

@@ -24,6 +24,7 @@ from gptlab.errors import GptlabError
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
+from gptlab.serve.metrics import ServerMetrics
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
 from gptlab.tokenizer.chat_template import chat_template_for
@@ -49,7 +50,11 @@ class Server:
         self.chat_template = chat_template_for(tokenizer)
         self.block_size = model.config.block_size
         self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk)
-        self.scheduler = Scheduler(self.engine, max_queue=max_queue)
+        engine = self.engine
+        self.metrics = ServerMetrics(queue_length=lambda: self.scheduler.waiting,
+                                     running_rows=lambda: len(engine.running),
+                                     prefix_cache=lambda: getattr(engine, "prefix_cache", None))
+        self.scheduler = Scheduler(engine, max_queue=max_queue, metrics=self.metrics)
         self.created = int(time.time())
 
     def check_prompt_chars(self, chars: int, param: str = "prompt") -> None:
@@ -154,19 +159,14 @@ class Server:
     async def wait(self, job: Job, request: Request) -> None:
         """Until every generation of the job has finished; cancelled when the client hangs up (or the handler
         is cancelled) or one of them fails."""
-        done = 0
         hangup = asyncio.ensure_future(_disconnected(request))
         try:
-            while done < len(job.gens) and job.error is None:
-                event = asyncio.ensure_future(job.events.get())
-                await asyncio.wait({event, hangup}, return_when=asyncio.FIRST_COMPLETED)
-                if not event.done():  # the client is gone: nobody will read the answer
-                    event.cancel()
-                    raise ApiError(499, "The client closed the request.", code="client_closed_request")
-                done += event.result()[2] is not None
+            await asyncio.wait({job.done, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            if not job.done.done():  # the client is gone: nobody will read the answer
+                raise ApiError(499, "The client closed the request.", code="client_closed_request")
         finally:
             hangup.cancel()
-            if done < len(job.gens):
+            if not job.done.done() or job.error is not None:
                 self.scheduler.cancel(job)
         if job.error is not None:
             raise ApiError(500, f"generation failed: {job.error}", type="server_error")

@@ -2,12 +2,12 @@
 
 A streamed answer is one `data: {chunk}` event per text delta of a choice (a route shapes the chunk), then, if
 the client asked for `stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`.
-A client that hangs up is noticed within a second and its rows are freed for other requests.
+The events that arrived since the stream last looked (a step's, or several if the client reads slowly) go out in
+one write. A client that hangs up is noticed within a second and its rows are freed for other requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -34,22 +34,25 @@ async def _events(
     done = 0
     try:
         while done < len(job.gens):
-            try:
-                index, delta, finish, tokens = await asyncio.wait_for(job.events.get(), timeout=1.0)
-            except asyncio.TimeoutError:
+            events = await job.next_events(timeout=1.0)
+            if not events:
                 if await request.is_disconnected():
                     return
                 continue
-            done += finish is not None
-            if finish == "error":
-                yield sse(error_body(f"generation failed: {job.error}", "server_error"))
-                break
-            yield sse(chunk(index, delta, finish, tokens))
+            out = []
+            for index, delta, finish, tokens in events:
+                done += finish is not None
+                if finish == "error":
+                    out.append(sse(error_body(f"generation failed: {job.error}", "server_error")))
+                    done = len(job.gens)  # nothing more comes
+                    break
+                out.append(sse(chunk(index, delta, finish, tokens)))
+            yield "".join(out)
         if include_usage and job.error is None:
             yield sse({**chunk(0, "", None, 0), "choices": [], "usage": usage(job, prompts)})
         yield "data: [DONE]\n\n"
     finally:
-        if done < len(job.gens):
+        if done < len(job.gens) or job.error is not None:
             server.scheduler.cancel(job)
 
 
