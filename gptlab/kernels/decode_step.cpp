@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -40,7 +41,16 @@ struct Shape {
 
 using Weights = c10::List<c10::optional<at::Tensor>>;
 
-inline float round_to(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
+// v rounded to the nearest bf16 (ties to even; any NaN to the quiet NaN): c10::BFloat16's conversion in integer
+// operations with its NaN branch as a select, so that a loop over many values vectorizes
+inline float round_to(float v, bool bf16) {
+  if (!bf16) return v;
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = std::isnan(v) ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 inline void round_all(float* p, int64_t n, bool bf16) {
   if (bf16)
     for (int64_t i = 0; i < n; ++i) p[i] = round_to(p[i], true);
