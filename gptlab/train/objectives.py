@@ -1,0 +1,133 @@
+"""What a training step minimizes: the seam between the one training loop and its losses.
+
+`LanguageModeling` is next-token cross-entropy over the counted targets (pretraining, SFT). `Preference` is DPO
+and IPO over preference pairs (`gptlab prepare` of prompt / chosen / rejected records: each pair is two
+consecutive rows, chosen then rejected, targets on the replies' tokens). Both give, per micro-step, the loss
+already scaled to its share of the global batch's mean, and a vector of statistics summed over the micro-step;
+the trainer does everything else (accumulation, the optimizer, resume) the same way for both.
+
+DPO (Rafailov et al. 2023), as trl's DPOTrainer computes it: a reply's log-probability is the sum of its tokens'
+log-probabilities; h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)); the loss of a pair is
+-log sigmoid(beta h), with label smoothing eps (conservative DPO) -(1 - eps) log sigmoid(beta h) - eps log
+sigmoid(-beta h). IPO (Azar et al. 2023, trl's "ipo"): the log-ratios averaged over each reply's tokens, the loss
+(h - 1 / (2 beta))^2. Rewards are beta times each reply's summed log-ratio, as trl logs them.
+
+The reference is the starting weights, frozen: with LoRA the same model with its adapters switched off (no second
+copy in memory), else a frozen copy of the model made before the first step (one more copy of the weights, in the
+working dtype). Its log-probabilities are computed once per step, without gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gptlab.errors import GptlabError
+from gptlab.evaluate import eval_mode
+from gptlab.lora import adapters_disabled, has_lora
+from gptlab.train.config import TrainConfig
+
+PREFERENCE_OBJECTIVES = ("dpo", "ipo")
+REWARD_STATS = ("rewards_chosen", "rewards_rejected", "reward_accuracy")
+
+
+def sequence_logps(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each row's counted targets, their number): targets of -1 count nothing."""
+    _, losses = net(x, y, reduction="none", check_ids=False)  # -log p per target, 0 where it is -1
+    return -losses.view(y.shape).sum(dim=1), (y != -1).sum(dim=1)
+
+
+class LanguageModeling:
+    """Cross-entropy summed over a micro-step's counted targets; the step divides by all of its targets."""
+
+    name = "lm"
+    stats: tuple[str, ...] = ()
+
+    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        _, loss = net(x, y, reduction="sum", check_ids=False)  # the feed checked the ids
+        return loss * scale, loss.new_zeros(0)
+
+
+class Preference:
+    """DPO or IPO against a frozen reference (see the module docstring). Rows come in pairs: chosen, rejected."""
+
+    stats = REWARD_STATS
+
+    def __init__(self, name: str, beta: float, label_smoothing: float, model: torch.nn.Module) -> None:
+        self.name, self.beta, self.label_smoothing = name, beta, label_smoothing
+        if has_lora(model):  # the base under the adapters is the starting model
+            self._reference, self._context = model, lambda: adapters_disabled(model)
+        else:
+            frozen = copy.deepcopy(model).requires_grad_(False).eval()
+            self._reference, self._context = frozen, contextlib.nullcontext
+
+    def reference(self) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
+        return self._reference, self._context
+
+    def pair_losses(self, logps: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss of each pair, chosen rewards, rejected rewards) from the rows' summed log-probabilities."""
+        ratios = logps - ref_logps  # rows: chosen, rejected, chosen, rejected, ...
+        chosen, rejected = ratios[0::2], ratios[1::2]
+        if self.name == "ipo":
+            per_token = ratios / counts.clamp(min=1)
+            losses = (per_token[0::2] - per_token[1::2] - 1 / (2 * self.beta)) ** 2
+        else:
+            h = self.beta * (chosen - rejected)
+            eps = self.label_smoothing
+            losses = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
+        return losses, self.beta * chosen.detach(), self.beta * rejected.detach()
+
+    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-step's pairs' summed loss times `scale`, and (sum of chosen rewards, of rejected rewards,
+        pairs whose chosen reward is the higher)."""
+        logps, counts = sequence_logps(net, x, y)
+        with torch.no_grad():
+            ref_logps = self.reference_logps(x, y)
+        losses, chosen, rejected = self.pair_losses(logps, counts, ref_logps)
+        stats = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).sum().to(chosen.dtype)])
+        return losses.sum() * scale, stats.float()
+
+    @torch.no_grad()
+    def reference_logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        reference, context = self.reference()
+        with context(), eval_mode(reference):
+            return sequence_logps(reference, x, y)[0]
+
+    @torch.no_grad()
+    def evaluate(self, module: torch.nn.Module, rows: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                 autocast: contextlib.AbstractContextManager) -> float:
+        """The mean loss over every pair of `rows` (batches of (inputs, targets), pairs whole)."""
+        total, pairs = torch.zeros((), dtype=torch.float64), 0
+        with eval_mode(module), autocast:
+            for x, y in rows:
+                logps, counts = sequence_logps(module, x, y)
+                losses, _, _ = self.pair_losses(logps, counts, self.reference_logps(x, y))
+                total += losses.double().sum().cpu()
+                pairs += len(losses)
+        return float(total) / max(pairs, 1)
+
+
+def build_objective(cfg: TrainConfig, model: torch.nn.Module) -> LanguageModeling | Preference:
+    """The recipe's objective; a preference one takes its reference from `model` now (the starting weights)."""
+    if cfg.objective in PREFERENCE_OBJECTIVES:
+        return Preference(cfg.objective, cfg.beta, cfg.label_smoothing, model)
+    return LanguageModeling()
+
+
+def check_objective_data(objective: str, meta: dict[str, Any], data_dir: Path) -> None:
+    """Preference objectives train on pairs and nothing else trains on them: a one-line error for a mismatch."""
+    pairs = meta.get("layout") == "pairs"
+    if objective in PREFERENCE_OBJECTIVES and not pairs:
+        raise GptlabError(f"objective {objective} trains on preference pairs; {data_dir} holds none: prepare records "
+                          "with prompt, chosen and rejected fields")
+    if objective not in PREFERENCE_OBJECTIVES and pairs:
+        raise GptlabError(f"{data_dir} holds preference pairs: train on them with --objective dpo (or ipo)")
