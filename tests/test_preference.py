@@ -13,34 +13,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import hf_llama_dir, one_line_error, write_jsonl
+from helpers import PAIRS, hf_llama_dir, one_line_error, pairs_data, write_jsonl
 
 from gptlab.cli import main
-from gptlab.data import prepare
 from gptlab.errors import GptlabError
 from gptlab.train.batches import Split, step_batch, targets_of
 from gptlab.train.objectives import Preference, sequence_logps
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-PAIRS = [
-    {"prompt": "What is two plus two?", "chosen": "Four.", "rejected": "Five, I think."},
-    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Sky colour?"}],
-     "chosen": [{"role": "assistant", "content": "Blue"}], "rejected": [{"role": "assistant", "content": "Green"}]},
-    {"chosen": [{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "yes"}],
-     "rejected": [{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "no"}]},
-    {"prompt": "Name a fruit.", "chosen": "An apple.", "rejected": "A chair."},
-]
-
-
-def pairs_data(root: Path, rows: list[dict] = PAIRS, block_size: int = 96) -> Path:
-    out = root / "pairs"
-    prepare([write_jsonl(root / "pairs.jsonl", rows)], out, tokenizer="char", block_size=block_size,
-            val_fraction=0.25)
-    return out
-
-
 # --- data -------------------------------------------------------------------------------------------------------
 def test_pairs_are_two_windows_with_targets_on_the_replies_only(tmp_path: Path) -> None:
     from gptlab.tokenizer import load_tokenizer

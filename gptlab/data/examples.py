@@ -44,7 +44,8 @@ import numpy as np
 
 from gptlab.data.common import base_meta, dtype_for, early_tokenizer, progress, show_progress, write_output
 from gptlab.data.dataset import META, SPLITS
-from gptlab.data.records import Record, RecordFile
+from gptlab.data.records import RecordFile
+from gptlab.data.shapes import Record
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json
 from gptlab.tokenizer import CharTokenizer, HFTokenizer, Tokenizer

@@ -49,6 +49,10 @@ class LanguageModeling:
     name = "lm"
     stats: tuple[str, ...] = ()
 
+    def stats_row(self, values: torch.Tensor | None) -> dict[str, float]:
+        """The metrics.jsonl columns of a step's statistics (per pair); none for language modeling."""
+        return {}
+
     def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
         _, loss = net(x, y, reduction="sum", check_ids=False)  # the feed checked the ids
@@ -67,6 +71,13 @@ class Preference:
         else:
             frozen = copy.deepcopy(model).requires_grad_(False).eval()
             self._reference, self._context = frozen, contextlib.nullcontext
+
+    def stats_row(self, values: torch.Tensor | None) -> dict[str, float]:
+        """The latest step's rewards per pair, its reward margin and accuracy, for metrics.jsonl (one host read)."""
+        if values is None:
+            return {}
+        row = dict(zip(self.stats, values.tolist(), strict=True))
+        return {**row, "reward_margin": row["rewards_chosen"] - row["rewards_rejected"]}
 
     def reference(self) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
         return self._reference, self._context

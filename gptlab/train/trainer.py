@@ -349,7 +349,7 @@ class Trainer:
                 tps = (self.step - window_step) * self.tokens_per_step / max(time.perf_counter() - window_t0, 1e-9)
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
                        "tokens_per_sec": tps, "elapsed_sec": self.elapsed, **log.utilization(tps),
-                       **self._stats_row()}
+                       **self.objective.stats_row(self.step_stats)}
                 if do_eval:
                     t_eval = time.perf_counter()
                     row["val_loss"] = self._eval_and_track()
@@ -380,15 +380,6 @@ class Trainer:
         log.say(f"done: step {self.step}, val loss {self.best_val:.4f} (best), {self.elapsed:.1f}s of training; "
                 f"checkpoint {path}")
         return 0
-
-    def _stats_row(self) -> dict[str, float]:
-        """The objective's statistics of the latest step, per pair (reward margins and accuracy for DPO)."""
-        if self.step_stats is None or not self.objective.stats:
-            return {}
-        row = dict(zip(self.objective.stats, self.step_stats.tolist(), strict=True))
-        if "rewards_chosen" in row:
-            row["reward_margin"] = row["rewards_chosen"] - row["rewards_rejected"]
-        return row
 
     def _lr_multiplier(self) -> float:
         """The schedule's factor for the coming step. Its decay starts where warm-up ends; under a time budget it
