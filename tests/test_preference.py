@@ -76,6 +76,19 @@ def test_objective_and_data_must_match(tmp_path: Path) -> None:
         build_train_config({"objective": "dpo", "beta": 0.0})
 
 
+def test_the_memory_check_counts_the_frozen_reference_copy_but_not_under_lora() -> None:
+    from gptlab.train import build_train_config
+    from gptlab.train.setup import parameter_counts, step_memory
+
+    lm = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1})
+    dpo = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1, "objective": "dpo"})
+    params = parameter_counts(lm.model_config())[0]
+    assert step_memory(dpo, dpo.model_config(), 1, True) - step_memory(lm, lm.model_config(), 1, True) == 4 * params
+    lora = {"init_from": "x", "lora_rank": 4, "batch_size": 1, "grad_accum": 1}
+    assert step_memory(build_train_config({**lora, "objective": "dpo"}), lm.model_config(), 1, False) == \
+        step_memory(build_train_config(lora), lm.model_config(), 1, False)
+
+
 # --- the losses against trl and the maths ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
