@@ -95,7 +95,8 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A small random Llama (the reference) and the same perturbed (the policy), both as transformers saves them."""
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("dpo_llama")
-    base = hf_llama_dir(root / "base", "the quick brown fox jumps over the lazy dog " * 200, vocab_size=300)
+    base = hf_llama_dir(root / "base", "the quick brown fox jumps over the lazy dog " * 200, vocab_size=300,
+                        chat_template=CHATML)
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -230,6 +231,28 @@ def test_train_dpo_logs_rewards_plots_and_chats(tmp_path: Path, capsys, monkeypa
     assert (tmp_path / "curves.png").stat().st_size > 0
     monkeypatch.setattr("sys.stdin", __import__("io").StringIO("What is two plus two?\n"))
     assert main(["chat", str(tmp_path / "run"), "--max-new-tokens", "4", "--temperature", "0"]) == 0
+
+
+def test_lora_dpo_on_a_hugging_face_base_then_chat(llama: tuple[Path, Path], tmp_path: Path, monkeypatch,
+                                                   capsys) -> None:
+    """The usual case: pairs rendered with the base's own chat template, adapters trained against the base."""
+    base = llama[0]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
+    assert main(["prepare", str(pairs), "--tokenizer-from", str(base), "--block-size", "64", "--out",
+                 str(tmp_path / "data")]) == 0
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert meta["layout"] == "pairs" and meta["chat_template"] != "plain"
+    run = tmp_path / "run"
+    assert main(["train", "configs/lora.toml", "--data", str(tmp_path / "data"), "--out", str(run), "--quiet",
+                 "--init-from", str(base), "--objective", "dpo", "--batch-size", "4", "--max-steps", "8",
+                 "--warmup-steps", "1", "--log-interval", "1", "--lr", "1e-2", "--tensorboard", "false"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "train_loss" in line]
+    assert rows[0]["train_loss"] == pytest.approx(math.log(2), abs=1e-5)  # B = 0: the policy is the base
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] and rows[-1]["reward_margin"] > 0
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("Hi\n"))
+    capsys.readouterr()
+    assert main(["chat", str(run), "--max-new-tokens", "2", "--temperature", "0"]) == 0  # the context is 64
+    assert capsys.readouterr().out.strip()
 
 
 def test_ipo_pair_loss_is_the_squared_gap() -> None:
