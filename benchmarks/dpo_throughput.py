@@ -27,16 +27,26 @@ import json
 import math
 import os
 import resource
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 # benchmarks/ is on sys.path when a benchmark runs as a script
-from finetune_throughput import ALPHA, BETAS, CLIP, LLAMA, LR, RANK, TARGETS, WEIGHT_DECAY, rss_kib, save_base
-from timing import cpu_flags, loadavg, raise_priority
+from finetune_throughput import (
+    ALPHA,
+    BETAS,
+    CLIP,
+    LLAMA,
+    LR,
+    RANK,
+    TARGETS,
+    WEIGHT_DECAY,
+    child_result,
+    interleaved_rounds,
+    medians,
+    rss_kib,
+)
+from timing import raise_priority
 
 BETA = 0.1
 NAMES = ("gptlab", "trl")
@@ -57,12 +67,11 @@ def pair_batches(args: argparse.Namespace, vocab: int) -> list[list[dict[str, li
 
 
 def gptlab_contender(args: argparse.Namespace):  # noqa: ANN201 - (step, description)
-    import numpy as np
     import torch
 
     from gptlab.hardware import retain_freed_memory
     from gptlab.train import build_train_config
-    from gptlab.train.batches import targets_of
+    from gptlab.train.batches import rows_of_pairs
     from gptlab.train.objectives import build_objective
     from gptlab.train.optim import build_optimizers, optimizer_spec
     from gptlab.train.precision import Precision
@@ -77,17 +86,8 @@ def gptlab_contender(args: argparse.Namespace):  # noqa: ANN201 - (step, descrip
     objective = build_objective(cfg, precision.train_module)
     optimizers = build_optimizers(model, optimizer_spec(cfg))
 
-    def rows(pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        seqs = [(p["prompt_ids"], p[k]) for p in pairs for k in ("chosen_ids", "rejected_ids")]
-        width = max(len(a) + len(b) for a, b in seqs) + 1
-        ids, mask = np.zeros((len(seqs), width), np.int64), np.zeros((len(seqs), width), np.uint8)
-        for i, (prompt, reply) in enumerate(seqs):
-            ids[i, : len(prompt) + len(reply)] = prompt + reply
-            mask[i, len(prompt) : len(prompt) + len(reply)] = 1
-        return targets_of(ids, mask)
-
     def step(pairs: list[dict], train: bool = True) -> float:
-        x, y = rows(pairs)
+        x, y = rows_of_pairs(pairs)
         with torch.set_grad_enabled(train), precision.autocast():
             loss, _ = objective.loss(precision.train_module, x, y, 1 / len(pairs))
         if train:
@@ -168,17 +168,10 @@ def run_child(args: argparse.Namespace) -> None:
 def run_contender(args: argparse.Namespace, name: str) -> dict:
     flags = ("base", "dtype", "pairs", "prompt", "reply", "warmup", "steps")
     cmd = [sys.executable, __file__, "--child", name] + [x for f in flags for x in (f"--{f}", str(getattr(args, f)))]
-    proc = subprocess.run(cmd + (["--no-priority"] if args.no_priority else []), capture_output=True, text=True,
-                          env=dict(os.environ), start_new_session=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return child_result(cmd + (["--no-priority"] if args.no_priority else []), dict(os.environ), name)
 
 
 def main() -> None:
-    from gptlab.hardware import cpu_name
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process")
@@ -195,34 +188,14 @@ def main() -> None:
     if args.child:
         run_child(args)
         return
-    with tempfile.TemporaryDirectory(prefix="dpo_bench_") as tmp:
-        args.base = Path(tmp) / "base"
-        save_base(args.base, args.layers)
-        print(f"CPU: {cpu_name()} ({os.cpu_count()} cores; {cpu_flags()}); SmolLM2-135M shape with {args.layers} "
-              f"layers, {args.dtype} base; {args.pairs} pairs of prompt {args.prompt} + replies up to {args.reply}; "
-              f"{args.warmup} warm-up + {args.steps} timed steps per process, {args.rounds} rounds")
-        results: dict[str, list[dict]] = {n: [] for n in NAMES}
-        for r in range(args.rounds):
-            for name in NAMES:
-                load = loadavg()
-                res = run_contender(args, name)
-                results[name].append(res)
-                tps = sum(res["tokens"]) / sum(res["times"])
-                print(f"round {r + 1} {name:6s} {tps:8.1f} tokens/s  peak RSS {res['peak_kib'] / 2**20:5.2f} GiB, "
-                      f"step peak {res['step_peak_kib'] / 2**20:5.2f} GiB  [load {load}, {res['threads']} threads, "
-                      f"setup {res['setup_s']:.1f} s]", flush=True)
+    setup = f"{args.dtype} base; {args.pairs} pairs of prompt {args.prompt} + replies up to {args.reply}"
+    results = interleaved_rounds(args, NAMES, setup, lambda name: run_contender(args, name),
+                                 lambda res: sum(res["tokens"]) / sum(res["times"]))
     ours, peer = results["gptlab"][0], results["trl"][0]
     diff = abs(ours["check_loss"] - peer["check_loss"])
     print(f"\ninitial DPO loss: gptlab {ours['check_loss']:.6f}, trl {peer['check_loss']:.6f} (log 2 = "
           f"{math.log(2):.6f}), diff {diff:.2e}")
-    summary = {}
-    for name in NAMES:
-        tps = statistics.median(sum(r["tokens"]) / sum(r["times"]) for r in results[name])
-        peak = statistics.median(r["peak_kib"] for r in results[name]) / 2**20
-        step_peak = statistics.median(r["step_peak_kib"] for r in results[name]) / 2**20
-        summary[name] = (tps, peak, step_peak)
-        print(f"{name:6s} {results[name][0]['description']}: median {tps:8.1f} tokens/s  peak RSS {peak:5.2f} GiB  "
-              f"step peak {step_peak:5.2f} GiB")
+    summary = medians(results, lambda res: sum(res["tokens"]) / sum(res["times"]))
     (t1, p1, s1), (t2, p2, s2) = summary["gptlab"], summary["trl"]
     print(f"ratio gptlab / trl: tokens/s {t1 / t2:.2f}x, peak RSS {p1 / p2:.2f}x, step peak {s1 / s2:.2f}x")
     if diff > 2e-2:

@@ -17,7 +17,7 @@ from helpers import PAIRS, hf_llama_dir, one_line_error, pairs_data, write_jsonl
 
 from gptlab.cli import main
 from gptlab.errors import GptlabError
-from gptlab.train.batches import Split, step_batch, targets_of
+from gptlab.train.batches import Split, rows_of_pairs, step_batch
 from gptlab.train.objectives import Preference, sequence_logps
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -113,17 +113,6 @@ def id_pairs(vocab: int, n: int = 3) -> list[dict[str, list[int]]]:
              "rejected_ids": g.integers(3, vocab, int(g.integers(2, 7))).tolist()} for _ in range(n)]
 
 
-def gptlab_rows(pairs: list[dict[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs as the trainer's rows: chosen, rejected, chosen, ...; targets on the replies."""
-    seqs = [(p["prompt_ids"], reply) for p in pairs for reply in (p["chosen_ids"], p["rejected_ids"])]
-    width = max(len(a) + len(b) for a, b in seqs) + 1
-    rows, mask = np.zeros((len(seqs), width), np.int64), np.zeros((len(seqs), width), np.uint8)
-    for i, (prompt, reply) in enumerate(seqs):
-        rows[i, : len(prompt) + len(reply)] = prompt + reply
-        mask[i, len(prompt) : len(prompt) + len(reply)] = 1
-    return targets_of(rows, mask)
-
-
 def trl_loss_and_grads(base: Path, policy: Path, pairs: list, loss_type: str, beta: float, out: Path
                        ) -> tuple[float, dict[str, torch.Tensor]]:
     """trl's DPOTrainer on `pairs` (its own collator): the loss and every parameter's gradient."""
@@ -156,7 +145,7 @@ def test_dpo_and_ipo_equal_trl_loss_and_gradients(llama: tuple[Path, Path], tmp_
     want_loss, want = trl_loss_and_grads(base, policy, pairs, loss_type, beta, tmp_path)
 
     objective = Preference("dpo" if loss_type == "sigmoid" else "ipo", beta, 0.0, reference)
-    x, y = gptlab_rows(pairs)
+    x, y = rows_of_pairs(pairs)
     loss, stats = objective.loss(model, x, y, scale=1 / len(pairs))
     loss.backward()
     assert abs(float(loss) - want_loss) < 1e-5
@@ -194,7 +183,7 @@ def test_lora_reference_is_the_base_with_adapters_off(llama: tuple[Path, Path]) 
     from gptlab.lora import LoRASpec, add_lora
 
     base = from_hf(llama[0]).float()
-    x, y = gptlab_rows(id_pairs(base.config.vocab_size, 2))
+    x, y = rows_of_pairs(id_pairs(base.config.vocab_size, 2))
     with torch.no_grad():
         want = sequence_logps(base, x, y)[0]
     add_lora(base, LoRASpec(rank=2))

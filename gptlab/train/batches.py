@@ -97,6 +97,18 @@ def targets_of(rows: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.
     return x, y
 
 
+def rows_of_pairs(pairs: list[dict[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenized pairs, as trl's preference datasets hold them ("prompt_ids", "chosen_ids", "rejected_ids"), as
+    the trainer's rows: prompt + chosen, prompt + rejected, ...; targets on the replies (`targets_of`)."""
+    seqs = [(p["prompt_ids"], p[reply]) for p in pairs for reply in ("chosen_ids", "rejected_ids")]
+    width = max(len(a) + len(b) for a, b in seqs) + 1
+    ids, mask = np.zeros((len(seqs), width), np.int64), np.zeros((len(seqs), width), np.uint8)
+    for i, (prompt, reply) in enumerate(seqs):
+        ids[i, : len(prompt) + len(reply)] = prompt + reply
+        mask[i, len(prompt) : len(prompt) + len(reply)] = 1
+    return targets_of(ids, mask)
+
+
 def pair_rows(split: Split, batch_pairs: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Every preference pair of a split, `batch_pairs` at a time, as (inputs, targets) rows (`targets_of`)."""
     assert split.pairs and split.mask is not None and split.window_tokens is not None

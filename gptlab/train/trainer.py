@@ -282,7 +282,7 @@ class Trainer:
             self.feed.prefetch(self.step + 1)  # the host's share of the next step, while the device runs this one
         # all processes stop at the same step: a signal seen by one (torchrun forwards it to all) stops every one
         sums, any_stop = procs.sum_and_any(sums, self.stop_signal is not None)
-        total, self.step_stats = sums[0], sums[1:] / (procs.world * max(batch.n_targets, 1))
+        total, self.step_stats = sums[0], sums[1:] / max(batch.n_targets, 1)  # statistics: sums over all pairs
         self.precision.step(self.optimizers, cfg.grad_clip, skip=self.losses.add(self.step, total))
         self.step += 1
         if isinstance(any_stop, torch.Tensor):  # read the step before's flag, whose all-reduce is done by now
