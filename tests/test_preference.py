@@ -244,6 +244,31 @@ def test_lora_dpo_on_a_hugging_face_base_then_chat(llama: tuple[Path, Path], tmp
     assert capsys.readouterr().out.strip()
 
 
+def test_dpo_under_torchrun_ddp_matches_one_process(tmp_path: Path) -> None:
+    """Two processes split each step's pairs; the loss and the reward statistics are those of the whole batch."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    data = pairs_data(tmp_path, PAIRS * 4)
+    recipe = tmp_path / "dpo.toml"
+    recipe.write_text('model = "tiny"\nobjective = "dpo"\nbatch_size = 4\nmax_steps = 4\nwarmup_steps = 1\n'
+                      "log_interval = 1\nlr = 3e-3\nblock_size = 96\ntensorboard = false\nthreads = 1\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptlab.cli",
+           "train", str(recipe), "--data", str(data), "--out", str(tmp_path / "ddp"), "--quiet"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "one"), "--quiet",
+                 "--grad-accum", "2"]) == 0
+    keys = ("train_loss", "rewards_chosen", "rewards_rejected", "reward_accuracy")
+    rows = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                  if "train_loss" in line] for run in ("ddp", "one")}
+    assert len(rows["ddp"]) == 4
+    for ours, one in zip(rows["ddp"], rows["one"], strict=True):
+        assert [ours[k] for k in keys] == pytest.approx([one[k] for k in keys], abs=1e-5)
+
+
 def test_ipo_pair_loss_is_the_squared_gap() -> None:
     objective = Preference.__new__(Preference)
     objective.name, objective.beta, objective.label_smoothing = "ipo", 0.25, 0.0
