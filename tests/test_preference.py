@@ -1,5 +1,6 @@
 """Preference tuning: pairs in `prepare` (masks on the replies, a pair in two consecutive windows, bad records named),
-DPO and IPO equal to trl's DPOTrainer (loss and gradients, fp32, within 1e-5), label smoothing against its formula,
+DPO and IPO equal to trl's DPOTrainer (loss and gradients, fp32, within 1e-5), label smoothing, SimPO and ORPO against
+their formulas,
 the LoRA reference (adapters off) equal to the base model, and `train --objective dpo` end to end: reward metrics in
 metrics.jsonl and `gptlab plot`, `gptlab chat` on the result."""
 
@@ -70,7 +71,7 @@ def test_objective_and_data_must_match(tmp_path: Path) -> None:
     data = pairs_data(tmp_path)
     with pytest.raises(GptlabError, match="holds preference pairs: train on them with --objective dpo"):
         Trainer(build_train_config({"block_size": 96, "max_steps": 2, "warmup_steps": 0}), data, tmp_path / "r")
-    with pytest.raises(GptlabError, match="label_smoothing applies to objective dpo"):
+    with pytest.raises(GptlabError, match="label_smoothing applies to objectives dpo and simpo"):
         build_train_config({"objective": "ipo", "label_smoothing": 0.1})
     with pytest.raises(GptlabError, match="beta must be positive"):
         build_train_config({"objective": "dpo", "beta": 0.0})
@@ -84,6 +85,8 @@ def test_the_memory_check_counts_the_frozen_reference_copy_but_not_under_lora() 
     dpo = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1, "objective": "dpo"})
     params = parameter_counts(lm.model_config())[0]
     assert step_memory(dpo, dpo.model_config(), 1, True) - step_memory(lm, lm.model_config(), 1, True) == 4 * params
+    simpo = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1, "objective": "simpo"})
+    assert step_memory(simpo, simpo.model_config(), 1, True) == step_memory(lm, lm.model_config(), 1, True)
     lora = {"init_from": "x", "lora_rank": 4, "batch_size": 1, "grad_accum": 1}
     assert step_memory(build_train_config({**lora, "objective": "dpo"}), lm.model_config(), 1, False) == \
         step_memory(build_train_config(lora), lm.model_config(), 1, False)
@@ -267,6 +270,37 @@ def test_dpo_under_torchrun_ddp_matches_one_process(tmp_path: Path) -> None:
     assert len(rows["ddp"]) == 4
     for ours, one in zip(rows["ddp"], rows["one"], strict=True):
         assert [ours[k] for k in keys] == pytest.approx([one[k] for k in keys], abs=1e-5)
+
+
+def test_simpo_and_orpo_against_their_formulas_and_without_a_reference() -> None:
+    counts, logps = torch.tensor([2, 4, 3, 1]), torch.tensor([-1.0, -6.0, -0.3, -2.5], dtype=torch.float64)
+    model = torch.nn.Linear(2, 2)
+    simpo = Preference("simpo", 2.0, 0.1, model, simpo_gamma=0.4)
+    orpo = Preference("orpo", 0.25, 0.0, model)
+    assert simpo.reference()[0] is None and orpo.reference_logps(torch.zeros(1), torch.zeros(1)) is None
+    got_simpo, chosen, rejected = simpo.pair_losses(logps, counts, None)
+    got_orpo, _, _ = orpo.pair_losses(logps, counts, None)
+    for i, (c, r) in enumerate([(0, 1), (2, 3)]):
+        a_c, a_r = float(logps[c] / counts[c]), float(logps[r] / counts[r])
+        h = 2.0 * (a_c - a_r) - 0.4
+        want = -0.9 * math.log(1 / (1 + math.exp(-h))) - 0.1 * math.log(1 / (1 + math.exp(h)))
+        assert float(got_simpo[i]) == pytest.approx(want, abs=1e-12)
+        assert float(chosen[i]) == pytest.approx(2.0 * a_c) and float(rejected[i]) == pytest.approx(2.0 * a_r)
+        odds = math.log(math.exp(a_c) / (1 - math.exp(a_c))) - math.log(math.exp(a_r) / (1 - math.exp(a_r)))
+        assert float(got_orpo[i]) == pytest.approx(-a_c - 0.25 * math.log(1 / (1 + math.exp(-odds))), abs=1e-12)
+
+
+@pytest.mark.parametrize("objective", ["ipo", "simpo", "orpo"])
+def test_the_other_objectives_train(tmp_path: Path, objective: str) -> None:
+    data = pairs_data(tmp_path, PAIRS * 4)
+    recipe = tmp_path / "p.toml"
+    recipe.write_text(f'model = "tiny"\nobjective = "{objective}"\nbatch_size = 4\nmax_steps = 10\n'
+                      "warmup_steps = 1\nlog_interval = 1\nlr = 3e-3\nblock_size = 96\ntensorboard = false\n"
+                      "threads = 1\ndropout = 0.0\n")
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    assert losses[-1] < losses[0] and rows[-1]["val_loss"] > 0
 
 
 def test_ipo_pair_loss_is_the_squared_gap() -> None:
