@@ -1,8 +1,7 @@
 """Preference tuning: pairs in `prepare` (masks on the replies, a pair in two consecutive windows, bad records named),
 DPO and IPO equal to trl's DPOTrainer (loss and gradients, fp32, within 1e-5), label smoothing, SimPO and ORPO against
-their formulas,
-the LoRA reference (adapters off) equal to the base model, and `train --objective dpo` end to end: reward metrics in
-metrics.jsonl and `gptlab plot`, `gptlab chat` on the result."""
+their formulas, the LoRA reference (adapters off) equal to the base model, and `train --objective dpo` end to end:
+reward metrics in metrics.jsonl and `gptlab plot`, `gptlab chat` on the result, DDP equal to one process."""
 
 from __future__ import annotations
 
