@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import PAIRS, hf_llama_dir, one_line_error, pairs_data, write_jsonl
+from helpers import PAIRS, hf_llama_dir, make_data, one_line_error, pairs_data, write_jsonl
 
 from gptlab.cli import main
 from gptlab.errors import GptlabError
@@ -70,6 +70,9 @@ def test_objective_and_data_must_match(tmp_path: Path) -> None:
     data = pairs_data(tmp_path)
     with pytest.raises(GptlabError, match="holds preference pairs: train on them with --objective dpo"):
         Trainer(build_train_config({"block_size": 96, "max_steps": 2, "warmup_steps": 0}), data, tmp_path / "r")
+    text = make_data(tmp_path / "text", chars=2_000)
+    with pytest.raises(GptlabError, match="objective dpo trains on preference pairs; .* holds none"):
+        Trainer(build_train_config({"objective": "dpo", "max_steps": 2, "warmup_steps": 0}), text, tmp_path / "r2")
     with pytest.raises(GptlabError, match="label_smoothing applies to objectives dpo and simpo"):
         build_train_config({"objective": "ipo", "label_smoothing": 0.1})
     with pytest.raises(GptlabError, match="beta must be positive"):

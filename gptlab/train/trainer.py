@@ -119,7 +119,7 @@ class Trainer:
             check_split_fits(self.data_dir, split, self.seq_len)
         self.train_data = Split.load(self.data_dir, "train")
         self.val_data = Split.load(self.data_dir, "val")
-        # rows of the windows (a preference pair is two), cut shorter when a batch's replies are
+        # the tokens of a step's windows (a preference pair is two; its rows run only to the batch's longest reply)
         self.tokens_per_step = cfg.batch_size * self.seq_len * (2 if self.train_data.pairs else 1)
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
                              rank=self.procs.rank, world=self.procs.world, grad_accum=cfg.grad_accum,
