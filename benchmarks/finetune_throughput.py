@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from timing import cpu_flags, loadavg, raise_priority  # benchmarks/ is on sys.path when a benchmark runs as a script
@@ -202,6 +203,11 @@ def run_contender(args: argparse.Namespace, name: str) -> dict:
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
+    return child_result(cmd, env, name)
+
+
+def child_result(cmd: list[str], env: dict[str, str], name: str) -> dict:
+    """Run one contender's process in a session of its own; its "RESULT {json}" line, or exit naming it."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, start_new_session=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -209,9 +215,51 @@ def run_contender(args: argparse.Namespace, name: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def main() -> None:
+def interleaved_rounds(args: argparse.Namespace, names: list[str] | tuple[str, ...], setup: str,
+                       run: Callable[[str], dict], tokens_per_sec: Callable[[dict], float]) -> dict[str, list[dict]]:
+    """On a base of `args.layers` layers saved for the run (`args.base`), each contender's process once per round,
+    taking turns; a line per process (tokens/s, peak RSS, the load)."""
     from gptlab.hardware import cpu_name  # gptlab is imported late: the children measure their own memory
 
+    with tempfile.TemporaryDirectory(prefix="gptlab_bench_") as tmp:
+        args.base = Path(tmp) / "base"
+        save_base(args.base, args.layers)
+        print(f"CPU: {cpu_name()} ({os.cpu_count()} cores; {cpu_flags()}); SmolLM2-135M shape with {args.layers} "
+              f"layers; {setup}; {args.warmup} warm-up + {args.steps} timed steps per process, {args.rounds} rounds")
+        return _rounds(names, args.rounds, run, tokens_per_sec)
+
+
+def _rounds(names: list[str] | tuple[str, ...], rounds: int, run: Callable[[str], dict],
+            tokens_per_sec: Callable[[dict], float]) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names:
+            load = loadavg()
+            res = run(name)
+            results[name].append(res)
+            peak, step_peak = res["peak_kib"] / 2**20, res["step_peak_kib"] / 2**20
+            print(f"round {r + 1} {name:12s} {tokens_per_sec(res):8.1f} tokens/s  peak RSS {peak:5.2f} GiB, step peak "
+                  f"{step_peak:5.2f} GiB  [load {load}, {res['threads']} threads, setup {res['setup_s']:.1f} s]",
+                  flush=True)
+    return results
+
+
+def medians(results: dict[str, list[dict]], tokens_per_sec: Callable[[dict], float]
+            ) -> dict[str, tuple[float, float, float]]:
+    """Each contender's median over rounds of tokens/s, peak RSS and step peak (GiB), printed a line each."""
+    summary = {}
+    width = max(len(runs[0]["description"]) for runs in results.values())
+    for name, runs in results.items():
+        tps = statistics.median(tokens_per_sec(res) for res in runs)
+        peak = statistics.median(res["peak_kib"] for res in runs) / 2**20
+        step_peak = statistics.median(res["step_peak_kib"] for res in runs) / 2**20
+        summary[name] = (tps, peak, step_peak)
+        print(f"{name:12s} {runs[0]['description']:{width}s} median {tps:8.1f} tokens/s  peak RSS {peak:5.2f} GiB  "
+              f"step peak {step_peak:5.2f} GiB")
+    return summary
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
@@ -237,23 +285,9 @@ def main() -> None:
                                                                 if args.full or args.only_full else [])
     names = [n for pair in pairs for n in pair]
     tokens = args.batch * args.seq
-    with tempfile.TemporaryDirectory(prefix="finetune_bench_") as tmp:
-        args.base = Path(tmp) / "base"
-        save_base(args.base, args.layers)
-        print(f"CPU: {cpu_name()} ({os.cpu_count()} cores; {cpu_flags()}); threads "
-              f"{args.threads or 'torch default'}; SmolLM2-135M shape with {args.layers} layers; batch {args.batch} x "
-              f"{args.seq}; {args.warmup} warm-up + {args.steps} timed steps per process, {args.rounds} rounds")
-        results: dict[str, list[dict]] = {n: [] for n in names}
-        for r in range(args.rounds):
-            for name in names:
-                load = loadavg()
-                res = run_contender(args, name)
-                results[name].append(res)
-                med = statistics.median(res["times"])
-                print(f"round {r + 1} {name:12s} {tokens / med:8.1f} tokens/s (median step {med:6.2f} s)  peak RSS "
-                      f"{res['peak_kib'] / 2**20:5.2f} GiB, step peak {res['step_peak_kib'] / 2**20:5.2f} GiB  "
-                      f"[load {load}, {res['threads']} threads, setup {res['setup_s']:.1f} s]", flush=True)
-
+    results = interleaved_rounds(args, names, f"threads {args.threads or 'torch default'}; batch {args.batch} x "
+                                 f"{args.seq}", lambda name: run_contender(args, name),
+                                 lambda res: tokens / statistics.median(res["times"]))
     print()
     failed = False
     for ours, peer in pairs:
@@ -263,15 +297,7 @@ def main() -> None:
         failed |= not ok
         print(f"initial loss on one batch: {ours} {a['check_loss']:.4f}, {peer} {b['check_loss']:.4f}, diff "
               f"{diff:.4f} ({'OK' if ok else 'MISMATCH'}: tolerance {LOSS_TOLERANCE})")
-    summary = {}
-    width = max(len(results[name][0]["description"]) for name in names)
-    for name in names:
-        tps = statistics.median(tokens / statistics.median(res["times"]) for res in results[name])
-        peak = statistics.median(res["peak_kib"] for res in results[name]) / 2**20
-        step_peak = statistics.median(res["step_peak_kib"] for res in results[name]) / 2**20
-        summary[name] = (tps, peak, step_peak)
-        print(f"{name:12s} {results[name][0]['description']:{width}s} median {tps:8.1f} tokens/s  peak RSS {peak:5.2f} "
-              f"GiB  step peak {step_peak:5.2f} GiB")
+    summary = medians(results, lambda res: tokens / statistics.median(res["times"]))
     for ours, peer in pairs:
         (t1, p1, s1), (t2, p2, s2) = summary[ours], summary[peer]
         print(f"ratio {ours} / {peer}: tokens/s {t1 / t2:.2f}x, peak RSS {p1 / p2:.2f}x, step peak {s1 / s2:.2f}x")

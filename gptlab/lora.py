@@ -23,6 +23,7 @@ names (`q_proj`, `down_proj`, ...) are accepted for the short ones.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -154,7 +155,11 @@ class LoRALinear(nn.Linear):
         for b in self.lora_B.values():
             nn.init.zeros_(b)
 
+    adapters_off = False  # set by `adapters_disabled`: the base layer alone (a preference objective's reference)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.adapters_off:
+            return upcasting_linear(x, self.weight, self.bias)
         a = next(iter(self.lora_A.values()))
         # every targeted slice's A in one matmul: (..., n_targets * r)
         a = torch.cat(list(self.lora_A.values())) if len(self.lora_A) > 1 else a
@@ -300,6 +305,20 @@ def add_lora(
             setattr(parent, attr, LoRALinear(getattr(parent, attr), wanted, spec, dtype=dtype))
     model.lora_spec, model.lora_base = spec, base  # what a checkpoint of the adapters records
     return model
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model inside the block: every adapter skipped (the frozen weights are the reference a preference
+    objective compares against, so no second copy of the model is kept); restored after it, also on error."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.adapters_off = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.adapters_off = False
 
 
 def has_lora(model: nn.Module) -> bool:

@@ -238,6 +238,29 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+# preference pairs in each of the shapes `prepare` reads: strings, messages (a multi-turn prompt), implicit prompt
+PAIRS = [
+    {"prompt": "What is two plus two?", "chosen": "Four.", "rejected": "Five, I think."},
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Sky colour?"}],
+     "chosen": [{"role": "assistant", "content": "Blue"}], "rejected": [{"role": "assistant", "content": "Green"}]},
+    {"chosen": [{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "yes"}],
+     "rejected": [{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "no"}]},
+    {"prompt": "Name a fruit.", "chosen": "An apple.", "rejected": "A chair."},
+]
+
+
+def pairs_data(root: Path, rows: list[dict] = PAIRS, block_size: int = 96) -> Path:
+    """A char-level DATA_DIR of preference pairs (`rows`; the last quarter is the val split)."""
+    from gptlab.data import prepare
+
+    out = root / "pairs"
+    prepare([write_jsonl(root / "pairs.jsonl", rows)], out, tokenizer="char", block_size=block_size,
+            val_fraction=0.25)
+    return out
+
+
+
 def hf_llama_dir(directory: Path, text: str, block_size: int = 64, chat_template: str | None = None,
                  vocab_size: int = 400) -> Path:
     """A random Llama (n_layer 2, n_embd 32) saved by transformers, with a byte-level BPE trained on `text` whose

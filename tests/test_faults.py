@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, make_data, needs_tiktoken_gpt2, write_recipe
+from helpers import PAIRS, REPO, make_data, needs_tiktoken_gpt2, pairs_data, write_recipe
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -69,12 +69,13 @@ def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 # --- SIGKILL at random moments ----------------------------------------------------------------------------------
-def kill_and_resume(tmp_path: Path, data: Path, kills: int, seed: int, max_steps: int) -> tuple[int, int]:
+def kill_and_resume(tmp_path: Path, data: Path, kills: int, seed: int, max_steps: int, **recipe_keys: object
+                    ) -> tuple[int, int]:
     """Kill a run `kills` times at random moments (most of its time is spent writing checkpoints: one every
     step), resuming after each; then let it finish and compare with an uninterrupted run. Returns the kills made
     and how many of them stopped a checkpoint write midway (its temporary directory was left behind)."""
     recipe = write_recipe(tmp_path, max_steps=max_steps, checkpoint_interval=1, eval_interval=5, keep_last=2,
-                          log_interval=1, eval_tokens=512, dropout=0.1)
+                          log_interval=1, eval_tokens=512, dropout=0.1, **recipe_keys)
     run, rng = tmp_path / "run", random.Random(seed)
     killed = mid_write = 0
     while killed < kills:
@@ -110,6 +111,14 @@ def kill_and_resume(tmp_path: Path, data: Path, kills: int, seed: int, max_steps
 
 def test_a_few_sigkills_then_resume_match_an_uninterrupted_run(tmp_path: Path, data: Path) -> None:
     killed, _ = kill_and_resume(tmp_path, data, kills=3, seed=0, max_steps=40)
+    assert killed >= 1
+
+
+def test_dpo_sigkills_then_resume_match_an_uninterrupted_run(tmp_path: Path) -> None:
+    """The preference objective resumes exactly too: its reference is rebuilt from the starting weights."""
+    data = pairs_data(tmp_path, PAIRS * 4)
+    killed, _ = kill_and_resume(tmp_path, data, kills=2, seed=2, max_steps=30, objective="dpo", block_size=96,
+                                batch_size=4)
     assert killed >= 1
 
 

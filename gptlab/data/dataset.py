@@ -110,13 +110,16 @@ def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: i
 
 
 def batch_starts(
-    n_tokens: int, seed: int, step: int, batch_size: int, block_size: int, window_tokens: int | None = None
+    n_tokens: int, seed: int, step: int, batch_size: int, block_size: int, window_tokens: int | None = None,
+    pairs: bool = False,
 ) -> np.ndarray:
     """The int64 start offsets of the rows of optimizer step `step` in a split of `n_tokens` tokens.
 
     Drawn by a generator seeded with (seed, step), so no RNG state needs saving and every process can cut its own
     rows out of the same global batch. Without windows any offset with block_size + 1 tokens after it; with
-    windows (record data) the start of a random window, whose first block_size + 1 tokens are the row.
+    windows (record data) the start of a random window, whose first block_size + 1 tokens are the row; with
+    `pairs` (preference data: windows chosen, rejected, chosen, ...) 2 x batch_size starts, a random pair's two
+    windows side by side.
     """
     rng = np.random.Generator(np.random.PCG64([seed, step]))
     if window_tokens is None:
@@ -124,7 +127,10 @@ def batch_starts(
     if block_size + 1 > window_tokens:
         raise GptlabError(f"block_size {block_size} needs windows of {block_size + 1} tokens, the data has "
                           f"{window_tokens}: prepare it again with --block-size {block_size}")
-    return rng.integers(0, n_tokens // window_tokens, size=batch_size) * window_tokens
+    if not pairs:
+        return rng.integers(0, n_tokens // window_tokens, size=batch_size) * window_tokens
+    chosen = rng.integers(0, n_tokens // (2 * window_tokens), size=batch_size) * (2 * window_tokens)
+    return np.stack([chosen, chosen + window_tokens], axis=1).reshape(-1)
 
 
 def windows(array: np.ndarray, starts: np.ndarray, block_size: int) -> np.ndarray:

@@ -18,6 +18,9 @@ current window; one that does not fit in what is left of it starts the next, and
 0, and so is a window's first token (no row position predicts it). An example longer than a window is cut to
 it (counted as ``truncated``); one left without any target after its first token (nothing to learn: no
 assistant turn, empty text) is skipped (counted as ``dropped``).
+Preference pairs (layout ``pairs``, for ``train --objective dpo``) are always padded: prompt + chosen in one
+window, prompt + rejected in the next, targets on the reply's tokens only; a pair whose reply the window cuts to
+nothing is dropped whole (``examples`` counts pairs).
 The last ``--val-fraction`` of the records, in input order, is the val split (at least one record).
 
 Written beside the usual files: ``train.mask.bin`` / ``val.mask.bin`` (uint8, one byte per token of
@@ -41,7 +44,8 @@ import numpy as np
 
 from gptlab.data.common import base_meta, dtype_for, early_tokenizer, progress, show_progress, write_output
 from gptlab.data.dataset import META, SPLITS
-from gptlab.data.records import Record, RecordFile
+from gptlab.data.records import RecordFile
+from gptlab.data.shapes import Record
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json
 from gptlab.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
@@ -71,11 +75,11 @@ class RecordOptions:
 
 def record_text(record: Record, template: ChatTemplate) -> str:
     """The whole text of a record as its tokens will spell it (a char vocabulary and bpe training read this)."""
-    return record.text if record.shape == "text" else _render(record, template)
-
-
-def _render(record: Record, template: ChatTemplate) -> str:
+    if record.shape == "text":
+        return record.text
     try:
+        if record.shape == "preference":
+            return template.render(record.messages + record.chosen) + template.render(record.messages + record.rejected)
         return template.render(record.messages)
     except ChatTemplateError as e:
         raise GptlabError(f"{record.where}: {e}") from None
@@ -97,14 +101,54 @@ def encode_record(
             pieces = template.segments(record.messages)
         except ChatTemplateError as e:
             raise GptlabError(str(e)) from None
-        special = template.name != "plain"  # as inference encodes it (generation.chat, serve): see the docstring
-        parts = [(np.asarray(tok.encode(text, allow_special=special), np.int64), target) for text, target in pieces]
+        return _encode_pieces(pieces, tok, template, train_on_prompt)
     except GptlabError as e:
         raise GptlabError(f"{record.where}: {e}") from None
+
+
+def _encode_pieces(pieces: list[tuple[str, bool]], tok: Tokenizer, template: ChatTemplate, train_on_prompt: bool
+                   ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Each (text, is_target) piece encoded on its own, the ids concatenated: what inference sees."""
+    special = template.name != "plain"  # as inference encodes it (generation.chat, serve): see the docstring
+    parts = [(np.asarray(tok.encode(text, allow_special=special), np.int64), target) for text, target in pieces]
     ids = np.concatenate([p for p, _ in parts]) if parts else np.zeros(0, np.int64)
     mask = np.concatenate([np.full(len(p), target or train_on_prompt, np.uint8) for p, target in parts]) if parts \
         else np.zeros(0, np.uint8)
     return ids, mask, sum(len(text) for text, _ in pieces)
+
+
+def encode_pair(record: Record, tok: Tokenizer, template: ChatTemplate
+                ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], int]:
+    """A preference pair as two examples, (ids, mask) of prompt + chosen and of prompt + rejected, and its
+    characters. Only the reply's own tokens are targets (an assistant turn inside the prompt is not), and both
+    share the prompt's tokens: the pieces before the reply are the same text, encoded alike."""
+    try:
+        prompt = template.render(record.messages, add_generation_prompt=True)
+        out, chars = [], 0
+        for reply in (record.chosen, record.rejected):
+            pieces = template.segments(record.messages + reply)
+            if not "".join(t for t, _ in pieces).startswith(prompt):
+                raise ChatTemplateError(f"{template.label} renders the prompt differently before a reply than on its "
+                                        "own, so the reply's tokens cannot be located")
+            ids, mask, n = _encode_pieces(_reply_only(pieces, len(prompt)), tok, template, False)
+            out.append((ids, mask))
+            chars += n
+    except (GptlabError, ChatTemplateError) as e:
+        raise GptlabError(f"{record.where}: {e}") from None
+    return out[0], out[1], chars
+
+
+def _reply_only(pieces: list[tuple[str, bool]], start: int) -> list[tuple[str, bool]]:
+    """`pieces` with targets only from character `start` on (a piece across it split there)."""
+    out, at = [], 0
+    for text, target in pieces:
+        cut = min(max(start - at, 0), len(text))
+        if cut:
+            out.append((text[:cut], False))
+        if cut < len(text):
+            out.append((text[cut:], target))
+        at += len(text)
+    return out
 
 
 # --- windows ----------------------------------------------------------------------------------------------------
@@ -133,6 +177,21 @@ class WindowWriter:
         self.fill += len(ids)
         self.examples += 1
         self.truncated += cut
+
+    def add_pair(self, chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray]) -> None:
+        """A preference pair: chosen in a window of its own and rejected in the next, so that a pair is always
+        two consecutive windows; dropped whole when either reply keeps no target (cut by the window)."""
+        cut = [(ids[: self.window], mask[: self.window]) for ids, mask in (chosen, rejected)]
+        if not all(mask[1:].any() for _, mask in cut):
+            self.dropped += 1
+            return
+        self.flush()
+        for ids, mask in cut:
+            self.ids[: len(ids)], self.mask[: len(ids)] = ids, mask
+            self.fill = len(ids)
+            self.flush()
+        self.examples += 1
+        self.truncated += len(chosen[0]) > self.window or len(rejected[0]) > self.window
 
     def flush(self) -> None:
         """Pad the current window (pad id, mask 0) and write it."""
@@ -219,6 +278,10 @@ def prepare_records(
                       file=sys.stderr)
         template = chat_template_for(tok, options.chat_template)
         chat = any(s != "text" for s in shapes)
+        if "preference" in shapes and len(set(shapes)) > 1:
+            other = next(f for f, s in zip(files, shapes, strict=True) if s != "preference")
+            raise GptlabError(f"{other.path} holds {shapes[files.index(other)]} records and the other inputs "
+                              "preference pairs: a DATA_DIR of pairs (for --objective dpo) holds pairs only")
         meta: dict[str, Any] = {}
 
         def write(tmp: Path) -> None:
@@ -234,7 +297,7 @@ def prepare_records(
                 "sources": sources,
                 "mask": True,
                 "window_tokens": window,
-                "layout": "packed" if options.pack else "padded",
+                "layout": "pairs" if "preference" in shapes else "packed" if options.pack else "padded",
                 "examples": {s: writers[s].examples for s in SPLITS},
                 "truncated": sum(w.truncated for w in writers.values()),
                 "dropped": sum(w.dropped for w in writers.values()),
@@ -267,8 +330,12 @@ def _write_windows(
             bar = stack.enter_context(progress(total, f"tokenize ({tok.kind})", "rec"))
             for i, record in enumerate(_all_records(files)):
                 split = "train" if i < n_train else "val"
-                ids, mask, n_chars = encode_record(record, tok, template, options.train_on_prompt)
-                writers[split].add(ids, mask)
+                if record.shape == "preference":
+                    chosen, rejected, n_chars = encode_pair(record, tok, template)
+                    writers[split].add_pair(chosen, rejected)
+                else:
+                    ids, mask, n_chars = encode_record(record, tok, template, options.train_on_prompt)
+                    writers[split].add(ids, mask)
                 chars[split] += n_chars
                 bar.update(1)
             for w in writers.values():

@@ -7,13 +7,7 @@ one object per line), ``.parquet`` (pyarrow, read in row batches), a directory w
 imported only when such a file is read. Memory stays bounded: lines, array elements and row batches are read
 one at a time, never the whole file.
 
-Shapes, detected per record (fields that are null count as absent, as columnar formats fill them):
-
-* ``{"messages": [{"role", "content"}, ...]}`` -- a chat (system, user, assistant, tool messages);
-* ``{"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]}`` -- ShareGPT, the same chat;
-* ``{"prompt": ..., "completion": ...}`` -- strings (one user turn, one assistant turn), or lists of messages;
-* ``{"text": ...}`` -- a plain document, like a .txt file; ``--text-field NAME`` reads it from NAME instead.
-
+Shapes, detected per record (text, prompt/completion, chat, preference pairs), are `gptlab.data.shapes`'.
 One input holds one shape: a file that mixes them is more likely a mistake than a plan, so it is an error naming
 the line. Every error is one line naming the file and the line (or row) at fault.
 """
@@ -28,13 +22,12 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gptlab.data.common import show_progress
+from gptlab.data.shapes import Record, parse_record
 from gptlab.errors import GptlabError
-from gptlab.tokenizer.chat_template import check_messages
 
 RECORD_INPUTS = ".jsonl, .json, .parquet, .csv, .tsv, .arrow, saved datasets"
 _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv",
@@ -42,9 +35,6 @@ _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": 
 _SAVED_DATASET = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
 _READ = 1 << 20
 _BATCH_ROWS = 1024
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system", "tool": "tool"}
-SHAPES = ("text", "prompt/completion", "chat")
 
 
 def record_format(path: Path) -> str | None:
@@ -81,76 +71,6 @@ def _first_line(e: BaseException) -> str:
         e = e.__cause__
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
-# --- shapes -----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Record:
-    """One example: `text` for the text shape, `messages` (checked) for the others; `where` names it in errors."""
-
-    where: str
-    shape: str
-    text: str = ""
-    messages: tuple[dict[str, str], ...] = ()
-
-
-def _sharegpt(turns: Any, where: str) -> Any:
-    """ShareGPT turns as messages: human -> user, gpt -> assistant; turns already in role/content form pass."""
-    if not isinstance(turns, list):
-        return turns  # check_messages names the fault
-    out = []
-    for i, t in enumerate(turns):
-        if isinstance(t, dict) and "from" in t:
-            if not isinstance(t["from"], str):  # a list or an object can't be looked up (unhashable)
-                raise GptlabError(f"{where}: conversations[{i}]: field 'from' must be a string, got "
-                                  f"{type(t['from']).__name__}")
-            role = _SHAREGPT_ROLES.get(t["from"])
-            if role is None:
-                raise GptlabError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected human, gpt "
-                                  "or system)")
-            t = {"role": role, "content": t.get("value")}
-        out.append(t)
-    return out
-
-
-def _string(row: dict[str, Any], key: str, where: str) -> str:
-    value = row[key]
-    if not isinstance(value, str):
-        raise GptlabError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
-    return value
-
-
-def parse_record(row: Any, where: str, text_field: str | None = None) -> Record:
-    """The record in `row`, its shape detected (see the module docstring); GptlabError naming `where`."""
-    if not isinstance(row, dict):
-        raise GptlabError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    present = [k for k, v in row.items() if v is not None]
-    if text_field is not None:
-        if text_field not in present:
-            raise GptlabError(f"{where}: no field {text_field!r} (--text-field; fields: {', '.join(present)})")
-        return Record(where, "text", text=_string(row, text_field, where))
-    if "messages" in present:
-        return Record(where, "chat", messages=tuple(check_messages(row["messages"], f"{where}: messages")))
-    if "conversations" in present:
-        turns = _sharegpt(row["conversations"], where)
-        return Record(where, "chat", messages=tuple(check_messages(turns, f"{where}: conversations")))
-    if "prompt" in present or "completion" in present:
-        if "prompt" not in present or "completion" not in present:
-            has, lacks = ("prompt", "completion") if "prompt" in present else ("completion", "prompt")
-            raise GptlabError(f"{where}: has {has!r} but no {lacks!r}")
-        prompt, completion = row["prompt"], row["completion"]
-        if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt/completion
-            return Record(where, "prompt/completion",
-                          messages=tuple(check_messages(prompt + completion, f"{where}: prompt + completion")))
-        msgs = [{"role": "user", "content": _string(row, "prompt", where)},
-                {"role": "assistant", "content": _string(row, "completion", where)}]
-        return Record(where, "prompt/completion", messages=tuple(msgs))
-    if "text" in present:
-        return Record(where, "text", text=_string(row, "text", where))
-    raise GptlabError(f"{where}: matches no record shape: expected a 'text', 'prompt' + 'completion', 'messages' or "
-                      f"'conversations' field (fields: {', '.join(present) or 'none'}; --text-field names another)")
 
 
 # --- rows -------------------------------------------------------------------------------------------------------

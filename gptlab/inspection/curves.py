@@ -1,7 +1,8 @@
 """Training curves from runs' metrics.jsonl (`gptlab.train.runlog`): train and val loss and the learning rate,
 against the step, the tokens seen or the training time.
 
-A logged row carries step, train_loss, lr, elapsed_sec (and val_loss when it evaluated); the final evaluation is a
+A logged row carries step, train_loss, lr, elapsed_sec (and val_loss when it evaluated; a preference run's rows
+reward_margin and reward_accuracy too); the final evaluation is a
 row of its own with only step, val_loss and elapsed_sec. Tokens are steps x batch_size x block_size, from the run's
 config.resolved.json (batch_size counts sequences per optimizer step over all processes). A run may have no val
 rows (eval_interval 0 and killed early): its val curve is empty.
@@ -35,6 +36,9 @@ class Curve:
     train_loss: Series
     val_loss: Series
     lr: Series
+    # a preference run's (dpo, ipo): the chosen reply's reward minus the rejected one's, and how often it is higher
+    reward_margin: Series = field(default_factory=Series)
+    reward_accuracy: Series = field(default_factory=Series)
 
 
 def _x(row: dict, axis: str, tokens_per_step: int | None) -> float:
@@ -76,7 +80,8 @@ def read_curves(run: str | Path, x: str = "step", name: str | None = None) -> Cu
             at = _x(row, x, tokens)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             raise GptlabError(f"{path}:{n} is not a metrics row (step, elapsed_sec, losses)") from None
-        for key, series in (("train_loss", curve.train_loss), ("val_loss", curve.val_loss), ("lr", curve.lr)):
+        for key, series in (("train_loss", curve.train_loss), ("val_loss", curve.val_loss), ("lr", curve.lr),
+                            ("reward_margin", curve.reward_margin), ("reward_accuracy", curve.reward_accuracy)):
             if isinstance(row.get(key), (int, float)):
                 series.x.append(at)
                 series.y.append(float(row[key]))

@@ -101,9 +101,13 @@ X_LABELS = {"step": "step", "tokens": "tokens", "time": "training time (s)"}
 
 
 def curves_picture(curves: list[Curve], path: str | Path, x: str = "step") -> Path:
-    """A PNG of the runs' loss curves, overlaid, with their learning rates on a second axis."""
+    """A PNG of the runs' loss curves, overlaid, with their learning rates on a second axis; below them, when a
+    run logged rewards (DPO, IPO), the reward margin and accuracy."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    rewards = any(c.reward_margin.x for c in curves)
+    fig, axes = plt.subplots(2 if rewards else 1, 1, figsize=(8, 7.5 if rewards else 4.5), layout="constrained",
+                             sharex=True, squeeze=False)
+    ax = axes[0, 0]
     lr_ax = ax.twinx()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, c in enumerate(curves):
@@ -115,11 +119,33 @@ def curves_picture(curves: list[Curve], path: str | Path, x: str = "step") -> Pa
                     label=f"{c.name} val")
         if c.lr.x:
             lr_ax.plot(c.lr.x, c.lr.y, color=color, linestyle=":", alpha=0.7, label=f"{c.name} lr")
-    ax.set_xlabel(X_LABELS[x])
+    ax.set_xlabel("" if rewards else X_LABELS[x])
     ax.set_ylabel("loss")
     lr_ax.set_ylabel("learning rate (dotted)")
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     lr_handles, lr_labels = lr_ax.get_legend_handles_labels()
     ax.legend(handles + lr_handles, labels + lr_labels, fontsize=8, loc="upper right")
+    if rewards:
+        _reward_axes(axes[1, 0], curves, colors, X_LABELS[x])
     return _save(fig, path)
+
+
+def _reward_axes(ax: Any, curves: list[Curve], colors: list[str], x_label: str) -> None:
+    """Reward margin (solid) and reward accuracy (dashed, on a second axis from 0 to 1) of preference runs."""
+    acc_ax = ax.twinx()
+    for i, c in enumerate(curves):
+        color = colors[i % len(colors)]
+        if c.reward_margin.x:
+            ax.plot(c.reward_margin.x, c.reward_margin.y, color=color, label=f"{c.name} reward margin")
+        if c.reward_accuracy.x:
+            acc_ax.plot(c.reward_accuracy.x, c.reward_accuracy.y, color=color, linestyle="--", alpha=0.7,
+                        label=f"{c.name} reward accuracy")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("reward margin (chosen - rejected)")
+    acc_ax.set_ylabel("reward accuracy (dashed)")
+    acc_ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    acc_handles, acc_labels = acc_ax.get_legend_handles_labels()
+    ax.legend(handles + acc_handles, labels + acc_labels, fontsize=8, loc="upper left")

@@ -10,6 +10,7 @@ little as it should, and gradient accumulation or more processes change nothing 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,30 +35,41 @@ def sequence_length(data_dir: str | Path, block_size: int) -> int:
 
 @dataclass
 class Split:
-    """One split of a data directory: token ids, the loss mask (None: every target counts) and the window size
-    examples were packed into (None: one running stream of text)."""
+    """One split of a data directory: token ids, the loss mask (None: every target counts), the window size
+    examples were packed into (None: one running stream of text), and whether windows come in preference pairs
+    (chosen, then rejected)."""
 
     tokens: np.ndarray
     mask: np.ndarray | None
     window_tokens: int | None
+    pairs: bool = False
 
     @classmethod
     def load(cls, data_dir: str | Path, split: str) -> Split:
-        window = read_meta(data_dir).get("window_tokens")
-        return cls(load_split(data_dir, split), load_mask(data_dir, split), int(window) if window else None)
+        meta = read_meta(data_dir)
+        window = meta.get("window_tokens")
+        return cls(load_split(data_dir, split), load_mask(data_dir, split), int(window) if window else None,
+                   meta.get("layout") == "pairs")
 
 
 @dataclass
 class StepBatch:
     """The global batch of one optimizer step: (B, T+1) token windows, their (B, T+1) 0/1 mask (None when all
-    count) and how many targets count in total."""
+    count) and how many targets count in total; for preference pairs 2B rows (chosen, rejected, ...) and the
+    number of pairs, which a step's loss is the mean over."""
 
     windows: np.ndarray
     mask: np.ndarray | None
     n_targets: int
+    pairs: bool = False
 
     def micro(self, rank: int, world: int, micro: int, grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of one process's micro-step; targets that do not count are -1."""
+        """(inputs, targets) of one process's micro-step; targets that do not count are -1. Pairs are padded
+        replies: their rows are cut after the micro-step's last counted target."""
+        if self.pairs:
+            assert self.mask is not None
+            return targets_of(micro_batch(self.windows, rank, world, micro, grad_accum),
+                              micro_batch(self.mask, rank, world, micro, grad_accum))
         rows = torch.from_numpy(micro_batch(self.windows, rank, world, micro, grad_accum))
         x, y = rows[:, :-1], rows[:, 1:]
         if self.mask is not None:
@@ -68,12 +80,43 @@ class StepBatch:
 
 def step_batch(split: Split, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
     """The windows of optimizer step `step`: a pure function of (seed, step), the same on every process."""
-    starts = batch_starts(len(split.tokens), seed, step, batch_size, block_size, split.window_tokens)
+    starts = batch_starts(len(split.tokens), seed, step, batch_size, block_size, split.window_tokens, split.pairs)
     tokens = windows(split.tokens, starts, block_size)
     if split.mask is None:
         return StepBatch(tokens, None, batch_size * block_size)
     mask = windows(split.mask, starts, block_size)
-    return StepBatch(tokens, mask, int((mask[:, 1:] != 0).sum()))
+    return StepBatch(tokens, mask, batch_size if split.pairs else int((mask[:, 1:] != 0).sum()), split.pairs)
+
+
+def targets_of(rows: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of (N, W) rows, targets that do not count -1, cut after the last counted one."""
+    counted = mask[:, 1:] != 0
+    length = int(np.flatnonzero(counted.any(axis=0)).max(initial=0)) + 1
+    x = torch.from_numpy(np.ascontiguousarray(rows[:, :length]))
+    y = torch.from_numpy(np.where(counted, rows[:, 1:], -1)[:, :length])
+    return x, y
+
+
+def rows_of_pairs(pairs: list[dict[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenized pairs, as trl's preference datasets hold them ("prompt_ids", "chosen_ids", "rejected_ids"), as
+    the trainer's rows: prompt + chosen, prompt + rejected, ...; targets on the replies (`targets_of`)."""
+    seqs = [(p["prompt_ids"], p[reply]) for p in pairs for reply in ("chosen_ids", "rejected_ids")]
+    width = max(len(a) + len(b) for a, b in seqs) + 1
+    ids, mask = np.zeros((len(seqs), width), np.int64), np.zeros((len(seqs), width), np.uint8)
+    for i, (prompt, reply) in enumerate(seqs):
+        ids[i, : len(prompt) + len(reply)] = prompt + reply
+        mask[i, len(prompt) : len(prompt) + len(reply)] = 1
+    return targets_of(ids, mask)
+
+
+def pair_rows(split: Split, batch_pairs: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Every preference pair of a split, `batch_pairs` at a time, as (inputs, targets) rows (`targets_of`)."""
+    assert split.pairs and split.mask is not None and split.window_tokens is not None
+    window, n = split.window_tokens, len(split.tokens) // split.window_tokens
+    for start in range(0, n, 2 * batch_pairs):
+        stop = min(n, start + 2 * batch_pairs)
+        ids = np.asarray(split.tokens[start * window : stop * window], np.int64).reshape(-1, window)
+        yield targets_of(ids, np.asarray(split.mask[start * window : stop * window]).reshape(-1, window))
 
 
 def check_tokens(windows: np.ndarray, vocab_size: int) -> None:

@@ -42,6 +42,12 @@ class TrainConfig:
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "all-linear"  # comma-separated q,k,v,o,gate,up,down (or q_proj, ...), or all-linear
+    # --- objective: lm = next-token cross-entropy; dpo / ipo = preference pairs against the starting weights ---
+    objective: Literal["lm", "dpo", "ipo", "simpo", "orpo"] = "lm"  # simpo and orpo need no reference
+    beta: float = 0.1  # dpo / ipo: how far from the reference the policy may move; simpo: the reward scale; orpo:
+    # the odds-ratio term's weight (trl's beta in each)
+    label_smoothing: float = 0.0  # dpo, simpo: the share of pairs taken to be mislabeled (conservative DPO)
+    simpo_gamma: float = 0.5  # simpo: the reward margin the chosen reply must win by (trl's simpo_gamma)
     # --- batch ---
     batch_size: int = 32  # sequences per optimizer step in total: split over processes and grad_accum micro-steps
     # sequences per micro-step on each process (what fits a device): grad_accum becomes batch_size / (processes x
@@ -386,6 +392,15 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError("LoRA adapters train with optimizer adamw (Muon orthogonalises whole matrices)")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise GptlabError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if cfg.beta <= 0:
+        raise GptlabError(f"beta must be positive, got {cfg.beta}")
+    if not 0.0 <= cfg.label_smoothing < 0.5:
+        raise GptlabError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
+    if cfg.label_smoothing and cfg.objective not in ("dpo", "simpo"):
+        raise GptlabError(f"label_smoothing applies to objectives dpo and simpo, not {cfg.objective}")
+    if cfg.objective != "lm" and cfg.distributed == "fsdp":
+        raise GptlabError(f"objective {cfg.objective} runs on one process or under distributed = \"ddp\", not fsdp "
+                          "(its reference model is not sharded)")
     if cfg.distributed == "fsdp" and cfg.optimizer == "muon":
         raise GptlabError("optimizer muon needs whole matrices, which distributed = \"fsdp\" shards: use "
                           "optimizer adamw, or distributed ddp")

@@ -42,15 +42,15 @@ class Processes:
         return self.rank == 0
 
     def sum_and_any(self, value: torch.Tensor, flag: bool) -> tuple[torch.Tensor, torch.Tensor | bool]:
-        """The sum of a scalar tensor over all processes, and whether `flag` is set on any of them, both left on
-        the device (one all-reduce, no host read); alone, `value` and `flag` themselves."""
+        """The sum of a tensor (a scalar or a vector) over all processes, and whether `flag` is set on any of
+        them, both left on the device (one all-reduce, no host read); alone, `value` and `flag` themselves."""
         if self.world == 1:
             return value, flag
         import torch.distributed as dist
 
-        t = torch.stack([value.float(), torch.full((), 1.0 if flag else 0.0, device=value.device)])
+        t = torch.cat([value.float().reshape(-1), torch.full((1,), 1.0 if flag else 0.0, device=value.device)])
         dist.all_reduce(t)
-        return t[0], t[1] > 0
+        return t[:-1].reshape(value.shape), t[-1] > 0
 
     def from_rank0(self, value: float) -> float:
         """Rank 0's value on every process."""

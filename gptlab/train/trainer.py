@@ -32,7 +32,7 @@ from gptlab.evaluate import evaluate_loss
 from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
-from gptlab.train.batches import Split, StepFeed, sequence_length
+from gptlab.train.batches import Split, StepFeed, pair_rows, sequence_length
 from gptlab.train.config import (
     RESUMABLE_CHANGES,
     TrainConfig,
@@ -42,6 +42,7 @@ from gptlab.train.config import (
 )
 from gptlab.train.distributed import gradient_sync, init_distributed, wrap_ddp
 from gptlab.train.losses import DeviceLosses
+from gptlab.train.objectives import Preference, build_objective, check_objective_data
 from gptlab.train.optim import build_optimizers, lr_schedule, optimizer_spec, set_lr
 from gptlab.train.precision import Precision
 from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
@@ -102,6 +103,7 @@ class Trainer:
 
         # --- data and model
         meta = read_meta(self.data_dir)
+        check_objective_data(cfg.objective, meta, self.data_dir)
         if not cfg.init_from:  # fail on the data before allocating the model
             for split in ("train", "val"):
                 check_split_fits(self.data_dir, split,
@@ -117,7 +119,8 @@ class Trainer:
             check_split_fits(self.data_dir, split, self.seq_len)
         self.train_data = Split.load(self.data_dir, "train")
         self.val_data = Split.load(self.data_dir, "val")
-        self.tokens_per_step = cfg.batch_size * self.seq_len
+        # the tokens of a step's windows (a preference pair is two; its rows run only to the batch's longest reply)
+        self.tokens_per_step = cfg.batch_size * self.seq_len * (2 if self.train_data.pairs else 1)
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
                              rank=self.procs.rank, world=self.procs.world, grad_accum=cfg.grad_accum,
                              vocab_size=self.model.config.vocab_size, device=self.device)
@@ -140,6 +143,9 @@ class Trainer:
         self.optimizers = build_optimizers(self.model, self.opt_spec, rank=self.procs.rank,
                                            world=1 if self.fsdp else self.procs.world)
         self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
+        # before a checkpoint loads: a preference objective's reference is the starting weights
+        self.objective = build_objective(cfg, self.precision.train_module)
+        self.step_stats: torch.Tensor | None = None  # the latest step's objective statistics, summed
         # elapsed_sec when warm-up ended (None before): a time budget's decay runs from there to max_time
         self.warmup_elapsed: float | None = 0.0 if cfg.warmup_steps == 0 else None
         if resume_from is not None:
@@ -235,6 +241,9 @@ class Trainer:
         """Validation loss over `eval_tokens` of the val split (all of it by default); each process scores its
         share of the windows and gets the loss over all of them."""
         val, procs = self.val_data, self.procs
+        if isinstance(self.objective, Preference):  # every process scores every pair (val sets of pairs are small)
+            pairs = max(1, (self.cfg.eval_batch_size or self.cfg.batch_size) // 2)
+            return self.objective.evaluate(self.precision.eval_module, pair_rows(val, pairs), self.precision.autocast())
         return evaluate_loss(
             self.precision.eval_module, val.tokens, self.seq_len,
             batch_size=self.cfg.eval_batch_size, max_tokens=self.cfg.eval_tokens, device=self.device,
@@ -263,17 +272,17 @@ class Trainer:
         batch = self.feed.get(self.step)
         # gradients are averaged over processes, so each process's share is scaled up by their number
         scale = procs.world / max(batch.n_targets, 1)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        sums = torch.zeros(1 + len(self.objective.stats), dtype=torch.float32, device=self.device)  # loss, stats
         for micro, (x, y) in enumerate(batch.micro):
             with self.precision.autocast(), gradient_sync(self.net, self.model, micro == cfg.grad_accum - 1):
-                _, loss = self.net(x, y, reduction="sum", check_ids=False)  # the feed checked the ids
-                loss = loss * scale
+                loss, stats = self.objective.loss(self.net, x, y, scale)
             self.precision.backward(loss)
-            loss_sum += loss.detach()
+            sums += torch.cat([loss.detach().float().reshape(1), stats])
         if self.step + 1 < cfg.max_steps:
             self.feed.prefetch(self.step + 1)  # the host's share of the next step, while the device runs this one
         # all processes stop at the same step: a signal seen by one (torchrun forwards it to all) stops every one
-        total, any_stop = procs.sum_and_any(loss_sum, self.stop_signal is not None)
+        sums, any_stop = procs.sum_and_any(sums, self.stop_signal is not None)
+        total, self.step_stats = sums[0], sums[1:] / max(batch.n_targets, 1)  # statistics: sums over all pairs
         self.precision.step(self.optimizers, cfg.grad_clip, skip=self.losses.add(self.step, total))
         self.step += 1
         if isinstance(any_stop, torch.Tensor):  # read the step before's flag, whose all-reduce is done by now
@@ -339,7 +348,8 @@ class Trainer:
                 loss = self.read_loss()  # the losses' only read between checkpoints: it waits for the device
                 tps = (self.step - window_step) * self.tokens_per_step / max(time.perf_counter() - window_t0, 1e-9)
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
-                       "tokens_per_sec": tps, "elapsed_sec": self.elapsed, **log.utilization(tps)}
+                       "tokens_per_sec": tps, "elapsed_sec": self.elapsed, **log.utilization(tps),
+                       **self.objective.stats_row(self.step_stats)}
                 if do_eval:
                     t_eval = time.perf_counter()
                     row["val_loss"] = self._eval_and_track()
