@@ -197,6 +197,7 @@ def make_data(root: Path, chars: int = 60_000) -> Path:
     """A char-level DATA_DIR made from `chars` characters of the test corpus (90% train / 10% val)."""
     from gptlab.data import prepare
 
+    root.mkdir(parents=True, exist_ok=True)
     text = root / "text.txt"
     text.write_text(corpus_text(chars), encoding="utf-8")
     out = root / "data"
