@@ -392,8 +392,10 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError("LoRA adapters train with optimizer adamw (Muon orthogonalises whole matrices)")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise GptlabError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
-    if cfg.beta <= 0:
-        raise GptlabError(f"beta must be positive, got {cfg.beta}")
+    if not (math.isfinite(cfg.beta) and cfg.beta > 0):
+        raise GptlabError(f"beta must be positive and finite, got {cfg.beta}")
+    if not (math.isfinite(cfg.simpo_gamma) and cfg.simpo_gamma >= 0):
+        raise GptlabError(f"simpo_gamma must be >= 0 and finite (the reward margin to win by), got {cfg.simpo_gamma}")
     if not 0.0 <= cfg.label_smoothing < 0.5:
         raise GptlabError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
     if cfg.label_smoothing and cfg.objective not in ("dpo", "simpo"):
