@@ -117,19 +117,32 @@ def row_grammar(schema: str, tokenizer: TextTokenizer | None, stop_ids: frozense
 
 def allowed_tokens(grammars: Sequence[RowGrammar], vocab_size: int) -> torch.Tensor:
     """The (len(grammars), vocab_size) boolean mask of the tokens each grammar allows next: its own tokens, and its
-    stop tokens where the JSON is complete. Tokens past the tokenizer's vocabulary (a padded model's) never are."""
-    words = (grammars[0].vocab_size + 1 + 31) // 32  # llguidance's vocabulary: the tokenizer's + the virtual end
-    bits = torch.zeros(len(grammars), words, dtype=torch.int32)
-    _executor().unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], bits.data_ptr(),
-                                        words * 4, len(grammars))
-    unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
-    allowed = torch.zeros(len(grammars), vocab_size, dtype=torch.bool)
-    n = min(vocab_size, grammars[0].vocab_size)
-    allowed[:, :n] = torch.from_numpy(unpacked[:, :n].astype(bool))
-    for i, g in enumerate(grammars):
-        stops = [t for t in g.stop_ids if t < vocab_size]
-        if stops:
-            allowed[i, stops] = g.accepting
-        if not allowed[i].any():
-            raise GrammarDeadEnd(f"no token of the vocabulary continues the row's JSON ({g.matcher.get_error()})")
+    stop tokens where the JSON is complete. Tokens past the tokenizer's vocabulary (a padded model's) never are.
+
+    Batched throughout (one llguidance call, one unpacking, one check): a per-row pass over a 50k vocabulary cost
+    more than the masks themselves."""
+    n, end = len(grammars), grammars[0].vocab_size
+    words = (end + 1 + 31) // 32  # llguidance's vocabulary: the tokenizer's + the virtual end token (`end`)
+    bits = np.zeros((n, words), dtype=np.uint32)
+    _executor().unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], bits.ctypes.data,
+                                        words * 4, n)
+    bits[:, end // 32] &= np.uint32(~(1 << (end % 32)) & 0xFFFFFFFF)  # never the virtual end: stops are ours
+    unpacked = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(np.bool_))
+    known = min(vocab_size, end)
+    if known == vocab_size:
+        allowed = unpacked[:, :vocab_size]  # (a fresh array: written below as it is)
+    else:
+        allowed = torch.zeros(n, vocab_size, dtype=torch.bool)
+        allowed[:, :known] = unpacked[:, :known]
+    stops = [(i, t) for i, g in enumerate(grammars) for t in g.stop_ids if t < vocab_size]
+    accepting = {i: grammars[i].accepting for i in {i for i, _ in stops}}
+    if stops:
+        rows, ids = zip(*stops, strict=True)
+        allowed[list(rows), list(ids)] = torch.tensor([accepting[i] for i in rows])
+    # a dead end: no bit set in the row's words (32x less to read than the mask), and no stop token allowed
+    live = bits.any(axis=1) if known == end else allowed.any(dim=1).numpy()
+    dead = [i for i in range(n) if not live[i] and not accepting.get(i, False)]
+    if dead:
+        g = grammars[dead[0]]
+        raise GrammarDeadEnd(f"no token of the vocabulary continues the row's JSON ({g.matcher.get_error()})")
     return allowed

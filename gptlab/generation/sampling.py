@@ -183,10 +183,12 @@ def apply_grammars(logits: torch.Tensor, grammars: Sequence[RowGrammar | None]) 
     from gptlab.generation.grammar import allowed_tokens  # llguidance: loaded by the first constrained row
 
     rows = [i for i, g in enumerate(grammars) if g is not None]
-    allowed = allowed_tokens([grammars[i] for i in rows], logits.shape[-1]).to(logits.device)
+    forbidden = ~allowed_tokens([grammars[i] for i in rows], logits.shape[-1]).to(logits.device)
+    if len(rows) == len(grammars):  # (a new tensor: the caller's logits, which logprobs read, stay as they are)
+        return logits.masked_fill(forbidden, float("-inf"))
     index = torch.tensor(rows, device=logits.device)
-    logits = logits.clone()  # the caller's logits (logprobs read them) stay as they are
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
     return logits
 
 
