@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
 from gptlab.errors import GptlabError
-from gptlab.generation.params import InvalidSamplingParam, SamplingParams  # torch-free: `gptlab --help` stays fast
+from gptlab.fileio import read_json_object
+from gptlab.generation.params import (  # torch-free: `gptlab --help` stays fast
+    JSON_OBJECT,
+    InvalidSamplingParam,
+    SamplingParams,
+)
 from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
 
 if TYPE_CHECKING:
@@ -40,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="samples to draw, one after another (default 1)")
     p.add_argument("--truncate-prompt", action="store_true",
                    help="drop the start of a prompt longer than the context instead of failing")
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="the output is JSON valid under the JSON schema in FILE (structured outputs)")
+    structured.add_argument("--json", action="store_true", help="the output is a JSON object")
     add_device(p)
     add_dtype(p)  # default auto: bf16 on a GPU; on a CPU float32 (bfloat16 is ~2x faster on recent CPUs)
     add_quantize(p)
@@ -71,7 +80,12 @@ def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParam
     try:
         return SamplingParams.from_fields(vars(args), **{"logit_bias": _logit_bias(args.logit_bias), **overrides})
     except InvalidSamplingParam as e:
-        raise GptlabError(f"--{e.field.replace('_', '-')} {e.requirement}, got {e.value!r}") from None
+        raise flag_error(e) from None
+
+
+def flag_error(e: InvalidSamplingParam) -> GptlabError:
+    """A sampling setting's error named as its flag."""
+    return GptlabError(f"--{e.field.replace('_', '-')} {e.requirement}, got {e.value!r}")
 
 
 def check_biased_tokens(params: SamplingParams, vocab_size: int) -> None:
@@ -93,6 +107,15 @@ def _logit_bias(pairs: list[str]) -> dict[int, float]:
         except ValueError:
             raise GptlabError(f"--logit-bias {pair!r}: expected TOKEN_ID=BIAS, e.g. 50256=-100") from None
     return bias
+
+
+def _json_schema(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The schema the output must satisfy: --json-schema FILE's, --json's any object, or None."""
+    if args.json:
+        return JSON_OBJECT
+    if args.json_schema is None:
+        return None
+    return read_json_object(args.json_schema, hint="--json-schema takes a file holding a JSON schema")
 
 
 def _prompt_ids(prompt: str, tokenizer: TextTokenizer) -> list[int]:
@@ -138,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     # every flag is checked before the (slow) model load
     if args.num_samples < 1:
         raise GptlabError(f"--num-samples must be at least 1, got {args.num_samples}")
-    params = sampling_params(args)
+    params = sampling_params(args, json_schema=_json_schema(args))
     prompt = _read_prompt(args)
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype, device),
@@ -156,7 +179,10 @@ def run(args: argparse.Namespace) -> int:
                     pack_weights=params.max_new_tokens * args.num_samples >= PACK_MIN_TOKENS)
     out = sys.stdout
     for i in range(args.num_samples):
-        gen = engine.prepare(ids, params, sample_index=i, truncate_prompt=args.truncate_prompt)
+        try:  # (the schema against the model's vocabulary: known once it is loaded)
+            gen = engine.prepare(ids, params, sample_index=i, truncate_prompt=args.truncate_prompt)
+        except InvalidSamplingParam as e:
+            raise flag_error(e) from None
         out.write(prompt)
         out.flush()
         for delta in stream_deltas(engine, gen):

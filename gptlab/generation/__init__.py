@@ -4,6 +4,7 @@ One module per job, each importing only those below it:
 
     params         SamplingParams, InvalidSamplingParam, MAX_LOGPROBS  (no torch: the server's schemas use it)
     sampling       the logit filters, sample_next, token log-probabilities
+    grammar        structured outputs: a row's JSON schema as an llguidance grammar, a batch's token masks
     detokenize     token ids -> streamed text (whole characters, stop strings held back)
     packed_linear  CPU-friendly weight layouts for the engine's forwards
     rows           Generation, PromptTooLongError: one prompt checked, and its row's state as it decodes

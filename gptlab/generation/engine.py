@@ -302,7 +302,8 @@ class Engine:
         """sample_next over the rows; if that fails, each row alone, so that a failing row ends alone (None:
         finished with FINISH_ERROR) and the others go on (noise is drawn last: their generators have not moved)."""
         try:
-            return sample_next(logits, [g.params for g in gens], [g.generator for g in gens], counts, seen)
+            return sample_next(logits, [g.params for g in gens], [g.generator for g in gens], counts, seen,
+                               [g.grammar for g in gens])
         except Exception:
             if len(gens) == 1:
                 raise
@@ -311,7 +312,7 @@ class Engine:
             rows = slice(i, i + 1)
             try:
                 new += sample_next(logits[rows], [g.params], [g.generator], *(
-                    None if t is None else t[rows] for t in (counts, seen)))
+                    None if t is None else t[rows] for t in (counts, seen)), [g.grammar])
             except Exception as e:  # noqa: BLE001 - this row's failure, reported on it
                 g.error = e
                 g._finish(FINISH_ERROR)
@@ -353,8 +354,11 @@ class Engine:
         for g, tok in zip(gens, new, strict=True):
             g.token_ids.append(tok)
             stopped = tok in g.stop_ids
-            if g.text_state is not None and not stopped:
-                stopped = g.text_state.push(tok)
+            if not stopped:
+                if g.text_state is not None:
+                    stopped = g.text_state.push(tok)
+                if g.grammar is not None:  # a complete JSON output ends the row, whether or not the model has an EOS
+                    stopped = g.grammar.advance(tok) or stopped
             if stopped:
                 g._finish(FINISH_STOP)
             elif len(g.token_ids) >= g.params.max_new_tokens:

@@ -18,6 +18,7 @@ for torch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ MAX_STOPS = 64  # stop strings per request (the server allows fewer: its policy,
 MAX_STOP_CHARS = 512  # characters per stop string
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 all but forces it
+MAX_SCHEMA_CHARS = 100_000  # a JSON schema's text (its grammar is compiled per request)
+JSON_OBJECT = {"type": "object"}  # OpenAI's json_object mode: any JSON object
 
 
 class InvalidSamplingParam(ValueError):
@@ -75,6 +78,54 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
+def _schema_text(schema: Any) -> Any:
+    """A JSON schema as its JSON text (a frozen, comparable value); a value that is neither a mapping nor text is
+    kept for `_check_schema` to refuse."""
+    if isinstance(schema, Mapping):
+        try:
+            return json.dumps(schema, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidSamplingParam("json_schema", schema, f"must be JSON ({e})") from None
+    return schema
+
+
+def json_grammar(schema: str) -> str:
+    """llguidance's grammar for a JSON schema (text). Whitespace between tokens is fixed (", ", ": "), not free:
+    a grammar that allows any whitespace lets a model wander in it until max_tokens."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+
+def schema_start(schema: Any) -> Any:
+    """A schema as errors show it: its first 60 characters (a whole schema is no one-line message)."""
+    return schema if not isinstance(schema, str) or len(schema) <= 60 else schema[:57] + "..."
+
+
+def _check_schema(schema: Any) -> None:
+    """A JSON schema that the grammar library compiles (checked without a tokenizer: the vocabulary's part is
+    `generation.grammar`'s)."""
+    if schema is None:
+        return
+    shown = schema_start(schema)
+    if not isinstance(schema, str) or len(schema) > MAX_SCHEMA_CHARS:
+        raise InvalidSamplingParam("json_schema", shown, f"must be a JSON schema of at most {MAX_SCHEMA_CHARS} "
+                                   "characters")
+    try:
+        if not isinstance(json.loads(schema), dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise InvalidSamplingParam("json_schema", shown, f"must be a JSON schema, a JSON object ({e})") from None
+    try:
+        from llguidance import LLMatcher  # the `structured` extra; imports no torch
+    except ImportError:
+        raise InvalidSamplingParam("json_schema", shown, "needs the llguidance package: "
+                                   "pip install 'gptlab[structured]'") from None
+    failed, messages = LLMatcher.validate_grammar_with_warnings(json_grammar(schema))
+    if failed:
+        raise InvalidSamplingParam("json_schema", shown, f"is not a schema gptlab can enforce: {messages[0]}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. Filters apply in this order: penalties, temperature, top-k, top-p, min-p.
@@ -101,6 +152,10 @@ class SamplingParams:
       filters (OpenAI's: biases in [-100, 100]; -100 bans a token, 100 all but forces it), greedy rows included.
       Stored as sorted (id, bias) pairs. The ids are checked against the vocabulary where it is known
       (`prepare_generation`).
+    - json_schema: a JSON schema (a mapping, or its JSON text; stored as JSON text) the output must satisfy:
+      each row's next-token mask comes from its grammar (`generation.grammar`, llguidance), and end-of-text or a
+      stop token is allowed only where the JSON is complete. `JSON_OBJECT` is OpenAI's json_object mode. A row
+      that reaches max_new_tokens first ends with finish reason "length" and incomplete JSON. None = free text.
 
     Frozen: the checks in __post_init__ hold for the object's whole life (use dataclasses.replace to vary one).
     """
@@ -120,6 +175,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
+    json_schema: Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         # normalize first, so that the checks (and everybody after them) see one spelling of each setting
@@ -136,6 +192,7 @@ class SamplingParams:
             "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
             "stop_token_ids": stop_ids,
             "logit_bias": _bias_pairs(self.logit_bias),
+            "json_schema": _schema_text(self.json_schema),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)  # frozen: __setattr__ itself refuses
@@ -184,6 +241,8 @@ class SamplingParams:
             "logprobs",
             f"must be None or an integer in [0, {MAX_LOGPROBS}]",
         )
+
+        _check_schema(self.json_schema)
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ import torch
 
 from gptlab.errors import GptlabError
 from gptlab.generation.detokenize import TextState
+from gptlab.generation.grammar import RowGrammar, row_grammar
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.generation.sampling import TokenLogprob, row_seed
 
@@ -60,6 +61,7 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
     error: Exception | None = None  # why it finished with FINISH_ERROR (a failure of this row alone)
+    grammar: RowGrammar | None = None  # params.json_schema's: the tokens allowed next, whether the JSON is complete
     row: RowState = field(default_factory=RowState, repr=False)  # the engine's, see RowState
 
     @property
@@ -125,4 +127,6 @@ def prepare_generation(
     text_state = None
     if tokenizer is not None:
         text_state = TextState(tokenizer, context_ids=ids, stop=params.stop)
-    return Generation(ids, params, frozenset(stop_ids), generator, text_state, truncated=truncated)
+    stop_ids = frozenset(stop_ids)
+    grammar = None if params.json_schema is None else row_grammar(params.json_schema, tokenizer, stop_ids)
+    return Generation(ids, params, stop_ids, generator, text_state, truncated=truncated, grammar=grammar)

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gptlab.generation.params import SamplingParams
+
+if TYPE_CHECKING:
+    from gptlab.generation.grammar import RowGrammar
 
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -86,15 +90,19 @@ def sample_next(
     generators: Sequence[torch.Generator | None],
     counts: torch.Tensor | None = None,
     seen: torch.Tensor | None = None,
+    grammars: Sequence[RowGrammar | None] = (),
 ) -> list[int]:
     """One next token per row of `logits` (n, V), each row under its own params and generator; the sampling
-    arithmetic runs in fp32 whatever the logits' dtype.
+    arithmetic runs in fp32 whatever the logits' dtype. A row with a grammar (structured outputs) samples only
+    among the tokens it allows: the mask comes first, so every other control works within it.
 
     Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token j with probability
     p_j, and lets each row draw its noise from its own generator, followed by one batched argmax.
     """
     logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
     dev = logits.device
+    if any(g is not None for g in grammars):
+        logits = apply_grammars(logits, grammars)
     if any(sp.logit_bias for sp in params):
         logits = apply_logit_bias(logits, params)
     if any(sp.penalized for sp in params):
@@ -166,6 +174,21 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     dev = logits.device
     logits = logits.clone()  # the caller's logits (the engine's, also read for logprobs) stay as they are
     logits[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] += torch.tensor(bias, device=dev)
+    return logits
+
+
+def apply_grammars(logits: torch.Tensor, grammars: Sequence[RowGrammar | None]) -> torch.Tensor:
+    """Each constrained row's logits (n, V) with the tokens its grammar forbids at -inf; rows without a grammar
+    are left alone (a batch mixes both)."""
+    from gptlab.generation.grammar import allowed_tokens  # llguidance: loaded by the first constrained row
+
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    forbidden = ~allowed_tokens([grammars[i] for i in rows], logits.shape[-1]).to(logits.device)
+    if len(rows) == len(grammars):  # (a new tensor: the caller's logits, which logprobs read, stay as they are)
+        return logits.masked_fill(forbidden, float("-inf"))
+    index = torch.tensor(rows, device=logits.device)
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
     return logits
 
 

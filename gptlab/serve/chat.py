@@ -59,6 +59,8 @@ async def create_chat_completion(server: Server, req: ChatRequest, request: Requ
     server.check_queue(req.n)
     # Jinja, off the event loop
     text, templated, stops = await asyncio.to_thread(_render, server.chat_template, messages, req.stop_list())
+    if req.json_schema() is not None:  # the grammar ends the reply where the JSON does: only the caller's stops
+        stops = tuple(req.stop_list())
     prompts = await server.encode([text], special=templated)
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     job = server.start(

@@ -2,7 +2,7 @@
 objects of its answers.
 
 Strict: a string where a number belongs is an error, not coerced. No field is silently ignored: an OpenAI field
-this server does not implement (`UNSUPPORTED`: tools, response_format, ...) is a 400 naming it and why, and any
+this server does not implement (`UNSUPPORTED`: tools, suffix, ...) is a 400 naming it and why, and any
 other unknown field a 400 as OpenAI answers one ("Unrecognized request argument supplied"). `user` (the caller's
 own tag for its end user) is accepted and has no effect on the answer, as with OpenAI. Besides OpenAI's fields,
 requests accept vLLM-style extras: top_k, min_p, repetition_penalty, ignore_eos.
@@ -25,6 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from gptlab.generation.params import (  # torch-free
     INT64_MAX,
     INT64_MIN,
+    JSON_OBJECT,
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -127,7 +128,6 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
 # OpenAI request fields this server does not implement, with why: a request naming one is refused (400), never
 # answered as if the field were not there (free text where JSON or a tool call was asked for)
 UNSUPPORTED = {
-    "response_format": "structured outputs (JSON mode, JSON schema) are not implemented",
     "tools": "tool calls are not implemented", "tool_choice": "tool calls are not implemented",
     "parallel_tool_calls": "tool calls are not implemented", "functions": "function calls are not implemented",
     "function_call": "function calls are not implemented", "suffix": "insertion (a suffix) is not implemented",
@@ -146,6 +146,35 @@ Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's json_schema: the schema is always enforced (`strict` false too: the mask costs no quality)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    json_schema: dict[str, Any] = Field(alias="schema")  # (`schema` is a name pydantic's BaseModel uses)
+    description: str | None = Field(None, max_length=4096)
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class SamplingFields(BaseModel):
@@ -173,8 +202,18 @@ class SamplingFields(BaseModel):
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
 
+    response_format: ResponseFormat | None = None
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The schema the output must satisfy (SamplingParams.json_schema): None for free text."""
+        if isinstance(self.response_format, JsonObjectFormat):
+            return JSON_OBJECT
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return self.response_format.json_schema.json_schema
+        return None
 
 
 class CompletionRequest(SamplingFields):

@@ -121,10 +121,11 @@ class Server:
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
                     logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
+                    json_schema=req.json_schema(),
                 )
                 gens += [self.engine.prepare(ids, params, sample_index=j) for j in range(req.n)]
             except InvalidSamplingParam as e:
-                param = (param_names or {}).get(e.field, e.field)
+                param = {"json_schema": "response_format", **(param_names or {})}.get(e.field, e.field)
                 raise ApiError(
                     400, f"Invalid value for '{param}': {e.requirement}, got {e.value!r}", param=param,
                     code="invalid_value",

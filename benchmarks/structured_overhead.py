@@ -1,0 +1,162 @@
+"""Structured outputs' cost: constrained against unconstrained decoding, and the grammar libraries' mask cost.
+
+1. A random model with GPT-2's tokenizer and vocabulary (default: 4 layers, width 256, so that the 50,257-wide mask
+   weighs as much as it can against a step; `--layers` / `--width` for others), a 16-token prompt, `--new` tokens
+   per row, sampled at temperature 1 with a seed, at batch 1 and 16. Constrained rows follow a schema that cannot end
+   before `--new` tokens (an array of at least 10,000 {"name": string, "id": integer} objects: strings, numbers,
+   keys and separators all take their turn), unconstrained rows ignore end-of-text: both decode the same number of
+   tokens. Tokens/s = rows x new tokens / wall time of `generate_batch` (prefill included). The two alternate over
+   `--rounds`; the median round counts, and the overhead (1 - constrained / unconstrained) is printed.
+2. `--libraries`: the per-token mask cost of each grammar library installed (llguidance, which gptlab uses;
+   xgrammar and outlines-core if present: `pip install xgrammar outlines-core`), on the same schema and GPT-2
+   vocabulary, walking one 40-token JSON document: median and mean microseconds per mask, and the schema's compile
+   time. Each library fills a (1, ceil(V / 32)) int32 bitmask, the format all three write.
+
+    TIKTOKEN_CACHE_DIR=... python benchmarks/structured_overhead.py --libraries
+
+Nothing is asserted: timings are noisy (run it alone on the machine; the load average is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
+
+from gptlab import GPT, GPTConfig
+from gptlab.generation import SamplingParams, generate_batch
+from gptlab.hardware import cpu_name
+from gptlab.tokenizer import GPT2Tokenizer
+
+ITEM = {"type": "object", "properties": {"name": {"type": "string"}, "id": {"type": "integer"}},
+        "required": ["name", "id"], "additionalProperties": False}
+ENDLESS = {"type": "array", "items": ITEM, "minItems": 10_000}  # no end before max_new_tokens
+DOCUMENT = json.dumps([{"name": "Alice Smith", "id": 42}, {"name": "Bob", "id": 7}, {"name": "Carol", "id": 1234}],
+                      separators=(",", ":"))
+
+
+def tokens_per_second(model: GPT, tok: GPT2Tokenizer, batch: int, new: int, schema: dict | None, seed: int) -> float:
+    prompts = [tok.encode(f"Row {i}: a list of people, as JSON records follow.")[:16] for i in range(batch)]
+    params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=seed, ignore_eot=True, json_schema=schema)
+    t0 = time.perf_counter()
+    gens = generate_batch(model, prompts, params, tokenizer=tok)
+    wall = time.perf_counter() - t0
+    assert all(len(g.token_ids) == new for g in gens), "a row ended early: the comparison needs equal tokens"
+    return batch * new / wall
+
+
+def engine_overhead(args: argparse.Namespace) -> None:
+    tok = GPT2Tokenizer()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=args.layers, n_head=args.width // 64,
+                    n_embd=args.width)
+    model = GPT(cfg).eval()
+    print(f"model: {args.layers} layers, width {args.width}, vocabulary {cfg.vocab_size}; {args.new} new tokens; "
+          f"{torch.get_num_threads()} threads; {cpu_name()}")
+    tokens_per_second(model, tok, 1, 8, ENDLESS, 0)  # warm-up: weights packed, the grammar vocabulary built
+    for batch in args.batches:
+        free, constrained = [], []
+        for r in range(args.rounds):
+            free.append(tokens_per_second(model, tok, batch, args.new, None, r))
+            constrained.append(tokens_per_second(model, tok, batch, args.new, ENDLESS, r))
+        f, c = statistics.median(free), statistics.median(constrained)
+        print(f"batch {batch:>2}: unconstrained {f:8.1f} tok/s, constrained {c:8.1f} tok/s, overhead "
+              f"{100 * (1 - c / f):5.1f}%  (load {loadavg()})")
+
+
+def _walk(name: str, make, fill, accept, path: list[int]) -> None:  # noqa: ANN001
+    t0 = time.perf_counter()
+    matcher = make()
+    compile_ms = 1e3 * (time.perf_counter() - t0)
+    times = []
+    for rep in range(5):
+        matcher = make() if rep else matcher
+        for token in path:
+            t0 = time.perf_counter()
+            fill(matcher)
+            times.append(time.perf_counter() - t0)
+            if not accept(matcher, token):
+                raise RuntimeError(f"{name} refused token {token} of the document")
+    print(f"{name:>14}: mask median {1e6 * statistics.median(times):6.1f} us, mean {1e6 * statistics.mean(times):6.1f}"
+          f" us; first matcher (schema compiled) {compile_ms:7.1f} ms")
+
+
+def library_masks() -> None:
+    """Each installed library's per-token mask cost along one document's tokens (see the module docstring)."""
+    tok = GPT2Tokenizer()
+    V, eos = tok.vocab_size, tok.eot_id
+    vocab = [tok.decode_bytes([i]) for i in range(V)]
+    schema = json.dumps({"type": "array", "items": ITEM})
+    path = tok.encode(DOCUMENT)
+    bits = torch.zeros(1, (V + 31) // 32, dtype=torch.int32)
+    print(f"document: {len(path)} tokens; vocabulary {V}")
+    try:
+        import llguidance
+
+        from gptlab.generation.grammar import grammar_vocabulary
+        from gptlab.generation.params import json_grammar
+
+        lltok, grammar = grammar_vocabulary(tok), json_grammar(schema)
+        _walk("llguidance", lambda: llguidance.LLMatcher(lltok, grammar),
+              lambda m: m.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4), lambda m, t: m.consume_token(t),
+              path)
+    except ImportError:
+        print("llguidance: not installed")
+    try:
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=V, stop_token_ids=[eos])
+        compiler, compiled = xgrammar.GrammarCompiler(info), {}
+
+        def make_xgrammar():  # noqa: ANN202 - compiled on the first call (timed), reused after
+            if "grammar" not in compiled:
+                compiled["grammar"] = compiler.compile_json_schema(schema, any_whitespace=False,
+                                                                   separators=(",", ":"))
+            return xgrammar.GrammarMatcher(compiled["grammar"])
+
+        _walk("xgrammar", make_xgrammar, lambda m: m.fill_next_token_bitmask(bits, 0),
+              lambda m, t: m.accept_token(t), path)
+    except ImportError:
+        print("xgrammar: not installed")
+    try:
+        import outlines_core
+        from outlines_core.json_schema import build_regex_from_schema
+
+        by_bytes: dict[bytes, list[int]] = {}
+        for i, b in enumerate(vocab):
+            if i != eos:
+                by_bytes.setdefault(b, []).append(i)
+        index = {}
+
+        def make_outlines():  # noqa: ANN202 - the index (over the whole vocabulary) built on the first call
+            if "index" not in index:
+                regex = build_regex_from_schema(schema)
+                index["index"] = outlines_core.Index(regex, outlines_core.Vocabulary(eos, by_bytes))
+            return outlines_core.Guide(index["index"])
+
+        _walk("outlines-core", make_outlines, lambda m: m.write_mask_into(bits.data_ptr(), bits.numel(), 4),
+              lambda m, t: m.advance(t) is not None, path)
+    except ImportError:
+        print("outlines-core: not installed")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--new", type=int, default=64, help="new tokens per row (default 64)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--libraries", action="store_true", help="also time each grammar library's masks")
+    args = p.parse_args()
+    engine_overhead(args)
+    if args.libraries:
+        library_masks()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Structured outputs: each row's JSON schema as a grammar, and the next-token masks it allows.
+
+The grammar library is llguidance (the `structured` extra): it compiles a JSON schema lazily, in about a
+millisecond, walks any tokenizer's vocabulary as bytes, and computes a row's mask in microseconds (measured against
+xgrammar and outlines-core by `benchmarks/structured_overhead.py --libraries`; the README says why it was chosen).
+
+* `grammar_vocabulary(tokenizer)`: llguidance's view of a gptlab tokenizer (every token's bytes), built once per
+  tokenizer. Its end-of-sequence token is one past the tokenizer's vocabulary, a token no model writes: which of a
+  row's own stop tokens may end it is decided here, from the grammar's accepting state, for every tokenizer alike.
+* `RowGrammar`: one row's matcher: the tokens it consumed, whether the JSON is complete (`accepting`) and whether
+  nothing may follow (`done`, the row then ends with finish reason "stop").
+* `allowed_tokens(grammars, vocab_size)`: the (rows, vocab) boolean mask of a batch's constrained rows, computed by
+  llguidance's thread pool in one call; `sampling.sample_next` applies it before any other logit control.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from gptlab.errors import GptlabError
+from gptlab.generation.params import InvalidSamplingParam, json_grammar, schema_start
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
+
+
+class GrammarDeadEnd(GptlabError):
+    """A row's grammar allows no token of the model's vocabulary (it cannot go on, nor end)."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:  # SamplingParams refuses a schema first; this is for a caller that skipped it
+        raise GptlabError("structured outputs need the llguidance package: pip install 'gptlab[structured]'") from None
+    return llguidance
+
+
+class _TokenizerView:
+    """What llguidance reads of a tokenizer: every token's bytes, the special ones, and an encoder."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        n = tokenizer.vocab_size
+        # a token's bytes after an anchor token: some tokenizers (SentencePiece) decode a first token differently
+        anchor = len(tokenizer.decode_bytes([0]))
+        self.tokens = [tokenizer.decode_bytes([0, i])[anchor:] for i in range(n)] + [b"<|gptlab-end|>"]
+        self.eos_token_id, self.bos_token_id = n, None  # the virtual end token (see the module docstring)
+        eot = getattr(tokenizer, "eot_id", None)
+        self.special_token_ids = [n] + ([eot] if eot is not None else [])
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # llguidance probes whether bytes are taken: they are not
+            raise TypeError("text only")
+        return self._encode(text)
+
+
+@functools.lru_cache(maxsize=8)
+def grammar_vocabulary(tokenizer: TextTokenizer) -> Any:
+    """llguidance's tokenizer for `tokenizer` (tens of milliseconds for a 50k vocabulary: built once)."""
+    llg = _llguidance()
+    return llg.LLTokenizer(llg.TokenizerWrapper(_TokenizerView(tokenizer)))
+
+
+@functools.lru_cache(maxsize=1)
+def _executor() -> Any:
+    return _llguidance().LLExecutor()
+
+
+class RowGrammar:
+    """One row's grammar state: a matcher that consumed the row's tokens so far, and the row's stop tokens (allowed
+    only where the grammar accepts)."""
+
+    def __init__(self, matcher: Any, stop_ids: frozenset[int], vocab_size: int) -> None:
+        self.matcher, self.stop_ids, self.vocab_size = matcher, stop_ids, vocab_size
+
+    @property
+    def accepting(self) -> bool:
+        return self.matcher.is_accepting()
+
+    @property
+    def done(self) -> bool:
+        """Nothing may follow: the output is complete."""
+        return self.matcher.is_stopped()
+
+    def advance(self, token: int) -> bool:
+        """Consume the row's new token (one the mask allowed); True when the output is then complete."""
+        if not self.matcher.consume_token(token):
+            raise GptlabError(f"token {token} does not continue the row's JSON: {self.matcher.get_error()}")
+        return self.done
+
+
+def row_grammar(schema: str, tokenizer: TextTokenizer | None, stop_ids: frozenset[int]) -> RowGrammar:
+    """A row's grammar for a JSON schema (text, checked by SamplingParams); InvalidSamplingParam when this
+    tokenizer cannot write any text the schema allows."""
+    if tokenizer is None:
+        raise ValueError("json_schema needs a tokenizer: the grammar reads tokens as text")
+    llg = _llguidance()
+    vocab = grammar_vocabulary(tokenizer)
+    matcher = llg.LLMatcher(vocab, json_grammar(schema), log_level=0)
+    if matcher.is_error():
+        why = f"is not a schema gptlab can enforce: {matcher.get_error()}"
+        raise InvalidSamplingParam("json_schema", schema_start(schema), why)
+    grammar = RowGrammar(matcher, stop_ids, tokenizer.vocab_size)
+    try:
+        allowed_tokens([grammar], tokenizer.vocab_size)
+    except GrammarDeadEnd:
+        why = "cannot be written in this model's vocabulary: no token starts an output it allows"
+        raise InvalidSamplingParam("json_schema", schema_start(schema), why) from None
+    return grammar
+
+
+def allowed_tokens(grammars: Sequence[RowGrammar], vocab_size: int) -> torch.Tensor:
+    """The (len(grammars), vocab_size) boolean mask of the tokens each grammar allows next: its own tokens, and its
+    stop tokens where the JSON is complete. Tokens past the tokenizer's vocabulary (a padded model's) never are.
+
+    Batched throughout (one llguidance call, one unpacking, one check): a per-row pass over a 50k vocabulary cost
+    more than the masks themselves."""
+    n, end = len(grammars), grammars[0].vocab_size
+    words = (end + 1 + 31) // 32  # llguidance's vocabulary: the tokenizer's + the virtual end token (`end`)
+    bits = np.zeros((n, words), dtype=np.uint32)
+    _executor().unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], bits.ctypes.data,
+                                        words * 4, n)
+    bits[:, end // 32] &= np.uint32(~(1 << (end % 32)) & 0xFFFFFFFF)  # never the virtual end: stops are ours
+    unpacked = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(np.bool_))
+    known = min(vocab_size, end)
+    if known == vocab_size:
+        allowed = unpacked[:, :vocab_size]  # (a fresh array: written below as it is)
+    else:
+        allowed = torch.zeros(n, vocab_size, dtype=torch.bool)
+        allowed[:, :known] = unpacked[:, :known]
+    stops = [(i, t) for i, g in enumerate(grammars) for t in g.stop_ids if t < vocab_size]
+    accepting = {i: grammars[i].accepting for i in {i for i, _ in stops}}
+    if stops:
+        rows, ids = zip(*stops, strict=True)
+        allowed[list(rows), list(ids)] = torch.tensor([accepting[i] for i in rows])
+    # a dead end: no bit set in the row's words (32x less to read than the mask), and no stop token allowed
+    live = bits.any(axis=1) if known == end else allowed.any(dim=1).numpy()
+    dead = [i for i in range(n) if not live[i] and not accepting.get(i, False)]
+    if dead:
+        g = grammars[dead[0]]
+        raise GrammarDeadEnd(f"no token of the vocabulary continues the row's JSON ({g.matcher.get_error()})")
+    return allowed

@@ -1,0 +1,253 @@
+"""Structured outputs: a JSON schema's grammar masks each row's next token (llguidance), so that every finished
+output parses and validates against its schema (checked with `jsonschema`, an independent validator), in a batch
+that mixes constrained and free rows, through chunked prefill, stop strings and streaming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import ByteTokenizer, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+from gptlab.generation import Engine, SamplingParams, generate_batch, stream_deltas  # noqa: E402
+from gptlab.generation.grammar import allowed_tokens, row_grammar  # noqa: E402
+from gptlab.generation.params import JSON_OBJECT, InvalidSamplingParam  # noqa: E402
+from gptlab.tokenizer import CharTokenizer  # noqa: E402
+
+
+class EotBytes(ByteTokenizer):
+    """Bytes plus an end-of-text token (256), so that a top-level number or string can end."""
+
+    vocab_size, eot_id = 257, 256
+
+    def decode_bytes(self, ids) -> bytes:  # noqa: ANN001
+        return bytes(int(i) for i in ids if int(i) < 256)
+
+
+TOK = EotBytes()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab_size=257, block_size=256)
+
+
+def _valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+# small schemas whose outputs stay short (strings, arrays and objects bounded), so a random model finishes them
+_scalars = st.one_of(
+    st.just({"type": "boolean"}), st.just({"type": "null"}),
+    st.integers(-50, 50).flatmap(lambda lo: st.just({"type": "integer", "minimum": lo, "maximum": lo + 100})),
+    st.integers(0, 4).map(lambda n: {"type": "string", "maxLength": n}),
+    st.lists(st.sampled_from(["red", "green", "x", "7"]), min_size=1, max_size=3, unique=True).map(
+        lambda v: {"enum": v}),
+)
+_schemas = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.tuples(inner, st.integers(0, 2)).map(lambda t: {"type": "array", "items": t[0], "maxItems": t[1]}),
+        st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, min_size=1, max_size=3).flatmap(
+            lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(lambda req: {
+                "type": "object", "properties": props, "required": req, "additionalProperties": False})),
+    ),
+    max_leaves=4,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=_schemas, seed=st.integers(0, 2**31))
+def test_every_finished_output_parses_and_validates_against_its_schema(model, schema, seed) -> None:
+    params = SamplingParams(max_new_tokens=120, temperature=1.0, seed=seed, json_schema=schema)
+    gens = generate_batch(model, [list(b"{"), list(b"x y")], params, tokenizer=TOK)
+    for g in gens:
+        assert g.finish_reason in ("stop", "length")
+        if g.finish_reason == "stop":
+            assert _valid(g.text, schema), (schema, g.text)
+
+
+def test_the_mask_allows_exactly_what_json_allows_next() -> None:
+    # an analytic reference: an object starts with "{", then a key or "}"; end-of-text only once it is complete
+    g = row_grammar(json.dumps(JSON_OBJECT), TOK, frozenset({TOK.eot_id}))
+    assert torch.nonzero(allowed_tokens([g], 257)[0]).flatten().tolist() == [ord("{")]
+    assert not g.advance(ord("{"))
+    assert torch.nonzero(allowed_tokens([g], 257)[0]).flatten().tolist() == [ord('"'), ord("}")]
+    assert g.advance(ord("}"))  # the object is complete and nothing may follow: the row ends
+    number = row_grammar(json.dumps({"type": "integer"}), TOK, frozenset({TOK.eot_id}))
+    number.advance(ord("7"))
+    allowed = allowed_tokens([number], 260)[0]  # a model vocabulary padded past the tokenizer's
+    assert allowed[TOK.eot_id] and allowed[ord("0")] and not allowed[ord("{")] and not allowed[257:].any()
+
+
+def test_mixed_batch_rows_are_independent_and_length_cuts_mid_json(model) -> None:
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 3},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["word", "n"], "additionalProperties": False}
+    free = SamplingParams(max_new_tokens=12, temperature=0)
+    constrained = SamplingParams(max_new_tokens=80, temperature=0, json_schema=schema)
+    cut = SamplingParams(max_new_tokens=3, temperature=0, json_schema=schema)
+    engine = Engine(model, max_batch=3, tokenizer=TOK)
+    gens = [engine.prepare(list(b"ab"), p) for p in (free, constrained, cut)]
+    engine.run(gens)
+    (alone,) = generate_batch(model, [list(b"ab")], free, tokenizer=TOK)
+    assert gens[0].token_ids == alone.token_ids  # a free row in a constrained batch decodes as it does alone
+    assert gens[1].finish_reason == "stop" and _valid(gens[1].text, schema)
+    assert gens[2].finish_reason == "length" and len(gens[2].token_ids) == 3
+    assert gens[2].text == gens[1].text[:3] and not _valid(gens[2].text, schema)
+
+
+def test_grammar_state_survives_chunked_prefill_stop_strings_and_streaming(model) -> None:
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "maxItems": 6}
+    params = SamplingParams(max_new_tokens=60, temperature=0.9, seed=3, json_schema=schema, stop=["never"])
+    engine = Engine(model, max_batch=2, tokenizer=TOK, prefill_chunk=4)
+    other = engine.prepare(list(b"free running row, longer than a chunk"), SamplingParams(max_new_tokens=40))
+    engine.add([other])
+    engine.step()
+    gen = engine.prepare(list(b"a prompt of several chunks"), params)
+    text = "".join(stream_deltas(engine, gen))
+    assert gen.finish_reason == "stop" and text == gen.text and _valid(text, schema)
+    (alone,) = generate_batch(model, [list(b"a prompt of several chunks")], params, tokenizer=TOK)
+    assert alone.token_ids == gen.token_ids  # seeded: the same output unchunked, alone
+
+
+def test_a_bad_schema_or_a_vocabulary_that_cannot_write_it_is_refused_naming_the_field() -> None:
+    for bad in ({"type": "foo"}, {"minLength": "a"}, "[1, 2]", "not json", 7):
+        with pytest.raises(InvalidSamplingParam, match="json_schema"):
+            SamplingParams(json_schema=bad)
+    assert SamplingParams(json_schema=JSON_OBJECT).json_schema == '{"type": "object"}'
+    chars = CharTokenizer.from_text("abc 123")  # no "{" to start an object with
+    with pytest.raises(InvalidSamplingParam, match="cannot be written in this model's vocabulary"):
+        row_grammar(json.dumps(JSON_OBJECT), chars, frozenset())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CLI: gptlab sample --json-schema FILE / --json
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def json_checkpoint(tmp_path_factory):
+    from gptlab.checkpoint import save_model
+
+    # no end-of-text token: a row ends where its grammar does
+    tok = CharTokenizer.from_text('abcdefghijklmnopqrstuvwxyz {}[]":,0123456789-.\n')
+    model = tiny_model(vocab_size=tok.vocab_size, block_size=128)
+    return save_model(tmp_path_factory.mktemp("json") / "ckpt", model, tok)
+
+
+def test_sample_writes_json_under_a_schema_file(json_checkpoint, tmp_path, capsys) -> None:
+    from gptlab.cli import main
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                               "tag": {"enum": ["abc", "xyz"]}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for flags, want in ((["--json-schema", str(path)], schema), (["--json"], JSON_OBJECT)):
+        assert main(["sample", str(json_checkpoint), "--prompt", "a", "--max-new-tokens", "100", "--seed", "1",
+                     *flags]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("a") and out.endswith("\n---------------\n")
+        assert _valid(out[1 : -len("\n---------------\n")], want), out
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "not found"), ("{oops", "cannot read"), ("[1]", "should hold a JSON object"),
+    ('{"type": "foo"}', "--json-schema is not a schema gptlab can enforce"),
+])
+def test_sample_with_a_bad_schema_file_is_one_line_exit_2(json_checkpoint, tmp_path, capsys, content,
+                                                           message) -> None:
+    from gptlab.cli import main
+
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["sample", str(json_checkpoint), "--json-schema", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The server: response_format json_object / json_schema, rows with and without grammars in one batch
+# ---------------------------------------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+AS_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    pytest.importorskip("fastapi")
+    from gptlab.serve import ServerThread, create_app
+
+    app = create_app(model, TOK, model_name="m", max_batch=4, ui=False, prefill_chunk=4)
+    with ServerThread(app) as server:
+        yield server
+
+
+def _post(server, path: str, body: dict):
+    import httpx
+
+    return httpx.post(server.url + path, json={"model": "m", **body}, timeout=60)
+
+
+def test_server_mixed_batch_answers_json_where_asked(served, model) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    chat = {"messages": [{"role": "user", "content": "who is it?"}], "max_tokens": 100, "temperature": 0.8, "seed": 1}
+    requests = [
+        ("/v1/chat/completions", {**chat, "response_format": AS_SCHEMA}, SCHEMA),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, JSON_OBJECT),
+        ("/v1/completions", {"prompt": "a long prompt, prefilled in chunks", "max_tokens": 100, "temperature": 0,
+                             "response_format": AS_SCHEMA}, SCHEMA),
+        ("/v1/completions", {"prompt": "free text", "max_tokens": 20, "temperature": 0}, None),
+        ("/v1/completions", {"prompt": "free", "max_tokens": 20, "response_format": {"type": "text"}}, None),
+    ]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda r: _post(served, r[0], r[1]), requests))
+    for (route, _, schema), r in zip(requests, answers, strict=True):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if "chat" in route else choice["text"]
+        if schema is not None:
+            assert choice["finish_reason"] == "stop" and _valid(text, schema), text
+    (free,) = generate_batch(model, [TOK.encode("free text")], SamplingParams(max_new_tokens=20, temperature=0),
+                             tokenizer=TOK)
+    assert answers[3].json()["choices"][0]["text"] == free.text  # the free row as the engine writes it alone
+
+
+def test_server_streams_json_and_cuts_at_max_tokens_with_length(served) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=100,
+                                            response_format=AS_SCHEMA, stream=True, seed=2)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    text = "".join(c.delta.content or "" for c in chunks)
+    assert chunks[-1].finish_reason == "stop" and _valid(text, SCHEMA)
+    cut = client.completions.create(model="m", prompt="hi", max_tokens=4, extra_body={"response_format": AS_SCHEMA})
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].text == '{"na'
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minLength": "a"}}},
+    {"type": "json_schema", "json_schema": {"name": "x"}},
+    {"type": "xml"},
+    "json",
+])
+def test_server_refuses_a_bad_response_format_naming_it(served, response_format) -> None:
+    for route, body in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "a"}]})):
+        r = _post(served, route, {**body, "response_format": response_format})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
