@@ -23,6 +23,7 @@ from fastapi import Request
 from gptlab.errors import GptlabError
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
+from gptlab.generation.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
@@ -43,12 +44,15 @@ class Server:
         max_batch: int,
         max_queue: int,
         prefill_chunk: int | None,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         # one for the server's life: compiled, and its turn end found, on the first chat request, then kept
         self.chat_template = chat_template_for(tokenizer)
         self.block_size = model.config.block_size
-        self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk)
+        # prompts' beginnings (a system prompt, a conversation so far) prefilled once, reused by later requests
+        self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
+                             prefix_cache=PrefixCache.of_megabytes(prefix_cache_mb))
         self.scheduler = Scheduler(self.engine, max_queue=max_queue)
         self.created = int(time.time())
 
