@@ -178,7 +178,7 @@ def test_kept_blocks_restore_what_was_stored_within_the_budget(ops: list[tuple[b
             assert torch.equal(kv.k[:, 1, :, :n], kv.k[:, 0, :, :n])
             assert torch.equal(kv.v[:, 1, :, :n], kv.v[:, 0, :, :n])
         stats = cache.stats()
-        assert stats.bytes <= stats.budget_bytes
+        assert stats.bytes == sum(b.k.nbytes + b.v.nbytes for b in cache._blocks.values()) <= stats.budget_bytes
         ids = {b.id for b in cache._blocks.values()}
         assert all(b.key[0] in ids or b.key[0] == 0 for b in cache._blocks.values())
 

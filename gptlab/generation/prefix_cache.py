@@ -90,6 +90,7 @@ class PrefixCache:
         self._ids = itertools.count(1)
         self._owner: tuple | None = None  # (model ref, cache layout, weights' fingerprint) the blocks belong to
         self._queries = self._query_tokens = self._hit_tokens = self._evicted = 0
+        self._bytes = 0  # of the blocks kept (a count, so that `stats` never walks the blocks another thread changes)
 
     @classmethod
     def of_megabytes(cls, megabytes: float, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> PrefixCache | None:
@@ -131,13 +132,13 @@ class PrefixCache:
 
     def stats(self) -> PrefixCacheStats:
         """A snapshot of the counts (for metrics: safe to read from another thread)."""
-        blocks = list(self._blocks.values())
-        return PrefixCacheStats(self._queries, self._query_tokens, self._hit_tokens, len(blocks),
-                                sum(b.k.nbytes + b.v.nbytes for b in blocks), self.budget_bytes, self._evicted)
+        return PrefixCacheStats(self._queries, self._query_tokens, self._hit_tokens, len(self._blocks), self._bytes,
+                                self.budget_bytes, self._evicted)
 
     def clear(self) -> None:
         """Drop every block (the counts stay)."""
         self._blocks.clear()
+        self._bytes = 0
 
     # --- inside ---------------------------------------------------------------------------------------------
     def _usable(self, model: nn.Module, kv: KVCache, length: int) -> bool:
@@ -152,7 +153,7 @@ class PrefixCache:
         owner = (weakref.ref(model), (n_layer, n_kv_head, head_size, kv.k.dtype, kv.k.device),
                  _weights_fingerprint(model))
         if owner != self._owner:
-            self._blocks.clear()
+            self.clear()
             self._owner = owner
         return True
 
@@ -171,6 +172,7 @@ class PrefixCache:
                 block = _Block(next(self._ids), key, kv.k[:, row, :, start : start + size].clone(),
                                kv.v[:, row, :, start : start + size].clone())
                 self._blocks[key] = block
+                self._bytes += block.k.nbytes + block.v.nbytes
             chain.append(block)
             parent = block.id
         return chain
@@ -187,7 +189,8 @@ class PrefixCache:
         first = next(iter(self._blocks.values()))
         capacity = self.budget_bytes // (first.k.nbytes + first.v.nbytes)
         while len(self._blocks) > capacity:
-            self._blocks.popitem(last=False)
+            _, block = self._blocks.popitem(last=False)
+            self._bytes -= block.k.nbytes + block.v.nbytes
             self._evicted += 1
 
 
