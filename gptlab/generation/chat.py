@@ -19,9 +19,10 @@ A chat model reads the whole conversation every turn, rendered by its chat templ
   handed out; one abandoned before any text leaves no turn at all.
 * **Not paying for the model's size, nor the conversation's length, every turn.** One `Engine` (one KV cache, one
   set of packed CPU weights) is kept across turns and only regrown when a longer conversation needs more cache;
-  its `PrefixCache`, kept across engines, holds the keys and values of every turn so far (the prompt and the reply
-  as generated), so a turn prefills only what the last one did not compute: the template's end of the reply and
-  the new message (`prefix_cache_mb=0` turns it off: every turn then prefills the whole conversation).
+  its `PrefixCache`, kept across engines, holds the keys and values of every turn so far (the prompt, and the reply
+  as generated: reused as far as the next rendering repeats its tokens), so a turn prefills only what the last one
+  did not compute, e.g. the template's end of the reply and the new message (`prefix_cache_mb=0` turns it off:
+  every turn then prefills the whole conversation).
 
 Nothing here prints or parses flags: `gptlab chat` (`gptlab.cli.chat`) is the terminal around it.
 """
