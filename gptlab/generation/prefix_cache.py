@@ -111,9 +111,10 @@ class PrefixCache:
         chain = self._chain(prompt[: len(prompt) - 1], create=False)
         if not chain:
             return 0
-        n = len(chain) * self.block_tokens
-        kv.k[:, row, :, :n] = torch.cat([b.k for b in chain], dim=2)
-        kv.v[:, row, :, :n] = torch.cat([b.v for b in chain], dim=2)
+        n, size = len(chain) * self.block_tokens, self.block_tokens
+        for i, block in enumerate(chain):  # straight into the row: a concatenation first would copy it all twice
+            kv.k[:, row, :, i * size : (i + 1) * size].copy_(block.k)
+            kv.v[:, row, :, i * size : (i + 1) * size].copy_(block.v)
         self._touch(chain)
         self._hit_tokens += n
         return n
