@@ -43,14 +43,14 @@ _LAZY = {
     "PromptTooLongError": "gptlab.generation.rows",
     "cache_length": "gptlab.kv_cache",
     "default_cache_dtype": "gptlab.kv_cache",
-    "PrefixCache": "gptlab.generation.prefix_cache",
-    "PrefixCacheStats": "gptlab.generation.prefix_cache",
     "generate": "gptlab.generation.api",  # idx (B, T) -> (B, T + new), as nanoGPT's model.generate
     "generate_batch": "gptlab.generation.api",
     "generate_stream": "gptlab.generation.api",
     "stream_deltas": "gptlab.generation.api",
     "ChatSession": "gptlab.generation.chat",
     "MessageTooLongError": "gptlab.generation.chat",
+    "PrefixCache": "gptlab.generation.prefix_cache",
+    "PrefixCacheStats": "gptlab.generation.prefix_cache",
 }
 __all__ = [  # = _LAZY's names, spelled out so that tools see what is exported
     "SamplingParams", "InvalidSamplingParam", "MAX_LOGPROBS", "TokenLogprob", "sample_next", "TextState", "Engine",
