@@ -17,6 +17,7 @@ sees.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -137,3 +138,20 @@ class KVCache:
     def advance(self, T: int) -> None:
         """Every row now holds T more tokens (after the forward's last layer)."""
         self.lengths += T
+
+
+def default_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """fp32 keys/values on CPUs whatever the weights' dtype, else the weights' dtype.
+
+    Attention runs in the cache's dtype when it is the wider one. On CPUs PyTorch's bf16 attention kernels are
+    slower than fp32 ones at decoding shapes, even though they read half the bytes; fp32 is also the more accurate
+    choice."""
+    return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def cache_length(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """Cache rows long enough for these prompts and continuations (the engine caps it at block_size).
+
+    Allocating (and zeroing) only what a run can use keeps one-shot calls cheap: a full GPT-2 cache of 1024
+    positions is 75 MB per row in fp32."""
+    return max((len(p) for p in prompts), default=1) + max_new_tokens

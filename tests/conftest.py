@@ -61,3 +61,24 @@ def one_thread():  # noqa: ANN201
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["avx2", "avx512"])
+def build_name(request: pytest.FixtureRequest) -> str:
+    """Each of gptlab's kernel builds this machine runs (built once per machine, cached); a skip saying why where
+    a build is not there."""
+    from gptlab.kernels import kernel_builds
+
+    if request.param not in kernel_builds():
+        pytest.skip(f"gptlab's {request.param} kernels do not run here (the CPU lacks them, no C++ compiler, or the "
+                    "build failed: see the warning)")
+    return request.param
+
+
+@pytest.fixture
+def on_kernel(build_name: str, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """That build made the dispatch's choice for the test, whichever one it would pick here."""
+    from gptlab.kernels import kernel_builds
+
+    monkeypatch.setenv("GPTLAB_KERNEL", build_name)
+    return kernel_builds()[build_name]

@@ -1,9 +1,12 @@
-"""Tiny models of every family gptlab builds (Llama, Qwen2/3, Mistral, Gemma 2, Phi-3, GPT-J, scaled RoPE), for the
-tests that run one check across all of them. Import as `from families import FAMILIES, build`."""
+"""Tiny models of every family gptlab builds (GPT-2, Llama, Qwen2/3, Mistral, Gemma 2, Phi-3, GPT-J, scaled RoPE), for
+the tests that run one check across all of them. Import as `from families import ALL_FAMILIES, model_of`
+(`FAMILIES`, `build`: the RoPE families alone, with overrides)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+from helpers import tiny_model
 
 from gptlab import GPT, GPTConfig
 from gptlab.config import RopeScaling
@@ -41,3 +44,16 @@ def build(family: str, seed: int = 0, **overrides) -> GPT:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def gpt2_like(**kw: object) -> nn.Module:
+    """A tiny model of the GPT-2 family: pre-norm LayerNorm blocks, GELU MLP, learned positions."""
+    kw = {"n_kv_head": None, **kw}
+    return tiny_model(position="learned", vocab_size=VOCAB, norm="layernorm", mlp="gelu", bias=True, **kw)
+
+
+ALL_FAMILIES = ["gpt2", *FAMILIES]
+
+
+def model_of(family: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    return (gpt2_like() if family == "gpt2" else build(family)).to(dtype)

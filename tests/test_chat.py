@@ -22,6 +22,7 @@ from gptlab.checkpoint import save_model
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import ChatSession, MessageTooLongError, SamplingParams, generate
+from gptlab.generation.prefix_cache import DEFAULT_BLOCK_TOKENS
 from gptlab.tokenizer import CharTokenizer
 from gptlab.tokenizer.chat_template import BUILTIN_TEMPLATES, chat_template_for, turn_end_stops
 
@@ -121,6 +122,36 @@ def test_a_reply_equals_generate_on_the_rendered_prompt():
         expected = TOK.decode(out[0, len(ids) :].tolist()).split("\nUser:")[0].strip()
         assert session.ask(text) == expected
         assert session.messages[-1] == {"role": "assistant", "content": expected}
+
+
+@pytest.mark.parametrize("scripted", [True, False])
+def test_a_turn_prefills_only_what_the_turn_before_did_not_compute(scripted, monkeypatch):
+    """The prefix cache keeps each turn's prompt and reply: the next turn prefills neither again (but for the
+    last partial block), and replies are those of a session without it, which prefills the whole conversation."""
+    model = (loop_model(TOK, OK_LOOP, TOK.vocab_size, block_size=256) if scripted
+             else tiny_model(vocab_size=TOK.vocab_size, block_size=256))
+    prefilled: list[int] = []  # tokens per forward through the model (its first one in a turn: the prefill)
+    forward = model.hidden_states
+    monkeypatch.setattr(model, "hidden_states", lambda idx, **kw: prefilled.append(idx.shape[1]) or forward(idx, **kw))
+    system = "You are a terse assistant who answers in as few words as anyone can."
+    cached, uncached = (ChatSession(model, TOK, greedy(16), system=system, prefix_cache_mb=mb) for mb in (512, 0))
+    assert uncached.prefix_cache is None
+    before = []
+    for turn, text in enumerate(("Hello there", "Why is that?", "Thanks")):
+        ids = cached.prompt_ids(cached.messages + [{"role": "user", "content": text}])
+        prefilled.clear()
+        reply = cached.ask(text)
+        if turn == 0:
+            assert prefilled[0] == len(ids)
+        else:  # the turn before: its prompt, and its reply as generated (" ok\nUser" before the stop's last ":")
+            done = len(before) + (len(" ok\nUser") if scripted else 0)
+            assert prefilled[0] <= len(ids) - done + DEFAULT_BLOCK_TOKENS - 1
+        prefilled.clear()
+        assert uncached.ask(text) == reply
+        assert prefilled[0] == len(ids)
+        before = ids
+    stats = cached.prefix_cache.stats()
+    assert stats.hit_tokens > 0 and stats.hit_rate > 0.5
 
 
 def test_closing_a_reply_keeps_what_was_shown():
@@ -226,6 +257,7 @@ def test_the_template_flag_lists_the_built_in_templates():
     (["--top-p", "2"], "--top-p must be in (0, 1]"),
     (["--max-new-tokens", "200"], "leaves no room for the conversation"),
     (["--chat-template", "chatml"], "not in the char tokenizer's vocabulary"),
+    (["--prefix-cache-mb", "-1"], "--prefix-cache-mb must be 0 (off) or a size in MB"),
 ])
 def test_chat_errors_are_one_line(chat_dirs, monkeypatch, capsys, args, message):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))

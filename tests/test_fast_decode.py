@@ -13,15 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from families import FAMILIES
-from families import build as family_model
-from helpers import tiny_model
+from families import ALL_FAMILIES, gpt2_like, model_of
 
 import gptlab.generation.engine as engine_module
 from gptlab.generation import Engine, generate, native_decode
 from gptlab.generation.fast_decode import LEAN_SWITCHES, decode_hidden, supports, unknown_switches
 from gptlab.generation.packed_linear import PackedLinears, forget_packed, kernel_packed
-from gptlab.kernels import kernel_builds
 from gptlab.kv_cache import KVCache
 from gptlab.lora import LoRASpec, add_lora
 from gptlab.quantize import QuantizedLinear, quantize_model
@@ -29,39 +26,9 @@ from gptlab.quantize import QuantizedLinear, quantize_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=["avx2", "avx512"])
-def build_name(request: pytest.FixtureRequest) -> str:
-    """Each of gptlab's kernel builds this machine runs (built once per machine, cached); a skip saying why where
-    a build is not there."""
-    if request.param not in kernel_builds():
-        pytest.skip(f"gptlab's {request.param} kernels do not run here (the CPU lacks them, no C++ compiler, or the "
-                    "build failed: see the warning)")
-    return request.param
-
-
-@pytest.fixture
-def on_kernel(build_name: str, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    """That build made the dispatch's choice for the test, whichever one it would pick here."""
-    monkeypatch.setenv("GPTLAB_KERNEL", build_name)
-    return kernel_builds()[build_name]
-
-
-def gpt2_like(**kw: object) -> nn.Module:
-    """A tiny model of the GPT-2 family: pre-norm LayerNorm blocks, GELU MLP, learned positions."""
-    kw = {"n_kv_head": None, **kw}
-    return tiny_model(position="learned", vocab_size=97, norm="layernorm", mlp="gelu", bias=True, **kw)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The lean decode step: every family
 # ---------------------------------------------------------------------------------------------------------------
-ALL_FAMILIES = ["gpt2", *FAMILIES]
-
-
-def model_of(family: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    return (gpt2_like() if family == "gpt2" else family_model(family)).to(dtype)
-
-
 def test_supports_every_family_and_refuses_what_it_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(supports(model_of(f)) for f in ALL_FAMILIES)
     dropout = gpt2_like(dropout=0.1)

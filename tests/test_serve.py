@@ -108,6 +108,19 @@ def test_prompt_list_n_seed_and_stop(served, client):
     assert out.choices[0].text == full.split(stop)[0] and out.choices[0].finish_reason == "stop"
 
 
+def test_requests_sharing_a_prefix_reuse_its_keys_and_answer_as_without(served, client):
+    """The prefix cache is on by default: a second request starting as the first prefills only what is new (in
+    chunks, as this server prefills), and answers as the engine does without it."""
+    _, model, tokenizer, state = served
+    cache = state.engine.prefix_cache
+    prefix = "The quick brown fox jumps over the lazy dog. "  # 45 characters: 2 whole blocks of 16
+    before = cache.stats().hit_tokens
+    for end in ("Then", "And so"):
+        out = client.completions.create(model=NAME, prompt=prefix + end, max_tokens=6, temperature=0)
+        assert out.choices[0].text == reference(model, tokenizer, prefix + end, 6)[0]
+    assert cache.stats().hit_tokens - before == 32
+
+
 def test_max_tokens_is_capped_by_the_context(served, client):
     prompt = "abcdefghij" * 6  # 60 of the 64 positions
     out = client.completions.create(model=NAME, prompt=prompt, max_tokens=100, temperature=0)
@@ -304,7 +317,7 @@ def test_serve_command_rejects_bad_flags_in_one_line(capsys, tmp_path):
 
     ckpt = str(tmp_path / "unused")  # the flags are checked before any model is loaded
     for flags, words in [(["--max-batch", "0"], "--max-batch"), (["--prefill-chunk", "-1"], "--prefill-chunk"),
-                         (["--port", "70000"], "--port")]:
+                         (["--port", "70000"], "--port"), (["--prefix-cache-mb", "nan"], "--prefix-cache-mb")]:
         assert main(["serve", ckpt, *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and err.count("\n") == 1

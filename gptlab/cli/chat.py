@@ -22,7 +22,15 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
+from gptlab.cli.options import (
+    add_device,
+    add_dtype,
+    add_prefix_cache,
+    add_quantize,
+    prefix_cache_options,
+    quantize_options,
+    torch_dtype,
+)
 from gptlab.cli.sample import add_sampling_flags, check_biased_tokens, sampling_params
 from gptlab.errors import GptlabError
 
@@ -53,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     add_dtype(p)  # default auto: bf16 on a GPU; on a CPU float32 (bfloat16 is ~2x faster on recent CPUs)
     add_quantize(p)
+    add_prefix_cache(p)
     p.set_defaults(run=run)
 
 
@@ -63,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     # every flag is checked before the (slow) model load; the default reply length needs the model's context
     params = sampling_params(args, **({} if args.max_new_tokens is not None else {"max_new_tokens": 1}))
+    prefix_cache = prefix_cache_options(args)
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, device=device, dtype=torch_dtype(args.dtype, device),
                                   **quantize_options(args))
@@ -73,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens is None:
         params = dataclasses.replace(params, max_new_tokens=default_max_new_tokens(model.config.block_size))
     session = ChatSession(model, tokenizer, params, system=args.system, template=args.chat_template,
-                          on_notice=_note)
+                          on_notice=_note, **prefix_cache)
     if sys.stdin.isatty():
         return _interactive(session, args.model)
     return _piped(session, sys.stdin)

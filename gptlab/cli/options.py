@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from gptlab.errors import GptlabError
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_PREFIX_CACHE_MB = 2**24  # 16 TiB: beyond any machine's memory
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
@@ -37,3 +40,21 @@ def add_quantize(p: argparse.ArgumentParser) -> None:
 def quantize_options(args: argparse.Namespace) -> dict[str, Any]:
     """`load_model`'s quantize and group_size from the flags (it checks them before loading anything)."""
     return {"quantize": args.quantize, "group_size": args.group_size}
+
+
+def add_prefix_cache(p: argparse.ArgumentParser) -> None:
+    """--prefix-cache-mb: the budget of `gptlab.generation.prefix_cache` (its default, 512 MB, when not given)."""
+    p.add_argument("--prefix-cache-mb", type=float, metavar="MB",
+                   help="memory for the keys and values of prompts' beginnings (a system prompt, the conversation so "
+                   "far), kept so that later prompts starting alike prefill only the rest; least recently used "
+                   "dropped first (default 512; 0: off)")
+
+
+def prefix_cache_options(args: argparse.Namespace) -> dict[str, float]:
+    """The library's prefix_cache_mb from the flag (nothing when not given: the library's default), checked."""
+    mb = args.prefix_cache_mb
+    if mb is None:
+        return {}
+    if not 0 <= mb <= MAX_PREFIX_CACHE_MB:  # (also refuses nan)
+        raise GptlabError(f"--prefix-cache-mb must be 0 (off) or a size in MB up to {MAX_PREFIX_CACHE_MB}, got {mb}")
+    return {"prefix_cache_mb": mb}

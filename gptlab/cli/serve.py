@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
+from gptlab.cli.options import (
+    add_device,
+    add_dtype,
+    add_prefix_cache,
+    add_quantize,
+    prefix_cache_options,
+    quantize_options,
+    torch_dtype,
+)
 from gptlab.errors import GptlabError
 
 
@@ -32,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     add_dtype(p)  # default auto: bf16 on a GPU; on a CPU float32 (bfloat16 is ~2x faster on recent CPUs)
     add_quantize(p)
+    add_prefix_cache(p)
     p.add_argument("--no-ui", action="store_true",
                    help="do not serve the web page (chat playground, attention explorer) at /")
     p.set_defaults(run=run)
@@ -53,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise GptlabError(f"--port must be in 0..65535, got {args.port}")
     if not 0 < args.max_body_mb <= 2**20:  # (also refuses nan)
         raise GptlabError(f"--max-body-mb must be a size in MB, more than 0, got {args.max_body_mb}")
+    prefix_cache = prefix_cache_options(args)
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype, device),
                                   **quantize_options(args))
@@ -65,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
         prefill_chunk=args.prefill_chunk or None, max_body_bytes=int(args.max_body_mb * 2**20), ui=not args.no_ui,
+        **prefix_cache,
     )
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -25,10 +25,12 @@ if TYPE_CHECKING:
     from gptlab.generation.api import generate, generate_batch, generate_stream, stream_deltas
     from gptlab.generation.chat import ChatSession, MessageTooLongError
     from gptlab.generation.detokenize import TextState
-    from gptlab.generation.engine import Engine, cache_length, default_cache_dtype
+    from gptlab.generation.engine import Engine
     from gptlab.generation.params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams
+    from gptlab.generation.prefix_cache import PrefixCache, PrefixCacheStats
     from gptlab.generation.rows import Generation, PromptTooLongError
     from gptlab.generation.sampling import TokenLogprob, sample_next
+    from gptlab.kv_cache import cache_length, default_cache_dtype
 
 _LAZY = {
     "SamplingParams": "gptlab.generation.params",
@@ -40,19 +42,21 @@ _LAZY = {
     "Engine": "gptlab.generation.engine",
     "Generation": "gptlab.generation.rows",
     "PromptTooLongError": "gptlab.generation.rows",
-    "cache_length": "gptlab.generation.engine",
-    "default_cache_dtype": "gptlab.generation.engine",
+    "cache_length": "gptlab.kv_cache",
+    "default_cache_dtype": "gptlab.kv_cache",
     "generate": "gptlab.generation.api",  # idx (B, T) -> (B, T + new), as nanoGPT's model.generate
     "generate_batch": "gptlab.generation.api",
     "generate_stream": "gptlab.generation.api",
     "stream_deltas": "gptlab.generation.api",
     "ChatSession": "gptlab.generation.chat",
     "MessageTooLongError": "gptlab.generation.chat",
+    "PrefixCache": "gptlab.generation.prefix_cache",
+    "PrefixCacheStats": "gptlab.generation.prefix_cache",
 }
 __all__ = [  # = _LAZY's names, spelled out so that tools see what is exported
     "SamplingParams", "InvalidSamplingParam", "MAX_LOGPROBS", "TokenLogprob", "sample_next", "TextState", "Engine",
     "Generation", "PromptTooLongError", "cache_length", "default_cache_dtype", "generate", "generate_batch",
-    "generate_stream", "stream_deltas", "ChatSession", "MessageTooLongError",
+    "generate_stream", "stream_deltas", "ChatSession", "MessageTooLongError", "PrefixCache", "PrefixCacheStats",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

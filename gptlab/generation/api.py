@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gptlab.evaluate import eval_mode
-from gptlab.generation.engine import Engine, cache_length
+from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
+from gptlab.kv_cache import cache_length
 from gptlab.model import GPT
 
 if TYPE_CHECKING:

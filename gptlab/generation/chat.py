@@ -17,9 +17,12 @@ A chat model reads the whole conversation every turn, rendered by its chat templ
   after "Assistant:", and the template writes its own; trailing whitespace is held back while streaming). A
   reply abandoned while streaming (Ctrl-C, or the caller closes the iterator) is stored as far as it was
   handed out; one abandoned before any text leaves no turn at all.
-* **Not paying for the model's size every turn.** One `Engine` (one KV cache, one set of packed CPU weights) is
-  kept across turns and only regrown when a longer conversation needs more cache; each turn prefills the
-  whole rendered conversation into it.
+* **Not paying for the model's size, nor the conversation's length, every turn.** One `Engine` (one KV cache, one
+  set of packed CPU weights) is kept across turns and only regrown when a longer conversation needs more cache;
+  its `PrefixCache`, kept across engines, holds the keys and values of every turn so far (the prompt, and the reply
+  as generated: reused as far as the next rendering repeats its tokens), so a turn prefills only what the last one
+  did not compute, e.g. the template's end of the reply and the new message (`prefix_cache_mb=0` turns it off:
+  every turn then prefills the whole conversation).
 
 Nothing here prints or parses flags: `gptlab chat` (`gptlab.cli.chat`) is the terminal around it.
 """
@@ -34,6 +37,7 @@ from gptlab.errors import GptlabError
 from gptlab.generation.api import PACK_MIN_TOKENS, stream_deltas
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
+from gptlab.generation.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from gptlab.generation.rows import Generation
 from gptlab.model import GPT
 from gptlab.tokenizer.chat_template import ChatTemplate, chat_template_for, reply_stops
@@ -60,6 +64,7 @@ class ChatSession:
     `template` is a built-in template's name ("plain", "chatml"), a `ChatTemplate`, or None for the tokenizer's
     own (else "plain"). `params` default to SamplingParams' defaults with `default_max_new_tokens`; their `stop`
     strings are kept and the template's are added. `on_notice` receives one-line notes (turns dropped to fit).
+    `prefix_cache_mb`: the budget of the keys and values kept between turns (0: none).
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class ChatSession:
         system: str | None = None,
         template: str | ChatTemplate | None = None,
         on_notice: Callable[[str], None] | None = None,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.block_size = int(model.config.block_size)
@@ -88,6 +94,7 @@ class ChatSession:
         # the built-in "plain" template has no special tokens: its text is encoded as plain text
         self._special = self.template.name != "plain"
         self._engine: Engine | None = None
+        self.prefix_cache = PrefixCache.of_megabytes(prefix_cache_mb)  # outlives the engines (see the docstring)
         self._replies = 0  # replies started: each one's sample index, so a seeded session varies between turns
         self._stream_open: Generator[str, None, None] | None = None
 
@@ -183,5 +190,6 @@ class ChatSession:
         if self._engine is None or self._engine.max_len < need:
             size = need if self._engine is None else min(self.block_size, max(need, 2 * self._engine.max_len))
             self._engine = Engine(self.model, max_batch=1, tokenizer=self.tokenizer, max_len=size,
-                                  pack_weights=self.params.max_new_tokens >= PACK_MIN_TOKENS)
+                                  pack_weights=self.params.max_new_tokens >= PACK_MIN_TOKENS,
+                                  prefix_cache=self.prefix_cache)
         return self._engine

@@ -6,6 +6,9 @@
   ("stop" or "length") and free their slot, so new requests can join between steps (continuous batching).
   With `prefill_chunk`, a longer prompt is prefilled that many tokens per step, alongside the other rows'
   decoding, so one long prompt does not stall everybody else for a whole prefill (chunked prefill).
+* With a `PrefixCache` (`prefix_cache`), a prompt's longest kept beginning is copied into its row and only the
+  rest is prefilled; each row's tokens are kept when its prompt is in and when it ends (so the next chat turn or
+  request that repeats them reuses them).
 * Each row's state is a `Generation`, made by `prepare` (`rows`: the prompt's checks and truncation, stop
   tokens, its random generator, its text).
 
@@ -39,6 +42,7 @@ from gptlab.generation.fast_decode import decode_hidden, supports
 from gptlab.generation.graph_decode import StaticDecode, usable
 from gptlab.generation.packed_linear import kernel_name, try_pack
 from gptlab.generation.params import SamplingParams
+from gptlab.generation.prefix_cache import PrefixCache
 from gptlab.generation.rows import (
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -47,7 +51,7 @@ from gptlab.generation.rows import (
     prepare_generation,
 )
 from gptlab.generation.sampling import TokenCounts, TokenLogprob, sample_next, token_logprobs
-from gptlab.kv_cache import KVCache
+from gptlab.kv_cache import KVCache, default_cache_dtype
 from gptlab.model import GPT
 from gptlab.quantize import QuantizedLinear
 
@@ -73,12 +77,14 @@ class Engine:
         prefill_chunk: int | None = None,
         static_decode: bool | None = None,
         compile_decode: bool = False,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache  # prompts' beginnings kept and reused across requests (`prefix_cache`)
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -141,8 +147,10 @@ class Engine:
         return sum(g is None for g in self.slots)
 
     def release(self, gen: Generation) -> None:
-        """Free a row (finished or cancelled); its cache entries are simply overwritten by the next user."""
+        """Free a row (finished or cancelled): the prefix cache keeps what it holds; its cache entries are then
+        overwritten by the next user."""
         if 0 <= gen.row.slot < self.max_batch and self.slots[gen.row.slot] is gen:
+            self._keep(gen)
             self.slots[gen.row.slot] = None
         if not gen.finished:
             gen._finish(FINISH_STOP)
@@ -183,15 +191,31 @@ class Engine:
             g.row.window = list(g.prompt_ids)
             g.prompt_logprobs = [None] if g.params.prompt_logprobs else []
         self._reset_penalty_rows(gens)
-        if self.prefill_chunk is not None and any(len(g.prompt_ids) > self.prefill_chunk for g in gens):
-            for g in gens:  # each row on its own: its first chunk now, the rest over the next steps
-                self.cache.lengths[g.row.slot] = 0  # whatever the slot's previous user left
-                self._prefill_part(g, g.prompt_ids)
+        kept = [self._restore(g) for g in gens]  # each row's prompt tokens found in the prefix cache
+        rests = [g.prompt_ids[n:] for g, n in zip(gens, kept, strict=True)]
+        longest = max(len(r) for r in rests)
+        if (self.prefill_chunk is not None and longest > self.prefill_chunk) or max(kept) + longest > self.max_len:
+            for g, n, rest in zip(gens, kept, rests, strict=True):  # each row on its own: (its first chunk now)
+                self.cache.lengths[g.row.slot] = n  # (whatever the slot's previous user left)
+                self._prefill_part(g, rest)
             return
-        logits, hidden = self._prefill(start, [g.prompt_ids for g in gens])
+        logits, hidden = self._prefill(start, rests, kept)
         for i, g in enumerate(gens):
             self._score_prompt(g, hidden[i], 0)
+            self._keep(g)
         self._accept(gens, logits)
+
+    def _restore(self, g: Generation) -> int:
+        """The prompt's longest kept prefix, copied into g's row: its length (prompt logprobs need every position)."""
+        if self.prefix_cache is None or g.params.prompt_logprobs:
+            return 0
+        return self.prefix_cache.restore(self.model, self.cache, g.row.slot, g.prompt_ids)
+
+    def _keep(self, g: Generation) -> None:
+        """The prefix cache keeps the tokens g's row holds (its window's first `lengths` ones)."""
+        if self.prefix_cache is not None:
+            held = g.row.window[: int(self.cache.lengths[g.row.slot])]
+            self.prefix_cache.store(self.model, self.cache, g.row.slot, held)
 
     def _prefill_part(self, g: Generation, tokens: list[int]) -> None:
         """Append up to prefill_chunk of `tokens` to g's row; the rest waits (g.row.pending) for the next steps.
@@ -204,6 +228,7 @@ class Engine:
             hidden = self.model.hidden_states(torch.tensor([part], device=self.device), kv_cache=view)[0]
             self._score_prompt(g, hidden, done)
             if not g.row.pending:
+                self._keep(g)
                 self._accept([g], self.model.logits(hidden[-1:]))
 
     def _score_prompt(self, g: Generation, hidden: torch.Tensor, start: int) -> None:
@@ -223,20 +248,21 @@ class Engine:
             return True
         return False
 
-    def _prefill(self, start: int, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run right-padded prompts through rows start.. of the cache: the logits at each last token, and the
-        hidden states (n, T, C) of every position."""
-        n, lengths = len(prompts), [len(p) for p in prompts]
-        idx = torch.zeros(n, max(lengths), dtype=torch.long)
+    def _prefill(self, start: int, prompts: list[list[int]],
+                 after: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+        """Run right-padded prompts through rows start.. of the cache, each after the `after` tokens its row holds
+        (default none): the logits at each last token, and the hidden states (n, T, C) of every position."""
+        n, lengths = len(prompts), torch.tensor([len(p) for p in prompts], device=self.device)
+        idx = torch.zeros(n, max(len(p) for p in prompts), dtype=torch.long)
         for i, p in enumerate(prompts):
             idx[i, : len(p)] = torch.tensor(p)
         view = self.cache.rows(start, start + n)
-        view.lengths.zero_()
-        last = torch.tensor(lengths, device=self.device)
+        view.lengths.copy_(torch.tensor(after or [0] * n))
+        end = view.lengths + lengths
         with self._kernels(refresh=True):
             h = self.model.hidden_states(idx.to(self.device), kv_cache=view)
-            view.lengths.copy_(last)  # rewind each row past its padding
-            return self.model.logits(h[torch.arange(n, device=self.device), last - 1]), h
+            view.lengths.copy_(end)  # rewind each row past its padding
+            return self.model.logits(h[torch.arange(n, device=self.device), lengths - 1]), h
 
     # --- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -387,26 +413,6 @@ class Engine:
         return list(gens)
 
 
-def default_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """fp32 keys/values on CPUs whatever the weights' dtype, else the weights' dtype.
-
-    Attention runs in the cache's dtype when it is the wider one. On CPUs PyTorch's bf16 attention kernels are
-    slower than fp32 ones at decoding shapes, even though they read half the bytes; fp32 is also the more accurate
-    choice."""
-    return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def cache_length(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
-    """Cache rows long enough for these prompts and continuations (the engine caps it at block_size).
-
-    Allocating (and zeroing) only what a run can use keeps one-shot calls cheap: a full GPT-2 cache of 1024
-    positions is 75 MB per row in fp32."""
-    return max((len(p) for p in prompts), default=1) + max_new_tokens
-
-
 def _first_run(free: list[int], n: int) -> int | None:
     """The first slot of n consecutive free slots, or None."""
-    for j in range(len(free) - n + 1):
-        if free[j + n - 1] - free[j] == n - 1:
-            return free[j]
-    return None
+    return next((free[j] for j in range(len(free) - n + 1) if free[j + n - 1] - free[j] == n - 1), None)

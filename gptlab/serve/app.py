@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gptlab.generation.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from gptlab.serve.access import ApiKeyCheck
 from gptlab.serve.chat import create_chat_completion
 from gptlab.serve.completions import create_completion
@@ -78,12 +79,14 @@ def create_app(
     max_body_bytes: int = 8 * 2**20,
     body_timeout: float = 30.0,
     ui: bool = True,
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
 ) -> FastAPI:
     """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan.
     `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generation.Engine`.
     `max_body_bytes`, `body_timeout`: the largest request body, and how long it may take to arrive. `ui`: the
-    web page at / (`gptlab.serve.ui`)."""
-    server = Server(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk)
+    web page at / (`gptlab.serve.ui`). `prefix_cache_mb`: the budget of the keys and values of prompts' beginnings
+    kept for later requests (0: none; `gptlab.generation.prefix_cache`)."""
+    server = Server(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

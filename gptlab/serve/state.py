@@ -23,6 +23,7 @@ from fastapi import Request
 from gptlab.errors import GptlabError
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
+from gptlab.generation.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
 from gptlab.serve.metrics import ServerMetrics
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
@@ -44,12 +45,15 @@ class Server:
         max_batch: int,
         max_queue: int,
         prefill_chunk: int | None,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         # one for the server's life: compiled, and its turn end found, on the first chat request, then kept
         self.chat_template = chat_template_for(tokenizer)
         self.block_size = model.config.block_size
-        self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk)
+        # prompts' beginnings (a system prompt, a conversation so far) prefilled once, reused by later requests
+        self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
+                             prefix_cache=PrefixCache.of_megabytes(prefix_cache_mb))
         engine = self.engine
         self.metrics = ServerMetrics(queue_length=lambda: self.scheduler.waiting,
                                      running_rows=lambda: len(engine.running),
