@@ -81,7 +81,20 @@ def test_counts_move_by_what_was_served(served):
     assert moved(before, after, "gptlab_time_per_output_token_seconds_count") == len(prompts) * (max_tokens - 1)
     assert moved(before, after, "gptlab_time_per_output_token_seconds_sum") > 0
     assert after[("gptlab_queue_length", ())] == 0 and after[("gptlab_running_rows", ())] == 0
-    assert not any(name.startswith("gptlab_prefix_cache") for name, _ in after)  # this engine has no prefix cache
+    # the server keeps a prefix cache by default: every admitted prompt was looked up in it, whole
+    queried = sum(len(tok.encode(p)) for p in prompts)
+    assert moved(before, after, "gptlab_prefix_cache_query_tokens_total") == queried
+    assert 0 <= moved(before, after, "gptlab_prefix_cache_hit_tokens_total") <= queried
+    assert 0.0 <= after[("gptlab_prefix_cache_hit_rate", ())] <= 1.0
+
+
+def test_a_server_without_a_prefix_cache_writes_none_of_its_metrics():
+    tok = CharTokenizer.from_text(VOCAB)
+    app = create_app(tiny_model(vocab_size=tok.vocab_size), tok, max_batch=2, ui=False, prefix_cache_mb=0)
+    with ServerThread(app) as server:
+        page = scrape(server.url)
+    assert ("gptlab_queue_length", ()) in page
+    assert not any(name.startswith("gptlab_prefix_cache") for name, _ in page)
 
 
 def test_live_values_and_the_prefix_cache_are_read_when_scraped():

@@ -25,7 +25,9 @@ ONE_LONG_STEP = {
                                  "MiB of memory to render"),
     "hundreds-of-large-variables": ("".join(f"{{% set v{i} = 'x' * 7000000 ~ '{i}' %}}" for i in range(300)),
                                     "MiB of memory to render"),
-    "wordwrap-of-millions-of-words": ("{{ ('a ' * 3500000) | wordwrap(1) | length }}", "takes more than 0.5 s"),
+    # runs long and grows: which bound it meets first depends on the machine's speed
+    "wordwrap-of-millions-of-words": ("{{ ('a ' * 3500000) | wordwrap(1) | length }}",
+                                      ("takes more than 0.5 s", "MiB of memory to render")),
     "brackets-nested-too-deep": ("{{ " + "(" * 100000 + "1" + ")" * 100000 + " }}",
                                  "is not a valid Jinja template: maximum recursion depth exceeded"),
 }
@@ -47,7 +49,8 @@ def test_one_long_step_is_bounded_and_named(name: str, tight) -> None:
     with pytest.raises(BrokenChatTemplateError) as caught:
         ChatTemplate(source, origin=ORIGIN).render(TURNS)
     message = str(caught.value)
-    assert message.startswith(f"the chat template in {ORIGIN} ") and fragment in message, message
+    fragments = (fragment,) if isinstance(fragment, str) else fragment
+    assert message.startswith(f"the chat template in {ORIGIN} ") and any(f in message for f in fragments), message
     assert "\n" not in message
     assert time.monotonic() - start < 30  # bounded, not hung (the bound itself is 1 s past the worker's start)
     # the memory went into the worker, not this process (ru_maxrss: KiB on Linux)
