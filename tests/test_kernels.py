@@ -176,6 +176,7 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
     monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A", "avx512": "B"})
+    monkeypatch.setattr(dispatch, "busy", lambda: False)
     calls = []
     times = {"torch": 2.0, "avx2": 3.0, "avx512": 1.0}
     monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: calls.append((kind, rows)) or dict(times))
@@ -198,6 +199,25 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
     dispatch._measured.cache_clear()
 
 
+def test_a_probe_on_a_busy_machine_is_used_but_not_saved(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Other work on the cores makes a probe measure the contention: its choice serves this process only, and the
+    next one (here on a quiet machine) measures again and saves."""
+    from gptlab.kernels import dispatch
+
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A"})
+    calls = []
+    monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: calls.append(kind) or {"torch": 2.0, "avx2": 1.0})
+    for load, saved in ((64.0, False), (0.1, True), (64.0, True)):
+        monkeypatch.setattr(dispatch.os, "getloadavg", lambda load=load: (load, load, load))
+        dispatch._measured.cache_clear()  # a new process
+        assert dispatch.choice("int8") == "avx2"
+        assert (tmp_path / dispatch.CACHE_FILE).exists() == saved
+    assert calls == ["int8", "int8"]  # measured busy, measured quiet and saved, then read back
+    dispatch._measured.cache_clear()
+
+
 def test_a_cpu_of_the_same_name_with_other_flags_is_measured_again(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """A cloud VM names a Zen 4 and a Zen 5 alike ("AMD EPYC"), and a home directory outlives the machine: the
     cached choice is one of this CPU's flags too."""
@@ -207,6 +227,7 @@ def test_a_cpu_of_the_same_name_with_other_flags_is_measured_again(tmp_path, mon
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
     monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A"})
+    monkeypatch.setattr(dispatch, "busy", lambda: False)
     monkeypatch.setattr(hardware, "cpu_name", lambda: "AMD EPYC")
     calls = []
     monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: calls.append(kind) or {"torch": 2.0, "avx2": 1.0})

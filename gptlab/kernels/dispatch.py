@@ -9,7 +9,8 @@ and 3072 x 768, over weights larger than the CPU's cache; batch 1, and batch 32 
 the process's thread count, candidates taking turns, and the fastest wins (a gptlab build within `BUILD_MARGIN` of
 PyTorch's path counts as faster: it also runs the one-call decode step). The result is cached per CPU model, thread
 count, torch version and kernel source in ~/.cache/gptlab/kernels.json (GPTLAB_CACHE_DIR moves it), so later runs
-decide in no time. Measured on an AMD Zen 4 (AVX-512): the old rule "AVX-512 CPUs keep oneDNN and PyTorch's
+decide in no time; a probe taken while other work keeps the cores busy is used but not saved (`busy`).
+Measured on an AMD Zen 4 (AVX-512): the old rule "AVX-512 CPUs keep oneDNN and PyTorch's
 weight-only kernels" lost 1.3-2.5x at batch 1; at batch 32 oneDNN's bf16 product still wins there
 (benchmarks/kernel_throughput.py prints each path's speed on any machine).
 
@@ -89,12 +90,24 @@ def _measured(kind: str, names: tuple[str, ...], rows: int, threads: int) -> str
     times = probe(kind, names, rows=rows)
     build = min(names, key=times.get)
     best = build if times[build] <= BUILD_MARGIN * times[TORCH] else TORCH
+    if busy():  # this process uses the choice; a later one, on a quieter machine, measures again
+        return best
     cached[key] = {"choice": best, "seconds": times}
     try:
         atomic_write_json(path, cached)
     except (OSError, GptlabError):
         pass  # a read-only home: probe again next time
     return best
+
+
+def busy() -> bool:
+    """Whether other work keeps this machine's cores busy (a load average above their count). A probe taken then
+    measures the contention as much as the kernels (one spike made a build look 20x slower than it is), so its
+    choice is not saved for later runs."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:  # no load average (Windows)
+        return False
 
 
 def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, calls: int = 3,
