@@ -486,6 +486,35 @@ def test_sample_streams_the_greedy_continuation(char_checkpoint, capsys):
     assert capsys.readouterr().out == first and first.startswith("\n")  # default prompt "\n"
 
 
+def test_sample_lists_each_tokens_logprob_on_stderr(char_checkpoint, capsys):
+    """--logprobs N: stdout keeps the text alone; stderr has a line per generated token whose log-probability is
+    the plain forward's log-softmax at that position (the model read whole, no cache), and N alternatives, best
+    first."""
+    from gptlab.cli import main
+
+    path, _, model, tok = char_checkpoint
+    assert main(["sample", str(path), "--prompt", "Hello", "--max-new-tokens", "6", "--temperature", "0",
+                 "--logprobs", "3"]) == 0
+    captured = capsys.readouterr()
+    text = captured.out.removesuffix("\n---------------\n")
+    header, *lines = captured.err.splitlines()
+    assert header == "token\tlogprob\talternatives" and len(lines) == 6
+    ids = tok.encode(text)
+    with torch.no_grad():
+        logits, _ = model.eval()(torch.tensor([ids]))
+    expected = torch.log_softmax(logits[0].float(), dim=-1)
+    first = len(tok.encode("Hello"))
+    for i, line in enumerate(lines):
+        token, logprob, alternatives = line.split("\t")
+        position = first + i - 1  # the logits that chose token first + i
+        assert token == repr(tok.decode([ids[first + i]]))
+        assert float(logprob) == pytest.approx(expected[position, ids[first + i]].item(), abs=1e-3)
+        shown = alternatives.split(", ")
+        assert len(shown) == 3 and shown[0].startswith(token)  # greedy: the token is its own best alternative
+    assert main(["sample", str(path), "--logprobs", "21"]) == 2
+    assert "--logprobs" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--prompt", "caf\u00e9"], "not in the char tokenizer"),
     (["--prompt", ""], "no end-of-text token"),

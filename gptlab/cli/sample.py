@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="samples to draw, one after another (default 1)")
     p.add_argument("--truncate-prompt", action="store_true",
                    help="drop the start of a prompt longer than the context instead of failing")
+    p.add_argument("--logprobs", type=int, metavar="N",
+                   help="after each sample, list on stderr every generated token's log-probability and its N most "
+                        "likely alternatives (0: the token's alone)")
     structured = p.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE",
                             help="the output is JSON valid under the JSON schema in FILE (structured outputs)")
@@ -190,4 +193,19 @@ def run(args: argparse.Namespace) -> int:
             out.flush()  # stream: the reader sees each piece as soon as it is decoded
         out.write(SEPARATOR)
         out.flush()
+        if params.logprobs is not None:
+            write_logprobs(gen.logprobs, tokenizer, sys.stderr)
     return 0
+
+
+def write_logprobs(entries: list, tokenizer: TextTokenizer, out: Any) -> None:
+    """One line per generated token on `out` (stderr: stdout keeps the text alone): the token as text, its
+    log-probability, and its alternatives, best first, tab-separated."""
+    def shown(token_id: int) -> str:
+        return repr(tokenizer.decode([token_id]))
+
+    out.write("token\tlogprob\talternatives\n")
+    for e in entries:
+        alternatives = ", ".join(f"{shown(t)} {lp:.4f}" for t, lp in e.top)
+        out.write(f"{shown(e.token_id)}\t{e.logprob:.4f}\t{alternatives}\n")
+    out.flush()
