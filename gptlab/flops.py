@@ -1,4 +1,6 @@
-"""The FLOPs a model runs per token: the numerator of MFU (with `hardware.peak_flops` as its denominator)."""
+"""Counting a model from its config alone (built on the meta device: free): its parameters (`parameter_counts`,
+which the memory check counts) and the FLOPs it runs per token (`flops_per_token`: the numerator of MFU, with
+`hardware.peak_flops` as its denominator)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,12 @@ def flops_per_token(config: GPTConfig, seq_len: int, *, training: bool = True) -
         keys += w - w * w / (2 * seq_len)
     attention = 4 * config.n_head * config.head_size * keys  # forward: 2 * hs for q k^T and 2 * hs for a v
     return (3 if training else 1) * (2 * (matmul_params + head) + attention)
+
+
+def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:
+    """(all parameters, the largest block's, those outside the blocks), tied ones once (the meta device: free)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    total = sum(p.numel() for p in model.parameters())
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.iter_blocks())
+    return total, block, total - sum(p.numel() for b in model.iter_blocks() for p in b.parameters())

@@ -80,8 +80,9 @@ def test_objective_and_data_must_match(tmp_path: Path) -> None:
 
 
 def test_the_memory_check_counts_the_frozen_reference_copy_but_not_under_lora() -> None:
+    from gptlab.flops import parameter_counts
     from gptlab.train import build_train_config
-    from gptlab.train.setup import parameter_counts, step_memory
+    from gptlab.train.setup import step_memory
 
     lm = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1})
     dpo = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1, "objective": "dpo"})

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from helpers import make_data, run_metric, write_recipe
 
 from gptlab.config import GPTConfig
+from gptlab.flops import parameter_counts
 from gptlab.model import GPT
 from gptlab.train import build_train_config
 from gptlab.train.distributed import shard_model
 from gptlab.train.precision import Precision, sharding_dtype
-from gptlab.train.setup import parameter_counts, step_memory
+from gptlab.train.setup import step_memory
 
 REPO = Path(__file__).resolve().parents[1]
 

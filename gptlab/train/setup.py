@@ -11,6 +11,7 @@ from gptlab.checkpoint import CONFIG_FILE, LORA_FILE, MODEL_FILE, load_weights, 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
+from gptlab.flops import parameter_counts
 from gptlab.hardware import available_memory, gpu_has_bf16
 from gptlab.loading import base_reference, is_hf_dir, load_model, resolve_checkpoint
 from gptlab.lora import LoRASpec, add_lora, has_lora, parse_targets
@@ -75,15 +76,6 @@ def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) ->
     else:
         kept = config.n_layer * per_block
     return states + elt * tokens * (2 * config.vocab_size + kept)
-
-
-def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:
-    """(all parameters, the largest block's, those outside the blocks), tied ones once (the meta device: free)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    total = sum(p.numel() for p in model.parameters())
-    block = max(sum(p.numel() for p in b.parameters()) for b in model.iter_blocks())
-    return total, block, total - sum(p.numel() for b in model.iter_blocks() for p in b.parameters())
 
 
 def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: str, fresh: bool = True) -> None:
