@@ -1,4 +1,4 @@
-"""`gptlab.hub` and `gptlab download`, without the network: huggingface_hub's `model_info` and
+"""`gptlab.interop.hub` and `gptlab download`, without the network: huggingface_hub's `model_info` and
 `snapshot_download` are replaced by a fake repository (its files in memory), or raise what the Hub would."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from helpers import REPO, one_line_error
 from huggingface_hub import errors
 
 from gptlab.cli import main
-from gptlab.hub import HubError, default_directory, download_model, select_files
+from gptlab.interop.hub import HubError, default_directory, download_model, select_files
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SUPPORT = {
@@ -178,3 +178,16 @@ def test_offline_mode_asks_for_a_local_directory(monkeypatch, tmp_path):
                            str(tmp_path / "gpt2")], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert "local directory" in one_line_error(proc.returncode, proc.stderr)
     assert not (tmp_path / "gpt2").exists()
+
+
+def test_interop_serves_its_names_on_first_use_and_download_needs_no_torch():
+    """gptlab.interop's names import their module when read; `gptlab download`'s module imports without torch."""
+    import subprocess
+    import sys
+
+    import gptlab.interop as interop
+
+    assert interop.__all__ == list(interop._LAZY)
+    assert all(getattr(interop, name) is not None for name in interop.__all__)
+    code = "import sys, gptlab.interop.hub; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -1,4 +1,4 @@
-"""`gptlab download`: fetch a model from the Hugging Face Hub, only the files gptlab reads (`gptlab.hub`).
+"""`gptlab download`: fetch a model from the Hugging Face Hub, only the files gptlab reads (`gptlab.interop.hub`).
 
 Safetensors weights, configs, tokenizer files and the chat template go to `models/<name>` (or --out DIR); a
 repository with only pickle weights is refused. The directory is what every other command takes as MODEL, and
@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptlab.hub import download_model
+    from gptlab.interop.hub import download_model
 
     done = download_model(args.repo_id, out=args.out, revision=args.revision)
     print(f"downloaded {done.repo_id} (commit {done.revision[:12]}) to {done.directory}: {len(done.files)} files, "
