@@ -16,7 +16,7 @@ from gptlab.checkpoint import save_model
 from gptlab.cli import main
 from gptlab.config import GPTConfig
 from gptlab.data import load_split
-from gptlab.evaluate import evaluate_loss
+from gptlab.evaluation.loss import evaluate_loss
 from gptlab.model import GPT
 
 
@@ -90,7 +90,7 @@ def test_eval_cli_errors_are_one_line(setup, tmp_path: Path, capsys) -> None:
 def test_a_failing_evaluation_gives_the_model_back_in_training_mode() -> None:
     """eval_mode restores the caller's mode when the block raises: a training model left in eval mode would train
     on without dropout."""
-    from gptlab.evaluate import eval_mode
+    from gptlab.evaluation.loss import eval_mode
 
     model = torch.nn.Dropout(0.5).train()
     with pytest.raises(RuntimeError), eval_mode(model):

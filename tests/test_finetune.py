@@ -70,7 +70,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def base_val_loss(base: Path, data: Path) -> float:
-    from gptlab.evaluate import evaluate_split
+    from gptlab.evaluation.loss import evaluate_split
 
     return evaluate_split(load_model(base, dtype=torch.float32)[0], data, "val")["val_loss"]
 

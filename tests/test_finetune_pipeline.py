@@ -53,7 +53,7 @@ def test_prepare_lora_chat_convert_and_score(tmp_path: Path, capsys: pytest.Capt
     run = tmp_path / "run"
     assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--quiet"]) == 0
     vals = [json.loads(r)["val_loss"] for r in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in r]
-    from gptlab.evaluate import evaluate_split
+    from gptlab.evaluation.loss import evaluate_split
 
     base_val = evaluate_split(load_model(base, dtype=torch.float32)[0], data)["val_loss"]
     assert vals[-1] < base_val - 1.0  # the loss over the assistant's tokens falls
@@ -76,7 +76,7 @@ def test_prepare_lora_chat_convert_and_score(tmp_path: Path, capsys: pytest.Capt
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from gptlab.harness import GptlabLM
+    from gptlab.evaluation.harness import GptlabLM
 
     requests = [Instance("loglikelihood", {}, (f"<|im_start|>user\n{line}<|endoftext|>\n<|im_start|>assistant\n",
                                                line), i) for i, line in enumerate(lines[300:306])]

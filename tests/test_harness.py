@@ -1,4 +1,4 @@
-"""The lm-eval adapter (`gptlab.harness`) against lm-eval's own `hf` backend on the same tiny random Llama.
+"""The lm-eval adapter (`gptlab.evaluation.harness`) against lm-eval's own `hf` backend on the same tiny random Llama.
 
 Everything is local: a byte-level BPE tokenizer trained here (with a Llama-style post-processor that puts BOS
 first, the case gptlab's own `encode` does not cover), a random 2-layer Llama saved by transformers, and three
@@ -29,8 +29,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from gptlab.checkpoint import save_model  # noqa: E402
 from gptlab.cli import main  # noqa: E402
 from gptlab.errors import GptlabError  # noqa: E402
+from gptlab.evaluation.harness import GptlabLM, run_tasks  # noqa: E402
 from gptlab.generation import generate  # noqa: E402
-from gptlab.harness import GptlabLM, run_tasks  # noqa: E402
 from gptlab.loading import convert  # noqa: E402
 from gptlab.tokenizer import CharTokenizer  # noqa: E402
 
@@ -240,8 +240,8 @@ def test_eval_cli_without_lm_eval(ckpt_dir: Path, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.slow  # lm-eval's own command line indexes all of its ~15k built-in tasks first (~10 s)
 def test_lm_eval_command_line_with_the_gptlab_model(ckpt_dir: Path, tasks_dir: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "gptlab.harness", "--model", "gptlab", "--model_args", f"pretrained={ckpt_dir}",
-         "--tasks", "tiny_mc", "--include_path", str(tasks_dir), "--limit", "2"],
+        [sys.executable, "-m", "gptlab.evaluation.harness", "--model", "gptlab", "--model_args",
+         f"pretrained={ckpt_dir}", "--tasks", "tiny_mc", "--include_path", str(tasks_dir), "--limit", "2"],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr

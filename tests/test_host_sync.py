@@ -120,7 +120,7 @@ def test_evaluation_reads_the_device_once(data: Path) -> None:
     """The evaluation's losses stay on the device, summed there, and are read once at the end (it read each
     forward's loss before: `float(loss)` per batch of windows). The model checks no ids here, so that what is
     counted is evaluate_loss's own reads."""
-    from gptlab.evaluate import evaluate_loss
+    from gptlab.evaluation.loss import evaluate_loss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=70))

@@ -293,7 +293,7 @@ def test_eval_with_quantize_flags(trained, capsys) -> None:
     for flags in ([], ["--quantize", "int8"], ["--quantize", "int4"], ["--dtype", "bfloat16", "--quantize", "int8"]):
         assert main(["eval", str(path), "--data", str(data), "--json", *flags]) == 0
         losses[tuple(flags)] = json.loads(capsys.readouterr().out)["val_loss"]
-    from gptlab.evaluate import evaluate_split
+    from gptlab.evaluation.loss import evaluate_split
 
     quantized, _ = gptlab.load_model(path, quantize="int8")
     assert losses[("--quantize", "int8")] == pytest.approx(evaluate_split(quantized, data)["val_loss"], rel=1e-6)
@@ -318,7 +318,7 @@ def test_bad_quantize_flags_are_one_line_errors(trained, capsys, flags, message)
 
 def test_lm_eval_model_args_quantize(trained) -> None:
     pytest.importorskip("lm_eval")
-    from gptlab.harness import GptlabLM
+    from gptlab.evaluation.harness import GptlabLM
 
     path, _ = trained
     lm = GptlabLM(str(path), device="cpu", quantize="int4", group_size="32")  # lm-eval passes model_args as text

@@ -109,7 +109,7 @@ def test_bf16_run_trains_and_its_eval_matches_fp32(tmp_path: Path, data: Path) -
     assert train(write_recipe(tmp_path), data, run, "--dtype", "bfloat16", "--optimizer", "muon") == 0
     val_bf16 = [r["val_loss"] for r in metrics(run) if "val_loss" in r][-1]
     from gptlab.data import load_split
-    from gptlab.evaluate import evaluate_loss
+    from gptlab.evaluation.loss import evaluate_loss
     from gptlab.loading import load_model
 
     model, _ = load_model(run / "checkpoints" / "step-0000040")

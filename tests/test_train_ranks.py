@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gptlab.config import GPTConfig
-from gptlab.evaluate import default_batch_size, evaluate_loss, window_share
+from gptlab.evaluation.loss import default_batch_size, evaluate_loss, window_share
 from gptlab.model import GPT
 from gptlab.train import muon
 from gptlab.train.muon import BatchedMuon, matrix_owners, newton_schulz_cost, split_torch_muon

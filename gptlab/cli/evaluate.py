@@ -1,6 +1,6 @@
 """`gptlab eval RUN_OR_CHECKPOINT --data DATA_DIR [--split val] [--json]`: loss, perplexity, bits per byte.
 `gptlab eval RUN_OR_CHECKPOINT --tasks T1,T2 [--include-path DIR] [--limit N] [--num-fewshot N] [--json]`: lm-eval
-tasks (`gptlab.harness`), one line per task and metric."""
+tasks (`gptlab.evaluation.harness`), one line per task and metric."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tasks is not None:
         return _run_tasks(args)
     from gptlab.data import read_meta
-    from gptlab.evaluate import check_batch_memory, evaluate_split
+    from gptlab.evaluation.loss import check_batch_memory, evaluate_split
     from gptlab.hardware import resolve_device
     from gptlab.loading import load_model
 
@@ -77,8 +77,8 @@ def _run_tasks(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("lm_eval") is None:
         raise GptlabError(NO_LM_EVAL)
+    from gptlab.evaluation.harness import run_tasks
     from gptlab.hardware import resolve_device
-    from gptlab.harness import run_tasks
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit

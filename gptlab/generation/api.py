@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gptlab.evaluate import eval_mode
+from gptlab.evaluation.loss import eval_mode
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
-from gptlab.evaluate import eval_mode
+from gptlab.evaluation.loss import eval_mode
 from gptlab.lora import adapters_disabled, has_lora
 from gptlab.train.config import TrainConfig
 

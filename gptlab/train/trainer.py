@@ -28,7 +28,7 @@ import torch
 from gptlab import checkpoint as ckpt
 from gptlab.data import check_split_fits, read_meta
 from gptlab.errors import GptlabError
-from gptlab.evaluate import evaluate_loss
+from gptlab.evaluation.loss import evaluate_loss
 from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads

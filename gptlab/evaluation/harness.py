@@ -20,8 +20,8 @@ adapter must give the same numbers. Every choice that moves a score follows that
   dropped, cut at the first stop string).
 
 lm-eval 0.4 has no plugin entry point for models: its command line knows only its built-in names. Importing this
-module registers "gptlab"; `python -m gptlab.harness ...` is lm-eval's own command line with it registered, and
-`gptlab eval MODEL --tasks ...` calls `run_tasks`.
+module registers "gptlab"; `python -m gptlab.evaluation.harness ...` is lm-eval's own command line with it
+registered, and `gptlab eval MODEL --tasks ...` calls `run_tasks`.
 """
 
 from __future__ import annotations
@@ -302,8 +302,9 @@ def run_tasks(
 
 
 def main() -> None:
-    """`python -m gptlab.harness ARGS`: lm-eval's own command line (`lm-eval run ARGS`), with the "gptlab" model
-    registered, e.g. `python -m gptlab.harness --model gptlab --model_args pretrained=RUN --tasks hellaswag`."""
+    """`python -m gptlab.evaluation.harness ARGS`: lm-eval's own command line (`lm-eval run ARGS`), with the "gptlab"
+    model registered, e.g.
+    `python -m gptlab.evaluation.harness --model gptlab --model_args pretrained=RUN --tasks hellaswag`."""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()
