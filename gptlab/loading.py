@@ -10,14 +10,12 @@ Every command that reads a model (`sample`, `eval`, `serve`, `convert`, training
   checked against its recorded sha256, and the adapters are put on it (merged into its weights unless asked
   to keep them separate; both compute the same function).
 
-`convert` moves a model between the two formats.
+Moving a model between the formats is `gptlab.conversion`'s (`convert`).
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,12 +33,11 @@ from gptlab.checkpoint import (
     load_adapter_tensors,
     load_gptlab_model,
     read_lora_config,
-    save_model,
     weights_sha256,
 )
 from gptlab.errors import GptlabError
-from gptlab.fileio import MARKER, is_gptlab_output, parse_json
-from gptlab.interop import from_hf, save_hf, save_peft_adapter
+from gptlab.fileio import parse_json
+from gptlab.interop import from_hf
 from gptlab.lora import LoRAError, add_lora, merge_lora
 from gptlab.model import GPT
 from gptlab.quantize import check_options as check_quantize_options
@@ -175,102 +172,3 @@ def load_lora_model(
     if merge:
         merge_lora(model)
     return model.to(device=device, dtype=dtype).eval()
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Conversion between the formats
-# ------------------------------------------------------------------------------------------------------------
-@dataclass
-class Conversion:
-    """What `convert` wrote: the format, the model, its tokenizer (None, and why, when the source had none)."""
-
-    to: str  # "hf", "gptlab", "gguf" or "peft" (a LoRA run's adapters alone)
-    destination: Path
-    model: GPT
-    tokenizer: Tokenizer | None
-    no_tokenizer_reason: str = ""
-    base: str | None = None  # peft: the base model the adapters go on
-
-    @property
-    def architecture(self) -> str:
-        """The Hugging Face class name written (hf), else what was written."""
-        if self.to == "peft":
-            return "peft LoRA adapter"
-        if self.to != "hf":
-            return "gptlab checkpoint"
-        return json.loads((self.destination / CONFIG_FILE).read_text())["architectures"][0]
-
-
-def convert(
-    src: str | Path, dst: str | Path, to: str | None = None, dtype: torch.dtype | None = None,
-    adapter_only: bool = False, gguf_dtype: str = "f16",
-) -> Conversion:
-    """A Hugging Face directory -> a gptlab checkpoint, or a gptlab checkpoint / run -> a Hugging Face directory
-    (`to` overrides the direction, which otherwise follows from `src`), or either -> one GGUF file for llama.cpp
-    (`to="gguf"`, its tensors in `gguf_dtype`: f32, f16, bf16, q8_0 or q4_0). DST is replaced as a whole, atomically;
-    the tokenizer comes along when SRC has one.
-
-    A LoRA run converts merged (its base with the adapters folded in), or with `adapter_only` into a peft
-    adapter directory for the Hugging Face form of its base."""
-    if to not in (None, "hf", "gptlab", "gguf"):
-        raise GptlabError(f"cannot convert to {to!r}: choose hf, gptlab or gguf")
-    if not str(dst).strip():
-        raise GptlabError("DST is empty: name the directory (or .gguf file) to write")
-    src = resolve_checkpoint(src)
-    dst = Path(dst)
-    if to == "gguf":
-        return _convert_gguf(src, dst, gguf_dtype, adapter_only)
-    _check_destination(src, dst)
-    is_lora = (src / LORA_FILE).is_file()
-    if adapter_only:
-        if not is_lora:
-            raise GptlabError(f"--adapter-only needs a LoRA run or checkpoint; {src} holds a whole model")
-        if to == "gptlab":
-            raise GptlabError("--adapter-only writes a peft adapter (Hugging Face format): drop --to gptlab")
-        return _convert_adapter(src, dst)
-    src_is_hf = is_hf_dir(src)
-    to = to or ("gptlab" if src_is_hf else "hf")
-    model, tokenizer = load_model(src, dtype=dtype)
-    why_not = "" if tokenizer is not None else optional_tokenizer(src)[1]
-    if to == "hf":
-        save_hf(model, dst, tokenizer)
-    else:
-        save_model(dst, model, tokenizer)
-    return Conversion(to, dst, model, tokenizer, why_not)
-
-
-def _convert_adapter(src: Path, dst: Path) -> Conversion:
-    """A LoRA checkpoint's adapters -> a peft directory naming its base (the base's own path when that is a
-    Hugging Face directory; a gptlab base must be converted too, and the note says so)."""
-    model, tokenizer = load_model(src, merge_adapters=False)
-    base = read_lora_config(src)[1]["path"]
-    save_peft_adapter(model, dst, base_model=base)
-    note = "" if is_hf_dir(Path(base)) else (f"the base {base} is a gptlab checkpoint: convert it too (`gptlab "
-                                             f"convert {base} BASE_HF --to hf`) and load the adapter onto that")
-    return Conversion("peft", dst, model, tokenizer, no_tokenizer_reason=note, base=base)
-
-
-def _convert_gguf(src: Path, dst: Path, gguf_dtype: str, adapter_only: bool) -> Conversion:
-    from gptlab.interop.gguf import save_gguf
-
-    if adapter_only:
-        raise GptlabError("--adapter-only writes a peft directory; GGUF holds whole (merged) models")
-    if dst.is_dir():
-        raise GptlabError(f"DST {dst} is a directory: GGUF is one file (e.g. {dst / 'model.gguf'})")
-    if dst.exists() and dst.suffix != ".gguf":
-        raise GptlabError(f"DST {dst} exists and is not a .gguf file; refusing to replace it")
-    model, tokenizer = load_model(src, dtype=torch.float32)
-    save_gguf(model, dst, tokenizer, dtype=gguf_dtype)
-    return Conversion("gguf", dst, model, tokenizer)
-
-
-def _check_destination(src: Path, dst: Path) -> None:
-    """DST is replaced as a whole (atomically), so refuse anything that could lose unrelated files."""
-    s, d = src.resolve(), dst.resolve()
-    if s == d or s in d.parents or d in s.parents:
-        raise GptlabError(f"DST {dst} overlaps SRC {src}: write the converted model somewhere else")
-    if dst.exists() and not dst.is_dir():
-        raise GptlabError(f"DST {dst} is a file: pass a directory to create")
-    if dst.is_dir() and any(dst.iterdir()) and not is_gptlab_output(dst):
-        raise GptlabError(f"DST {dst} is a non-empty directory gptlab did not write (no {MARKER} file); refusing to "
-                          "replace it: remove it yourself or choose another DST")

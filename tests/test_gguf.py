@@ -78,8 +78,9 @@ def test_llama_q8_0_and_rope_rows(tmp_path: Path) -> None:
     quantization step; the Hugging Face BPE tokenizer's vocabulary, merges and special tokens come along."""
     from helpers import hf_llama_dir
 
+    from gptlab.conversion import convert
     from gptlab.interop.gguf import interleave_rope_rows
-    from gptlab.loading import convert, load_model
+    from gptlab.loading import load_model
 
     src = hf_llama_dir(tmp_path / "hf", TEXT * 20, vocab_size=300)
     model, tok = load_model(src)
@@ -107,7 +108,7 @@ def test_llama_q8_0_and_rope_rows(tmp_path: Path) -> None:
 def test_q4_0_keeps_every_weight_within_one_step_of_its_block(tmp_path: Path) -> None:
     """q4_0: blocks of 32 values of a row, scale d = (the value of largest magnitude) / -8, codes 0..15 for
     x / d + 8; so every value is within one step |d| of the original (half a step, except the clipped top code)."""
-    from gptlab.loading import convert
+    from gptlab.conversion import convert
 
     model, _, ckpt = _char_gpt2(tmp_path)
     convert(ckpt, tmp_path / "m.gguf", to="gguf", gguf_dtype="q4_0")
@@ -173,7 +174,8 @@ def test_llama_cpp_runs_the_file_with_gptlabs_greedy_tokens(tmp_path: Path) -> N
     from helpers import hf_llama_dir
 
     import gptlab
-    from gptlab.loading import convert, load_model
+    from gptlab.conversion import convert
+    from gptlab.loading import load_model
 
     _, _, gpt2_ckpt = _char_gpt2(tmp_path)
     for name, src in [("llama", hf_llama_dir(tmp_path / "hf", TEXT * 20, vocab_size=300)), ("gpt2", gpt2_ckpt)]:

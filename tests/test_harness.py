@@ -28,10 +28,10 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from gptlab.checkpoint import save_model  # noqa: E402
 from gptlab.cli import main  # noqa: E402
+from gptlab.conversion import convert  # noqa: E402
 from gptlab.errors import GptlabError  # noqa: E402
 from gptlab.evaluation.harness import GptlabLM, run_tasks  # noqa: E402
 from gptlab.generation import generate  # noqa: E402
-from gptlab.loading import convert  # noqa: E402
 from gptlab.tokenizer import CharTokenizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()

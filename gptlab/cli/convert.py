@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptlab.loading import convert
+    from gptlab.conversion import convert
 
     short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
     long = {v: k for k, v in short.items()}
