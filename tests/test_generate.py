@@ -515,6 +515,24 @@ def test_sample_lists_each_tokens_logprob_on_stderr(char_checkpoint, capsys):
     assert "--logprobs" in capsys.readouterr().err
 
 
+def test_logprobs_show_a_token_holding_part_of_a_character_as_its_replacement():
+    """A byte-level token alone may be half a UTF-8 character, which a strict `decode` refuses: it shows as U+FFFD,
+    as the server shows it."""
+    import io
+
+    from gptlab.cli.sample import write_logprobs
+    from gptlab.generation import TokenLogprob
+
+    class Strict(ByteTokenizer):
+        def decode(self, ids) -> str:  # noqa: ANN001
+            return self.decode_bytes(ids).decode("utf-8")
+
+    first, second = "\u00e9".encode()  # one character, two tokens
+    out = io.StringIO()
+    write_logprobs([TokenLogprob(first, -0.5, ((first, -0.5), (ord("e"), -1.25)))], Strict(), out)
+    assert out.getvalue().splitlines()[1] == "'\ufffd'\t-0.5000\t'\ufffd' -0.5000, 'e' -1.2500"
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--prompt", "caf\u00e9"], "not in the char tokenizer"),
     (["--prompt", ""], "no end-of-text token"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
 from gptlab.errors import GptlabError
@@ -25,6 +25,7 @@ from gptlab.generation.params import (  # torch-free: `gptlab --help` stays fast
 from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
 
 if TYPE_CHECKING:
+    from gptlab.generation.sampling import TokenLogprob
     from gptlab.tokenizer.base import TextTokenizer
 
 SEPARATOR = "\n---------------\n"
@@ -198,11 +199,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_logprobs(entries: list, tokenizer: TextTokenizer, out: Any) -> None:
+def write_logprobs(entries: list[TokenLogprob], tokenizer: TextTokenizer, out: TextIO) -> None:
     """One line per generated token on `out` (stderr: stdout keeps the text alone): the token as text, its
     log-probability, and its alternatives, best first, tab-separated."""
+    from gptlab.tokenizer.base import token_text
+
     def shown(token_id: int) -> str:
-        return repr(tokenizer.decode([token_id]))
+        return repr(token_text(tokenizer, token_id))
 
     out.write("token\tlogprob\talternatives\n")
     for e in entries:

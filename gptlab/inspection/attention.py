@@ -18,6 +18,7 @@ import torch
 
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
+from gptlab.tokenizer.base import token_text
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -38,7 +39,7 @@ def encode_prompt(tokenizer: TextTokenizer, text: str, max_tokens: int) -> list[
 
 def token_labels(tokenizer: TextTokenizer, ids: list[int]) -> list[str]:
     """Each token as its own text (a byte-level token that is part of a character shows as U+FFFD)."""
-    return [tokenizer.decode_bytes([i]).decode("utf-8", errors="replace") for i in ids]
+    return [token_text(tokenizer, i) for i in ids]
 
 
 def check_index(kind: str, value: int | None, count: int) -> None:

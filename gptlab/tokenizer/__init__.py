@@ -38,6 +38,7 @@ from gptlab.tokenizer.base import (
     TextTokenizer,
     Tokenizer,
     fingerprint,
+    token_text,
 )
 from gptlab.tokenizer.huggingface import HFTokenizer
 from gptlab.tokenizer.loading import load_tokenizer, optional_tokenizer
@@ -45,4 +46,4 @@ from gptlab.tokenizer.loading import load_tokenizer, optional_tokenizer
 __all__ = ["EOT_TEXT", "HF_FILE", "KINDS", "META_FILE", "MAX_BPE_VOCAB", "MIN_BPE_VOCAB", "CharTokenizer",
            "DamagedTokenizer", "GPT2Tokenizer", "HFTokenizer", "TextTokenizer", "Tokenizer", "fingerprint",
            "load_tokenizer",
-           "optional_tokenizer"]
+           "optional_tokenizer", "token_text"]

@@ -43,6 +43,12 @@ class TextTokenizer(Protocol):
     def decode_bytes(self, ids: Iterable[int]) -> bytes: ...
 
 
+def token_text(tokenizer: TextTokenizer, token_id: int) -> str:
+    """One token as its own text: its bytes read as UTF-8, a byte-level token that holds part of a character
+    showing U+FFFD (`decode` of it alone may refuse such a token)."""
+    return tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
+
+
 class DamagedTokenizer(GptlabError):
     """A tokenizer file that is there but unreadable (truncated, not JSON): an error even where a tokenizer is
     optional, so that a damaged one is never taken for none."""
