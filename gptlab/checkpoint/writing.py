@@ -61,10 +61,6 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         raise OSError(int(code.group(1)) if code else errno.EIO, str(e), str(path)) from None
 
 
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.nbytes for t in tensors.values())
-
-
 def model_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The weights to save: unwrapped from torch.compile / DDP, tied weights once, contiguous, on the CPU.
     FSDP-sharded weights are gathered whole: under FSDP every process must call this, and those that will not
@@ -131,7 +127,8 @@ def weights_file(model: torch.nn.Module) -> str:
 def save_model(path: str | Path, model: torch.nn.Module, tokenizer: TextTokenizer | None = None) -> Path:
     """Save a model (and tokenizer) as a checkpoint directory, atomically."""
     weights = model_state_dict(model)
-    return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer, weights), needed=_nbytes(weights))
+    return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer, weights),
+                            needed=sharded.global_nbytes(weights))
 
 
 # ------------------------------------------------------------------------------------------------------------

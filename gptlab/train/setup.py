@@ -112,6 +112,7 @@ def build_model(
     pretrained models (Hugging Face directories, LoRA bases) are loaded into host memory (`shard` moves them to the
     device one block at a time)."""
     torch.manual_seed(cfg.seed)  # the same adapters (LoRA's init) and dropout stream of rank 0 on every process
+    spec = lora_spec(cfg)
     if not cfg.init_from:
         with torch.device("meta"):
             model = GPT(cfg.model_config(vocab_size)).train()
@@ -121,9 +122,7 @@ def build_model(
                 model.lm_head.weight = model.transformer.wte.weight
             init_weights(model, cfg.seed)
     else:
-        rows = sharded and lora_spec(cfg) is None
-        model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=rows)
-    spec = lora_spec(cfg)
+        model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=sharded and spec is None)
     if spec is not None:
         add_lora(model, spec, base=base_reference(cfg.init_from))
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -133,8 +132,9 @@ def build_model(
 def shard(model: GPT, cfg: TrainConfig, device: str) -> None:
     """FSDP, in place (`shard_model`: fully_shard per block, the compute dtype's policy), of a model from
     `build_model(sharded=True)`: a fresh one is then given this process's shards on `device` alone, initialized
-    as `init_weights` initializes a whole model; a pretrained one moves there block by block, each block whole on
-    the device only while it is sharded."""
+    as `init_weights` initializes a whole model, or reads its rows of each weight from a gptlab checkpoint's file;
+    a pretrained model loaded whole moves there block by block, each block whole on the device only while it is
+    sharded."""
     fresh = next(model.parameters()).is_meta
     source = getattr(model, "weights_file", None)  # a pretrained checkpoint read in rows
     shard_model(model, sharding_dtype(cfg.dtype, lora=has_lora(model)))
