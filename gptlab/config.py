@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gptlab.checked import bounded, check_fields
 from gptlab.fileio import atomic_write_json, read_json_object
 
 NormKind = Literal["layernorm", "rmsnorm"]
@@ -118,16 +119,19 @@ def _is_number(value: object) -> bool:
 @dataclass
 class GPTConfig:
     # --- sizes ---
-    vocab_size: int = 50257
-    block_size: int = 1024  # context length: the longest sequence the model accepts
-    n_layer: int = 12
-    n_head: int = 12
-    n_kv_head: int | None = None  # key/value heads: 1 = multi-query, n_head = multi-head (default), else grouped
-    n_embd: int = 768
-    head_dim: int | None = None  # width of each head when it is not n_embd / n_head (Gemma, Qwen3)
+    vocab_size: int = bounded(50257, int, low=1, high=MAX_DIMENSION)
+    # context length: the longest sequence the model accepts
+    block_size: int = bounded(1024, int, low=1, high=MAX_DIMENSION)
+    n_layer: int = bounded(12, int, low=1, high=MAX_LAYERS)  # each a module built in turn
+    n_head: int = bounded(12, int, low=1, high=MAX_DIMENSION)
+    # key/value heads: 1 = multi-query, n_head = multi-head (default), else grouped
+    n_kv_head: int | None = bounded(None, int, low=1, high=MAX_DIMENSION, optional=True)
+    n_embd: int = bounded(768, int, low=1, high=MAX_DIMENSION)
+    # width of each head when it is not n_embd / n_head (Gemma, Qwen3)
+    head_dim: int | None = bounded(None, int, low=1, high=MAX_DIMENSION, optional=True)
     # --- normalization ---
     norm: NormKind = "layernorm"
-    norm_eps: float = 1e-5
+    norm_eps: float = bounded(1e-5, low=0, low_open=True)
     norm_weight: bool = True  # norms have a learned scale (and LayerNorm's bias); False: parameter-free norms
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
     embedding_norm: bool = False  # normalize the token embeddings before the first block
@@ -140,16 +144,18 @@ class GPTConfig:
     head_bias: bool = False  # on the LM head (GPT-J)
     # --- positions ---
     position: PositionKind = "learned"
-    rope_base: float = 10000.0
-    rotary_fraction: float = 1.0  # share of each head's dims that RoPE rotates (0.25 for GPT-NeoX / Pythia)
+    rope_base: float = bounded(10000.0, low=0, low_open=True)
+    # share of each head's dims that RoPE rotates (0.25 for GPT-NeoX / Pythia)
+    rotary_fraction: float = bounded(1.0, low=0, high=1, low_open=True)
     rope_interleaved: bool = False  # rotate pairs of adjacent dims (GPT-J) instead of the two halves (Llama, NeoX)
     rope_scaling: RopeScaling | None = None  # stretched frequencies for long contexts (see RopeScaling)
     # --- feed-forward ---
     mlp: MLPKind = "gelu"
     gelu_approximate: GeluApproximate = "tanh"  # GPT-2 uses the tanh approximation; NeoX the exact GELU
-    mlp_hidden: int | None = None  # explicit hidden size; else mlp_ratio * n_embd rounded up to mlp_multiple
-    mlp_ratio: float = 4.0
-    mlp_multiple: int = 1
+    # explicit hidden size; else mlp_ratio * n_embd rounded up to mlp_multiple
+    mlp_hidden: int | None = bounded(None, int, low=1, high=MAX_DIMENSION, optional=True)
+    mlp_ratio: float = bounded(4.0, low=0, low_open=True)
+    mlp_multiple: int = bounded(1, int, low=1, high=MAX_DIMENSION)
     # --- block layout ---
     # pre-norm (GPT-2), post-norm (original transformer), parallel (GPT-J / NeoX), sandwich: norms before and after
     # each of attention and MLP (Gemma 2)
@@ -158,16 +164,22 @@ class GPTConfig:
     # --- attention ---
     qk_norm: bool = False  # RMS-normalize q and k per head before attention
     qk_norm_weight: bool = False  # ... with a learned scale per head dim (Qwen3)
-    attn_scale: float | None = None  # attention scores' scale; None: 1 / sqrt(head size)
-    attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
-    sliding_window: int | None = None  # a query sees only the last `sliding_window` positions, itself included
-    global_layer_every: int | None = None  # with sliding_window: layers k-1, 2k-1, ... see everything (Gemma 2: 2)
+    # attention scores' scale; None: 1 / sqrt(head size)
+    attn_scale: float | None = bounded(None, low=0, low_open=True, optional=True)
+    # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
+    attn_softcap: float | None = bounded(None, low=0, low_open=True, optional=True)
+    # a query sees only the last `sliding_window` positions, itself included
+    sliding_window: int | None = bounded(None, int, low=1, high=MAX_DIMENSION, optional=True)
+    # with sliding_window: layers k-1, 2k-1, ... see everything (Gemma 2: 2)
+    global_layer_every: int | None = bounded(None, int, low=2, high=MAX_LAYERS, optional=True)
     # --- head and training ---
     tie_embeddings: bool = True  # the LM head shares the token-embedding matrix
-    dropout: float = 0.0  # on embeddings, attention weights and residual branches
-    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) when set
+    # on embeddings, attention weights and residual branches
+    dropout: float = bounded(0.0, low=0, high=1, high_open=True)
+    # logits = cap * tanh(logits / cap) when set
+    logit_softcap: float | None = bounded(None, low=0, low_open=True, optional=True)
     attention: AttentionKind = "sdpa"  # fused scaled_dot_product_attention, or the readable manual path
-    init_std: float = 0.02
+    init_std: float = bounded(0.02, low=0)
     scale_residual_init: bool = True  # GPT-2's init: residual projections' std divided by sqrt(2 * n_layer)
     name: str = field(default="custom", compare=False)
     # the Hugging Face architecture this model came from (or is meant for): export prefers it when it fits
@@ -195,51 +207,18 @@ class GPTConfig:
         for key, choices in choices_of(type(self)).items():
             if getattr(self, key) not in choices:
                 raise ValueError(f"{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        for key in ("head_dim", "sliding_window"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{key} must be a positive integer or null, got {value!r}")
-        for key in ("vocab_size", "block_size", "n_embd", "n_head", "n_kv_head", "head_dim", "sliding_window",
-                    "mlp_hidden"):
-            value = getattr(self, key)
-            if isinstance(value, int) and value > MAX_DIMENSION:
-                raise ValueError(f"{key}={value} is larger than any model's (at most {MAX_DIMENSION:,})")
-        if self.n_layer > MAX_LAYERS:  # each is a module built in turn: a loop that would not end
-            raise ValueError(f"n_layer={self.n_layer} is more layers than any model's (at most {MAX_LAYERS:,})")
+        check_fields(self)  # each number's range, written beside its field
         if self.head_dim is None and self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head} (set head_dim for "
                              "heads of another width)")
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
-        if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if not (_is_number(self.rotary_fraction) and 0.0 < self.rotary_fraction <= 1.0):
-            raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
         if self.position == "rope" and self.rotary_dim < 2:
             raise ValueError(f"rotary_fraction={self.rotary_fraction} leaves fewer than 2 rotary dims per head")
-        if self.mlp_hidden is not None and not (isinstance(self.mlp_hidden, int) and not isinstance(
-                self.mlp_hidden, bool) and self.mlp_hidden >= 1):
-            raise ValueError(f"mlp_hidden must be a positive integer, got {self.mlp_hidden}")
-        if not (_is_number(self.mlp_ratio) and self.mlp_ratio > 0):
-            raise ValueError(f"mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
-        if not isinstance(self.mlp_multiple, int) or isinstance(self.mlp_multiple, bool) or self.mlp_multiple < 1:
-            raise ValueError(f"mlp_multiple must be a positive integer, got {self.mlp_multiple!r}")
         if self.mlp_hidden is None and not _is_number(self.mlp_ratio * self.n_embd):
             raise ValueError(f"mlp_ratio={self.mlp_ratio} x n_embd={self.n_embd} is too large a hidden size")
         if self.hidden_size < 1:  # a tiny ratio rounds down to no hidden layer at all
             raise ValueError(f"mlp_ratio={self.mlp_ratio} leaves the MLP no hidden units at n_embd={self.n_embd}")
-        for key in ("attn_scale", "attn_softcap", "logit_softcap"):
-            value = getattr(self, key)
-            if value is not None and not (_is_number(value) and value > 0):
-                raise ValueError(f"{key} must be a positive number or null, got {value!r}")
-        for key, low in (("norm_eps", "positive"), ("rope_base", "positive"), ("init_std", "non-negative")):
-            value = getattr(self, key)
-            if not (_is_number(value) and (value > 0 if low == "positive" else value >= 0)):
-                raise ValueError(f"{key} must be a {low} number, got {value!r}")
         self._validate_combinations()
 
     def _validate_combinations(self) -> None:
@@ -258,9 +237,6 @@ class GPTConfig:
         for name, (is_set, ok, need) in zip(names, needs, strict=True):
             if is_set and not ok:
                 raise ValueError(f"{name} needs {need}")
-        if self.global_layer_every is not None and (
-                not isinstance(self.global_layer_every, int) or self.global_layer_every < 2):
-            raise ValueError(f"global_layer_every must be an integer >= 2, got {self.global_layer_every!r}")
         scaling = self.rope_scaling
         if scaling is not None and scaling.kind == "longrope":
             for key in ("short_factor", "long_factor"):

@@ -140,6 +140,12 @@ class KVCache:
         self.lengths += T
 
 
+def cache_bytes(config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype) -> int:
+    """What a KVCache of this shape allocates: keys and values of every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.n_layer * batch_size * config.n_kv_head * max_len * config.head_size * itemsize
+
+
 def default_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """fp32 keys/values on CPUs whatever the weights' dtype, else the weights' dtype.
 

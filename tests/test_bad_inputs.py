@@ -270,7 +270,7 @@ ROWS = [
     ("train-eval-tokens-zero", [*TRAIN, "--out", "{root}/r_x", "--eval-tokens", "0"], 2, "eval_tokens must be"),
     ("train-seed-huge", [*TRAIN, "--out", "{root}/r_x", "--seed", str(2**70)], 2, "seed must be in"),
     ("train-max-time-nan", [*TRAIN, "--out", "{root}/r_x", "--max-time", "nan"], 2, "max_time"),
-    ("train-mlp-ratio-zero", [*TRAIN, "--out", "{root}/r_x", "--mlp-ratio", "0"], 2, "mlp_ratio must be a positive"),
+    ("train-mlp-ratio-zero", [*TRAIN, "--out", "{root}/r_x", "--mlp-ratio", "0"], 2, "mlp_ratio must be a number > 0"),
     ("train-mlp-ratio-negative", [*TRAIN, "--out", "{root}/r_x", "--mlp-ratio", "-2"], 2, "mlp_ratio"),
     ("train-warmup-past-max-steps", [*TRAIN, "--out", "{root}/r_x", "--warmup-steps", "100000"], 2,
      "warmup_steps (100000) must be less than max_steps (4)"),

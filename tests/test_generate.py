@@ -536,7 +536,7 @@ def test_logprobs_show_a_token_holding_part_of_a_character_as_its_replacement():
 @pytest.mark.parametrize("extra, message", [
     (["--prompt", "caf\u00e9"], "not in the char tokenizer"),
     (["--prompt", ""], "no end-of-text token"),
-    (["--max-new-tokens", "-1"], "must not be negative"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be an integer in [0, "),
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     (["--min-p", "2"], "--min-p must be in [0, 1]"),
     (["--num-samples", "0"], "--num-samples must be at least 1"),

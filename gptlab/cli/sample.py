@@ -132,11 +132,11 @@ def _prompt_ids(prompt: str, tokenizer: TextTokenizer) -> list[int]:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    if not args.prompt_file:
+    if args.prompt_file is None:
         return args.prompt
     path = Path(args.prompt_file)
-    if not path.is_file():
-        raise GptlabError(f"--prompt-file {path} does not exist")
+    if not args.prompt_file or not path.is_file():  # (Path("") is the current directory)
+        raise GptlabError(f"--prompt-file {args.prompt_file!r} is not a file")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 from gptlab.cli.options import (
     add_device,
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         raise GptlabError(f"--port must be in 0..65535, got {args.port}")
     if not 0 < args.max_body_mb <= 2**20:  # (also refuses nan)
         raise GptlabError(f"--max-body-mb must be a size in MB, more than 0, got {args.max_body_mb}")
+    check_can_listen(args.host, args.port)
+    if args.api_key == "":
+        raise GptlabError("--api-key is empty: give a key, or leave the flag out to serve without one")
     prefix_cache = prefix_cache_options(args)
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype, device),
@@ -80,3 +84,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Say in one line, before the (slow) model load, that the address cannot be listened on; uvicorn would only
+    log it after. An empty host would silently mean every interface."""
+    if not host:
+        raise GptlabError("--host is empty: give an address (0.0.0.0 for every interface)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise GptlabError(f"--host {host}: not an address of this machine ({e})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise GptlabError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -51,12 +51,21 @@ from gptlab.generation.rows import (
     prepare_generation,
 )
 from gptlab.generation.sampling import TokenCounts, TokenLogprob, sample_next, token_logprobs
-from gptlab.kv_cache import KVCache, default_cache_dtype
+from gptlab.hardware import available_memory
+from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
 from gptlab.model import GPT
 from gptlab.quantize import QuantizedLinear
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
+
+
+def check_cache_memory(config: Any, max_batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a batch whose KV cache cannot fit, in one line, before trying to allocate it."""
+    need, have = cache_bytes(config, max_batch, max_len, dtype), available_memory(device)
+    if have is not None and need > have:
+        raise GptlabError(f"max_batch {max_batch} needs {need / 2**30:.1f} GiB of KV cache ({max_len} positions a "
+                          f"row), {have / 2**30:.1f} GiB is free: use a smaller batch")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -89,8 +98,9 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = min(max_len or self.config.block_size, self.config.block_size)
-        self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device,
-                             dtype=cache_dtype or default_cache_dtype(self.device, self.dtype))
+        cache_dtype = cache_dtype or default_cache_dtype(self.device, self.dtype)
+        check_cache_memory(self.config, max_batch, self.max_len, cache_dtype, self.device)
+        self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device, dtype=cache_dtype)
         self.slots: list[Generation | None] = [None] * max_batch
         self._penalties: TokenCounts | None = None  # made when a row first asks for a penalty
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;

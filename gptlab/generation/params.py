@@ -1,7 +1,8 @@
 """`SamplingParams`: how one request is decoded, checked once, in one place.
 
 Every caller (the Python API, `gptlab sample`, `gptlab serve`) builds its settings through this class, so each
-range is checked here and nowhere else. A bad value raises `InvalidSamplingParam`, which names the field: the
+range is checked here and nowhere else: a number's range beside its field (`gptlab.checked`), the lists' rules in
+`_check`. A bad value raises `InvalidSamplingParam`, which names the field: the
 command line turns it into an error about `--top-p`, the server into a 400 whose `param` is `top_p`.
 
 Every integer setting is bounded (seed: int64; top_k, max_new_tokens: [0, INT64_MAX]) because torch holds them
@@ -24,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gptlab.checked import InvalidField, bounded, check_fields
+
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch's integers (seeds, top-k) are int64
 MAX_STOPS = 64  # stop strings per request (the server allows fewer: its policy, in serve/schemas.py)
@@ -34,12 +37,8 @@ MAX_SCHEMA_CHARS = 100_000  # a JSON schema's text (its grammar is compiled per 
 JSON_OBJECT = {"type": "object"}  # OpenAI's json_object mode: any JSON object
 
 
-class InvalidSamplingParam(ValueError):
+class InvalidSamplingParam(InvalidField):
     """A sampling setting out of its range; `field` is the SamplingParams field, `requirement` what it must be."""
-
-    def __init__(self, field: str, value: Any, requirement: str) -> None:
-        super().__init__(f"{field} {requirement}, got {value!r}")
-        self.field, self.value, self.requirement = field, value, requirement
 
 
 def _is_int(value: Any) -> bool:
@@ -160,19 +159,19 @@ class SamplingParams:
     Frozen: the checks in __post_init__ hold for the object's whole life (use dataclasses.replace to vary one).
     """
 
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
+    max_new_tokens: int = bounded(256, int, low=0, high=INT64_MAX)
+    temperature: float = bounded(1.0, low=0)
+    top_k: int = bounded(0, int, low=0, high=INT64_MAX)
+    top_p: float = bounded(1.0, low=0, high=1, low_open=True)
+    min_p: float = bounded(0.0, low=0, high=1)
+    repetition_penalty: float = bounded(1.0, low=0, low_open=True)
+    frequency_penalty: float = bounded(0.0)
+    presence_penalty: float = bounded(0.0)
+    seed: int | None = bounded(None, int, low=INT64_MIN, high=INT64_MAX, optional=True)
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eot: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = bounded(None, int, low=0, high=MAX_LOGPROBS, optional=True)
     prompt_logprobs: bool = False
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
     json_schema: Mapping[str, Any] | str | None = None
@@ -210,25 +209,14 @@ class SamplingParams:
         return cls(**{**{k: v for k, v in fields.items() if k in names}, **overrides})
 
     def _check(self) -> None:
-        """Raise InvalidSamplingParam for the first setting out of its range."""
+        """Raise InvalidSamplingParam for the first setting out of its range: the bounds of the fields, then the
+        lists' rules."""
 
         def require(ok: bool, name: str, requirement: str) -> None:
             if not ok:
                 raise InvalidSamplingParam(name, getattr(self, name), requirement)
 
-        for name in ("max_new_tokens", "top_k"):
-            require(_is_int(getattr(self, name)), name, "must be an integer")
-            require(getattr(self, name) >= 0, name, "must not be negative")
-            require(getattr(self, name) <= INT64_MAX, name, f"must be at most {INT64_MAX} (int64)")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-            require(_is_number(getattr(self, name)) and math.isfinite(getattr(self, name)), name,
-                    "must be a finite number")
-        require(self.temperature >= 0, "temperature", "must not be negative")
-        require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        require(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        require(self.repetition_penalty > 0, "repetition_penalty", "must be positive")
-        require(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
-                f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
+        check_fields(self, error=InvalidSamplingParam)  # the ranges of single numbers, written beside the fields
         require(len(self.stop) <= MAX_STOPS, "stop", f"must hold at most {MAX_STOPS} strings")
         require(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
                 f"must be non-empty strings of at most {MAX_STOP_CHARS} characters")
@@ -236,12 +224,6 @@ class SamplingParams:
         require(all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_number(p[1])
                     and math.isfinite(p[1]) and abs(p[1]) <= LOGIT_BIAS_RANGE for p in self.logit_bias), "logit_bias",
                 f"must map token ids (integers >= 0) to biases in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
-        require(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs",
-            f"must be None or an integer in [0, {MAX_LOGPROBS}]",
-        )
-
         _check_schema(self.json_schema)
 
     @property
