@@ -5,6 +5,7 @@ gptlab's GPT (as `gptlab train` runs it) and for transformers' GPT2LMHeadModel, 
     python benchmarks/train_throughput.py --dtype float32 --steps 4
     python benchmarks/train_throughput.py --compile            # gptlab's model under torch.compile too
     python benchmarks/train_throughput.py --nanogpt /tmp/nanogpt --compile --rounds 3   # + nanoGPT's model
+    python benchmarks/train_throughput.py --skip-hf --profile 3   # + each contender's per-op breakdown
 
 Prints the median tokens/s over the timed steps and MFU against this machine's measured matmul peak
 (gptlab.hardware), then the ratio gptlab / transformers. Random tokens: throughput does not depend on the data.
@@ -36,6 +37,24 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:  # noqa: ANN001 - 
         step()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def op_breakdown(step, steps: int, top: int = 14) -> None:  # noqa: ANN001 - a zero-argument callable
+    """torch.profiler over `steps` steps (after one warm-up): each op's share of the self CPU time and its calls per
+    step, most time first; then the casts and layout copies (aten::copy_) per step, which a lean step keeps to the
+    ones that must exist."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"    {e.key:42s} {100 * e.self_cpu_time_total / total:5.1f}%  {e.count / steps:7.1f} calls/step")
+    copies = next((e.count for e in prof.key_averages() if e.key == "aten::copy_"), 0)
+    print(f"    aten::copy_ calls per step: {copies / steps:.1f}", flush=True)
 
 
 def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
@@ -131,6 +150,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="rounds, the contenders taking turns")
     parser.add_argument("--peer-dtype", choices=["float32", "bfloat16"],
                         help="the peers' precision (default --dtype; float32 on CPUs whose bf16 matmuls are slow)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timing, each contender's per-op breakdown over STEPS steps (torch.profiler)")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (gptlab train keeps freed memory: fewer page faults)")
     args = parser.parse_args()
@@ -178,6 +199,10 @@ def main() -> None:
         tps = statistics.median(tps_list)
         best[name] = max(best.get(name, 0.0), tps)
         print(f"median {name:13s} {mode:26s} {tps:8.1f} tokens/s  MFU {100 * flops * tps / peak:.1f}%")
+    if args.profile:
+        for name, mode, step in contenders:
+            print(f"per-op self CPU time, {name} {mode} ({args.profile} steps):")
+            op_breakdown(step, args.profile)
     peers = {k: v for k, v in best.items() if k != "gptlab"}
     for name, tps in peers.items():
         print(f"ratio gptlab / {name} (best forms): {best['gptlab'] / tps:.2f}x")

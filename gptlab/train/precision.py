@@ -9,8 +9,8 @@ The optimizer always owns fp32 master weights (the model passed in). Five modes:
              fp32 shards; no autocast, which would cast every gathered weight again. fp16 adds a GradScaler.
 - working:   (bf16 in a single CPU process) a bf16 copy of the model runs forward/backward; after backward its
              gradients are copied into the masters' .grad in fp32, and after the optimizer step the masters
-             are cast back into the copy. Faster on CPU than autocast, which re-casts every weight in every
-             forward and keeps the casts for backward.
+             are cast back into the copy, each one op over flat buffers (`flat.FlatCopy`). Faster on CPU than
+             autocast, which re-casts every weight in every forward and keeps the casts for backward.
 - frozen:    (LoRA, any device) the frozen base is cast to bf16/fp16 in place (it never changes, so it needs
              no master) and the adapters stay fp32: they are their own masters and compute in fp32 on the
              side (`gptlab.lora.LoRALinear`), as peft does. No copy of the model, no autocast.
@@ -27,6 +27,7 @@ import copy
 import torch
 
 from gptlab.lora import has_lora
+from gptlab.train.flat import FlatCopy
 from gptlab.train.optim import step_optimizers
 
 
@@ -62,7 +63,7 @@ class Precision:
         self.working = None
         if self.mode == "working":
             self.working = copy.deepcopy(model).to(self.dtype)
-            self._pairs = list(zip(self.working.parameters(), model.parameters(), strict=True))
+            self.flat = FlatCopy(list(zip(self.working.parameters(), model.parameters(), strict=True)))
         if attention_fp32 and self.mode != "float32":
             self.train_module.set_attention_dtype(torch.float32)
 
@@ -87,19 +88,17 @@ class Precision:
 
         `skip`: a 0-dim bool tensor on the device; where it is true the step changes no weight and no optimizer
         state, decided on the device (`step_optimizers`) so that the host need not wait for this step's loss."""
-        params = [p for _, p in self._pairs] if self.working is not None else None
         if self.working is not None:
-            for w, m in self._pairs:
-                if w.grad is not None:
-                    m.grad = w.grad.to(torch.float32)
-                    w.grad = None
+            self.flat.grads_to_masters()
         if self.scaler is not None:
             if skip is not None:  # GradScaler skips a step whose gradients are not finite: make them so
                 _poison_gradients(optimizers, skip)
             for opt in optimizers:
                 self.scaler.unscale_(opt)
-        if grad_clip > 0:
-            params = params or [p for p in self.master.parameters() if p.grad is not None]
+        if grad_clip > 0 and self.working is not None:
+            self.flat.clip_(grad_clip)
+        elif grad_clip > 0:
+            params = [p for p in self.master.parameters() if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
         if self.scaler is not None:
             for opt in optimizers:
@@ -115,7 +114,7 @@ class Precision:
     def sync_weights(self) -> None:
         """Copy the fp32 masters into the working weights (after a step or a checkpoint load)."""
         if self.working is not None:
-            torch._foreach_copy_([w for w, _ in self._pairs], [m for _, m in self._pairs])
+            self.flat.sync()
 
 
 def _poison_gradients(optimizers: list, skip: torch.Tensor) -> None:
