@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from gptlab.data.shards import ShardedTokens, load_shards
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_json_object
 
@@ -49,16 +50,19 @@ def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap:
-    """Read-only memmap of train.bin / val.bin with the dtype from meta.json."""
+def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap | ShardedTokens:
+    """Read-only memmap of train.bin / val.bin with the dtype from meta.json, or of a sharded split's shards
+    read as one array (`gptlab.data.shards`)."""
     if split not in SPLITS:
         raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
     d = Path(data_dir)
     meta = read_meta(d)
+    dtype = np.dtype("<u2") if meta["dtype"] == "uint16" else np.dtype("<u4")
+    if meta.get("shards") is not None:
+        return load_shards(d, meta, split, dtype, _hint(d))
     path = d / f"{split}.bin"
     if not path.is_file():
         raise GptlabError(f"{path} is missing; {_hint(d)}")
-    dtype = np.dtype("<u2") if meta["dtype"] == "uint16" else np.dtype("<u4")
     expected = int(meta[f"{split}_tokens"]) * dtype.itemsize
     if path.stat().st_size != expected:
         raise GptlabError(f"{path} has {path.stat().st_size} bytes, meta.json says {expected}; {_hint(d)}")
