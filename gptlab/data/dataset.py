@@ -14,6 +14,7 @@ text data has no windows: a row may start anywhere.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,43 @@ def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
         if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0:
             raise GptlabError(f"{d / META}: {key} must be a whole number of tokens, got {meta[key]!r}; {_hint(d)}")
     return meta
+
+
+def parse_sources(spec: str) -> list[tuple[Path, float]]:
+    """``DIR`` or a mixture ``A:0.7,B:0.3`` (weights relative, > 0; a DIR without one weighs 1) as (directory,
+    weight) pairs. A directory whose own name ends in ``:number`` is taken whole when it exists."""
+    sources = []
+    for item in spec.split(","):
+        path, sep, weight = item.rpartition(":")
+        if not sep or Path(item).exists():
+            path, weight = item, "1"
+        try:
+            w = float(weight)
+        except ValueError:
+            path, w = item, 1.0
+        if not path.strip():
+            raise GptlabError(f"--data {spec!r}: an empty directory name (write DIR or A:0.7,B:0.3)")
+        if not (w > 0 and w < float("inf")):
+            raise GptlabError(f"--data {spec!r}: the weight of {path} must be a positive number, got {weight}")
+        sources.append((Path(path), w))
+    if len({d for d, _ in sources}) < len(sources):
+        raise GptlabError(f"--data {spec!r} names a directory twice")
+    return sources
+
+
+def format_sources(sources: Sequence[Sequence[Any]]) -> str:
+    """(directory, weight) pairs as --data writes them."""
+    return ",".join(f"{d}:{w:g}" for d, w in sources)
+
+
+def tokenizer_identity(data_dir: str | os.PathLike[str]) -> tuple[Any, ...]:
+    """What decides a DATA_DIR's ids: meta.json's tokenizer, vocabulary and end-of-text id, and the bytes of its
+    tokenizer files (two directories with equal identities hold ids of the same tokens)."""
+    d = Path(data_dir)
+    meta = read_meta(d)
+    files = tuple((d / name).read_bytes() if (d / name).is_file() else None
+                  for name in ("tokenizer_meta.json", "tokenizer.json"))
+    return meta.get("tokenizer"), meta["vocab_size"], meta.get("eot_id"), files
 
 
 def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap | ShardedTokens:
@@ -115,7 +153,7 @@ def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: i
 
 def batch_starts(
     n_tokens: int, seed: int, step: int, batch_size: int, block_size: int, window_tokens: int | None = None,
-    pairs: bool = False,
+    pairs: bool = False, *, stream: int = 0,
 ) -> np.ndarray:
     """The int64 start offsets of the rows of optimizer step `step` in a split of `n_tokens` tokens.
 
@@ -123,9 +161,9 @@ def batch_starts(
     rows out of the same global batch. Without windows any offset with block_size + 1 tokens after it; with
     windows (record data) the start of a random window, whose first block_size + 1 tokens are the row; with
     `pairs` (preference data: windows chosen, rejected, chosen, ...) 2 x batch_size starts, a random pair's two
-    windows side by side.
+    windows side by side. A nonzero `stream` draws from another generator (one per source of a mixture).
     """
-    rng = np.random.Generator(np.random.PCG64([seed, step]))
+    rng = np.random.Generator(np.random.PCG64([seed, step] if not stream else [seed, step, stream]))
     if window_tokens is None:
         return rng.integers(0, n_tokens - block_size, size=batch_size)
     if block_size + 1 > window_tokens:
