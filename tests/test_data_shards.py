@@ -225,3 +225,15 @@ def test_globs_expand_in_name_order(tmp_path: Path) -> None:
         (tmp_path / f"part-{k}.txt").write_text(f"part {k} " * 200)
     meta = prepare([str(tmp_path / "part-*.txt")], tmp_path / "d", tokenizer="char")
     assert [Path(s["path"]).name for s in meta["sources"]] == ["part-0.txt", "part-1.txt", "part-2.txt"]
+
+
+def test_eval_scores_shards_as_the_single_file(tmp_path: Path, text: Path) -> None:
+    from helpers import tiny_model
+
+    from gptlab.evaluation.loss import evaluate_split
+
+    prepare([text], tmp_path / "one", tokenizer="char")
+    meta = prepare([text], tmp_path / "sh", tokenizer="char", shard_tokens=3001)
+    model = tiny_model("learned", block_size=32, vocab_size=meta["vocab_size"])
+    a, b = evaluate_split(model, tmp_path / "one"), evaluate_split(model, tmp_path / "sh")
+    assert a == b and len(meta["shards"]["val"]) > 1

@@ -122,3 +122,50 @@ def test_resuming_on_other_data_is_refused(tmp_path: Path, dirs: dict[str, Path]
     capsys.readouterr()
     rc = _train(recipe, f"{dirs['a2']}:0.5,{dirs['b']}:0.5", run, "--resume")
     assert "its batches would differ" in one_line_error(rc, capsys.readouterr().err)
+
+
+# --- the document mask ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("position, kw", [("learned", {}), ("rope", {"sliding_window": 5}), ("rope", {})])
+def test_packed_documents_compute_as_if_each_ran_alone(position: str, kw: dict) -> None:
+    from helpers import tiny_model
+
+    from gptlab.train.batches import document_ids
+
+    model = tiny_model(position, vocab_size=50, **kw)
+    eot = 0
+    lengths = [[5, 1, 9, 7], [22]]  # a one-token document (its end-of-text alone) too
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for row in lengths:
+        docs = [torch.cat([torch.randint(1, 50, (n - 1,), generator=gen), torch.tensor([eot])]) for n in row]
+        rows.append(docs)
+    x = torch.stack([torch.cat(docs) for docs in rows])
+    documents = document_ids(x, eot)
+    assert documents[0].tolist() == [0] * 5 + [1] + [2] * 9 + [3] * 7
+    logits, _ = model(x, documents=documents)
+    plain, _ = model(x)
+    for b, docs in enumerate(rows):
+        start = 0
+        for doc in docs:
+            alone, _ = model(doc[None])
+            torch.testing.assert_close(logits[b, start : start + len(doc)], alone[0], rtol=1e-5, atol=1e-5)
+            start += len(doc)
+    assert not torch.allclose(logits[0, 5:], plain[0, 5:], atol=1e-3)  # the mask changed what later documents see
+    torch.testing.assert_close(logits[1], plain[1], rtol=1e-5, atol=1e-5)  # one document: plain causal attention
+
+
+def test_training_with_a_document_mask(tmp_path: Path, dirs: dict[str, Path], capsys) -> None:
+    from helpers import hf_tokenizer_dir, write_jsonl
+
+    tok = hf_tokenizer_dir(tmp_path / "tok", {})
+    docs = [{"text": corpus_text(40_000)[i * 300 : i * 300 + 40 + i % 200]} for i in range(120)]
+    data = tmp_path / "docs"
+    prepare([write_jsonl(tmp_path / "d.jsonl", docs)], data, tokenizer=None, tokenizer_from=tok)
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, document_mask=True)
+    assert _train(recipe, str(data), tmp_path / "run") == 0
+    losses = [json.loads(r)["train_loss"] for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "train_loss" in r]
+    assert losses and all(np.isfinite(losses))
+    capsys.readouterr()
+    rc = _train(recipe, str(dirs["plain"]), tmp_path / "run2")  # char data: no end-of-text between documents
+    assert "document_mask = true needs documents ended by end-of-text" in one_line_error(rc, capsys.readouterr().err)

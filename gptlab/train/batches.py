@@ -87,6 +87,16 @@ def load_train_data(sources: list[tuple[Path, float]], block_size: int) -> tuple
     return Mixture(splits, weights / weights.sum()), seq_len
 
 
+def document_eot(document_mask: bool, meta: dict, data_dir: Path) -> int | None:
+    """The end-of-text id that ends documents, when the recipe's document_mask asks for one (None when not)."""
+    if not document_mask:
+        return None
+    if meta.get("eot_id") is None or meta.get("separator") != "eot":
+        raise GptlabError(f"document_mask = true needs documents ended by end-of-text tokens; {data_dir} has none "
+                          "(prepare it with a tokenizer that has one: gpt2, bpe, --tokenizer-from)")
+    return int(meta["eot_id"])
+
+
 def mixture_batch(mix: Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
     """The windows of step `step` drawn from a mixture: each row's source by weight, then its start in that
     source as `batch_starts` draws starts, from a stream of its own per source."""
@@ -192,6 +202,14 @@ class DeviceStep:
     step: int
     micro: list[tuple[torch.Tensor, torch.Tensor]]
     n_targets: int
+    documents: list[torch.Tensor | None]  # per micro-step, with a document mask: each input's document
+
+
+def document_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """Which document of its row each token is in: the count of end-of-text tokens before it (an end-of-text
+    belongs to the document it ends)."""
+    ends = (x == eot_id).to(torch.int32)
+    return ends.cumsum(dim=1) - ends
 
 
 class StepFeed:
@@ -203,10 +221,11 @@ class StepFeed:
     (seed, step): preparing them early changes nothing."""
 
     def __init__(self, split: Split, *, seed: int, batch_size: int, seq_len: int, rank: int, world: int,
-                 grad_accum: int, vocab_size: int, device: str) -> None:
+                 grad_accum: int, vocab_size: int, device: str, document_eot: int | None = None) -> None:
         self.split, self.seed, self.batch_size, self.seq_len = split, seed, batch_size, seq_len
         self.rank, self.world, self.grad_accum = rank, world, grad_accum
         self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.document_eot = document_eot  # set: each micro-step also gets its inputs' document ids
         self._ahead: DeviceStep | None = None
         # seconds a step waited for batches not made ahead, and seconds the host spent making them ahead
         self.wait_sec, self.host_sec = 0.0, 0.0
@@ -236,9 +255,11 @@ class StepFeed:
     def _prepare(self, step: int) -> DeviceStep:
         batch = step_batch(self.split, self.seed, step, self.batch_size, self.seq_len)
         check_tokens(batch.windows, self.vocab_size)
-        micro = [tuple(self._to_device(t) for t in batch.micro(self.rank, self.world, m, self.grad_accum))
-                 for m in range(self.grad_accum)]
-        return DeviceStep(step, micro, batch.n_targets)
+        micro = [batch.micro(self.rank, self.world, m, self.grad_accum) for m in range(self.grad_accum)]
+        documents = [None if self.document_eot is None else self._to_device(document_ids(x, self.document_eot))
+                     for x, _ in micro]
+        micro = [(self._to_device(x), self._to_device(y)) for x, y in micro]
+        return DeviceStep(step, micro, batch.n_targets, documents)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":  # nothing to overlap on a CPU: the tensor as `micro` made it

@@ -33,7 +33,7 @@ from gptlab.evaluation.loss import evaluate_loss
 from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
-from gptlab.train.batches import Split, StepFeed, load_train_data, pair_rows, sequence_length
+from gptlab.train.batches import Split, StepFeed, document_eot, load_train_data, pair_rows, sequence_length
 from gptlab.train.config import (
     RESUMABLE_CHANGES,
     TrainConfig,
@@ -124,7 +124,8 @@ class Trainer:
         self.tokens_per_step = cfg.batch_size * self.seq_len * (2 if self.train_data.pairs else 1)
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
                              rank=self.procs.rank, world=self.procs.world, grad_accum=cfg.grad_accum,
-                             vocab_size=self.model.config.vocab_size, device=self.device)
+                             vocab_size=self.model.config.vocab_size, device=self.device,
+                             document_eot=document_eot(cfg.document_mask, meta, self.data_dir))
         self.losses = DeviceLosses(self.procs.world)
         return resume_from
 
@@ -281,7 +282,7 @@ class Trainer:
         sums = torch.zeros(1 + len(self.objective.stats), dtype=torch.float32, device=self.device)  # loss, stats
         for micro, (x, y) in enumerate(batch.micro):
             with self.precision.autocast(), gradient_sync(self.net, self.model, micro == cfg.grad_accum - 1):
-                loss, stats = self.objective.loss(self.net, x, y, scale)
+                loss, stats = self.objective.loss(self.net, x, y, scale, batch.documents[micro])
             self.precision.backward(loss)
             sums += torch.cat([loss.detach().float().reshape(1), stats])
         if self.step + 1 < cfg.max_steps:
