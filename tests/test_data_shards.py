@@ -179,6 +179,11 @@ def test_a_saved_dataset_and_a_parquet_folder_stream_alike(tmp_path: Path, tok_d
                  "--out", str(tmp_path / "hub")]) == 0
     assert calls == [("someone/corpus", {"split": "train", "streaming": True})]
     assert np.array_equal(_split(tmp_path / "hub", "train"), expected["train"])
+    calls.clear()
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, **kw: (calls.append((name, config, kw)),
+                                                                              real(str(tmp_path / "parquet"), **kw))[1])
+    prepare(["hf://datasets/someone/corpus/sample-10BT"], tmp_path / "hub2", tokenizer=None, tokenizer_from=tok_dir)
+    assert calls == [("someone/corpus", "sample-10BT", {"split": "train", "streaming": True})]
 
 
 def test_a_killed_document_stream_resumes(tmp_path: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,6 +211,7 @@ def test_a_killed_document_stream_resumes(tmp_path: Path, tok_dir: Path, monkeyp
     (["'nothing-*.txt'", "--tokenizer", "char"], r"input pattern nothing-\*\.txt matches no file"),
     (["a.txt", "--tokenizer", "char", "--shard-tokens", "1"], r"--shard-tokens must be at least 2, got 1"),
     (["--tokenizer", "char"], r"no input given"),
+    (["hf://datasets/lonely", "--tokenizer", "gpt2"], r"hf://datasets/lonely: name a dataset as OWNER/NAME"),
 ])
 def test_shard_and_stream_errors_are_one_line(tmp_path: Path, tok_dir: Path, capsys, monkeypatch, args,
                                              expected) -> None:

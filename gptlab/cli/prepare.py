@@ -58,11 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="write each split as shards of N tokens (train-000000.bin, ...) with a manifest in "
                      "meta.json; a killed prepare run again resumes at the shard it was writing. Default: shards "
                      "of 100M tokens for text over 1 GiB and for streamed documents, else train.bin / val.bin")
-    big.add_argument("--hf-dataset", metavar="NAME", action="append", default=[],
-                     help="stream a Hugging Face dataset's --text-field (default: text) by name, like the INPUT "
-                     "hf://datasets/NAME; record inputs without --block-size are streamed the same way: each "
-                     "record a document ended by <|endoftext|>, the --val-fraction of them spread through the "
-                     "stream")
+    big.add_argument("--hf-dataset", metavar="OWNER/NAME[/CONFIG]", action="append", default=[],
+                     help="stream a Hugging Face dataset's --text-field (default: text), like the INPUT "
+                     "hf://datasets/OWNER/NAME[/CONFIG]; record inputs without --block-size are streamed the same "
+                     "way: each record a document ended by <|endoftext|>, the --val-fraction of them spread "
+                     "through the stream")
     p.set_defaults(run=run)
 
 

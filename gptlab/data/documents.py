@@ -5,7 +5,7 @@ by the end-of-text token, and documents follow each other with no windows and no
 
 * record files (``.jsonl``, ``.parquet``, a ``save_to_disk`` directory, ...: `gptlab.data.records`), the
   ``text`` column or ``--text-field``;
-* ``hf://datasets/NAME`` (or ``--hf-dataset NAME``) and a local folder of parquet files (nanochat's and
+* ``hf://datasets/OWNER/NAME[/CONFIG]`` (or ``--hf-dataset``) and a local folder of parquet files (nanochat's and
   FineWeb's layout), both through ``datasets.load_dataset(NAME_OR_FOLDER, split=..., streaming=True)``: rows
   arrive as they are read, never the whole corpus, and a folder on disk goes through the very call a Hub name
   does.
@@ -45,16 +45,17 @@ def is_document_input(item: str | os.PathLike[str]) -> bool:
 class StreamedDataset:
     """A dataset read with ``datasets.load_dataset(name, split, streaming=True)``: a Hub name or a local folder."""
 
-    def __init__(self, name: str, split: str | None, text_field: str | None) -> None:
-        self.name, self.split, self.field = name, split or "train", text_field or "text"
+    def __init__(self, name: str, split: str | None, text_field: str | None, config: str | None = None) -> None:
+        self.name, self.split, self.field, self.config = name, split or "train", text_field or "text", config
 
     def describe(self) -> dict[str, Any]:
-        return {"dataset": self.name, "split": self.split, "field": self.field}
+        return {"dataset": self.name, "config": self.config, "split": self.split, "field": self.field}
 
     def texts(self) -> Iterator[tuple[str, str]]:
         datasets = need_extra("datasets", f"dataset {self.name}")
         try:
-            rows = datasets.load_dataset(self.name, split=self.split, streaming=True)
+            args = (self.name,) if self.config is None else (self.name, self.config)
+            rows = datasets.load_dataset(*args, split=self.split, streaming=True)
             for n, row in enumerate(rows, 1):
                 if self.field not in row:
                     raise GptlabError(f"{self.name} has no column {self.field!r} (--text-field; columns: "
@@ -96,10 +97,11 @@ def document_sources(inputs: Sequence[str | os.PathLike[str]], text_field: str |
     out: list[StreamedDataset | LocalRecords] = []
     for item in inputs:
         if str(item).startswith(HUB):
-            name = str(item)[len(HUB):].strip("/")
-            if not name:
-                raise GptlabError(f"{item}: name a dataset, e.g. hf://datasets/HuggingFaceFW/fineweb-edu")
-            out.append(StreamedDataset(name, split_name, text_field))
+            parts = str(item)[len(HUB):].strip("/").split("/")
+            if len(parts) < 2 or not all(parts):
+                raise GptlabError(f"{item}: name a dataset as OWNER/NAME[/CONFIG], e.g. "
+                                  "hf://datasets/HuggingFaceFW/fineweb-edu/sample-10BT")
+            out.append(StreamedDataset("/".join(parts[:2]), split_name, text_field, "/".join(parts[2:]) or None))
         elif is_parquet_folder(Path(item).expanduser()):
             out.append(StreamedDataset(str(Path(item).expanduser()), split_name, text_field))
         else:
