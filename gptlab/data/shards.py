@@ -169,8 +169,9 @@ class ShardWriter:
         self.manifest, self.open_tokens = state["shards"], state["open_tokens"]
         self.pieces, self.piece_offset, self.chars = state["pieces"], state["piece_offset"], state["chars"]
         for entries in self.manifest.values():
-            for entry in entries:
-                if not (self.build / entry["file"]).is_file():
+            for entry in entries:  # closed shards were fsynced before the state that lists them was written
+                path = self.build / entry["file"]
+                if not path.is_file() or path.stat().st_size != entry["tokens"] * self.dtype.itemsize:
                     return False
         for split, n in self.open_tokens.items():
             path = self._partial(split)
