@@ -49,6 +49,21 @@ def masks_for(pos: torch.Tensor, n_keys: int, full: torch.Tensor | None, window:
     return Masks(full, causal_mask(pos, n_keys, window))
 
 
+def document_masks(documents: torch.Tensor, window: int | None) -> tuple[torch.Tensor, Masks]:
+    """Packed documents (a (B, T) id per token: which document of its row it belongs to) attended to one by one:
+    each token sees only the earlier tokens of its own document (block-diagonal and causal), and its position
+    counts from its document's start, so every document is computed as if it ran alone. (B, T) positions and
+    the masks."""
+    B, T = documents.shape
+    index = torch.arange(T, device=documents.device).expand(B, T)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    pos = index - torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+    same = documents[:, None, :, None] == documents[:, None, None, :]
+    full = causal_mask(index, T) & same
+    return pos, Masks(full, full if window is None else causal_mask(index, T, window) & same)
+
+
 class KVCache:
     """Keys and values of every layer, allocated once, plus the number of tokens each row holds."""
 

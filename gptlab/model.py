@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gptlab.attention import CausalSelfAttention
 from gptlab.config import GPTConfig
-from gptlab.kv_cache import KVCache, masks_for
+from gptlab.kv_cache import KVCache, document_masks, masks_for
 from gptlab.ops import cross_entropy, linear
 from gptlab.rope import rope_tables
 
@@ -194,6 +194,7 @@ class GPT(nn.Module):
         return_attention: bool = False,
         reduction: str = "mean",
         check_ids: bool = True,
+        documents: torch.Tensor | None = None,
     ):  # noqa: ANN201 - (logits, loss) or (logits, loss, attentions)
         """logits (B, T, vocab) for every position, and the cross-entropy over targets that are not -1 (their mean,
         or with `reduction="sum"` their sum: a trainer averaging over a whole batch of masked targets needs sums).
@@ -202,13 +203,16 @@ class GPT(nn.Module):
         `return_attention=True` the manual attention path runs and a list of (B, nh, T, T_k) weights per layer is
         returned as a third element. `check_ids=False`: the caller has checked idx and targets against the
         vocabulary already (the trainer does, on the host), so nothing on the forward's path reads a value back.
+        `documents` (B, T): which packed document each token belongs to; each attends only within its own, from
+        position 0 (`kv_cache.document_masks`).
         """
         if check_ids and targets is not None and targets.numel():
             message = (f"a target is outside the vocabulary: targets must be in [0, {self.config.vocab_size}) or -1 "
                        "(ignored)")
             if not _assert_in_range(targets, -1, self.config.vocab_size, message) and targets.device.type == "cpu":
                 self.check_targets(targets)
-        h = self.hidden_states(idx, kv_cache=kv_cache, return_attention=return_attention, check_ids=check_ids)
+        h = self.hidden_states(idx, kv_cache=kv_cache, return_attention=return_attention, check_ids=check_ids,
+                               documents=documents)
         h, attentions = h if return_attention else (h, None)
         loss = None
         if targets is None:
@@ -248,6 +252,7 @@ class GPT(nn.Module):
         kv_cache: KVCache | None = None,
         return_attention: bool = False,
         check_ids: bool = True,
+        documents: torch.Tensor | None = None,
     ):  # noqa: ANN201 - tensor, or (tensor, attentions)
         """Final-norm hidden states (B, T, C); callers that need only some positions apply `logits` to those.
         `check_ids=False`: idx is known to be in the vocabulary (see `forward`)."""
@@ -257,7 +262,11 @@ class GPT(nn.Module):
         device = idx.device
         manual = return_attention or cfg.attention == "manual"
 
-        if kv_cache is None:
+        if documents is not None:  # packed documents, each as if alone (no cache: training and scoring)
+            if kv_cache is not None or documents.shape != idx.shape:
+                raise ValueError(f"documents must have the shape of idx {tuple(idx.shape)} and no kv_cache")
+            pos, masks = document_masks(documents, cfg.sliding_window)
+        elif kv_cache is None:
             pos = torch.arange(T, device=device)[None]  # (1, T)
             masks = masks_for(pos, T, None, cfg.sliding_window)  # plain causal, unless a window cuts it
         else:

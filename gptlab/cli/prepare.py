@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from gptlab.errors import GptlabError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -21,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--val-fraction of the records becomes the validation split. Reading parquet and datasets needs "
         "pip install 'gptlab[data]'.",
     )
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="text file, directory of .txt files (recursive), `shakespeare` (downloaded once), or record "
                    "files (.jsonl, .json, .parquet, .csv, .tsv, .arrow, a saved datasets directory); not both kinds")
     tok_group = p.add_mutually_exclusive_group(required=True)
@@ -49,8 +51,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     rec.add_argument("--train-on-prompt", action="store_true",
                      help="train on every token, not only the assistant's (the mask is all 1)")
     rec.add_argument("--text-field", metavar="NAME", help="read plain text documents from field NAME")
-    rec.add_argument("--split-name", metavar="NAME",
-                     help="the split of a saved DatasetDict to read (default: train)")
+    rec.add_argument("--split-name", "--split", metavar="NAME",
+                     help="the split of a saved DatasetDict or a streamed dataset to read (default: train)")
+    big = p.add_argument_group("large data")
+    big.add_argument("--shard-tokens", type=int, metavar="N",
+                     help="write each split as shards of N tokens (train-000000.bin, ...) with a manifest in "
+                     "meta.json; a killed prepare run again resumes at the shard it was writing. Default: shards "
+                     "of 100M tokens for text over 1 GiB and for streamed documents, else train.bin / val.bin")
+    big.add_argument("--hf-dataset", metavar="OWNER/NAME[/CONFIG]", action="append", default=[],
+                     help="stream a Hugging Face dataset's --text-field (default: text), like the INPUT "
+                     "hf://datasets/OWNER/NAME[/CONFIG]; record inputs without --block-size are streamed the same "
+                     "way: each record a document ended by <|endoftext|>, the --val-fraction of them spread "
+                     "through the stream")
     p.set_defaults(run=run)
 
 
@@ -63,8 +75,11 @@ def run(args: argparse.Namespace) -> int:
     # and the tokenizer worker processes are cleaned up
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
+    inputs = [*args.inputs, *(f"hf://datasets/{name}" for name in args.hf_dataset)]
+    if not inputs:
+        raise GptlabError("no input given: pass text or record files, hf://datasets/NAME or --hf-dataset NAME")
     meta = prepare(
-        args.inputs,
+        inputs,
         args.out,
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
@@ -77,7 +92,13 @@ def run(args: argparse.Namespace) -> int:
         train_on_prompt=args.train_on_prompt,
         text_field=args.text_field,
         split_name=args.split_name,
+        shard_tokens=args.shard_tokens,
     )
+    if meta.get("shards"):
+        n = {s: len(meta["shards"][s]) for s in ("train", "val")}
+        print(f"wrote {args.out}: train {meta['train_tokens']:,} tokens in {n['train']} shard(s), val "
+              f"{meta['val_tokens']:,} in {n['val']} ({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,})")
+        return 0
     about = f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']})"
     if not meta.get("mask"):
         print(f"wrote {args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens {about}")

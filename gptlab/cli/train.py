@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from pathlib import Path
 
 from gptlab.errors import GptlabError
 
@@ -21,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "line as --key value (dashes or underscores), e.g. --max-steps 500 --lr 3e-3 --dtype bfloat16.",
     )
     p.add_argument("config", metavar="CONFIG.toml", help="the recipe")
-    p.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory written by `gptlab prepare`")
+    p.add_argument("--data", required=True, metavar="DATA_DIR",
+                   help="a directory written by `gptlab prepare`, or a mixture A:0.7,B:0.3 (each row of a step "
+                   "drawn from a source by weight; validation on the first)")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="where checkpoints and metrics.jsonl go")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar or messages")
@@ -55,14 +56,17 @@ def resume_command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gptlab.data.dataset import parse_sources
     from gptlab.fileio import check_out_dir
     from gptlab.train import Trainer, load_train_config
 
     cfg = load_train_config(args.config, parse_overrides(args.extra))
     out = check_out_dir(args.out)  # before the data: `--out ""` must not mean the current directory
-    data_dir = Path(args.data)
-    if not data_dir.is_dir():
-        raise GptlabError(f"data directory {data_dir} does not exist; run `gptlab prepare ... --out {data_dir}` first")
-    trainer = Trainer(cfg, data_dir, out, resume=args.resume, quiet=args.quiet,
-                      resume_command=resume_command(args))
+    sources = parse_sources(args.data)
+    for data_dir, _ in sources:
+        if not data_dir.is_dir():
+            raise GptlabError(f"data directory {data_dir} does not exist; run `gptlab prepare ... --out {data_dir}` "
+                              "first")
+    trainer = Trainer(cfg, sources[0][0], out, resume=args.resume, quiet=args.quiet,
+                      resume_command=resume_command(args), mixture=sources if len(sources) > 1 else None)
     return trainer.run()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.data.dataset import META, SPLITS
+from gptlab.data.shards import SHARD_NAME
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir, check_out_dir
 from gptlab.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB, GPT2Tokenizer, Tokenizer, load_tokenizer
@@ -92,7 +93,7 @@ def write_output(out: Path, write: Callable[[Path], None]) -> None:
     prepared, in place); what a killed run left beside `out` is removed first."""
     for leftover in (*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")):
         shutil.rmtree(leftover, ignore_errors=True)
-    data_only = out.is_dir() and all(p.name in DATA_FILES for p in out.iterdir())
+    data_only = out.is_dir() and all(p.name in DATA_FILES or SHARD_NAME.match(p.name) for p in out.iterdir())
     atomic_write_dir(out, write, replace_unmarked=data_only)
 
 

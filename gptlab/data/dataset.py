@@ -14,11 +14,13 @@ text data has no windows: a row may start anywhere.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gptlab.data.shards import ShardedTokens, load_shards
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_json_object
 
@@ -49,16 +51,56 @@ def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap:
-    """Read-only memmap of train.bin / val.bin with the dtype from meta.json."""
+def parse_sources(spec: str) -> list[tuple[Path, float]]:
+    """``DIR`` or a mixture ``A:0.7,B:0.3`` (weights relative, > 0; a DIR without one weighs 1) as (directory,
+    weight) pairs. A directory whose own name ends in ``:number`` is taken whole when it exists."""
+    sources = []
+    for item in spec.split(","):
+        path, sep, weight = item.rpartition(":")
+        if not sep or Path(item).exists():
+            path, weight = item, "1"
+        try:
+            w = float(weight)
+        except ValueError:
+            path, w = item, 1.0
+        if not path.strip():
+            raise GptlabError(f"--data {spec!r}: an empty directory name (write DIR or A:0.7,B:0.3)")
+        if not (w > 0 and w < float("inf")):
+            raise GptlabError(f"--data {spec!r}: the weight of {path} must be a positive number, got {weight}")
+        sources.append((Path(path), w))
+    if len({d for d, _ in sources}) < len(sources):
+        raise GptlabError(f"--data {spec!r} names a directory twice")
+    return sources
+
+
+def format_sources(sources: Sequence[Sequence[Any]]) -> str:
+    """(directory, weight) pairs as --data writes them."""
+    return ",".join(f"{d}:{w:g}" for d, w in sources)
+
+
+def tokenizer_identity(data_dir: str | os.PathLike[str]) -> tuple[Any, ...]:
+    """What decides a DATA_DIR's ids: meta.json's tokenizer, vocabulary and end-of-text id, and the bytes of its
+    tokenizer files (two directories with equal identities hold ids of the same tokens)."""
+    d = Path(data_dir)
+    meta = read_meta(d)
+    files = tuple((d / name).read_bytes() if (d / name).is_file() else None
+                  for name in ("tokenizer_meta.json", "tokenizer.json"))
+    return meta.get("tokenizer"), meta["vocab_size"], meta.get("eot_id"), files
+
+
+def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap | ShardedTokens:
+    """Read-only memmap of train.bin / val.bin with the dtype from meta.json, or of a sharded split's shards
+    read as one array (`gptlab.data.shards`)."""
     if split not in SPLITS:
         raise GptlabError(f"unknown split {split!r}: expected 'train' or 'val'")
     d = Path(data_dir)
     meta = read_meta(d)
+    dtype = np.dtype("<u2") if meta["dtype"] == "uint16" else np.dtype("<u4")
+    if meta.get("shards") is not None:
+        return load_shards(d, meta, split, dtype, _hint(d))
     path = d / f"{split}.bin"
     if not path.is_file():
         raise GptlabError(f"{path} is missing; {_hint(d)}")
-    dtype = np.dtype("<u2") if meta["dtype"] == "uint16" else np.dtype("<u4")
     expected = int(meta[f"{split}_tokens"]) * dtype.itemsize
     if path.stat().st_size != expected:
         raise GptlabError(f"{path} has {path.stat().st_size} bytes, meta.json says {expected}; {_hint(d)}")
@@ -111,7 +153,7 @@ def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: i
 
 def batch_starts(
     n_tokens: int, seed: int, step: int, batch_size: int, block_size: int, window_tokens: int | None = None,
-    pairs: bool = False,
+    pairs: bool = False, *, stream: int = 0,
 ) -> np.ndarray:
     """The int64 start offsets of the rows of optimizer step `step` in a split of `n_tokens` tokens.
 
@@ -119,9 +161,9 @@ def batch_starts(
     rows out of the same global batch. Without windows any offset with block_size + 1 tokens after it; with
     windows (record data) the start of a random window, whose first block_size + 1 tokens are the row; with
     `pairs` (preference data: windows chosen, rejected, chosen, ...) 2 x batch_size starts, a random pair's two
-    windows side by side.
+    windows side by side. A nonzero `stream` draws from another generator (one per source of a mixture).
     """
-    rng = np.random.Generator(np.random.PCG64([seed, step]))
+    rng = np.random.Generator(np.random.PCG64([seed, step] if not stream else [seed, step, stream]))
     if window_tokens is None:
         return rng.integers(0, n_tokens - block_size, size=batch_size)
     if block_size + 1 > window_tokens:

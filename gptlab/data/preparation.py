@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack, contextmanager
@@ -48,14 +48,25 @@ from gptlab.data.common import base_meta, check_options, dtype_for, early_tokeni
 from gptlab.data.common import progress as _progress
 from gptlab.data.common import show_progress as _show_progress
 from gptlab.data.dataset import META, SPLITS
+from gptlab.data.documents import DocBatch, document_pieces, document_sources, is_document_input
 from gptlab.data.examples import RecordOptions, prepare_records
 from gptlab.data.records import RECORD_INPUTS, are_records
-from gptlab.data.text_stream import CHUNK_CHARS, chunk_text, iter_split_pieces, resolve_inputs, scan_sources
+from gptlab.data.shards import ShardWriter, building_dir, remove_building, resumable, skipping, write_shards
+from gptlab.data.text_stream import (
+    CHUNK_CHARS,
+    chunk_text,
+    expand_globs,
+    iter_split_pieces,
+    resolve_inputs,
+    scan_sources,
+)
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json, write_error
 from gptlab.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 PARALLEL_MIN_CHARS = 16 << 20  # below this a process pool costs more to start than it saves
+AUTO_SHARD_CHARS = 1 << 30  # text this long is written in shards even without --shard-tokens
+DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 ids per shard
 
 
 # --- encoding ---------------------------------------------------------------------------------------------------
@@ -63,7 +74,11 @@ PARALLEL_MIN_CHARS = 16 << 20  # below this a process pool costs more to start t
 _WORKER: dict[str, Any] = {}
 
 
-def _encode_text(tok: Tokenizer, text: str, dtype: np.dtype) -> np.ndarray:
+def _encode_text(tok: Tokenizer, text: str | DocBatch, dtype: np.dtype) -> np.ndarray:
+    if isinstance(text, tuple):  # documents: each one's ids, then the end-of-text token
+        eot = np.array([tok.eot_id], dtype=dtype)
+        return np.concatenate([part for ids in tok.encode_batch(list(text))
+                               for part in (np.asarray(ids, dtype=dtype), eot)])
     if tok.kind == "bpe" and len(text) > (1 << 15):
         # safe sub-chunks through encode_batch: same ids, and `tokenizers` encodes them on all cores
         ids = tok.encode_batch(list(chunk_text([text], 1 << 14, hard=False)))
@@ -102,18 +117,19 @@ def _worker_init(tok_dir: str, dtype: str, env: dict[str, str], main_pid: int) -
     _WORKER["dtype"] = np.dtype(dtype)
 
 
-def _worker_encode(text: str) -> np.ndarray:
+def _worker_encode(text: str | DocBatch) -> np.ndarray:
     return _encode_text(_WORKER["tok"], text, _WORKER["dtype"])
 
 
 def _encode_stream(
-    pieces: Iterable[tuple[str, str | None]], tok: Tokenizer, tok_dir: Path, dtype: np.dtype, workers: int
+    pieces: Iterable[tuple[str, str | DocBatch | None]], tok: Tokenizer, tok_dir: Path, dtype: np.dtype,
+    workers: int
 ) -> Iterator[tuple[str, np.ndarray, int]]:
     """Encode pieces in order; yields (split, ids, characters consumed)."""
     eot = np.array([tok.eot_id if tok.eot_id is not None else 0], dtype=dtype)
     if workers <= 1:
         for split, text in pieces:
-            yield (split, eot, 0) if text is None else (split, _encode_text(tok, text, dtype), len(text))
+            yield (split, eot, 0) if text is None else (split, _encode_text(tok, text, dtype), _chars(text))
         return
     # not fork: the parent may hold Rust thread pools (tokenizers) that a fork can't copy. A forkserver
     # that has imported this module once starts workers fast; spawn elsewhere.
@@ -137,13 +153,17 @@ def _encode_stream(
     try:
         for split, text in pieces:
             fut = None if text is None else pool.submit(_worker_encode, text)
-            pending.append((split, fut, len(text or "")))
+            pending.append((split, fut, _chars(text)))
             while len(pending) > 2 * workers:  # bounded queue: never read far ahead of the encoders
                 yield done()
         while pending:
             yield done()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _chars(piece: str | DocBatch | None) -> int:
+    return 0 if piece is None else len(piece) if isinstance(piece, str) else sum(map(len, piece))
 
 
 # --- prepare ----------------------------------------------------------------------------------------------------
@@ -202,20 +222,34 @@ def prepare(
     train_on_prompt: bool = False,
     text_field: str | None = None,
     split_name: str | None = None,
+    shard_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Tokenize `inputs` into `out_dir` (train.bin, val.bin, tokenizer, meta.json); returns the meta dict.
+    """Tokenize `inputs` into `out_dir` (train.bin, val.bin or shards, tokenizer, meta.json); returns the meta dict.
 
-    Record inputs (.jsonl, .json, .parquet, .csv, saved datasets) go to `gptlab.data.examples.prepare_records`,
-    which also writes loss masks; the options from `block_size` on apply to them only (see `RecordOptions`).
+    Record inputs (.jsonl, .json, .parquet, .csv, saved datasets) with `block_size` go to
+    `gptlab.data.examples.prepare_records`, which also writes loss masks; the options from `block_size` on apply to
+    them only (see `RecordOptions`). Without `block_size` their text documents, Hub datasets (``hf://datasets/``)
+    and parquet folders are one token stream (`gptlab.data.documents`), always in shards. Text files are written
+    in shards of `shard_tokens` when it is given or the text passes AUTO_SHARD_CHARS.
     """
     workers = min(4, os.cpu_count() or 1) if workers is None else workers
     check_options(tokenizer, vocab_size, val_fraction, workers, tokenizer_from is not None)
     if any(not str(i).strip() for i in inputs):  # Path("") is ".": everything under the current directory
         raise GptlabError("an INPUT is empty: name text files, directories of .txt files, record files or "
                           "`shakespeare`")
+    if shard_tokens is not None and shard_tokens < 2:
+        raise GptlabError(f"--shard-tokens must be at least 2, got {shard_tokens}")
     out = output_dir(out_dir)
+    inputs = expand_globs(inputs)
     options = RecordOptions(block_size, pack, chat_template, train_on_prompt, text_field, split_name)
-    if are_records(inputs):
+    documents = [i for i in inputs if is_document_input(i)]
+    if documents or are_records(inputs):
+        if block_size is None and not (set(options.given()) - {"--text-field", "--split-name"}):
+            return _prepare_documents(inputs, out, tokenizer, tokenizer_from, val_fraction, workers, shard_tokens,
+                                      text_field, split_name)
+        if documents:
+            raise GptlabError(f"{documents[0]} is read as a stream of text documents: --block-size and the chat "
+                              "options apply to record files")
         return prepare_records(inputs, out, options, tokenizer=tokenizer, vocab_size=vocab_size,
                                val_fraction=val_fraction, tokenizer_from=tokenizer_from)
     if given := options.given():
@@ -231,6 +265,14 @@ def prepare(
     split_at = int(total * (1 - val_fraction) + 1e-6)  # nanoGPT's int(n * 0.9), minus float noise
     if split_at == 0:
         raise GptlabError(f"the train split would be empty ({total} characters in all); use more text")
+    if shard_tokens is None and total >= AUTO_SHARD_CHARS:
+        shard_tokens = DEFAULT_SHARD_TOKENS
+    fingerprint = {"inputs": [[str(s.path), s.sha256] for s in sources], "tokenizer": tokenizer,
+                   "tokenizer_from": None if tokenizer_from is None else str(tokenizer_from),
+                   "vocab_size": vocab_size, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
+                   "chunk_chars": chunk_chars}
+    if shard_tokens is not None and resumable(building_dir(out), fingerprint):
+        tok = load_tokenizer(building_dir(out))  # the killed run's (a bpe trained once)
 
     if tok is None and tokenizer == "char":
         tok = CharTokenizer(charset)
@@ -245,6 +287,11 @@ def prepare(
     bpe_like = tok.kind != "char"  # cut chunks only at safe newlines; separate documents with eot
     sep = bpe_like and tok.eot_id is not None
 
+    source_rows = [{"path": str(s.path), "bytes": s.bytes, "sha256": s.sha256, "chars": s.chars} for s in sources]
+    if shard_tokens is not None:
+        return _write_sharded(out, tok, lambda: iter_split_pieces(sources, split_at, sep, bpe_like, chunk_chars),
+                              fingerprint, shard_tokens, workers if total >= PARALLEL_MIN_CHARS else 1, total,
+                              {"val_fraction": val_fraction, "separator": sep, "sources": source_rows})
     pieces = iter_split_pieces(sources, split_at, sep, bpe_like, chunk_chars)
     meta: dict[str, Any] = {}
 
@@ -252,9 +299,72 @@ def prepare(
         tok.save(tmp)  # before encoding: the pool's workers load it from here
         counts = _write_bins(tmp, tok, pieces, total, workers if total >= PARALLEL_MIN_CHARS else 1, out)
         meta.update(base_meta(tok, counts, {"train": split_at, "val": total - split_at}, val_fraction, sep))
-        meta["sources"] = [{"path": str(s.path), "bytes": s.bytes, "sha256": s.sha256, "chars": s.chars}
-                           for s in sources]
+        meta["sources"] = source_rows
         atomic_write_json(tmp / META, meta)
 
     write_output(out, write)
+    return meta
+
+
+def _prepare_documents(
+    inputs: Sequence[str | os.PathLike[str]], out: Path, tokenizer: str | None,
+    tokenizer_from: str | os.PathLike[str] | None, val_fraction: float, workers: int, shard_tokens: int | None,
+    text_field: str | None, split_name: str | None,
+) -> dict[str, Any]:
+    """Text documents (records, Hub datasets, parquet folders) -> shards, each document ended by end-of-text."""
+    tok = early_tokenizer(tokenizer, tokenizer_from)
+    if tok is None:
+        raise GptlabError("text documents are streamed: they need a tokenizer fixed in advance, --tokenizer gpt2 or "
+                          "--tokenizer-from DIR (or give --block-size to pack them as examples)")
+    if tok.eot_id is None:
+        raise GptlabError("this tokenizer has no end-of-text token to end each document with: use one that has")
+    sources = document_sources(inputs, text_field, split_name)
+    shard_tokens = shard_tokens or DEFAULT_SHARD_TOKENS
+    fingerprint = {"inputs": [s.describe() for s in sources], "tokenizer": tokenizer,
+                   "tokenizer_from": None if tokenizer_from is None else str(tokenizer_from),
+                   "val_fraction": val_fraction, "shard_tokens": shard_tokens, "documents": True}
+    if resumable(building_dir(out), fingerprint):
+        tok = load_tokenizer(building_dir(out))
+    return _write_sharded(out, tok, lambda: document_pieces(sources, val_fraction), fingerprint, shard_tokens,
+                          workers, None, {"val_fraction": val_fraction, "separator": True,
+                                          "sources": fingerprint["inputs"]})
+
+
+def _write_sharded(
+    out: Path, tok: Tokenizer, make_pieces: Callable[[], Iterator[tuple[str, str | DocBatch | None]]],
+    fingerprint: dict[str, Any], shard_tokens: int, workers: int, total_chars: int | None, about: dict[str, Any],
+) -> dict[str, Any]:
+    """Encode the pieces into shards built in `building_dir(out)` (resuming a killed run of the same
+    `fingerprint`), then swap the finished directory in for `out`."""
+    build, dtype = building_dir(out), dtype_for(tok.vocab_size)
+    writer = ShardWriter(build, shard_tokens, dtype, fingerprint)
+    if not (build.is_dir() and writer.resume()):
+        remove_building(build)
+        build.mkdir(parents=True)
+        writer = ShardWriter(build, shard_tokens, dtype, fingerprint)
+        tok.save(build)  # before encoding: the pool's workers load it from here; a resumed run reuses it
+
+    def encoded(skip: int) -> Iterator[tuple[str, np.ndarray, int]]:
+        return _encode_stream(skipping(make_pieces(), skip), tok, build, dtype, workers)
+
+    needed = None if total_chars is None else total_chars * dtype.itemsize
+    with _full_disk_message(out, needed or 0), _progress(total_chars, f"tokenize ({tok.kind})", "char") as bar:
+        manifest = write_shards(writer, encoded, bar.update)
+    counts = {s: sum(e["tokens"] for e in manifest[s]) for s in SPLITS}
+    for split in SPLITS:
+        if counts[split] < 2:
+            remove_building(build)
+            more = "use a larger --val-fraction or more data" if split == "val" else "use more data"
+            raise GptlabError(f"the {split} split has {counts[split]} token(s), need at least 2: {more}")
+    meta = base_meta(tok, counts, writer.chars, about["val_fraction"], about["separator"])
+    meta.update({"sources": about["sources"], "shard_tokens": shard_tokens, "shards": manifest})
+
+    def write(tmp: Path) -> None:  # hard links: the build stays whole until the swap is done
+        for f in build.iterdir():
+            if f.is_file():
+                os.link(f, tmp / f.name)
+        atomic_write_json(tmp / META, meta)
+
+    write_output(out, write)
+    remove_building(build)
     return meta

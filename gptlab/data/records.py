@@ -56,7 +56,7 @@ def are_records(inputs: Sequence[str | os.PathLike[str]]) -> bool:
     return bool(kinds) and all(kinds)
 
 
-def _need(module: str, what: str) -> Any:
+def need_extra(module: str, what: str) -> Any:
     """Import an optional dependency of the `data` extra, or say in one line how to install it."""
     try:
         return importlib.import_module(module)
@@ -65,7 +65,7 @@ def _need(module: str, what: str) -> Any:
         raise GptlabError(f"reading {what} needs {package}: pip install 'gptlab[data]'") from None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """The root cause's name and first line (datasets wraps a parser's error in a generic one)."""
     while e.__cause__ is not None:
         e = e.__cause__
@@ -209,27 +209,27 @@ class RecordFile:
                               f"{', '.join(columns)})")
 
     def _parquet_rows(self) -> Iterator[tuple[str, Any]]:
-        pa, pq = _need("pyarrow", ".parquet"), _need("pyarrow.parquet", ".parquet")
+        pa, pq = need_extra("pyarrow", ".parquet"), need_extra("pyarrow.parquet", ".parquet")
         try:
             pf = pq.ParquetFile(self.path)
             columns = pf.schema_arrow.names
             batches = pf.iter_batches(batch_size=_BATCH_ROWS)
         except (OSError, ValueError, pa.ArrowException) as e:
             raise GptlabError(f"{self.path} is not a readable parquet file (corrupt or truncated?): "
-                              f"{_first_line(e)}") from None
+                              f"{first_line(e)}") from None
         self._check_columns(columns)
         try:
             yield from _table_rows(self.path, batches)
         except (OSError, ValueError, pa.ArrowException) as e:  # a damaged page shows up only when read
             raise GptlabError(f"{self.path} is not a readable parquet file (corrupt or truncated?): "
-                              f"{_first_line(e)}") from None
+                              f"{first_line(e)}") from None
 
     def _load(self) -> Any:
         """The `datasets.Dataset` behind a saved-dataset directory or a .csv/.tsv/.arrow file (loaded once)."""
         if self._dataset is not None:
             return self._dataset
         what = "a saved dataset" if self.format == "dataset" else self.path.suffix
-        datasets = _need("datasets", what)
+        datasets = need_extra("datasets", what)
         quiet = not show_progress() and not datasets.utils.are_progress_bars_disabled()
         if quiet:
             datasets.utils.disable_progress_bars()  # a one-line error must stay one line
@@ -245,7 +245,7 @@ class RecordFile:
                 ds = datasets.load_dataset(self.format, data_files=str(self.path), split="train",
                                            cache_dir=self._cache.name, **kw)
         except Exception as e:
-            raise GptlabError(f"{self.path}: datasets could not read it ({_first_line(e)})") from None
+            raise GptlabError(f"{self.path}: datasets could not read it ({first_line(e)})") from None
         finally:
             log.setLevel(level)
             if quiet:

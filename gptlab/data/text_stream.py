@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import codecs
+import glob
 import hashlib
 import os
 import re
@@ -40,6 +41,22 @@ _SAFE_NL = re.compile(r"(?<=\S)\n(?=\S)")  # cut after this newline: see the mod
 _SAFE_SPACE = re.compile(r"(?<=\S)(?= )")  # fallback: cut before a space that follows a non-space
 
 # --- inputs -----------------------------------------------------------------------------------------------------
+
+
+def expand_globs(inputs: Sequence[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
+    """INPUT arguments with each quoted glob (``'data/*.parquet'``) replaced by its sorted matches; a pattern that
+    matches nothing is an error, an existing file of that name is taken as it is."""
+    out: list[str | os.PathLike[str]] = []
+    for item in inputs:
+        text = str(item)
+        if not any(c in text for c in "*?[") or Path(text).expanduser().exists() or "://" in text:
+            out.append(item)
+            continue
+        found = sorted(glob.glob(os.path.expanduser(text), recursive=True))
+        if not found:
+            raise GptlabError(f"input pattern {text} matches no file")
+        out.extend(found)
+    return out
 
 
 def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:

@@ -10,6 +10,7 @@ little as it should, and gradient accumulation or more processes change nothing 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptlab.data import batch_starts, load_mask, load_split, micro_batch, read_meta, windows
+from gptlab.data import batch_starts, check_split_fits, load_mask, load_split, micro_batch, read_meta, windows
+from gptlab.data.dataset import tokenizer_identity
 from gptlab.errors import GptlabError
 
 
@@ -53,6 +55,70 @@ class Split:
 
 
 @dataclass
+class Mixture:
+    """The train splits of several data directories, each row of a step drawn from one of them by `weights`
+    (which sum to 1). Like a single split's, a step's rows are a pure function of (seed, step): which source each
+    row comes from and where it starts are drawn by generators seeded with them, so the loader's position in
+    every source and the sampler's state are the step a checkpoint records, and a resumed run (or one over more
+    processes) draws the same rows."""
+
+    sources: list[Split]
+    weights: np.ndarray
+    pairs: bool = False
+
+
+def load_train_data(sources: list[tuple[Path, float]], block_size: int) -> tuple[Split | Mixture, int]:
+    """The train split of one data directory, or the mixture of several (same tokenizer: checked), and the tokens
+    of a row: the shortest any source allows (`sequence_length`), each source checked to hold one."""
+    seq_len = min(sequence_length(d, block_size) for d, _ in sources)
+    for d, _ in sources:
+        check_split_fits(d, "train", seq_len)
+    if len(sources) == 1:
+        return Split.load(sources[0][0], "train"), seq_len
+    first = tokenizer_identity(sources[0][0])
+    for d, _ in sources[1:]:
+        if tokenizer_identity(d) != first:
+            raise GptlabError(f"--data mixes {sources[0][0]} and {d}, prepared with different tokenizers: prepare "
+                              f"them with the same one (--tokenizer-from {sources[0][0]})")
+    splits = [Split.load(d, "train") for d, _ in sources]
+    if any(s.pairs for s in splits):
+        raise GptlabError("preference pairs cannot be mixed with other data: train on their directory alone")
+    weights = np.array([w for _, w in sources], dtype=np.float64)
+    return Mixture(splits, weights / weights.sum()), seq_len
+
+
+def document_eot(document_mask: bool, meta: dict, data_dir: Path) -> int | None:
+    """The end-of-text id that ends documents, when the recipe's document_mask asks for one (None when not)."""
+    if not document_mask:
+        return None
+    if meta.get("eot_id") is None or meta.get("separator") != "eot":
+        raise GptlabError(f"document_mask = true needs documents ended by end-of-text tokens; {data_dir} has none "
+                          "(prepare it with a tokenizer that has one: gpt2, bpe, --tokenizer-from)")
+    return int(meta["eot_id"])
+
+
+def mixture_batch(mix: Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
+    """The windows of step `step` drawn from a mixture: each row's source by weight, then its start in that
+    source as `batch_starts` draws starts, from a stream of its own per source."""
+    rng = np.random.Generator(np.random.PCG64([seed, step, 0]))  # the sources draw from streams 1, 2, ...
+    which = rng.choice(len(mix.sources), size=batch_size, p=mix.weights)
+    tokens = np.empty((batch_size, block_size + 1), np.int64)
+    masked = any(s.mask is not None for s in mix.sources)
+    mask = np.ones((batch_size, block_size + 1), np.uint8) if masked else None
+    for k, source in enumerate(mix.sources):
+        rows = np.flatnonzero(which == k)
+        if not rows.size:
+            continue
+        starts = batch_starts(len(source.tokens), seed, step, rows.size, block_size, source.window_tokens,
+                              stream=k + 1)
+        tokens[rows] = windows(source.tokens, starts, block_size)
+        if mask is not None and source.mask is not None:
+            mask[rows] = windows(source.mask, starts, block_size)
+    n_targets = batch_size * block_size if mask is None else int((mask[:, 1:] != 0).sum())
+    return StepBatch(tokens, mask, n_targets)
+
+
+@dataclass
 class StepBatch:
     """The global batch of one optimizer step: (B, T+1) token windows, their (B, T+1) 0/1 mask (None when all
     count) and how many targets count in total; for preference pairs 2B rows (chosen, rejected, ...) and the
@@ -78,8 +144,10 @@ class StepBatch:
         return x, y
 
 
-def step_batch(split: Split, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
+def step_batch(split: Split | Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
     """The windows of optimizer step `step`: a pure function of (seed, step), the same on every process."""
+    if isinstance(split, Mixture):
+        return mixture_batch(split, seed, step, batch_size, block_size)
     starts = batch_starts(len(split.tokens), seed, step, batch_size, block_size, split.window_tokens, split.pairs)
     tokens = windows(split.tokens, starts, block_size)
     if split.mask is None:
@@ -134,6 +202,14 @@ class DeviceStep:
     step: int
     micro: list[tuple[torch.Tensor, torch.Tensor]]
     n_targets: int
+    documents: list[torch.Tensor | None]  # per micro-step, with a document mask: each input's document
+
+
+def document_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """Which document of its row each token is in: the count of end-of-text tokens before it (an end-of-text
+    belongs to the document it ends)."""
+    ends = (x == eot_id).to(torch.int32)
+    return ends.cumsum(dim=1) - ends
 
 
 class StepFeed:
@@ -145,27 +221,45 @@ class StepFeed:
     (seed, step): preparing them early changes nothing."""
 
     def __init__(self, split: Split, *, seed: int, batch_size: int, seq_len: int, rank: int, world: int,
-                 grad_accum: int, vocab_size: int, device: str) -> None:
+                 grad_accum: int, vocab_size: int, device: str, document_eot: int | None = None) -> None:
         self.split, self.seed, self.batch_size, self.seq_len = split, seed, batch_size, seq_len
         self.rank, self.world, self.grad_accum = rank, world, grad_accum
         self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.document_eot = document_eot  # set: each micro-step also gets its inputs' document ids
         self._ahead: DeviceStep | None = None
+        # seconds a step waited for batches not made ahead, and seconds the host spent making them ahead
+        self.wait_sec, self.host_sec = 0.0, 0.0
 
     def get(self, step: int) -> DeviceStep:
         """The batches of `step`: those prepared ahead when they are this step's, else made now."""
         ready, self._ahead = self._ahead, None
-        return ready if ready is not None and ready.step == step else self._prepare(step)
+        if ready is not None and ready.step == step:
+            return ready
+        t0 = time.perf_counter()
+        made = self._prepare(step)
+        self.wait_sec += time.perf_counter() - t0
+        return made
 
     def prefetch(self, step: int) -> None:
         """Prepare `step`'s batches now, for the coming `get(step)`."""
+        t0 = time.perf_counter()
         self._ahead = self._prepare(step)
+        self.host_sec += time.perf_counter() - t0
+
+    def per_step_ms(self, steps: int) -> float:
+        """Milliseconds per step the host spent on batches over the last `steps` steps (counted from here on):
+        what a step waited for its own plus what it spent making the next one ahead."""
+        total, self.wait_sec, self.host_sec = self.wait_sec + self.host_sec, 0.0, 0.0
+        return 1000.0 * total / max(steps, 1)
 
     def _prepare(self, step: int) -> DeviceStep:
         batch = step_batch(self.split, self.seed, step, self.batch_size, self.seq_len)
         check_tokens(batch.windows, self.vocab_size)
-        micro = [tuple(self._to_device(t) for t in batch.micro(self.rank, self.world, m, self.grad_accum))
-                 for m in range(self.grad_accum)]
-        return DeviceStep(step, micro, batch.n_targets)
+        micro = [batch.micro(self.rank, self.world, m, self.grad_accum) for m in range(self.grad_accum)]
+        documents = [None if self.document_eot is None else self._to_device(document_ids(x, self.document_eot))
+                     for x, _ in micro]
+        micro = [(self._to_device(x), self._to_device(y)) for x, y in micro]
+        return DeviceStep(step, micro, batch.n_targets, documents)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":  # nothing to overlap on a CPU: the tensor as `micro` made it

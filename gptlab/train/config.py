@@ -44,6 +44,7 @@ class TrainConfig:
     lora_targets: str = "all-linear"  # comma-separated q,k,v,o,gate,up,down (or q_proj, ...), or all-linear
     # --- objective: lm = next-token cross-entropy; dpo / ipo = preference pairs against the starting weights ---
     objective: Literal["lm", "dpo", "ipo", "simpo", "orpo"] = "lm"  # simpo and orpo need no reference
+    document_mask: bool = False  # lm: packed documents (ended by end-of-text) attend only within themselves
     beta: float = 0.1  # dpo / ipo: how far from the reference the policy may move; simpo: the reward scale; orpo:
     # the odds-ratio term's weight (trl's beta in each)
     label_smoothing: float = 0.0  # dpo, simpo: the share of pairs taken to be mislabeled (conservative DPO)
@@ -398,6 +399,8 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError(f"simpo_gamma must be >= 0 and finite (the reward margin to win by), got {cfg.simpo_gamma}")
     if not 0.0 <= cfg.label_smoothing < 0.5:
         raise GptlabError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
+    if cfg.document_mask and cfg.objective != "lm":
+        raise GptlabError(f"document_mask applies to objective lm (packed documents), not {cfg.objective}")
     if cfg.label_smoothing and cfg.objective not in ("dpo", "simpo"):
         raise GptlabError(f"label_smoothing applies to objectives dpo and simpo, not {cfg.objective}")
     if cfg.objective != "lm" and cfg.distributed == "fsdp":

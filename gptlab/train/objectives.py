@@ -62,9 +62,11 @@ class LanguageModeling:
         """The metrics.jsonl columns of a step's statistics (per pair); none for language modeling."""
         return {}
 
-    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        _, loss = net(x, y, reduction="sum", check_ids=False)  # the feed checked the ids
+    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
+             documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`documents`: with document_mask, which packed document each input token is in (see GPT.forward)."""
+        kw = {} if documents is None else {"documents": documents}
+        _, loss = net(x, y, reduction="sum", check_ids=False, **kw)  # the feed checked the ids
         return loss * scale, loss.new_zeros(0)
 
 
@@ -121,8 +123,8 @@ class Preference:
             losses = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
         return losses, self.beta * chosen.detach(), self.beta * rejected.detach()
 
-    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
+             documents: None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-step's pairs' summed loss times `scale`, and (sum of chosen rewards, of rejected rewards,
         pairs whose chosen reward is the higher)."""
         logps, counts = sequence_logps(net, x, y)

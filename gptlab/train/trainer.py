@@ -27,12 +27,13 @@ import torch
 
 from gptlab import checkpoint as ckpt
 from gptlab.data import check_split_fits, read_meta
+from gptlab.data.dataset import format_sources
 from gptlab.errors import GptlabError
 from gptlab.evaluation.loss import evaluate_loss
 from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
-from gptlab.train.batches import Split, StepFeed, pair_rows, sequence_length
+from gptlab.train.batches import Split, StepFeed, document_eot, load_train_data, pair_rows, sequence_length
 from gptlab.train.config import (
     RESUMABLE_CHANGES,
     TrainConfig,
@@ -64,8 +65,10 @@ class Trainer:
         resume: bool = False,
         quiet: bool = False,
         resume_command: str | None = None,
+        mixture: list[tuple[Path, float]] | None = None,
     ) -> None:
         self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
+        self.sources = mixture or [(self.data_dir, 1.0)]  # train rows from these, by weight; val from data_dir
         self.quiet, self.resume_command = quiet, resume_command
         if cfg.threads:
             set_threads(cfg.threads)
@@ -114,16 +117,15 @@ class Trainer:
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False)
-        self.seq_len = sequence_length(self.data_dir, self.model.config.block_size)  # tokens per row
-        for split in ("train", "val"):
-            check_split_fits(self.data_dir, split, self.seq_len)
-        self.train_data = Split.load(self.data_dir, "train")
+        self.train_data, self.seq_len = load_train_data(self.sources, self.model.config.block_size)
+        check_split_fits(self.data_dir, "val", self.seq_len)
         self.val_data = Split.load(self.data_dir, "val")
         # the tokens of a step's windows (a preference pair is two; its rows run only to the batch's longest reply)
         self.tokens_per_step = cfg.batch_size * self.seq_len * (2 if self.train_data.pairs else 1)
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
                              rank=self.procs.rank, world=self.procs.world, grad_accum=cfg.grad_accum,
-                             vocab_size=self.model.config.vocab_size, device=self.device)
+                             vocab_size=self.model.config.vocab_size, device=self.device,
+                             document_eot=document_eot(cfg.document_mask, meta, self.data_dir))
         self.losses = DeviceLosses(self.procs.world)
         return resume_from
 
@@ -175,6 +177,7 @@ class Trainer:
             "config_hash": self.cfg.hash(RESUMABLE_CHANGES),
             "config": self.cfg.to_dict(),
             "data_dir": str(self.data_dir),
+            "data_sources": [[str(d), w] for d, w in self.sources],  # the loader's position in each is the step
         }
 
     def release(self) -> None:
@@ -207,6 +210,10 @@ class Trainer:
             if diff:
                 raise GptlabError(f"cannot resume {directory}: the config differs in {shown}; only "
                                   f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
+        saved_sources, sources = state.get("data_sources", []), [[str(d), w] for d, w in self.sources]
+        if max(len(sources), len(saved_sources)) > 1 and saved_sources != sources:  # one directory may move
+            raise GptlabError(f"cannot resume {directory}: it was trained on --data {format_sources(saved_sources)}, "
+                              f"not {format_sources(sources)}: its batches would differ")
         self.step, self.elapsed = state["step"], state["elapsed_sec"]
         self.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
         self.warmup_elapsed = state.get("warmup_elapsed_sec", self.warmup_elapsed)
@@ -275,7 +282,7 @@ class Trainer:
         sums = torch.zeros(1 + len(self.objective.stats), dtype=torch.float32, device=self.device)  # loss, stats
         for micro, (x, y) in enumerate(batch.micro):
             with self.precision.autocast(), gradient_sync(self.net, self.model, micro == cfg.grad_accum - 1):
-                loss, stats = self.objective.loss(self.net, x, y, scale)
+                loss, stats = self.objective.loss(self.net, x, y, scale, batch.documents[micro])
             self.precision.backward(loss)
             sums += torch.cat([loss.detach().float().reshape(1), stats])
         if self.step + 1 < cfg.max_steps:
@@ -349,6 +356,7 @@ class Trainer:
                 tps = (self.step - window_step) * self.tokens_per_step / max(time.perf_counter() - window_t0, 1e-9)
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
                        "tokens_per_sec": tps, "elapsed_sec": self.elapsed, **log.utilization(tps),
+                       "loader_ms": self.feed.per_step_ms(self.step - window_step),
                        **self.objective.stats_row(self.step_stats)}
                 if do_eval:
                     t_eval = time.perf_counter()
