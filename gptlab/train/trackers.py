@@ -9,8 +9,8 @@ Every tracker gets the same rows as metrics.jsonl (numbers only, at the row's st
 (config.resolved.json) and the run directory's name as the run's name. A resumed run continues the same
 tracker run where the library allows: the wandb run id and the MLflow run id (with its tracking URI) are kept
 in RUN_DIR/trackers.json, and TensorBoard drops the events past the checkpoint (`purge_step`), as
-metrics.jsonl drops its rows. wandb keeps the first value logged at a step, so after a resume it shows the
-steps between the checkpoint and the stop as they were first logged.
+metrics.jsonl drops its rows. The steps between the checkpoint and the stop are sent to wandb again; an
+online wandb run ignores steps below its last one, so it keeps their first values.
 
 Where they write: wandb under RUN_DIR/wandb (WANDB_MODE=offline for no network; WANDB_* settings apply);
 MLflow where MLFLOW_TRACKING_URI points (its own default otherwise); TensorBoard RUN_DIR/tensorboard.
