@@ -102,7 +102,7 @@ X_LABELS = {"step": "step", "tokens": "tokens", "time": "training time (s)"}
 
 def curves_picture(curves: list[Curve], path: str | Path, x: str = "step") -> Path:
     """A PNG of the runs' loss curves, overlaid, with their learning rates on a second axis; below them, when a
-    run logged rewards (DPO, IPO), the reward margin and accuracy."""
+    run logged rewards (DPO, IPO), the reward margin and accuracy, and when it logged benchmark scores, those."""
     plt = pyplot()
     rewards = any(c.reward_margin.x for c in curves)
     evals = any(c.evals for c in curves)
