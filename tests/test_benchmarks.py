@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import make_data, one_line_error, tiny_model, write_jsonl, write_recipe
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from gptlab.cli import main
@@ -96,6 +98,29 @@ def test_split_pair_moves_the_context_s_trailing_spaces_as_lm_eval_does() -> Non
     assert split_pair(tok, "", "ab", 3) == ([3], tok.encode("ab"))
     with pytest.raises(GptlabError, match="empty context"):
         split_pair(tok, "", "ab", None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text("ab c", min_size=1), st.text("ab c", min_size=1))
+def test_split_pair_tokens_are_the_whole_text_s(context: str, continuation: str) -> None:
+    """Whatever the spaces: context + continuation tokens encode the joined text, the continuation's tokens
+    start where the context less its trailing spaces ends, and they hold the whole continuation."""
+    tok = CharTokenizer.from_text("ab c")
+    ctx, cont = split_pair(tok, context, continuation, 0)
+    if context.strip(" "):
+        assert ctx + cont == tok.encode(context + continuation)
+        assert tok.decode(ctx) == context.rstrip(" ")
+    else:  # a context of spaces only: they join the continuation, after the start token
+        assert ctx == [0] and tok.decode(cont) == context + continuation
+    assert tok.decode(cont).endswith(continuation)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["wandb", "mlflow", "tensorboard"]), min_size=1, max_size=3))
+def test_a_tracker_list_reads_alike_from_toml_and_the_command_line(names: list[str]) -> None:
+    from_toml = build_train_config({"tracker": names}).tracker
+    assert from_toml == tuple(names) == build_train_config({}, {"tracker": ", ".join(names)}).tracker
+    assert build_train_config({"tracker": names[0]}).tracker == (names[0],)
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -9,6 +9,8 @@ import json
 import math
 import shutil
 import struct
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -170,3 +172,28 @@ def test_a_missing_tracker_library_is_a_one_line_error(tmp_path: Path, data: Pat
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     rc = _train(recipe, data, tmp_path / "run", "--tracker", "neptune")
     assert "tracker = 'neptune'" in one_line_error(rc, capsys.readouterr().err)
+
+
+def test_under_torchrun_only_process_0_logs_and_scores(tmp_path: Path, data: Path) -> None:
+    """2 DDP processes with a tracker and benchmarks: one TensorBoard writer, one row per step, and the scores of
+    one process with the same global batch (the other process waits for process 0's scoring at the next step)."""
+    pytest.importorskip("tensorboard")
+    task = tmp_path / "words.jsonl"
+    task.write_text("".join(json.dumps({"context": f"The {w}", "choices": [" king", " queen", " lord"],
+                                        "answer": i % 3}) + "\n" for i, w in enumerate(["day", "night", "sword"])))
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, log_interval=5, tracker="tensorboard",
+                          eval_tasks=[str(task)], eval_tasks_interval=5)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gptlab.cli",
+           "train", str(recipe), "--data", str(data), "--out", str(tmp_path / "ddp"), "--quiet"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _train(recipe, data, tmp_path / "one", "--grad-accum", "2") == 0
+    assert len(list((tmp_path / "ddp" / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    rows = [r for r in _rows(tmp_path / "ddp") if "eval/core" in r]
+    one = [r for r in _rows(tmp_path / "one") if "eval/core" in r]
+    assert [r["step"] for r in rows] == [r["step"] for r in one] == [5, 10]
+    for a, b in zip(rows, one, strict=True):
+        assert {k: v for k, v in a.items() if k.startswith("eval/")} == pytest.approx(
+            {k: v for k, v in b.items() if k.startswith("eval/")}, abs=1e-6)
+    assert Counter((s, t) for s, t, _ in _tensorboard_scalars(tmp_path / "ddp")) == Counter(
+        (r["step"], k) for r in _rows(tmp_path / "ddp") for k in r if k != "step")
