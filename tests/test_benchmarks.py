@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import make_data, one_line_error, tiny_model, write_jsonl, write_recipe
+from helpers import TINY_RECIPE, make_data, one_line_error, tiny_model, write_jsonl, write_recipe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -237,3 +237,25 @@ def test_plot_draws_the_benchmark_scores(tmp_path: Path) -> None:
     assert curve.evals["eval/core"].y == [0.1]
     assert main(["plot", str(run), "-o", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_a_failing_final_benchmark_still_saves_the_weights(tmp_path: Path, data: Path) -> None:
+    """Through the Python API, with a scorer of its own for a task name: it fails at the end of the run, which
+    raises, but only after the final weights are saved."""
+    from gptlab.train import Trainer
+
+    calls = []
+
+    def scorer(model, tokenizer, name):
+        calls.append(name)
+        if len(calls) == 2:
+            raise RuntimeError("the benchmark server went away")
+        return {"my_task/acc": 0.5}
+
+    cfg = build_train_config({**TINY_RECIPE, "max_steps": 10, "eval_tasks": ["my_task"], "eval_tasks_interval": 5})
+    trainer = Trainer(cfg, data, tmp_path / "run", quiet=True, lm_eval_tasks=scorer)
+    with pytest.raises(RuntimeError, match="went away"):
+        trainer.run()
+    assert calls == ["run", "run"]
+    assert (tmp_path / "run" / "checkpoints" / "step-0000010" / "model.safetensors").is_file()
+    assert [r["eval/my_task/acc"] for r in _rows(tmp_path / "run") if "eval/my_task/acc" in r] == [0.5]

@@ -74,7 +74,8 @@ def test_tensorboard_events_are_the_metrics_rows(tmp_path: Path, data: Path) -> 
 
 
 def test_mlflow_run_holds_the_metrics_and_config_and_resumes(tmp_path: Path, data: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
@@ -98,6 +99,14 @@ def test_mlflow_run_holds_the_metrics_and_config_and_resumes(tmp_path: Path, dat
     for key in info.data.metrics:
         got.update({(m.step, key): m.value for m in client.get_metric_history(info.info.run_id, key)})
     assert got == _expected(run)  # metrics.jsonl's rows, at the final value of each step
+    # a run id the store no longer has: a one-line error naming the tracker and where its ids are kept
+    state = json.loads((run / STATE_FILE).read_text())
+    state["mlflow"]["run_id"] = "0" * 32
+    (run / STATE_FILE).write_text(json.dumps(state))
+    capsys.readouterr()
+    line = one_line_error(_train(recipe, data, run, "--resume", "--max-steps", "40"), capsys.readouterr().err)
+    assert "tracker mlflow could not start its run" in line and STATE_FILE in line
+    assert (run / ".lock").read_text() == ""  # the run directory was let go
 
 
 def _wandb_records(path: Path) -> list:

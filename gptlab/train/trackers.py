@@ -32,7 +32,6 @@ from gptlab.fileio import atomic_write_json, read_json_object
 from gptlab.train.config import TrainConfig
 
 STATE_FILE = "trackers.json"  # what a resumed run needs to continue its tracker runs
-_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow", "tensorboard": "tensorboard"}
 
 
 def _numbers(row: dict[str, Any]) -> dict[str, float]:
@@ -110,7 +109,7 @@ class MlflowTracker(Tracker):
             experiment = found.experiment_id if found else self.client.create_experiment(project)
             run_id = self.client.create_run(experiment, run_name=run_dir.resolve().name).info.run_id
             params = [mlflow.entities.Param(k, v[:6000]) for k, v in _flat(config).items()]
-            for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per call
+            for i in range(0, len(params), 100):  # a call takes at most 100 parameters (and 1000 metrics)
                 self.client.log_batch(run_id, params=params[i : i + 100])
         else:
             self.client.update_run(run_id, status="RUNNING")
@@ -120,7 +119,8 @@ class MlflowTracker(Tracker):
     def log(self, row: dict[str, Any]) -> None:
         now = int(time.time() * 1000)
         metrics = [self.mlflow.entities.Metric(k, v, now, row["step"]) for k, v in _numbers(row).items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -128,9 +128,9 @@ class MlflowTracker(Tracker):
 
 def check_trackers(cfg: TrainConfig) -> None:
     """A one-line error for a tracker the recipe names whose library is not installed (before the first step)."""
-    for name in cfg.tracker:
-        if importlib.util.find_spec(_PACKAGES[name]) is None:
-            raise GptlabError(f"tracker {name}: the {_PACKAGES[name]} package is not installed (pip install "
+    for name in cfg.tracker:  # each tracker's package is named as the tracker
+        if importlib.util.find_spec(name) is None:
+            raise GptlabError(f"tracker {name}: the {name} package is not installed (pip install "
                               f"'gptlab[trackers]')")
 
 
@@ -152,12 +152,7 @@ def open_trackers(cfg: TrainConfig, run_dir: Path, config: dict[str, Any], step:
     trackers: dict[str, Tracker] = {}
     try:
         for name in names:
-            if name == "tensorboard":
-                trackers[name] = TensorBoardTracker(run_dir, config, step)
-            elif name == "wandb":
-                trackers[name] = WandbTracker(run_dir, config, project, saved.get("wandb", {}))
-            else:
-                trackers[name] = MlflowTracker(run_dir, config, project, saved.get("mlflow", {}))
+            trackers[name] = _start(name, run_dir, config, project, step, saved.get(name, {}))
     except BaseException:
         close_trackers(trackers.values())
         raise
@@ -165,6 +160,22 @@ def open_trackers(cfg: TrainConfig, run_dir: Path, config: dict[str, Any], step:
     if states:
         atomic_write_json(path, {**saved, **states})
     return list(trackers.values())
+
+
+def _start(name: str, run_dir: Path, config: dict[str, Any], project: str, step: int,
+           saved: dict[str, Any]) -> Tracker:
+    """One tracker's run; what its library raises (a server it cannot reach, a resumed run it no longer has) is
+    a one-line error naming the tracker."""
+    try:
+        if name == "tensorboard":
+            return TensorBoardTracker(run_dir, config, step)
+        if name == "wandb":
+            return WandbTracker(run_dir, config, project, saved)
+        return MlflowTracker(run_dir, config, project, saved)
+    except Exception as e:  # noqa: BLE001 - each library has its own errors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        hint = f" (its ids are in {run_dir / STATE_FILE})" if saved else ""
+        raise GptlabError(f"tracker {name} could not start its run: {first}{hint}") from e
 
 
 def close_trackers(trackers: Iterable[Tracker]) -> None:

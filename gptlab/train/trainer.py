@@ -312,8 +312,13 @@ class Trainer:
         if self.procs.is_master:
             self._prepare_run_dir()
         model_cfg = self.model.config
-        trackers = (open_trackers(self.cfg, self.run_dir, self._resolved(), self.step, self.quiet)
-                    if self.procs.is_master else [])
+        try:
+            trackers = (open_trackers(self.cfg, self.run_dir, self._resolved(), self.step, self.quiet)
+                        if self.procs.is_master else [])
+        except BaseException:  # a tracker's run that did not start: the run directory is let go all the same
+            self.procs.close(False)
+            self.release()
+            raise
         log = RunLog(
             self.run_dir, enabled=self.procs.is_master, quiet=self.quiet, trackers=trackers,
             flops_per_token=flops_per_token(model_cfg, self.seq_len),
@@ -337,7 +342,7 @@ class Trainer:
 
     def _train(self, log: RunLog, bar: Any) -> int:
         cfg = self.cfg
-        last_eval_step = -1
+        last_eval_step = scored_step = -1
         window_t0, window_step = time.perf_counter(), self.step  # tokens/s over the steps since the last row
         while self.step < cfg.max_steps and not self._time_up():
             t0 = time.perf_counter()
@@ -364,7 +369,9 @@ class Trainer:
                     row["val_loss"] = self._eval_and_track()
                     self.elapsed += time.perf_counter() - t_eval
                     last_eval_step = self.step
-                row.update(self._score_tasks() if do_tasks else {})
+                if do_tasks:
+                    row.update(self._score_tasks())
+                    scored_step = self.step
                 log.write(row)
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=True)
@@ -378,14 +385,18 @@ class Trainer:
         self.read_loss()  # the end: a final evaluation (unless this step just had one) and checkpoint
         if bar is not None:
             bar.close()
-        if last_eval_step != self.step:
-            try:
-                val = self._eval_and_track()
-            except BaseException:  # the weights of the whole run must not depend on the evaluation succeeding
-                path = self.save_checkpoint(gather=False)  # the failure may be this process's alone
-                log.say(f"the final evaluation failed; the weights of step {self.step} are saved in {path}")
-                raise
-            log.write({"step": self.step, "val_loss": val, "elapsed_sec": self.elapsed, **self._score_tasks()})
+        final: dict[str, Any] = {"step": self.step}
+        try:
+            if last_eval_step != self.step:
+                final["val_loss"] = self._eval_and_track()
+            if scored_step != self.step:
+                final.update(self._score_tasks())
+        except BaseException:  # the weights of the whole run must not depend on the evaluation succeeding
+            path = self.save_checkpoint(gather=False)  # the failure may be this process's alone
+            log.say(f"the final evaluation failed; the weights of step {self.step} are saved in {path}")
+            raise
+        if len(final) > 1:
+            log.write({**final, "elapsed_sec": self.elapsed})
         path = self.save_checkpoint()
         log.say(f"done: step {self.step}, val loss {self.best_val:.4f} (best), {self.elapsed:.1f}s of training; "
                 f"checkpoint {path}")
