@@ -241,7 +241,7 @@ def coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
             except GptlabError:
                 pass
     elif origin is tuple and args[-1:] == (Ellipsis,):  # a list of any length; one item may stand alone
-        items = value.split(",") if from_text and isinstance(value, str) else value
+        items = [s for s in value.split(",") if s.strip()] if from_text and isinstance(value, str) else value
         items = [items] if isinstance(items, str) else items
         if isinstance(items, (list, tuple)):
             return tuple(coerce(key, v.strip() if from_text else v, args[0], from_text) for v in items)
