@@ -44,10 +44,10 @@ def test_the_run_log_reports_mfu_against_the_datasheet_where_it_knows_the_gpu(tm
 
     monkeypatch.setattr(hardware, "peak_flops", lambda device, dtype: 500e12)
     monkeypatch.setattr(hardware, "datasheet_flops", lambda device: 1000e12 if device == "cuda" else None)
-    log = RunLog(tmp_path, enabled=False, quiet=True, tensorboard=False, flops_per_token=1e9, device="cuda",
+    log = RunLog(tmp_path, enabled=False, quiet=True, flops_per_token=1e9, device="cuda",
                  world_size=2, dtype="bfloat16")
     assert log.utilization(100_000) == pytest.approx({"mfu": 0.1, "mfu_datasheet": 0.05})
-    cpu = RunLog(tmp_path, enabled=False, quiet=True, tensorboard=False, flops_per_token=1e9, device="cpu",
+    cpu = RunLog(tmp_path, enabled=False, quiet=True, flops_per_token=1e9, device="cpu",
                  world_size=1, dtype="bfloat16")
     assert cpu.utilization(100_000) == pytest.approx({"mfu": 0.2})
 

@@ -18,7 +18,7 @@ EXTREMES = {"zero": 0, "minus-one": -1, "huge": 2**62, "huge-float": 1e308, "tin
             "true": True}
 ALWAYS_REFUSED = ("minus-one", "nan", "inf", "minus-inf")  # no key takes a negative or non-finite value
 NUMERIC = [k for k in KEYS if any(t in (int, float) for t in (_field_type(k), *typing.get_args(_field_type(k))))
-           or typing.get_origin(_field_type(k)) is tuple]
+           or (typing.get_origin(_field_type(k)) is tuple and float in typing.get_args(_field_type(k)))]
 NEEDS = {"lora_rank": {"init_from": "base"}}  # a key that is checked only with another
 
 

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from typing import TYPE_CHECKING
 
 from gptlab.errors import GptlabError
+
+if TYPE_CHECKING:
+    from gptlab.train import TrainConfig
+    from gptlab.train.benchmarks import LmEvalScorer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +60,23 @@ def resume_command(args: argparse.Namespace) -> str:
     return shlex.join(argv)
 
 
+def _lm_eval_tasks(cfg: TrainConfig) -> LmEvalScorer | None:
+    """The scorer of the recipe's lm-eval eval_tasks (their names checked now), or None when it has none."""
+    import importlib.util
+
+    from gptlab.train.benchmarks import lm_eval_task_names
+
+    names = lm_eval_task_names(cfg)
+    if not names:
+        return None
+    if importlib.util.find_spec("lm_eval") is None:
+        raise GptlabError(f"eval_tasks {', '.join(names)} are lm-eval tasks and lm-eval is not installed: pip "
+                          "install 'gptlab[eval]' (or give multiple-choice .jsonl files)")
+    from gptlab.evaluation.harness import LmEvalTasks
+
+    return LmEvalTasks(names, limit=cfg.eval_tasks_limit)
+
+
 def run(args: argparse.Namespace) -> int:
     from gptlab.data.dataset import parse_sources
     from gptlab.fileio import check_out_dir
@@ -68,5 +90,6 @@ def run(args: argparse.Namespace) -> int:
             raise GptlabError(f"data directory {data_dir} does not exist; run `gptlab prepare ... --out {data_dir}` "
                               "first")
     trainer = Trainer(cfg, sources[0][0], out, resume=args.resume, quiet=args.quiet,
-                      resume_command=resume_command(args), mixture=sources if len(sources) > 1 else None)
+                      resume_command=resume_command(args), mixture=sources if len(sources) > 1 else None,
+                      lm_eval_tasks=_lm_eval_tasks(cfg))
     return trainer.run()

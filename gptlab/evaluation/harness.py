@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from gptlab.errors import GptlabError
+from gptlab.evaluation.tasks import continuation_scores
 from gptlab.generation import Engine, SamplingParams, cache_length
 from gptlab.hardware import resolve_device
 from gptlab.loading import load_model
@@ -106,7 +106,20 @@ class GptlabLM(TemplateLM):
                                       group_size=group_size)
         if tokenizer is None:
             raise GptlabError(f"{pretrained} has no tokenizer: lm-eval tasks are text, so the model needs one")
-        self.model, self.tok, self.pretrained = model.eval(), tokenizer, str(pretrained)
+        self._attach(model.eval(), tokenizer, str(pretrained), batch_size, max_length, max_gen_toks, add_bos_token)
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, tokenizer: Any, name: str, batch_size: int = 1) -> GptlabLM:
+        """An lm-eval model over a model already in memory, e.g. a training run's (its mode is the caller's)."""
+        lm = cls.__new__(cls)
+        TemplateLM.__init__(lm)
+        lm._device = next(model.parameters()).device
+        lm._attach(model, tokenizer, name, batch_size, None, None, None)
+        return lm
+
+    def _attach(self, model: torch.nn.Module, tokenizer: Any, name: str, batch_size: int | str | None,
+                max_length: int | str | None, max_gen_toks: int | str | None, add_bos_token: bool | None) -> None:
+        self.model, self.tok, self.pretrained = model, tokenizer, name
         block_size = model.config.block_size
         self.max_length = _positive_int("max_length", max_length, block_size)
         if self.max_length > block_size:
@@ -162,27 +175,8 @@ class GptlabLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", key, score)
         return scores
 
-    @torch.inference_mode()
     def _score_batch(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """One right-padded forward; position t's logits score token t + 1, so the input is context +
-        continuation less its last token, cut on the left to max_length."""
-        L = self.max_length
-        for _, cont in pairs:
-            if not cont or len(cont) > L:
-                raise GptlabError(f"a continuation of {len(cont)} tokens: it needs 1 to max_length ({L})")
-        rows = [(ctx + cont)[-(L + 1):][:-1] for ctx, cont in pairs]
-        idx = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
-        for i, row in enumerate(rows):
-            idx[i, : len(row)] = torch.tensor(row)
-        hidden = self.model.hidden_states(idx.to(self._device))
-        out = []
-        for i, ((_, cont), row) in enumerate(zip(pairs, rows, strict=True)):
-            logits = self.model.logits(hidden[i, len(row) - len(cont) : len(row)])
-            logprobs = F.log_softmax(logits.float(), dim=-1)
-            target = torch.tensor(cont, device=self._device)
-            score = logprobs.gather(-1, target[:, None]).sum()
-            out.append((float(score), bool((logprobs.argmax(-1) == target).all())))
-        return out
+        return continuation_scores(self.model, pairs, self.max_length)
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Each document's log-likelihood, over disjoint windows of max_length tokens."""
@@ -299,6 +293,64 @@ def run_tasks(
     results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                               task_manager=manager, log_samples=log_samples)
     return dict(results or {})
+
+
+class LmEvalTasks:
+    """lm-eval tasks scored on a model in memory, e.g. every N steps of a training run: the task index is built
+    once (unknown names fail then), and each call returns the tasks' metrics as {"<task>/<metric>": value}."""
+
+    def __init__(self, tasks: Sequence[str], *, limit: int | None = None, batch_size: int = 8) -> None:
+        if not tasks:
+            raise GptlabError("no tasks given: name at least one lm-eval task")
+        self.tasks, folders = _yaml_task_names(tasks)
+        if len(folders) > 1:
+            raise GptlabError(f"task YAML files from {len(folders)} folders: keep a run's task files in one folder")
+        self.limit, self.batch_size = limit, batch_size
+        self.manager = _task_manager(self.tasks, folders.pop() if folders else None)
+
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> dict[str, float]:
+        from lm_eval import simple_evaluate
+
+        lm = GptlabLM.of_model(model, tokenizer, name, batch_size=self.batch_size)
+        # no global seeds set: the caller's random streams are its own (fewshot sampling has its own seed)
+        results = simple_evaluate(model=lm, tasks=self.tasks, limit=self.limit, task_manager=self.manager,
+                                  random_seed=None, numpy_random_seed=None, torch_random_seed=None,
+                                  log_samples=False, verbosity="WARNING")
+        return flat_metrics(results or {})
+
+
+def _yaml_task_names(tasks: Sequence[str]) -> tuple[list[str], set[Path]]:
+    """Task names with each task YAML file among them replaced by the task it defines; the files' folders."""
+    from lm_eval.tasks import TaskManager
+
+    names, folders = [], set()
+    for task in tasks:
+        path = Path(task)
+        if path.suffix not in (".yaml", ".yml") or not path.is_file():
+            names.append(task)
+            continue
+        folder = path.resolve().parent
+        index = TaskManager(include_path=str(folder), include_defaults=False).task_index
+        found = [n for n, e in index.items() if e.yaml_path and Path(e.yaml_path).resolve() == path.resolve()]
+        if not found:
+            raise GptlabError(f"{path}: lm-eval finds no task in it (a task YAML names its `task:`)")
+        names.append(found[0])
+        folders.add(folder)
+    return names, folders
+
+
+def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """lm-eval's results as {"<task>/<metric>": value}: numbers only, no standard errors; a filter other than
+    "none" is kept in the name ("exact_match_strict-match")."""
+    out: dict[str, float] = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            metric, _, filtered = key.partition(",")
+            if not filtered or metric.endswith("_stderr") or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                out[f"{task}/{metric}" if filtered == "none" else f"{task}/{metric}_{filtered}"] = float(value)
+    return out
 
 
 def main() -> None:

@@ -3,7 +3,8 @@ against the step, the tokens seen or the training time.
 
 A logged row carries step, train_loss, lr, elapsed_sec (and val_loss when it evaluated; a preference run's rows
 reward_margin and reward_accuracy too); the final evaluation is a
-row of its own with only step, val_loss and elapsed_sec. Tokens are steps x batch_size x block_size, from the run's
+row of its own with only step, val_loss and elapsed_sec (and the benchmarks' "eval/..." scores when the recipe
+has eval_tasks). Tokens are steps x batch_size x block_size, from the run's
 config.resolved.json (batch_size counts sequences per optimizer step over all processes). A run may have no val
 rows (eval_interval 0 and killed early): its val curve is empty.
 """
@@ -39,6 +40,8 @@ class Curve:
     # a preference run's (dpo, ipo): the chosen reply's reward minus the rejected one's, and how often it is higher
     reward_margin: Series = field(default_factory=Series)
     reward_accuracy: Series = field(default_factory=Series)
+    # benchmark scores logged during training (eval_tasks): "eval/<task>/<metric>" -> its series
+    evals: dict[str, Series] = field(default_factory=dict)
 
 
 def _x(row: dict, axis: str, tokens_per_step: int | None) -> float:
@@ -85,6 +88,11 @@ def read_curves(run: str | Path, x: str = "step", name: str | None = None) -> Cu
             if isinstance(row.get(key), (int, float)):
                 series.x.append(at)
                 series.y.append(float(row[key]))
+        for key, value in row.items():
+            if key.startswith("eval/") and isinstance(value, (int, float)):
+                series = curve.evals.setdefault(key, Series())
+                series.x.append(at)
+                series.y.append(float(value))
     if not curve.train_loss.x and not curve.val_loss.x:
         raise GptlabError(f"{path} has no loss rows yet")
     return curve

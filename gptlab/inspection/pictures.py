@@ -102,11 +102,13 @@ X_LABELS = {"step": "step", "tokens": "tokens", "time": "training time (s)"}
 
 def curves_picture(curves: list[Curve], path: str | Path, x: str = "step") -> Path:
     """A PNG of the runs' loss curves, overlaid, with their learning rates on a second axis; below them, when a
-    run logged rewards (DPO, IPO), the reward margin and accuracy."""
+    run logged rewards (DPO, IPO), the reward margin and accuracy, and when it logged benchmark scores, those."""
     plt = pyplot()
     rewards = any(c.reward_margin.x for c in curves)
-    fig, axes = plt.subplots(2 if rewards else 1, 1, figsize=(8, 7.5 if rewards else 4.5), layout="constrained",
-                             sharex=True, squeeze=False)
+    evals = any(c.evals for c in curves)
+    rows = 1 + rewards + evals
+    fig, axes = plt.subplots(rows, 1, figsize=(8, 4.5 + 3 * (rows - 1)), layout="constrained", sharex=True,
+                             squeeze=False)
     ax = axes[0, 0]
     lr_ax = ax.twinx()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -119,7 +121,7 @@ def curves_picture(curves: list[Curve], path: str | Path, x: str = "step") -> Pa
                     label=f"{c.name} val")
         if c.lr.x:
             lr_ax.plot(c.lr.x, c.lr.y, color=color, linestyle=":", alpha=0.7, label=f"{c.name} lr")
-    ax.set_xlabel("" if rewards else X_LABELS[x])
+    ax.set_xlabel("" if rows > 1 else X_LABELS[x])
     ax.set_ylabel("loss")
     lr_ax.set_ylabel("learning rate (dotted)")
     ax.grid(alpha=0.3)
@@ -127,8 +129,21 @@ def curves_picture(curves: list[Curve], path: str | Path, x: str = "step") -> Pa
     lr_handles, lr_labels = lr_ax.get_legend_handles_labels()
     ax.legend(handles + lr_handles, labels + lr_labels, fontsize=8, loc="upper right")
     if rewards:
-        _reward_axes(axes[1, 0], curves, colors, X_LABELS[x])
+        _reward_axes(axes[1, 0], curves, colors, X_LABELS[x] if not evals else "")
+    if evals:
+        _eval_axes(axes[rows - 1, 0], curves, X_LABELS[x])
     return _save(fig, path)
+
+
+def _eval_axes(ax: Any, curves: list[Curve], x_label: str) -> None:
+    """The benchmark scores logged during training (eval_tasks), one line per run and metric."""
+    for c in curves:
+        for key, series in sorted(c.evals.items()):
+            ax.plot(series.x, series.y, marker="o", markersize=3, label=f"{c.name} {key.removeprefix('eval/')}")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("benchmark score")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
 
 
 def _reward_axes(ax: Any, curves: list[Curve], colors: list[str], x_label: str) -> None:

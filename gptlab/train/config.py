@@ -84,6 +84,16 @@ class TrainConfig:
     checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last: int = 2  # step checkpoints kept (checkpoints/best/ is kept besides)
     tensorboard: bool = True  # also write TensorBoard events when `torch.utils.tensorboard` imports
+    # experiment trackers sent metrics.jsonl's rows and the resolved config (`gptlab.train.trackers`); TOML: a
+    # name or a list, command line: --tracker wandb,mlflow
+    tracker: tuple[Literal["wandb", "mlflow", "tensorboard"], ...] = ()
+    tracker_project: str = "gptlab"  # the wandb project / MLflow experiment the run is logged under
+    # benchmarks scored during training (`gptlab.train.benchmarks`): multiple-choice .jsonl files, lm-eval task
+    # names or task YAML files; every eval_tasks_interval steps (0 = only at the end), on at most eval_tasks_limit
+    # examples per task (None = all)
+    eval_tasks: tuple[str, ...] = ()
+    eval_tasks_interval: int = 0
+    eval_tasks_limit: int | None = None
     # --- execution ---
     # "auto": bfloat16 where the device has fast bf16 matmuls (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else
     # float32 (on an AVX2-only CPU a bf16 run is ~4x slower than fp32: torch's bf16 kernels there are emulated)
@@ -117,7 +127,9 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["adam_betas"] = list(self.adam_betas)
+        for key, value in d.items():  # as JSON reads them back (a resumed run compares with its saved config)
+            if isinstance(value, tuple):
+                d[key] = list(value)
         return d
 
     def hash(self, ignore: frozenset[str] = frozenset()) -> str:
@@ -138,6 +150,11 @@ RESUMABLE_CHANGES = frozenset(
         "checkpoint_interval",
         "keep_last",
         "tensorboard",
+        "tracker",
+        "tracker_project",
+        "eval_tasks",  # scored with the RNG set aside: the weights are the same with or without them
+        "eval_tasks_interval",
+        "eval_tasks_limit",
         "threads",
         "device",
         "compile",
@@ -193,6 +210,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
     if origin is tuple:
         return f"list of {len(typing.get_args(tp))} numbers"
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
@@ -222,6 +241,11 @@ def coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
                 return coerce(key, value, a, from_text)
             except GptlabError:
                 pass
+    elif origin is tuple and args[-1:] == (Ellipsis,):  # a list of any length; one item may stand alone
+        items = [s for s in value.split(",") if s.strip()] if from_text and isinstance(value, str) else value
+        items = [items] if isinstance(items, str) else items
+        if isinstance(items, (list, tuple)):
+            return tuple(coerce(key, v.strip() if from_text else v, args[0], from_text) for v in items)
     elif origin is tuple:
         items = value
         if from_text and isinstance(value, str):
@@ -330,13 +354,15 @@ def validate(cfg: TrainConfig) -> None:
         numbers = value if isinstance(value, tuple) else (value,)
         if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
             raise GptlabError(f"{name} must be a finite number, got {value}")
-    positive = ("batch_size", "micro_batch_size", "grad_accum", "max_steps", "log_interval", "keep_last")
+    positive = ("batch_size", "micro_batch_size", "grad_accum", "max_steps", "log_interval", "keep_last",
+                "eval_tasks_limit")
     for key in positive:
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise GptlabError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in (
         "warmup_steps",
         "eval_interval",
+        "eval_tasks_interval",
         "checkpoint_interval",
         "weight_decay",
         "grad_clip",

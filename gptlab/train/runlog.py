@@ -2,7 +2,7 @@
 
 - metrics.jsonl in the run directory: one JSON object per logged step, flushed as it is written, so a killed
   run keeps every row up to its end (a resumed run first drops the rows past its checkpoint, see the trainer);
-- TensorBoard events beside it when the tensorboard package is installed (a note says so once when it is not);
+- the same rows to the run's experiment trackers (`gptlab.train.trackers`: TensorBoard, wandb, MLflow);
 - MFU (model FLOPs utilization) against this machine's measured matmul peak (`gptlab.hardware.peak_flops`),
   which is honest on a laptop CPU where a datasheet number would not be; on a GPU the datasheet knows (an H100's
   989 TFLOP/s dense bf16) also `mfu_datasheet` against that: what nanoGPT, nanochat and Lightning report.
@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gptlab.train.trackers import Tracker, close_trackers
+
 METRICS_FILE = "metrics.jsonl"
 
 
 class RunLog:
-    """metrics.jsonl rows, TensorBoard scalars and progress messages of one run."""
+    """metrics.jsonl rows, the trackers' copies and progress messages of one run."""
 
     def __init__(
         self,
@@ -32,7 +35,7 @@ class RunLog:
         *,
         enabled: bool,
         quiet: bool,
-        tensorboard: bool,
+        trackers: Sequence[Tracker] = (),
         flops_per_token: float,
         device: str,
         world_size: int,
@@ -41,17 +44,7 @@ class RunLog:
         """`flops_per_token` and `world_size` turn tokens/s into MFU; `dtype` is the training dtype's name."""
         self.enabled, self.quiet = enabled, quiet
         self.file = open(run_dir / METRICS_FILE, "a") if enabled else None  # noqa: SIM115 - closed in close()
-        self.tb = None
-        if enabled and tensorboard:
-            import importlib.util
-
-            if importlib.util.find_spec("tensorboard") is not None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            elif not quiet:  # said once, at the start: the recipe asked for events this run cannot write
-                print("note: tensorboard = true but the tensorboard package is not installed: no TensorBoard "
-                      "events (pip install tensorboard, or set tensorboard = false)", file=sys.stderr)
+        self.trackers = list(trackers) if enabled else []
         self.flops_per_token = flops_per_token
         self.device, self.world_size = device, world_size
         # low-precision matmuls (bf16 or fp16) peak alike; measure the one every device has
@@ -81,10 +74,8 @@ class RunLog:
             return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for key, value in row.items():
-                if key != "step":
-                    self.tb.add_scalar(key, value, row["step"])
+        for tracker in self.trackers:
+            tracker.log(row)
 
     def say(self, text: str) -> None:
         """A message on stderr, from the writing process only and not under --quiet."""
@@ -94,8 +85,7 @@ class RunLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        close_trackers(self.trackers)
 
 
 def progress_bar(total: int, initial: int, show: bool) -> Any:

@@ -34,6 +34,7 @@ from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
 from gptlab.train.batches import Split, StepFeed, document_eot, load_train_data, pair_rows, sequence_length
+from gptlab.train.benchmarks import Benchmarks, LmEvalScorer
 from gptlab.train.config import (
     RESUMABLE_CHANGES,
     TrainConfig,
@@ -50,11 +51,13 @@ from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
 from gptlab.train.rundir import RunLock, checkpoint_to_resume, prepare_run_dir
 from gptlab.train.runlog import RunLog, progress_bar
 from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype, shard
+from gptlab.train.trackers import check_trackers, open_trackers
 
 
 class Trainer:
     """One run: `Trainer(cfg, data_dir, run_dir).run()` trains into `run_dir`, or continues its latest checkpoint
-    with `resume=True`. `resume_command` is the command line printed for continuing after a stop signal."""
+    with `resume=True`. `resume_command` is the command line printed for continuing after a stop signal;
+    `lm_eval_tasks` scores the recipe's lm-eval eval_tasks (`gptlab.train.benchmarks`)."""
 
     def __init__(
         self,
@@ -66,6 +69,7 @@ class Trainer:
         quiet: bool = False,
         resume_command: str | None = None,
         mixture: list[tuple[Path, float]] | None = None,
+        lm_eval_tasks: LmEvalScorer | None = None,
     ) -> None:
         self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
         self.sources = mixture or [(self.data_dir, 1.0)]  # train rows from these, by weight; val from data_dir
@@ -78,13 +82,13 @@ class Trainer:
             # a check that fails on one process only (its files, its GPU's free memory) stops every process, each
             # with a one-line error, before the first collective: else the others would wait for it until a timeout
             with self.procs.all_or_none("the checks before training"):
-                resume_from = self._setup(resume)
+                resume_from = self._setup(resume, lm_eval_tasks)
             self._setup_steps(resume_from)
         except BaseException:
             self.release()
             raise
 
-    def _setup(self, resume: bool) -> Path | None:
+    def _setup(self, resume: bool, lm_eval_tasks: LmEvalScorer | None) -> Path | None:
         """The checks, the model and the data: work of this process alone (no collective)."""
         cfg, quiet, device = self.cfg, self.quiet, self.device
         if cfg.dtype == "auto":
@@ -95,6 +99,7 @@ class Trainer:
         cfg = self.cfg = resolve_device_switches(cfg, torch.device(device).type)
         # the micro-steps on this many processes (with micro_batch_size: the recipe's global batch on any number)
         cfg = self.cfg = dataclasses.replace(cfg, grad_accum=micro_steps(cfg, self.procs.world))
+        check_trackers(cfg)
 
         # --- run directory: ours alone (a lock), fresh or resumed from its latest checkpoint
         self.lock = RunLock(check_out_dir(self.run_dir), quiet) if self.procs.is_master else None
@@ -113,6 +118,7 @@ class Trainer:
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
             check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device)
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
+        self.benchmarks = Benchmarks(cfg, self.data_dir, lm_eval_tasks, self.fsdp) if cfg.eval_tasks else None
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir, sharded=self.fsdp)
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
@@ -313,8 +319,15 @@ class Trainer:
         if self.procs.is_master:
             self._prepare_run_dir()
         model_cfg = self.model.config
+        try:
+            trackers = (open_trackers(self.cfg, self.run_dir, self._resolved(), self.step, self.quiet)
+                        if self.procs.is_master else [])
+        except BaseException:  # a tracker's run that did not start: the run directory is let go all the same
+            self.procs.close(False)
+            self.release()
+            raise
         log = RunLog(
-            self.run_dir, enabled=self.procs.is_master, quiet=self.quiet, tensorboard=self.cfg.tensorboard,
+            self.run_dir, enabled=self.procs.is_master, quiet=self.quiet, trackers=trackers,
             flops_per_token=flops_per_token(model_cfg, self.seq_len),
             device=self.device, world_size=self.procs.world, dtype=self.cfg.dtype,
         )
@@ -336,7 +349,7 @@ class Trainer:
 
     def _train(self, log: RunLog, bar: Any) -> int:
         cfg = self.cfg
-        last_eval_step = -1
+        last_eval_step = scored_step = -1
         window_t0, window_step = time.perf_counter(), self.step  # tokens/s over the steps since the last row
         while self.step < cfg.max_steps and not self._time_up():
             t0 = time.perf_counter()
@@ -351,7 +364,8 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
             do_eval = cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps
-            if self.step % cfg.log_interval == 0 or do_eval:
+            do_tasks = self.benchmarks is not None and self.benchmarks.due(self.step) and self.step < cfg.max_steps
+            if self.step % cfg.log_interval == 0 or do_eval or do_tasks:
                 loss = self.read_loss()  # the losses' only read between checkpoints: it waits for the device
                 tps = (self.step - window_step) * self.tokens_per_step / max(time.perf_counter() - window_t0, 1e-9)
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
@@ -363,6 +377,9 @@ class Trainer:
                     row["val_loss"] = self._eval_and_track()
                     self.elapsed += time.perf_counter() - t_eval
                     last_eval_step = self.step
+                if do_tasks:
+                    row.update(self._score_tasks())
+                    scored_step = self.step
                 log.write(row)
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=True)
@@ -376,14 +393,18 @@ class Trainer:
         self.read_loss()  # the end: a final evaluation (unless this step just had one) and checkpoint
         if bar is not None:
             bar.close()
-        if last_eval_step != self.step:
-            try:
-                val = self._eval_and_track()
-            except BaseException:  # the weights of the whole run must not depend on the evaluation succeeding
-                path = self.save_checkpoint(gather=False)  # the failure may be this process's alone
-                log.say(f"the final evaluation failed; the weights of step {self.step} are saved in {path}")
-                raise
-            log.write({"step": self.step, "val_loss": val, "elapsed_sec": self.elapsed})
+        final: dict[str, Any] = {"step": self.step}
+        try:
+            if last_eval_step != self.step:
+                final["val_loss"] = self._eval_and_track()
+            if scored_step != self.step:
+                final.update(self._score_tasks())
+        except BaseException:  # the weights of the whole run must not depend on the evaluation succeeding
+            path = self.save_checkpoint(gather=False)  # the failure may be this process's alone
+            log.say(f"the final evaluation failed; the weights of step {self.step} are saved in {path}")
+            raise
+        if len(final) > 1:
+            log.write({**final, "elapsed_sec": self.elapsed})
         path = self.save_checkpoint()
         log.say(f"done: step {self.step}, val loss {self.best_val:.4f} (best), {self.elapsed:.1f}s of training; "
                 f"checkpoint {path}")
@@ -421,7 +442,18 @@ class Trainer:
                   f"resume with: {how}", file=sys.stderr)
         return 0
 
+    def _score_tasks(self) -> dict[str, float]:
+        """The eval_tasks' scores for this step's row (the master's: the row it writes); not counted in
+        elapsed_sec, so that runs with and without benchmarks compare on one clock."""
+        if self.benchmarks is None or not self.procs.is_master:
+            return {}
+        return self.benchmarks.score(self.precision.eval_module, self.run_dir.resolve().name,
+                                     self.precision.autocast())
+
+    def _resolved(self) -> dict[str, Any]:
+        """config.resolved.json: the recipe as it runs (also what the trackers record)."""
+        return {"train": self.cfg.to_dict(), "model": self.model.config.to_dict(), "data": str(self.data_dir),
+                "world_size": self.procs.world, "device": self.device}
+
     def _prepare_run_dir(self) -> None:
-        resolved = {"train": self.cfg.to_dict(), "model": self.model.config.to_dict(), "data": str(self.data_dir),
-                    "world_size": self.procs.world, "device": self.device}
-        prepare_run_dir(self.run_dir, resolved, self.step, self.quiet)
+        prepare_run_dir(self.run_dir, self._resolved(), self.step, self.quiet)
