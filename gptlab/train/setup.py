@@ -56,8 +56,8 @@ def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) ->
     Activations, in the compute dtype: the logits with their gradient, and what each block keeps for backward
     (the residual, norms, q/k/v, the attention output: 8 values per channel; the MLP's hidden layer: 2, gated 4,
     values per hidden unit); under activation checkpointing only each block's input, plus one block recomputed.
-    A preference objective with a reference (dpo, ipo) without LoRA keeps a frozen reference copy of the weights,
-    in the compute dtype (with LoRA the reference is the base itself: nothing more)."""
+    An objective with a reference (dpo, ipo, grpo with kl_beta) without LoRA keeps a frozen reference copy of the
+    weights, in the compute dtype (with LoRA the reference is the base itself: nothing more)."""
     elt = 4 if cfg.dtype == "float32" else 2  # "auto" is resolved before the trainer asks; 2 is the lower bound
     fsdp = cfg.distributed == "fsdp" and world > 1
     total, block, root = parameter_counts(config)
@@ -67,7 +67,7 @@ def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) ->
         states = 16 * total // world + 2 * elt * (root + block)
     else:
         states = 16 * total + (2 * total if elt == 2 else 0)
-    if cfg.objective in ("dpo", "ipo") and not cfg.lora_rank:
+    if (cfg.objective in ("dpo", "ipo") or (cfg.objective == "grpo" and cfg.kl_beta > 0)) and not cfg.lora_rank:
         states += elt * total
     tokens = cfg.batch_size // max(world * cfg.grad_accum, 1) * config.block_size
     per_block = 8 * config.n_embd + (4 if config.gated_mlp else 2) * config.hidden_size
