@@ -51,7 +51,7 @@ def main() -> int:
     parser.add_argument("--digits", type=int, default=1)
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=120)
-    parser.add_argument("--grpo-lr", type=float, default=2e-3)
+    parser.add_argument("--grpo-lr", type=float, default=2e-4)
     parser.add_argument("--prompts", type=int, default=100, help="validation prompts the reward is measured on")
     parser.add_argument("--samples", type=int, default=4, help="completions sampled per prompt for the measure")
     parser.add_argument("--threads", type=int, default=2)

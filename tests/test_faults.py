@@ -66,7 +66,9 @@ def logged_steps(run: Path) -> int:
 
 
 def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(run / "checkpoints" / ckpt.step_dir_name(step) / ckpt.MODEL_FILE)
+    """A step checkpoint's weights: the model's, or a LoRA run's adapters."""
+    directory = run / "checkpoints" / ckpt.step_dir_name(step)
+    return load_file(directory / (ckpt.LORA_FILE if (directory / ckpt.LORA_FILE).is_file() else ckpt.MODEL_FILE))
 
 
 # --- SIGKILL at random moments ----------------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def kill_and_resume(tmp_path: Path, data: Path, kills: int, seed: int, max_steps
     got, want = final_weights(run, max_steps), final_weights(ref, max_steps)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert not list((run / "checkpoints").glob(".*")), "leftovers of interrupted writes were not cleaned"
-    assert (run / "checkpoints" / "best" / ckpt.MODEL_FILE).is_file()
+    assert any((run / "checkpoints" / "best" / name).is_file() for name in (ckpt.MODEL_FILE, ckpt.LORA_FILE))
     return killed, mid_write
 
 
@@ -137,6 +139,15 @@ def test_grpo_sigkills_then_resume_match_an_uninterrupted_run(tmp_path: Path, mo
                  str(data)]) == 0
     killed, _ = kill_and_resume(tmp_path, data, kills=2, seed=3, max_steps=20, objective="grpo", batch_size=2,
                                 group_size=4, max_new_tokens=4, reward="length_reward:length", kl_beta=0.1)
+    assert killed >= 1
+
+
+def test_qlora_sigkills_then_resume_match_an_uninterrupted_run(tmp_path: Path, data: Path) -> None:
+    """QLoRA resumes exactly: the base is quantized again from the same weights, the adapters come back on it."""
+    base = tmp_path / "base"
+    assert main(train_argv(write_recipe(tmp_path, "base.toml", max_steps=10, eval_interval=0), data, base)) == 0
+    killed, _ = kill_and_resume(tmp_path, data, kills=2, seed=4, max_steps=20, init_from=str(base), lora_rank=4,
+                                quantize="int4")
     assert killed >= 1
 
 

@@ -43,6 +43,7 @@ class TrainConfig:
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "all-linear"  # comma-separated q,k,v,o,gate,up,down (or q_proj, ...), or all-linear
+    quantize: Literal["int8", "int4"] | None = None  # QLoRA: the frozen base's block Linears as int8 / int4
     # --- objective: lm = next-token cross-entropy; dpo / ipo = preference pairs against the starting weights ---
     objective: Literal["lm", "dpo", "ipo", "simpo", "orpo", "grpo"] = "lm"  # simpo and orpo need no reference
     beta: float = 0.1  # dpo / ipo: how far from the reference the policy may move; simpo: the reward scale; orpo:
@@ -398,6 +399,8 @@ def validate(cfg: TrainConfig) -> None:
                           "Face directory)")
     if cfg.lora_rank and cfg.optimizer == "muon":
         raise GptlabError("LoRA adapters train with optimizer adamw (Muon orthogonalises whole matrices)")
+    if cfg.quantize and not cfg.lora_rank:
+        raise GptlabError(f"quantize = {cfg.quantize} quantizes a frozen base under LoRA adapters: set lora_rank")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise GptlabError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if not (math.isfinite(cfg.beta) and cfg.beta > 0):

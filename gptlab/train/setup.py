@@ -17,6 +17,7 @@ from gptlab.loading import base_reference, is_hf_dir, load_model, resolve_checkp
 from gptlab.lora import LoRASpec, add_lora, has_lora, parse_targets
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
+from gptlab.qlora import quantize_base
 from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
 from gptlab.train.config import TrainConfig
 from gptlab.train.distributed import shard_model
@@ -95,7 +96,7 @@ def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
     if not cfg.lora_rank:
         return None
     return LoRASpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                    targets=parse_targets(cfg.lora_targets))
+                    targets=parse_targets(cfg.lora_targets), quantize=cfg.quantize)
 
 
 def build_model(
@@ -124,6 +125,8 @@ def build_model(
     else:
         model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=sharded and spec is None)
     if spec is not None:
+        if spec.quantize:
+            quantize_base(model, spec.quantize, spec.group_size)
         add_lora(model, spec, base=base_reference(cfg.init_from))
     model.activation_checkpointing = cfg.activation_checkpointing
     return model
