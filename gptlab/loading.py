@@ -40,6 +40,7 @@ from gptlab.fileio import parse_json
 from gptlab.interop import from_hf
 from gptlab.lora import LoRAError, add_lora, merge_lora
 from gptlab.model import GPT
+from gptlab.qlora import quantize_base
 from gptlab.quantize import check_options as check_quantize_options
 from gptlab.quantize import quantize_model
 from gptlab.tokenizer import Tokenizer, optional_tokenizer
@@ -165,6 +166,8 @@ def load_lora_model(
                           "(its weights' sha256 differs): the adapters would not fit it")
     model, _ = load_model(base_dir, device=device, dtype=torch.float32)
     try:
+        if spec.quantize:  # the base the adapters were trained on (QLoRA): merged, it is dequantized
+            quantize_base(model, spec.quantize, spec.group_size)
         add_lora(model, spec, base=base)
     except LoRAError as e:
         raise GptlabError(f"{directory / LORA_CONFIG}: {e}") from None

@@ -57,18 +57,23 @@ class LoRASpec:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = (ALL_LINEAR,)
+    quantize: str | None = None  # QLoRA: the base's block Linears as int8 / int4 (`gptlab.qlora`)
+    group_size: int | None = None  # int4's group size (None: quantize's default)
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        d = {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        return d if self.quantize is None else {**d, "quantize": self.quantize, "group_size": self.group_size}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoRASpec:
+        group = d.get("group_size")
         return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), dropout=float(d["dropout"]),
-                   targets=tuple(d["targets"]))
+                   targets=tuple(d["targets"]), quantize=d.get("quantize"), group_size=None if group is None else
+                   int(group))
 
 
 def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
@@ -115,20 +120,27 @@ def resolve_targets(config: GPTConfig, targets: Iterable[str]) -> tuple[str, ...
 
 
 class LoRALinear(nn.Linear):
-    """A frozen Linear plus one low-rank update per targeted slice of its output rows."""
+    """A frozen Linear plus one low-rank update per targeted slice of its output rows. The frozen layer is an
+    `nn.Linear` (its weight and bias become this layer's) or a module computing x W^T + b from weights it holds
+    otherwise, with a `dequantize()` giving W (QLoRA's quantized layers: `base_layer`, `weight` None)."""
 
-    def __init__(self, base: nn.Linear, slices: dict[str, tuple[int, int]], spec: LoRASpec,
+    def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], spec: LoRASpec,
                  dtype: torch.dtype = torch.float32) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight  # the same Parameters: nothing is copied
-        self.register_parameter("bias", base.bias)
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
+        self.base_layer = None if isinstance(base, nn.Linear) else base
+        if self.base_layer is None:
+            self.weight = base.weight  # the same Parameters: nothing is copied
+            self.register_parameter("bias", base.bias)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        for p in base.parameters():
+            p.requires_grad_(False)
         self.slices = dict(slices)  # target -> (start, end) rows of the output
         self.rank, self.scaling = spec.rank, spec.scaling
-        device = base.weight.device
+        device = next(base.buffers(), None) if self.weight is None else self.weight
+        device = device.device if device is not None else None
         self.lora_A = nn.ParameterDict({
             t: nn.Parameter(torch.empty(spec.rank, self.in_features, device=device, dtype=dtype)) for t in slices})
         self.lora_B = nn.ParameterDict({
@@ -157,18 +169,25 @@ class LoRALinear(nn.Linear):
 
     adapters_off = False  # set by `adapters_disabled`: the base layer alone (a preference objective's reference)
 
+    def frozen_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen layer's x W^T + b."""
+        if self.base_layer is not None:
+            return self.base_layer(x)
+        return upcasting_linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.adapters_off:
-            return upcasting_linear(x, self.weight, self.bias)
+            return self.frozen_output(x)
         a = next(iter(self.lora_A.values()))
         # every targeted slice's A in one matmul: (..., n_targets * r)
         a = torch.cat(list(self.lora_A.values())) if len(self.lora_A) > 1 else a
         h = self.lora_dropout(x)
-        frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+        frozen = self.weight is not None and not self.weight.requires_grad and (
+            self.bias is None or not self.bias.requires_grad)
         if frozen and a.dtype == torch.float32 and x.dtype == self.weight.dtype and upcasts(x, self.weight):
             spans = tuple(self.slices[t] for t in self.lora_A)
             return _UpcastLoRA.apply(x, h, self.weight, self.bias, a, spans, self.scaling, *self.lora_B.values())
-        y = upcasting_linear(x, self.weight, self.bias)  # (..., out)
+        y = self.frozen_output(x)  # (..., out)
         z = F.linear(h, a) if h.dtype == a.dtype else _AdapterInput.apply(h, a)
         r, order = self.rank, list(self.lora_A)
         parts = []
@@ -184,20 +203,25 @@ class LoRALinear(nn.Linear):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """The update as a dense (out, in) matrix in fp32: scaling * B @ A per slice, zero elsewhere."""
-        delta = torch.zeros(self.out_features, self.in_features, dtype=torch.float32, device=self.weight.device)
+        device = next(iter(self.lora_A.values())).device
+        delta = torch.zeros(self.out_features, self.in_features, dtype=torch.float32, device=device)
         for t, (start, end) in self.slices.items():
             delta[start:end] = self.scaling * (self.lora_B[t].float() @ self.lora_A[t].float())
         return delta
 
     def merged(self) -> nn.Linear:
-        """A plain nn.Linear computing the same function (the update folded into the weight, in its dtype)."""
-        dtype = self.weight.dtype
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device=self.weight.device, dtype=dtype)
+        """A plain nn.Linear computing the same function (the update folded into the weight, in its dtype; a
+        quantized base's weight dequantized, in fp32)."""
+        quantized = self.base_layer is not None
+        weight = self.base_layer.dequantize() if quantized else self.weight
+        bias = self.base_layer.bias if quantized else self.bias
+        dtype = weight.dtype
+        linear = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device=weight.device,
+                           dtype=dtype)
         with torch.no_grad():
-            linear.weight.copy_((self.weight.float() + self.delta_weight()).to(dtype))
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
+            linear.weight.copy_((weight.float() + self.delta_weight()).to(dtype))
+            if bias is not None:
+                linear.bias.copy_(bias)
         return linear
 
 

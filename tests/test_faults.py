@@ -28,6 +28,7 @@ from gptlab import fileio
 from gptlab.checkpoint import writing  # every checkpoint file is written there (save_file)
 from gptlab.cli import main
 from gptlab.loading import load_model, resolve_checkpoint
+from gptlab.train.rewards import arithmetic_records
 from gptlab.train.rundir import LOCK_FILE, trim_metrics
 
 
@@ -65,7 +66,9 @@ def logged_steps(run: Path) -> int:
 
 
 def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(run / "checkpoints" / ckpt.step_dir_name(step) / ckpt.MODEL_FILE)
+    """A step checkpoint's weights: the model's, or a LoRA run's adapters."""
+    directory = run / "checkpoints" / ckpt.step_dir_name(step)
+    return load_file(directory / (ckpt.LORA_FILE if (directory / ckpt.LORA_FILE).is_file() else ckpt.MODEL_FILE))
 
 
 # --- SIGKILL at random moments ----------------------------------------------------------------------------------
@@ -105,7 +108,7 @@ def kill_and_resume(tmp_path: Path, data: Path, kills: int, seed: int, max_steps
     got, want = final_weights(run, max_steps), final_weights(ref, max_steps)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert not list((run / "checkpoints").glob(".*")), "leftovers of interrupted writes were not cleaned"
-    assert (run / "checkpoints" / "best" / ckpt.MODEL_FILE).is_file()
+    assert any((run / "checkpoints" / "best" / name).is_file() for name in (ckpt.MODEL_FILE, ckpt.LORA_FILE))
     return killed, mid_write
 
 
@@ -119,6 +122,32 @@ def test_dpo_sigkills_then_resume_match_an_uninterrupted_run(tmp_path: Path) -> 
     data = pairs_data(tmp_path, PAIRS * 4)
     killed, _ = kill_and_resume(tmp_path, data, kills=2, seed=2, max_steps=30, objective="dpo", block_size=96,
                                 batch_size=4)
+    assert killed >= 1
+
+
+def test_grpo_sigkills_then_resume_match_an_uninterrupted_run(tmp_path: Path, monkeypatch) -> None:
+    """GRPO resumes exactly: its rollouts are sampled from torch's RNG, which the checkpoints save. The reward (the
+    completion's length, from a module of the test's own) varies within a group, so every step changes the weights."""
+    (tmp_path / "length_reward.py").write_text(
+        "def length(prompt, completion, reference):\n    return len(completion) / 4\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    records = tmp_path / "sums.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_records(200, seed=0, digits=1)))
+    data = tmp_path / "data"
+    assert main(["prepare", str(records), "--tokenizer", "char", "--block-size", "24", "--no-pack", "--out",
+                 str(data)]) == 0
+    killed, _ = kill_and_resume(tmp_path, data, kills=2, seed=3, max_steps=20, objective="grpo", batch_size=2,
+                                group_size=4, max_new_tokens=4, reward="length_reward:length", kl_beta=0.1)
+    assert killed >= 1
+
+
+def test_qlora_sigkills_then_resume_match_an_uninterrupted_run(tmp_path: Path, data: Path) -> None:
+    """QLoRA resumes exactly: the base is quantized again from the same weights, the adapters come back on it."""
+    base = tmp_path / "base"
+    assert main(train_argv(write_recipe(tmp_path, "base.toml", max_steps=10, eval_interval=0), data, base)) == 0
+    killed, _ = kill_and_resume(tmp_path, data, kills=2, seed=4, max_steps=20, init_from=str(base), lora_rank=4,
+                                quantize="int4")
     assert killed >= 1
 
 

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_utf8
+from gptlab.train.rewards import check_rollout_settings
 
 
 @dataclass
@@ -42,13 +43,21 @@ class TrainConfig:
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "all-linear"  # comma-separated q,k,v,o,gate,up,down (or q_proj, ...), or all-linear
+    quantize: Literal["int8", "int4"] | None = None  # QLoRA: the frozen base's block Linears as int8 / int4
     # --- objective: lm = next-token cross-entropy; dpo / ipo = preference pairs against the starting weights ---
-    objective: Literal["lm", "dpo", "ipo", "simpo", "orpo"] = "lm"  # simpo and orpo need no reference
+    objective: Literal["lm", "dpo", "ipo", "simpo", "orpo", "grpo"] = "lm"  # simpo and orpo need no reference
     document_mask: bool = False  # lm: packed documents (ended by end-of-text) attend only within themselves
     beta: float = 0.1  # dpo / ipo: how far from the reference the policy may move; simpo: the reward scale; orpo:
     # the odds-ratio term's weight (trl's beta in each)
     label_smoothing: float = 0.0  # dpo, simpo: the share of pairs taken to be mislabeled (conservative DPO)
     simpo_gamma: float = 0.5  # simpo: the reward margin the chosen reply must win by (trl's simpo_gamma)
+    # --- grpo: batch_size prompts a step, group_size sampled completions each, scored by `reward` (train/rewards) ---
+    reward: str = "gptlab.train.rewards:exact_match"  # module:function(prompt, completion, reference) -> float
+    group_size: int = 8
+    max_new_tokens: int = 16  # per completion
+    temperature: float = 1.0  # the rollouts' sampling temperature
+    clip_eps: float = 0.2  # the policy ratio's clip range (trl's epsilon)
+    kl_beta: float = 0.0  # the weight of the KL to the starting weights (trl's beta; 0: no reference)
     # --- batch ---
     batch_size: int = 32  # sequences per optimizer step in total: split over processes and grad_accum micro-steps
     # sequences per micro-step on each process (what fits a device): grad_accum becomes batch_size / (processes x
@@ -417,6 +426,8 @@ def validate(cfg: TrainConfig) -> None:
                           "Face directory)")
     if cfg.lora_rank and cfg.optimizer == "muon":
         raise GptlabError("LoRA adapters train with optimizer adamw (Muon orthogonalises whole matrices)")
+    if cfg.quantize and not cfg.lora_rank:
+        raise GptlabError(f"quantize = {cfg.quantize} quantizes a frozen base under LoRA adapters: set lora_rank")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise GptlabError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if not (math.isfinite(cfg.beta) and cfg.beta > 0):
@@ -435,6 +446,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.distributed == "fsdp" and cfg.optimizer == "muon":
         raise GptlabError("optimizer muon needs whole matrices, which distributed = \"fsdp\" shards: use "
                           "optimizer adamw, or distributed ddp")
+    check_rollout_settings(cfg)
     cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read
 
 

@@ -19,15 +19,14 @@ plus beta times -log sigmoid of the log odds ratio, log(p(c) / (1 - p(c))) - log
 average per-token probability (the paper's; trl's ORPOTrainer also counts the prompt's tokens in its NLL term).
 Their rewards are beta times the average log-probabilities, as trl logs them.
 
-The reference is the starting weights, frozen: with LoRA the same model with its adapters switched off (no second
-copy in memory), else a frozen copy of the model made before the first step (one more copy of the weights, in the
-working dtype). Its log-probabilities are computed once per step, without gradients.
+The reference is the starting weights, frozen (`reference`: with LoRA the base with its adapters off, else a
+frozen copy). Its log-probabilities are computed once per step, without gradients. GRPO, whose step samples its
+own completions, is `grpo`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,8 +37,9 @@ import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
 from gptlab.evaluation.loss import eval_mode
-from gptlab.lora import adapters_disabled, has_lora
 from gptlab.train.config import TrainConfig
+from gptlab.train.grpo import Grpo
+from gptlab.train.reference import frozen_reference, reference_forward
 
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")  # the others compare the replies under the policy alone
@@ -62,6 +62,10 @@ class LanguageModeling:
         """The metrics.jsonl columns of a step's statistics (per pair); none for language modeling."""
         return {}
 
+    def step_count(self, n_targets: int) -> int:
+        """What a step's loss and statistics are the mean over: its counted targets (pairs, for `Preference`)."""
+        return n_targets
+
     def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
              documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`documents`: with document_mask, which packed document each input token is in (see GPT.forward)."""
@@ -74,19 +78,15 @@ class Preference:
     """DPO or IPO against a frozen reference (see the module docstring). Rows come in pairs: chosen, rejected."""
 
     stats = REWARD_STATS
+    step_count = LanguageModeling.step_count  # the feed counts a batch of pairs in pairs
 
     def __init__(self, name: str, beta: float, label_smoothing: float, model: torch.nn.Module,
                  simpo_gamma: float = 0.5) -> None:
         self.name, self.beta, self.label_smoothing, self.simpo_gamma = name, beta, label_smoothing, simpo_gamma
         self._reference: torch.nn.Module | None = None
         self._context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-        if name not in REFERENCE_OBJECTIVES:
-            return
-        if has_lora(model):  # the base under the adapters is the starting model
-            self._reference, self._context = model, lambda: adapters_disabled(model)
-        else:
-            frozen = copy.deepcopy(model).requires_grad_(False).eval()
-            self._reference, self._context = frozen, contextlib.nullcontext
+        if name in REFERENCE_OBJECTIVES:
+            self._reference, self._context = frozen_reference(model)
 
     def stats_row(self, values: torch.Tensor | None) -> dict[str, float]:
         """The latest step's rewards per pair, its reward margin and accuracy, for metrics.jsonl (one host read)."""
@@ -139,8 +139,7 @@ class Preference:
         reference, context = self.reference()
         if reference is None:
             return None
-        with context(), eval_mode(reference):
-            return sequence_logps(reference, x, y)[0]
+        return -reference_forward(reference, context, x, y).sum(dim=1)
 
     @torch.no_grad()
     def evaluate(self, module: torch.nn.Module, rows: Iterator[tuple[torch.Tensor, torch.Tensor]],
@@ -156,8 +155,14 @@ class Preference:
         return float(total) / max(pairs, 1)
 
 
-def build_objective(cfg: TrainConfig, model: torch.nn.Module) -> LanguageModeling | Preference:
-    """The recipe's objective; a preference one takes its reference from `model` now (the starting weights)."""
+def build_objective(cfg: TrainConfig, model: torch.nn.Module, data_dir: Path | None = None
+                    ) -> LanguageModeling | Preference | Grpo:
+    """The recipe's objective; one with a reference takes it from `model` now (the starting weights). GRPO
+    samples with `model` and reads the tokenizer and chat template of `data_dir`."""
+    if cfg.objective == "grpo":
+        if data_dir is None:
+            raise GptlabError("objective grpo needs the data directory its prompts come from")
+        return Grpo(cfg, model, data_dir)
     if cfg.objective in PREFERENCE_OBJECTIVES:
         return Preference(cfg.objective, cfg.beta, cfg.label_smoothing, model, cfg.simpo_gamma)
     return LanguageModeling()
@@ -169,8 +174,13 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_objective_data(objective: str, meta: dict[str, Any], data_dir: Path) -> None:
-    """Preference objectives train on pairs and nothing else trains on them: a one-line error for a mismatch."""
+    """Preference objectives train on pairs and nothing else trains on them, GRPO on prompts one per window: a
+    one-line error for a mismatch."""
     pairs = meta.get("layout") == "pairs"
+    if objective == "grpo" and meta.get("layout") != "padded":
+        raise GptlabError(f"objective grpo samples replies to the prompts of prompt/completion (or chat) records, one "
+                          f"per window; {data_dir} holds {meta.get('layout') or 'running text'}: prepare the records "
+                          "with --no-pack")
     if objective in PREFERENCE_OBJECTIVES and not pairs:
         raise GptlabError(f"objective {objective} trains on preference pairs; {data_dir} holds none: prepare records "
                           "with prompt, chosen and rejected fields")

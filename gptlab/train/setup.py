@@ -17,6 +17,7 @@ from gptlab.loading import base_reference, is_hf_dir, load_model, resolve_checkp
 from gptlab.lora import LoRASpec, add_lora, has_lora, parse_targets
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
+from gptlab.qlora import quantize_base
 from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
 from gptlab.train.config import TrainConfig
 from gptlab.train.distributed import shard_model
@@ -56,8 +57,8 @@ def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) ->
     Activations, in the compute dtype: the logits with their gradient, and what each block keeps for backward
     (the residual, norms, q/k/v, the attention output: 8 values per channel; the MLP's hidden layer: 2, gated 4,
     values per hidden unit); under activation checkpointing only each block's input, plus one block recomputed.
-    A preference objective with a reference (dpo, ipo) without LoRA keeps a frozen reference copy of the weights,
-    in the compute dtype (with LoRA the reference is the base itself: nothing more)."""
+    An objective with a reference (dpo, ipo, grpo with kl_beta) without LoRA keeps a frozen reference copy of the
+    weights, in the compute dtype (with LoRA the reference is the base itself: nothing more)."""
     elt = 4 if cfg.dtype == "float32" else 2  # "auto" is resolved before the trainer asks; 2 is the lower bound
     fsdp = cfg.distributed == "fsdp" and world > 1
     total, block, root = parameter_counts(config)
@@ -67,7 +68,7 @@ def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) ->
         states = 16 * total // world + 2 * elt * (root + block)
     else:
         states = 16 * total + (2 * total if elt == 2 else 0)
-    if cfg.objective in ("dpo", "ipo") and not cfg.lora_rank:
+    if (cfg.objective in ("dpo", "ipo") or (cfg.objective == "grpo" and cfg.kl_beta > 0)) and not cfg.lora_rank:
         states += elt * total
     tokens = cfg.batch_size // max(world * cfg.grad_accum, 1) * config.block_size
     per_block = 8 * config.n_embd + (4 if config.gated_mlp else 2) * config.hidden_size
@@ -95,7 +96,7 @@ def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
     if not cfg.lora_rank:
         return None
     return LoRASpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                    targets=parse_targets(cfg.lora_targets))
+                    targets=parse_targets(cfg.lora_targets), quantize=cfg.quantize)
 
 
 def build_model(
@@ -124,6 +125,8 @@ def build_model(
     else:
         model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=sharded and spec is None)
     if spec is not None:
+        if spec.quantize:
+            quantize_base(model, spec.quantize, spec.group_size)
         add_lora(model, spec, base=base_reference(cfg.init_from))
     model.activation_checkpointing = cfg.activation_checkpointing
     return model

@@ -152,7 +152,7 @@ class Trainer:
                                            world=1 if self.fsdp else self.procs.world)
         self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
         # before a checkpoint loads: a preference objective's reference is the starting weights
-        self.objective = build_objective(cfg, self.precision.train_module)
+        self.objective = build_objective(cfg, self.precision.train_module, self.data_dir)
         self.step_stats: torch.Tensor | None = None  # the latest step's objective statistics, summed
         # elapsed_sec when warm-up ended (None before): a time budget's decay runs from there to max_time
         self.warmup_elapsed: float | None = 0.0 if cfg.warmup_steps == 0 else None
@@ -284,7 +284,8 @@ class Trainer:
         cfg, procs = self.cfg, self.procs
         batch = self.feed.get(self.step)
         # gradients are averaged over processes, so each process's share is scaled up by their number
-        scale = procs.world / max(batch.n_targets, 1)
+        count = max(self.objective.step_count(batch.n_targets), 1)  # the step's loss is the mean over these
+        scale = procs.world / count
         sums = torch.zeros(1 + len(self.objective.stats), dtype=torch.float32, device=self.device)  # loss, stats
         for micro, (x, y) in enumerate(batch.micro):
             with self.precision.autocast(), gradient_sync(self.net, self.model, micro == cfg.grad_accum - 1):
@@ -295,7 +296,7 @@ class Trainer:
             self.feed.prefetch(self.step + 1)  # the host's share of the next step, while the device runs this one
         # all processes stop at the same step: a signal seen by one (torchrun forwards it to all) stops every one
         sums, any_stop = procs.sum_and_any(sums, self.stop_signal is not None)
-        total, self.step_stats = sums[0], sums[1:] / max(batch.n_targets, 1)  # statistics: sums over all pairs
+        total, self.step_stats = sums[0], sums[1:] / count  # statistics: sums over all pairs (completions)
         self.precision.step(self.optimizers, cfg.grad_clip, skip=self.losses.add(self.step, total))
         self.step += 1
         if isinstance(any_stop, torch.Tensor):  # read the step before's flag, whose all-reduce is done by now

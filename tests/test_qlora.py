@@ -1,0 +1,109 @@
+"""QLoRA: adapters over an int8 / int4 frozen base. Their gradients through the quantized base equal those through the
+dequantized weights in fp32 (a manual reference), the merged export is the dequantized base plus the update, and
+`train --lora-rank R --quantize int4` trains, exports and chats; its exact resume after SIGKILL is in test_faults."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_data, one_line_error, tiny_model, write_recipe
+from torch import nn
+
+from gptlab.cli import main
+from gptlab.lora import LoRALinear, LoRASpec, add_lora, merge_lora
+from gptlab.qlora import FrozenQuantizedLinear, quantize_base
+
+
+def nonzero_adapters(model: nn.Module, seed: int) -> None:
+    """B away from 0, so that every adapter's A gets a gradient too."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_adapter_gradients_through_the_quantized_base_equal_the_dequantized_fp32_ones(mode: str) -> None:
+    base = tiny_model().float()
+    quantized = quantize_base(copy.deepcopy(base), mode)
+    reference = copy.deepcopy(base)  # by hand: each block Linear's weight replaced by its dequantized one
+    with torch.no_grad():
+        for (_, layer), (_, q) in zip(reference.named_modules(), quantized.named_modules(), strict=True):
+            if isinstance(q, FrozenQuantizedLinear):
+                layer.weight.copy_(q.dequantize())
+    assert sum(isinstance(m, FrozenQuantizedLinear) for m in quantized.modules()) == 4 * base.config.n_layer
+    spec = LoRASpec(rank=4, quantize=mode)
+    for model in (quantized, reference):
+        torch.manual_seed(0)
+        add_lora(model, spec)
+        nonzero_adapters(model, 1)
+    x = torch.randint(0, base.config.vocab_size, (3, 16))
+    losses = []
+    for model in (quantized, reference):
+        _, loss = model.train()(x, x)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-6)
+    got, want = dict(quantized.named_parameters()), dict(reference.named_parameters())
+    trained = [n for n, p in got.items() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained)
+    for name in trained:
+        torch.testing.assert_close(got[name].grad, want[name].grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert all(p.grad is None for n, p in got.items() if n not in trained)
+
+
+def test_the_merged_model_is_the_dequantized_base_plus_the_update() -> None:
+    model = quantize_base(tiny_model().float(), "int4")
+    torch.manual_seed(0)
+    add_lora(model, LoRASpec(rank=4, quantize="int4"))
+    nonzero_adapters(model, 2)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    want = {name: m.base_layer.dequantize() + m.delta_weight() for name, m in layers.items()}
+    x = torch.randint(0, model.config.vocab_size, (2, 12))
+    before = model.eval()(x)[0].detach()  # gradients on: the dequantized weights exactly (no inference kernel)
+    with torch.no_grad():
+        merge_lora(model)
+        after = model(x)[0]
+    for name, weight in want.items():
+        merged = model.get_submodule(name)
+        assert type(merged) is nn.Linear and merged.weight.dtype == torch.float32
+        torch.testing.assert_close(merged.weight, weight, atol=0, rtol=0)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+def test_qlora_trains_exports_merged_and_chats(tmp_path: Path, monkeypatch, capsys) -> None:
+    from gptlab.loading import load_model
+
+    data = make_data(tmp_path, chars=20_000)
+    base_recipe = write_recipe(tmp_path, "base.toml", max_steps=20, eval_interval=0)
+    assert main(["train", str(base_recipe), "--data", str(data), "--out", str(tmp_path / "base"), "--quiet"]) == 0
+    recipe = write_recipe(tmp_path, "qlora.toml", max_steps=10, eval_interval=0, lr=1e-2)
+    recipe.write_text("\n".join(line for line in recipe.read_text().splitlines()
+                                if line.split(" =")[0] not in ("model", "n_embd", "n_head", "n_kv_head", "block_size")))
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--quiet", "--init-from",
+                 str(tmp_path / "base"), "--lora-rank", "4", "--quantize", "int4"]) == 0
+    losses = [float(line.split('"train_loss": ')[1].split(",")[0])
+              for line in (run / "metrics.jsonl").read_text().splitlines() if "train_loss" in line]
+    assert losses[-1] < losses[0]
+    merged, _ = load_model(run, prefer="latest")
+    unmerged, _ = load_model(run, prefer="latest", merge_adapters=False)
+    base, _ = load_model(tmp_path / "base", prefer="latest")
+    quantize_base(base, "int4")
+    for name, layer in unmerged.named_modules():
+        if isinstance(layer, LoRALinear):
+            want = base.get_submodule(name).dequantize() + layer.delta_weight()
+            torch.testing.assert_close(merged.get_submodule(name).weight, want, atol=0, rtol=0)
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("Hello\n"))
+    capsys.readouterr()
+    assert main(["chat", str(run), "--max-new-tokens", "3", "--temperature", "0"]) == 0
+
+
+def test_quantize_needs_lora(tmp_path: Path, capsys) -> None:
+    recipe = write_recipe(tmp_path, quantize="int4")
+    rc = main(["train", str(recipe), "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--quiet"])
+    assert "set lora_rank" in one_line_error(rc, capsys.readouterr().err)
