@@ -58,3 +58,32 @@ def prefix_cache_options(args: argparse.Namespace) -> dict[str, float]:
     if not 0 <= mb <= MAX_PREFIX_CACHE_MB:  # (also refuses nan)
         raise GptlabError(f"--prefix-cache-mb must be 0 (off) or a size in MB up to {MAX_PREFIX_CACHE_MB}, got {mb}")
     return {"prefix_cache_mb": mb}
+
+
+def add_speculation(p: argparse.ArgumentParser) -> None:
+    """--draft / --speculate ngram and --draft-tokens: speculative decoding (`gptlab.generation.speculative`)."""
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", metavar="MODEL", help="speculative decoding with this smaller model (a run, "
+                         "checkpoint or Hugging Face directory sharing the model's tokenizer) guessing tokens that "
+                         "the model checks several at a time; same outputs, faster when most guesses are right")
+    drafter.add_argument("--speculate", choices=("ngram",), help="speculative decoding with prompt lookup: guesses "
+                         "are what followed the last few tokens' latest earlier occurrence (text that repeats its "
+                         "input, e.g. edits)")
+    p.add_argument("--draft-tokens", type=int, metavar="K",
+                   help="with --draft or --speculate: tokens guessed per check (default 4)")
+
+
+def speculation_options(args: argparse.Namespace, device: Any, dtype: Any) -> dict[str, Any]:
+    """The engine's `speculate` and `draft_tokens` from the flags: the draft model loaded (on the model's device,
+    in its dtype), or "ngram"; nothing without either flag."""
+    tokens = {} if args.draft_tokens is None else {"draft_tokens": args.draft_tokens}
+    if args.draft_tokens is not None and args.draft_tokens < 1:
+        raise GptlabError(f"--draft-tokens must be at least 1, got {args.draft_tokens}")
+    if args.speculate:
+        return {"speculate": args.speculate, **tokens}
+    if not args.draft:
+        return {}
+    from gptlab.loading import load_model
+
+    draft, _ = load_model(args.draft, device=device, dtype=dtype)
+    return {"speculate": draft, **tokens}

@@ -14,7 +14,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
+from gptlab.cli.options import (
+    add_device,
+    add_dtype,
+    add_quantize,
+    add_speculation,
+    quantize_options,
+    speculation_options,
+    torch_dtype,
+)
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_json_object
 from gptlab.generation.params import (  # torch-free: `gptlab --help` stays fast
@@ -56,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     add_dtype(p)  # default auto: bf16 on a GPU; on a CPU float32 (bfloat16 is ~2x faster on recent CPUs)
     add_quantize(p)
+    add_speculation(p)
     p.set_defaults(run=run, retain_memory=True)
 
 
@@ -168,8 +177,9 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args, json_schema=_json_schema(args))
     prompt = _read_prompt(args)
     device = resolve_device(args.device)
-    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype, device),
-                                  **quantize_options(args))
+    dtype = torch_dtype(args.dtype, device)
+    model, tokenizer = load_model(args.checkpoint, device=device, dtype=dtype, **quantize_options(args))
+    speculation = speculation_options(args, device, dtype)
     check_biased_tokens(params, model.config.vocab_size)
     if tokenizer is None:
         raise GptlabError(
@@ -180,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     ids = _prompt_ids(prompt, tokenizer)
     # one cache, reused by every sample
     engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens),
-                    pack_weights=params.max_new_tokens * args.num_samples >= PACK_MIN_TOKENS)
+                    pack_weights=params.max_new_tokens * args.num_samples >= PACK_MIN_TOKENS, **speculation)
     out = sys.stdout
     for i in range(args.num_samples):
         try:  # (the schema against the model's vocabulary: known once it is loaded)

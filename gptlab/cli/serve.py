@@ -11,8 +11,10 @@ from gptlab.cli.options import (
     add_dtype,
     add_prefix_cache,
     add_quantize,
+    add_speculation,
     prefix_cache_options,
     quantize_options,
+    speculation_options,
     torch_dtype,
 )
 from gptlab.errors import GptlabError
@@ -42,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_dtype(p)  # default auto: bf16 on a GPU; on a CPU float32 (bfloat16 is ~2x faster on recent CPUs)
     add_quantize(p)
     add_prefix_cache(p)
+    add_speculation(p)
     p.add_argument("--no-ui", action="store_true",
                    help="do not serve the web page (chat playground, attention explorer) at /")
     p.set_defaults(run=run)
@@ -68,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
         raise GptlabError("--api-key is empty: give a key, or leave the flag out to serve without one")
     prefix_cache = prefix_cache_options(args)
     device = resolve_device(args.device)
-    model, tokenizer = load_model(args.checkpoint, device=device, dtype=torch_dtype(args.dtype, device),
-                                  **quantize_options(args))
+    dtype = torch_dtype(args.dtype, device)
+    model, tokenizer = load_model(args.checkpoint, device=device, dtype=dtype, **quantize_options(args))
+    speculation = speculation_options(args, device, dtype)
     if tokenizer is None:
         raise GptlabError(f"{args.checkpoint} has no tokenizer: the server needs one to read prompts")
     name = args.model_name or resolve_checkpoint(args.checkpoint).resolve().name
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
         prefill_chunk=args.prefill_chunk or None, max_body_bytes=int(args.max_body_mb * 2**20), ui=not args.no_ui,
-        **prefix_cache,
+        **prefix_cache, **speculation,
     )
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

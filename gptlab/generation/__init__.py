@@ -8,6 +8,7 @@ One module per job, each importing only those below it:
     detokenize     token ids -> streamed text (whole characters, stop strings held back)
     packed_linear  CPU-friendly weight layouts for the engine's forwards
     rows           Generation, PromptTooLongError: one prompt checked, and its row's state as it decodes
+    speculative    speculative decoding: drafters (a draft model, prompt lookup) and the accept/reject rule
     engine         Engine: continuous batching over one preallocated KV cache
     api            generate, generate_batch, generate_stream, stream_deltas
     chat           ChatSession: a conversation kept to the context, its replies streamed (`gptlab chat`)

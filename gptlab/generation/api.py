@@ -32,13 +32,15 @@ if TYPE_CHECKING:
 PACK_MIN_TOKENS = 16  # re-laying the weights out (`packed_linear`) pays off only over enough decoding steps
 
 
-def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: TextTokenizer) -> Engine:
+def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: TextTokenizer,
+            speculate: GPT | str | None = None) -> Engine:
     return Engine(
         model,
         max_batch=max(1, len(prompts)),
         tokenizer=tokenizer,
         max_len=cache_length(prompts, params.max_new_tokens),
         pack_weights=params.max_new_tokens >= PACK_MIN_TOKENS,
+        speculate=speculate,
     )
 
 
@@ -49,11 +51,13 @@ def generate_batch(
     *,
     tokenizer: TextTokenizer | None = None,
     truncate_prompt: bool = False,
+    speculate: GPT | str | None = None,
 ) -> list[Generation]:
     """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each.
-    With a tokenizer, each one's `text` is decoded (and `params.stop` strings end rows)."""
+    With a tokenizer, each one's `text` is decoded (and `params.stop` strings end rows). `speculate`: a draft
+    model or "ngram" (prompt lookup) for speculative decoding of a row decoding alone (`speculative`)."""
     params = params or SamplingParams()
-    engine = _engine(model, prompts, params, tokenizer)
+    engine = _engine(model, prompts, params, tokenizer, speculate)
     gens = [
         engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt)
         for i, p in enumerate(prompts)
@@ -86,15 +90,16 @@ def generate_stream(
     *,
     truncate_prompt: bool = False,
     result: list[Generation] | None = None,
+    speculate: GPT | str | None = None,
 ) -> Iterator[str]:
     """Yield the text of one continuation as it is generated, in deltas of whole characters.
 
     `prompt` is text (encoded with the tokenizer) or token ids. Pass a list as `result` to get the finished
-    `Generation` (finish reason, token ids) appended to it.
+    `Generation` (finish reason, token ids) appended to it. `speculate`: as `generate_batch`'s.
     """
     params = params or SamplingParams()
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    engine = _engine(model, [ids], params, tokenizer)
+    engine = _engine(model, [ids], params, tokenizer, speculate)
     gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt)
     yield from stream_deltas(engine, gen)
     if result is not None:
@@ -112,6 +117,7 @@ def generate(
     *,
     pad_id: int | None = None,
     truncate_prompt: bool = False,
+    speculate: GPT | str | None = None,
     **controls: Any,
 ) -> torch.Tensor:
     """Continue idx (B, T) by max_new_tokens tokens: (B, T + max_new_tokens), KV-cached and batched, as
@@ -122,14 +128,15 @@ def generate(
     stop tokens every row gets max_new_tokens (unless learned positions run out); rows that stop early keep
     their stop token and are right-padded with `pad_id` (default: the first stop token id, else 0) up to the
     longest row. A prompt of block_size tokens or more raises `PromptTooLongError` (a ValueError) unless
-    truncate_prompt=True.
+    truncate_prompt=True. `speculate`: a draft model or "ngram" (prompt lookup): speculative decoding of a
+    single row, with greedy output identical to the model's alone and sampling from its distribution.
     """
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
         raise ValueError("idx must be a (batch, time) tensor of token ids")
     params = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, **controls
     )
-    gens = generate_batch(model, idx.tolist(), params, truncate_prompt=truncate_prompt)
+    gens = generate_batch(model, idx.tolist(), params, truncate_prompt=truncate_prompt, speculate=speculate)
     rows = [g.prompt_ids + g.token_ids for g in gens]  # prompts after truncation, if any
     pad = pad_id if pad_id is not None else (params.stop_token_ids[0] if params.stop_token_ids else 0)
     out = torch.full((len(rows), max(map(len, rows))), pad, dtype=idx.dtype, device=idx.device)

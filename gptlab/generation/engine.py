@@ -9,6 +9,8 @@
 * With a `PrefixCache` (`prefix_cache`), a prompt's longest kept beginning is copied into its row and only the
   rest is prefilled; each row's tokens are kept when its prompt is in and when it ends (so the next chat turn or
   request that repeats them reuses them).
+* With `speculate` (a draft model, or "ngram": prompt lookup), a row decoding alone checks several guessed
+  tokens per forward and keeps those the target would have produced (`speculative`).
 * Each row's state is a `Generation`, made by `prepare` (`rows`: the prompt's checks and truncation, stop
   tokens, its random generator, its text).
 
@@ -51,6 +53,7 @@ from gptlab.generation.rows import (
     prepare_generation,
 )
 from gptlab.generation.sampling import TokenCounts, TokenLogprob, sample_next, token_logprobs
+from gptlab.generation.speculative import DRAFT_TOKENS, Speculator
 from gptlab.hardware import available_memory
 from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
 from gptlab.model import GPT
@@ -87,6 +90,8 @@ class Engine:
         static_decode: bool | None = None,
         compile_decode: bool = False,
         prefix_cache: PrefixCache | None = None,
+        speculate: GPT | str | None = None,
+        draft_tokens: int = DRAFT_TOKENS,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -118,6 +123,9 @@ class Engine:
         static = on_gpu if static_decode is None else static_decode
         self._static = (StaticDecode(model, self.cache, capture=on_gpu, compile=compile_decode)
                         if static and usable(model) else None)
+        # speculative decoding (a draft model's or prompt lookup's guesses, checked in one forward) while one
+        # row runs alone (`speculative`)
+        self.speculator = None if speculate is None else Speculator(self, speculate, draft_tokens)
 
     def _kernels(self, refresh: bool = False, head_only: bool = False) -> contextlib.AbstractContextManager:
         if self._packed is None:
@@ -281,6 +289,8 @@ class Engine:
         next prompt chunk; returns the rows that got a token."""
         prefilling = [g for g in self.running if g.row.pending]
         running = [g for g in self.running if not g.row.pending]
+        if self.speculator is not None and len(running) == 1 and not prefilling and self.speculator.step(running[0]):
+            return running
         if running:
             self._decode(running, prefilling)
         for g in prefilling:  # one more chunk of each long prompt; the last one samples its first token
@@ -320,6 +330,30 @@ class Engine:
         for g in running:
             g.row.window.append(g.token_ids[-1])
         self._accept(running, logits)
+
+    @torch.inference_mode()
+    def forward_row(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """Feed `tokens` to row `slot` after those it holds: the logits (T, V) after each one (speculative
+        decoding's draft and verify forwards; the caller keeps the row's bookkeeping)."""
+        view = self.cache.rows(slot, slot + 1)
+        idx = torch.tensor([tokens], device=self.device)
+        lean = len(tokens) == 1 and self._lean and not self.model.training
+        with self._kernels(head_only=lean and bool(self._native)):
+            if lean:
+                h = decode_hidden(self.model, idx, view, native=self._native_weights())
+            else:
+                h = self.model.hidden_states(idx, kv_cache=view)
+            return self.model.logits(h[0])
+
+    def record(self, g: Generation, logits: torch.Tensor, tokens: list[int]) -> int:
+        """Give row g its new tokens in order, each sampled from its row of `logits` (for logprobs), until it
+        finishes: how many it took."""
+        for i, tok in enumerate(tokens):
+            self._record_logprobs([g], logits[i : i + 1], [tok])
+            self._finish_rows([g], [tok])
+            if g.finished:
+                return i + 1
+        return len(tokens)
 
     def _slide(self, g: Generation) -> None:
         """A row whose cache is full keeps its last max_len // 2 tokens, prefilled again from position 0.

@@ -111,18 +111,7 @@ def sample_next(
     if all(sp.greedy for sp in params):  # the common fast path: no softmax, no sort
         return logits.argmax(dim=-1).tolist()
 
-    # a greedy row in a mixed batch divides by 1: its token is the argmax, taken below, whatever its scale
-    temps = torch.tensor([sp.temperature or 1.0 for sp in params], dtype=logits.dtype, device=dev)
-    logits = logits / temps[:, None]
-    # each filter runs only when some row uses it (sorting the vocabulary for top-p is not free); the rows that
-    # don't pass their "off" value, which keeps every token
-    if any(sp.top_k > 0 for sp in params):
-        logits = apply_top_k(logits, _column(params, "top_k", dev))
-    if any(sp.top_p < 1 for sp in params):
-        logits = apply_top_p(logits, _column(params, "top_p", dev))
-    if any(sp.min_p > 0 for sp in params):
-        logits = apply_min_p(logits, _column(params, "min_p", dev))
-    probs = logits.softmax(dim=-1)
+    probs = filtered_probs(logits, params)
     noise = torch.empty_like(probs)
     for i, (sp, g) in enumerate(zip(params, generators, strict=True)):
         if sp.greedy:  # decided by argmax below; don't touch any random stream
@@ -134,6 +123,24 @@ def sample_next(
     if greedy.any():
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)  # temperature 0 rows in a mixed batch
     return sampled.tolist()
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of fp32 `logits` (n, V) is sampled from: temperature, then top-k, top-p and
+    min-p (a greedy row is divided by 1: its token is the argmax, which no filter removes). Speculative decoding
+    reads it for its accept/reject rule, so both draw from the one distribution."""
+    dev = logits.device
+    temps = torch.tensor([sp.temperature or 1.0 for sp in params], dtype=logits.dtype, device=dev)
+    logits = logits / temps[:, None]
+    # each filter runs only when some row uses it (sorting the vocabulary for top-p is not free); the rows that
+    # don't pass their "off" value, which keeps every token
+    if any(sp.top_k > 0 for sp in params):
+        logits = apply_top_k(logits, _column(params, "top_k", dev))
+    if any(sp.top_p < 1 for sp in params):
+        logits = apply_top_p(logits, _column(params, "top_p", dev))
+    if any(sp.min_p > 0 for sp in params):
+        logits = apply_min_p(logits, _column(params, "min_p", dev))
+    return logits.softmax(dim=-1)
 
 
 @dataclass(frozen=True)

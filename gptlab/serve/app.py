@@ -40,6 +40,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gptlab.generation.prefix_cache import DEFAULT_PREFIX_CACHE_MB
+from gptlab.generation.speculative import DRAFT_TOKENS
 from gptlab.serve.access import ApiKeyCheck
 from gptlab.serve.chat import create_chat_completion
 from gptlab.serve.completions import create_completion
@@ -80,13 +81,17 @@ def create_app(
     body_timeout: float = 30.0,
     ui: bool = True,
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+    speculate: Any = None,
+    draft_tokens: int = DRAFT_TOKENS,
 ) -> FastAPI:
     """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan.
     `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generation.Engine`.
     `max_body_bytes`, `body_timeout`: the largest request body, and how long it may take to arrive. `ui`: the
     web page at / (`gptlab.serve.ui`). `prefix_cache_mb`: the budget of the keys and values of prompts' beginnings
-    kept for later requests (0: none; `gptlab.generation.prefix_cache`)."""
-    server = Server(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb)
+    kept for later requests (0: none; `gptlab.generation.prefix_cache`). `speculate`, `draft_tokens`: speculative
+    decoding while one request decodes alone (a draft model or "ngram"; `gptlab.generation.speculative`)."""
+    server = Server(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb,
+                    speculate, draft_tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -25,6 +25,7 @@ from gptlab.generation.engine import Engine
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.generation.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
+from gptlab.generation.speculative import DRAFT_TOKENS
 from gptlab.serve.metrics import ServerMetrics
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
@@ -46,6 +47,8 @@ class Server:
         max_queue: int,
         prefill_chunk: int | None,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        speculate: Any = None,
+        draft_tokens: int = DRAFT_TOKENS,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         # one for the server's life: compiled, and its turn end found, on the first chat request, then kept
@@ -53,7 +56,8 @@ class Server:
         self.block_size = model.config.block_size
         # prompts' beginnings (a system prompt, a conversation so far) prefilled once, reused by later requests
         self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
-                             prefix_cache=PrefixCache.of_megabytes(prefix_cache_mb))
+                             prefix_cache=PrefixCache.of_megabytes(prefix_cache_mb), speculate=speculate,
+                             draft_tokens=draft_tokens)
         engine = self.engine
         self.metrics = ServerMetrics(queue_length=lambda: self.scheduler.waiting,
                                      running_rows=lambda: len(engine.running),

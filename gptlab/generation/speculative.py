@@ -1,0 +1,207 @@
+"""Speculative decoding: cheap guesses of the next tokens, checked by the target model in one forward.
+
+A drafter proposes k tokens after a row's context; the target runs its last token and the k guesses as one
+forward (k + 1 positions, the cost of about one decode step while decoding is memory-bound) and keeps the
+longest run of guesses its own sampling accepts, plus one token of its own: 1 to k + 1 tokens per forward.
+
+* Drafters: `ModelDrafter` (a smaller model with the same vocabulary, decoding in its own engine; `--draft`)
+  and `NgramDrafter` (prompt lookup: the tokens that followed the latest earlier occurrence of the context's last
+  few tokens; no model, good where the output repeats its input, e.g. editing).
+* `accept`: the rule of Leviathan et al. (2023) / Chen et al. (2023). A greedy row keeps guesses while they are
+  the target's argmax, so its output is the target's own. A sampled row keeps guess d (drafted with probability
+  q(d)) with probability min(1, p(d) / q(d)) under the target's distribution p (after temperature and filters,
+  `sampling.filtered_probs`), and at the first rejection samples from max(0, p - q) renormalized: every token is
+  then distributed as p. A prompt-lookup guess is certain (q(d) = 1).
+* The rows' KV cache rolls back: the target's row keeps the fed token and the accepted guesses (its length is
+  set back over the rejected ones, whose entries are overwritten later); the draft's likewise.
+
+In the continuous batch, speculation runs while one row decodes alone (batch 1): with several rows the batched
+step already amortizes the weights' reads. A row with a grammar or penalties decodes normally (both change its
+distribution token by token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from gptlab.errors import GptlabError
+from gptlab.generation.params import SamplingParams
+from gptlab.generation.sampling import apply_logit_bias, filtered_probs
+
+if TYPE_CHECKING:
+    from gptlab.generation.engine import Engine
+    from gptlab.generation.rows import Generation
+    from gptlab.model import GPT
+
+DRAFT_TOKENS = 4  # guesses per forward: more pay off only when most are accepted
+NGRAM = "ngram"
+MAX_NGRAM = 3  # prompt lookup matches the context's last 3 tokens, else 2, else 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The accept/reject rule
+# ---------------------------------------------------------------------------------------------------------
+def _biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    logits = logits.float()
+    return apply_logit_bias(logits, [params] * logits.shape[0]) if params.logit_bias else logits
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """One token from logits (V,) as `sample_next` would draw it, and the distribution (V,) it came from."""
+    logits = _biased(logits[None], params)
+    if params.greedy:
+        token = int(logits[0].argmax())
+        return token, torch.nn.functional.one_hot(torch.tensor(token), logits.shape[-1]).to(logits)
+    probs = filtered_probs(logits, [params])[0]
+    return _sample(probs, generator), probs
+
+
+def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn with probability proportional to `weights` (V,) (the exponential race, as sample_next)."""
+    noise = torch.empty_like(weights).exponential_(generator=generator)
+    return int((weights / noise).argmax())
+
+
+def accept(
+    logits: torch.Tensor,
+    drafts: list[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """The tokens a row takes from one verify forward: the accepted guesses, then one of the target's.
+
+    logits (k + 1, V): the target's after its last token and after each guess; draft_probs (k, V): what each guess
+    was drawn from (None: certain guesses, as prompt lookup's)."""
+    logits = _biased(logits, params)
+    if params.greedy:
+        best = logits.argmax(dim=-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == best[n]:
+            n += 1
+        return drafts[:n] + [best[n]]
+    probs = filtered_probs(logits, [params] * logits.shape[0])
+    for i, d in enumerate(drafts):
+        p, q = probs[i], draft_probs[i] if draft_probs is not None else None
+        q_d = 1.0 if q is None else float(q[d])
+        p_d = float(p[d])
+        if p_d >= q_d or float(torch.rand((), generator=generator, device=p.device)) * q_d < p_d:
+            continue  # accepted with probability min(1, p(d) / q(d))
+        if q is None:  # max(0, p - one_hot(d)): p without d
+            residual = p.clone()
+            residual[d] = 0
+        else:
+            residual = (p - q).clamp_min(0)
+        return drafts[:i] + [_sample(residual, generator)]
+    return drafts + [_sample(probs[len(drafts)], generator)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drafters
+# ---------------------------------------------------------------------------------------------------------
+class NgramDrafter:
+    """Prompt lookup: the tokens after the latest earlier occurrence of the context's last n tokens (n from
+    MAX_NGRAM down to 1)."""
+
+    def propose(self, g: Generation, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        end = len(context)
+        for n in range(min(MAX_NGRAM, end - 1), 0, -1):
+            tail = context[end - n :]
+            for start in range(end - n - 1, -1, -1):  # the latest match first: the most local repetition
+                if context[start : start + n] == tail:
+                    return context[start + n : start + n + k], None
+        return [], None
+
+    def rollback(self, held: int) -> None:
+        """(Nothing is cached.)"""
+
+
+class ModelDrafter:
+    """A draft model's guesses, sampled under the row's own params from its own engine's one row; that row holds
+    a prefix of the context of the generation it last drafted for (another generation starts it again)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.owner: Generation | None = None
+
+    def propose(self, g: Generation, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        cache = self.engine.cache
+        if self.owner is not g:
+            self.owner, cache.lengths[0] = g, 0
+        if len(context) + k > self.engine.max_len:  # past the draft's context: the target decodes alone
+            return [], None
+        logits = self.engine.forward_row(0, context[int(cache.lengths[0]) :])[-1]
+        tokens, probs = [], []
+        for i in range(k):
+            token, q = draw(logits, g.params, g.generator)
+            tokens.append(token)
+            probs.append(q)
+            if i + 1 < k:
+                logits = self.engine.forward_row(0, [token])[-1]
+        return tokens, torch.stack(probs)
+
+    def rollback(self, held: int) -> None:
+        """The context's first `held` tokens are the row's: forget guesses past them."""
+        lengths = self.engine.cache.lengths
+        lengths[0] = min(int(lengths[0]), held)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One speculative step of the engine's one running row
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class SpeculationStats:
+    """Guesses proposed and accepted, and verify forwards run, since the engine was made."""
+
+    proposed: int = 0
+    accepted: int = 0
+    forwards: int = 0
+
+
+class Speculator:
+    """An engine's speculative step: a drafter (a draft model's, or "ngram") and the guesses per forward."""
+
+    def __init__(self, engine: Engine, speculate: GPT | str, draft_tokens: int = DRAFT_TOKENS) -> None:
+        if draft_tokens < 1:
+            raise GptlabError(f"draft tokens must be at least 1, got {draft_tokens}")
+        self.engine, self.draft_tokens, self.stats = engine, draft_tokens, SpeculationStats()
+        if isinstance(speculate, str):
+            if speculate != NGRAM:
+                raise GptlabError(f"speculate must be a draft model or {NGRAM!r}, got {speculate!r}")
+            self.drafter: NgramDrafter | ModelDrafter = NgramDrafter()
+        else:
+            vocab, draft_vocab = engine.config.vocab_size, speculate.config.vocab_size
+            if draft_vocab != vocab:
+                raise GptlabError(f"the draft model's vocabulary has {draft_vocab} tokens, the target's {vocab}: "
+                                  "a draft must share the target's tokenizer")
+            speculate.eval()  # a draft serves inference alone: no dropout
+            self.drafter = ModelDrafter(type(engine)(speculate, 1, max_len=engine.max_len))
+
+    def step(self, g: Generation) -> bool:
+        """Decode row g speculatively; False (nothing done) where it cannot: the engine's own step follows."""
+        if g.grammar is not None or g.params.penalized:
+            return False
+        engine, window = self.engine, g.row.window
+        room = engine.max_len - len(window) - 1  # the verify forward feeds 1 + k tokens
+        k = min(self.draft_tokens, room, g.params.max_new_tokens - len(g.token_ids))
+        if k < 1:
+            return False
+        context = g.prompt_ids + g.token_ids
+        drafts, draft_probs = self.drafter.propose(g, context, k)
+        if not drafts:
+            return False
+        fed = [g.token_ids[-1], *drafts]
+        logits = engine.forward_row(g.row.slot, fed)
+        tokens = accept(logits, drafts, draft_probs, g.params, g.generator)
+        kept = len(tokens) - 1  # guesses accepted; the last token is the target's own, fed next step
+        engine.cache.lengths[g.row.slot] = len(window) + 1 + kept  # roll back over the rejected guesses
+        window.extend(fed[: 1 + kept])
+        self.drafter.rollback(len(context) + kept)
+        self.stats.proposed += len(drafts)
+        self.stats.accepted += kept
+        self.stats.forwards += 1
+        engine.record(g, logits, tokens)
+        return True

@@ -1,0 +1,258 @@
+"""Speculative decoding: greedy output identical to the target's alone (hypothesis over prompts), and sampled
+tokens distributed as the target's own (chi-square against the exact distribution from full forwards, on a
+tiny vocabulary), for a draft model and for prompt lookup."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from gptlab.errors import GptlabError
+from gptlab.generation import Engine, SamplingParams, generate, generate_batch
+from gptlab.generation.speculative import NgramDrafter, accept
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TARGET = tiny_model()
+DRAFTS = {"itself": TARGET, "other model": tiny_model(seed=1), "ngram": "ngram"}
+P_MIN = 1e-3  # a seeded test: a p-value below this would be a real disagreement, not bad luck
+
+
+def speculative_run(model, prompt, params, speculate, draft_tokens=4, max_len=None):
+    engine = Engine(model, 1, max_len=max_len or len(prompt) + params.max_new_tokens, speculate=speculate,
+                    draft_tokens=draft_tokens)
+    gen = engine.prepare(prompt, params)
+    engine.run([gen])
+    return gen, engine.speculator.stats
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Greedy: the target's own output
+# ---------------------------------------------------------------------------------------------------------
+@settings(max_examples=15, deadline=None)
+@given(prompt=st.lists(st.integers(0, 255), min_size=1, max_size=24), new=st.integers(1, 30),
+       draft_tokens=st.integers(1, 6))
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_greedy_output_is_the_targets(draft, prompt, new, draft_tokens):
+    params = SamplingParams(temperature=0, max_new_tokens=new)
+    (plain,) = generate_batch(TARGET, [prompt], params)
+    gen, stats = speculative_run(TARGET, prompt, params, DRAFTS[draft], draft_tokens)
+    assert gen.token_ids == plain.token_ids
+    assert gen.finish_reason == plain.finish_reason
+    if draft == "itself" and new > 1:  # the target guessing for itself is always right
+        assert stats.accepted == stats.proposed > 0
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_greedy_past_the_context_slides_as_the_target_does(draft):
+    """A RoPE row that outgrows its cache slides its window: speculation makes room or steps aside."""
+    params = SamplingParams(temperature=0, max_new_tokens=90)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    (plain,) = generate_batch(TARGET, [prompt], params)  # (block_size 64: slides)
+    gen, _ = speculative_run(TARGET, prompt, params, DRAFTS[draft], max_len=64)
+    assert gen.token_ids == plain.token_ids
+
+
+def test_learned_positions_end_where_the_target_does():
+    model = tiny_model("learned", block_size=32)
+    params = SamplingParams(temperature=0, max_new_tokens=100)
+    prompt = [1, 2, 3, 1, 2, 3]
+    (plain,) = generate_batch(model, [prompt], params)
+    gen, stats = speculative_run(model, prompt, params, model, max_len=32)
+    assert gen.token_ids == plain.token_ids and gen.finish_reason == plain.finish_reason == "length"
+    assert stats.accepted > 0
+
+
+def test_generate_takes_a_drafter_and_logprobs_match_plain_decoding():
+    idx = torch.tensor([[4, 8, 15, 16, 23, 42, 4, 8, 15]])
+    assert torch.equal(generate(TARGET, idx, 20, temperature=0, speculate="ngram"), generate(TARGET, idx, 20, 0))
+    params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=2)
+    (plain,) = generate_batch(TARGET, [idx[0].tolist()], params)
+    gen, stats = speculative_run(TARGET, idx[0].tolist(), params, TARGET)
+    assert stats.accepted > 0 and len(gen.logprobs) == 12
+    for a, b in zip(gen.logprobs, plain.logprobs, strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    drafter = NgramDrafter()
+    context = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert drafter.propose(None, context, 2)[0] == [7, 8]  # "2 3" last seen before "7 8"
+    assert drafter.propose(None, [1, 2, 3, 4], 3)[0] == []  # nothing repeats
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampling: the target's distribution
+# ---------------------------------------------------------------------------------------------------------
+def _chisquare(samples: list, probs: dict) -> float:
+    """p-value of the samples' counts against `probs` (cells expected below 5 pooled into one)."""
+    n, total = len(samples), sum(probs.values())
+    counts = {c: 0 for c in probs}
+    for s in samples:
+        counts[s] += 1
+    big = [c for c in probs if probs[c] / total * n >= 5]
+    observed = [counts[c] for c in big] + [n - sum(counts[c] for c in big)]
+    expected = [probs[c] / total * n for c in big]
+    expected.append(max(0.0, n - sum(expected)))
+    if expected[-1] < 1e-6:
+        observed, expected = observed[:-1], expected[:-1]
+    expected = [e * sum(observed) / sum(expected) for e in expected]  # (sums agree to the float)
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize("certain", [False, True], ids=["draft distribution", "prompt lookup"])
+def test_accept_rule_keeps_the_targets_distribution(certain):
+    torch.manual_seed(0)
+    V, trials = 5, 4000
+    logits = torch.randn(3, V) * 1.5  # the target after its last token and after each of 2 guesses
+    q = torch.randn(2, V).softmax(-1)
+    params = SamplingParams(temperature=1.0, seed=0)
+    p = logits.softmax(-1)
+    gen = torch.Generator().manual_seed(0)
+    firsts, seconds = [], []
+    for _ in range(trials):
+        drafts = [3, 1] if certain else [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        tokens = accept(logits, drafts, None if certain else q, params, gen)
+        firsts.append(tokens[0])
+        if len(tokens) > 1:
+            seconds.append(tokens[1])
+    assert _chisquare(firsts, dict(enumerate(p[0].tolist()))) > P_MIN
+    assert _chisquare(seconds, dict(enumerate(p[1].tolist()))) > P_MIN
+
+
+@torch.no_grad()
+def _exact_joint(model, prompt: list[int], n: int, params: SamplingParams) -> dict:
+    """P(first n tokens) under the target's own sampling, from full forwards."""
+    from gptlab.generation.sampling import filtered_probs
+
+    V = model.config.vocab_size
+    joint = {}
+    for seq in itertools.product(range(V), repeat=n):
+        logits, _ = model(torch.tensor([prompt + list(seq[:-1])]), targets=torch.zeros(1, len(prompt) + n - 1,
+                                                                                          dtype=torch.long))
+        probs = filtered_probs(logits[0, len(prompt) - 1 :].float(), [params] * n)
+        joint[seq] = float(torch.prod(probs[torch.arange(n), torch.tensor(seq)]))
+    return joint
+
+
+@pytest.mark.parametrize("draft", ["other model", "ngram"])
+@pytest.mark.parametrize("controls", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 3}])
+def test_sampled_tokens_follow_the_targets_distribution(draft, controls):
+    V = 4
+    target = tiny_model(vocab_size=V)
+    speculate = tiny_model(vocab_size=V, seed=1) if draft == "other model" else "ngram"
+    prompt, n = [1, 2, 3, 1, 2], 3  # (repeats: prompt lookup has guesses)
+    params = SamplingParams(max_new_tokens=n, seed=1234, **controls)
+    engine = Engine(target, 1, max_len=len(prompt) + n, speculate=speculate, draft_tokens=2)
+    samples = []
+    for i in range(1500):
+        gen = engine.prepare(prompt, params, sample_index=i)
+        engine.run([gen])
+        samples.append(tuple(gen.token_ids))
+    assert engine.speculator.stats.forwards > 500  # most samples took their last tokens from one verify forward
+    assert _chisquare(samples, _exact_joint(target, prompt, n, params)) > P_MIN
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Where it applies, and bad drafts
+# ---------------------------------------------------------------------------------------------------------
+def test_rows_decoding_together_step_normally_and_a_lone_row_speculates():
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    plain = generate_batch(TARGET, prompts, params)
+    engine = Engine(TARGET, 2, max_len=40, speculate=TARGET)
+    gens = [engine.prepare(p, params) for p in prompts]
+    engine.add(gens)
+    engine.step()
+    assert engine.speculator.stats.forwards == 0 and all(len(g.token_ids) == 2 for g in gens)
+    engine.release(gens[1])
+    while engine.running:
+        engine.step()
+    assert gens[0].token_ids == plain[0].token_ids and engine.speculator.stats.forwards > 0
+
+
+def test_penalized_rows_decode_normally():
+    params = SamplingParams(temperature=0, max_new_tokens=20, repetition_penalty=1.3)
+    prompt = [1, 2, 3, 1, 2]
+    (plain,) = generate_batch(TARGET, [prompt], params)
+    gen, stats = speculative_run(TARGET, prompt, params, TARGET)
+    assert gen.token_ids == plain.token_ids and stats.forwards == 0
+
+
+def test_bad_drafts_are_refused():
+    with pytest.raises(GptlabError, match="vocabulary has 64 tokens, the target's 256"):
+        Engine(TARGET, 1, speculate=tiny_model(vocab_size=64))
+    with pytest.raises(GptlabError, match="draft model or 'ngram'"):
+        Engine(TARGET, 1, speculate="bigram")
+    with pytest.raises(GptlabError, match="at least 1"):
+        Engine(TARGET, 1, speculate="ngram", draft_tokens=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gptlab sample and gptlab serve
+# ---------------------------------------------------------------------------------------------------------
+CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz .,!?\n"
+
+
+@pytest.fixture(scope="module")
+def char_models(tmp_path_factory):
+    from gptlab.checkpoint import save_model
+    from gptlab.tokenizer import CharTokenizer
+
+    tok = CharTokenizer.from_text(CHARS)
+    target, draft = tiny_model(vocab_size=tok.vocab_size), tiny_model(vocab_size=tok.vocab_size, seed=1)
+    root = tmp_path_factory.mktemp("speculative")
+    return save_model(root / "target", target, tok), save_model(root / "draft", draft, tok), target, tok
+
+
+@pytest.mark.parametrize("flags", [["--draft", "{draft}"], ["--speculate", "ngram", "--draft-tokens", "2"]])
+def test_sample_with_a_drafter_prints_the_targets_greedy_text(char_models, capsys, flags):
+    from gptlab.cli import main
+
+    target_path, draft_path, model, tok = char_models
+    prompt = "Hello Hello Hello"
+    (ref,) = generate_batch(model, [tok.encode(prompt)], SamplingParams(temperature=0, max_new_tokens=30),
+                            tokenizer=tok)
+    flags = [f.format(draft=draft_path) for f in flags]
+    assert main(["sample", str(target_path), "--prompt", prompt, "--max-new-tokens", "30", "--temperature", "0",
+                 *flags]) == 0
+    assert capsys.readouterr().out == prompt + ref.text + "\n---------------\n"
+
+
+def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, tmp_path):
+    from gptlab.checkpoint import save_model
+    from gptlab.cli import main
+
+    target_path, _, _, _ = char_models
+    other = save_model(tmp_path / "other", tiny_model(vocab_size=40))
+    assert main(["sample", str(target_path), "--draft", str(other), "--max-new-tokens", "2"]) == 2
+    assert "vocabulary has 40 tokens" in capsys.readouterr().err
+    assert main(["sample", str(target_path), "--speculate", "ngram", "--draft-tokens", "0"]) == 2
+    assert "--draft-tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_server_with_a_draft_answers_as_the_target_alone(char_models):
+    openai = pytest.importorskip("openai")
+    from gptlab.serve import ServerThread, create_app
+
+    target_path, _, model, tok = char_models
+    draft = tiny_model(vocab_size=tok.vocab_size, seed=1)
+    app = create_app(model, tok, max_batch=2, speculate=draft, draft_tokens=3)
+    prompt = "To be or not to be"
+    (ref,) = generate_batch(model, [tok.encode(prompt)], SamplingParams(temperature=0, max_new_tokens=25),
+                            tokenizer=tok)
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=30.0, max_retries=0)
+        done = client.completions.create(model="gptlab", prompt=prompt, max_tokens=25, temperature=0)
+        streamed = client.completions.create(model="gptlab", prompt=prompt, max_tokens=25, temperature=0,
+                                             stream=True)
+        text = "".join(c.choices[0].text for c in streamed)
+    assert done.choices[0].text == text == ref.text
+    assert done.usage.completion_tokens == len(ref.token_ids)
+    assert app.state.server.engine.speculator.stats.forwards > 0
