@@ -3,19 +3,22 @@ forward and the maths (TransformerLens' side is tests/test_hooks_reference.py)."
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 from families import ALL_FAMILIES, model_of
-from helpers import tiny_model
+from helpers import char_checkpoint, one_line_error, tiny_model
 
+from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import generate
 from gptlab.hooks import hook_point_names, hooked, run_with_cache, run_with_hooks
 from gptlab.inspection.attention import attention_map
 from gptlab.inspection.patching import ablate, ablation_hooks, activation_patching, logit_difference
+from gptlab.loading import load_model
 from gptlab.tokenizer import CharTokenizer
 
 IDX = torch.tensor([[5, 17, 3, 42, 8, 11, 60], [1, 2, 3, 4, 5, 6, 7]])
@@ -207,3 +210,36 @@ def test_ablation_against_the_maths() -> None:
         ablation_hooks(model, heads=[(0, 4)])
     with pytest.raises(GptlabError, match="reference"):
         ablation_hooks(model, heads=[(0, 1)], kind="mean")
+
+
+# --- gptlab patch ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):  # noqa: ANN001, ANN201
+    return char_checkpoint(tmp_path_factory.mktemp("patch") / "ckpt")
+
+
+def test_patch_cli_table_json_and_png(checkpoint, tmp_path, capsys) -> None:  # noqa: ANN001
+    args = ["patch", str(checkpoint), "--clean", "the cat sat", "--corrupt", "the dog sat"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "clean" in out and out.count("\n") == 2 + 1 + 2  # baselines, header, title, a row per layer
+    png, js = tmp_path / "p.png", tmp_path / "p.json"
+    assert main([*args, "--point", "z", "-o", str(png), "--json", str(js), "--answer", "a", "--wrong", "b"]) == 0
+    data = json.loads(js.read_text())
+    model, tokenizer = load_model(checkpoint)
+    clean, corrupt = tokenizer.encode("the cat sat"), tokenizer.encode("the dog sat")
+    metric = logit_difference(tokenizer.encode("a")[0], tokenizer.encode("b")[0])
+    expected = activation_patching(model, clean, corrupt, metric, point="attn.hook_z", positions=False)
+    torch.testing.assert_close(torch.tensor(data["values"]), expected, atol=1e-5, rtol=0)
+    assert data["axes"] == ["layer", "head"] and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--corrupt", "the dog"], "same length"),
+    (["--corrupt", "the dog sat", "--answer", "ab"], "2 tokens"),
+    (["--corrupt", "the dog sat", "--answer", "a", "--wrong", "a"], "the same"),
+    (["--corrupt", "the dog sat", "-o", "x.jpg"], "PNG"),
+])
+def test_patch_cli_bad_input(checkpoint, capsys, extra, message) -> None:  # noqa: ANN001
+    assert main(["patch", str(checkpoint), "--clean", "the cat sat", *extra]) == 2
+    assert message in one_line_error(2, capsys.readouterr().err)

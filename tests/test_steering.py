@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from families import model_of
-from helpers import one_line_error, tiny_model
+from helpers import char_checkpoint, one_line_error, tiny_model
 
-from gptlab.checkpoint import save_model
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import generate
 from gptlab.steering import SteeringVector, direction_from_prompts, load_steering, save_direction, steered
-from gptlab.tokenizer import CharTokenizer
 
 PROMPT = torch.tensor([[5, 17, 3, 42, 8]])
 
@@ -98,10 +96,7 @@ def test_files_round_trip_and_bad_ones_are_refused(tmp_path) -> None:  # noqa: A
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):  # noqa: ANN001, ANN201
-    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz ")
-    path = tmp_path_factory.mktemp("steer") / "ckpt"
-    save_model(path, tiny_model(vocab_size=tok.vocab_size), tok)
-    return path
+    return char_checkpoint(tmp_path_factory.mktemp("steer") / "ckpt")
 
 
 def test_sample_steer_flag(checkpoint, tmp_path, capsys) -> None:  # noqa: ANN001

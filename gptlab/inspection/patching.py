@@ -12,13 +12,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from gptlab.errors import GptlabError
 from gptlab.hooks import HookFn, as_batch, check_names, run_with_cache, run_with_hooks
+from gptlab.inspection.attention import encode_prompt, token_labels
 from gptlab.model import GPT
+from gptlab.tokenizer.base import token_text
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 Metric = Callable[[torch.Tensor], "torch.Tensor | float"]  # logits (B, T, vocab) -> a number
 AblationKind = Literal["zero", "mean"]
@@ -159,3 +164,57 @@ def ablate(
 ) -> torch.Tensor:
     """The logits of `idx` with the heads and neurons ablated (see `ablation_hooks`)."""
     return run_with_hooks(model, idx, ablation_hooks(model, heads, neurons, kind, reference))
+
+
+# --- two prompts as text: what `gptlab patch` and the web page show -------------------------------------------------
+@dataclass
+class PatchingMap:
+    """The metric (logit of `answer` minus that of `wrong` at the last position) of the corrupted prompt with
+    `point` patched from the clean one: `values` (n_layer, T) per layer and position, or (n_layer, n_head) for
+    heads (`attn.hook_z` over all positions); `clean` and `corrupt`: the metric of each prompt unpatched."""
+
+    tokens: list[str]
+    point: str
+    values: torch.Tensor
+    clean: float
+    corrupt: float
+    answer: str
+    wrong: str
+
+    def to_json(self, digits: int = 6) -> dict[str, Any]:
+        return {"tokens": self.tokens, "point": self.point, "answer": self.answer, "wrong": self.wrong,
+                "clean": round(self.clean, digits), "corrupt": round(self.corrupt, digits),
+                "axes": ["layer", "head" if self.point == "attn.hook_z" else "position"],
+                "values": [[round(v, digits) for v in row] for row in self.values.tolist()]}
+
+
+def single_token(tokenizer: TextTokenizer, text: str, flag: str) -> int:
+    """The one token `text` encodes to (after any start token the tokenizer always adds), else a one-line error."""
+    start = len(tokenizer.encode(""))
+    ids = tokenizer.encode(text)[start:]
+    if len(ids) != 1:
+        raise GptlabError(f"{flag} {text!r} is {len(ids)} tokens: pass the text of a single token")
+    return ids[0]
+
+
+@torch.no_grad()
+def patch_prompts(
+    model: GPT, tokenizer: TextTokenizer, clean: str, corrupt: str, point: str = "hook_resid_pre",
+    answer: str | None = None, wrong: str | None = None,
+) -> PatchingMap:
+    """`activation_patching` of two texts. The metric's tokens default to each prompt's likeliest next token."""
+    limit = model.config.block_size
+    clean_ids, corrupt_ids = encode_prompt(tokenizer, clean, limit), encode_prompt(tokenizer, corrupt, limit)
+    if len(clean_ids) != len(corrupt_ids):
+        raise GptlabError(f"--clean is {len(clean_ids)} tokens and --corrupt {len(corrupt_ids)}: patching needs "
+                          "prompts of the same length (change the same number of tokens)")
+    clean_logits, corrupt_logits = run_with_hooks(model, clean_ids, {}), run_with_hooks(model, corrupt_ids, {})
+    a = single_token(tokenizer, answer, "--answer") if answer is not None else int(clean_logits[0, -1].argmax())
+    w = single_token(tokenizer, wrong, "--wrong") if wrong is not None else int(corrupt_logits[0, -1].argmax())
+    if a == w:
+        raise GptlabError(f"the answer and the wrong token are the same ({token_text(tokenizer, a)!r}): pass "
+                          "--answer and --wrong")
+    metric = logit_difference(a, w)
+    values = activation_patching(model, clean_ids, corrupt_ids, metric, point, positions=point != "attn.hook_z")
+    return PatchingMap(token_labels(tokenizer, clean_ids), point, values, float(metric(clean_logits)),
+                       float(metric(corrupt_logits)), token_text(tokenizer, a), token_text(tokenizer, w))
