@@ -67,31 +67,71 @@ def check_names(model: GPT, names: Iterable[str]) -> list[str]:
     return names
 
 
-class _Points:
-    """One module's hooks: `points(name, x)` runs the function set at prefix + name (on the setting thread), after
-    any set by an enclosing `hooked`. A function returns its activation's replacement, or None to leave it."""
+_LOCK = threading.Lock()  # every model's registry is made, changed and dropped under it
 
-    def __init__(self, prefix: str, fns: dict[str, HookFn], inner: _Points | None) -> None:
-        self.prefix, self.fns, self.inner = prefix, fns, inner
-        self.thread = threading.get_ident()
+
+class _Registry:
+    """A model's hook functions, per thread (a stack of `hooked` frames each). While any thread has some, every
+    hook-carrying module's `hooks` is a `_Points` reading them; when the last frame leaves, the attributes and the
+    registry go (the forward's fast paths come back, and a hook-free model deep-copies as before)."""
+
+    def __init__(self, model: GPT) -> None:
+        self.model = model
+        self.frames: dict[int, list[Mapping[str, HookFn]]] = {}
+
+    @staticmethod
+    def push(model: GPT, fns: Mapping[str, HookFn]) -> None:
+        with _LOCK:
+            registry = model.__dict__.setdefault("_hook_registry", _Registry(model))
+            registry.frames.setdefault(threading.get_ident(), []).append(fns)
+            registry._update()
+
+    @staticmethod
+    def pop(model: GPT, fns: Mapping[str, HookFn]) -> None:
+        with _LOCK:
+            registry = model.__dict__["_hook_registry"]
+            me = threading.get_ident()
+            stack = registry.frames[me]
+            del stack[next(i for i, f in enumerate(stack) if f is fns)]
+            if not stack:
+                del registry.frames[me]
+            registry._update()
+            if not registry.frames:
+                del model.__dict__["_hook_registry"]
+
+    def _update(self) -> None:
+        wanted = {name for stack in self.frames.values() for fns in stack for name in fns}
+        for prefix, module in _modules(self.model):
+            if not self.frames:
+                module.__dict__.pop("hooks", None)
+                module.__dict__.pop("needs_pattern", None)
+                continue
+            if "hooks" not in module.__dict__:
+                module.hooks = _Points(prefix, self)
+            if prefix.endswith("attn."):
+                module.needs_pattern = any(prefix + p in wanted for p in PATTERN_POINTS)
+
+
+class _Points:
+    """One module's hook points: `points(name, x)` runs the calling thread's functions at prefix + name, outer
+    `hooked` frames first. A function returns its activation's replacement, or None to leave it."""
+
+    def __init__(self, prefix: str, registry: _Registry) -> None:
+        self.prefix, self.registry = prefix, registry
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        if self.inner is not None:
-            x = self.inner(name, x)
-        fn = self.fns.get(name)
-        if fn is None or threading.get_ident() != self.thread:
-            return x
-        out = fn(x)
-        if out is None:
-            return x
-        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise GptlabError(f"the hook at {self.prefix}{name} returned {got}: it must return None or a tensor of "
-                              f"the activation's shape {tuple(x.shape)}")
-        return out
-
-    def wants(self, names: Iterable[str]) -> bool:
-        return any(n in self.fns for n in names) or (self.inner is not None and self.inner.wants(names))
+        full = self.prefix + name
+        for fns in self.registry.frames.get(threading.get_ident(), ()):
+            fn = fns.get(full)
+            out = None if fn is None else fn(x)
+            if out is None:
+                continue
+            if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise GptlabError(f"the hook at {full} returned {got}: it must return None or a tensor of the "
+                                  f"activation's shape {tuple(x.shape)}")
+            x = out
+        return x
 
 
 def _modules(model: GPT) -> Iterator[tuple[str, nn.Module]]:
@@ -103,38 +143,18 @@ def _modules(model: GPT) -> Iterator[tuple[str, nn.Module]]:
         yield f"blocks.{i}.mlp.", block.mlp
 
 
-def _owner(name: str) -> str:
-    """The prefix of the module whose hook point `name` is ("" for the model's own, `ln_final.` included)."""
-    head = name.rpartition(".")[0]
-    return "" if head in ("", "ln_final") else head + "."
-
-
 @contextlib.contextmanager
 def hooked(model: GPT, fns: Mapping[str, HookFn]) -> Iterator[GPT]:
     """Within the `with`, each function in `fns` (hook point name -> fn(activation) -> replacement or None)
     runs at its point in every forward of `model` on this thread. They are removed on leaving, also when the
-    body raises."""
+    body raises; other threads' hooks (each thread sees only its own) are left alone."""
     check_names(model, fns)
-    installed: list[tuple[nn.Module, dict]] = []
+    frame = dict(fns)
+    _Registry.push(model, frame)
     try:
-        for prefix, module in _modules(model):
-            own = {n[len(prefix):]: fn for n, fn in fns.items() if _owner(n) == prefix}
-            if not own and prefix:  # the model itself always carries them: its `hooks` says some are set
-                continue
-            before = {k: module.__dict__[k] for k in ("hooks", "needs_pattern") if k in module.__dict__}
-            installed.append((module, before))
-            points = _Points(prefix, own, module.hooks)
-            module.hooks = points
-            if prefix.endswith("attn."):
-                module.needs_pattern = points.wants(PATTERN_POINTS)
         yield model
     finally:
-        for module, before in reversed(installed):
-            for key in ("hooks", "needs_pattern"):
-                if key in before:
-                    setattr(module, key, before[key])
-                else:
-                    module.__dict__.pop(key, None)
+        _Registry.pop(model, frame)
 
 
 def as_batch(model: GPT, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:

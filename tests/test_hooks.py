@@ -27,7 +27,8 @@ IDX = torch.tensor([[5, 17, 3, 42, 8, 11, 60], [1, 2, 3, 4, 5, 6, 7]])
 def no_hooks_left(model) -> bool:  # noqa: ANN001
     blocks = model.transformer.h
     modules = [model, *blocks, *(b.attn for b in blocks), *(b.mlp for b in blocks)]
-    return all("hooks" not in m.__dict__ and "needs_pattern" not in m.__dict__ for m in modules)
+    return "_hook_registry" not in model.__dict__ and all(
+        "hooks" not in m.__dict__ and "needs_pattern" not in m.__dict__ for m in modules)
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -135,6 +136,44 @@ def test_a_hook_runs_only_on_its_thread() -> None:
         assert seen == []
         model(IDX)
     assert seen == [threading.get_ident()]
+
+
+def test_nested_hooks_compose_and_threads_overlap() -> None:
+    model = model_of("gpt2")
+    with hooked(model, {"blocks.0.hook_resid_pre": lambda x: x + 1}):
+        with hooked(model, {"blocks.0.hook_resid_pre": lambda x: x * 2}):
+            _, cache = run_with_cache(model, IDX, ["blocks.0.hook_resid_pre"])
+        _, outer_only = run_with_cache(model, IDX, ["blocks.0.hook_resid_pre"])
+    _, plain = run_with_cache(model, IDX, ["blocks.0.hook_resid_pre"])
+    name = "blocks.0.hook_resid_pre"
+    torch.testing.assert_close(cache[name], (plain[name] + 1) * 2)  # outer frame first, and the cache sees it
+    torch.testing.assert_close(outer_only[name], plain[name] + 1)
+    assert no_hooks_left(model)
+    # thread A sets hooks, thread B sets its own, A leaves first: B's still run, then all is gone
+    a_in, b_in, a_out, b_checked = (threading.Event() for _ in range(4))
+    seen = {}
+
+    def thread_a() -> None:
+        with hooked(model, {"hook_embed": lambda x: x * 0}):
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def thread_b() -> None:
+        a_in.wait()
+        with hooked(model, {"hook_embed": lambda x: x + 0}):
+            b_in.set()
+            a_out.wait()
+            seen["b"] = run_with_cache(model, IDX, ["hook_embed"])[1]["hook_embed"]
+        b_checked.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(seen["b"], plain_embed := run_with_cache(model, IDX, ["hook_embed"])[1]["hook_embed"])
+    assert plain_embed.abs().sum() > 0 and no_hooks_left(model)
 
 
 def test_cache_device_and_dtype() -> None:
