@@ -18,6 +18,7 @@ from gptlab.lazy import lazy_exports
 if TYPE_CHECKING:
     from gptlab.checkpoint import save_model
     from gptlab.generation import SamplingParams, generate, generate_batch, generate_stream
+    from gptlab.hooks import run_with_cache, run_with_hooks
     from gptlab.interop import from_hf, save_hf
     from gptlab.kv_cache import KVCache
     from gptlab.loading import load_model
@@ -39,8 +40,11 @@ _LAZY = {
     "load_model": "gptlab.loading",  # a run, checkpoint or Hugging Face directory -> (model, tokenizer)
     "save_model": "gptlab.checkpoint",
     "quantize_model": "gptlab.quantize",  # weight-only int8 / int4 Linear layers for inference, in place
+    "run_with_cache": "gptlab.hooks",  # (logits, {hook point name: activation}) of one forward
+    "run_with_hooks": "gptlab.hooks",  # logits of one forward with functions reading / replacing activations
 }
 __all__ = ["GPT", "GPTConfig", "KVCache", "SamplingParams", "from_hf", "generate", "generate_batch", "generate_stream",
-           "load_model", "parameter_breakdown", "quantize_model", "save_hf", "save_model"]
+           "load_model", "parameter_breakdown", "quantize_model", "run_with_cache", "run_with_hooks", "save_hf",
+           "save_model"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -19,12 +20,24 @@ from gptlab.config import GPTConfig
 from gptlab.kv_cache import KVCache, Masks
 from gptlab.rope import apply_rope
 
+Hook = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def tap(hooks: Hook | None, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x as the hook point `name` hands it on: unchanged unless hooks are set on this module (`gptlab.hooks` sets
+    them while a caller looks inside; the check is all a forward pays otherwise)."""
+    return x if hooks is None else hooks(name, x)
+
 
 class CausalSelfAttention(nn.Module):
     # Trainers may set this (GPT.set_attention_dtype) to compute q/k/v, qk-norm, RoPE and attention in another
     # dtype than the surrounding matmuls: fp32 attention under bf16 is faster on CPUs, whose bf16 attention backward
     # is slow. None: the dtype the projections produce.
     attention_dtype: torch.dtype | None = None
+    # hook points (q/k/v, scores, pattern, z), set by `gptlab.hooks` while a caller looks inside; `needs_pattern`:
+    # a hook reads the scores or the pattern, which only the manual path computes
+    hooks: Hook | None = None
+    needs_pattern: bool = False
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
@@ -52,9 +65,10 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         hs, cfg = self.head_size, self.config
         q, k, v = self.c_attn(x).split([self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs], dim=-1)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        hooks = self.hooks
+        q = tap(hooks, "hook_q", q.view(B, T, self.n_head, hs)).transpose(1, 2)  # (B, nh, T, hs)
+        k = tap(hooks, "hook_k", k.view(B, T, self.n_kv_head, hs)).transpose(1, 2)  # (B, nkv, T, hs)
+        v = tap(hooks, "hook_v", v.view(B, T, self.n_kv_head, hs)).transpose(1, 2)  # (B, nkv, T, hs)
         out_dtype = q.dtype
         if self.attention_dtype is not None and self.attention_dtype != out_dtype:
             q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
@@ -64,6 +78,9 @@ class CausalSelfAttention(nn.Module):
             q, k = F.rms_norm(q, (hs,), eps=cfg.norm_eps), F.rms_norm(k, (hs,), eps=cfg.norm_eps)
         if rope is not None:
             q, k = apply_rope(q, *rope, cfg.rope_interleaved), apply_rope(k, *rope, cfg.rope_interleaved)
+            if hooks is not None:  # (B, T, heads, hs) as hook_q / hook_k
+                q = hooks("hook_rot_q", q.transpose(1, 2)).transpose(1, 2)
+                k = hooks("hook_rot_k", k.transpose(1, 2)).transpose(1, 2)
         if kv_cache is not None:  # store the new keys/values, then attend over everything cached so far
             k, v = kv_cache.append(self.layer, k, v)  # (B, nkv, T_k, hs)
             # attend in the wider of the two dtypes: a float32 cache under bf16 weights gives float32 attention
@@ -75,19 +92,21 @@ class CausalSelfAttention(nn.Module):
         # autocast would cast SDPA's inputs back to its low-precision dtype: switch it off for an explicit dtype
         no_autocast = self.attention_dtype is not None and torch.is_autocast_enabled(x.device.type)
         with torch.autocast(x.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
-            if manual or cfg.attn_softcap is not None:  # SDPA has no soft-cap
-                y, weights = self._manual_attention(q, k, v, mask, dropout_p)
+            if manual or cfg.attn_softcap is not None or self.needs_pattern:  # SDPA has no soft-cap
+                y, weights = self._manual_attention(q, k, v, mask, dropout_p, hooks)
             else:
                 weights = None
                 y = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1,
                     scale=self.scale, enable_gqa=self.n_kv_head != self.n_head,
                 )  # (B, nh, T, hs)
-        y = y.to(out_dtype).transpose(1, 2).contiguous().view(B, T, self.n_head * hs)
+        y = tap(hooks, "hook_z", y.to(out_dtype).transpose(1, 2))  # (B, T, nh, hs): each head's output
+        y = y.contiguous().view(B, T, self.n_head * hs)
         return self.resid_dropout(self.c_proj(y)), weights
 
     def _manual_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+        hooks: Hook | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """softmax(cap * tanh(q k^T * scale / cap) + mask) v, spelled out (no cap unless set); also returns the
         weights (B, nh, T, T_k)."""
@@ -100,7 +119,7 @@ class CausalSelfAttention(nn.Module):
         if self.config.attn_softcap is not None:
             cap = self.config.attn_softcap
             att = cap * torch.tanh(att / cap)
-        att = att.masked_fill(~mask, float("-inf"))
-        weights = F.softmax(att.float(), dim=-1).to(q.dtype)
+        att = tap(hooks, "hook_attn_scores", att.masked_fill(~mask, float("-inf")))
+        weights = tap(hooks, "hook_pattern", F.softmax(att.float(), dim=-1).to(q.dtype))
         y = F.dropout(weights, p=dropout_p, training=dropout_p > 0) @ v  # (B, nh, T, hs)
         return y, weights

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gptlab.attention import CausalSelfAttention
+from gptlab.attention import CausalSelfAttention, Hook, tap
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import KVCache, document_masks, masks_for
 from gptlab.ops import cross_entropy, linear
@@ -49,9 +49,11 @@ def make_norm(config: GPTConfig) -> nn.Module:
 # Feed-forward
 # ---------------------------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
+    hooks: Hook | None = None  # hook_pre (hook_pre_linear: a gated MLP's up half), hook_post; see `gptlab.hooks`
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.kind = config.mlp
+        self.kind, self.gated = config.mlp, config.gated_mlp
         self.gelu_approximate = config.gelu_approximate
         hidden = config.hidden_size
         # a gated MLP's (SwiGLU, GeGLU) gate and up projections share one matmul: c_fc outputs [gate | up]
@@ -61,25 +63,41 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.activate(self.c_fc(x))))
+        h = self.c_fc(x)
+        h = self.activate(h) if self.hooks is None else self._hooked_activate(h, self.hooks)
+        return self.dropout(self.c_proj(h))
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
         """The nonlinearity over c_fc's output (a gated one halves the width: [gate | up] -> act(gate) * up)."""
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.nonlinearity(gate) * up
+        return self.nonlinearity(h)
+
+    def nonlinearity(self, h: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        if self.kind == "geglu":
-            gate, up = h.chunk(2, dim=-1)
-            return F.gelu(gate, approximate=self.gelu_approximate) * up
+            return F.silu(h)
         if self.kind == "relu2":
             return F.relu(h).square()
-        return F.gelu(h, approximate=self.gelu_approximate)
+        return F.gelu(h, approximate=self.gelu_approximate)  # gelu, geglu
+
+    def _hooked_activate(self, h: torch.Tensor, hooks: Hook) -> torch.Tensor:
+        """`activate` through the hook points: the pre-activation (a gated MLP's gate, and its up half), the
+        activation."""
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            post = self.nonlinearity(hooks("hook_pre", gate)) * hooks("hook_pre_linear", up)
+        else:
+            post = self.nonlinearity(hooks("hook_pre", h))
+        return hooks("hook_post", post)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Block: pre-norm, post-norm or parallel residual
 # ---------------------------------------------------------------------------------------------------------------------
 class Block(nn.Module):
+    hooks: Hook | None = None  # the residual stream's hook points; see `gptlab.hooks`
+
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.layout, self.shared_norm = config.block, config.shared_norm
@@ -93,23 +111,25 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope, masks, kv_cache, manual):  # noqa: ANN001, ANN201 - internal, see GPT.forward
-        if self.layout == "pre":  # x + f(norm(x)): GPT-2, Llama
-            a, w = self.attn(self.ln_1(x), rope, masks, kv_cache, manual)
-            x = x + a
-            x = x + self.mlp(self.ln_2(x))
-        elif self.layout == "parallel":  # x + attn(norm1(x)) + mlp(norm2(x)): GPT-NeoX; one norm for both: GPT-J
+        hooks = self.hooks
+        x = tap(hooks, "hook_resid_pre", x)
+        if self.layout == "parallel":  # x + attn(norm1(x)) + mlp(norm2(x)): GPT-NeoX; one norm for both: GPT-J
             h = self.ln_1(x)
             a, w = self.attn(h, rope, masks, kv_cache, manual)
-            x = x + a + self.mlp(h if self.shared_norm else self.ln_2(x))
-        elif self.layout == "sandwich":  # x + norm(f(norm(x))): Gemma 2
-            a, w = self.attn(self.ln_1(x), rope, masks, kv_cache, manual)
-            x = x + self.ln_attn_out(a)
-            x = x + self.ln_mlp_out(self.mlp(self.ln_2(x)))
-        else:  # post: norm(x + f(x)), the original transformer
-            a, w = self.attn(x, rope, masks, kv_cache, manual)
-            x = self.ln_1(x + a)
-            x = self.ln_2(x + self.mlp(x))
-        return x, w
+            m = self.mlp(h if self.shared_norm else self.ln_2(x))
+            x = x + tap(hooks, "hook_attn_out", a) + tap(hooks, "hook_mlp_out", m)
+            return tap(hooks, "hook_resid_post", x), w
+        post = self.layout == "post"  # post: norm(x + f(x)), the original transformer; else x + f(norm(x))
+        a, w = self.attn(x if post else self.ln_1(x), rope, masks, kv_cache, manual)
+        if self.layout == "sandwich":  # x + norm(f(norm(x))): Gemma 2
+            a = self.ln_attn_out(a)
+        x = x + tap(hooks, "hook_attn_out", a)
+        x = tap(hooks, "hook_resid_mid", self.ln_1(x) if post else x)
+        m = self.mlp(x if post else self.ln_2(x))
+        if self.layout == "sandwich":
+            m = self.ln_mlp_out(m)
+        x = x + tap(hooks, "hook_mlp_out", m)
+        return tap(hooks, "hook_resid_post", self.ln_2(x) if post else x), w
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -124,6 +144,9 @@ class GPT(nn.Module):
     # Trainers may set this to trade compute for memory: blocks keep only their inputs for backward and run their
     # forward again there (torch.utils.checkpoint), so activations of one block at a time are held.
     activation_checkpointing: bool = False
+    # the model's own hook points (embeddings, final norm, logits), set by `gptlab.hooks`; a model with any hook
+    # set has this set too, which sends generation through the plain forward
+    hooks: Hook | None = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -216,11 +239,12 @@ class GPT(nn.Module):
         h, attentions = h if return_attention else (h, None)
         loss = None
         if targets is None:
-            logits = self.logits(h)
+            logits = tap(self.hooks, "hook_logits", self.logits(h))
         else:  # the loss's LM head through fp32 where this CPU lacks bf16 matmuls (`linear`); generation's
             # (`logits`) stays the module's own forward, which packed inference weights replace
             head = self.lm_head  # a quantized head (not an nn.Linear) runs its own forward
             logits = self.logits(h, head=linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else None)
+            logits = tap(self.hooks, "hook_logits", logits)
             loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return (logits, loss, attentions) if return_attention else (logits, loss)
 
@@ -272,11 +296,13 @@ class GPT(nn.Module):
         else:
             pos, masks = kv_cache.begin(T, cfg.sliding_window)  # (1 or B, T); which cached keys each query sees
 
+        hooks = self.hooks
         x = self.transformer.wte(idx)  # (B, T, C)
         if cfg.scale_embeddings:  # by sqrt(C) in the activations' dtype, as Gemma rounds it
             x = x * torch.tensor(math.sqrt(cfg.n_embd), dtype=x.dtype)
+        x = tap(hooks, "hook_embed", x)
         if cfg.position == "learned":
-            x = x + self.transformer.wpe(pos)
+            x = x + tap(hooks, "hook_pos_embed", self.transformer.wpe(pos))
         if cfg.embedding_norm:
             x = self.transformer.ln_emb(x)
         x = self.transformer.drop(x)
@@ -290,7 +316,7 @@ class GPT(nn.Module):
             else:
                 x, weights = block(x, rope, masks, kv_cache, manual)
             attentions.append(weights)
-        x = self.transformer.ln_f(x)
+        x = tap(hooks, "ln_final.hook_normalized", self.transformer.ln_f(x))
         if kv_cache is not None:
             kv_cache.advance(T)
         return (x, attentions) if return_attention else x

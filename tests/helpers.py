@@ -114,6 +114,16 @@ def tiny_model(
     return GPT(cfg).eval()
 
 
+def char_checkpoint(path: Path) -> Path:
+    """A tiny random model saved at `path` with a character tokenizer of lowercase letters and space."""
+    from gptlab.checkpoint import save_model
+    from gptlab.tokenizer import CharTokenizer
+
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz ")
+    save_model(path, tiny_model(vocab_size=tok.vocab_size), tok)
+    return path
+
+
 def scripted_model(successor: dict[int, int], vocab_size: int, block_size: int = 64) -> GPT:
     """A model whose greedy next token after t is successor[t] whatever came before (tokens not in `successor`
     go to themselves): embeddings are one-hot, every block adds zero (its output projections are zero), so the

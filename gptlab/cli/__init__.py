@@ -23,6 +23,7 @@ from gptlab.cli import (
     evaluate,
     info,
     lens,
+    patch,
     plot,
     prepare,
     sample,
@@ -33,7 +34,7 @@ from gptlab.cli import (
 from gptlab.cli.collector import freeze_at_exit, import_torch_quietly
 from gptlab.errors import GptlabError
 
-COMMANDS = (info, download, prepare, train, sample, chat, evaluate, convert, serve, trace, attention, lens, plot)
+COMMANDS = (info, download, prepare, train, sample, chat, evaluate, convert, serve, trace, attention, lens, patch, plot)
 
 
 def build_parser() -> argparse.ArgumentParser:

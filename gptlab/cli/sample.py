@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--logprobs", type=int, metavar="N",
                    help="after each sample, list on stderr every generated token's log-probability and its N most "
                         "likely alternatives (0: the token's alone)")
+    p.add_argument("--steer", metavar="FILE:LAYER:SCALE", action="append", default=[],
+                   help="add SCALE x the direction in FILE (safetensors, one vector of the model's width) to the "
+                        "residual stream entering block LAYER, at every step; repeatable")
     structured = p.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE",
                             help="the output is JSON valid under the JSON schema in FILE (structured outputs)")
@@ -165,6 +168,22 @@ def bound_prompt(prompt: str, block_size: int, truncate: bool) -> str:
                       f"tokens can hold: shorten it, or pass --truncate-prompt to keep its end")
 
 
+def steering_vectors(specs: list[str]) -> list:
+    """--steer FILE:LAYER:SCALE values, each file read and checked (its width is checked against the model's
+    when it steers)."""
+    from gptlab.steering import load_steering
+
+    vectors = []
+    for spec in specs:
+        parts = spec.rsplit(":", 2)  # a path may hold colons; the last two fields may not
+        try:
+            path, layer_n, scale_f = parts[0], int(parts[1]), float(parts[2])
+        except (ValueError, IndexError):
+            raise GptlabError(f"--steer {spec!r}: expected FILE:LAYER:SCALE, e.g. happy.safetensors:6:4.0") from None
+        vectors.append(load_steering(path, layer_n, scale_f))
+    return vectors
+
+
 def run(args: argparse.Namespace) -> int:
     from gptlab.generation import Engine, cache_length, stream_deltas
     from gptlab.generation.api import PACK_MIN_TOKENS
@@ -176,11 +195,14 @@ def run(args: argparse.Namespace) -> int:
         raise GptlabError(f"--num-samples must be at least 1, got {args.num_samples}")
     params = sampling_params(args, json_schema=_json_schema(args))
     prompt = _read_prompt(args)
+    steering = steering_vectors(args.steer)
     device = resolve_device(args.device)
     dtype = torch_dtype(args.dtype, device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=dtype, **quantize_options(args))
     speculation = speculation_options(args, device, dtype)
     check_biased_tokens(params, model.config.vocab_size)
+    for vector in steering:
+        vector.check(model)
     if tokenizer is None:
         raise GptlabError(
             f"{args.checkpoint} has no tokenizer: sampling needs one to turn text into tokens "
@@ -199,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             raise flag_error(e) from None
         out.write(prompt)
         out.flush()
-        for delta in stream_deltas(engine, gen):
+        for delta in stream_deltas(engine, gen, steering):
             out.write(delta)
             out.flush()  # stream: the reader sees each piece as soon as it is decoded
         out.write(SEPARATOR)

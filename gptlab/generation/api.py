@@ -25,6 +25,7 @@ from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
 from gptlab.kv_cache import cache_length
 from gptlab.model import GPT
+from gptlab.steering import SteeringVector, steered
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -52,25 +53,28 @@ def generate_batch(
     tokenizer: TextTokenizer | None = None,
     truncate_prompt: bool = False,
     speculate: GPT | str | None = None,
+    steering: Sequence[SteeringVector] = (),
 ) -> list[Generation]:
     """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each.
     With a tokenizer, each one's `text` is decoded (and `params.stop` strings end rows). `speculate`: a draft
-    model or "ngram" (prompt lookup) for speculative decoding of a row decoding alone (`speculative`)."""
+    model or "ngram" (prompt lookup) for speculative decoding of a row decoding alone (`speculative`).
+    `steering`: vectors added to the residual stream (`gptlab.steering`) at every step."""
     params = params or SamplingParams()
     engine = _engine(model, prompts, params, tokenizer, speculate)
     gens = [
         engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt)
         for i, p in enumerate(prompts)
     ]
-    with eval_mode(model):
+    with eval_mode(model), steered(model, steering):
         return engine.run(gens)
 
 
-def stream_deltas(engine: Engine, gen: Generation) -> Iterator[str]:
+def stream_deltas(engine: Engine, gen: Generation, steering: Sequence[SteeringVector] = ()) -> Iterator[str]:
     """Prefill `gen` (from `engine.prepare`) and yield its text as it is generated, in deltas of whole
     characters that never hold part of a possible stop string, until it finishes. Other rows of the engine
-    advance with it. The model is in eval mode while the engine works, in the caller's mode between deltas."""
-    with eval_mode(engine.model):
+    advance with it. The model is in eval mode (and steered by `steering`) while the engine works, as the caller
+    left it between deltas."""
+    with eval_mode(engine.model), steered(engine.model, steering):
         engine.add([gen])
     while True:
         delta = gen.pop_delta()
@@ -78,7 +82,8 @@ def stream_deltas(engine: Engine, gen: Generation) -> Iterator[str]:
             yield delta
         if gen.finished:
             return
-        with eval_mode(engine.model):  # not held across the yield: the caller may use the model in between
+        # not held across the yield: the caller may use the model in between
+        with eval_mode(engine.model), steered(engine.model, steering):
             engine.step()
 
 
@@ -91,17 +96,18 @@ def generate_stream(
     truncate_prompt: bool = False,
     result: list[Generation] | None = None,
     speculate: GPT | str | None = None,
+    steering: Sequence[SteeringVector] = (),
 ) -> Iterator[str]:
     """Yield the text of one continuation as it is generated, in deltas of whole characters.
 
     `prompt` is text (encoded with the tokenizer) or token ids. Pass a list as `result` to get the finished
-    `Generation` (finish reason, token ids) appended to it. `speculate`: as `generate_batch`'s.
+    `Generation` (finish reason, token ids) appended to it. `speculate`, `steering`: as `generate_batch`'s.
     """
     params = params or SamplingParams()
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     engine = _engine(model, [ids], params, tokenizer, speculate)
     gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt)
-    yield from stream_deltas(engine, gen)
+    yield from stream_deltas(engine, gen, steering)
     if result is not None:
         result.append(gen)
 
@@ -118,6 +124,7 @@ def generate(
     pad_id: int | None = None,
     truncate_prompt: bool = False,
     speculate: GPT | str | None = None,
+    steering: Sequence[SteeringVector] = (),
     **controls: Any,
 ) -> torch.Tensor:
     """Continue idx (B, T) by max_new_tokens tokens: (B, T + max_new_tokens), KV-cached and batched, as
@@ -130,13 +137,15 @@ def generate(
     longest row. A prompt of block_size tokens or more raises `PromptTooLongError` (a ValueError) unless
     truncate_prompt=True. `speculate`: a draft model or "ngram" (prompt lookup): speculative decoding of a
     single row, with greedy output identical to the model's alone and sampling from its distribution.
+    `steering`: `SteeringVector`s added to the residual stream at every step (`gptlab.steering`).
     """
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
         raise ValueError("idx must be a (batch, time) tensor of token ids")
     params = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, **controls
     )
-    gens = generate_batch(model, idx.tolist(), params, truncate_prompt=truncate_prompt, speculate=speculate)
+    gens = generate_batch(model, idx.tolist(), params, truncate_prompt=truncate_prompt, speculate=speculate,
+                          steering=steering)
     rows = [g.prompt_ids + g.token_ids for g in gens]  # prompts after truncation, if any
     pad = pad_id if pad_id is not None else (params.stop_token_ids[0] if params.stop_token_ids else 0)
     out = torch.full((len(rows), max(map(len, rows))), pad, dtype=idx.dtype, device=idx.device)

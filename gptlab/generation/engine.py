@@ -302,7 +302,8 @@ class Engine:
             if len(g.row.window) >= self.max_len:  # the window is what the row's cache holds
                 self._slide(g)
         hi = max(g.row.slot for g in running + prefilling) + 1  # rows past the last busy one are left out
-        static = self._static is not None and not self.model.training
+        hooked = self.model.hooks is not None  # hook points set (`gptlab.hooks`): they run in the plain forward
+        static = self._static is not None and not self.model.training and not hooked
         if static:
             hi = self._static.rows_for(hi)
         idle = [i for i in range(hi) if self.slots[i] is None]
@@ -317,7 +318,7 @@ class Engine:
                 longest = max([len(g.row.window) + 1 for g in running]
                               + [len(g.prompt_ids) - len(g.row.pending) + 1 for g in prefilling])
                 logits = self._static(tokens, longest)[rows]
-            elif self._lean and not self.model.training:
+            elif self._lean and not self.model.training and not hooked:
                 h = decode_hidden(self.model, tokens.to(self.device), view, native=self._native_weights())
             else:
                 h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)

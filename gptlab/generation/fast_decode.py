@@ -62,9 +62,10 @@ def unknown_switches(config: GPTConfig) -> list[str]:
 def supports(model: GPT) -> bool:
     """Whether `decode_hidden` computes exactly what `model.hidden_states` does for this model: its config sets
     only switches the step knows, it is in eval mode (or has no dropout), and its modules are gptlab's own
-    classes (a replaced block, attention or norm may compute something else)."""
+    classes (a replaced block, attention or norm may compute something else), and no hook point is set on it
+    (`gptlab.hooks`: the hooks run in the plain forward)."""
     cfg = model.config
-    if unknown_switches(cfg) or (cfg.dropout and model.training):
+    if unknown_switches(cfg) or (cfg.dropout and model.training) or model.hooks is not None:
         return False
     t = model.transformer
     norms = [t.ln_f, *([t.ln_emb] if cfg.embedding_norm else [])]

@@ -9,13 +9,13 @@ computes (a post-norm model's last block ends in its own norm; its final norm is
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gptlab.hooks import run_with_cache
 from gptlab.inspection.attention import encode_prompt, token_labels
 from gptlab.model import GPT
 
@@ -58,23 +58,11 @@ class LensResult:
 @torch.no_grad()
 def stage_logits(model: GPT, ids: list[int]) -> Iterator[torch.Tensor]:
     """The lens's logits (T, V), float32, one stage at a time (all at once would be n_layer x T x V floats)."""
-    streams: list[torch.Tensor] = []
-    me = threading.get_ident()  # a server runs other forwards of this model on other threads: not theirs
-
-    def keep(out: torch.Tensor) -> None:
-        if threading.get_ident() == me:
-            streams.append(out)
-
     # the residual stream as it enters the first block, and as each block hands it on
-    hooks = [model.transformer.drop.register_forward_hook(lambda m, i, out: keep(out))]
-    hooks += [b.register_forward_hook(lambda m, i, out: keep(out[0])) for b in model.transformer.h]
-    try:
-        model.hidden_states(torch.tensor([ids], device=next(model.parameters()).device))
-    finally:
-        for h in hooks:
-            h.remove()
-    for x in streams:
-        yield model.logits(model.transformer.ln_f(x))[0].float()
+    names = ["blocks.0.hook_resid_pre"] + [f"blocks.{i}.hook_resid_post" for i in range(model.config.n_layer)]
+    _, streams = run_with_cache(model, ids, names)
+    for name in names:
+        yield model.logits(model.transformer.ln_f(streams[name]))[0].float()
 
 
 def logit_lens(

@@ -3,6 +3,7 @@ no display is needed, and nothing here imports matplotlib until a picture is dra
 
 - `attention_picture`: one heatmap (a layer and a head), or a grid: a layer's heads, a head across the layers, or
   each layer's head-average; the prompt's tokens label the axes (rows: queries, columns: keys).
+- `patching_picture`: the patching metric per layer and position (or head), the clean prompt's tokens below.
 - `curves_picture`: train and val loss of several runs overlaid (each run its colour, val dashed with markers),
   the learning rate on a second axis (dotted).
 """
@@ -17,6 +18,7 @@ from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_file
 from gptlab.inspection.attention import AttentionMap
 from gptlab.inspection.curves import Curve
+from gptlab.inspection.patching import PatchingMap
 
 DPI = 100
 MAX_LABELS = 48  # more tokens than this: axis labels would overlap, so none are drawn
@@ -94,6 +96,30 @@ def attention_picture(amap: AttentionMap, path: str | Path, layer: int | None = 
     for ax in list(axes.flat)[len(maps):]:
         ax.axis("off")
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight (row: query, column: key)")
+    return _save(fig, path)
+
+
+def patching_picture(pmap: PatchingMap, path: str | Path) -> Path:
+    """A PNG of the patching metric: layers down, positions (the clean prompt's tokens) or heads across."""
+    plt = pyplot()
+    values = pmap.values
+    layers, across = values.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * across + 2.5), max(3.0, 0.35 * layers + 1.5)),
+                           layout="constrained")
+    image = ax.imshow(values.numpy(), cmap="RdBu", interpolation="nearest", aspect="auto",
+                      vmin=min(pmap.corrupt, pmap.clean, float(values.min())),
+                      vmax=max(pmap.corrupt, pmap.clean, float(values.max())))
+    heads = pmap.point == "attn.hook_z"
+    ax.set_title(f"{pmap.point} patched into the corrupted run\nclean {pmap.clean:.2f}, corrupted {pmap.corrupt:.2f}",
+                 fontsize=9)
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(layers))
+    if heads:
+        ax.set_xlabel("head")
+        ax.set_xticks(range(across))
+    elif across <= MAX_LABELS:
+        ax.set_xticks(range(across), [_label(t) for t in pmap.tokens], rotation=90, fontsize=7, family="monospace")
+    fig.colorbar(image, ax=ax, shrink=0.8, label=f"logit {pmap.answer!r} - logit {pmap.wrong!r}")
     return _save(fig, path)
 
 
