@@ -43,6 +43,7 @@ class Bound:
     low_open: bool = False
     high_open: bool = False
     optional: bool = False
+    note: str = ""  # why the bound is where it is, shown after the requirement ("int64")
 
     def holds(self, value: Any) -> bool:
         if value is None:
@@ -72,7 +73,8 @@ class Bound:
             span = f" {'<' if self.high_open else '<='} {high}"
         else:
             span = "" if self.kind is int else " (finite)"
-        return f"must be {what}{span}{' or null' if self.optional else ''}".replace("be  in", "be in")
+        note = f" ({self.note})" if self.note else ""
+        return f"must be {what}{span}{' or null' if self.optional else ''}{note}".replace("be  in", "be in")
 
 
 def _shown(x: float | None) -> str:
@@ -80,9 +82,10 @@ def _shown(x: float | None) -> str:
 
 
 def bounded(default: Any, kind: type = float, *, low: float | None = None, high: float | None = None,
-            low_open: bool = False, high_open: bool = False, optional: bool = False, **field_args: Any) -> Any:
+            low_open: bool = False, high_open: bool = False, optional: bool = False, note: str = "",
+            **field_args: Any) -> Any:
     """A dataclass field with its `Bound` (see the module docstring); `field_args` go to `dataclasses.field`."""
-    bound = Bound(kind, low, high, low_open, high_open, optional)
+    bound = Bound(kind, low, high, low_open, high_open, optional, note)
     return dataclasses.field(default=default, metadata={"bound": bound}, **field_args)
 
 

@@ -159,15 +159,15 @@ class SamplingParams:
     Frozen: the checks in __post_init__ hold for the object's whole life (use dataclasses.replace to vary one).
     """
 
-    max_new_tokens: int = bounded(256, int, low=0, high=INT64_MAX)
+    max_new_tokens: int = bounded(256, int, low=0, high=INT64_MAX, note="int64")
     temperature: float = bounded(1.0, low=0)
-    top_k: int = bounded(0, int, low=0, high=INT64_MAX)
+    top_k: int = bounded(0, int, low=0, high=INT64_MAX, note="int64")
     top_p: float = bounded(1.0, low=0, high=1, low_open=True)
     min_p: float = bounded(0.0, low=0, high=1)
     repetition_penalty: float = bounded(1.0, low=0, low_open=True)
     frequency_penalty: float = bounded(0.0)
     presence_penalty: float = bounded(0.0)
-    seed: int | None = bounded(None, int, low=INT64_MIN, high=INT64_MAX, optional=True)
+    seed: int | None = bounded(None, int, low=INT64_MIN, high=INT64_MAX, optional=True, note="int64")
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eot: bool = False

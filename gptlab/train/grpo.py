@@ -137,8 +137,8 @@ class Grpo:
         return torch.tensor([float(self.reward(*texts[i // self.group], cut_at(decode(c), self.stops)))
                              for i, c in enumerate(completions)], dtype=torch.float32)
 
-    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
+             documents: None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Roll out, score and take the clipped loss of the micro-step's prompts: the completions' summed loss
         times `scale`, and (summed rewards, completion tokens, per-completion KL)."""
         prompts, replies = zip(*prompts_and_replies(x, y), strict=True)
