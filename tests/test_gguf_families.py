@@ -176,3 +176,41 @@ def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: 
     stop = expected.index(tok.eot_id) if tok.eot_id in expected else len(expected)
     # (llama-cpp-python drops the bytes of a character cut off at max_tokens)
     assert reply["choices"][0]["message"]["content"] == tok.decode_bytes(expected[:stop]).decode(errors="ignore")
+
+
+def test_ollama_directory_holds_the_gguf_and_a_modelfile(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A ChatML template is written as ollama's Go template of the same text, with its stop and gptlab's
+    temperature; a character model gets the built-in "plain" template, whose stop holds a newline."""
+    from gptlab.interop.ollama import GO_TEMPLATES
+
+    src = hf_family_dir(tmp_path / "hf", "qwen2")
+    assert main(["convert", str(src), str(tmp_path / "ollama"), "--to", "ollama", "--dtype", "q8_0"]) == 0
+    assert "ollama create NAME -f" in capsys.readouterr().out
+    text = (tmp_path / "ollama" / "Modelfile").read_text()
+    assert text.splitlines()[0] == "FROM ./model.gguf"
+    assert f'TEMPLATE """{GO_TEMPLATES["chatml"]}"""' in text
+    assert 'PARAMETER stop "<|im_end|>"' in text and "PARAMETER temperature 1" in text
+    r = gguf.GGUFReader(tmp_path / "ollama" / "model.gguf")
+    assert _field(r, "general.architecture") == "qwen2"
+    tok = CharTokenizer.from_text(TEXT)
+    save_model(tmp_path / "char", GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size)), tok)
+    assert main(["convert", str(tmp_path / "char"), str(tmp_path / "o2"), "--to", "ollama"]) == 0
+    text = (tmp_path / "o2" / "Modelfile").read_text()
+    assert 'PARAMETER stop """\nUser:"""' in text and f'TEMPLATE """{GO_TEMPLATES["plain"]}"""' in text
+
+
+def test_ollama_go_templates_render_what_the_jinja_ones_do() -> None:
+    """The Go templates, expanded by hand for one conversation (range over messages, then the generation
+    prompt), give the Jinja template's text with the generation prompt."""
+    from gptlab.interop.ollama import GO_TEMPLATES
+    from gptlab.tokenizer.chat_template import BUILTIN_TEMPLATES, ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    names = {"system": "System", "user": "User", "assistant": "Assistant"}
+    go = {"plain": "".join(f"{names[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:",
+          "chatml": "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+          + "<|im_start|>assistant\n"}
+    for name, expected in go.items():
+        assert ChatTemplate(BUILTIN_TEMPLATES[name]).render(messages, add_generation_prompt=True) == expected
+        assert GO_TEMPLATES[name].startswith("{{- range .Messages }}")
