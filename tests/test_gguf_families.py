@@ -169,10 +169,13 @@ def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: 
     assert theirs == ours.tolist(), family
     # llama.cpp's chat completion renders the embedded template: its reply is gptlab's greedy reply to that text
     messages = [{"role": "user", "content": "Whether 'tis nobler"}]
+    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=1, swa_full=True)
     reply = llm.create_chat_completion(messages, temperature=0.0, top_k=1, max_tokens=6)
     rendered = chat_template_for(tok).render(messages, add_generation_prompt=True)
     ids = tok.encode(rendered, allow_special=True)
-    expected = gptlab.generate(model, torch.tensor([ids]), max_new_tokens=6, temperature=0.0)[0, len(ids):].tolist()
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    n = reply["usage"]["completion_tokens"]  # llama-cpp-python may count one past max_tokens: compare as many
+    expected = gptlab.generate(model, torch.tensor([ids]), max_new_tokens=n, temperature=0.0)[0, len(ids):].tolist()
     stop = expected.index(tok.eot_id) if tok.eot_id in expected else len(expected)
     # (llama-cpp-python drops the bytes of a character cut off at max_tokens)
     assert reply["choices"][0]["message"]["content"] == tok.decode_bytes(expected[:stop]).decode(errors="ignore")

@@ -56,7 +56,8 @@ ARCHES = {
 _GGUF_TERMS = {
     "logit_softcap": "final_logit_softcapping", "attn_softcap": "attn_logit_softcapping",
     "qk_norm": "attn_q_norm / attn_k_norm tensors", "qk_norm_weight": "attn_q_norm / attn_k_norm without weights",
-    "bias": "a model without its bias tensors", "norm": "another norm (layer_norm_epsilon vs layer_norm_rms_epsilon)",
+    "bias": "bias-free layers (it requires the bias tensors)",
+    "norm": "another norm (layer_norm_epsilon vs layer_norm_rms_epsilon)",
     "position": "another position scheme (position_embd vs rope.dimension_count)",
     "mlp": "another feed-forward (ffn_gate and its activation)", "block": "another block layout",
     "sliding_window": "attention.sliding_window", "rope_scaling": "rope.scaling.*",
