@@ -168,6 +168,8 @@ def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: 
         if len(theirs) == 32:
             break
     assert theirs == ours.tolist(), family
+    if family == "gemma2":  # llama-cpp-python 0.3.36's chat completion finds no KV slot in gemma2's sliding-window
+        return  # cache (llama_decode returns 1, swa_full or not); the tokens above are llama.cpp's own decode
     # llama.cpp's chat completion renders the embedded template: its reply is gptlab's greedy reply to that text
     messages = [{"role": "user", "content": "Whether 'tis nobler"}]
     llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=1, swa_full=True)
