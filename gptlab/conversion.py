@@ -13,7 +13,7 @@ import torch
 
 from gptlab.checkpoint import CONFIG_FILE, LORA_FILE, read_lora_config, save_model
 from gptlab.errors import GptlabError
-from gptlab.fileio import MARKER, is_gptlab_output
+from gptlab.fileio import MARKER, atomic_write_dir, is_gptlab_output
 from gptlab.interop import save_hf, save_peft_adapter
 from gptlab.loading import is_hf_dir, load_model, resolve_checkpoint
 from gptlab.model import GPT
@@ -24,7 +24,7 @@ from gptlab.tokenizer import Tokenizer, optional_tokenizer
 class Conversion:
     """What `convert` wrote: the format, the model, its tokenizer (None, and why, when the source had none)."""
 
-    to: str  # "hf", "gptlab", "gguf" or "peft" (a LoRA run's adapters alone)
+    to: str  # "hf", "gptlab", "gguf", "ollama" or "peft" (a LoRA run's adapters alone)
     destination: Path
     model: GPT
     tokenizer: Tokenizer | None
@@ -52,14 +52,16 @@ def convert(
 
     A LoRA run converts merged (its base with the adapters folded in), or with `adapter_only` into a peft
     adapter directory for the Hugging Face form of its base."""
-    if to not in (None, "hf", "gptlab", "gguf"):
-        raise GptlabError(f"cannot convert to {to!r}: choose hf, gptlab or gguf")
+    if to not in (None, "hf", "gptlab", "gguf", "ollama"):
+        raise GptlabError(f"cannot convert to {to!r}: choose hf, gptlab, gguf or ollama")
     if not str(dst).strip():
         raise GptlabError("DST is empty: name the directory (or .gguf file) to write")
     src = resolve_checkpoint(src)
     dst = Path(dst)
     if to == "gguf":
         return _convert_gguf(src, dst, gguf_dtype, adapter_only)
+    if to == "ollama":
+        return _convert_ollama(src, dst, gguf_dtype, adapter_only)
     _check_destination(src, dst)
     is_lora = (src / LORA_FILE).is_file()
     if adapter_only:
@@ -104,6 +106,27 @@ def _convert_gguf(src: Path, dst: Path, gguf_dtype: str, adapter_only: bool) -> 
     return Conversion("gguf", dst, model, tokenizer)
 
 
+def _convert_ollama(src: Path, dst: Path, gguf_dtype: str, adapter_only: bool) -> Conversion:
+    """DST: a directory with the GGUF file and a Modelfile for `ollama create NAME -f DST/Modelfile`."""
+    from gptlab.interop.gguf import save_gguf
+    from gptlab.interop.ollama import GGUF_NAME, MODELFILE, modelfile
+
+    if adapter_only:
+        raise GptlabError("--adapter-only writes a peft directory; ollama runs whole (merged) models")
+    _check_destination(src, dst)
+    model, tokenizer = load_model(src, dtype=torch.float32)
+    if tokenizer is None:
+        raise GptlabError(f"ollama needs the model's tokenizer, and {src} has none")
+    text, note = modelfile(tokenizer)
+
+    def write(tmp: Path) -> None:
+        save_gguf(model, tmp / GGUF_NAME, tokenizer, dtype=gguf_dtype)
+        (tmp / MODELFILE).write_text(text, encoding="utf-8")
+
+    atomic_write_dir(dst, write)
+    return Conversion("ollama", dst, model, tokenizer, no_tokenizer_reason=note)
+
+
 def _check_destination(src: Path, dst: Path) -> None:
     """DST is replaced as a whole (atomically), so refuse anything that could lose unrelated files."""
     s, d = src.resolve(), dst.resolve()
@@ -114,3 +137,40 @@ def _check_destination(src: Path, dst: Path) -> None:
     if dst.is_dir() and any(dst.iterdir()) and not is_gptlab_output(dst):
         raise GptlabError(f"DST {dst} is a non-empty directory gptlab did not write (no {MARKER} file); refusing to "
                           "replace it: remove it yourself or choose another DST")
+
+
+@dataclass
+class Upload:
+    """What `upload` sent (or, with dry_run, would send): the files and the repository's URL (None: dry run)."""
+
+    repo_id: str
+    files: list[str]
+    url: str | None
+
+
+def upload(src: str | Path, repo_id: str, dry_run: bool = False, token: str | None = None,
+           private: bool = False) -> Upload:
+    """A run or checkpoint on the Hugging Face Hub: safetensors weights, config.json, the tokenizer and a model card
+    (the recipe and metrics.jsonl of the run SRC names), written as `--to hf` writes them, then pushed."""
+    import tempfile
+
+    from gptlab.interop.upload import CARD_FILE, model_card, push_folder, read_run
+    from gptlab.interop.upload import METRICS_FILE as RUN_LOG
+
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise GptlabError(f"REPO_ID {repo_id!r} must be owner/name (e.g. alice/shakespeare-char)")
+    checkpoint = resolve_checkpoint(src)
+    model, tokenizer = load_model(checkpoint)
+    # the run: SRC itself, or the run a checkpoint (RUN/checkpoints/step-N) belongs to
+    runs = [p for p in (Path(src), checkpoint.parent.parent) if (p / RUN_LOG).is_file()]
+    rows, recipe = read_run(runs[0] if runs else None)
+    with tempfile.TemporaryDirectory(prefix="gptlab-upload-") as tmp:
+        folder = Path(tmp) / "model"
+        save_hf(model, folder, tokenizer)
+        architecture = json.loads((folder / CONFIG_FILE).read_text())["architectures"][0]
+        card = model_card(repo_id, model.config, architecture, model.num_parameters(), rows, recipe)
+        (folder / CARD_FILE).write_text(card, encoding="utf-8")
+        (folder / MARKER).unlink(missing_ok=True)  # gptlab's own marker means nothing on the Hub
+        files = sorted(p.name for p in folder.iterdir())
+        url = None if dry_run else push_folder(folder, repo_id, token=token, private=private)
+    return Upload(repo_id, files, url)

@@ -138,12 +138,9 @@ def test_gguf_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _, _, ckpt = _char_gpt2(tmp_path)
     (tmp_path / "dir").mkdir()
     (tmp_path / "notes.txt").write_text("keep me")
-    neox = GPT(GPTConfig.preset("pythia-70m", n_layer=1, n_embd=64, n_head=4, vocab_size=40, block_size=16))
-    save_model(tmp_path / "neox", neox, CharTokenizer.from_text(TEXT))
     cases = [
         (["convert", str(ckpt), str(tmp_path / "dir"), "--to", "gguf"], "is a directory"),
         (["convert", str(ckpt), str(tmp_path / "notes.txt"), "--to", "gguf"], "not a .gguf file"),
-        (["convert", str(tmp_path / "neox"), str(tmp_path / "n.gguf"), "--to", "gguf"], "GPT-NeoX"),
         (["convert", str(ckpt), str(tmp_path / "out"), "--dtype", "q8_0"], "--to gguf"),
     ]
     for argv, message in cases:
@@ -151,7 +148,6 @@ def test_gguf_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
     assert (tmp_path / "notes.txt").read_text() == "keep me"
-    assert not (tmp_path / "n.gguf").exists()
     from gptlab.interop.gguf import gguf_vocabulary
 
     with pytest.raises(GptlabError, match="single-byte"):
@@ -164,7 +160,7 @@ def test_gguf_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Whitespace()
     bpe.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=60, show_progress=False))
-    with pytest.raises(GptlabError, match="ByteLevel pre-tokenizer.*'Whitespace'"):
+    with pytest.raises(GptlabError, match="this one's is 'Whitespace' llama.cpp does not know"):
         gguf_vocabulary(HFTokenizer(bpe, kind="bpe"), 60)
 
 

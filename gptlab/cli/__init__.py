@@ -30,11 +30,13 @@ from gptlab.cli import (
     serve,
     trace,
     train,
+    upload,
 )
 from gptlab.cli.collector import freeze_at_exit, import_torch_quietly
 from gptlab.errors import GptlabError
 
-COMMANDS = (info, download, prepare, train, sample, chat, evaluate, convert, serve, trace, attention, lens, patch, plot)
+COMMANDS = (info, download, prepare, train, sample, chat, evaluate, convert, upload, serve, trace, attention, lens,
+            patch, plot)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,225 @@
+"""Which llama.cpp architecture (`general.architecture`) runs a gptlab model, its hyperparameters and its tensors
+under llama.cpp's names.
+
+One mechanism for every family: the Hugging Face family export would pick (`hf.export_family`, which already
+refuses switches no family holds) names the llama.cpp architecture its converter writes for that family, and one
+table (`ARCHES`) says how that architecture lays out what gptlab keeps uniformly (`attn.c_attn` = [q | k | v],
+`mlp.c_fc` = [gate | up]): fused or split, and whether llama.cpp rotates adjacent pairs. What an architecture
+cannot read (a sliding window it ignores, RoPE scaling, a score scale it derives itself) is refused in GGUF's own
+terms, never written as a different model. GELU runs as llama.cpp's tanh approximation in every architecture, as
+its own converter leaves models trained with the exact one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gptlab.config import GPTConfig
+from gptlab.errors import GptlabError
+from gptlab.interop.hf import _switches_missing, export_family
+from gptlab.interop.registry import FAMILIES
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """How one llama.cpp architecture reads a model."""
+
+    name: str  # general.architecture
+    fused_qkv: bool = False  # one attn_qkv tensor ([q | k | v] rows), else attn_q, attn_k, attn_v
+    fused_gate_up: bool = False  # ffn_up holds [gate | up] (Phi-3), else ffn_gate and ffn_up
+    adjacent_rope: bool = False  # RoPE rotates dims (2i, 2i + 1) (llama.cpp's "norm" RoPE), not (i, i + d/2)
+    sliding: str = "none"  # which layers read attention.sliding_window: none, all, or alternate (even ones)
+    output: bool = True  # reads an output tensor (Gemma 2's head is always the embedding)
+    biases: tuple[str, ...] = ()  # bias tensors it requires: a model without them gets zeros, which add nothing
+
+
+# llama.cpp's architecture for each Hugging Face family, as its convert_hf_to_gguf.py writes it. GPT-J is the
+# exception: llama.cpp names a gptj architecture but does not load it, so GPT-J goes in as phi2, the same block
+# (one LayerNorm read by attention and MLP in parallel, partial RoPE, biased MLP and head) with RoPE's pairs
+# taken as halves: q and k dims are permuted alike, which leaves every score unchanged.
+ARCHES = {
+    "GPT2LMHeadModel": GgufArch("gpt2", fused_qkv=True),
+    "LlamaForCausalLM": GgufArch("llama", adjacent_rope=True),
+    "MistralForCausalLM": GgufArch("llama", adjacent_rope=True),
+    "Qwen2ForCausalLM": GgufArch("qwen2"),
+    "Qwen3ForCausalLM": GgufArch("qwen3"),
+    "Gemma2ForCausalLM": GgufArch("gemma2", sliding="alternate", output=False),
+    "Phi3ForCausalLM": GgufArch("phi3", fused_qkv=True, fused_gate_up=True, sliding="all"),
+    "GPTNeoXForCausalLM": GgufArch("gptneox", fused_qkv=True),
+    "GPTJForCausalLM": GgufArch("phi2", fused_qkv=True, biases=("attn_qkv", "attn_output")),
+}
+
+# a gptlab switch as GGUF says it (what the nearest architecture would need), for refusals
+_GGUF_TERMS = {
+    "logit_softcap": "final_logit_softcapping", "attn_softcap": "attn_logit_softcapping",
+    "qk_norm": "attn_q_norm / attn_k_norm tensors", "qk_norm_weight": "attn_q_norm / attn_k_norm without weights",
+    "bias": "bias-free layers (it requires the bias tensors)",
+    "norm": "another norm (layer_norm_epsilon vs layer_norm_rms_epsilon)",
+    "position": "another position scheme (position_embd vs rope.dimension_count)",
+    "mlp": "another feed-forward (ffn_gate and its activation)", "block": "another block layout",
+    "sliding_window": "attention.sliding_window", "rope_scaling": "rope.scaling.*",
+}
+
+
+def gguf_architecture(cfg: GPTConfig) -> GgufArch:
+    """llama.cpp's architecture for the config, or a one-line error naming what llama.cpp lacks, in GGUF's terms."""
+    try:
+        family = export_family(cfg)
+    except GptlabError:
+        raise GptlabError(_no_architecture(cfg)) from None
+    arch = ARCHES[family.ARCHITECTURE]
+    if cfg.rope_scaling is not None:
+        raise GptlabError(f"GGUF export does not write rope.scaling.* ({cfg.rope_scaling.kind}) yet: "
+                          "export to Hugging Face (--to hf) instead")
+    if not arch.output and not cfg.tie_embeddings:
+        raise GptlabError(f"llama.cpp's {arch.name} has no output tensor (its head is token_embd): "
+                          "tie_embeddings=False")
+    window = cfg.sliding_window
+    if window is not None and window < cfg.block_size and arch.sliding == "none":
+        raise GptlabError(f"llama.cpp's {arch.name} attends to the whole context (it reads no "
+                          f"attention.sliding_window): sliding_window={window} is below the context {cfg.block_size}")
+    if window is not None and cfg.global_layer_every not in (None, 2 if arch.sliding == "alternate" else None):
+        raise GptlabError(f"llama.cpp's {arch.name} has no attention.sliding_window_pattern: "
+                          f"global_layer_every={cfg.global_layer_every}")
+    scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_size ** -0.5
+    if abs(scale * cfg.head_size ** 0.5 - 1) > 1e-6:
+        raise GptlabError(f"llama.cpp's {arch.name} scales attention scores by 1/sqrt(attention.key_length) "
+                          f"= {cfg.head_size ** -0.5:.6g} and reads no other scale: attn_scale={scale:.6g}")
+    return arch
+
+
+def _no_architecture(cfg: GPTConfig) -> str:
+    missing = {family: _switches_missing(family, cfg) for family in FAMILIES}
+    nearest = min(FAMILIES, key=lambda family: len(missing[family]))
+    terms = [f"{_GGUF_TERMS.get(switch.split('=')[0], switch.split('=')[0])} ({switch})" for switch in missing[nearest]]
+    return (f"llama.cpp has no architecture for this model: the nearest, {ARCHES[nearest.ARCHITECTURE].name}, "
+            f"lacks {'; '.join(terms)}")
+
+
+def write_hparams(w: Any, cfg: GPTConfig, arch: GgufArch) -> None:
+    """The `{arch}.*` keys llama.cpp reads for the architecture."""
+    w.add_context_length(cfg.block_size)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.hidden_size)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_kv_head)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.norm == "layernorm":
+        w.add_layer_norm_eps(cfg.norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+    if cfg.head_size * cfg.n_head != cfg.n_embd:
+        w.add_key_length(cfg.head_size)
+        w.add_value_length(cfg.head_size)
+    if cfg.position == "rope":
+        w.add_rope_freq_base(cfg.rope_base)
+        w.add_rope_dimension_count(cfg.rotary_dim)
+    if arch.name == "gptneox":
+        w.add_parallel_residual(cfg.block == "parallel")
+    if cfg.sliding_window is not None and arch.sliding != "none":
+        w.add_sliding_window(cfg.sliding_window)
+    if cfg.attn_softcap is not None:
+        w.add_attn_logit_softcapping(cfg.attn_softcap)
+    if cfg.logit_softcap is not None:
+        w.add_final_logit_softcapping(cfg.logit_softcap)
+
+
+# gptlab's per-block tensors that keep their shape, under llama.cpp's names
+_NORMS = {"ln_1": "attn_norm", "ln_2": "ffn_norm", "ln_attn_out": "post_attention_norm",
+          "ln_mlp_out": "post_ffw_norm", "attn.q_norm": "attn_q_norm", "attn.k_norm": "attn_k_norm"}
+_PROJECTIONS = {"attn.c_proj": "attn_output", "mlp.c_proj": "ffn_down"}
+
+
+def gguf_tensors(cfg: GPTConfig, arch: GgufArch, s: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """gptlab's tensors under llama.cpp's names, in (out, in) row-major layout (GGUF lists dims reversed)."""
+    out = {"token_embd.weight": s["transformer.wte.weight"]}
+    if "transformer.wpe.weight" in s:
+        out["position_embd.weight"] = s["transformer.wpe.weight"]
+    for i in range(cfg.n_layer):
+        p, b = f"transformer.h.{i}.", f"blk.{i}."
+        for ours, theirs in _NORMS.items():
+            out.update(_norm(cfg, s, p + ours, b + theirs))
+        for ours, theirs in _PROJECTIONS.items():
+            out.update(_renamed(s, p + ours, b + theirs))
+        out.update(_attention_in(cfg, arch, s, p + "attn.c_attn", b))
+        out.update(_mlp_in(cfg, arch, s, p + "mlp.c_fc", b))
+    out.update(_norm(cfg, s, "transformer.ln_f", "output_norm"))
+    if arch.output:  # written even when tied (the state dict then holds only the embedding): llama.cpp reads it
+        out["output.weight"] = s.get("lm_head.weight", s["transformer.wte.weight"])
+        out.update(_renamed(s, "lm_head.bias", "output.bias"))
+    for name in [n for n in out if n.endswith(".weight") and n.split(".")[-2] in arch.biases]:
+        out.setdefault(name.removesuffix("weight") + "bias", np.zeros(out[name].shape[0], dtype=np.float32))
+    return {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in out.items()}
+
+
+def _renamed(s: dict[str, np.ndarray], ours: str, theirs: str) -> dict[str, np.ndarray]:
+    """`ours` (a tensor, or a layer's weight and bias) under `theirs`, for those the state dict has."""
+    if ours in s:
+        return {theirs: s[ours]}
+    return {f"{theirs}.{kind}": s[f"{ours}.{kind}"] for kind in ("weight", "bias") if f"{ours}.{kind}" in s}
+
+
+def _norm(cfg: GPTConfig, s: dict[str, np.ndarray], ours: str, theirs: str) -> dict[str, np.ndarray]:
+    """A norm's tensors; llama.cpp scales by the weight itself, so a (1 + weight) norm (Gemma's) is written + 1."""
+    out = _renamed(s, ours, theirs)
+    if cfg.norm_unit_offset and f"{theirs}.weight" in out:
+        out[f"{theirs}.weight"] = out[f"{theirs}.weight"] + 1
+    return out
+
+
+def _attention_in(cfg: GPTConfig, arch: GgufArch, s: dict[str, np.ndarray], ours: str,
+                  b: str) -> dict[str, np.ndarray]:
+    """q, k, v (weights and biases) fused or split as the architecture reads them, q and k rows in its RoPE's pairs."""
+    q, kv = cfg.n_head * cfg.head_size, cfg.n_kv_head * cfg.head_size
+    out = {}
+    for kind in ("weight", "bias"):
+        if f"{ours}.{kind}" not in s:
+            continue
+        w = s[f"{ours}.{kind}"]
+        wq, wk, wv = w[:q], w[q:q + kv], w[q + kv:]
+        if arch.adjacent_rope != cfg.rope_interleaved:
+            wq, wk = _rope_rows(wq, cfg, arch), _rope_rows(wk, cfg, arch)
+        if arch.fused_qkv:
+            out[f"{b}attn_qkv.{kind}"] = np.concatenate([wq, wk, wv])
+        else:
+            out.update({f"{b}attn_q.{kind}": wq, f"{b}attn_k.{kind}": wk, f"{b}attn_v.{kind}": wv})
+    return out
+
+
+def _rope_rows(w: np.ndarray, cfg: GPTConfig, arch: GgufArch) -> np.ndarray:
+    """q or k rows reordered per head from gptlab's RoPE pairs into the architecture's."""
+    heads = w.shape[0] // cfg.head_size
+    rotated = w.reshape(heads, cfg.head_size, -1)[:, :cfg.rotary_dim].reshape(heads * cfg.rotary_dim, -1)
+    if arch.adjacent_rope:
+        rotated = interleave_rope_rows(rotated, heads, cfg.rotary_dim)
+    else:
+        rotated = halve_rope_rows(rotated, heads, cfg.rotary_dim)
+    out = w.reshape(heads, cfg.head_size, -1).copy()
+    out[:, :cfg.rotary_dim] = rotated.reshape(heads, cfg.rotary_dim, -1)
+    return out.reshape(w.shape)
+
+
+def _mlp_in(cfg: GPTConfig, arch: GgufArch, s: dict[str, np.ndarray], ours: str, b: str) -> dict[str, np.ndarray]:
+    if cfg.mlp not in ("swiglu", "geglu") or arch.fused_gate_up:
+        return _renamed(s, ours, b + "ffn_up")
+    out = {}
+    for kind in ("weight", "bias"):
+        if f"{ours}.{kind}" in s:
+            gate, up = np.split(s[f"{ours}.{kind}"], 2, axis=0)
+            out.update({f"{b}ffn_gate.{kind}": gate, f"{b}ffn_up.{kind}": up})
+    return out
+
+
+def interleave_rope_rows(w: np.ndarray, n_head: int, head_size: int) -> np.ndarray:
+    """Per head, rows [0..d/2) and [d/2..d) (rotate-half pairs i, i + d/2) -> rows 0, d/2, 1, d/2 + 1, ...
+    (llama.cpp's adjacent pairs), so its RoPE computes what gptlab's does."""
+    return w.reshape(n_head, 2, head_size // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def halve_rope_rows(w: np.ndarray, n_head: int, rotary_dim: int) -> np.ndarray:
+    """The inverse of `interleave_rope_rows`: adjacent pairs (2i, 2i + 1) -> rows 0, 2, 4, ..., 1, 3, 5, ..."""
+    return w.reshape(n_head, rotary_dim // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)

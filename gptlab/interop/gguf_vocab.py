@@ -1,0 +1,147 @@
+"""A gptlab tokenizer as GGUF's byte-level BPE vocabulary (`tokenizer.ggml.*`): tokens, merges, token types and
+the name of the pre-tokenizer, the regex that splits text into words before BPE runs on each.
+
+llama.cpp does not read a regex from the file: it knows a fixed set of splits by name (`tokenizer.ggml.pre`).
+A tokenizer.json's split is matched against the ones written here by its exact regex, so a tokenizer whose
+split llama.cpp does not know is refused rather than written under a name that would tokenize differently.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import TYPE_CHECKING
+
+from gptlab.errors import GptlabError
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
+
+# llama.cpp's name for each split (its `tokenizer.ggml.pre`), keyed by the regex a tokenizer.json spells it with
+_LLAMA3_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_LLAMA3_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+PRE_TOKENIZERS = {
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+": "gpt-2",
+    _LLAMA3_WORDS + r"\p{N}{1,3}" + _LLAMA3_TAIL: "llama-bpe",  # Llama 3: digits in groups of up to three
+    _LLAMA3_WORDS + r"\p{N}" + _LLAMA3_TAIL: "qwen2",  # Qwen2 and Qwen3: each digit alone
+}
+
+
+@functools.cache
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, as byte-level BPE vocabularies spell their tokens."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+def _spell(token: bytes) -> str:
+    table = byte_to_unicode()
+    return "".join(table[b] for b in token)
+
+
+def gguf_vocabulary(tokenizer: TextTokenizer, vocab_size: int) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of a tokenizer as byte-level BPE, padded to the model's vocab_size."""
+    kind = getattr(tokenizer, "kind", None)
+    if kind == "gpt2":
+        tokens, merges, special = _tiktoken_vocabulary(tokenizer)
+    elif kind in ("hf", "bpe"):  # a Hugging Face tokenizer.json (loaded, or trained by `gptlab prepare`)
+        tokens, merges, special = _hf_vocabulary(tokenizer)
+    elif kind == "char":
+        tokens, merges, special = _char_vocabulary(tokenizer)
+    else:
+        raise GptlabError(f"GGUF export cannot write a {kind!r} tokenizer")
+    if len(tokens) > vocab_size:
+        raise GptlabError(f"the tokenizer has {len(tokens)} tokens but the model only {vocab_size} embeddings")
+    normal, control, unused = 1, 3, 5  # llama.cpp's token types
+    types = [control if i in special else normal for i in range(len(tokens))]
+    for i in range(len(tokens), vocab_size):  # rows the model has beyond the tokenizer (padded vocabularies)
+        tokens.append(f"[PAD{i}]")
+        types.append(unused)
+    return tokens, merges, types
+
+
+def pre_tokenizer_name(tokenizer: TextTokenizer) -> str:
+    """llama.cpp's name for how the tokenizer splits text (`tokenizer.ggml.pre`): GPT-2's split for tiktoken's
+    GPT-2 and for characters (a character vocabulary has no merges, so any split gives the same tokens)."""
+    if getattr(tokenizer, "kind", None) not in ("hf", "bpe"):
+        return "gpt-2"
+    pre = json.loads(tokenizer._json).get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"  # ByteLevel's own regex is GPT-2's
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    kinds = [step.get("type") for step in steps]
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True) \
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+        name = PRE_TOKENIZERS.get((steps[0].get("pattern") or {}).get("Regex"))
+        if name is not None:
+            return name
+    what = "a Split regex" if kinds[:1] == ["Split"] else repr(pre.get("type") or kinds)
+    raise GptlabError(f"GGUF export writes tokenizers that split text as llama.cpp's "
+                      f"{', '.join(sorted(set(PRE_TOKENIZERS.values())))} pre-tokenizers do (a ByteLevel "
+                      f"pre-tokenizer, or Llama 3's or Qwen2's Split regex); this one's is {what} llama.cpp does "
+                      "not know: export --to hf instead")
+
+
+def _tiktoken_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
+    """GPT-2's tokens from tiktoken's ranks; each merge is recovered by running BPE on the token's bytes with
+    only the ranks below its own, which leaves exactly the two parts it was merged from."""
+    encoding = tokenizer._enc  # tiktoken.Encoding
+    ranks: dict[bytes, int] = encoding._mergeable_ranks
+    tokens = [""] * encoding.n_vocab
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        tokens[rank] = _spell(token)
+        if len(token) > 1:
+            left, right = _split_by_rank(ranks, token, rank)
+            merges.append(f"{_spell(left)} {_spell(right)}")
+    for text, i in encoding._special_tokens.items():
+        tokens[i] = text
+    return tokens, merges, set(encoding._special_tokens.values())
+
+
+def _split_by_rank(ranks: dict[bytes, int], token: bytes, rank: int) -> tuple[bytes, bytes]:
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], rank))
+        if ranks.get(parts[best] + parts[best + 1], rank) >= rank:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    if len(parts) != 2:
+        raise GptlabError(f"cannot recover the BPE merge of token {token!r} from tiktoken's ranks")
+    return parts[0], parts[1]
+
+
+def _hf_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
+    """A tokenizer.json's byte-level BPE, once its split is one llama.cpp knows (`pre_tokenizer_name`)."""
+    data = json.loads(tokenizer._json)
+    model = data.get("model", {})
+    if model.get("type") != "BPE":
+        raise GptlabError(f"GGUF export writes BPE tokenizers; this one is {model.get('type')!r}")
+    pre_tokenizer_name(tokenizer)
+    vocab: dict[str, int] = dict(model["vocab"])
+    special = set()
+    for added in data.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        if added.get("special"):
+            special.add(added["id"])
+    tokens = [""] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return tokens, merges, special
+
+
+# llama.cpp refuses a BPE vocabulary without merges, and `gguf` writes no empty array: a character vocabulary gets
+# this one merge, which never fires (its parts are two-symbol strings, and no other merge ever forms one)
+NEVER_MERGES = "ĠĠ ĠĠ"
+
+
+def _char_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
+    """Single-byte characters spelled as byte-level BPE tokens: each character its own token, nothing merged."""
+    chars = tokenizer.chars
+    wide = [c for c in chars if len(c.encode("utf-8")) != 1]
+    if wide:
+        raise GptlabError(f"GGUF export of a character tokenizer needs single-byte characters; {wide[0]!r} is not")
+    return [_spell(c.encode("utf-8")) for c in chars], [NEVER_MERGES], set()

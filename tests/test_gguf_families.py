@@ -1,0 +1,222 @@
+"""GGUF export of every family llama.cpp runs, from tiny random models saved by `transformers`: the architecture,
+hyperparameters, pre-tokenizer and chat template the file holds, and (slow, with llama-cpp-python) llama.cpp's
+greedy tokens against gptlab's for 32 tokens, its tokenizer's ids against gptlab's (digits and contractions
+included, where Llama 3's and Qwen2's splits differ from GPT-2's), and its chat completion rendering the
+embedded template as gptlab does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptlab import GPT, GPTConfig
+from gptlab.checkpoint import save_model
+from gptlab.cli import main
+from gptlab.tokenizer import CharTokenizer
+
+gguf = pytest.importorskip("gguf")
+
+TEXT = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer 1234 slings\n"
+        "And arrows of outrageous fortune, 56789 or to take arms; we'll see what you've got.\n")
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# the splits llama.cpp knows as llama-bpe (Llama 3: digits in threes) and qwen2 (each digit alone)
+_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+SPLITS = {"llama-bpe": _WORDS + r"\p{N}{1,3}" + _TAIL, "qwen2": _WORDS + r"\p{N}" + _TAIL}
+
+
+def _tokenizer(directory: Path, split: str | None) -> tuple[int, int]:
+    """A byte-level BPE trained on TEXT with ChatML's tokens, split as GPT-2 (None) or by a named regex."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT * 5], trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": CHATML}))
+    return tok.get_vocab_size(), tok.token_to_id("<|endoftext|>")
+
+
+def _small(**kw: object) -> dict:
+    return {**dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   intermediate_size=64, max_position_embeddings=64, initializer_range=0.3), **kw}
+
+
+# family -> (transformers config class, its arguments, the tokenizer's split, llama.cpp's architecture); GPT-J
+# runs as phi2 (llama.cpp names gptj but does not load it)
+FAMILIES = {
+    "llama": ("LlamaConfig", _small(), "llama-bpe", "llama"),
+    "mistral": ("MistralConfig", _small(sliding_window=None), None, "llama"),
+    "qwen2": ("Qwen2Config", _small(use_sliding_window=False), "qwen2", "qwen2"),
+    "qwen3": ("Qwen3Config", _small(num_attention_heads=4, num_key_value_heads=2, head_dim=16), "qwen2", "qwen3"),
+    "gemma2": ("Gemma2Config", _small(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0), None, "gemma2"),
+    "phi3": ("Phi3Config", _small(partial_rotary_factor=0.5, sliding_window=None), None, "phi3"),
+    "gptneox": ("GPTNeoXConfig", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      max_position_embeddings=64, rotary_pct=0.5, hidden_act="gelu_new",
+                                      initializer_range=0.6), None, "gptneox"),
+    "gptj": ("GPTJConfig", dict(n_embd=32, n_layer=2, n_head=2, rotary_dim=8, n_positions=64,
+                                activation_function="gelu_new", initializer_range=0.3), None, "phi2"),
+}
+
+
+def hf_family_dir(directory: Path, family: str) -> Path:
+    """A random `family` model saved by transformers, with its tokenizer and a ChatML chat template."""
+    import transformers
+
+    config_class, kwargs, split, _ = FAMILIES[family]
+    vocab, eos = _tokenizer(directory, split)
+    cfg = getattr(transformers, config_class)(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                                                   **kwargs)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
+    return directory
+
+
+def _field(reader, key):  # noqa: ANN001, ANN202
+    field = reader.fields[key]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode()
+    return field.parts[field.data[0]].tolist()[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_writes_its_llama_cpp_architecture(tmp_path: Path, family: str) -> None:
+    from gptlab.conversion import convert
+
+    src = hf_family_dir(tmp_path / "hf", family)
+    done = convert(src, tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
+    r = gguf.GGUFReader(tmp_path / "m.gguf")
+    arch, split = FAMILIES[family][3], FAMILIES[family][2]
+    assert _field(r, "general.architecture") == arch
+    assert _field(r, "tokenizer.ggml.pre") == (split or "gpt-2")
+    assert _field(r, "tokenizer.chat_template") == CHATML
+    tok = done.tokenizer
+    assert _field(r, "tokenizer.ggml.eos_token_id") == tok.eot_id
+    # ChatML's replies end with <|im_end|>: llama.cpp stops at the end-of-turn token
+    assert _field(r, "tokenizer.ggml.eot_token_id") == tok.encode("<|im_end|>", allow_special=True)[0]
+    cfg = done.model.config
+    assert _field(r, f"{arch}.block_count") == cfg.n_layer
+    assert _field(r, f"{arch}.attention.head_count_kv") == cfg.n_kv_head
+    names = {t.name for t in r.tensors}
+    assert ("output.weight" in names) == (family != "gemma2")  # Gemma 2's head is its embedding in llama.cpp
+    assert "blk.1.attn_output.weight" in names
+    if family == "gemma2":
+        assert _field(r, "gemma2.attention.sliding_window") == 8
+        assert _field(r, "gemma2.final_logit_softcapping") == pytest.approx(30.0)
+        assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= names
+    if family == "qwen3":
+        assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"} <= names
+        assert _field(r, "qwen3.attention.key_length") == 16  # 4 heads of 16 in width 32
+    if family in ("phi3", "gptneox"):
+        assert "blk.0.attn_qkv.weight" in names and "blk.0.attn_q.weight" not in names
+
+
+def test_models_llama_cpp_cannot_run_are_refused_in_gguf_terms(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """The CPU speedrun's model (LayerNorm, RoPE, q/k norms, capped logits) has no llama.cpp architecture: the
+    error names the nearest one and what it lacks, in GGUF's keys and tensors."""
+    tok = CharTokenizer.from_text(TEXT)
+    model = GPT(GPTConfig.preset("speedrun-char", vocab_size=tok.vocab_size))
+    save_model(tmp_path / "run", model, tok)
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "m.gguf"), "--to", "gguf"]) != 0
+    err = capsys.readouterr().err
+    assert "llama.cpp has no architecture for this model: the nearest, gptneox" in err, err
+    assert "final_logit_softcapping (logit_softcap=15.0)" in err and "attn_q_norm" in err
+    assert "Traceback" not in err and not (tmp_path / "m.gguf").exists()
+    # a window llama.cpp's llama would ignore is refused, not silently widened
+    windowed = GPT(GPTConfig.preset("tiny", sliding_window=8, vocab_size=tok.vocab_size, hf_architecture=None))
+    save_model(tmp_path / "windowed", windowed, tok)
+    assert main(["convert", str(tmp_path / "windowed"), str(tmp_path / "w.gguf"), "--to", "gguf"]) != 0
+    assert "reads no attention.sliding_window" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: str) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the `bench` extra)")
+    import gptlab
+    from gptlab.conversion import convert
+    from gptlab.tokenizer.chat_template import chat_template_for
+
+    src = hf_family_dir(tmp_path / "hf", family)
+    done = convert(src, tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
+    model, tok = done.model, done.tokenizer
+    # swa_full: the whole context cached for sliding-window layers too (generate() resets and re-reads the prompt)
+    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=1, swa_full=True)
+    for text in ["Whether 'tis nobler in the mind", "we'll see 1234567 or 56789, you've got"]:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text), (family, text)
+    prompt = tok.encode("To be, or")
+    ours = gptlab.generate(model, torch.tensor([prompt]), max_new_tokens=32, temperature=0.0)[0, len(prompt):]
+    theirs = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        theirs.append(token)
+        if len(theirs) == 32:
+            break
+    assert theirs == ours.tolist(), family
+    if family == "gemma2":  # llama-cpp-python 0.3.36's chat completion finds no KV slot in gemma2's sliding-window
+        return  # cache (llama_decode returns 1, swa_full or not); the tokens above are llama.cpp's own decode
+    # llama.cpp's chat completion renders the embedded template: its reply is gptlab's greedy reply to that text
+    messages = [{"role": "user", "content": "Whether 'tis nobler"}]
+    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=1, swa_full=True)
+    reply = llm.create_chat_completion(messages, temperature=0.0, top_k=1, max_tokens=6)
+    rendered = chat_template_for(tok).render(messages, add_generation_prompt=True)
+    ids = tok.encode(rendered, allow_special=True)
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    n = reply["usage"]["completion_tokens"]  # llama-cpp-python may count one past max_tokens: compare as many
+    expected = gptlab.generate(model, torch.tensor([ids]), max_new_tokens=n, temperature=0.0)[0, len(ids):].tolist()
+    stop = expected.index(tok.eot_id) if tok.eot_id in expected else len(expected)
+    # (llama-cpp-python drops the bytes of a character cut off at max_tokens)
+    assert reply["choices"][0]["message"]["content"] == tok.decode_bytes(expected[:stop]).decode(errors="ignore")
+
+
+def test_ollama_directory_holds_the_gguf_and_a_modelfile(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A ChatML template is written as ollama's Go template of the same text, with its stop and gptlab's
+    temperature; a character model gets the built-in "plain" template, whose stop holds a newline."""
+    from gptlab.interop.ollama import GO_TEMPLATES
+
+    src = hf_family_dir(tmp_path / "hf", "qwen2")
+    assert main(["convert", str(src), str(tmp_path / "ollama"), "--to", "ollama", "--dtype", "q8_0"]) == 0
+    assert "ollama create NAME -f" in capsys.readouterr().out
+    text = (tmp_path / "ollama" / "Modelfile").read_text()
+    assert text.splitlines()[0] == "FROM ./model.gguf"
+    assert f'TEMPLATE """{GO_TEMPLATES["chatml"]}"""' in text
+    assert 'PARAMETER stop "<|im_end|>"' in text and "PARAMETER temperature 1" in text
+    r = gguf.GGUFReader(tmp_path / "ollama" / "model.gguf")
+    assert _field(r, "general.architecture") == "qwen2"
+    tok = CharTokenizer.from_text(TEXT)
+    save_model(tmp_path / "char", GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size)), tok)
+    assert main(["convert", str(tmp_path / "char"), str(tmp_path / "o2"), "--to", "ollama"]) == 0
+    text = (tmp_path / "o2" / "Modelfile").read_text()
+    assert 'PARAMETER stop """\nUser:"""' in text and f'TEMPLATE """{GO_TEMPLATES["plain"]}"""' in text
+
+
+def test_ollama_go_templates_render_what_the_jinja_ones_do() -> None:
+    """The Go templates, expanded by hand for one conversation (range over messages, then the generation
+    prompt), give the Jinja template's text with the generation prompt."""
+    from gptlab.interop.ollama import GO_TEMPLATES
+    from gptlab.tokenizer.chat_template import BUILTIN_TEMPLATES, ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    names = {"system": "System", "user": "User", "assistant": "Assistant"}
+    go = {"plain": "".join(f"{names[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:",
+          "chatml": "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+          + "<|im_start|>assistant\n"}
+    for name, expected in go.items():
+        assert ChatTemplate(BUILTIN_TEMPLATES[name]).render(messages, add_generation_prompt=True) == expected
+        assert GO_TEMPLATES[name].startswith("{{- range .Messages }}")
