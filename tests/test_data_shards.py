@@ -211,7 +211,7 @@ def test_a_killed_document_stream_resumes(tmp_path: Path, tok_dir: Path, monkeyp
     (["'nothing-*.txt'", "--tokenizer", "char"], r"input pattern nothing-\*\.txt matches no file"),
     (["a.txt", "--tokenizer", "char", "--shard-tokens", "1"], r"--shard-tokens must be at least 2, got 1"),
     (["--tokenizer", "char"], r"no input given"),
-    (["hf://datasets/lonely", "--tokenizer", "gpt2"], r"hf://datasets/lonely: name a dataset as OWNER/NAME"),
+    (["hf://datasets/lonely", "--tokenizer-from", "TOK"], r"hf://datasets/lonely: name a dataset as OWNER/NAME"),
 ])
 def test_shard_and_stream_errors_are_one_line(tmp_path: Path, tok_dir: Path, capsys, monkeypatch, args,
                                              expected) -> None:
