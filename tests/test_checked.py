@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from gptlab.checked import Bound, InvalidField, bounded, bounds_of, check_fields
 from gptlab.config import GPTConfig
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
+from gptlab.train.config import TrainConfig
 
 values = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True),
                    st.text(max_size=3))
@@ -73,7 +74,7 @@ def numeric_fields(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if {int, float} & options(hints[f.name])]
 
 
-@pytest.mark.parametrize("cls", [GPTConfig, SamplingParams])
+@pytest.mark.parametrize("cls", [GPTConfig, SamplingParams, TrainConfig])
 def test_every_number_of_the_configurations_has_its_bound(cls: type) -> None:
     assert set(numeric_fields(cls)) <= set(bounds_of(cls)), set(numeric_fields(cls)) - set(bounds_of(cls))
 

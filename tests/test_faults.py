@@ -251,7 +251,7 @@ def test_a_failing_final_evaluation_keeps_the_weights(tmp_path: Path, data: Path
 def test_bad_training_keys_are_refused_before_the_first_step(tmp_path: Path, data: Path, capsys) -> None:
     run = tmp_path / "run"
     assert main(train_argv(write_recipe(tmp_path), data, run, "--eval-tokens", "0")) == 2
-    assert "eval_tokens must be at least 1" in capsys.readouterr().err and not run.exists()
+    assert "eval_tokens must be an integer >= 1" in capsys.readouterr().err and not run.exists()
 
 
 FULL_DISK = "Error while serializing: I/O error: No space left on device (os error 28)"  # as safetensors says it

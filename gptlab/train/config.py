@@ -23,10 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gptlab.checked import InvalidField, bounded, check_fields
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_utf8
 from gptlab.train.rewards import check_rollout_settings
+
+
+class InvalidTrainKey(InvalidField, GptlabError):
+    """A recipe key out of its range: both the one checked-field error and a GptlabError (exit 2, one line)."""
+
+
+MAX_DISTRIBUTED_TIMEOUT = 1e9  # seconds (31 years): a datetime.timedelta holds no more than ~8.6e13
 
 
 @dataclass
@@ -39,59 +47,69 @@ class TrainConfig:
     model: str = "tiny"  # a preset name (`gptlab info` lists them); GPTConfig fields below it override it
     init_from: str | None = None  # fine-tune: a run, checkpoint or Hugging Face directory (replaces `model`)
     # --- LoRA (needs init_from): a frozen base, low-rank adapters on the `lora_targets` linears train ---
-    lora_rank: int = 0  # 0 = full fine-tuning
-    lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
-    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_rank: int = bounded(0, int, low=0)  # 0 = full fine-tuning
+    lora_alpha: float = bounded(16.0, low=0, low_open=True)  # the update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = bounded(0.0, low=0, high=1, high_open=True)  # dropout on the adapters' input
     lora_targets: str = "all-linear"  # comma-separated q,k,v,o,gate,up,down (or q_proj, ...), or all-linear
     quantize: Literal["int8", "int4"] | None = None  # QLoRA: the frozen base's block Linears as int8 / int4
     # --- objective: lm = next-token cross-entropy; dpo / ipo = preference pairs against the starting weights ---
     objective: Literal["lm", "dpo", "ipo", "simpo", "orpo", "grpo"] = "lm"  # simpo and orpo need no reference
     document_mask: bool = False  # lm: packed documents (ended by end-of-text) attend only within themselves
-    beta: float = 0.1  # dpo / ipo: how far from the reference the policy may move; simpo: the reward scale; orpo:
-    # the odds-ratio term's weight (trl's beta in each)
-    label_smoothing: float = 0.0  # dpo, simpo: the share of pairs taken to be mislabeled (conservative DPO)
-    simpo_gamma: float = 0.5  # simpo: the reward margin the chosen reply must win by (trl's simpo_gamma)
+    # dpo / ipo: how far from the reference the policy may move; simpo: the reward scale; orpo: the odds-ratio term's
+    # weight (trl's beta in each)
+    beta: float = bounded(0.1, low=0, low_open=True)
+    # dpo, simpo: the share of pairs taken to be mislabeled (conservative DPO)
+    label_smoothing: float = bounded(0.0, low=0, high=0.5, high_open=True)
+    # simpo: the reward margin the chosen reply must win by (trl's simpo_gamma)
+    simpo_gamma: float = bounded(0.5, low=0)
     # --- grpo: batch_size prompts a step, group_size sampled completions each, scored by `reward` (train/rewards) ---
     reward: str = "gptlab.train.rewards:exact_match"  # module:function(prompt, completion, reference) -> float
-    group_size: int = 8
-    max_new_tokens: int = 16  # per completion
-    temperature: float = 1.0  # the rollouts' sampling temperature
-    clip_eps: float = 0.2  # the policy ratio's clip range (trl's epsilon)
-    kl_beta: float = 0.0  # the weight of the KL to the starting weights (trl's beta; 0: no reference)
+    group_size: int = bounded(8, int, low=2)  # advantages compare completions of one prompt
+    max_new_tokens: int = bounded(16, int, low=1)  # per completion
+    temperature: float = bounded(1.0, low=0, low_open=True)  # the rollouts' sampling temperature
+    # the policy ratio's clip range (trl's epsilon)
+    clip_eps: float = bounded(0.2, low=0, high=1, low_open=True, high_open=True)
+    # the weight of the KL to the starting weights (trl's beta; 0: no reference)
+    kl_beta: float = bounded(0.0, low=0)
     # --- batch ---
-    batch_size: int = 32  # sequences per optimizer step in total: split over processes and grad_accum micro-steps
+    # sequences per optimizer step in total: split over processes and grad_accum micro-steps
+    batch_size: int = bounded(32, int, low=1)
     # sequences per micro-step on each process (what fits a device): grad_accum becomes batch_size / (processes x
     # micro_batch_size), so one recipe keeps its global batch on 1 GPU or 16 (as litgpt's micro_batch_size)
-    micro_batch_size: int | None = None
-    grad_accum: int | None = None  # micro-steps per optimizer step; None = 1, or what micro_batch_size implies
+    micro_batch_size: int | None = bounded(None, int, low=1, optional=True)
+    # micro-steps per optimizer step; None = 1, or what micro_batch_size implies
+    grad_accum: int | None = bounded(None, int, low=1, optional=True)
     # --- length of the run ---
-    max_steps: int = 1000
-    max_time: float | None = None  # seconds of training loop; when set the LR schedule follows elapsed time
+    max_steps: int = bounded(1000, int, low=1)
+    # seconds of training loop; when set the LR schedule follows elapsed time
+    max_time: float | None = bounded(None, low=0, low_open=True, optional=True)
     # --- optimizer ---
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest
-    lr: float = 1e-3  # AdamW's peak learning rate
-    min_lr: float = 0.0  # where the decay ends, as a fraction of the peak learning rate
-    warmup_steps: int = 10  # linear warm-up; the decay runs over the steps after it
+    lr: float = bounded(1e-3, low=0)  # AdamW's peak learning rate
+    min_lr: float = bounded(0.0, low=0, high=1)  # where the decay ends, as a fraction of the peak learning rate
+    warmup_steps: int = bounded(10, int, low=0)  # linear warm-up; the decay runs over the steps after it
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # wsd = warmup, stable, linear decay
-    decay_fraction: float = 0.5  # wsd: the share of the run after warm-up spent decaying
-    weight_decay: float = 0.1  # AdamW decay, on hidden matrices only
+    decay_fraction: float = bounded(0.5, low=0, high=1)  # wsd: the share of the run after warm-up spent decaying
+    weight_decay: float = bounded(0.1, low=0)  # AdamW decay, on hidden matrices only
     adam_betas: tuple[float, float] = (0.9, 0.95)
-    adam_eps: float = 1e-8
-    muon_lr: float = 0.02  # scaled per matrix by sqrt(max(1, rows/cols)) (torch's "original" adjust_lr_fn)
-    muon_momentum: float = 0.95
+    adam_eps: float = bounded(1e-8, low=0, low_open=True)
+    # scaled per matrix by sqrt(max(1, rows/cols)) (torch's "original" adjust_lr_fn)
+    muon_lr: float = bounded(0.02, low=0)
+    muon_momentum: float = bounded(0.95, low=0, high=1, high_open=True)
     muon_nesterov: bool = True
-    muon_weight_decay: float = 0.0
+    muon_weight_decay: float = bounded(0.0, low=0)
     # torch: torch.optim.AdamW(fused) + torch.optim.Muon; gptlab: the same updates (AdamW bit-identical) without
     # torch.optim's ~1 s import of torch._dynamo, and Muon batched over same-shape matrices (faster, small models)
     optimizer_impl: Literal["torch", "gptlab"] = "torch"
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    grad_clip: float = bounded(1.0, low=0)  # global-norm clipping; 0 disables
     # --- evaluation, logging, checkpoints ---
-    eval_interval: int = 0  # steps between validation passes; 0 = only at the end
-    eval_tokens: int | None = None  # None = the whole validation split
-    eval_batch_size: int | None = None  # windows per forward pass; None = about 4k tokens on CPU, 64k on GPU
-    log_interval: int = 10
-    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2  # step checkpoints kept (checkpoints/best/ is kept besides)
+    eval_interval: int = bounded(0, int, low=0)  # steps between validation passes; 0 = only at the end
+    eval_tokens: int | None = bounded(None, int, low=1, optional=True)  # None = the whole validation split
+    # windows per forward pass; None = about 4k tokens on CPU, 64k on GPU
+    eval_batch_size: int | None = bounded(None, int, low=1, optional=True)
+    log_interval: int = bounded(10, int, low=1)
+    checkpoint_interval: int = bounded(0, int, low=0)  # steps between checkpoints; 0 = only at the end
+    keep_last: int = bounded(2, int, low=1)  # step checkpoints kept (checkpoints/best/ is kept besides)
     tensorboard: bool = True  # also write TensorBoard events when `torch.utils.tensorboard` imports
     # experiment trackers sent metrics.jsonl's rows and the resolved config (`gptlab.train.trackers`); TOML: a
     # name or a list, command line: --tracker wandb,mlflow
@@ -101,8 +119,8 @@ class TrainConfig:
     # names or task YAML files; every eval_tasks_interval steps (0 = only at the end), on at most eval_tasks_limit
     # examples per task (None = all)
     eval_tasks: tuple[str, ...] = ()
-    eval_tasks_interval: int = 0
-    eval_tasks_limit: int | None = None
+    eval_tasks_interval: int = bounded(0, int, low=0)
+    eval_tasks_limit: int | None = bounded(None, int, low=1, optional=True)
     # --- execution ---
     # "auto": bfloat16 where the device has fast bf16 matmuls (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else
     # float32 (on an AVX2-only CPU a bf16 run is ~4x slower than fp32: torch's bf16 kernels there are emulated)
@@ -117,10 +135,10 @@ class TrainConfig:
     distributed: Literal["ddp", "fsdp"] = "ddp"
     # seconds a process waits in a collective for its peers before the run fails; None = torch's default (10
     # minutes under NCCL). A peer that died makes the others wait this long
-    distributed_timeout: float | None = None
-    seed: int = 1337
+    distributed_timeout: float | None = bounded(None, low=0, high=MAX_DISTRIBUTED_TIMEOUT, low_open=True, optional=True)
+    seed: int = bounded(1337, int, low=0, high=2**63 - 1)
     device: str = "auto"  # auto = cuda when available, else cpu
-    threads: int | None = None  # torch intra-op threads; None = torch's default
+    threads: int | None = bounded(None, int, low=1, optional=True)  # torch intra-op threads; None = torch's default
     # GPTConfig overrides given in the recipe or on the command line (filled by `load_train_config`)
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -352,7 +370,6 @@ def load_train_config(path: str | Path, overrides: dict[str, str] | None = None)
     return build_train_config(values, overrides, where=f"in {path}")
 
 
-MAX_DISTRIBUTED_TIMEOUT = 1e9  # seconds (31 years): a datetime.timedelta holds no more than ~8.6e13
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -363,52 +380,14 @@ def validate(cfg: TrainConfig) -> None:
         numbers = value if isinstance(value, tuple) else (value,)
         if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
             raise GptlabError(f"{name} must be a finite number, got {value}")
-    positive = ("batch_size", "micro_batch_size", "grad_accum", "max_steps", "log_interval", "keep_last",
-                "eval_tasks_limit")
-    for key in positive:
-        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
-            raise GptlabError(f"{key} must be at least 1, got {getattr(cfg, key)}")
-    for key in (
-        "warmup_steps",
-        "eval_interval",
-        "eval_tasks_interval",
-        "checkpoint_interval",
-        "weight_decay",
-        "grad_clip",
-        "lr",
-        "muon_lr",
-    ):
-        if getattr(cfg, key) < 0:
-            raise GptlabError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    check_fields(cfg, error=InvalidTrainKey)  # each number's range, written beside its field
     if cfg.warmup_steps >= cfg.max_steps:  # the run would end before its learning rate ever peaked
         raise GptlabError(f"warmup_steps ({cfg.warmup_steps}) must be less than max_steps ({cfg.max_steps}): "
                           "lower warmup_steps or raise max_steps")
-    if not 0.0 <= cfg.min_lr <= 1.0:
-        raise GptlabError(f"min_lr is a fraction of the peak learning rate: expected 0..1, got {cfg.min_lr}")
-    if not 0.0 <= cfg.decay_fraction <= 1.0:
-        raise GptlabError(f"decay_fraction must be in [0, 1], got {cfg.decay_fraction}")
-    if cfg.eval_tokens is not None and cfg.eval_tokens < 1:
-        raise GptlabError(f"eval_tokens must be at least 1 (or none for the whole split), got {cfg.eval_tokens}")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise GptlabError(f"threads must be at least 1 (or none for torch's default), got {cfg.threads}")
-    if not 0 <= cfg.seed < 2**63:
-        raise GptlabError(f"seed must be in [0, 2^63), got {cfg.seed}")
-    if cfg.adam_eps <= 0:
-        raise GptlabError(f"adam_eps must be positive, got {cfg.adam_eps}")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise GptlabError(f"adam_betas must each be in [0, 1), got {list(cfg.adam_betas)}")
-    if not 0.0 <= cfg.muon_momentum < 1.0:
-        raise GptlabError(f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")
-    if cfg.muon_weight_decay < 0:
-        raise GptlabError(f"muon_weight_decay must be >= 0, got {cfg.muon_weight_decay}")
-    if cfg.lora_alpha <= 0:
-        raise GptlabError(f"lora_alpha must be positive, got {cfg.lora_alpha}")
     if not cfg.device.strip():
         raise GptlabError("device must name a device: auto, cpu, cuda or cuda:N")
-    if cfg.eval_batch_size is not None and cfg.eval_batch_size < 1:
-        raise GptlabError(f"eval_batch_size must be at least 1, got {cfg.eval_batch_size}")
-    if cfg.max_time is not None and cfg.max_time <= 0:
-        raise GptlabError(f"max_time must be positive seconds, got {cfg.max_time}")
     # a batch that splits on no number of processes fails now; the trainer checks its own number of processes
     if cfg.micro_batch_size is not None and cfg.grad_accum is not None:  # together they imply the number
         if cfg.batch_size % (cfg.micro_batch_size * cfg.grad_accum):
@@ -416,11 +395,6 @@ def validate(cfg: TrainConfig) -> None:
                               f"{cfg.micro_batch_size} x grad_accum {cfg.grad_accum}: set only one of them")
     else:
         micro_steps(cfg, 1)
-    if cfg.distributed_timeout is not None and not 0 < cfg.distributed_timeout <= MAX_DISTRIBUTED_TIMEOUT:
-        raise GptlabError(f"distributed_timeout must be positive seconds, at most {MAX_DISTRIBUTED_TIMEOUT:.0e} (or "
-                          f"none for torch's default), got {cfg.distributed_timeout}")
-    if cfg.lora_rank < 0:
-        raise GptlabError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {cfg.lora_rank}")
     if cfg.lora_rank and not cfg.init_from:
         raise GptlabError("lora_rank needs a pretrained model to adapt: set init_from (a run, checkpoint or Hugging "
                           "Face directory)")
@@ -428,14 +402,6 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError("LoRA adapters train with optimizer adamw (Muon orthogonalises whole matrices)")
     if cfg.quantize and not cfg.lora_rank:
         raise GptlabError(f"quantize = {cfg.quantize} quantizes a frozen base under LoRA adapters: set lora_rank")
-    if not 0.0 <= cfg.lora_dropout < 1.0:
-        raise GptlabError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
-    if not (math.isfinite(cfg.beta) and cfg.beta > 0):
-        raise GptlabError(f"beta must be positive and finite, got {cfg.beta}")
-    if not (math.isfinite(cfg.simpo_gamma) and cfg.simpo_gamma >= 0):
-        raise GptlabError(f"simpo_gamma must be >= 0 and finite (the reward margin to win by), got {cfg.simpo_gamma}")
-    if not 0.0 <= cfg.label_smoothing < 0.5:
-        raise GptlabError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
     if cfg.document_mask and cfg.objective != "lm":
         raise GptlabError(f"document_mask applies to objective lm (packed documents), not {cfg.objective}")
     if cfg.label_smoothing and cfg.objective not in ("dpo", "simpo"):
