@@ -40,19 +40,19 @@ import torch.nn as nn
 
 from gptlab.errors import GptlabError
 from gptlab.generation import native_decode
+from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows
 from gptlab.generation.fast_decode import decode_hidden, supports
 from gptlab.generation.graph_decode import StaticDecode, usable
 from gptlab.generation.packed_linear import kernel_name, try_pack
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.prefix_cache import PrefixCache
 from gptlab.generation.rows import (
-    FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
     prepare_generation,
 )
-from gptlab.generation.sampling import TokenCounts, TokenLogprob, sample_next, token_logprobs
+from gptlab.generation.sampling import TokenCounts, token_logprobs
 from gptlab.generation.speculative import DRAFT_TOKENS, Speculator
 from gptlab.hardware import available_memory
 from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
@@ -350,8 +350,8 @@ class Engine:
         """Give row g its new tokens in order, each sampled from its row of `logits` (for logprobs), until it
         finishes: how many it took."""
         for i, tok in enumerate(tokens):
-            self._record_logprobs([g], logits[i : i + 1], [tok])
-            self._finish_rows([g], [tok])
+            record_logprobs([g], logits[i : i + 1], [tok])
+            finish_rows([g], [tok], self.config, self.max_len, self.release)
             if g.finished:
                 return i + 1
         return len(tokens)
@@ -367,77 +367,21 @@ class Engine:
         if keep:
             self._prefill(g.row.slot, [keep])
 
-    def _sample(
-        self, gens: list[Generation], logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None
-    ) -> list[int | None]:
-        """sample_next over the rows; if that fails, each row alone, so that a failing row ends alone (None:
-        finished with FINISH_ERROR) and the others go on (noise is drawn last: their generators have not moved)."""
-        try:
-            return sample_next(logits, [g.params for g in gens], [g.generator for g in gens], counts, seen,
-                               [g.grammar for g in gens])
-        except Exception:
-            if len(gens) == 1:
-                raise
-        new: list[int | None] = []
-        for i, g in enumerate(gens):
-            rows = slice(i, i + 1)
-            try:
-                new += sample_next(logits[rows], [g.params], [g.generator], *(
-                    None if t is None else t[rows] for t in (counts, seen)), [g.grammar])
-            except Exception as e:  # noqa: BLE001 - this row's failure, reported on it
-                g.error = e
-                g._finish(FINISH_ERROR)
-                self.release(g)
-                new.append(None)
-        return new
-
     def _accept(self, gens: list[Generation], logits: torch.Tensor) -> None:
-        """Sample one token per row, record it, and finish / free the rows that are done."""
+        """Sample one token per row, record it, and finish / free the rows that are done (`accept`'s jobs)."""
         counts = self._penalties
         slots = torch.tensor([g.row.slot for g in gens], device=self.device) if counts is not None else None
-        new = self._sample(gens, logits, *(counts.rows(slots) if counts is not None else (None, None)))
+        new = sample_rows(gens, logits, *(counts.rows(slots) if counts is not None else (None, None)), self.release)
         if None in new:  # rows that failed are gone: go on with the others
             ok = [i for i, t in enumerate(new) if t is not None]
             gens, new, logits = [gens[i] for i in ok], [new[i] for i in ok], logits[ok]
             slots = None if slots is None else slots[ok]
             if not gens:
                 return
-        self._record_logprobs(gens, logits, new)
+        record_logprobs(gens, logits, new)
         if counts is not None:
             counts.add(slots, new)
-        self._finish_rows(gens, new)
-
-    def _record_logprobs(self, gens: list[Generation], logits: torch.Tensor, new: list[int]) -> None:
-        """Each row that asked for logprobs gets its new token's, with its top alternatives."""
-        scored = [i for i, g in enumerate(gens) if g.params.logprobs is not None]
-        if not scored:
-            return
-        n_top = max(gens[i].params.logprobs for i in scored)
-        rows = torch.tensor(scored, device=self.device)
-        entries = token_logprobs(logits[rows], torch.tensor([new[i] for i in scored]), n_top)
-        for i, entry in zip(scored, entries, strict=True):
-            k = gens[i].params.logprobs
-            gens[i].logprobs.append(TokenLogprob(entry.token_id, entry.logprob, entry.top[:k]))
-
-    def _finish_rows(self, gens: list[Generation], new: list[int]) -> None:
-        """The new tokens appended; rows that stopped (a stop token or string, their length, the learned positions'
-        end) finish and free their slot."""
-        for g, tok in zip(gens, new, strict=True):
-            g.token_ids.append(tok)
-            stopped = tok in g.stop_ids
-            if not stopped:
-                if g.text_state is not None:
-                    stopped = g.text_state.push(tok)
-                if g.grammar is not None:  # a complete JSON output ends the row, whether or not the model has an EOS
-                    stopped = g.grammar.advance(tok) or stopped
-            if stopped:
-                g._finish(FINISH_STOP)
-            elif len(g.token_ids) >= g.params.max_new_tokens:
-                g._finish(FINISH_LENGTH)
-            elif self.config.position == "learned" and len(g.prompt_ids) + len(g.token_ids) >= self.max_len:
-                g._finish(FINISH_LENGTH)  # the next token would need a position past the learned table
-            if g.finished:
-                self.release(g)
+        finish_rows(gens, new, self.config, self.max_len, self.release)
 
     def _reset_penalty_rows(self, gens: list[Generation]) -> None:
         if self._penalties is None and any(g.params.penalized for g in gens):
