@@ -220,7 +220,7 @@ def test_benchmark_errors_are_one_line(tmp_path: Path, data: Path, capsys: pytes
     rc = _train(recipe, data, tmp_path / "run", "--eval-tasks", str(tmp_path / "missing.jsonl"))
     assert "missing.jsonl not found" in one_line_error(rc, capsys.readouterr().err)
     rc = _train(recipe, data, tmp_path / "run", "--eval-tasks-interval", "-1")
-    assert "eval_tasks_interval must be >= 0" in one_line_error(rc, capsys.readouterr().err)
+    assert "eval_tasks_interval must be an integer >= 0" in one_line_error(rc, capsys.readouterr().err)
 
 
 def test_plot_draws_the_benchmark_scores(tmp_path: Path) -> None:

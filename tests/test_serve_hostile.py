@@ -419,10 +419,10 @@ def test_clients_that_leave_mid_stream_free_their_rows_for_the_next(hostile, slo
 def test_a_failure_in_one_row_fails_its_request_alone(hostile, slow_steps, monkeypatch):
     """The issue's case: one request's sampling fails once it is in a running batch; its client gets an
     OpenAI-shaped 500, and the others get the answers they would get alone."""
-    import gptlab.generation.engine as engine_module
+    import gptlab.generation.accept as accept_module  # where the engine samples each step's tokens
 
     server, state = hostile
-    sample_next = engine_module.sample_next
+    sample_next = accept_module.sample_next
     poisoned_calls = []
 
     def failing(logits, params, *args, **kw):  # noqa: ANN001, ANN202
@@ -432,7 +432,7 @@ def test_a_failure_in_one_row_fails_its_request_alone(hostile, slow_steps, monke
                 raise OverflowError("Overflow when unpacking long long")
         return sample_next(logits, params, *args, **kw)
 
-    monkeypatch.setattr(engine_module, "sample_next", failing)
+    monkeypatch.setattr(accept_module, "sample_next", failing)
     prompts = ["Alpha", "Beta", "Gamma"]
     alone = [reference(p, 30, state) for p in prompts]
     state.scheduler.max_rows_seen = 0
@@ -457,10 +457,10 @@ def test_a_failure_in_one_row_fails_its_request_alone(hostile, slow_steps, monke
 
 def test_engine_isolates_a_failing_row(monkeypatch):
     """At the engine: the batch's other rows decode exactly what they decode alone; the run raises the error."""
-    import gptlab.generation.engine as engine_module
+    import gptlab.generation.accept as accept_module  # where the engine samples each step's tokens
     from gptlab.generation import Engine
 
-    sample_next = engine_module.sample_next
+    sample_next = accept_module.sample_next
 
     def failing(logits, params, *args, **kw):  # noqa: ANN001, ANN202
         if any(sp.top_k == 13 for sp in params):  # the marked row, alone or not
@@ -473,7 +473,7 @@ def test_engine_isolates_a_failing_row(monkeypatch):
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     alone = [Engine(model).run([Engine(model).prepare(p, sp)])[0] for p, sp in zip(prompts, params, strict=True)
              if sp.top_k != 13]
-    monkeypatch.setattr(engine_module, "sample_next", failing)
+    monkeypatch.setattr(accept_module, "sample_next", failing)
     engine = Engine(model, max_batch=3)
     gens = [engine.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
     with pytest.raises(RuntimeError, match="boom"):
