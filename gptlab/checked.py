@@ -62,19 +62,19 @@ class Bound:
         """What the field must be, as an error says it: "must be an integer in [1, 65536]", "must be a number >
         0", "must be in [0, 1) or null"."""
         what = "an integer" if self.kind is int else "a number"
-        if self.kind is not int and self.low is not None and self.high is not None:
-            what = ""  # "must be in (0, 1]": an interval of reals says it
         low, high = _shown(self.low), _shown(self.high)
         if self.low is not None and self.high is not None:
-            span = f" in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+            interval = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+            words = [what, interval] if self.kind is int else [interval]  # "must be in (0, 1]": reals say it
         elif self.low is not None:
-            span = f" {'>' if self.low_open else '>='} {low}"
+            words = [what, f"{'>' if self.low_open else '>='} {low}"]
         elif self.high is not None:
-            span = f" {'<' if self.high_open else '<='} {high}"
+            words = [what, f"{'<' if self.high_open else '<='} {high}"]
         else:
-            span = "" if self.kind is int else " (finite)"
-        note = f" ({self.note})" if self.note else ""
-        return f"must be {what}{span}{' or null' if self.optional else ''}{note}".replace("be  in", "be in")
+            words = [what] if self.kind is int else [what, "(finite)"]
+        words += ["or null"] if self.optional else []
+        words += [f"({self.note})"] if self.note else []
+        return " ".join(["must be", *words])
 
 
 def _shown(x: float | None) -> str:

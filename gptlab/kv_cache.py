@@ -17,6 +17,7 @@ sees.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -76,7 +77,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.max_len = max_len or config.block_size
-        shape = (config.n_layer, batch_size, config.n_kv_head, self.max_len, config.head_size)
+        shape = cache_shape(config, batch_size, self.max_len)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, nkv, max_len, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -155,10 +156,14 @@ class KVCache:
         self.lengths += T
 
 
+def cache_shape(config: GPTConfig, batch_size: int, max_len: int) -> tuple[int, int, int, int, int]:
+    """The shape of a KVCache's keys (and of its values): (n_layer, B, nkv, max_len, hs)."""
+    return (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_size)
+
+
 def cache_bytes(config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype) -> int:
     """What a KVCache of this shape allocates: keys and values of every layer."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.n_layer * batch_size * config.n_kv_head * max_len * config.head_size * itemsize
+    return 2 * math.prod(cache_shape(config, batch_size, max_len)) * torch.empty((), dtype=dtype).element_size()
 
 
 def default_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
