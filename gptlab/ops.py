@@ -222,3 +222,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     if reduction == "sum":
         return losses.sum()
     return losses.sum() / (targets != -1).sum()
+
+
+def assert_in_range_on_device(t: torch.Tensor, low: int, high: int, message: str) -> bool:
+    """On a CUDA tensor: queue a device-side assertion that every value is in [low, high) and return True (the
+    caller then reads nothing back: the check costs no host sync; a failure stops the process with `message`
+    when the GPU gets there). On any other device False: the caller checks on the host, with a ValueError."""
+    if t.device.type != "cuda":
+        return False
+    lo, hi = torch.aminmax(t)
+    torch._assert_async((lo >= low) & (hi < high), message)
+    return True

@@ -103,6 +103,16 @@ def one_line_error(rc: int, err: str, notes: int = 0) -> str:
 
 
 # --- models and tokenizers ----------------------------------------------------------------------------------------
+def attention_patterns(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(logits, each layer's attention weights (B, nh, T, T_k)): every layer's pattern hooked, so every layer
+    runs the manual attention path."""
+    from gptlab import run_with_cache
+
+    names = [f"blocks.{i}.attn.hook_pattern" for i in range(model.config.n_layer)]
+    logits, cache = run_with_cache(model, idx, names)
+    return logits, [cache[name] for name in names]
+
+
 def tiny_model(
     position: str = "rope", block_size: int = 64, vocab_size: int = 256, seed: int = 0, **kw
 ) -> GPT:

@@ -787,8 +787,7 @@ def test_trainer_schedules_by_steps_and_by_time_from_the_end_of_warmup(tmp_path:
 def test_flops_per_token_counts_matmuls_head_and_attention_not_embeddings() -> None:
     """6 x (every Linear weight in the blocks + the LM head) + causal attention 6 * L * H * hs * T (q k^T and
     a v: 2 * hs FLOPs each per key forward, 3x that with backward, over T / 2 keys per query on average)."""
-    from gptlab.flops import flops_per_token
-    from gptlab.model import parameter_breakdown
+    from gptlab.flops import flops_per_token, parameter_breakdown
 
     # pocket, untied: 6 layers, 6 query / 2 kv heads of 64, width 384, relu2 MLP 1536, vocab 50257, T 256
     per_layer = 384 * (6 + 2 * 2) * 64 + 384 * 384 + 384 * 1536 + 1536 * 384
