@@ -28,8 +28,8 @@ def sampled_reward(run: Path, data: Path, prompts: int, samples: int, seed: int)
 
     from gptlab.loading import load_model
     from gptlab.train.batches import Split, StepBatch
-    from gptlab.train.config import build_train_config
     from gptlab.train.grpo import Grpo, prompts_and_replies
+    from gptlab.train.recipe import build_train_config
 
     model, _ = load_model(str(run), prefer="latest")
     val = Split.load(data, "val")
