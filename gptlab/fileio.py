@@ -291,3 +291,13 @@ def read_toml(path: str | Path, missing: str = "") -> dict[str, Any]:
         raise GptlabError(f"{path} is not valid TOML: {e}") from None
     except RecursionError:  # arrays nested thousands deep
         raise GptlabError(f"{path} is not valid TOML: nested too deeply") from None
+
+
+def read_json_or_empty(path: str | Path) -> dict[str, Any]:
+    """A JSON object whose loss costs nothing (caches of measurements gptlab takes again: hardware.json,
+    kernels.json; a model card's recipe); {} for a file missing, unreadable or damaged in any way."""
+    try:
+        data = parse_json(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
