@@ -164,6 +164,11 @@ class _Tensors:
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape, (out, in) as gptlab holds it, read from the file's index (nothing dequantized)."""
+        t = self.by_name.get(name)
+        return None if t is None else tuple(reversed([int(d) for d in t.shape]))
+
     def take(self, name: str, rows: int | None = None) -> np.ndarray | None:
         t = self.by_name.get(name)
         if t is None:
@@ -219,19 +224,19 @@ def _hf_config(arch: str, meta: _Metadata, tensors: _Tensors) -> dict[str, Any]:
     rotary = key("rope.dimension_count", default=head_dim)
     window = key("attention.sliding_window", default=None)
     ff, ctx, n_layer = key("feed_forward_length"), key("context_length"), key("block_count")
-    embedding = tensors.take("token_embd.weight")
-    if embedding is None or embedding.ndim != 2 or embedding.shape[1] != n_embd:
+    embedding = tensors.shape("token_embd.weight")
+    if embedding is None or len(embedding) != 2 or embedding[1] != n_embd:
         raise GptlabError(f"{meta.path}: tensor token_embd.weight is missing or not (vocab, {n_embd})")
+    rotary_fraction = rotary / head_dim if head_dim else 1.0
     tied = "output.weight" not in tensors or tensors.same("output.weight", "token_embd.weight")
     return {
-        "vocab_size": embedding.shape[0], "hidden_size": n_embd, "n_embd": n_embd, "num_hidden_layers": n_layer,
+        "vocab_size": embedding[0], "hidden_size": n_embd, "n_embd": n_embd, "num_hidden_layers": n_layer,
         "n_layer": n_layer, "num_attention_heads": n_head, "n_head": n_head,
         "num_key_value_heads": key("attention.head_count_kv", default=n_head), "head_dim": head_dim,
         "intermediate_size": ff, "n_inner": ff, "max_position_embeddings": ctx, "n_positions": ctx,
         "layer_norm_epsilon": eps, "layer_norm_eps": eps, "rms_norm_eps": eps,
         "rope_theta": key("rope.freq_base", number, 10000.0),
-        "partial_rotary_factor": rotary / head_dim if head_dim else 1.0, "rotary_pct": rotary / head_dim
-        if head_dim else 1.0, "rotary_dim": rotary,
+        "partial_rotary_factor": rotary_fraction, "rotary_pct": rotary_fraction, "rotary_dim": rotary,
         "sliding_window": window, "use_sliding_window": window is not None, "max_window_layers": 0,
         "attn_logit_softcapping": key("attn_logit_softcapping", number, None),
         "final_logit_softcapping": key("final_logit_softcapping", number, None),
