@@ -1,10 +1,11 @@
-"""Any model path in, a model out: a run directory, a gptlab checkpoint or a Hugging Face model directory.
+"""Any model path in, a model out: a run directory, a gptlab checkpoint, a Hugging Face model directory or a GGUF file.
 
 Every command that reads a model (`sample`, `eval`, `serve`, `convert`, training's `init_from`) comes through
-`load_model`, so each of them takes all three kinds of path:
+`load_model`, so each of them takes every kind of path:
 
 * a checkpoint directory: `model.safetensors` + `config.json` (gptlab's format, `gptlab.checkpoint`);
 * a Hugging Face directory: a `config.json` with a `model_type` (read by `gptlab.interop`);
+* a GGUF file (llama.cpp's format, `interop.gguf_read`): its weights dequantized, its tokenizer and chat template;
 * a run directory (`gptlab train --out`): its best checkpoint, or its latest step (`prefer`);
 * a LoRA run's checkpoint (adapters + lora.json naming the base): the base is loaded from its recorded path,
   checked against its recorded sha256, and the adapters are put on it (merged into its weights unless asked
@@ -38,6 +39,7 @@ from gptlab.checkpoint import (
 from gptlab.errors import GptlabError
 from gptlab.fileio import parse_json
 from gptlab.interop import from_hf
+from gptlab.interop.gguf_read import is_gguf_file, load_gguf
 from gptlab.lora import LoRAError, add_lora, merge_lora
 from gptlab.model import GPT
 from gptlab.qlora import quantize_base
@@ -65,13 +67,18 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     latest; `prefer="latest"` picks the latest step.
     """
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise GptlabError(f"{path} is a symbolic link that leads nowhere (a loop, or its target is gone)")
     if not path.exists():
-        raise GptlabError(f"{path} does not exist: pass a run directory, a checkpoint directory or a "
-                          "Hugging Face one")
+        raise GptlabError(f"{path} does not exist: pass a run directory, a checkpoint directory, a "
+                          "Hugging Face one or a GGUF file")
     if path.is_file():
         if path.name == MODEL_FILE:
             return path.parent
-        raise GptlabError(f"{path} is a file: pass the directory that holds {MODEL_FILE} and {CONFIG_FILE}")
+        if is_gguf_file(path):
+            return path
+        raise GptlabError(f"{path} is a file: pass a GGUF file or the directory that holds {MODEL_FILE} and "
+                          f"{CONFIG_FILE}")
     if has_weights(path) and (path / CONFIG_FILE).is_file() or is_hf_dir(path):
         return path
     best = path / CHECKPOINTS_DIR / BEST_NAME
@@ -126,7 +133,10 @@ def load_model(
     # quantizing reads fp32 weights, in host memory: only the integers reach a GPU, so a model whose int4 weights
     # fit the card loads even where its fp32 weights would not
     load_dtype, load_device = (torch.float32, "cpu") if quantize else (dtype, device)
-    if is_hf_dir(directory):
+    tokenizer = None
+    if directory.is_file():  # a GGUF file: the only file resolve_checkpoint lets through
+        model, tokenizer = load_gguf(directory, device=load_device, dtype=load_dtype)
+    elif is_hf_dir(directory):
         model = from_hf(directory, device=load_device, dtype=load_dtype)
     elif (directory / LORA_FILE).is_file():
         model = load_lora_model(directory, device=load_device, dtype=load_dtype, merge=merge_adapters)
@@ -134,7 +144,8 @@ def load_model(
         model = load_gptlab_model(directory, device=load_device, dtype=load_dtype)
     if quantize:
         model = quantize_model(model.eval(), quantize, group_size).to(device=device, dtype=dtype)
-    tokenizer, _ = optional_tokenizer(directory)
+    if tokenizer is None:
+        tokenizer, _ = optional_tokenizer(directory)
     if tokenizer is None and (directory / LORA_FILE).is_file():  # adapters trained on data without a tokenizer
         tokenizer, _ = optional_tokenizer(resolve_checkpoint(read_lora_config(directory)[1]["path"]))
     return model, tokenizer
@@ -143,6 +154,9 @@ def load_model(
 def base_reference(path: str | Path) -> dict[str, str]:
     """{"path", "sha256"} of the model a LoRA run adapts: the checkpoint or Hugging Face directory `path` means."""
     directory = resolve_checkpoint(path).resolve()
+    if directory.is_file():
+        raise GptlabError(f"{path} is a GGUF file: a LoRA run records its base's safetensors weights; convert it "
+                          f"first (`gptlab convert {path} BASE`) and adapt BASE")
     if (directory / LORA_FILE).is_file():
         raise GptlabError(f"{path} holds LoRA adapters, not a whole model: merge them first (`gptlab convert "
                           f"{path} OUT --to gptlab`) and adapt that")

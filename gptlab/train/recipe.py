@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gptlab.config import GPTConfig
+from gptlab.data.dataset import DATA_TABLE
 from gptlab.errors import GptlabError
-from gptlab.fileio import read_utf8
+from gptlab.fileio import read_toml
 from gptlab.train.config import TrainConfig, validate
 
 _TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "model_overrides"}
@@ -130,16 +131,9 @@ def _unknown_key(key: str, where: str) -> GptlabError:
 # Loading a recipe
 # ------------------------------------------------------------------------------------------------------------
 def _load_toml(path: Path) -> dict[str, Any]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
     if not path.is_file():
         raise GptlabError(f"config file {path} not found (recipes live in configs/*.toml)")
-    try:
-        return tomllib.loads(read_utf8(path))
-    except tomllib.TOMLDecodeError as e:
-        raise GptlabError(f"{path} is not valid TOML: {e}") from None
+    return read_toml(path)
 
 
 def build_train_config(
@@ -166,6 +160,7 @@ def load_train_config(path: str | Path, overrides: dict[str, str] | None = None)
     """The TrainConfig of a TOML recipe, with `overrides` (key -> text, as typed on a command line) on top."""
     path = Path(path)
     values = _load_toml(path)
+    values.pop(DATA_TABLE, None)  # the data's sources: `gptlab.data.dataset.recipe_sources` reads them
     nested = [k for k, v in values.items() if isinstance(v, dict)]
     if nested:
         raise GptlabError(f"{path}: tables like [{nested[0]}] are not used; write every key at the top level")

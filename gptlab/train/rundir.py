@@ -93,13 +93,16 @@ def trim_metrics(path: Path, last_step: int, quiet: bool = False) -> None:
     """Keep metrics.jsonl's rows up to `last_step`; drop a torn last line (a kill mid-write) with a notice."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    except OSError as e:
+        raise GptlabError(f"cannot read {path}: {e.strerror or e} (move it aside to continue)") from None
     rows = []
     for i, line in enumerate(lines):
         try:
             row = parse_json(line)
             step = int(row["step"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
             if i == len(lines) - 1:
                 if not quiet:
                     print(f"note: dropped the torn last line of {path} (a run stopped while writing it)",

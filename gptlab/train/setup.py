@@ -188,7 +188,7 @@ def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | 
     """init_from's model, checked against the recipe and data. `rows`: a gptlab checkpoint stays on the meta
     device, its file named in `weights_file` for `shard` (other kinds of model load whole, as without)."""
     directory = resolve_checkpoint(cfg.init_from, prefer="best")
-    if rows and not is_hf_dir(directory) and not (directory / LORA_FILE).is_file():
+    if rows and directory.is_dir() and not is_hf_dir(directory) and not (directory / LORA_FILE).is_file():
         with torch.device("meta"):
             model = GPT(read_config(directory / CONFIG_FILE))
         model.weights_file = directory / MODEL_FILE
