@@ -99,6 +99,9 @@ def test_qlora_trains_exports_merged_and_chats(tmp_path: Path, monkeypatch, caps
         if isinstance(layer, LoRALinear):
             want = base.get_submodule(name).dequantize() + layer.delta_weight()
             torch.testing.assert_close(merged.get_submodule(name).weight, want, atol=0, rtol=0)
+    pytest.importorskip("gguf")  # quantized again on export: GGUF holds q8_0 weights
+    assert main(["convert", str(run), str(tmp_path / "m.gguf"), "--to", "gguf", "--dtype", "q8_0"]) == 0
+    assert (tmp_path / "m.gguf").stat().st_size > 0
     monkeypatch.setattr("sys.stdin", __import__("io").StringIO("Hello\n"))
     capsys.readouterr()
     assert main(["chat", str(run), "--max-new-tokens", "3", "--temperature", "0"]) == 0
