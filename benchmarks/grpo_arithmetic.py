@@ -87,7 +87,8 @@ def run(args: argparse.Namespace, root: Path) -> int:
     from gptlab.cli import main as gptlab
     from gptlab.train.rewards import arithmetic_records
 
-    data, sft, grpo = root / f"data{args.digits}", root / f"sft{args.digits}-{args.sft_steps}", root / args.tag
+    data, grpo = root / f"data{args.digits}", root / args.tag
+    sft = root / f"sft{args.digits}-{args.sft_steps or 'recipe'}"
     common = ["--data", str(data), "--quiet", "--threads", str(args.threads)]
     if not data.is_dir():
         records = root / "sums.jsonl"

@@ -154,8 +154,8 @@ def load_frozen_base(path: str | Path, dtype: torch.dtype, quantize: str | None 
     neither its file nor the model in fp32 is ever in memory whole, so the peak is about the base as it trains
     (a QLoRA int4 base: about a quarter of its bf16 bytes) plus one tensor. Other models load whole, then convert."""
     directory = resolve_checkpoint(path, prefer="best")
-    if is_hf_dir(directory) or (directory / LORA_FILE).is_file():
-        model, _ = load_model(path, prefer="best", dtype=torch.float32)
+    if is_hf_dir(directory) or (directory / LORA_FILE).is_file():  # quantizing widens each weight to fp32 itself
+        model, _ = load_model(path, prefer="best", dtype=None if quantize else dtype)
         if quantize:
             quantize_base(model, quantize, group_size)
         return _frozen(model, dtype, device)
