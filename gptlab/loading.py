@@ -29,12 +29,17 @@ from gptlab.checkpoint import (
     LORA_FILE,
     MODEL_FILE,
     STATE_FILE,
+    check_plain_shapes,
     has_weights,
     list_step_checkpoints,
     load_adapter_tensors,
     load_gptlab_model,
+    plain_shapes,
+    read_config,
     read_lora_config,
+    stream_tensors,
     weights_sha256,
+    with_tied_head,
 )
 from gptlab.errors import GptlabError
 from gptlab.fileio import parse_json
@@ -42,7 +47,7 @@ from gptlab.interop import from_hf
 from gptlab.interop.gguf_read import is_gguf_file, load_gguf
 from gptlab.lora import LoRAError, add_lora, merge_lora
 from gptlab.model import GPT
-from gptlab.qlora import quantize_base
+from gptlab.qlora import base_linears, quantize_base, quantize_layer
 from gptlab.quantize import check_options as check_quantize_options
 from gptlab.quantize import quantize_model
 from gptlab.tokenizer import Tokenizer, optional_tokenizer
@@ -149,6 +154,48 @@ def load_model(
     if tokenizer is None and (directory / LORA_FILE).is_file():  # adapters trained on data without a tokenizer
         tokenizer, _ = optional_tokenizer(resolve_checkpoint(read_lora_config(directory)[1]["path"]))
     return model, tokenizer
+
+
+def load_frozen_base(path: str | Path, dtype: torch.dtype, quantize: str | None = None,
+                     group_size: int | None = None, device: str | torch.device = "cpu") -> GPT:
+    """The model `path` names as LoRA's frozen base: QLoRA's block Linears quantized (`qlora.quantize_base`, from
+    the weights in fp32, as `load_lora_model` quantizes them again), every other weight in `dtype`.
+
+    A gptlab checkpoint is read one tensor at a time (`stream_tensors`), each converted before the next is read:
+    neither its file nor the model in fp32 is ever in memory whole, so the peak is about the base as it trains
+    (a QLoRA int4 base: about a quarter of its bf16 bytes) plus one tensor. Other models load whole, then convert."""
+    directory = resolve_checkpoint(path, prefer="best")
+    if is_hf_dir(directory) or (directory / LORA_FILE).is_file():  # quantizing widens each weight to fp32 itself
+        model, _ = load_model(path, prefer="best", dtype=None if quantize else dtype)
+        if quantize:
+            quantize_base(model, quantize, group_size)
+        return _frozen(model, dtype, device)
+    config = read_config(directory / CONFIG_FILE)
+    with torch.device("meta"):
+        model = GPT(config)
+    where = f"{directory / MODEL_FILE} (against {directory / CONFIG_FILE})"
+    shapes, tensors = stream_tensors(directory / MODEL_FILE)
+    check_plain_shapes(plain_shapes(config), with_tied_head(dict(shapes), config), where)
+    check_quantize_options(quantize, group_size)
+    linears = {f"{name}.weight": name for name, _ in base_linears(model)} if quantize else {}
+    for key, tensor in tensors:
+        if key in linears:  # its bias, if any, is read first or later: either way a buffer of the layer
+            model.get_submodule(linears[key]).weight = torch.nn.Parameter(tensor.float(), requires_grad=False)
+            quantize_layer(model, linears[key], quantize, group_size)
+        else:
+            model.load_state_dict({key: tensor.to(dtype)}, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    return _frozen(model, dtype, device)
+
+
+def _frozen(model: GPT, dtype: torch.dtype, device: str | torch.device) -> GPT:
+    """The model's parameters in `dtype` on `device`, frozen (quantized layers' integers and scales as they are)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(device=device, dtype=dtype)
+            p.requires_grad_(False)
+    return model.to(device).eval()
 
 
 def base_reference(path: str | Path) -> dict[str, str]:

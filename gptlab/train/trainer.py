@@ -41,6 +41,7 @@ from gptlab.train.config import (
 )
 from gptlab.train.distributed import gradient_sync, init_distributed, wrap_ddp
 from gptlab.train.losses import DeviceLosses
+from gptlab.train.memory import check_step_memory
 from gptlab.train.objectives import Preference, build_objective, check_objective_data
 from gptlab.train.optim import build_optimizers, lr_schedule, optimizer_spec, set_lr
 from gptlab.train.precision import Precision
@@ -53,7 +54,7 @@ from gptlab.train.rundir import (
     prepare_run_dir,
 )
 from gptlab.train.runlog import RunLog, progress_bar
-from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype, shard
+from gptlab.train.setup import build_model, check_dtype, resolve_dtype, shard
 from gptlab.train.stopping import StopRequest
 from gptlab.train.trackers import check_trackers, open_trackers
 
@@ -120,13 +121,15 @@ class Trainer:
             for split in ("train", "val"):
                 check_split_fits(self.data_dir, split,
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
-            check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device)
+            check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device,
+                              quiet=quiet or not self.procs.is_master)
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         self.benchmarks = Benchmarks(cfg, self.data_dir, lm_eval_tasks, self.fsdp) if cfg.eval_tasks else None
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir, sharded=self.fsdp)
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
-            check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False)
+            check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False,
+                              quiet=quiet or not self.procs.is_master)
         self.train_data, self.seq_len = load_train_data(self.sources, self.model.config.block_size)
         check_split_fits(self.data_dir, "val", self.seq_len)
         self.val_data = Split.load(self.data_dir, "val")
