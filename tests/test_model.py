@@ -161,6 +161,25 @@ def test_rope_matches_complex_rotation():
     assert torch.equal(out[..., 4:], x[..., 4:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_rope_is_the_pairwise_formula_bit_for_bit(dtype, rotary_fraction):
+    """apply_rope's full-width form (x cos + rotate_half(x) sin) gives exactly the pairwise sums (a cos - b sin,
+    b cos + a sin), values and gradients, with and without dims passing through."""
+    from gptlab.rope import apply_rope, rope_tables
+
+    config = small(position="rope", rotary_fraction=rotary_fraction)
+    x = torch.randn(2, 4, 6, 8).to(dtype).requires_grad_()
+    cos, sin = rope_tables(config, torch.arange(6)[None])
+    half, (c, s) = cos.shape[-1], (cos.to(dtype), sin.to(dtype))
+    a, b, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    expected = torch.cat((a * c - b * s, b * c + a * s, rest), dim=-1)
+    out = apply_rope(x, cos, sin)
+    assert torch.equal(out, expected)
+    grad = torch.randn(out.shape).to(dtype)
+    assert torch.equal(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
+
+
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu", "geglu", "relu2"])
 def test_mlp_matches_its_formula(mlp):
     model = build(mlp=mlp, n_layer=1)

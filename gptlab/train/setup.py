@@ -63,9 +63,7 @@ def build_model(
         with torch.device("meta"):
             model = GPT(cfg.model_config(vocab_size)).train()
         if not sharded:
-            model.to_empty(device=device)
-            if model.config.tie_embeddings:  # to_empty gave the head a Parameter of its own (FSDP's swap keeps it)
-                model.lm_head.weight = model.transformer.wte.weight
+            materialize(model, device)
             init_weights(model, cfg.seed)
     else:
         model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=sharded and spec is None,
@@ -95,6 +93,27 @@ def shard(model: GPT, cfg: TrainConfig, device: str) -> None:
         current = model.state_dict()  # DTensor shards: each key read as this process's rows of the file
         with torch.no_grad():
             load_weights(model, read_tensors(source, device, shards=current.get), where=f"init_from {source}")
+
+
+def materialize(model: torch.nn.Module, device: str) -> None:
+    """Give every meta parameter and buffer of `model` uninitialized storage on `device`, in place; a tied
+    parameter stays one Parameter. What `Module.to_empty` does, without its `empty_like` of meta tensors, whose
+    first call imports torch's symbolic-shapes machinery (~0.2 s of a speedrun's start-up)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor, wrap: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if wrap else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = empty(p, wrap=True)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = empty(b, wrap=False)
 
 
 @torch.no_grad()
