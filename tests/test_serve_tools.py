@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-from gptlab.generation import SamplingParams  # noqa: E402
+from gptlab.generation import InvalidSamplingParam, SamplingParams  # noqa: E402
 from gptlab.generation.grammar import allowed_tokens, row_grammar  # noqa: E402
 from gptlab.generation.tool_calls import generate_tool_reply, tool_grammar  # noqa: E402
 from gptlab.serve import ServerThread, create_app  # noqa: E402
@@ -162,6 +162,15 @@ def test_each_tool_choice_allows_exactly_its_replies() -> None:
     assert _allowed(grammar("add"), syntax.prefix + 'add", "arguments": {"a": 1, "b": ') <= set("-0123456789")
 
 
+def test_a_grammar_is_checked_as_a_schema_is() -> None:
+    assert SamplingParams(grammar='start: "a"').constraint() == ("grammar", 'start: "a"')
+    for bad, words in (("start: (", "is not a grammar gptlab can enforce"), (7, "must be a grammar")):
+        with pytest.raises(InvalidSamplingParam, match=words):
+            SamplingParams(grammar=bad)
+    with pytest.raises(InvalidSamplingParam, match="cannot be given with json_schema"):
+        SamplingParams(grammar='start: "a"', json_schema={"type": "object"})
+
+
 def test_the_python_api_calls_as_the_server_does(templated) -> None:
     server, tok, _ = templated
     model = tiny_model(vocab_size=257, block_size=2048)  # the served model's weights (same seed)
@@ -224,9 +233,12 @@ def test_a_named_function_is_called_and_auto_replies_are_text_or_valid_calls(tem
 def test_streamed_deltas_add_up_to_the_unstreamed_answer(templated, choice) -> None:
     client = _client(templated[0])
     body = dict(model="m", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=11, max_tokens=160)
-    plain = client.chat.completions.create(**body).choices[0]
+    answer = client.chat.completions.create(**body)
+    plain, plain_usage = answer.choices[0], answer.usage
     content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(**body, stream=True):
+    chunks = list(client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == plain_usage.completion_tokens and not chunks[-1].choices
+    for chunk in chunks[:-1]:
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for d in delta.tool_calls or []:

@@ -21,8 +21,8 @@ from typing import Any
 
 from gptlab.generation.tool_calls import InvalidToolError, tool_grammar
 from gptlab.serve.schemas import ApiError, ChatRequest, NamedToolChoice
-from gptlab.tokenizer.chat_template import ChatTemplate
-from gptlab.tokenizer.tool_syntax import NoToolSupportError, Reply, ToolSyntax, final_reply, split_reply, tool_syntax
+from gptlab.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from gptlab.tokenizer.tool_syntax import Reply, ToolSyntax, final_reply, split_reply, tool_syntax
 
 FINISH_TOOL_CALLS = "tool_calls"
 
@@ -69,7 +69,7 @@ def plan_tools(template: ChatTemplate, req: ChatRequest) -> ToolPlan:
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     try:
         syntax = tool_syntax(template)
-    except NoToolSupportError as e:
+    except ChatTemplateError as e:  # one that takes no tools, or a broken one (as `messages` would find it)
         raise ApiError(400, f"tools cannot be used with this model: {e}", param="tools") from e
     if req.parallel_tool_calls and not syntax.parallel:
         raise ApiError(400, "this model's chat template renders one tool call per turn: set parallel_tool_calls "
@@ -142,9 +142,12 @@ class ToolDeltas:
     text: str = ""
     sent: Reply = field(default_factory=Reply)
     ids: list[str] = field(default_factory=list)
+    finished: bool = False
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:
-        self.text += text
+        if self.finished:  # (the usage chunk after the end asks again)
+            return {}
+        self.text, self.finished = self.text + text, finished
         reply = (final_reply if finished else split_reply)(self.text, self.syntax)
         out: dict[str, Any] = {}
         if len(reply.content) > len(self.sent.content):
