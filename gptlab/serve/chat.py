@@ -62,7 +62,9 @@ async def create_chat_completion(server: Server, req: ChatRequest, request: Requ
     server.check_prompt_chars(sum(len(m["content"]) for m in messages), param="messages")
     server.check_queue(req.n)
     # Jinja, off the event loop
-    plan = await asyncio.to_thread(plan_tools, server.chat_template, req)
+    # (finding a template's call syntax renders it: off the event loop too)
+    plan = plan_tools(server.chat_template, req) if req.tools is None else await asyncio.to_thread(
+        plan_tools, server.chat_template, req)
     text, templated, stops = await asyncio.to_thread(_render, server.chat_template, messages, req.stop_list(),
                                                      plan.tools)
     if req.json_schema() is not None or plan.forced:  # the grammar ends the reply: only the caller's stops
