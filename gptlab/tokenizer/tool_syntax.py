@@ -17,7 +17,6 @@ unfinished call's arguments so far), so that a stream of replies' beginnings giv
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +92,8 @@ def _syntax_of(template: ChatTemplate) -> ToolSyntax:
                                  "the form gptlab reads back")
     tail = rest[start + len(args):]
     end = next((tail.find(stop) for stop in turn_end_stops(template) if stop in tail), len(tail))
-    syntax = ToolSyntax(rest[:at], rest[at + len(_NAMES[0]):start], tail[:end].rstrip() if end == len(tail)
-                        else tail[:end])
+    suffix = tail[:end] if end < len(tail) else tail.rstrip()  # (no turn end found: what follows, but whitespace)
+    syntax = ToolSyntax(rest[:at], rest[at + len(_NAMES[0]):start], suffix)
     if not syntax.prefix.strip():
         raise NoToolSupportError(f"{label} writes tool calls without a marker that tells them from text")
     return _with_separator(template, syntax, user, tools, prompt)
@@ -135,8 +134,7 @@ def tool_syntax(template: ChatTemplate) -> ToolSyntax:
     return _FOUND[key]
 
 
-def _decoder() -> json.JSONDecoder:
-    return json.JSONDecoder()
+_JSON = json.JSONDecoder()
 
 
 def split_reply(text: str, syntax: ToolSyntax) -> Reply:
@@ -152,7 +150,7 @@ def split_reply(text: str, syntax: ToolSyntax) -> Reply:
             break  # the name is still being written
         args_at = middle + len(syntax.middle)
         try:
-            _, args_end = _decoder().raw_decode(text, args_at)
+            _, args_end = _JSON.raw_decode(text, args_at)
         except json.JSONDecodeError:  # unfinished: the arguments so far
             reply.calls.append((text[name_at:middle], text[args_at:]))
             break
@@ -166,6 +164,3 @@ def final_reply(text: str, syntax: ToolSyntax) -> Reply:
     reply = split_reply(text, syntax)
     return Reply(content=text) if not reply.calls and not text.startswith(syntax.prefix) else reply
 
-
-def tool_names(tools: Sequence[dict[str, Any]]) -> list[str]:
-    return [t["function"]["name"] for t in tools]
