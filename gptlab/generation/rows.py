@@ -61,7 +61,7 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
     error: Exception | None = None  # why it finished with FINISH_ERROR (a failure of this row alone)
-    grammar: RowGrammar | None = None  # params.json_schema's: the tokens allowed next, whether the JSON is complete
+    grammar: RowGrammar | None = None  # params.constraint()'s: the tokens allowed next, whether the JSON is complete
     row: RowState = field(default_factory=RowState, repr=False)  # the engine's, see RowState
 
     @property
@@ -128,5 +128,6 @@ def prepare_generation(
     if tokenizer is not None:
         text_state = TextState(tokenizer, context_ids=ids, stop=params.stop)
     stop_ids = frozenset(stop_ids)
-    grammar = None if params.json_schema is None else row_grammar(params.json_schema, tokenizer, stop_ids)
+    constraint = params.constraint()
+    grammar = None if constraint is None else row_grammar(constraint, tokenizer, stop_ids)
     return Generation(ids, params, stop_ids, generator, text_state, truncated=truncated, grammar=grammar)

@@ -104,10 +104,12 @@ class Server:
         stops: Sequence[str],
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        grammar: str | None = None,
         param_names: Mapping[str, str] | None = None,
     ) -> Job:
-        """Queue `req.n` generations of each prompt (max_tokens None: as many as the context leaves room for).
-        `param_names` maps SamplingParams fields to the request's own names where they differ, for errors."""
+        """Queue `req.n` generations of each prompt (max_tokens None: as many as the context leaves room for);
+        `grammar`: a llguidance grammar the output must match (tool calls'). `param_names` maps SamplingParams
+        fields to the request's own names where they differ, for errors."""
         if req.model is not None and req.model != self.model_name:
             raise ApiError(
                 404,
@@ -130,6 +132,7 @@ class Server:
                     prompt_logprobs=prompt_logprobs,
                     logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
                     json_schema=req.json_schema(),
+                    grammar=grammar,
                 )
                 gens += [self.engine.prepare(ids, params, sample_index=j) for j in range(req.n)]
             except InvalidSamplingParam as e:
