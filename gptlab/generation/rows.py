@@ -27,6 +27,7 @@ from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.generation.sampling import TokenLogprob, row_seed
 
 if TYPE_CHECKING:
+    from gptlab.steering import SteeringVector
     from gptlab.tokenizer.base import TextTokenizer
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = "stop", "length", "error"
@@ -62,6 +63,7 @@ class Generation:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
     error: Exception | None = None  # why it finished with FINISH_ERROR (a failure of this row alone)
     grammar: RowGrammar | None = None  # params.constraint()'s: the tokens allowed next, whether the JSON is complete
+    steering: tuple[SteeringVector, ...] = ()  # added to this row's residual stream (`row_steering`)
     row: RowState = field(default_factory=RowState, repr=False)  # the engine's, see RowState
 
     @property

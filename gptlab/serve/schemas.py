@@ -5,7 +5,7 @@ Strict: a string where a number belongs is an error, not coerced. No field is si
 this server does not implement (`UNSUPPORTED`: suffix, audio, ...) is a 400 naming it and why, and any
 other unknown field a 400 as OpenAI answers one ("Unrecognized request argument supplied"). `user` (the caller's
 own tag for its end user) is accepted and has no effect on the answer, as with OpenAI. Besides OpenAI's fields,
-requests accept vLLM-style extras: top_k, min_p, repetition_penalty, ignore_eos.
+requests accept vLLM-style extras: top_k, min_p, repetition_penalty, ignore_eos, and gptlab's `steering`.
 
 Every field is bounded here, so that the OpenAPI schema (/openapi.json) states each bound and a request out of
 range is a 400 before any work: the server's own policy limits (OpenAI's temperature <= 2, penalties in [-2, 2],
@@ -177,6 +177,19 @@ class JsonSchemaFormat(BaseModel):
 
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
+MAX_STEERING = 8  # steering entries in one request
+MAX_STEERING_SCALE = 1e4
+
+
+class SteeringEntry(BaseModel):
+    """gptlab's extra: `scale` times the direction the server was started with under the name `vector`, added to
+    the residual stream entering block `layer` (`gptlab.serve.steering`; refused unless the server allows it)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    vector: str = Field(min_length=1, max_length=128)
+    layer: Int(0, 10_000)
+    scale: float = Field(1.0, ge=-MAX_STEERING_SCALE, le=MAX_STEERING_SCALE)
+
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions. Only policy limits here; see the module docstring."""
@@ -204,6 +217,7 @@ class SamplingFields(BaseModel):
     safety_identifier: str | None = Field(None, max_length=256)
 
     response_format: ResponseFormat | None = None
+    steering: Annotated[list[SteeringEntry], Field(max_length=MAX_STEERING)] | None = None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
