@@ -127,7 +127,8 @@ def _check_compiles(name: str, shown: Any, grammar: Any, what: str) -> None:
                                    "pip install 'gptlab[structured]'") from None
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar())
     if failed:
-        raise InvalidSamplingParam(name, shown, f"is not {what} gptlab can enforce: {messages[0]}")
+        first = " ".join(messages[0].split())  # llguidance points at the place over several lines: one line here
+        raise InvalidSamplingParam(name, shown, f"is not {what} gptlab can enforce: {first}")
 
 
 def _check_grammar(grammar: Any) -> None:
