@@ -16,8 +16,10 @@ engine's idle threads (llama.cpp's spin-waiting pool) compete with another's tim
 peer is printed. Nothing is asserted: timings are noisy.
 
 Printed too: the CPU's model and vector flags, which kernel ran each of gptlab's Linears and which decode step
-(`Engine.kernels`), and at batch 1 the share of the memory-bandwidth limit each contender reaches (weights read per
-token / a read probe's GB/s: a batch-1 step reads every weight once; >= 85% is where the best engines stand).
+(`Engine.kernels`), how many ATen ops the profiler counts in one of gptlab's decode steps (framework time, counted
+rather than timed: it does not move with the machine's load), and at batch 1 the share of the memory-bandwidth
+limit each contender reaches (weights read per token / a read probe's GB/s: a batch-1 step reads every weight
+once; >= 85% is where the best engines stand).
 
 Peers are optional (the `bench` extra): a missing one is skipped with a message. On a shared machine run it in
 its own session with raised priority (see the README):
@@ -67,7 +69,23 @@ class Gptlab:
 
     def kernels(self, batch: int) -> str:
         report = Engine(self.model, batch).kernels()
-        return f"decode step {report['decode step']}; " + ", ".join(f"{n} x{c}" for n, c in report["linears"].items())
+        return (f"decode step {report['decode step']}; " + ", ".join(f"{n} x{c}" for n, c in report["linears"].items())
+                + f"; {aten_ops_per_token(self.model, batch):.0f} ATen ops a decode step")
+
+
+def aten_ops_per_token(model: GPT, batch: int) -> float:
+    """ATen ops the profiler records per decode step (generating PACK_MIN_TOKENS tokens and 16 more: the
+    difference over 16; both runs on the packed weights, as a timed run): a count of the framework's work around
+    the kernels that does not depend on the machine's load."""
+    from torch.profiler import ProfilerActivity, profile
+
+    idx = torch.zeros(batch, 16, dtype=torch.long)
+    counts = []
+    for n in (PACK_MIN_TOKENS, PACK_MIN_TOKENS + 16):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            generate(model, idx, n, temperature=0)
+        counts.append(sum(1 for e in prof.events() if e.name.startswith("aten::")))
+    return (counts[1] - counts[0]) / 16
 
 
 def family_config(family: str) -> GPTConfig:

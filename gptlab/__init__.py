@@ -17,19 +17,20 @@ from gptlab.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gptlab.checkpoint import save_model
+    from gptlab.flops import parameter_breakdown
     from gptlab.generation import SamplingParams, generate, generate_batch, generate_stream
     from gptlab.hooks import run_with_cache, run_with_hooks
     from gptlab.interop import from_hf, save_hf
     from gptlab.kv_cache import KVCache
     from gptlab.loading import load_model
-    from gptlab.model import GPT, parameter_breakdown
+    from gptlab.model import GPT
     from gptlab.quantize import quantize_model
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "GPT": "gptlab.model",
-    "parameter_breakdown": "gptlab.model",
+    "parameter_breakdown": "gptlab.flops",
     "KVCache": "gptlab.kv_cache",
     "generate": "gptlab.generation",  # idx (B, T) -> (B, T + new), as nanoGPT's model.generate
     "generate_batch": "gptlab.generation",

@@ -60,8 +60,7 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         masks: Masks,
         kv_cache: KVCache | None,
-        manual: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> torch.Tensor:
         B, T, C = x.shape
         hs, cfg = self.head_size, self.config
         q, k, v = self.c_attn(x).split([self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs], dim=-1)
@@ -92,17 +91,16 @@ class CausalSelfAttention(nn.Module):
         # autocast would cast SDPA's inputs back to its low-precision dtype: switch it off for an explicit dtype
         no_autocast = self.attention_dtype is not None and torch.is_autocast_enabled(x.device.type)
         with torch.autocast(x.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
-            if manual or cfg.attn_softcap is not None or self.needs_pattern:  # SDPA has no soft-cap
-                y, weights = self._manual_attention(q, k, v, mask, dropout_p, hooks)
+            if cfg.attention == "manual" or cfg.attn_softcap is not None or self.needs_pattern:  # SDPA: no soft-cap
+                y, _ = self._manual_attention(q, k, v, mask, dropout_p, hooks)
             else:
-                weights = None
                 y = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1,
                     scale=self.scale, enable_gqa=self.n_kv_head != self.n_head,
                 )  # (B, nh, T, hs)
         y = tap(hooks, "hook_z", y.to(out_dtype).transpose(1, 2))  # (B, T, nh, hs): each head's output
         y = y.contiguous().view(B, T, self.n_head * hs)
-        return self.resid_dropout(self.c_proj(y)), weights
+        return self.resid_dropout(self.c_proj(y))
 
     def _manual_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,

@@ -45,10 +45,10 @@ def convert(
     src: str | Path, dst: str | Path, to: str | None = None, dtype: torch.dtype | None = None,
     adapter_only: bool = False, gguf_dtype: str = "f16",
 ) -> Conversion:
-    """A Hugging Face directory -> a gptlab checkpoint, or a gptlab checkpoint / run -> a Hugging Face directory
-    (`to` overrides the direction, which otherwise follows from `src`), or either -> one GGUF file for llama.cpp
-    (`to="gguf"`, its tensors in `gguf_dtype`: f32, f16, bf16, q8_0 or q4_0). DST is replaced as a whole, atomically;
-    the tokenizer comes along when SRC has one.
+    """A Hugging Face directory or a GGUF file -> a gptlab checkpoint, or a gptlab checkpoint / run -> a Hugging
+    Face directory (`to` overrides the direction, which otherwise follows from `src`), or any -> one GGUF file for
+    llama.cpp (`to="gguf"`, its tensors in `gguf_dtype`: f32, f16, bf16, q8_0 or q4_0). DST is replaced as a whole,
+    atomically; the tokenizer comes along when SRC has one.
 
     A LoRA run converts merged (its base with the adapters folded in), or with `adapter_only` into a peft
     adapter directory for the Hugging Face form of its base."""
@@ -70,8 +70,8 @@ def convert(
         if to == "gptlab":
             raise GptlabError("--adapter-only writes a peft adapter (Hugging Face format): drop --to gptlab")
         return _convert_adapter(src, dst)
-    src_is_hf = is_hf_dir(src)
-    to = to or ("gptlab" if src_is_hf else "hf")
+    src_is_foreign = is_hf_dir(src) or src.is_file()  # a Hugging Face directory or a GGUF file
+    to = to or ("gptlab" if src_is_foreign else "hf")
     model, tokenizer = load_model(src, dtype=dtype)
     why_not = "" if tokenizer is not None else optional_tokenizer(src)[1]
     if to == "hf":

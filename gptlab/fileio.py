@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -272,3 +273,31 @@ def read_json_object(path: str | Path, hint: str = "") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise GptlabError(f"{path} should hold a JSON object, not {type(data).__name__}{suffix}")
     return data
+
+
+def read_toml(path: str | Path, missing: str = "") -> dict[str, Any]:
+    """The TOML document in `path`; a GptlabError naming the file (and `missing`, what to do, when it is not there)
+    if it is missing, not UTF-8 or not TOML."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    path = Path(path)
+    if not path.is_file():
+        raise GptlabError(f"{path} not found{f' ({missing})' if missing else ''}")
+    try:
+        return tomllib.loads(read_utf8(path))
+    except tomllib.TOMLDecodeError as e:
+        raise GptlabError(f"{path} is not valid TOML: {e}") from None
+    except RecursionError:  # arrays nested thousands deep
+        raise GptlabError(f"{path} is not valid TOML: nested too deeply") from None
+
+
+def read_json_or_empty(path: str | Path) -> dict[str, Any]:
+    """A JSON object whose loss costs nothing (caches of measurements gptlab takes again: hardware.json,
+    kernels.json; a model card's recipe); {} for a file missing, unreadable or damaged in any way."""
+    try:
+        data = parse_json(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -1,6 +1,6 @@
-"""Counting a model from its config alone (built on the meta device: free): its parameters (`parameter_counts`,
-which the memory check counts) and the FLOPs it runs per token (`flops_per_token`: the numerator of MFU, with
-`hardware.peak_flops` as its denominator)."""
+"""Counting a model from its config alone (built on the meta device: free): its parameters (`parameter_breakdown`
+by component, `parameter_counts` for the memory check) and the FLOPs it runs per token (`flops_per_token`: the
+numerator of MFU, with `hardware.peak_flops` as its denominator)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from gptlab.config import GPTConfig
-from gptlab.model import GPT
+from gptlab.model import GPT, parameter_component
 
 
 def flops_per_token(config: GPTConfig, seq_len: int, *, training: bool = True) -> float:
@@ -45,3 +45,21 @@ def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:
     total = sum(p.numel() for p in model.parameters())
     block = max(sum(p.numel() for p in b.parameters()) for b in model.iter_blocks())
     return total, block, total - sum(p.numel() for b in model.iter_blocks() for p in b.parameters())
+
+
+def parameter_breakdown(config: GPTConfig) -> dict[str, int]:
+    """Parameter counts by component, computed on the meta device: no memory is allocated, so any preset works.
+
+    Components: embeddings (token + position), attention, mlp, norms, head (0 when tied: counted once, with the
+    embeddings), and total.
+    """
+    with torch.device("meta"):
+        model = GPT(config)
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for name, p in model.named_parameters():
+        counts[parameter_component(name)] += p.numel()
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")

@@ -19,7 +19,7 @@ one machine. The other half of MFU, the FLOPs per token, is `gptlab.flops`.
 from __future__ import annotations
 
 import ctypes
-import json
+import math
 import os
 import platform
 import sys
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_json
+from gptlab.fileio import atomic_write_json, read_json_or_empty
 
 if TYPE_CHECKING:
     pass
@@ -222,12 +222,10 @@ def peak_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.fl
     device = torch.device(device)
     key = _device_key(device, dtype)
     path = cache_dir() / CACHE_FILE
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return float(cached[key])
+    cached = read_json_or_empty(path)
+    value = cached.get(key)
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf:
+        return float(value)  # anything else in its place is measured again
     n = 4096 if device.type == "cuda" else 1024
     flops = _probe(device, dtype, n, seconds=0.5 if device.type == "cuda" else 0.25)
     cached[key] = flops

@@ -1,10 +1,11 @@
-"""Any model path in, a model out: a run directory, a gptlab checkpoint or a Hugging Face model directory.
+"""Any model path in, a model out: a run directory, a gptlab checkpoint, a Hugging Face model directory or a GGUF file.
 
 Every command that reads a model (`sample`, `eval`, `serve`, `convert`, training's `init_from`) comes through
-`load_model`, so each of them takes all three kinds of path:
+`load_model`, so each of them takes every kind of path:
 
 * a checkpoint directory: `model.safetensors` + `config.json` (gptlab's format, `gptlab.checkpoint`);
 * a Hugging Face directory: a `config.json` with a `model_type` (read by `gptlab.interop`);
+* a GGUF file (llama.cpp's format, `interop.gguf_read`): its weights dequantized, its tokenizer and chat template;
 * a run directory (`gptlab train --out`): its best checkpoint, or its latest step (`prefer`);
 * a LoRA run's checkpoint (adapters + lora.json naming the base): the base is loaded from its recorded path,
   checked against its recorded sha256, and the adapters are put on it (merged into its weights unless asked
@@ -28,19 +29,25 @@ from gptlab.checkpoint import (
     LORA_FILE,
     MODEL_FILE,
     STATE_FILE,
+    check_plain_shapes,
     has_weights,
     list_step_checkpoints,
     load_adapter_tensors,
     load_gptlab_model,
+    plain_shapes,
+    read_config,
     read_lora_config,
+    stream_tensors,
     weights_sha256,
+    with_tied_head,
 )
 from gptlab.errors import GptlabError
 from gptlab.fileio import parse_json
 from gptlab.interop import from_hf
+from gptlab.interop.gguf_read import is_gguf_file, load_gguf
 from gptlab.lora import LoRAError, add_lora, merge_lora
 from gptlab.model import GPT
-from gptlab.qlora import quantize_base
+from gptlab.qlora import base_linears, quantize_base, quantize_layer
 from gptlab.quantize import check_options as check_quantize_options
 from gptlab.quantize import quantize_model
 from gptlab.tokenizer import Tokenizer, optional_tokenizer
@@ -65,13 +72,18 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     latest; `prefer="latest"` picks the latest step.
     """
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise GptlabError(f"{path} is a symbolic link that leads nowhere (a loop, or its target is gone)")
     if not path.exists():
-        raise GptlabError(f"{path} does not exist: pass a run directory, a checkpoint directory or a "
-                          "Hugging Face one")
+        raise GptlabError(f"{path} does not exist: pass a run directory, a checkpoint directory, a "
+                          "Hugging Face one or a GGUF file")
     if path.is_file():
         if path.name == MODEL_FILE:
             return path.parent
-        raise GptlabError(f"{path} is a file: pass the directory that holds {MODEL_FILE} and {CONFIG_FILE}")
+        if is_gguf_file(path):
+            return path
+        raise GptlabError(f"{path} is a file: pass a GGUF file or the directory that holds {MODEL_FILE} and "
+                          f"{CONFIG_FILE}")
     if has_weights(path) and (path / CONFIG_FILE).is_file() or is_hf_dir(path):
         return path
     best = path / CHECKPOINTS_DIR / BEST_NAME
@@ -126,7 +138,10 @@ def load_model(
     # quantizing reads fp32 weights, in host memory: only the integers reach a GPU, so a model whose int4 weights
     # fit the card loads even where its fp32 weights would not
     load_dtype, load_device = (torch.float32, "cpu") if quantize else (dtype, device)
-    if is_hf_dir(directory):
+    tokenizer = None
+    if directory.is_file():  # a GGUF file: the only file resolve_checkpoint lets through
+        model, tokenizer = load_gguf(directory, device=load_device, dtype=load_dtype)
+    elif is_hf_dir(directory):
         model = from_hf(directory, device=load_device, dtype=load_dtype)
     elif (directory / LORA_FILE).is_file():
         model = load_lora_model(directory, device=load_device, dtype=load_dtype, merge=merge_adapters)
@@ -134,15 +149,61 @@ def load_model(
         model = load_gptlab_model(directory, device=load_device, dtype=load_dtype)
     if quantize:
         model = quantize_model(model.eval(), quantize, group_size).to(device=device, dtype=dtype)
-    tokenizer, _ = optional_tokenizer(directory)
+    if tokenizer is None:
+        tokenizer, _ = optional_tokenizer(directory)
     if tokenizer is None and (directory / LORA_FILE).is_file():  # adapters trained on data without a tokenizer
         tokenizer, _ = optional_tokenizer(resolve_checkpoint(read_lora_config(directory)[1]["path"]))
     return model, tokenizer
 
 
+def load_frozen_base(path: str | Path, dtype: torch.dtype, quantize: str | None = None,
+                     group_size: int | None = None, device: str | torch.device = "cpu") -> GPT:
+    """The model `path` names as LoRA's frozen base: QLoRA's block Linears quantized (`qlora.quantize_base`, from
+    the weights in fp32, as `load_lora_model` quantizes them again), every other weight in `dtype`.
+
+    A gptlab checkpoint is read one tensor at a time (`stream_tensors`), each converted before the next is read:
+    neither its file nor the model in fp32 is ever in memory whole, so the peak is about the base as it trains
+    (a QLoRA int4 base: about a quarter of its bf16 bytes) plus one tensor. Other models load whole, then convert."""
+    directory = resolve_checkpoint(path, prefer="best")
+    if is_hf_dir(directory) or (directory / LORA_FILE).is_file():  # quantizing widens each weight to fp32 itself
+        model, _ = load_model(path, prefer="best", dtype=None if quantize else dtype)
+        if quantize:
+            quantize_base(model, quantize, group_size)
+        return _frozen(model, dtype, device)
+    config = read_config(directory / CONFIG_FILE)
+    with torch.device("meta"):
+        model = GPT(config)
+    where = f"{directory / MODEL_FILE} (against {directory / CONFIG_FILE})"
+    shapes, tensors = stream_tensors(directory / MODEL_FILE)
+    check_plain_shapes(plain_shapes(config), with_tied_head(dict(shapes), config), where)
+    check_quantize_options(quantize, group_size)
+    linears = {f"{name}.weight": name for name, _ in base_linears(model)} if quantize else {}
+    for key, tensor in tensors:
+        if key in linears:  # its bias, if any, is read first or later: either way a buffer of the layer
+            model.get_submodule(linears[key]).weight = torch.nn.Parameter(tensor.float(), requires_grad=False)
+            quantize_layer(model, linears[key], quantize, group_size)
+        else:
+            model.load_state_dict({key: tensor.to(dtype)}, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    return _frozen(model, dtype, device)
+
+
+def _frozen(model: GPT, dtype: torch.dtype, device: str | torch.device) -> GPT:
+    """The model's parameters in `dtype` on `device`, frozen (quantized layers' integers and scales as they are)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(device=device, dtype=dtype)
+            p.requires_grad_(False)
+    return model.to(device).eval()
+
+
 def base_reference(path: str | Path) -> dict[str, str]:
     """{"path", "sha256"} of the model a LoRA run adapts: the checkpoint or Hugging Face directory `path` means."""
     directory = resolve_checkpoint(path).resolve()
+    if directory.is_file():
+        raise GptlabError(f"{path} is a GGUF file: a LoRA run records its base's safetensors weights; convert it "
+                          f"first (`gptlab convert {path} BASE`) and adapt BASE")
     if (directory / LORA_FILE).is_file():
         raise GptlabError(f"{path} holds LoRA adapters, not a whole model: merge them first (`gptlab convert "
                           f"{path} OUT --to gptlab`) and adapt that")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from gptlab.attention import CausalSelfAttention, Hook, tap
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import KVCache, document_masks, masks_for
-from gptlab.ops import cross_entropy, linear
+from gptlab.ops import assert_in_range_on_device, cross_entropy, linear
 from gptlab.rope import rope_tables
 
 
@@ -110,17 +111,17 @@ class Block(nn.Module):
             self.ln_mlp_out = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, masks, kv_cache, manual):  # noqa: ANN001, ANN201 - internal, see GPT.forward
+    def forward(self, x, rope, masks, kv_cache):  # noqa: ANN001, ANN201 - internal, see GPT.forward
         hooks = self.hooks
         x = tap(hooks, "hook_resid_pre", x)
         if self.layout == "parallel":  # x + attn(norm1(x)) + mlp(norm2(x)): GPT-NeoX; one norm for both: GPT-J
             h = self.ln_1(x)
-            a, w = self.attn(h, rope, masks, kv_cache, manual)
+            a = self.attn(h, rope, masks, kv_cache)
             m = self.mlp(h if self.shared_norm else self.ln_2(x))
             x = x + tap(hooks, "hook_attn_out", a) + tap(hooks, "hook_mlp_out", m)
-            return tap(hooks, "hook_resid_post", x), w
+            return tap(hooks, "hook_resid_post", x)
         post = self.layout == "post"  # post: norm(x + f(x)), the original transformer; else x + f(norm(x))
-        a, w = self.attn(x if post else self.ln_1(x), rope, masks, kv_cache, manual)
+        a = self.attn(x if post else self.ln_1(x), rope, masks, kv_cache)
         if self.layout == "sandwich":  # x + norm(f(norm(x))): Gemma 2
             a = self.ln_attn_out(a)
         x = x + tap(hooks, "hook_attn_out", a)
@@ -129,7 +130,7 @@ class Block(nn.Module):
         if self.layout == "sandwich":
             m = self.ln_mlp_out(m)
         x = x + tap(hooks, "hook_mlp_out", m)
-        return tap(hooks, "hook_resid_post", self.ln_2(x) if post else x), w
+        return tap(hooks, "hook_resid_post", self.ln_2(x) if post else x)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -138,6 +139,13 @@ class Block(nn.Module):
 def embedding(num: int, dim: int, init: bool) -> nn.Embedding:
     """nn.Embedding, left uninitialized (its own N(0, 1) init skipped) when `init` is False."""
     return nn.Embedding(num, dim) if init else nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
+class ModelOutput(NamedTuple):
+    """What `GPT.forward` returns: `logits, loss = model(idx, targets)` unpacks it."""
+
+    logits: torch.Tensor  # (B, T, vocab)
+    loss: torch.Tensor | None  # a 0-dim tensor (or per target with reduction="none"); None without targets
 
 
 class GPT(nn.Module):
@@ -214,17 +222,17 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
-        return_attention: bool = False,
         reduction: str = "mean",
         check_ids: bool = True,
         documents: torch.Tensor | None = None,
-    ):  # noqa: ANN201 - (logits, loss) or (logits, loss, attentions)
-        """logits (B, T, vocab) for every position, and the cross-entropy over targets that are not -1 (their mean,
-        or with `reduction="sum"` their sum: a trainer averaging over a whole batch of masked targets needs sums).
+    ) -> ModelOutput:
+        """`ModelOutput(logits, loss)`: logits (B, T, vocab) for every position, and the cross-entropy over targets
+        that are not -1 (their mean, or with `reduction="sum"` their sum: a trainer averaging over a whole batch of
+        masked targets needs sums), None without targets. Attention weights and every other activation are read
+        through the hook points (`gptlab.run_with_cache`).
 
-        With `kv_cache`, idx holds only the new tokens of each row; they are appended to the cache. With
-        `return_attention=True` the manual attention path runs and a list of (B, nh, T, T_k) weights per layer is
-        returned as a third element. `check_ids=False`: the caller has checked idx and targets against the
+        With `kv_cache`, idx holds only the new tokens of each row; they are appended to the cache.
+        `check_ids=False`: the caller has checked idx and targets against the
         vocabulary already (the trainer does, on the host), so nothing on the forward's path reads a value back.
         `documents` (B, T): which packed document each token belongs to; each attends only within its own, from
         position 0 (`kv_cache.document_masks`).
@@ -232,11 +240,10 @@ class GPT(nn.Module):
         if check_ids and targets is not None and targets.numel():
             message = (f"a target is outside the vocabulary: targets must be in [0, {self.config.vocab_size}) or -1 "
                        "(ignored)")
-            if not _assert_in_range(targets, -1, self.config.vocab_size, message) and targets.device.type == "cpu":
+            on_device = assert_in_range_on_device(targets, -1, self.config.vocab_size, message)
+            if not on_device and targets.device.type == "cpu":
                 self.check_targets(targets)
-        h = self.hidden_states(idx, kv_cache=kv_cache, return_attention=return_attention, check_ids=check_ids,
-                               documents=documents)
-        h, attentions = h if return_attention else (h, None)
+        h = self.hidden_states(idx, kv_cache=kv_cache, check_ids=check_ids, documents=documents)
         loss = None
         if targets is None:
             logits = tap(self.hooks, "hook_logits", self.logits(h))
@@ -246,14 +253,14 @@ class GPT(nn.Module):
             logits = self.logits(h, head=linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else None)
             logits = tap(self.hooks, "hook_logits", logits)
             loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
-        return (logits, loss, attentions) if return_attention else (logits, loss)
+        return ModelOutput(logits, loss)
 
     def check_targets(self, targets: torch.Tensor) -> None:
         """A ValueError naming the first target outside the vocabulary (-1, ignored, aside): the loss would
         otherwise fail with a bare IndexError. Two reductions over the targets, nothing next to the forward;
         `forward` runs it on CPU tensors only: on a GPU reading the result back would stall every step, so there
-        the check is an assertion on the device (`_assert_in_range`), which names the problem where the loss
-        would fail with a bare device-side assert."""
+        the check is an assertion on the device (`ops.assert_in_range_on_device`), which names the problem where
+        the loss would fail with a bare device-side assert."""
         low, high = int(targets.min()), int(targets.max())
         if low < -1 or high >= self.config.vocab_size:
             bad = low if low < -1 else high
@@ -274,17 +281,15 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         *,
         kv_cache: KVCache | None = None,
-        return_attention: bool = False,
         check_ids: bool = True,
         documents: torch.Tensor | None = None,
-    ):  # noqa: ANN201 - tensor, or (tensor, attentions)
+    ) -> torch.Tensor:
         """Final-norm hidden states (B, T, C); callers that need only some positions apply `logits` to those.
         `check_ids=False`: idx is known to be in the vocabulary (see `forward`)."""
         cfg = self.config
         idx = self._check_input(idx, kv_cache, check_ids)
         B, T = idx.shape
         device = idx.device
-        manual = return_attention or cfg.attention == "manual"
 
         if documents is not None:  # packed documents, each as if alone (no cache: training and scoring)
             if kv_cache is not None or documents.shape != idx.shape:
@@ -308,23 +313,21 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
 
-        attentions = []
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
             if recompute:  # keep only each block's input; backward runs its forward again (same dropout masks)
-                x, weights = checkpoint(block, x, rope, masks, kv_cache, manual, use_reentrant=False)
+                x = checkpoint(block, x, rope, masks, kv_cache, use_reentrant=False)
             else:
-                x, weights = block(x, rope, masks, kv_cache, manual)
-            attentions.append(weights)
+                x = block(x, rope, masks, kv_cache)
         x = tap(hooks, "ln_final.hook_normalized", self.transformer.ln_f(x))
         if kv_cache is not None:
             kv_cache.advance(T)
-        return (x, attentions) if return_attention else x
+        return x
 
     def _check_input(self, idx: torch.Tensor, kv_cache: KVCache | None, check_ids: bool = True) -> torch.Tensor:
         """Clear ValueErrors for bad input instead of index errors deep inside torch. The ids' values are read
         back only from CPU tensors: on a GPU that read would stall the host on every forward, so there they are
-        an assertion on the device (`_assert_in_range`)."""
+        an assertion on the device (`ops.assert_in_range_on_device`)."""
         cfg = self.config
         if not isinstance(idx, torch.Tensor):
             raise ValueError(f"token ids must be a torch.Tensor, got {type(idx).__name__}")
@@ -341,7 +344,7 @@ class GPT(nn.Module):
             raise ValueError("a KV-cached forward is for inference: run it under torch.no_grad() or inference_mode()")
         if kv_cache is not None and kv_cache.batch_size != B:
             raise ValueError(f"the KV cache has {kv_cache.batch_size} rows but the input has {B}")
-        if check_ids and not torch.compiler.is_compiling() and not _assert_in_range(
+        if check_ids and not torch.compiler.is_compiling() and not assert_in_range_on_device(
                 idx, 0, cfg.vocab_size, f"a token id is outside [0, {cfg.vocab_size}) (the model's vocab_size)"):
             lo, hi = torch.aminmax(idx)
             if lo < 0 or hi >= cfg.vocab_size:
@@ -390,35 +393,6 @@ class GPT(nn.Module):
 
     def iter_blocks(self) -> Iterator[Block]:
         return iter(self.transformer.h)
-
-
-def _assert_in_range(t: torch.Tensor, low: int, high: int, message: str) -> bool:
-    """On a CUDA tensor: queue a device-side assertion that every value is in [low, high) and return True (the
-    caller then reads nothing back: the check costs no host sync; a failure stops the process with `message`
-    when the GPU gets there). On any other device False: the caller checks on the host, with a ValueError."""
-    if t.device.type != "cuda":
-        return False
-    lo, hi = torch.aminmax(t)
-    torch._assert_async((lo >= low) & (hi < high), message)
-    return True
-
-
-def parameter_breakdown(config: GPTConfig) -> dict[str, int]:
-    """Parameter counts by component, computed on the meta device: no memory is allocated, so any preset works.
-
-    Components: embeddings (token + position), attention, mlp, norms, head (0 when tied: counted once, with the
-    embeddings), and total.
-    """
-    with torch.device("meta"):
-        model = GPT(config)
-    counts = dict.fromkeys(COMPONENTS, 0)
-    for name, p in model.named_parameters():
-        counts[parameter_component(name)] += p.numel()
-    counts["total"] = sum(counts.values())
-    return counts
-
-
-COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
 
 
 def parameter_component(name: str) -> str:

@@ -10,7 +10,8 @@
   The same holds for a GPU's tensor cores (a padded vocabulary trains GPT-2 faster: README, "On a GPU"); there
   the padding is `F.pad` of the weight, which torch.compile fuses into autocast's cast of it.
 * `cross_entropy`: F.cross_entropy(logits.float(), targets, ignore_index=-1) without an fp32 copy of the whole
-  (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words.
+  (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words; in training one pass of
+  exp over the logits, whose softmax is also the gradient (backward only scales it).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
 
 
 def _row_chunks(rows: int, cols: int, device: torch.device) -> Iterator[slice]:
-    """Row ranges of a (rows, cols) matrix whose fp32 copies take 8 MB each on a CPU (cache-sized: each chunk is
-    read several times), 256 MB on a GPU (where each chunk costs kernel launches)."""
-    return _chunks(rows, max(1, (1 << (21 if device.type == "cpu" else 26)) // max(cols, 1)))
+    """Row ranges of a (rows, cols) matrix whose fp32 copies take 2 MB each on a CPU (about a core's L2 per
+    thread of two: each chunk is read several times; 8 MB chunks ran the cross-entropy ~1.4x slower on a Zen
+    core), 256 MB on a GPU (where each chunk costs kernel launches)."""
+    return _chunks(rows, max(1, (1 << (19 if device.type == "cpu" else 26)) // max(cols, 1)))
 
 
 class _UpcastLinear(torch.autograd.Function):
@@ -177,33 +179,51 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 class _CrossEntropy(torch.autograd.Function):
     """Per-row cross-entropy of (N, V) logits in any float dtype against (N,) targets (-1: ignored, loss 0),
     computed in fp32 over row chunks: no fp32 copy of the whole logits, no saved log-softmax (N x V fp32 each:
-    400 MB apiece at 2,048 x 49,152). Saves the logits themselves (which the caller holds anyway) and one
-    log-sum-exp per row; backward recomputes softmax chunk by chunk."""
+    400 MB apiece at 2,048 x 49,152).
+
+    With `grad` the forward also makes the gradient: a chunk's softmax, computed once for its log-sum-exp, minus
+    the targets' one-hot is d(loss_i)/d(logits_i), stored in the logits' dtype (the buffer backward would
+    allocate for its result). Backward then only scales each row by its incoming gradient: no second pass of
+    exp over the 50,257-wide rows. The stored softmax is rounded to the logits' dtype before that scaling (for
+    bf16 two roundings instead of one: within bf16's own error)."""
 
     @staticmethod
-    def forward(ctx, logits, targets):  # noqa: ANN001, ANN205
+    def forward(ctx, logits, targets, grad):  # noqa: ANN001, ANN205
         n = logits.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         picked = torch.empty(n, dtype=torch.float32, device=logits.device)
         valid = targets != -1
         safe = targets.clamp(min=0)
+        softmax = torch.empty_like(logits) if grad else None  # minus the one-hot: the per-row gradient
         for rows in _row_chunks(n, logits.shape[1], logits.device):
-            chunk = logits[rows].float()
-            lse[rows] = torch.logsumexp(chunk, dim=-1)
-            picked[rows] = chunk.gather(1, safe[rows, None])[:, 0]
-        ctx.save_for_backward(logits, safe, valid, lse)
+            chunk = logits[rows]
+            picked[rows] = chunk.gather(1, safe[rows, None])[:, 0].float()
+            if softmax is None:
+                lse[rows] = torch.logsumexp(chunk.float(), dim=-1)
+                continue
+            # the row maxima (exact in any dtype), then exp(logits - max) in fp32, in place on one fp32 copy (a
+            # subtraction of mixed dtypes runs ~30x slower on a CPU)
+            peak = chunk.amax(dim=-1, keepdim=True).float().clamp_(min=torch.finfo(torch.float32).min)
+            shifted = chunk.to(torch.float32, copy=True).sub_(peak).exp_()
+            total = shifted.sum(dim=-1, keepdim=True)
+            lse[rows] = (total.log() + peak)[:, 0]
+            shifted.mul_(total.reciprocal_()).scatter_add_(1, safe[rows, None], -valid[rows, None].float())
+            softmax[rows] = shifted
+        ctx.save_for_backward(softmax, valid)
         return torch.where(valid, lse - picked, 0.0)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        logits, safe, valid, lse = ctx.saved_tensors
-        scale = torch.where(valid, grad.float(), 0.0)
-        out = torch.empty_like(logits)
-        for rows in _row_chunks(logits.shape[0], logits.shape[1], logits.device):
-            p = (logits[rows].float() - lse[rows, None]).exp_()
-            p.scatter_add_(1, safe[rows, None], -valid[rows, None].float())
-            out[rows] = p.mul_(scale[rows, None])
-        return out, None
+        softmax, valid = ctx.saved_tensors
+        if softmax is None:
+            raise RuntimeError("cross_entropy was computed without its gradient (grad=False)")
+        scale = torch.where(valid, grad.float(), 0.0)[:, None]
+        if softmax.dtype == torch.float32:
+            return softmax * scale, None, None
+        out = torch.empty_like(softmax)  # scaled in fp32 chunk by chunk (mixed-dtype products run far slower)
+        for rows in _row_chunks(out.shape[0], out.shape[1], out.device):
+            out[rows] = softmax[rows].float().mul_(scale[rows])
+        return out, None, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -216,9 +236,20 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
         # compiled on a GPU, inductor fuses this into passes over the logits that hold no fp32 copy of them: far
         # fewer bytes than the chunks below, which are for a CPU's memory
         return F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction=reduction)
-    losses = _CrossEntropy.apply(logits, targets)
+    losses = _CrossEntropy.apply(logits, targets, logits.requires_grad and torch.is_grad_enabled())
     if reduction == "none":
         return losses
     if reduction == "sum":
         return losses.sum()
     return losses.sum() / (targets != -1).sum()
+
+
+def assert_in_range_on_device(t: torch.Tensor, low: int, high: int, message: str) -> bool:
+    """On a CUDA tensor: queue a device-side assertion that every value is in [low, high) and return True (the
+    caller then reads nothing back: the check costs no host sync; a failure stops the process with `message`
+    when the GPU gets there). On any other device False: the caller checks on the host, with a ValueError."""
+    if t.device.type != "cuda":
+        return False
+    lo, hi = torch.aminmax(t)
+    torch._assert_async((lo >= low) & (hi < high), message)
+    return True

@@ -50,16 +50,28 @@ class _DequantizedLinear(torch.autograd.Function):
 def quantize_base(model: GPT, mode: str, group_size: int | None = None) -> GPT:
     """Every Linear of the blocks as a `FrozenQuantizedLinear` (in place, before `add_lora`); returns the model."""
     check_options(mode, group_size)
-    group = (group_size or DEFAULT_GROUP_SIZE) if mode == "int4" else 0
-    for block in model.iter_blocks():
-        for name, layer in list(block.named_modules()):
-            if type(layer) is not nn.Linear:
-                continue
-            if group and layer.in_features % group:
-                raise GptlabError(f"int4 group size {group} does not divide {name}'s input width {layer.in_features}:"
-                                  " choose another group size, or int8")
-            parent, _, attr = name.rpartition(".")
-            with torch.no_grad():
-                quantized = FrozenQuantizedLinear(layer, mode, group)
-            setattr(block.get_submodule(parent) if parent else block, attr, quantized)
+    for name, _ in base_linears(model):
+        quantize_layer(model, name, mode, group_size)
     return model
+
+
+def base_linears(model: GPT) -> list[tuple[str, nn.Linear]]:
+    """The Linears QLoRA quantizes: those of the blocks, by their names in `model`."""
+    return [(f"transformer.h.{i}.{name}", layer) for i, block in enumerate(model.iter_blocks())
+            for name, layer in block.named_modules() if type(layer) is nn.Linear]
+
+
+def quantize_layer(model: GPT, name: str, mode: str, group_size: int | None = None) -> FrozenQuantizedLinear:
+    """The Linear `name` of `model` replaced by its `FrozenQuantizedLinear` (int4 in groups of `group_size`,
+    default 32); a one-line error when the group does not divide its input width."""
+    layer = model.get_submodule(name)
+    group = (group_size or DEFAULT_GROUP_SIZE) if mode == "int4" else 0
+    if group and layer.in_features % group:
+        raise GptlabError(f"int4 group size {group} does not divide {name}'s input width {layer.in_features}:"
+                          " choose another group size, or int8")
+    with torch.no_grad():
+        quantized = FrozenQuantizedLinear(layer, mode, group)
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, quantized)
+    return quantized
+

@@ -124,7 +124,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if interleaved:  # pairs (0, 1), (2, 3), ...
         a, b = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    else:  # pairs (i, i + half)
+    else:  # pairs (i, i + half): x cos + rotate_half(x) sin over the whole width, the pairwise form's sums bit for
+        # bit (a cos - b sin is a cos + (-b) sin exactly) in fewer, full-width ops
         a, b = rot[..., :half], rot[..., half:]
-        rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    return torch.cat((rotated, rest), dim=-1)
+        rotated = rot * torch.cat((cos, cos), dim=-1) + torch.cat((-b, a), dim=-1) * torch.cat((sin, sin), dim=-1)
+    return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)  # no copy without a rest

@@ -87,7 +87,7 @@ def direction_from_prompts(
     if not positive or not negative:
         raise GptlabError("a steering direction from prompts needs at least one positive and one negative prompt")
     SteeringVector(torch.zeros(model.config.n_embd), layer).check(model)
-    name = f"blocks.{layer}.hook_resid_pre"
+    name = resid_pre(layer)
 
     def mean_stream(prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         rows = [run_with_cache(model, list(p), [name], device="cpu", dtype=torch.float32)[1][name][0].mean(0)
@@ -97,12 +97,31 @@ def direction_from_prompts(
     return mean_stream(positive) - mean_stream(negative)
 
 
-def _adder(vectors: list[SteeringVector]) -> HookFn:
-    total = sum(v.scale * v.direction.float() for v in vectors)
+def layer_totals(vectors: Sequence[SteeringVector]) -> dict[int, torch.Tensor]:
+    """Each steered layer's sum of `scale * direction` (float32), in the vectors' order; the one sum that whole
+    forwards (`steered`) and the engine's rows (`generation.row_steering`) add."""
+    totals: dict[int, torch.Tensor] = {}
+    for v in vectors:
+        totals[v.layer] = totals.get(v.layer, 0) + v.scale * v.direction.float()
+    return totals
 
+
+def resid_pre(layer: int) -> str:
+    """The hook point a steering vector of `layer` is added at."""
+    return f"blocks.{layer}.hook_resid_pre"
+
+
+def _adder(total: torch.Tensor) -> HookFn:
     def add(x: torch.Tensor) -> torch.Tensor:
         return x + total.to(device=x.device, dtype=x.dtype)
     return add
+
+
+def check_vectors(model: GPT, vectors: Sequence[SteeringVector]) -> tuple[SteeringVector, ...]:
+    """The vectors as a tuple, each checked against `model` (layer in range, the model's width, finite)."""
+    for v in vectors:
+        v.check(model)
+    return tuple(vectors)
 
 
 @contextlib.contextmanager
@@ -112,10 +131,6 @@ def steered(model: GPT, vectors: Sequence[SteeringVector]) -> Iterator[GPT]:
     if not vectors:
         yield model
         return
-    by_layer: dict[int, list[SteeringVector]] = {}
-    for v in vectors:
-        v.check(model)
-        by_layer.setdefault(v.layer, []).append(v)
-    fns = {f"blocks.{layer}.hook_resid_pre": _adder(vs) for layer, vs in by_layer.items()}
-    with hooked(model, fns):
+    totals = layer_totals(check_vectors(model, vectors))
+    with hooked(model, {resid_pre(layer): _adder(total) for layer, total in totals.items()}):
         yield model

@@ -48,8 +48,8 @@ def build(family: str, seed: int = 0, **overrides) -> GPT:
 
 def gpt2_like(**kw: object) -> nn.Module:
     """A tiny model of the GPT-2 family: pre-norm LayerNorm blocks, GELU MLP, learned positions."""
-    kw = {"n_kv_head": None, **kw}
-    return tiny_model(position="learned", vocab_size=VOCAB, norm="layernorm", mlp="gelu", bias=True, **kw)
+    kw = {"n_kv_head": None, "mlp": "gelu", **kw}
+    return tiny_model(position="learned", vocab_size=VOCAB, norm="layernorm", bias=True, **kw)
 
 
 ALL_FAMILIES = ["gpt2", *FAMILIES]

@@ -103,6 +103,16 @@ def one_line_error(rc: int, err: str, notes: int = 0) -> str:
 
 
 # --- models and tokenizers ----------------------------------------------------------------------------------------
+def attention_patterns(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(logits, each layer's attention weights (B, nh, T, T_k)): every layer's pattern hooked, so every layer
+    runs the manual attention path."""
+    from gptlab import run_with_cache
+
+    names = [f"blocks.{i}.attn.hook_pattern" for i in range(model.config.n_layer)]
+    logits, cache = run_with_cache(model, idx, names)
+    return logits, [cache[name] for name in names]
+
+
 def tiny_model(
     position: str = "rope", block_size: int = 64, vocab_size: int = 256, seed: int = 0, **kw
 ) -> GPT:
@@ -349,3 +359,21 @@ def hf_gpt2_dir(directory: Path, text: str, block_size: int = 64, vocab_size: in
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(directory)
     return directory
+
+
+# --- llama.cpp (llama-cpp-python, the `bench` extra) ------------------------------------------------------------
+def open_llama_cpp(gguf_path: Path, **options: object):  # noqa: ANN201 - llama_cpp.Llama, an optional package
+    """llama.cpp over a GGUF file (one thread, a 64-token context; `options` go to `llama_cpp.Llama`); skips the
+    test where llama-cpp-python is not installed."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the `bench` extra)")
+    return llama_cpp.Llama(str(gguf_path), n_ctx=64, verbose=False, n_threads=1, **options)
+
+
+def llama_cpp_greedy(llm: object, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's first `n` greedy tokens after `prompt`."""
+    tokens: list[int] = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # type: ignore[attr-defined]
+        tokens.append(token)
+        if len(tokens) == n:
+            break
+    return tokens

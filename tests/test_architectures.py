@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from families import BLOCK, FAMILIES, VOCAB, build, config
+from helpers import attention_patterns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,7 +158,7 @@ def test_sliding_window_attention_weights(family):
     W = cfg.sliding_window
     idx = tokens(0, (2, T))
     with torch.no_grad():
-        _, _, weights = model(idx, return_attention=True)
+        _, weights = attention_patterns(model, idx)
     t = torch.arange(T)[:, None]
     k = torch.arange(T)[None, :]
     window = (k <= t) & (k > t - W)
@@ -178,7 +179,7 @@ def test_sdpa_equals_manual_with_sliding_and_global_layers():
     idx = tokens(3, (2, 30))
     with torch.no_grad():
         fused, _ = model(idx)
-        manual, _, _ = model(idx, return_attention=True)
+        manual, _ = attention_patterns(model, idx)
         model.config.attention = "manual"
         switched, _ = model(idx)
         model.config.attention = "sdpa"

@@ -26,7 +26,8 @@ from gptlab.tokenizer import CharTokenizer
 VALUES = {"null": None, "text": "x", "list": [1], "object": {"a": 1}, "true": True, "zero": 0, "minus-one": -1,
           "huge": 2**63, "huge-float": 1e308, "nan": math.nan, "inf": math.inf}
 WHOLE = {"empty": b"", "cut": None, "not-json": b"{ torn", "list": b"[1, 2]", "number": b"7", "string": b'"x"',
-         "deep": b"[" * 100_000 + b"]" * 100_000}
+         "deep": b"[" * 100_000 + b"]" * 100_000, "not-utf8": b'{"a": "\xff\xfe"}', "binary": bytes(range(256)) * 4,
+         "nan": b"NaN", "huge": b"1" * 5000, "directory": None}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def damaged_copy(originals: dict[str, Path], tmp_path: Path, kind: str) -> Path:
 def assert_one_line_or_loads(load: Callable[[Path], None], d: Path, name: str) -> None:
     try:
         load(d)
-    except (GptlabError, ValueError, FileNotFoundError) as e:
+    except (GptlabError, ValueError, OSError) as e:
         message = str(e)
         assert "\n" not in message.strip(), message
         assert name in message or str(d) in message, f"the error does not name {name}: {message}"
@@ -108,9 +109,17 @@ def test_a_damaged_json_file_is_one_line(originals, tmp_path: Path, kind: str, n
                                          how: str) -> None:
     load = next(f for k, n, f in FILES if (k, n) == (kind, name))
     d = damaged_copy(originals, tmp_path, kind)
-    path = d / name
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2] if how == "cut" else WHOLE[how])
+    damage_whole(d / name, how)
     assert_one_line_or_loads(load, d, name)
+
+
+def damage_whole(path: Path, how: str) -> None:
+    """`path` replaced by one of WHOLE's damages ("cut": its first half; "directory": an empty directory)."""
+    if how == "directory":
+        path.unlink()
+        path.mkdir()
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2] if how == "cut" else WHOLE[how])
 
 
 @pytest.mark.parametrize(("kind", "name"), [(k, n) for k, n, _ in FILES], ids=lambda x: str(x))

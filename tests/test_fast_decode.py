@@ -108,6 +108,22 @@ def test_quantized_native_step_equals_the_lean_one(on_kernel, family: str, mode:
     assert _close(want, _steps(model, decode_hidden, [7, 2, 4]), dtype, fp32_tol=2**-11)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("mlp", "approximate"), [("gelu", "none"), ("gelu", "tanh"), ("geglu", "none"),
+                                                 ("geglu", "tanh"), ("swiglu", "none"), ("relu2", "none")])
+def test_native_activations_follow_atens(on_kernel, mlp: str, approximate: str, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """The C++ step computes the MLP's activation itself (its own exp, tanh and erf): against the lean step's ATen
+    ops, with the first Linear's weights scaled up so that pre-activations reach the tails (|x| up to ~10), where
+    GELU's 1 + erf and silu's 1 + e^-x lose accuracy in a careless formula."""
+    model = gpt2_like(mlp=mlp, gelu_approximate=approximate).to(dtype)
+    with torch.no_grad():
+        for b in model.transformer.h:
+            b.mlp.c_fc.weight.mul_(40)
+    with PackedLinears(model).active():
+        want = _steps(model, lean, [7, 2, 4])
+        assert _close(want, _steps(model, decode_hidden, [7, 2, 4]), dtype)
+
+
 def test_native_step_is_skipped_when_a_norm_has_another_epsilon(on_kernel) -> None:  # noqa: ANN001
     """The C++ step takes the config's epsilon for every norm: a block whose ln_2 differs keeps the lean step."""
     model = gpt2_like()

@@ -22,16 +22,6 @@ gguf = pytest.importorskip("gguf")
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
 
 
-def _field(reader, key):  # noqa: ANN001, ANN202
-    field = reader.fields[key]
-    if field.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode()
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        return [bytes(field.parts[i]).decode() if field.types[-1] == gguf.GGUFValueType.STRING
-                else field.parts[i].tolist()[0] for i in field.data]
-    return field.parts[field.data[0]].tolist()[0]
-
-
 def _tensor(reader, name: str) -> np.ndarray:  # noqa: ANN001
     t = next(t for t in reader.tensors if t.name == name)
     data = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -55,12 +45,12 @@ def test_gpt2_round_trip_through_the_gguf_reader(tmp_path: Path, capsys: pytest.
     assert main(["convert", str(ckpt), str(tmp_path / "m.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
     assert "wrote GGUF" in capsys.readouterr().out
     r = gguf.GGUFReader(tmp_path / "m.gguf")
-    assert _field(r, "general.architecture") == "gpt2"
+    assert r.fields["general.architecture"].contents() == "gpt2"
     cfg = model.config
     for key, value in [("gpt2.block_count", 2), ("gpt2.embedding_length", 64), ("gpt2.context_length", 32),
                        ("gpt2.attention.head_count", 4), ("gpt2.feed_forward_length", 256)]:
-        assert _field(r, key) == value, key
-    assert _field(r, "gpt2.attention.layer_norm_epsilon") == pytest.approx(cfg.norm_eps)
+        assert r.fields[key].contents() == value, key
+    assert r.fields["gpt2.attention.layer_norm_epsilon"].contents() == pytest.approx(cfg.norm_eps)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     assert np.array_equal(_tensor(r, "token_embd.weight"), state["transformer.wte.weight"])
     assert np.array_equal(_tensor(r, "output.weight"), state["transformer.wte.weight"])  # tied: written anyway
@@ -69,7 +59,7 @@ def test_gpt2_round_trip_through_the_gguf_reader(tmp_path: Path, capsys: pytest.
     assert np.array_equal(_tensor(r, "position_embd.weight"), state["transformer.wpe.weight"])
     assert len(r.tensors) == 2 * 12 + 5
     # the characters, spelled as byte-level BPE tokens (space is "Ġ", newline "Ċ")
-    tokens = _field(r, "tokenizer.ggml.tokens")
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
     assert tokens == [{" ": "Ġ", "\n": "Ċ"}.get(c, c) for c in tok.chars]
 
 
@@ -86,9 +76,9 @@ def test_llama_q8_0_and_rope_rows(tmp_path: Path) -> None:
     model, tok = load_model(src)
     convert(src, tmp_path / "m.gguf", to="gguf", gguf_dtype="q8_0")
     r = gguf.GGUFReader(tmp_path / "m.gguf")
-    assert _field(r, "general.architecture") == "llama"
-    assert _field(r, "llama.attention.head_count_kv") == 1
-    assert _field(r, "llama.rope.dimension_count") == 16
+    assert r.fields["general.architecture"].contents() == "llama"
+    assert r.fields["llama.attention.head_count_kv"].contents() == 1
+    assert r.fields["llama.rope.dimension_count"].contents() == 16
     w = model.state_dict()["transformer.h.0.attn.c_attn.weight"].numpy()
     expected = interleave_rope_rows(w[:32], 2, 16)
     scale = np.abs(expected).max(axis=1, keepdims=True) / 127  # one q8_0 block per row of 32
@@ -98,11 +88,11 @@ def test_llama_q8_0_and_rope_rows(tmp_path: Path) -> None:
     rows = interleave_rope_rows(np.arange(32)[:, None], 2, 16)[:, 0]
     assert rows[:4].tolist() == [0, 8, 1, 9] and rows[16:18].tolist() == [16, 24]
     assert _tensor(r, "blk.0.attn_norm.weight").dtype == np.float32
-    tokens = _field(r, "tokenizer.ggml.tokens")
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
     assert tokens[tok.eot_id] == "<|endoftext|>"
-    assert _field(r, "tokenizer.ggml.eos_token_id") == tok.eot_id
-    assert _field(r, "tokenizer.ggml.token_type")[tok.bos_id] == 3  # control
-    assert len(_field(r, "tokenizer.ggml.merges")) > 0
+    assert r.fields["tokenizer.ggml.eos_token_id"].contents() == tok.eot_id
+    assert r.fields["tokenizer.ggml.token_type"].contents()[tok.bos_id] == 3  # control
+    assert len(r.fields["tokenizer.ggml.merges"].contents()) > 0
 
 
 def test_q4_0_keeps_every_weight_within_one_step_of_its_block(tmp_path: Path) -> None:
@@ -166,8 +156,7 @@ def test_gguf_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
 @pytest.mark.slow
 def test_llama_cpp_runs_the_file_with_gptlabs_greedy_tokens(tmp_path: Path) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the `bench` extra)")
-    from helpers import hf_llama_dir
+    from helpers import hf_llama_dir, llama_cpp_greedy, open_llama_cpp
 
     import gptlab
     from gptlab.conversion import convert
@@ -177,15 +166,11 @@ def test_llama_cpp_runs_the_file_with_gptlabs_greedy_tokens(tmp_path: Path) -> N
     for name, src in [("llama", hf_llama_dir(tmp_path / "hf", TEXT * 20, vocab_size=300)), ("gpt2", gpt2_ckpt)]:
         model, tok = load_model(src)
         convert(src, tmp_path / f"{name}.gguf", to="gguf", gguf_dtype="f32")
-        llm = llama_cpp.Llama(str(tmp_path / f"{name}.gguf"), n_ctx=64, verbose=False, n_threads=1)
+        llm = open_llama_cpp(tmp_path / f"{name}.gguf")
         prompt = tok.encode("To be, or")
         # the tokenizer came along: llama.cpp splits text into the same ids
         text = "Whether 'tis nobler in the mind"
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text), name
         ours = gptlab.generate(model, torch.tensor([prompt]), max_new_tokens=12, temperature=0.0)[0, len(prompt):]
-        theirs = []
-        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            theirs.append(token)
-            if len(theirs) == 12:
-                break
+        theirs = llama_cpp_greedy(llm, prompt, 12)
         assert theirs == ours.tolist(), name

@@ -87,13 +87,6 @@ def hf_family_dir(directory: Path, family: str) -> Path:
     return directory
 
 
-def _field(reader, key):  # noqa: ANN001, ANN202
-    field = reader.fields[key]
-    if field.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode()
-    return field.parts[field.data[0]].tolist()[0]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_writes_its_llama_cpp_architecture(tmp_path: Path, family: str) -> None:
     from gptlab.conversion import convert
@@ -102,26 +95,26 @@ def test_each_family_writes_its_llama_cpp_architecture(tmp_path: Path, family: s
     done = convert(src, tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
     r = gguf.GGUFReader(tmp_path / "m.gguf")
     arch, split = FAMILIES[family][3], FAMILIES[family][2]
-    assert _field(r, "general.architecture") == arch
-    assert _field(r, "tokenizer.ggml.pre") == (split or "gpt-2")
-    assert _field(r, "tokenizer.chat_template") == CHATML
+    assert r.fields["general.architecture"].contents() == arch
+    assert r.fields["tokenizer.ggml.pre"].contents() == (split or "gpt-2")
+    assert r.fields["tokenizer.chat_template"].contents() == CHATML
     tok = done.tokenizer
-    assert _field(r, "tokenizer.ggml.eos_token_id") == tok.eot_id
+    assert r.fields["tokenizer.ggml.eos_token_id"].contents() == tok.eot_id
     # ChatML's replies end with <|im_end|>: llama.cpp stops at the end-of-turn token
-    assert _field(r, "tokenizer.ggml.eot_token_id") == tok.encode("<|im_end|>", allow_special=True)[0]
+    assert r.fields["tokenizer.ggml.eot_token_id"].contents() == tok.encode("<|im_end|>", allow_special=True)[0]
     cfg = done.model.config
-    assert _field(r, f"{arch}.block_count") == cfg.n_layer
-    assert _field(r, f"{arch}.attention.head_count_kv") == cfg.n_kv_head
+    assert r.fields[f"{arch}.block_count"].contents() == cfg.n_layer
+    assert r.fields[f"{arch}.attention.head_count_kv"].contents() == cfg.n_kv_head
     names = {t.name for t in r.tensors}
     assert ("output.weight" in names) == (family != "gemma2")  # Gemma 2's head is its embedding in llama.cpp
     assert "blk.1.attn_output.weight" in names
     if family == "gemma2":
-        assert _field(r, "gemma2.attention.sliding_window") == 8
-        assert _field(r, "gemma2.final_logit_softcapping") == pytest.approx(30.0)
+        assert r.fields["gemma2.attention.sliding_window"].contents() == 8
+        assert r.fields["gemma2.final_logit_softcapping"].contents() == pytest.approx(30.0)
         assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= names
     if family == "qwen3":
         assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"} <= names
-        assert _field(r, "qwen3.attention.key_length") == 16  # 4 heads of 16 in width 32
+        assert r.fields["qwen3.attention.key_length"].contents() == 16  # 4 heads of 16 in width 32
     if family in ("phi3", "gptneox"):
         assert "blk.0.attn_qkv.weight" in names and "blk.0.attn_q.weight" not in names
 
@@ -148,7 +141,8 @@ def test_models_llama_cpp_cannot_run_are_refused_in_gguf_terms(tmp_path: Path,
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: str) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the `bench` extra)")
+    from helpers import llama_cpp_greedy, open_llama_cpp
+
     import gptlab
     from gptlab.conversion import convert
     from gptlab.tokenizer.chat_template import chat_template_for
@@ -157,22 +151,17 @@ def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: 
     done = convert(src, tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
     model, tok = done.model, done.tokenizer
     # swa_full: the whole context cached for sliding-window layers too (generate() resets and re-reads the prompt)
-    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=1, swa_full=True)
+    llm = open_llama_cpp(tmp_path / "m.gguf", swa_full=True)
     for text in ["Whether 'tis nobler in the mind", "we'll see 1234567 or 56789, you've got"]:
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text), (family, text)
     prompt = tok.encode("To be, or")
     ours = gptlab.generate(model, torch.tensor([prompt]), max_new_tokens=32, temperature=0.0)[0, len(prompt):]
-    theirs = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-        theirs.append(token)
-        if len(theirs) == 32:
-            break
-    assert theirs == ours.tolist(), family
+    assert llama_cpp_greedy(llm, prompt, 32) == ours.tolist(), family
     if family == "gemma2":  # llama-cpp-python 0.3.36's chat completion finds no KV slot in gemma2's sliding-window
         return  # cache (llama_decode returns 1, swa_full or not); the tokens above are llama.cpp's own decode
     # llama.cpp's chat completion renders the embedded template: its reply is gptlab's greedy reply to that text
     messages = [{"role": "user", "content": "Whether 'tis nobler"}]
-    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=1, swa_full=True)
+    llm = open_llama_cpp(tmp_path / "m.gguf", swa_full=True)
     reply = llm.create_chat_completion(messages, temperature=0.0, top_k=1, max_tokens=6)
     rendered = chat_template_for(tok).render(messages, add_generation_prompt=True)
     ids = tok.encode(rendered, allow_special=True)
@@ -197,7 +186,7 @@ def test_ollama_directory_holds_the_gguf_and_a_modelfile(tmp_path: Path, capsys:
     assert f'TEMPLATE """{GO_TEMPLATES["chatml"]}"""' in text
     assert 'PARAMETER stop "<|im_end|>"' in text and "PARAMETER temperature 1" in text
     r = gguf.GGUFReader(tmp_path / "ollama" / "model.gguf")
-    assert _field(r, "general.architecture") == "qwen2"
+    assert r.fields["general.architecture"].contents() == "qwen2"
     tok = CharTokenizer.from_text(TEXT)
     save_model(tmp_path / "char", GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size)), tok)
     assert main(["convert", str(tmp_path / "char"), str(tmp_path / "o2"), "--to", "ollama"]) == 0

@@ -17,7 +17,6 @@ from helpers import hf_llama_dir, one_line_error, write_jsonl
 from gptlab.cli import main
 from gptlab.tokenizer import CharTokenizer
 from gptlab.tokenizer.chat_template import chat_template_for
-from gptlab.train.config import build_train_config
 from gptlab.train.grpo import (
     completion_losses,
     completion_rows,
@@ -26,6 +25,7 @@ from gptlab.train.grpo import (
     prompts_and_replies,
     reply_ends,
 )
+from gptlab.train.recipe import build_train_config
 from gptlab.train.rewards import arithmetic_records, exact_match, load_reward
 
 

@@ -140,7 +140,7 @@ def test_the_forward_reads_no_value_when_the_ids_are_checked_already() -> None:
     """`check_ids=False` (the trainer's batches are checked on the host): a forward and backward over fake
     tensors, which have no values to read, runs through. The default check reads the ids on the CPU, and on a
     CUDA tensor queues an assertion on the device instead."""
-    from gptlab.model import _assert_in_range
+    from gptlab.ops import assert_in_range_on_device
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=50))
@@ -152,8 +152,8 @@ def test_the_forward_reads_no_value_when_the_ids_are_checked_already() -> None:
             model(idx, idx)
     with FakeTensorMode():  # fake CUDA tensors exist on a CPU-only build
         on_gpu = torch.empty(2, 16, dtype=torch.long, device="cuda")
-        assert _assert_in_range(on_gpu, 0, 50, "out of range")
-    assert not _assert_in_range(torch.zeros(2, 3, dtype=torch.long), 0, 50, "out of range")
+        assert assert_in_range_on_device(on_gpu, 0, 50, "out of range")
+    assert not assert_in_range_on_device(torch.zeros(2, 3, dtype=torch.long), 0, 50, "out of range")
     with pytest.raises(ValueError, match=r"token id 50 is outside \[0, 50\)"):
         model(torch.tensor([[1, 50]]))
     with pytest.raises(ValueError, match="target 77 is outside the vocabulary"):

@@ -8,17 +8,16 @@ import struct
 
 import pytest
 import torch
-from helpers import ByteTokenizer, hf_llama_dir, one_line_error, tiny_model
+from helpers import ByteTokenizer, attention_patterns, hf_llama_dir, one_line_error, tiny_model
 
 from gptlab import GPTConfig
 from gptlab.checkpoint import save_model
 from gptlab.cli import main
 from gptlab.errors import GptlabError
-from gptlab.flops import flops_per_token
+from gptlab.flops import flops_per_token, parameter_breakdown
 from gptlab.inspection import attention_map, logit_lens, read_curves, trace
 from gptlab.inspection.lens import stage_logits
 from gptlab.inspection.trace import config_of, numeric, sizes
-from gptlab.model import parameter_breakdown
 from gptlab.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +65,7 @@ def test_attention_json_is_causal_sums_to_one_and_equals_the_model(kw):
     assert data["tokens"] == list(TEXT) and data["token_ids"] == list(TEXT.encode())
     assert (data["n_layer"], data["n_head"]) == (model.config.n_layer, model.config.n_head)
     with torch.no_grad():
-        _, _, reference = model(torch.tensor([list(TEXT.encode())]), return_attention=True)
+        _, reference = attention_patterns(model, torch.tensor([list(TEXT.encode())]))
     for layer in data["layers"]:
         for head in layer["heads"]:
             w = torch.tensor(head["weights"])
@@ -137,7 +136,7 @@ def test_trace_shapes_params_and_flops_agree_with_the_model(kw):
     for name, module in model.named_modules():
         module.register_forward_hook(record(name))
     with torch.no_grad():
-        _, _, attentions = model(torch.randint(0, 97, (B, T)), return_attention=True)
+        _, attentions = attention_patterns(model, torch.randint(0, 97, (B, T)))
     named = [r for r in rows if r.module and r.module in seen]
     assert {r.module for r in named} >= {"transformer.wte", "transformer.h.0.attn.c_attn", "lm_head"}
     for r in named:

@@ -196,7 +196,7 @@ def test_export_then_import_gptlab_presets(tmp_path: Path) -> None:
 def test_family_presets_count_what_transformers_counts(preset: str, architecture: str) -> None:
     """The preset's config, written as config.json and built by transformers on the meta device (no download, no
     memory), has as many parameters as `gptlab info` reports."""
-    from gptlab.model import parameter_breakdown
+    from gptlab.flops import parameter_breakdown
 
     cfg = GPTConfig.preset(preset)
     hf_config = config_to_hf(cfg)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import attention_patterns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,7 +110,7 @@ def test_sdpa_equals_manual_attention(n_kv_head, position):
     idx = torch.randint(0, 97, (3, 20))
     with torch.no_grad():
         fused, _ = model(idx)
-        manual, _, weights = model(idx, return_attention=True)
+        manual, weights = attention_patterns(model, idx)
     assert (fused - manual).abs().max() < 1e-5
     assert len(weights) == 2 and weights[0].shape == (3, 4, 20, 20)
     w = weights[0]
@@ -127,7 +128,11 @@ def test_manual_attention_matches_a_reference_computation():
     attn = model.transformer.h[0].attn
     x = torch.randn(2, 9, 32)
     with torch.no_grad():
-        out, w = attn(x, None, Masks(None, None), None, manual=True)
+        model.config.attention = "manual"
+        seen: dict[str, torch.Tensor] = {}
+        attn.hooks = seen.setdefault  # a hook point's function: records the activation, returns it unchanged
+        out = attn(x, None, Masks(None, None), None)
+        w = seen["hook_pattern"]
         q, k, v = attn.c_attn(x).split([32, 16, 16], dim=-1)
         q = q.view(2, 9, 4, 8)
         k = k.view(2, 9, 2, 8).repeat_interleave(2, dim=2)
@@ -154,6 +159,25 @@ def test_rope_matches_complex_rotation():
     assert torch.allclose(out[..., :half], z.real, atol=1e-6)
     assert torch.allclose(out[..., half:4], z.imag, atol=1e-6)
     assert torch.equal(out[..., 4:], x[..., 4:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_rope_is_the_pairwise_formula_bit_for_bit(dtype, rotary_fraction):
+    """apply_rope's full-width form (x cos + rotate_half(x) sin) gives exactly the pairwise sums (a cos - b sin,
+    b cos + a sin), values and gradients, with and without dims passing through."""
+    from gptlab.rope import apply_rope, rope_tables
+
+    config = small(position="rope", rotary_fraction=rotary_fraction)
+    x = torch.randn(2, 4, 6, 8).to(dtype).requires_grad_()
+    cos, sin = rope_tables(config, torch.arange(6)[None])
+    half, (c, s) = cos.shape[-1], (cos.to(dtype), sin.to(dtype))
+    a, b, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    expected = torch.cat((a * c - b * s, b * c + a * s, rest), dim=-1)
+    out = apply_rope(x, cos, sin)
+    assert torch.equal(out, expected)
+    grad = torch.randn(out.shape).to(dtype)
+    assert torch.equal(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
 
 
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu", "geglu", "relu2"])
@@ -187,10 +211,10 @@ def test_block_layouts_match_their_formulas(block):
     with torch.no_grad():
         for p in b.parameters():  # norms off their init, so a norm in the wrong place shows
             p.add_(torch.randn_like(p) * 0.1)
-        out, _ = b(x, None, none, None, False)
+        out = b(x, None, none, None)
 
         def attn(z):
-            return b.attn(z, None, none, None, False)[0]
+            return b.attn(z, None, none, None)
 
         if block == "pre":
             h = x + attn(b.ln_1(x))

@@ -39,6 +39,38 @@ def test_cross_entropy_of_bf16_logits_is_computed_in_fp32() -> None:
     torch.testing.assert_close(ops.cross_entropy(logits, targets), expected, rtol=0, atol=1e-6)
 
 
+def test_cross_entropy_gradient_of_wide_bf16_logits_over_chunks() -> None:
+    """The gradient made in the forward (softmax minus one-hot, stored in bf16, scaled in backward) against the
+    fp64 gradient: GPT-2's 50,257-wide rows over several row chunks, ignored targets, a per-row weight. bf16 keeps
+    8 bits: two roundings (the stored softmax, the scaled result) stay within 2^-7 of each entry."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(100, 50257, generator=g) * 4).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 50257, (100,), generator=g)
+    targets[::7] = -1
+    assert len(list(ops._row_chunks(100, 50257, logits.device))) > 1
+    weights = torch.rand(100, generator=g) + 0.5
+    ours = ops.cross_entropy(logits, targets, reduction="none")
+    (g_ours,) = torch.autograd.grad((ours * weights).sum(), logits, retain_graph=True)
+    (again,) = torch.autograd.grad((ours * weights).sum(), logits)  # backward leaves its saved gradient as it was
+    ref = logits.detach().double().requires_grad_()
+    theirs = F.cross_entropy(ref, targets, ignore_index=-1, reduction="none")
+    (g_theirs,) = torch.autograd.grad((theirs * weights.double()).sum(), ref)
+    torch.testing.assert_close(ours.double(), theirs, rtol=0, atol=1e-5)
+    assert g_ours.dtype == torch.bfloat16 and torch.equal(g_ours, again)
+    torch.testing.assert_close(g_ours.double(), g_theirs, rtol=2**-7, atol=1e-9)
+    assert not g_ours[::7].any()  # ignored rows: no gradient at all
+
+
+def test_cross_entropy_without_gradient_is_the_same_loss() -> None:
+    """Under no_grad (evaluation) the forward skips the gradient; the loss is the same."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(30, 3000, generator=g).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 3000, (30,), generator=g)
+    with torch.no_grad():
+        plain = ops.cross_entropy(logits, targets, reduction="none")
+    torch.testing.assert_close(plain, ops.cross_entropy(logits, targets, reduction="none"), rtol=0, atol=2e-6)
+
+
 @pytest.fixture
 def no_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """Take the path of a CPU without bf16 matmul units, whatever this one has."""

@@ -82,12 +82,13 @@ def test_objective_and_data_must_match(tmp_path: Path) -> None:
 def test_the_memory_check_counts_the_frozen_reference_copy_but_not_under_lora() -> None:
     from gptlab.flops import parameter_counts
     from gptlab.train import build_train_config
-    from gptlab.train.setup import step_memory
+    from gptlab.train.memory import step_memory
 
     lm = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1})
     dpo = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1, "objective": "dpo"})
     params = parameter_counts(lm.model_config())[0]
-    assert step_memory(dpo, dpo.model_config(), 1, True) - step_memory(lm, lm.model_config(), 1, True) == 4 * params
+    assert step_memory(dpo, dpo.model_config(), 1, True).total - \
+        step_memory(lm, lm.model_config(), 1, True).total == 4 * params
     simpo = build_train_config({"model": "gpt2", "batch_size": 1, "grad_accum": 1, "objective": "simpo"})
     assert step_memory(simpo, simpo.model_config(), 1, True) == step_memory(lm, lm.model_config(), 1, True)
     lora = {"init_from": "x", "lora_rank": 4, "batch_size": 1, "grad_accum": 1}

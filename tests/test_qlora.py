@@ -5,6 +5,7 @@ dequantized weights in fp32 (a manual reference), the merged export is the dequa
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,9 @@ def test_qlora_trains_exports_merged_and_chats(tmp_path: Path, monkeypatch, caps
         if isinstance(layer, LoRALinear):
             want = base.get_submodule(name).dequantize() + layer.delta_weight()
             torch.testing.assert_close(merged.get_submodule(name).weight, want, atol=0, rtol=0)
+    pytest.importorskip("gguf")  # quantized again on export: GGUF holds q8_0 weights
+    assert main(["convert", str(run), str(tmp_path / "m.gguf"), "--to", "gguf", "--dtype", "q8_0"]) == 0
+    assert (tmp_path / "m.gguf").stat().st_size > 0
     monkeypatch.setattr("sys.stdin", __import__("io").StringIO("Hello\n"))
     capsys.readouterr()
     assert main(["chat", str(run), "--max-new-tokens", "3", "--temperature", "0"]) == 0
@@ -107,3 +111,81 @@ def test_quantize_needs_lora(tmp_path: Path, capsys) -> None:
     recipe = write_recipe(tmp_path, quantize="int4")
     rc = main(["train", str(recipe), "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--quiet"])
     assert "set lora_rank" in one_line_error(rc, capsys.readouterr().err)
+
+
+# --- the memory: the base read as it trains, and the check's count of it -------------------------------------------
+def model_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of every parameter and buffer, tied ones once; trainable parameters), counted on the real tensors."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return (sum(t.numel() * t.element_size() for t in tensors.values()),
+            sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("int4", "bfloat16"), ("int8", "bfloat16"), (None, "bfloat16"),
+                                             ("int4", "float32")])
+def test_the_memory_estimate_counts_the_weights_a_lora_run_holds(mode: str | None, dtype: str) -> None:
+    """Built on the meta device, the estimate's weights are the bytes of the real model after the trainer's
+    quantizing, adapting and casting (`Precision`'s frozen mode), and its states 12 bytes a trainable parameter;
+    the quantized Linears by hand: int4 half a byte a weight + fp32 scale and zero per 32, int8 a byte + a scale
+    per row."""
+    from gptlab.train import build_train_config
+    from gptlab.train.memory import step_memory
+    from gptlab.train.precision import Precision
+
+    cfg = build_train_config({"init_from": "x", "lora_rank": 4, "dtype": dtype, "batch_size": 2, "grad_accum": 1,
+                              **({"quantize": mode} if mode else {})})
+    model = tiny_model().float().train()
+    linears = [(m.out_features, m.in_features) for m in model.modules() if type(m) is nn.Linear and m is not
+               model.lm_head]
+    plain = sum(p.numel() for p in model.parameters())
+    if mode:
+        quantize_base(model, mode)
+    torch.manual_seed(0)
+    add_lora(model, LoRASpec(rank=4, quantize=mode))
+    Precision(model, dtype, "cpu", attention_fp32=True, distributed=False)
+    real, trainable = model_bytes(model)
+    estimate = step_memory(cfg, model.config, 1, fresh=False)
+    assert (estimate.weights, estimate.states) == (real, 12 * trainable)
+    elt = 4 if dtype == "float32" else 2
+    quantized = sum(n * k for n, k in linears) if mode else 0
+    per_layer = {"int4": lambda n, k: n * k // 2 + 2 * 4 * n * k // 32, "int8": lambda n, k: n * k + 4 * n,
+                 None: lambda n, k: 0}[mode]
+    assert real == elt * (plain - quantized) + sum(per_layer(n, k) for n, k in linears) + 4 * trainable
+    largest = max(n * k for n, k in linears)
+    without = step_memory(dataclasses.replace(cfg, quantize=None), model.config, 1, fresh=False)
+    assert estimate.activations - without.activations == (largest * (4 + elt) if mode else 0)
+    assert estimate.to_come == estimate.states + estimate.activations
+
+
+@pytest.mark.parametrize("mode", ["int4", None])
+def test_the_base_read_one_tensor_at_a_time_is_the_base_loaded_whole_then_converted(tmp_path: Path,
+                                                                                      mode: str | None) -> None:
+    from gptlab.checkpoint import save_model
+    from gptlab.loading import load_frozen_base
+
+    save_model(tmp_path / "base", tiny_model())
+    streamed = load_frozen_base(tmp_path / "base", torch.bfloat16, mode)
+    whole = tiny_model().float()
+    if mode:
+        quantize_base(whole, mode)
+    want = {**{n: p.to(torch.bfloat16) for n, p in whole.named_parameters()}, **dict(whole.named_buffers())}
+    got = {**dict(streamed.named_parameters()), **dict(streamed.named_buffers())}
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=0, rtol=0, msg=name)
+    assert not any(p.requires_grad for p in streamed.parameters())
+    assert streamed.lm_head.weight is streamed.transformer.wte.weight or not streamed.config.tie_embeddings
+
+
+def test_the_trainer_prints_the_estimate_before_the_first_step(tmp_path: Path, capsys) -> None:
+    data = make_data(tmp_path, chars=5_000)
+    base_recipe = write_recipe(tmp_path, "base.toml", max_steps=2, warmup_steps=1, eval_interval=0)
+    assert main(["train", str(base_recipe), "--data", str(data), "--out", str(tmp_path / "base"), "--quiet"]) == 0
+    recipe = write_recipe(tmp_path, "qlora.toml", max_steps=2, warmup_steps=1, eval_interval=0)
+    recipe.write_text("\n".join(line for line in recipe.read_text().splitlines()
+                                if line.split(" =")[0] not in ("model", "n_embd", "n_head", "n_kv_head", "block_size")))
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "run"), "--init-from",
+                 str(tmp_path / "base"), "--lora-rank", "4", "--quantize", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per step: at least" in out and "weights" in out and "free on cpu" in out

@@ -10,7 +10,7 @@ import typing
 import pytest
 
 from gptlab.errors import GptlabError
-from gptlab.train.config import _MODEL_FIELDS, _TRAIN_FIELDS, _field_type, build_train_config
+from gptlab.train.recipe import _MODEL_FIELDS, _TRAIN_FIELDS, _field_type, build_train_config
 
 KEYS = sorted(set(_TRAIN_FIELDS) | set(_MODEL_FIELDS))
 EXTREMES = {"zero": 0, "minus-one": -1, "huge": 2**62, "huge-float": 1e308, "tiny": 1e-300, "nan": math.nan,

@@ -28,6 +28,7 @@ import math
 
 import pytest
 import torch
+from helpers import attention_patterns
 
 from gptlab import GPT, GPTConfig, parameter_breakdown
 from gptlab.rope import apply_rope, rope_tables
@@ -195,7 +196,7 @@ def test_pocket_matches_reference(preset):
     expected = pocket_forward(p, idx, 6, 2)
     torch.testing.assert_close(logits_of(model, idx), expected, atol=ATOL, rtol=0)
     with torch.no_grad():  # the manual attention path too
-        torch.testing.assert_close(model(idx, return_attention=True)[0], expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(attention_patterns(model, idx)[0], expected, atol=ATOL, rtol=0)
     if preset == "pocket":  # the switch matters: without the embedding norm (the old preset) the logits move
         without = load(config.replace(embedding_norm=False), pocket_state(p))
         assert (logits_of(without, idx) - expected).abs().max() > 1e-2

@@ -59,6 +59,10 @@ def test_every_openai_field_is_implemented_or_refused_by_name(served) -> None:
                 err = r.json()["error"]
                 assert r.status_code == 400 and err["param"] == field, (route, field, r.text)
                 assert err["message"] == f"'{field}' is not supported by this server: {UNSUPPORTED[field]}"
+    # tool calls are implemented on chat (tests/test_serve_tools.py); the legacy completions API has no such field
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= implemented["/v1/chat/completions"]
+    r = _post(server, "/v1/completions", {**ROUTES["/v1/completions"], "tools": []})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
 
 
 def test_an_unknown_field_is_refused_as_openai_refuses_it_and_user_tags_are_taken(served) -> None:

@@ -111,3 +111,43 @@ def test_sample_steer_flag(checkpoint, tmp_path, capsys) -> None:  # noqa: ANN00
                          (f"{tmp_path}/none.safetensors:0:1", "missing")]:
         assert main([*args, "--steer", bad]) == 2
         assert message in one_line_error(2, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 4])
+def test_rows_of_one_batch_are_steered_alone_and_keep_out_of_the_prefix_cache(prefill_chunk) -> None:  # noqa: ANN001
+    """Steered and unsteered rows decoded together each equal greedy decoding by full forwards with (and without)
+    PyTorch's pre-hook; a steered row neither reuses nor leaves keys in the prefix cache."""
+    from gptlab.generation import Engine, SamplingParams
+    from gptlab.generation.prefix_cache import PrefixCache
+
+    model = model_of("llama")
+    gen = torch.Generator().manual_seed(2)
+    up, down = (torch.randn(model.config.n_embd, generator=gen) for _ in range(2))
+    shared = list(range(3, 23))  # 20 tokens: 5 blocks of 4
+    other = [7, 1, 30, 2, 9, 11]
+    vectors = {"up": [SteeringVector(up, 1, 3.0)], "down": [SteeringVector(down, 0, 2.0), SteeringVector(up, 1, -1.0)]}
+
+    def expected(prompt: list[int], steering: list[SteeringVector]) -> list[int]:
+        handles = [add_before_block(model, v.layer, v.scale * v.direction) for v in steering]
+        try:
+            return greedy_reference(model, torch.tensor([prompt]), 10)[0, len(prompt):].tolist()
+        finally:
+            for h in handles:
+                h.remove()
+
+    cache = PrefixCache(2**24, block_tokens=4)
+    engine = Engine(model, max_batch=4, prefill_chunk=prefill_chunk, prefix_cache=cache)
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    (plain,) = engine.run([engine.prepare(shared, params)])  # keeps the shared prompt's blocks
+    assert plain.token_ids == expected(shared, [])
+    blocks, hits = cache.stats().blocks, cache.stats().hit_tokens
+    rows = [(shared, vectors["up"]), (shared, []), (other, vectors["down"]), (other, [])]
+    gens = engine.run([engine.prepare(p, params, steering=s) for p, s in rows])
+    for g, (prompt, steering) in zip(gens, rows, strict=True):
+        assert g.token_ids == expected(prompt, steering), (prompt, steering)
+    assert gens[0].token_ids != gens[1].token_ids
+    # only the unsteered copy of the shared prompt reused its kept blocks (16 of its 20 tokens), and only unsteered
+    # rows left blocks: the shared prompt's repeat holds what the first run kept, the other prompt's 15 tokens 3 new
+    assert cache.stats().hit_tokens - hits == 16
+    assert cache.stats().blocks == blocks + 3
+    assert model.hooks is None

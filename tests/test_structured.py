@@ -38,6 +38,10 @@ def model():
     return tiny_model(vocab_size=257, block_size=256)
 
 
+def _constraint(schema: dict) -> tuple[str, str]:
+    return SamplingParams(json_schema=schema).constraint()
+
+
 def _valid(text: str, schema: dict) -> bool:
     try:
         jsonschema.validate(json.loads(text), schema)
@@ -79,12 +83,12 @@ def test_every_finished_output_parses_and_validates_against_its_schema(model, sc
 
 def test_the_mask_allows_exactly_what_json_allows_next() -> None:
     # an analytic reference: an object starts with "{", then a key or "}"; end-of-text only once it is complete
-    g = row_grammar(json.dumps(JSON_OBJECT), TOK, frozenset({TOK.eot_id}))
+    g = row_grammar(_constraint(JSON_OBJECT), TOK, frozenset({TOK.eot_id}))
     assert torch.nonzero(allowed_tokens([g], 257)[0]).flatten().tolist() == [ord("{")]
     assert not g.advance(ord("{"))
     assert torch.nonzero(allowed_tokens([g], 257)[0]).flatten().tolist() == [ord('"'), ord("}")]
     assert g.advance(ord("}"))  # the object is complete and nothing may follow: the row ends
-    number = row_grammar(json.dumps({"type": "integer"}), TOK, frozenset({TOK.eot_id}))
+    number = row_grammar(_constraint({"type": "integer"}), TOK, frozenset({TOK.eot_id}))
     number.advance(ord("7"))
     allowed = allowed_tokens([number], 260)[0]  # a model vocabulary padded past the tokenizer's
     assert allowed[TOK.eot_id] and allowed[ord("0")] and not allowed[ord("{")] and not allowed[257:].any()
@@ -128,7 +132,7 @@ def test_a_bad_schema_or_a_vocabulary_that_cannot_write_it_is_refused_naming_the
     assert SamplingParams(json_schema=JSON_OBJECT).json_schema == '{"type": "object"}'
     chars = CharTokenizer.from_text("abc 123")  # no "{" to start an object with
     with pytest.raises(InvalidSamplingParam, match="cannot be written in this model's vocabulary"):
-        row_grammar(json.dumps(JSON_OBJECT), chars, frozenset())
+        row_grammar(_constraint(JSON_OBJECT), chars, frozenset())
 
 
 # ---------------------------------------------------------------------------------------------------------

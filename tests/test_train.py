@@ -787,8 +787,7 @@ def test_trainer_schedules_by_steps_and_by_time_from_the_end_of_warmup(tmp_path:
 def test_flops_per_token_counts_matmuls_head_and_attention_not_embeddings() -> None:
     """6 x (every Linear weight in the blocks + the LM head) + causal attention 6 * L * H * hs * T (q k^T and
     a v: 2 * hs FLOPs each per key forward, 3x that with backward, over T / 2 keys per query on average)."""
-    from gptlab.flops import flops_per_token
-    from gptlab.model import parameter_breakdown
+    from gptlab.flops import flops_per_token, parameter_breakdown
 
     # pocket, untied: 6 layers, 6 query / 2 kv heads of 64, width 384, relu2 MLP 1536, vocab 50257, T 256
     per_layer = 384 * (6 + 2 * 2) * 64 + 384 * 384 + 384 * 1536 + 1536 * 384
@@ -847,3 +846,27 @@ def test_dtype_auto_takes_bf16_only_where_the_cpu_multiplies_it_natively(monkeyp
     monkeypatch.setattr(setup, "native_low_precision_matmul", lambda dtype: False)
     assert setup.resolve_dtype("auto", "cpu") == "float32"
     assert setup.resolve_dtype("bfloat16", "cpu") == "bfloat16"  # an explicit choice is kept
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_fresh_model_is_materialized_as_to_empty_would(tie: bool) -> None:
+    """build_model gives the meta-built model storage without Module.to_empty (whose meta empty_like imports
+    torch's symbolic shapes): the same parameters, names, dtypes and initial values as to_empty then
+    init_weights, on no meta tensor, and a tied head still the embedding's one Parameter (counted once)."""
+    from gptlab.train.setup import build_model, init_weights
+
+    cfg = build_train_config({"model": "tiny", "n_embd": 32, "n_head": 2, "n_kv_head": 2, "block_size": 16,
+                              "seed": 5, "tie_embeddings": tie})
+    ours = build_model(cfg, 50, "cpu")
+    with torch.device("meta"):
+        theirs = GPT(cfg.model_config(50)).train()
+    theirs.to_empty(device="cpu")
+    if tie:
+        theirs.lm_head.weight = theirs.transformer.wte.weight
+    init_weights(theirs, cfg.seed)
+    assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers()])
+    assert (ours.lm_head.weight is ours.transformer.wte.weight) == tie
+    assert len(list(ours.parameters())) == len(list(theirs.parameters()))
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert all(p.requires_grad for p in ours.parameters())

@@ -30,7 +30,7 @@ RECIPES = sorted((REPO / "configs").glob("*.toml"))
 # Every shipped recipe splits at 1, 2, 4 and 8 processes; gpt2_124m (the GPU recipe), shakespeare_char, the speedrun
 # and the 5-min recipe at 16 too. The 1-min recipe's 24 sequences do not split over 16, nor lora's 16 sequences of 4
 # over 8 or 16: those say so in one line.
-DOES_NOT_SPLIT = {("shakespeare_char_1min", 16), ("lora", 8), ("lora", 16), ("sums_grpo", 16)}
+DOES_NOT_SPLIT = {("shakespeare_char_1min", 16), ("lora", 8), ("lora", 16)}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

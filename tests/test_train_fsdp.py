@@ -22,8 +22,8 @@ from gptlab.flops import parameter_counts
 from gptlab.model import GPT
 from gptlab.train import build_train_config
 from gptlab.train.distributed import shard_model
+from gptlab.train.memory import step_memory
 from gptlab.train.precision import Precision, sharding_dtype
-from gptlab.train.setup import step_memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def _step_memory(model: str, T: int, world: int, **keys: object) -> int:
     """The check's bytes for `model` at block_size T, one sequence per process, one micro-step."""
     cfg = build_train_config({"model": model, "block_size": T, "batch_size": world, **keys})
     cfg = dataclasses.replace(cfg, grad_accum=1)
-    return step_memory(cfg, cfg.model_config(), world, fresh=True)
+    return step_memory(cfg, cfg.model_config(), world, fresh=True).total
 
 
 def test_mistral_7b_under_fsdp_on_8_gpus_fits_in_80_gb() -> None:

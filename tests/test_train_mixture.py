@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from gptlab.checkpoint import list_step_checkpoints
 from gptlab.cli import main
 from gptlab.data import prepare
-from gptlab.data.dataset import parse_sources
+from gptlab.data.dataset import parse_sources, recipe_sources
 from gptlab.errors import GptlabError
 from gptlab.train.batches import Mixture, Split, load_train_data, step_batch
 
@@ -85,6 +85,49 @@ def test_data_specs_parse(spec: str, expected: list) -> None:
 def test_bad_data_specs(spec: str, message: str) -> None:
     with pytest.raises(GptlabError, match=message):
         parse_sources(spec)
+
+
+def _with_data_table(recipe: Path, table: str) -> Path:
+    recipe.write_text(recipe.read_text() + f"\n[data]\n{table}\n")
+    return recipe
+
+
+def test_a_recipes_data_table_trains_as_the_same_data_flag(tmp_path: Path, dirs: dict[str, Path]) -> None:
+    """`[data]` "A" = 0.7, "B" = 0.3 is `--data A:0.7,B:0.3`: the same pairs, and the run's weights bit for bit;
+    --data, given, wins over the table."""
+    table = f'"{dirs["a2"]}" = 0.7\n"{dirs["b"]}" = 0.3'
+    settings = dict(max_steps=3, eval_interval=3, log_interval=1, warmup_steps=1)
+    recipe = _with_data_table(write_recipe(tmp_path, **settings), table)
+    assert recipe_sources(recipe) == parse_sources(f"{dirs['a2']}:0.7,{dirs['b']}:0.3")
+    plain = write_recipe(tmp_path, name="plain.toml", **settings)
+    assert main(["train", str(recipe), "--out", str(tmp_path / "table"), "--quiet"]) == 0
+    assert _train(plain, f"{dirs['a2']}:0.7,{dirs['b']}:0.3", tmp_path / "flag") == 0
+    assert _train(recipe, str(dirs["a2"]), tmp_path / "override") == 0
+    weights = [load_file(list_step_checkpoints(tmp_path / run)[-1] / "model.safetensors")
+               for run in ("table", "flag", "override")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+
+
+@pytest.mark.parametrize("table, message", [
+    ('"a" = 0', "weight of a must be a positive number"), ('"a" = "x"', "weight of a must be a number"),
+    ('"a" = true', "must be a number"), ('"a" = nan', "positive number"), ('"a" = inf', "positive number"),
+    ('"" = 1', "an empty directory name"), ('"a" = 1\n"./a" = 1', "names a directory twice"),
+    ('a = { b = 1 }', "must be a number"), ("", "must be a table"),
+])
+def test_a_bad_data_table_is_one_line_naming_the_recipe(tmp_path: Path, table: str, message: str,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    recipe = _with_data_table(write_recipe(tmp_path), table)
+    with pytest.raises(GptlabError, match=message) as e:
+        recipe_sources(recipe)
+    assert str(recipe) in str(e.value) and "\n" not in str(e.value)
+    rc = main(["train", str(recipe), "--out", str(tmp_path / "run")])
+    assert str(recipe) in one_line_error(rc, capsys.readouterr().err)
+
+
+def test_no_data_anywhere_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = main(["train", str(write_recipe(tmp_path)), "--out", str(tmp_path / "run")])
+    assert "[data] table" in one_line_error(rc, capsys.readouterr().err)
 
 
 def _train(recipe: Path, data: str, out: Path, *extra: str) -> int:

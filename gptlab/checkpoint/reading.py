@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,17 +67,7 @@ def load_weights(
     """
     expected = plain_shapes(model.config)
     state = with_tied_head(dict(state), model.config)
-    missing = [name for name in expected if name not in state]
-    if missing:
-        raise GptlabError(f"{where} lacks the weight {missing[0]!r}" + (f" and {len(missing) - 1} more"
-                                                                         if len(missing) > 1 else ""))
-    unknown = sorted(set(state) - set(expected))
-    if unknown:
-        raise GptlabError(f"{where} has a weight the model has no place for: {unknown[0]!r}")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise GptlabError(f"{where}: {name} has shape {tuple(state[name].shape)}, the model's config "
-                              f"implies {shape}")
+    check_plain_shapes(expected, {name: tuple(t.shape) for name, t in state.items()}, where)
     extra = sorted(set(model.state_dict()) - set(expected))
     if extra and not keep_extra:
         raise GptlabError(f"the model has tensors a plain GPT checkpoint cannot fill ({extra[0]!r}"
@@ -87,6 +77,47 @@ def load_weights(
     if assign and model.config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the shared Parameter: re-tie
     return extra
+
+
+def check_plain_shapes(expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], where: str
+                       ) -> None:
+    """One-line errors for tensors (`shapes`, the head's name included when tied) that are not exactly those of
+    the plain GPT (`expected`, from `plain_shapes`): one missing, one the model has no place for, a wrong shape."""
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        raise GptlabError(f"{where} lacks the weight {missing[0]!r}" + (f" and {len(missing) - 1} more"
+                                                                         if len(missing) > 1 else ""))
+    unknown = sorted(set(shapes) - set(expected))
+    if unknown:
+        raise GptlabError(f"{where} has a weight the model has no place for: {unknown[0]!r}")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise GptlabError(f"{where}: {name} has shape {tuple(shapes[name])}, the model's config implies {shape}")
+
+
+def stream_tensors(path: Path) -> tuple[dict[str, tuple[int, ...]], Iterator[tuple[str, torch.Tensor]]]:
+    """(every tensor's shape, from the header; an iterator over (name, tensor) in the file's order), each tensor
+    read through a mapping of the file of its own, closed before the next: the pages a mapping has touched count
+    as the process's memory while it is open, so the file is never resident whole, only its largest tensor."""
+    problem = safetensors_problem(path)
+    if problem:
+        raise GptlabError(problem)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise GptlabError(f"{path} cannot be read: {e}") from None
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for key in shapes:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    tensor = f.get_tensor(key)
+            except (OSError, SafetensorError) as e:
+                raise GptlabError(f"{path} cannot be read: {e}") from None
+            yield key, tensor
+
+    return shapes, tensors()
 
 
 def assign_weights(model: GPT, state: dict[str, torch.Tensor], where: str = "the checkpoint") -> GPT:

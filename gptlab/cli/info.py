@@ -24,7 +24,7 @@ def _human(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptlab.model import parameter_breakdown
+    from gptlab.flops import parameter_breakdown
 
     if not args.preset:
         rows = [(name, GPTConfig.preset(name)) for name in GPTConfig.presets()]

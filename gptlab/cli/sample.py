@@ -201,8 +201,6 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=dtype, **quantize_options(args))
     speculation = speculation_options(args, device, dtype)
     check_biased_tokens(params, model.config.vocab_size)
-    for vector in steering:
-        vector.check(model)
     if tokenizer is None:
         raise GptlabError(
             f"{args.checkpoint} has no tokenizer: sampling needs one to turn text into tokens "
@@ -216,12 +214,13 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     for i in range(args.num_samples):
         try:  # (the schema against the model's vocabulary: known once it is loaded)
-            gen = engine.prepare(ids, params, sample_index=i, truncate_prompt=args.truncate_prompt)
+            gen = engine.prepare(ids, params, sample_index=i, truncate_prompt=args.truncate_prompt,
+                                 steering=steering)
         except InvalidSamplingParam as e:
             raise flag_error(e) from None
         out.write(prompt)
         out.flush()
-        for delta in stream_deltas(engine, gen, steering):
+        for delta in stream_deltas(engine, gen):
             out.write(delta)
             out.flush()  # stream: the reader sees each piece as soon as it is decoded
         out.write(SEPARATOR)

@@ -45,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_quantize(p)
     add_prefix_cache(p)
     add_speculation(p)
+    p.add_argument("--allow-steering", metavar="NAME=FILE", action="append", default=[],
+                   help="let requests steer with this direction (a safetensors file, as `gptlab sample --steer` "
+                   "reads) by NAME: {\"steering\": [{\"vector\": NAME, \"layer\": L, \"scale\": S}]}; repeatable. "
+                   "Without it a request asking for steering is refused")
     p.add_argument("--no-ui", action="store_true",
                    help="do not serve the web page (chat playground, attention explorer) at /")
     p.set_defaults(run=run)
@@ -70,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key == "":
         raise GptlabError("--api-key is empty: give a key, or leave the flag out to serve without one")
     prefix_cache = prefix_cache_options(args)
+    steering = steering_files(args.allow_steering)
     device = resolve_device(args.device)
     dtype = torch_dtype(args.dtype, device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=dtype, **quantize_options(args))
@@ -83,11 +88,29 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
         prefill_chunk=args.prefill_chunk or None, max_body_bytes=int(args.max_body_mb * 2**20), ui=not args.no_ui,
-        **prefix_cache, **speculation,
+        steering=steering, **prefix_cache, **speculation,
     )
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def steering_files(specs: list[str]) -> dict[str, str] | None:
+    """--allow-steering NAME=FILE values as {name: file} (None: none given, steering refused), each file present
+    (its contents are checked against the model once it is loaded)."""
+    if not specs:
+        return None
+    files: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise GptlabError(f"--allow-steering {spec!r}: expected NAME=FILE, e.g. happy=happy.safetensors")
+        if name in files:
+            raise GptlabError(f"--allow-steering names {name!r} twice")
+        if not os.path.isfile(path):
+            raise GptlabError(f"--allow-steering {spec!r}: {path} is missing")
+        files[name] = path
+    return files
 
 
 def check_can_listen(host: str, port: int) -> None:

@@ -25,9 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "line as --key value (dashes or underscores), e.g. --max-steps 500 --lr 3e-3 --dtype bfloat16.",
     )
     p.add_argument("config", metavar="CONFIG.toml", help="the recipe")
-    p.add_argument("--data", required=True, metavar="DATA_DIR",
+    p.add_argument("--data", metavar="DATA_DIR",
                    help="a directory written by `gptlab prepare`, or a mixture A:0.7,B:0.3 (each row of a step "
-                   "drawn from a source by weight; validation on the first)")
+                   "drawn from a source by weight; validation on the first); default: the recipe's [data] table")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="where checkpoints and metrics.jsonl go")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar or messages")
@@ -55,7 +55,8 @@ def parse_overrides(tokens: list[str]) -> dict[str, str]:
 
 def resume_command(args: argparse.Namespace) -> str:
     """The command that continues this run: the same flags and overrides, plus --resume."""
-    argv = ["gptlab", "train", args.config, "--data", args.data, "--out", args.out]
+    argv = ["gptlab", "train", args.config, *(["--data", args.data] if args.data is not None else []), "--out",
+            args.out]
     argv += (["--quiet"] if args.quiet else []) + list(args.extra) + ["--resume"]
     return shlex.join(argv)
 
@@ -78,13 +79,16 @@ def _lm_eval_tasks(cfg: TrainConfig) -> LmEvalScorer | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptlab.data.dataset import parse_sources
+    from gptlab.data.dataset import parse_sources, recipe_sources
     from gptlab.fileio import check_out_dir
     from gptlab.train import Trainer, load_train_config
 
     cfg = load_train_config(args.config, parse_overrides(args.extra))
     out = check_out_dir(args.out)  # before the data: `--out ""` must not mean the current directory
-    sources = parse_sources(args.data)
+    sources = parse_sources(args.data) if args.data is not None else recipe_sources(args.config)
+    if sources is None:
+        raise GptlabError(f"no data to train on: pass --data DATA_DIR, or give {args.config} a [data] table "
+                          "(\"DIR\" = weight lines)")
     for data_dir, _ in sources:
         if not data_dir.is_dir():
             raise GptlabError(f"data directory {data_dir} does not exist; run `gptlab prepare ... --out {data_dir}` "

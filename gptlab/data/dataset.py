@@ -22,10 +22,11 @@ import numpy as np
 
 from gptlab.data.shards import ShardedTokens, load_shards
 from gptlab.errors import GptlabError
-from gptlab.fileio import read_json_object
+from gptlab.fileio import read_json_object, read_toml
 
 SPLITS = ("train", "val")
 META = "meta.json"
+DATA_TABLE = "data"  # a recipe's table of data directories and their weights (`recipe_sources`)
 
 
 def _hint(data_dir: Path) -> str:
@@ -63,14 +64,34 @@ def parse_sources(spec: str) -> list[tuple[Path, float]]:
             w = float(weight)
         except ValueError:
             path, w = item, 1.0
+        sources.append((path, w))
+    return _checked_sources(sources, f"--data {spec!r}")
+
+
+def recipe_sources(recipe: str | os.PathLike[str]) -> list[tuple[Path, float]] | None:
+    """A recipe's ``[data]`` table (``"DIR" = weight`` lines) as `parse_sources`' pairs; None without one."""
+    table = read_toml(recipe).get(DATA_TABLE)
+    if table is None:
+        return None
+    where = f"{recipe}: [{DATA_TABLE}]"
+    if not isinstance(table, dict) or not table:
+        raise GptlabError(f"{where} must be a table of data directories and weights, e.g. \"data/web\" = 0.7")
+    for path, weight in table.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise GptlabError(f"{where}: the weight of {path} must be a number, got {weight!r}")
+    return _checked_sources(list(table.items()), where)
+
+
+def _checked_sources(sources: list[tuple[str, float]], where: str) -> list[tuple[Path, float]]:
+    """What every mixture must be, however it was written: named directories, positive weights, none twice."""
+    for path, w in sources:
         if not path.strip():
-            raise GptlabError(f"--data {spec!r}: an empty directory name (write DIR or A:0.7,B:0.3)")
+            raise GptlabError(f"{where}: an empty directory name (write DIR or A:0.7,B:0.3)")
         if not (w > 0 and w < float("inf")):
-            raise GptlabError(f"--data {spec!r}: the weight of {path} must be a positive number, got {weight}")
-        sources.append((Path(path), w))
-    if len({d for d, _ in sources}) < len(sources):
-        raise GptlabError(f"--data {spec!r} names a directory twice")
-    return sources
+            raise GptlabError(f"{where}: the weight of {path} must be a positive number, got {w:g}")
+    if len({Path(d) for d, _ in sources}) < len(sources):
+        raise GptlabError(f"{where} names a directory twice")
+    return [(Path(d), float(w)) for d, w in sources]
 
 
 def format_sources(sources: Sequence[Sequence[Any]]) -> str:

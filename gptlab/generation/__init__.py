@@ -12,6 +12,7 @@ One module per job, each importing only those below it:
     engine         Engine: continuous batching over one preallocated KV cache
     api            generate, generate_batch, generate_stream, stream_deltas
     chat           ChatSession: a conversation kept to the context, its replies streamed (`gptlab chat`)
+    tool_calls     a reply that may call tools: its grammar by tool_choice, generate_tool_reply
 
 The names below load on first use, so `import gptlab.generation.params` does not import torch.
 """
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from gptlab.generation.prefix_cache import PrefixCache, PrefixCacheStats
     from gptlab.generation.rows import Generation, PromptTooLongError
     from gptlab.generation.sampling import TokenLogprob, sample_next
+    from gptlab.generation.tool_calls import generate_tool_reply
     from gptlab.kv_cache import cache_length, default_cache_dtype
 
 _LAZY = {
@@ -53,11 +55,13 @@ _LAZY = {
     "MessageTooLongError": "gptlab.generation.chat",
     "PrefixCache": "gptlab.generation.prefix_cache",
     "PrefixCacheStats": "gptlab.generation.prefix_cache",
+    "generate_tool_reply": "gptlab.generation.tool_calls",
 }
 __all__ = [  # = _LAZY's names, spelled out so that tools see what is exported
     "SamplingParams", "InvalidSamplingParam", "MAX_LOGPROBS", "TokenLogprob", "sample_next", "TextState", "Engine",
     "Generation", "PromptTooLongError", "cache_length", "default_cache_dtype", "generate", "generate_batch",
     "generate_stream", "stream_deltas", "ChatSession", "MessageTooLongError", "PrefixCache", "PrefixCacheStats",
+    "generate_tool_reply",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

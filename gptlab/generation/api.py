@@ -25,7 +25,7 @@ from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
 from gptlab.kv_cache import cache_length
 from gptlab.model import GPT
-from gptlab.steering import SteeringVector, steered
+from gptlab.steering import SteeringVector
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -58,23 +58,23 @@ def generate_batch(
     """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each.
     With a tokenizer, each one's `text` is decoded (and `params.stop` strings end rows). `speculate`: a draft
     model or "ngram" (prompt lookup) for speculative decoding of a row decoding alone (`speculative`).
-    `steering`: vectors added to the residual stream (`gptlab.steering`) at every step."""
+    `steering`: vectors added to every row's residual stream (`gptlab.steering`) at every step."""
     params = params or SamplingParams()
     engine = _engine(model, prompts, params, tokenizer, speculate)
     gens = [
-        engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt)
+        engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt, steering=steering)
         for i, p in enumerate(prompts)
     ]
-    with eval_mode(model), steered(model, steering):
+    with eval_mode(model):
         return engine.run(gens)
 
 
-def stream_deltas(engine: Engine, gen: Generation, steering: Sequence[SteeringVector] = ()) -> Iterator[str]:
-    """Prefill `gen` (from `engine.prepare`) and yield its text as it is generated, in deltas of whole
-    characters that never hold part of a possible stop string, until it finishes. Other rows of the engine
-    advance with it. The model is in eval mode (and steered by `steering`) while the engine works, as the caller
-    left it between deltas."""
-    with eval_mode(engine.model), steered(engine.model, steering):
+def stream_deltas(engine: Engine, gen: Generation) -> Iterator[str]:
+    """Prefill `gen` (from `engine.prepare`, steered as it says) and yield its text as it is generated, in deltas
+    of whole characters that never hold part of a possible stop string, until it finishes. Other rows of the
+    engine advance with it. The model is in eval mode while the engine works, as the caller left it between
+    deltas."""
+    with eval_mode(engine.model):
         engine.add([gen])
     while True:
         delta = gen.pop_delta()
@@ -83,7 +83,7 @@ def stream_deltas(engine: Engine, gen: Generation, steering: Sequence[SteeringVe
         if gen.finished:
             return
         # not held across the yield: the caller may use the model in between
-        with eval_mode(engine.model), steered(engine.model, steering):
+        with eval_mode(engine.model):
             engine.step()
 
 
@@ -106,8 +106,8 @@ def generate_stream(
     params = params or SamplingParams()
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     engine = _engine(model, [ids], params, tokenizer, speculate)
-    gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt)
-    yield from stream_deltas(engine, gen, steering)
+    gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt, steering=steering)
+    yield from stream_deltas(engine, gen)
     if result is not None:
         result.append(gen)
 

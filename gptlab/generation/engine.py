@@ -47,6 +47,7 @@ from gptlab.generation.packed_linear import kernel_name, try_pack
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.prefill import padded_groups, prefill_rows
 from gptlab.generation.prefix_cache import PrefixCache
+from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.rows import (
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -60,6 +61,7 @@ from gptlab.hardware import available_memory
 from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
 from gptlab.model import GPT
 from gptlab.quantize import QuantizedLinear
+from gptlab.steering import SteeringVector, check_vectors
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -182,11 +184,15 @@ class Engine:
         *,
         sample_index: int = 0,
         truncate_prompt: bool = False,
+        steering: Sequence[SteeringVector] = (),
     ) -> Generation:
-        """Check (or truncate) a prompt and build its row state; `add` then prefills it."""
-        return prepare_generation(prompt_ids, params, vocab_size=self.config.vocab_size, context=self.max_len,
-                                  tokenizer=self.tokenizer, device=self.device, sample_index=sample_index,
-                                  truncate_prompt=truncate_prompt)
+        """Check (or truncate) a prompt and build its row state; `add` then prefills it. `steering`: vectors
+        added to this row's residual stream alone (`row_steering`)."""
+        gen = prepare_generation(prompt_ids, params, vocab_size=self.config.vocab_size, context=self.max_len,
+                                 tokenizer=self.tokenizer, device=self.device, sample_index=sample_index,
+                                 truncate_prompt=truncate_prompt)
+        gen.steering = check_vectors(self.model, steering)
+        return gen
 
     # --- prefill --------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -219,7 +225,7 @@ class Engine:
         held = [len(g.prompt_ids) - len(g.row.pending) for g in gens]
         for group in padded_groups([len(p) for p in parts], held, self.max_len):
             rows, error = [gens[i] for i in group], None
-            with self._kernels(refresh=True):
+            with self._kernels(refresh=True), steering_rows(self.model, rows):
                 try:
                     hidden = prefill_rows(self.model, self.cache, [g.row.slot for g in rows], [parts[i] for i in group])
                 except Exception as e:
@@ -255,13 +261,13 @@ class Engine:
 
     def _restore(self, g: Generation) -> int:
         """The prompt's longest kept prefix, copied into g's row: its length (prompt logprobs need every position)."""
-        if self.prefix_cache is None or g.params.prompt_logprobs:
+        if self.prefix_cache is None or g.params.prompt_logprobs or g.steering:  # steered keys are the row's own
             return 0
         return self.prefix_cache.restore(self.model, self.cache, g.row.slot, g.prompt_ids)
 
     def _keep(self, g: Generation) -> None:
         """The prefix cache keeps the tokens g's row holds (its window's first `lengths` ones)."""
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and not g.steering:
             held = g.row.window[: int(self.cache.lengths[g.row.slot])]
             self.prefix_cache.store(self.model, self.cache, g.row.slot, held)
 
@@ -302,7 +308,8 @@ class Engine:
             if len(g.row.window) >= self.max_len:  # the window is what the row's cache holds
                 self._slide(g)
         hi = max(g.row.slot for g in running + prefilling) + 1  # rows past the last busy one are left out
-        hooked = self.model.hooks is not None  # hook points set (`gptlab.hooks`): they run in the plain forward
+        # hook points set (`gptlab.hooks`), or a steered row's: they run in the plain forward
+        hooked = self.model.hooks is not None or any_steered(self.slots[:hi])
         static = self._static is not None and not self.model.training and not hooked
         if static:
             hi = self._static.rows_for(hi)
@@ -313,7 +320,8 @@ class Engine:
         if idle:
             view.lengths[idle] = 0  # idle rows compute a throwaway token at position 0
         rows = torch.tensor([g.row.slot for g in running], device=self.device)
-        with self._kernels(head_only=bool(self._native)):  # the C++ step (gathered before) reads its packs itself
+        # (the C++ step, gathered before, reads its packs itself)
+        with self._kernels(head_only=bool(self._native)), steering_rows(self.model, self.slots[:hi]):
             if static:  # the rows' lengths after this step, known here: the cache holds each row's window
                 longest = max([len(g.row.window) + 1 for g in running]
                               + [len(g.prompt_ids) - len(g.row.pending) + 1 for g in prefilling])
@@ -338,13 +346,14 @@ class Engine:
         decoding's draft and verify forwards; the caller keeps the row's bookkeeping)."""
         view = self.cache.rows(slot, slot + 1)
         idx = torch.tensor([tokens], device=self.device)
-        lean = len(tokens) == 1 and self._lean and not self.model.training
-        with self._kernels(head_only=lean and bool(self._native)):
-            if lean:
-                h = decode_hidden(self.model, idx, view, native=self._native_weights())
-            else:
-                h = self.model.hidden_states(idx, kv_cache=view)
-            return self.model.logits(h[0])
+        with steering_rows(self.model, self.slots, first=slot):
+            lean = len(tokens) == 1 and self._lean and not self.model.training and self.model.hooks is None
+            with self._kernels(head_only=lean and bool(self._native)):
+                if lean:
+                    h = decode_hidden(self.model, idx, view, native=self._native_weights())
+                else:
+                    h = self.model.hidden_states(idx, kv_cache=view)
+                return self.model.logits(h[0])
 
     def record(self, g: Generation, logits: torch.Tensor, tokens: list[int]) -> int:
         """Give row g its new tokens in order, each sampled from its row of `logits` (for logprobs), until it
@@ -365,7 +374,7 @@ class Engine:
         g.row.window = list(keep)
         self.cache.lengths[g.row.slot] = 0
         if keep:
-            with self._kernels(refresh=True):
+            with self._kernels(refresh=True), steering_rows(self.model, [g]):
                 prefill_rows(self.model, self.cache, [g.row.slot], [keep])
 
     def _accept(self, gens: list[Generation], logits: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.generation.params import InvalidSamplingParam, json_grammar, schema_start
+from gptlab.generation.params import InvalidSamplingParam, schema_start
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -95,23 +95,25 @@ class RowGrammar:
         return self.done
 
 
-def row_grammar(schema: str, tokenizer: TextTokenizer | None, stop_ids: frozenset[int]) -> RowGrammar:
-    """A row's grammar for a JSON schema (text, checked by SamplingParams); InvalidSamplingParam when this
-    tokenizer cannot write any text the schema allows."""
+def row_grammar(constraint: tuple[str, str], tokenizer: TextTokenizer | None, stop_ids: frozenset[int]) -> RowGrammar:
+    """A row's grammar for `SamplingParams.constraint()`: (the field it came from, llguidance grammar text, checked
+    by SamplingParams); InvalidSamplingParam naming that field when this tokenizer cannot write any text the
+    grammar allows."""
+    field, grammar_text = constraint
     if tokenizer is None:
-        raise ValueError("json_schema needs a tokenizer: the grammar reads tokens as text")
+        raise ValueError(f"{field} needs a tokenizer: the grammar reads tokens as text")
     llg = _llguidance()
     vocab = grammar_vocabulary(tokenizer)
-    matcher = llg.LLMatcher(vocab, json_grammar(schema), log_level=0)
+    matcher = llg.LLMatcher(vocab, grammar_text, log_level=0)
     if matcher.is_error():
-        why = f"is not a schema gptlab can enforce: {matcher.get_error()}"
-        raise InvalidSamplingParam("json_schema", schema_start(schema), why)
+        why = f"is not a {field.replace('json_', '')} gptlab can enforce: {matcher.get_error()}"
+        raise InvalidSamplingParam(field, schema_start(grammar_text), why)
     grammar = RowGrammar(matcher, stop_ids, tokenizer.vocab_size)
     try:
         allowed_tokens([grammar], tokenizer.vocab_size)
     except GrammarDeadEnd:
         why = "cannot be written in this model's vocabulary: no token starts an output it allows"
-        raise InvalidSamplingParam("json_schema", schema_start(schema), why) from None
+        raise InvalidSamplingParam(field, schema_start(grammar_text), why) from None
     return grammar
 
 

@@ -115,14 +115,29 @@ def _check_schema(schema: Any) -> None:
             raise ValueError("not a JSON object")
     except ValueError as e:
         raise InvalidSamplingParam("json_schema", shown, f"must be a JSON schema, a JSON object ({e})") from None
+    _check_compiles("json_schema", shown, lambda: json_grammar(schema), "a schema")
+
+
+def _check_compiles(name: str, shown: Any, grammar: Any, what: str) -> None:
+    """That llguidance compiles `grammar()` (a grammar's text), else InvalidSamplingParam naming field `name`."""
     try:
         from llguidance import LLMatcher  # the `structured` extra; imports no torch
     except ImportError:
-        raise InvalidSamplingParam("json_schema", shown, "needs the llguidance package: "
+        raise InvalidSamplingParam(name, shown, "needs the llguidance package: "
                                    "pip install 'gptlab[structured]'") from None
-    failed, messages = LLMatcher.validate_grammar_with_warnings(json_grammar(schema))
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar())
     if failed:
-        raise InvalidSamplingParam("json_schema", shown, f"is not a schema gptlab can enforce: {messages[0]}")
+        raise InvalidSamplingParam(name, shown, f"is not {what} gptlab can enforce: {messages[0]}")
+
+
+def _check_grammar(grammar: Any) -> None:
+    """A llguidance grammar that compiles (its vocabulary's part is `generation.grammar`'s, as a schema's)."""
+    if grammar is None:
+        return
+    shown = schema_start(grammar)
+    if not isinstance(grammar, str) or len(grammar) > MAX_SCHEMA_CHARS:
+        raise InvalidSamplingParam("grammar", shown, f"must be a grammar of at most {MAX_SCHEMA_CHARS} characters")
+    _check_compiles("grammar", shown, lambda: grammar, "a grammar")
 
 
 @dataclass(frozen=True)
@@ -155,6 +170,9 @@ class SamplingParams:
       each row's next-token mask comes from its grammar (`generation.grammar`, llguidance), and end-of-text or a
       stop token is allowed only where the JSON is complete. `JSON_OBJECT` is OpenAI's json_object mode. A row
       that reaches max_new_tokens first ends with finish reason "length" and incomplete JSON. None = free text.
+    - grammar: a llguidance grammar (its Lark syntax, e.g. `LLMatcher.grammar_from_lark(...)`'s text) the output
+      must match, applied as json_schema is (tool calls build theirs in `generation.tool_calls`). At most one of
+      json_schema and grammar. None = free text.
 
     Frozen: the checks in __post_init__ hold for the object's whole life (use dataclasses.replace to vary one).
     """
@@ -175,6 +193,7 @@ class SamplingParams:
     prompt_logprobs: bool = False
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
     json_schema: Mapping[str, Any] | str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # normalize first, so that the checks (and everybody after them) see one spelling of each setting
@@ -225,6 +244,14 @@ class SamplingParams:
                     and math.isfinite(p[1]) and abs(p[1]) <= LOGIT_BIAS_RANGE for p in self.logit_bias), "logit_bias",
                 f"must map token ids (integers >= 0) to biases in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
         _check_schema(self.json_schema)
+        _check_grammar(self.grammar)
+        require(self.json_schema is None or self.grammar is None, "grammar", "cannot be given with json_schema")
+
+    def constraint(self) -> tuple[str, str] | None:
+        """(field, llguidance grammar) of the output's form: json_schema's or grammar; None for free text."""
+        if self.json_schema is not None:
+            return "json_schema", json_grammar(self.json_schema)
+        return None if self.grammar is None else ("grammar", self.grammar)
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,7 @@ from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.generation.sampling import TokenLogprob, row_seed
 
 if TYPE_CHECKING:
+    from gptlab.steering import SteeringVector
     from gptlab.tokenizer.base import TextTokenizer
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = "stop", "length", "error"
@@ -61,7 +62,8 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None for the first prompt token
     error: Exception | None = None  # why it finished with FINISH_ERROR (a failure of this row alone)
-    grammar: RowGrammar | None = None  # params.json_schema's: the tokens allowed next, whether the JSON is complete
+    grammar: RowGrammar | None = None  # params.constraint()'s: the tokens allowed next, whether the JSON is complete
+    steering: tuple[SteeringVector, ...] = ()  # added to this row's residual stream (`row_steering`)
     row: RowState = field(default_factory=RowState, repr=False)  # the engine's, see RowState
 
     @property
@@ -128,5 +130,6 @@ def prepare_generation(
     if tokenizer is not None:
         text_state = TextState(tokenizer, context_ids=ids, stop=params.stop)
     stop_ids = frozenset(stop_ids)
-    grammar = None if params.json_schema is None else row_grammar(params.json_schema, tokenizer, stop_ids)
+    constraint = params.constraint()
+    grammar = None if constraint is None else row_grammar(constraint, tokenizer, stop_ids)
     return Generation(ids, params, stop_ids, generator, text_state, truncated=truncated, grammar=grammar)

@@ -1,9 +1,10 @@
 """Attention weights of a prompt, per layer and head, with the prompt's tokens to label them.
 
-The model already computes them: `GPT.forward(..., return_attention=True)` runs the manual attention path and
-returns each layer's softmax weights (B, nh, T, T). Grouped-query models repeat each key/value head over its
-query heads there, so there is one map per query head whatever the family. Each row (a query) sums to 1 over the
-keys it may see, and is 0 above the diagonal (causal) and outside a sliding window.
+Read through the hook points (`blocks.{i}.attn.hook_pattern`, `gptlab.hooks.run_with_cache`): a layer whose
+pattern is hooked runs the manual attention path, whose softmax weights (B, nh, T, T) the hook sees. Grouped-query
+models repeat each key/value head over its query heads there, so there is one map per query head whatever the
+family. Each row (a query) sums to 1 over the keys it may see, and is 0 above the diagonal (causal) and outside a
+sliding window.
 
 `encode_prompt` turns text into token ids with one-line errors (empty, too long for the context), which the CLI
 and the server's page share.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gptlab.errors import GptlabError
+from gptlab.hooks import run_with_cache
 from gptlab.model import GPT
 from gptlab.tokenizer.base import token_text
 
@@ -102,6 +104,7 @@ def attention_map(model: GPT, tokenizer: TextTokenizer, text: str, max_tokens: i
     """The attention weights of `text` (at most `max_tokens` tokens, default the model's context)."""
     ids = encode_prompt(tokenizer, text, max_tokens or model.config.block_size)
     device = next(model.parameters()).device
-    _, _, attentions = model(torch.tensor([ids], device=device), return_attention=True)
-    weights = torch.stack([a[0].float().cpu() for a in attentions])  # (n_layer, nh, T, T)
+    names = [f"blocks.{i}.attn.hook_pattern" for i in range(model.config.n_layer)]
+    _, cache = run_with_cache(model, torch.tensor([ids], device=device), names, device="cpu", dtype=torch.float32)
+    weights = torch.stack([cache[name][0] for name in names])  # (n_layer, nh, T, T)
     return AttentionMap(token_labels(tokenizer, ids), ids, weights)

@@ -61,6 +61,11 @@ def _tokens_per_step(run: Path) -> int:
         raise GptlabError(f"{path} has no train.batch_size and model.block_size") from None
 
 
+def _plottable(value: object) -> bool:
+    """A number a curve can hold: not a bool, and within a float's range (a huge integer is not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) <= 1.7e308
+
+
 def read_curves(run: str | Path, x: str = "step", name: str | None = None) -> Curve:
     """The curves of one run directory; a one-line error for a run that has logged nothing yet."""
     if x not in X_AXES:
@@ -81,15 +86,15 @@ def read_curves(run: str | Path, x: str = "step", name: str | None = None) -> Cu
         try:
             row = parse_json(line)
             at = _x(row, x, tokens)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError):
             raise GptlabError(f"{path}:{n} is not a metrics row (step, elapsed_sec, losses)") from None
         for key, series in (("train_loss", curve.train_loss), ("val_loss", curve.val_loss), ("lr", curve.lr),
                             ("reward_margin", curve.reward_margin), ("reward_accuracy", curve.reward_accuracy)):
-            if isinstance(row.get(key), (int, float)):
+            if _plottable(row.get(key)):
                 series.x.append(at)
                 series.y.append(float(row[key]))
         for key, value in row.items():
-            if key.startswith("eval/") and isinstance(value, (int, float)):
+            if key.startswith("eval/") and _plottable(value):
                 series = curve.evals.setdefault(key, Series())
                 series.x.append(at)
                 series.y.append(float(value))

@@ -12,11 +12,13 @@ its own converter leaves models trained with the exact one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from gptlab.checkpoint import plain_shapes
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.interop.hf import _switches_missing, export_family
@@ -182,7 +184,7 @@ def _attention_in(cfg: GPTConfig, arch: GgufArch, s: dict[str, np.ndarray], ours
         w = s[f"{ours}.{kind}"]
         wq, wk, wv = w[:q], w[q:q + kv], w[q + kv:]
         if arch.adjacent_rope != cfg.rope_interleaved:
-            wq, wk = _rope_rows(wq, cfg, arch), _rope_rows(wk, cfg, arch)
+            wq, wk = rope_rows(wq, cfg, arch.adjacent_rope), rope_rows(wk, cfg, arch.adjacent_rope)
         if arch.fused_qkv:
             out[f"{b}attn_qkv.{kind}"] = np.concatenate([wq, wk, wv])
         else:
@@ -190,11 +192,12 @@ def _attention_in(cfg: GPTConfig, arch: GgufArch, s: dict[str, np.ndarray], ours
     return out
 
 
-def _rope_rows(w: np.ndarray, cfg: GPTConfig, arch: GgufArch) -> np.ndarray:
-    """q or k rows reordered per head from gptlab's RoPE pairs into the architecture's."""
+def rope_rows(w: np.ndarray, cfg: GPTConfig, to_adjacent: bool) -> np.ndarray:
+    """q or k rows reordered per head between RoPE's two pair layouts: into adjacent pairs (to_adjacent), else into
+    halves. Export reorders from gptlab's layout into the architecture's; import the other way."""
     heads = w.shape[0] // cfg.head_size
     rotated = w.reshape(heads, cfg.head_size, -1)[:, :cfg.rotary_dim].reshape(heads * cfg.rotary_dim, -1)
-    if arch.adjacent_rope:
+    if to_adjacent:
         rotated = interleave_rope_rows(rotated, heads, cfg.rotary_dim)
     else:
         rotated = halve_rope_rows(rotated, heads, cfg.rotary_dim)
@@ -223,3 +226,84 @@ def interleave_rope_rows(w: np.ndarray, n_head: int, head_size: int) -> np.ndarr
 def halve_rope_rows(w: np.ndarray, n_head: int, rotary_dim: int) -> np.ndarray:
     """The inverse of `interleave_rope_rows`: adjacent pairs (2i, 2i + 1) -> rows 0, 2, 4, ..., 1, 3, 5, ..."""
     return w.reshape(n_head, rotary_dim // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- import: the inverse of gguf_tensors -------------------------------------------------------------------------
+def gptlab_tensors(cfg: GPTConfig, arch: GgufArch, take: Callable[..., np.ndarray | None]) -> dict[str, np.ndarray]:
+    """A GGUF file's tensors under gptlab's names and layout, the inverse of `gguf_tensors`. `take(name, rows)`
+    reads one (None where the file has none), checking its row count when `rows` is given."""
+    s = _found(take, "token_embd", "transformer.wte")
+    s.update(_found(take, "position_embd", "transformer.wpe"))
+    for i in range(cfg.n_layer):
+        p, b = f"transformer.h.{i}.", f"blk.{i}."
+        for ours, theirs in _NORMS.items():
+            s.update(_found(take, b + theirs, p + ours, unit_offset=cfg.norm_unit_offset))
+        for ours, theirs in _PROJECTIONS.items():
+            s.update(_found(take, b + theirs, p + ours))
+        s.update(_attention_from(cfg, arch, take, b, p + "attn.c_attn"))
+        s.update(_mlp_from(cfg, arch, take, b, p + "mlp.c_fc"))
+    s.update(_found(take, "output_norm", "transformer.ln_f", unit_offset=cfg.norm_unit_offset))
+    if not cfg.tie_embeddings:
+        s.update(_found(take, "output", "lm_head"))
+    elif cfg.head_bias:
+        s.update({"lm_head.bias": b} if (b := take("output.bias")) is not None else {})
+    return _without_zero_biases(cfg, s)
+
+
+def _without_zero_biases(cfg: GPTConfig, s: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Biases the model has no place for dropped when zero (export fills the ones an architecture requires with
+    zeros, which add nothing); a non-zero one would change what the model computes: refused."""
+    expected = plain_shapes(cfg)
+    for name in [n for n in s if n not in expected and n.endswith(".bias")]:
+        if np.any(s.pop(name)):
+            raise GptlabError(f"the file holds a non-zero bias for {name}, which a {cfg.hf_architecture} of this "
+                              "config has no place for")
+    return s
+
+
+def _found(take: Callable[..., np.ndarray | None], theirs: str, ours: str,
+           unit_offset: bool = False) -> dict[str, np.ndarray]:
+    """`theirs`' weight and bias, those the file has, under `ours`; a (1 + weight) norm's weight back to its own."""
+    out = {}
+    for kind in ("weight", "bias"):
+        t = take(f"{theirs}.{kind}")
+        if t is not None:
+            out[f"{ours}.{kind}"] = t - 1 if unit_offset and kind == "weight" else t
+    return out
+
+
+def _attention_from(cfg: GPTConfig, arch: GgufArch, take: Callable[..., np.ndarray | None], b: str,
+                    ours: str) -> dict[str, np.ndarray]:
+    q, kv = cfg.n_head * cfg.head_size, cfg.n_kv_head * cfg.head_size
+    out = {}
+    for kind in ("weight", "bias"):
+        if arch.fused_qkv:
+            w = take(f"{b}attn_qkv.{kind}", rows=q + 2 * kv)
+            if w is None:
+                continue
+            parts = [w[:q], w[q:q + kv], w[q + kv:]]
+        else:
+            found = [take(f"{b}attn_{x}.{kind}", rows=n) for x, n in (("q", q), ("k", kv), ("v", kv))]
+            if all(t is None for t in found):
+                continue
+            if any(t is None for t in found):
+                raise GptlabError(f"{b}attn_q/k/v.{kind}: the file holds some of the three, not all")
+            parts = found
+        if arch.adjacent_rope != cfg.rope_interleaved:
+            parts[:2] = [rope_rows(t, cfg, cfg.rope_interleaved) for t in parts[:2]]
+        out[f"{ours}.{kind}"] = np.concatenate(parts)
+    return out
+
+
+def _mlp_from(cfg: GPTConfig, arch: GgufArch, take: Callable[..., np.ndarray | None], b: str,
+              ours: str) -> dict[str, np.ndarray]:
+    if cfg.mlp not in ("swiglu", "geglu") or arch.fused_gate_up:
+        return _found(take, b + "ffn_up", ours)
+    out = {}
+    for kind in ("weight", "bias"):
+        gate, up = take(f"{b}ffn_gate.{kind}"), take(f"{b}ffn_up.{kind}")
+        if gate is not None and up is not None:
+            out[f"{ours}.{kind}"] = np.concatenate([gate, up])
+        elif gate is not None or up is not None:
+            raise GptlabError(f"{b}ffn_gate.{kind} and {b}ffn_up.{kind}: the file holds one without the other")
+    return out

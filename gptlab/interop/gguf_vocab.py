@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gptlab.errors import GptlabError
+from gptlab.tokenizer.huggingface import HFTokenizer
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -145,3 +146,59 @@ def _char_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], se
     if wide:
         raise GptlabError(f"GGUF export of a character tokenizer needs single-byte characters; {wide[0]!r} is not")
     return [_spell(c.encode("utf-8")) for c in chars], [NEVER_MERGES], set()
+
+
+# --- import: the file's vocabulary as a `tokenizers` BPE ----------------------------------------------------------
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # llama.cpp's token types
+
+
+def tokenizer_from_gguf(meta: Any, vocab_size: int) -> HFTokenizer:
+    """The byte-level BPE a GGUF file holds (`meta`: gguf_read's typed metadata), with its special tokens, BOS rule
+    and chat template; refused in one line where it is another kind of tokenizer or splits text in a way gptlab
+    does not know by name."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    where = meta.path
+    model = meta.get("tokenizer.ggml.model", str)
+    if model != "gpt2":
+        raise GptlabError(f"{where}: tokenizer.ggml.model is {model!r}; gptlab reads byte-level BPE ('gpt2') "
+                          "vocabularies: load the model's Hugging Face directory instead")
+    split = meta.get("tokenizer.ggml.pre", str, "gpt-2")
+    regex = {name: pattern for pattern, name in PRE_TOKENIZERS.items()}.get(split)
+    if regex is None:
+        raise GptlabError(f"{where}: tokenizer.ggml.pre {split!r} is a split gptlab does not know; it reads "
+                          f"{', '.join(sorted(set(PRE_TOKENIZERS.values())))}")
+    tokens = meta.get("tokenizer.ggml.tokens", list)
+    types = meta.get("tokenizer.ggml.token_type", list, [NORMAL] * len(tokens))
+    if len(types) != len(tokens) or not 0 < len(tokens) <= vocab_size:
+        raise GptlabError(f"{where}: tokenizer.ggml.tokens holds {len(tokens)} tokens and token_type {len(types)} "
+                          f"types; both should be one per token, at most the model's {vocab_size} embeddings")
+    vocab = {text: i for i, (text, kind) in enumerate(zip(tokens, types, strict=True)) if kind != UNUSED}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", list, []) if isinstance(m, str)]
+    merges = [(a, b) for a, b in merges if a in vocab and b in vocab and a + b in vocab]  # others never fire
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    if split == "gpt-2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, kind in enumerate(types) if kind == CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], normalized=False) for i, kind in enumerate(types) if kind == USER_DEFINED])
+    eos, bos = (_token_id(meta, f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("eos", "bos"))
+    adds_bos = bos is not None and meta.get("tokenizer.ggml.add_bos_token", bool, False)
+    if adds_bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                           special_tokens=[(tokens[bos], bos)])
+    template = meta.get("tokenizer.chat_template", str, None)
+    return HFTokenizer(tok, "hf", eot_id=eos, bos_id=bos if adds_bos or bos != eos else None,
+                       chat_template=template, chat_template_file=f"{where} (tokenizer.chat_template)")
+
+
+def _token_id(meta: Any, key: str, n_tokens: int) -> int | None:
+    i = meta.get(key, int, None)
+    if i is not None and not 0 <= i < n_tokens:
+        raise GptlabError(f"{meta.path}: {key} is {i}, outside the {n_tokens} tokens")
+    return i

@@ -4,12 +4,12 @@ token, offline mode and a refused or failed request."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
+from gptlab.fileio import parse_json, read_json_or_empty, read_utf8
 
 CARD_FILE = "README.md"
 METRICS_FILE = "metrics.jsonl"  # the run's log rows (train/runlog.py writes it; read here as plain JSON lines)
@@ -23,20 +23,14 @@ def read_run(run_dir: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]
     if run_dir is None:
         return rows, recipe
     if (run_dir / METRICS_FILE).is_file():
-        for line in (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines():
+        for line in read_utf8(run_dir / METRICS_FILE).splitlines():
             try:
-                row = json.loads(line)
+                row = parse_json(line)
             except ValueError:  # a torn last line from a killed run
                 continue
             if isinstance(row, dict):
                 rows.append(row)
-    if (run_dir / RECIPE_FILE).is_file():
-        try:
-            loaded = json.loads((run_dir / RECIPE_FILE).read_text(encoding="utf-8"))
-        except ValueError:
-            loaded = {}
-        recipe = loaded if isinstance(loaded, dict) else {}
-    return rows, recipe
+    return rows, read_json_or_empty(run_dir / RECIPE_FILE)
 
 
 def model_card(repo_id: str, cfg: GPTConfig, architecture: str, n_params: int, rows: list[dict[str, Any]],

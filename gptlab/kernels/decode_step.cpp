@@ -1,12 +1,13 @@
 // One decode step of any gptlab model (one new token per row) in one C++ call, over weights packed for this
 // library's `linear`: the loop of gptlab/generation/fast_decode.py's lean step without a Python round trip per op.
-// Norms, rotary embeddings, q/k norms, grouped-query attention over the fp32 KV cache and soft-caps are plain loops
-// over a few rows; the Linear products go to the kernel, the MLP's activation to ATen's vectorized ops.
+// Norms, rotary embeddings, q/k norms, grouped-query attention over the fp32 KV cache, soft-caps and the MLP's
+// activation are plain loops over a few rows (written so that the compiler vectorizes them); the Linear products go
+// to the kernel over raw rows (`linear_into`). Its buffers are made once per call: no ATen op runs inside a step.
 //
 // Values are kept in fp32 and rounded to a bf16 model's dtype wherever the lean step holds a bf16 tensor (after
 // each norm, product, activation, rotation and residual add; a norm once, as ATen's bf16 norms round), so a bf16
 // model's step follows the lean one but for the odd rounding where an fp32 sum ran in another order (attention,
-// a norm's statistics) or an fp32 exp/tanh differs in its last bit.
+// a norm's statistics) or an fp32 exp/tanh/erf differs from ATen's in its last bits (`exp_fast`'s ~1e-7).
 //
 // Per layer, `weights` holds kPerLayer tensors (None where absent): ln_1 weight, bias; c_attn (packed, qparams,
 // bias); attn c_proj (3); ln_2 weight, bias; c_fc (3); mlp c_proj (3); ln_attn_out weight, bias; ln_mlp_out weight,
@@ -92,14 +93,6 @@ void norm_rows(const float* in, float* out, int64_t rows, int64_t n, int kind, c
   }
 }
 
-// y (M, N) = x (M, K) @ W.T + bias through the packed kernel; the weight's three entries start at weights[i]
-void project(const float* x, int64_t M, int64_t K, const Weights& wl, int64_t i, int64_t N, float* y, bool bf16) {
-  auto xt = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);
-  auto out = linear(xt, *wl.get(i), wl.get(i + 1), wl.get(i + 2), N);
-  std::copy_n(out.data_ptr<float>(), M * N, y);
-  round_all(y, M * N, bf16);
-}
-
 // rotate a head's first `rot` dims by (cos, sin) (rot / 2 each): pairs (i, i + rot / 2), or (2i, 2i + 1)
 void rotate(float* h, const float* cos, const float* sin, int64_t rot, bool interleaved, bool bf16) {
   const int64_t half = rot / 2;
@@ -125,22 +118,50 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// exp(x) for x <= 0 (softmax's shifted scores), branch-free so that a loop over it vectorizes: 2^n by the exponent
-// bits, e^r on |r| <= ln2 / 2 by its Taylor polynomial to r^7 (relative error ~1e-7, as std::exp's fp32 result);
-// below -87 the result is 0 (as an fp32 exp underflows)
-inline float exp_nonpositive(float x) {
-  const bool underflows = x < -87.0f;  // -inf (a masked key) included
-  x = std::max(x, -87.0f);
+// exp(x), branch-free so that a loop over it vectorizes: 2^n by the exponent bits, e^r on |r| <= ln2 / 2 by its
+// Taylor polynomial to r^7 (relative error ~1e-7, as std::exp's fp32 result); below -87 the result is 0 (as an fp32
+// exp underflows: a masked key's -inf included), above 88 it is e^88 (silu and tanh saturate long before)
+inline float exp_fast(float x) {
+  const bool underflows = x < -87.0f;
+  x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::floor(x * 1.44269504f + 0.5f);
   const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
   float p = 1.0f / 5040;
   p = p * r + 1.0f / 720, p = p * r + 1.0f / 120, p = p * r + 1.0f / 24, p = p * r + 1.0f / 6, p = p * r + 0.5f;
   p = p * r + 1.0f, p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // n >= -126: a normal power of two
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // -126 <= n <= 127: a normal power of two
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return underflows ? 0.0f : p * scale;
 }
+
+// The MLP's activations in fp32, as ATen computes them (silu x / (1 + e^-x); GELU 0.5 x (1 + tanh(...)) or
+// 0.5 x (1 + erf(x / sqrt 2))), within ~1e-7 relative of its vectorized results
+inline float silu(float v) { return v / (1.0f + exp_fast(-v)); }
+inline float gelu_tanh(float v) {
+  const float u = 0.7978845608f * (v + 0.044715f * v * v * v);
+  const float t = 1.0f - 2.0f / (exp_fast(2.0f * std::fabs(u)) + 1.0f);  // tanh |u|: 1 + tanh within ~1e-7
+  return 0.5f * v * (1.0f + (u < 0.0f ? -t : t));
+}
+// erfc(z) for z >= 0 in the form t exp(-z^2 + P(t)), t = 1 / (1 + z / 2) (fractional error < 1.2e-7 everywhere,
+// Numerical Recipes' erfcc), so that 1 + erf(x / sqrt 2) keeps its relative accuracy in the negative tail too
+inline float gelu_erf(float v) {
+  const float z = std::fabs(v) * 0.70710678f, t = 1.0f / (1.0f + 0.5f * z);
+  float p = 0.17087277f;
+  p = p * t - 0.82215223f, p = p * t + 1.48851587f, p = p * t - 1.13520398f, p = p * t + 0.27886807f;
+  p = p * t - 0.18628806f, p = p * t + 0.09678418f, p = p * t + 0.37409196f, p = p * t + 1.00002368f;
+  const float erfc = t * exp_fast(-z * z - 1.26551223f + t * p);
+  return 0.5f * v * (v < 0.0f ? erfc : 2.0f - erfc);
+}
+
+// what a step writes between its ops, made once per call (none of it is a tensor)
+struct Buffers {
+  std::vector<float> h, a, m, qkv, y, up, act;
+  std::vector<at::BFloat16> xb;  // a product's input as bf16 values (a bf16 model's)
+  Buffers(int64_t B, int64_t C, int64_t width, int64_t heads, int64_t fc)
+      : h(B * C), a(B * C), m(B * C), qkv(B * width), y(B * heads), up(B * fc), act(B * fc),
+        xb(B * std::max({C, heads, fc})) {}
+};
 
 struct Step {
   const Shape& s;
@@ -155,17 +176,32 @@ struct Step {
   int64_t full_rows, window_rows;
   const float *cos, *sin;         // (B or 1, rot / 2), or null
   int64_t rope_rows;
+  Buffers& buf;
 
   c10::optional<at::Tensor> at(int64_t layer, int64_t i) const { return w.get(kPerLayer * layer + i); }
+
+  // y (M, N) = x (M, K) @ W.T + bias through the packed kernel; the weight's three entries start at weights[i]. A
+  // bf16 model's x holds bf16 values: handed over as bf16 too, they go through the kernel's bf16 dot products, as
+  // the lean step's bf16 tensors do
+  void project(const float* x, int64_t M, int64_t K, int64_t i, int64_t N, float* y) const {
+    at::BFloat16* xb = nullptr;
+    if (bf16) {
+      xb = buf.xb.data();
+      for (int64_t j = 0; j < M * K; ++j) xb[j] = static_cast<at::BFloat16>(x[j]);
+    }
+    GPTLAB_NS::linear_into(x, xb, M, K, *w.get(i), w.get(i + 1), w.get(i + 2), N, y);
+    round_all(y, M * N, bf16);
+  }
 
   // the attention branch for input h (B, C) -> out (B, C), writing this token's keys and values to the cache
   void attention(int64_t layer, bool sliding, const float* h, float* out) const {
     const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, width = (nh + 2 * nkv) * hs;
-    std::vector<float> qkv(B * width), y(B * nh * hs);
-    project(h, B, C, w, kPerLayer * layer + 2, width, qkv.data(), bf16);
-    auto kl = k_cache.select(0, layer), vl = v_cache.select(0, layer);  // (B, nkv, max_len, hs)
-    float *kp = kl.data_ptr<float>(), *vp = vl.data_ptr<float>();
-    const int64_t sb = kl.stride(0), sh = kl.stride(1), st = kl.stride(2);
+    std::vector<float> &qkv = buf.qkv, &y = buf.y;
+    project(h, B, C, kPerLayer * layer + 2, width, qkv.data());
+    // this layer's (B, nkv, max_len, hs) keys and values
+    float *kp = k_cache.data_ptr<float>() + layer * k_cache.stride(0),
+          *vp = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
+    const int64_t sb = k_cache.stride(1), sh = k_cache.stride(2), st = k_cache.stride(3);
     const auto qn = at(layer, 20), kn = at(layer, 21);
     for (int64_t b = 0; b < B; ++b) {
       float* row = qkv.data() + b * width;
@@ -201,7 +237,7 @@ struct Step {
           p[t] = d;
           top = std::max(top, d);
         }
-        for (int64_t t = 0; t < end; ++t) p[t] = exp_nonpositive(p[t] - top);  // a masked key's -inf gives 0
+        for (int64_t t = 0; t < end; ++t) p[t] = exp_fast(p[t] - top);  // a masked key's -inf gives 0
         float total = 0.0f;
         for (int64_t t = 0; t < end; ++t) total += p[t];
         float* yi = y.data() + b * nh * hs + h * hs;
@@ -214,25 +250,32 @@ struct Step {
         for (int64_t e = 0; e < hs; ++e) yi[e] = round_to(yi[e], bf16);
       }
     });
-    project(y.data(), B, nh * hs, w, kPerLayer * layer + 5, C, out, bf16);
+    project(y.data(), B, nh * hs, kPerLayer * layer + 5, C, out);
   }
 
-  // the activation is ATen's, on a tensor of the model's dtype: vectorized (exp, tanh and erf per element were a
-  // tenth of a batch-1 step and most of a batch-32 one as scalar loops), and the lean step's numbers to the bit
+  // the activation rounded where the lean step's bf16 tensors round (the activation, then the gate's product)
   void mlp(int64_t layer, const float* h, float* out) const {
     const bool gated = s.mlp == kSwiGLU || s.mlp == kGeGLU;
     const int64_t H = s.hidden, fc = gated ? 2 * H : H;
-    std::vector<float> a(B * fc);
-    project(h, B, C, w, kPerLayer * layer + 10, fc, a.data(), bf16);
-    auto t = at::from_blob(a.data(), {B, fc}, at::kFloat).to(bf16 ? at::kBFloat16 : at::kFloat);
-    const c10::string_view approx = s.gelu_tanh ? "tanh" : "none";
-    at::Tensor act;
-    if (s.mlp == kSwiGLU) act = at::silu(t.narrow(1, 0, H)) * t.narrow(1, H, H);
-    else if (s.mlp == kGeGLU) act = at::gelu(t.narrow(1, 0, H), approx) * t.narrow(1, H, H);
-    else if (s.mlp == kReLU2) act = at::square(at::relu(t));
-    else act = at::gelu(t, approx);
-    const auto act32 = act.to(at::kFloat).contiguous();
-    project(act32.data_ptr<float>(), B, H, w, kPerLayer * layer + 13, C, out, bf16);
+    float *a = buf.up.data(), *act = buf.act.data();  // (B, fc), (B, H)
+    project(h, B, C, kPerLayer * layer + 10, fc, a);
+    for (int64_t b = 0; b < B; ++b) {
+      const float *g = a + b * fc, *u = g + H;
+      float* o = act + b * H;
+      if (s.mlp == kSwiGLU)
+        for (int64_t i = 0; i < H; ++i) o[i] = round_to(round_to(silu(g[i]), bf16) * u[i], bf16);
+      else if (s.mlp == kGeGLU && s.gelu_tanh)
+        for (int64_t i = 0; i < H; ++i) o[i] = round_to(round_to(gelu_tanh(g[i]), bf16) * u[i], bf16);
+      else if (s.mlp == kGeGLU)
+        for (int64_t i = 0; i < H; ++i) o[i] = round_to(round_to(gelu_erf(g[i]), bf16) * u[i], bf16);
+      else if (s.mlp == kReLU2)
+        for (int64_t i = 0; i < H; ++i) o[i] = round_to(std::max(g[i], 0.0f) * std::max(g[i], 0.0f), bf16);
+      else if (s.gelu_tanh)
+        for (int64_t i = 0; i < H; ++i) o[i] = round_to(gelu_tanh(g[i]), bf16);
+      else
+        for (int64_t i = 0; i < H; ++i) o[i] = round_to(gelu_erf(g[i]), bf16);
+    }
+    project(act, B, H, kPerLayer * layer + 13, C, out);
   }
 
   void add(float* x, const float* y) const {
@@ -244,7 +287,7 @@ struct Step {
   }
 
   void layer(int64_t l, bool sliding, float* x) const {
-    std::vector<float> h(B * C), a(B * C), m(B * C);
+    std::vector<float> &h = buf.h, &a = buf.a, &m = buf.m;
     switch (s.layout) {
       case kPre:
         norm(l, 0, x, h.data()), attention(l, sliding, h.data(), a.data()), add(x, a.data());
@@ -307,18 +350,26 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
   int64_t full_rows = 0, window_rows = 0;
   const bool* full_p = mask_data(full, end, full_rows);
   const bool* window_p = mask_data(window, end, window_rows);
+  const int64_t width = (s.nh + 2 * s.nkv) * s.hs, fc = s.mlp == kSwiGLU || s.mlp == kGeGLU ? 2 * s.hidden : s.hidden;
+  Buffers buffers(B, C, width, s.nh * s.hs, fc);
   Step step{s, weights, B, C, L, bf16, static_cast<float>(eps), static_cast<float>(scale),
             static_cast<float>(softcap), k_cache, v_cache, where, end,
             where < 0 ? rows_c.data_ptr<int64_t>() : nullptr, where < 0 ? pos_c.data_ptr<int64_t>() : nullptr,
             full_p, window_p, full_rows, window_rows,
-            rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr, rope_rows};
-  auto xs = x.reshape({B, C}).to(at::kFloat).contiguous();
-  std::vector<float> buf(xs.data_ptr<float>(), xs.data_ptr<float>() + B * C);
-  for (int64_t l = 0; l < L; ++l) step.layer(l, shape[12 + l] != 0, buf.data());
+            rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr, rope_rows,
+            buffers};
+  const auto xc = x.contiguous();
+  std::vector<float> state(B * C);  // the residual stream, in fp32
+  if (bf16) std::copy_n(xc.data_ptr<at::BFloat16>(), B * C, state.begin());
+  else std::copy_n(xc.data_ptr<float>(), B * C, state.begin());
+  for (int64_t l = 0; l < L; ++l) step.layer(l, shape[12 + l] != 0, state.data());
   if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
-    norm_rows(buf.data(), buf.data(), B, C, s.norm, weights.get(kPerLayer * L), weights.get(kPerLayer * L + 1),
+    norm_rows(state.data(), state.data(), B, C, s.norm, weights.get(kPerLayer * L), weights.get(kPerLayer * L + 1),
               static_cast<float>(eps), bf16);
-  return at::from_blob(buf.data(), {B, 1, C}, at::kFloat).to(x.scalar_type(), false, /*copy=*/true);
+  auto out = at::empty({B, 1, C}, x.options());
+  if (bf16) std::copy_n(state.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
+  else std::copy_n(state.begin(), B * C, out.data_ptr<float>());
+  return out;
 }
 
 }  // namespace

@@ -21,7 +21,6 @@ back to the probe's choice); `GPTLAB_NO_KERNELS=1` keeps PyTorch's paths everywh
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import time
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_json
+from gptlab.fileio import atomic_write_json, read_json_or_empty
 from gptlab.hardware import cache_dir, cpu_id
 from gptlab.kernels import kernel_builds, source_digest
 
@@ -80,10 +79,7 @@ def _measured(kind: str, names: tuple[str, ...], rows: int, threads: int) -> str
     (the thread count among them: a choice made on 2 threads is not one for 16)."""
     key = "|".join([cpu_id(), f"threads={threads}", torch.__version__, source_digest(), kind, f"rows={rows}"])
     path = cache_dir() / CACHE_FILE
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = read_json_or_empty(path)
     entry = cached.get(key)
     if isinstance(entry, dict) and entry.get("choice") in (*names, TORCH):
         return entry["choice"]

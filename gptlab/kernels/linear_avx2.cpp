@@ -151,20 +151,21 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
 // the output and bias dtypes (each bf16 or fp32) picked at run time
 template <typename Weight>
 void dispatch(int64_t M, int64_t K, const Weight& w, const float* row_scale, const at::Tensor& bias, int64_t N,
-              at::Tensor& y) {
-  const bool bf16_out = y.scalar_type() == at::kBFloat16;
+              void* y, bool bf16_out) {
+  auto* yb = static_cast<at::BFloat16*>(y);
+  auto* yf = static_cast<float*>(y);
   if (!bias.defined()) {
     const float* none = nullptr;
-    if (bf16_out) linear_impl(M, K, w, row_scale, none, N, y.data_ptr<at::BFloat16>());
-    else linear_impl(M, K, w, row_scale, none, N, y.data_ptr<float>());
+    if (bf16_out) linear_impl(M, K, w, row_scale, none, N, yb);
+    else linear_impl(M, K, w, row_scale, none, N, yf);
   } else if (bias.scalar_type() == at::kBFloat16) {
     const auto* b = bias.data_ptr<at::BFloat16>();
-    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, y.data_ptr<at::BFloat16>());
-    else linear_impl(M, K, w, row_scale, b, N, y.data_ptr<float>());
+    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb);
+    else linear_impl(M, K, w, row_scale, b, N, yf);
   } else {
     const auto* b = bias.data_ptr<float>();
-    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, y.data_ptr<at::BFloat16>());
-    else linear_impl(M, K, w, row_scale, b, N, y.data_ptr<float>());
+    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb);
+    else linear_impl(M, K, w, row_scale, b, N, yf);
   }
 }
 
@@ -238,16 +239,18 @@ std::vector<at::Tensor> pack_int4(const at::Tensor& q, const at::Tensor& scale, 
 
 }  // namespace
 
-namespace GPTLAB_NS {
+namespace {
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
-                  const c10::optional<at::Tensor>& bias, int64_t N) {
+// the packed weight, its qparams and bias checked against x's width K and the output width N: the bias (undefined
+// where absent) for `product`
+at::Tensor checked(const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
+                   const c10::optional<at::Tensor>& bias, int64_t K, int64_t N) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), "linear: not a packed weight");
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
-  const int64_t K = int4 ? 2 * packed.size(1) : packed.size(1), panels = packed.size(0);
-  TORCH_CHECK(x.size(-1) == K, "linear: input has ", x.size(-1), " features, the weight ", K);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK((int4 ? 2 * packed.size(1) : packed.size(1)) == K, "linear: input has ", K, " features, the weight ",
+              int4 ? 2 * packed.size(1) : packed.size(1));
   TORCH_CHECK(panels * kPanel >= N && N > (panels - 1) * kPanel, "linear: N does not fit the panels");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: bf16 or fp32 input only");
   const bool has_qparams = qparams.has_value() && qparams->defined();
   TORCH_CHECK(has_qparams == (int4 || int8), "linear: int8 and int4 weights take qparams, others none");
   if (int8)
@@ -258,6 +261,48 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
                 qparams->size(0) == panels && qparams->size(1) > 0 && K % qparams->size(1) == 0 &&
                 (K / qparams->size(1)) % 2 == 0 && qparams->size(2) == 2 && qparams->size(3) == kPanel,
                 "linear: int4 qparams must be (panels, groups, 2, 16) fp16");
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), "linear: bias must be contiguous with ", N, " values");
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat, "linear: bias dtype");
+  return *bias;
+}
+
+// y (M, N) = x (M, K) @ W.T + bias over a checked weight: x in fp32 (xb: the same values in bf16, or null), y in
+// bf16 or fp32
+void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
+             const c10::optional<at::Tensor>& qparams, const at::Tensor& b, int64_t N, void* y, bool bf16_out) {
+  const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
+  if (int4 || int8) {
+    std::vector<int16_t> xq(M * K);
+    std::vector<float> xscale(M);
+    quantize_rows(xp, M, K, xq.data(), xscale.data());
+    if (int8) {
+      dispatch(M, K, Int8{packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b, N,
+               y, bf16_out);
+    } else {
+      const int64_t G = qparams->size(1), gs = K / G;
+      std::vector<float> xqsum(M * G);  // per row and group: the sum of xq (exact in fp32: |sum| < 2^24)
+      for (int64_t i = 0; i < M * G; ++i)
+        xqsum[i] = static_cast<float>(std::accumulate(xq.begin() + i * gs, xq.begin() + (i + 1) * gs, int64_t{0}));
+      dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), xscale.data(),
+                          xqsum.data()}, nullptr, b, N, y, bf16_out);
+    }
+  } else if (packed.scalar_type() == at::kBFloat16) {
+    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb}, nullptr, b, N, y, bf16_out);
+  } else {
+    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr}, nullptr, b, N, y, bf16_out);
+  }
+}
+
+}  // namespace
+
+namespace GPTLAB_NS {
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
+                  const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: bf16 or fp32 input only");
+  const int64_t K = x.size(-1);
+  const at::Tensor b = checked(packed, qparams, bias, K, N);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   const auto x2 = x.reshape({-1, K}).contiguous();
@@ -274,33 +319,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
     xp = xbuf.data();
   }
   auto y = at::empty({M, N}, x.options());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), "linear: bias must be contiguous with ", N, " values");
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat, "linear: bias dtype");
-    b = *bias;
-  }
-  if (int4 || int8) {
-    std::vector<int16_t> xq(M * K);
-    std::vector<float> xscale(M);
-    quantize_rows(xp, M, K, xq.data(), xscale.data());
-    if (int8) {
-      dispatch(M, K, Int8{packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b, N, y);
-    } else {
-      const int64_t G = qparams->size(1), gs = K / G;
-      std::vector<float> xqsum(M * G);  // per row and group: the sum of xq (exact in fp32: |sum| < 2^24)
-      for (int64_t i = 0; i < M * G; ++i)
-        xqsum[i] = static_cast<float>(std::accumulate(xq.begin() + i * gs, xq.begin() + (i + 1) * gs, int64_t{0}));
-      dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), xscale.data(),
-                          xqsum.data()}, nullptr, b, N, y);
-    }
-  } else if (packed.scalar_type() == at::kBFloat16) {
-    const auto* xb = x2.scalar_type() == at::kBFloat16 ? x2.data_ptr<at::BFloat16>() : nullptr;
-    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb}, nullptr, b, N, y);
-  } else {
-    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr}, nullptr, b, N, y);
-  }
+  const auto* xb = x2.scalar_type() == at::kBFloat16 ? x2.data_ptr<at::BFloat16>() : nullptr;
+  product(xp, xb, M, K, packed, qparams, b, N, y.data_ptr(), y.scalar_type() == at::kBFloat16);
   return y.view(sizes);
+}
+
+void linear_into(const float* x, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
+                 const c10::optional<at::Tensor>& qparams, const c10::optional<at::Tensor>& bias, int64_t N,
+                 float* y) {
+  product(x, xb, M, K, packed, qparams, checked(packed, qparams, bias, K, N), N, y, false);
 }
 
 }  // namespace GPTLAB_NS

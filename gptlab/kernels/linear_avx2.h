@@ -1,5 +1,6 @@
 // What linear_avx2.cpp shares: the panel shape (the micro-kernels of dense_tiles.h and int_tiles.h work on it),
-// which build this is, and `linear`, y = x @ W.T + bias over a packed weight (decode_step.cpp's step calls it).
+// which build this is, and `linear`, y = x @ W.T + bias over a packed weight (decode_step.cpp's step calls
+// `linear_into`, the same over raw rows).
 //
 // The same sources are compiled twice (gptlab/kernels/__init__.py): with AVX2 + FMA, and with AVX-512
 // (F/BW/VL/DQ + VNNI + BF16). The compiler's own macros pick the build: the AVX-512 one registers its operators
@@ -43,5 +44,10 @@ inline void prefetch_ahead(const void* p, int bytes) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
                   const c10::optional<at::Tensor>& bias, int64_t N);
+// the same product over raw rows, y (M, N) in fp32, making no tensor (the decode step's per-Linear call): x in fp32,
+// xb the same values in bf16 where they are bf16 values (the bf16 dot products then run on them), else null
+void linear_into(const float* x, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
+                 const c10::optional<at::Tensor>& qparams, const c10::optional<at::Tensor>& bias, int64_t N,
+                 float* y);
 
 }  // namespace GPTLAB_NS

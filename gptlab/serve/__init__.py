@@ -5,6 +5,7 @@
     access         the API key (401), a pure ASGI middleware
     metrics        GET /metrics: Prometheus counters, histograms and gauges; requests counted by route and status
     scheduler      the thread that runs the engine (continuous batching), a step's events delivered together
+    steering       a request's steering entries -> vectors, over the directions named at start-up
     state          Server: what the routes share; a request -> generations
     streaming      server-sent events
     completions    POST /v1/completions

@@ -22,13 +22,15 @@ Behaviour worth knowing:
 * max_tokens is capped so that prompt + completion fit the context (block_size); finish_reason is then
   "length". Without max_tokens, chat completions run to the end of the context (completions default to 16).
 * The tokenizer's end-of-text token ends a completion (finish_reason "stop") unless ignore_eos is set.
+* `steering` (gptlab's extra field) adds named directions to the residual stream, per row; refused (400) unless
+  the server was started with directions (`steering`).
 * logprobs are the model's own distribution (log-softmax of the raw logits, before penalties, temperature and
   filters), one entry per generated token, streamed chunks carrying those of their own tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,7 @@ from gptlab.serve.limits import BodyLimits
 from gptlab.serve.metrics import CONTENT_TYPE, RequestMetrics
 from gptlab.serve.schemas import ApiError, ChatRequest, CompletionRequest, ErrorResponse, error_body, validation_error
 from gptlab.serve.state import Server
+from gptlab.serve.steering import Direction
 from gptlab.serve.ui import GUARDED_PREFIX, mount_ui
 
 if TYPE_CHECKING:
@@ -83,15 +86,18 @@ def create_app(
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     speculate: Any = None,
     draft_tokens: int = DRAFT_TOKENS,
+    steering: Mapping[str, Direction] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan.
     `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generation.Engine`.
     `max_body_bytes`, `body_timeout`: the largest request body, and how long it may take to arrive. `ui`: the
     web page at / (`gptlab.serve.ui`). `prefix_cache_mb`: the budget of the keys and values of prompts' beginnings
     kept for later requests (0: none; `gptlab.generation.prefix_cache`). `speculate`, `draft_tokens`: speculative
-    decoding while one request decodes alone (a draft model or "ngram"; `gptlab.generation.speculative`)."""
+    decoding while one request decodes alone (a draft model or "ngram"; `gptlab.generation.speculative`).
+    `steering`: the directions (name -> a (n_embd,) tensor or a safetensors file) a request's `steering` field
+    may name (`gptlab.serve.steering`); None: a request asking for steering is refused (400)."""
     server = Server(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb,
-                    speculate, draft_tokens)
+                    speculate, draft_tokens, steering)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

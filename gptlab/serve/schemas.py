@@ -2,10 +2,10 @@
 objects of its answers.
 
 Strict: a string where a number belongs is an error, not coerced. No field is silently ignored: an OpenAI field
-this server does not implement (`UNSUPPORTED`: tools, suffix, ...) is a 400 naming it and why, and any
+this server does not implement (`UNSUPPORTED`: suffix, audio, ...) is a 400 naming it and why, and any
 other unknown field a 400 as OpenAI answers one ("Unrecognized request argument supplied"). `user` (the caller's
 own tag for its end user) is accepted and has no effect on the answer, as with OpenAI. Besides OpenAI's fields,
-requests accept vLLM-style extras: top_k, min_p, repetition_penalty, ignore_eos.
+requests accept vLLM-style extras: top_k, min_p, repetition_penalty, ignore_eos, and gptlab's `steering`.
 
 Every field is bounded here, so that the OpenAPI schema (/openapi.json) states each bound and a request out of
 range is a 400 before any work: the server's own policy limits (OpenAI's temperature <= 2, penalties in [-2, 2],
@@ -29,6 +29,7 @@ from gptlab.generation.params import (  # torch-free
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_SCHEMA_CHARS,
     MAX_STOP_CHARS,
 )
 
@@ -128,9 +129,9 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
 # OpenAI request fields this server does not implement, with why: a request naming one is refused (400), never
 # answered as if the field were not there (free text where JSON or a tool call was asked for)
 UNSUPPORTED = {
-    "tools": "tool calls are not implemented", "tool_choice": "tool calls are not implemented",
-    "parallel_tool_calls": "tool calls are not implemented", "functions": "function calls are not implemented",
-    "function_call": "function calls are not implemented", "suffix": "insertion (a suffix) is not implemented",
+    "functions": "the deprecated function calls are not implemented: use tools",
+    "function_call": "the deprecated function calls are not implemented: use tool_choice",
+    "suffix": "insertion (a suffix) is not implemented",
     "best_of": "best_of is not implemented (n is)", "audio": "only text is generated",
     "modalities": "only text is generated", "prediction": "predicted outputs are not implemented",
     "reasoning_effort": "the model has no reasoning settings", "web_search_options": "there is no web search",
@@ -176,6 +177,19 @@ class JsonSchemaFormat(BaseModel):
 
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
+MAX_STEERING = 8  # steering entries in one request
+MAX_STEERING_SCALE = 1e4
+
+
+class SteeringEntry(BaseModel):
+    """gptlab's extra: `scale` times the direction the server was started with under the name `vector`, added to
+    the residual stream entering block `layer` (`gptlab.serve.steering`; refused unless the server allows it)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    vector: str = Field(min_length=1, max_length=128)
+    layer: Int(0, 10_000)
+    scale: float = Field(1.0, ge=-MAX_STEERING_SCALE, le=MAX_STEERING_SCALE)
+
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions. Only policy limits here; see the module docstring."""
@@ -203,6 +217,7 @@ class SamplingFields(BaseModel):
     safety_identifier: str | None = Field(None, max_length=256)
 
     response_format: ResponseFormat | None = None
+    steering: Annotated[list[SteeringEntry], Field(max_length=MAX_STEERING)] | None = None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -237,10 +252,54 @@ class ContentPart(BaseModel):
     text: str
 
 
+MAX_TOOLS = 128  # OpenAI's limit
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for a function's name
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: ToolName
+
+
+class FunctionSpec(FunctionName):
+    """A function the model may call: its arguments are constrained to `parameters` (an object's JSON schema)."""
+
+    description: str | None = Field(None, max_length=4096)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the schema is always enforced, as response_format's
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolSpec(NamedToolChoice):
+    function: FunctionSpec
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: ToolName
+    arguments: str = Field(max_length=MAX_SCHEMA_CHARS)  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call in an earlier assistant message, fed back to the template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: str | None = Field(None, max_length=256)  # a tool message's: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -259,6 +318,9 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: NTop | None = None
+    tools: Annotated[list[ToolSpec], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def logprobs_count(self) -> int | None:
         """SamplingParams.logprobs for this request: None when not asked."""

@@ -29,6 +29,7 @@ from gptlab.generation.speculative import DRAFT_TOKENS
 from gptlab.serve.metrics import ServerMetrics
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
+from gptlab.serve.steering import Direction, SteeringDirections
 from gptlab.tokenizer.chat_template import chat_template_for
 
 if TYPE_CHECKING:
@@ -49,8 +50,10 @@ class Server:
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         speculate: Any = None,
         draft_tokens: int = DRAFT_TOKENS,
+        steering: Mapping[str, Direction] | None = None,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
+        self.steering = SteeringDirections(model, steering)  # the directions requests may name (None: refused)
         # one for the server's life: compiled, and its turn end found, on the first chat request, then kept
         self.chat_template = chat_template_for(tokenizer)
         self.block_size = model.config.block_size
@@ -104,10 +107,12 @@ class Server:
         stops: Sequence[str],
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        grammar: str | None = None,
         param_names: Mapping[str, str] | None = None,
     ) -> Job:
-        """Queue `req.n` generations of each prompt (max_tokens None: as many as the context leaves room for).
-        `param_names` maps SamplingParams fields to the request's own names where they differ, for errors."""
+        """Queue `req.n` generations of each prompt (max_tokens None: as many as the context leaves room for);
+        `grammar`: a llguidance grammar the output must match (tool calls'). `param_names` maps SamplingParams
+        fields to the request's own names where they differ, for errors."""
         if req.model is not None and req.model != self.model_name:
             raise ApiError(
                 404,
@@ -116,6 +121,7 @@ class Server:
                 code="model_not_found",
             )
         fields = req.model_dump()
+        steering = self.steering.vectors(req.steering)
         gens = []
         for ids in prompts:
             ids = self._check_prompt(ids)
@@ -130,8 +136,9 @@ class Server:
                     prompt_logprobs=prompt_logprobs,
                     logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
                     json_schema=req.json_schema(),
+                    grammar=grammar,
                 )
-                gens += [self.engine.prepare(ids, params, sample_index=j) for j in range(req.n)]
+                gens += [self.engine.prepare(ids, params, sample_index=j, steering=steering) for j in range(req.n)]
             except InvalidSamplingParam as e:
                 param = {"json_schema": "response_format", **(param_names or {})}.get(e.field, e.field)
                 raise ApiError(

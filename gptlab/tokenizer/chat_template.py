@@ -74,14 +74,20 @@ class ChatTemplate:
     _compiled: Any = field(default=None, repr=False, compare=False)
     _turn_end: list[str] | None = field(default=None, repr=False, compare=False)  # `turn_end_stops`, found once
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The text of `messages`, plus the assistant's opening when `add_generation_prompt`."""
-        return self.render_many([(messages, add_generation_prompt)])[0]
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The text of `messages`, plus the assistant's opening when `add_generation_prompt`; `tools` are the
+        functions the model may call (OpenAI's {"type": "function", "function": {...}} objects), as transformers
+        passes them."""
+        return self.render_many([(messages, add_generation_prompt)], tools)[0]
 
-    def render_many(self, conversations: Sequence[tuple[Sequence[dict[str, Any]], bool]]) -> list[str]:
-        """`render` of each (messages, add_generation_prompt), in one trip to the worker process."""
+    def render_many(self, conversations: Sequence[tuple[Sequence[dict[str, Any]], bool]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[str]:
+        """`render` of each (messages, add_generation_prompt), with the same tools, in one trip to the worker
+        process."""
         self.compile()
-        contexts = [dict(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None,
+        tools = None if tools is None else list(tools)
+        contexts = [dict(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
                          documents=None, bos_token=self.bos_token, eos_token=self.eos_token)
                     for messages, add_generation_prompt in conversations]
         try:

@@ -25,6 +25,9 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
     d = Path(directory)
     if d.is_file() and d.name in (META_FILE, HF_FILE):
         d = d.parent
+    if d.is_file():
+        raise GptlabError(f"{d} is a file, not a tokenizer directory (a GGUF file's tokenizer is read by the model "
+                          f"commands: `gptlab convert {d} DIR` writes it as a directory)")
     if not d.is_dir():
         raise GptlabError(f"tokenizer directory {d} does not exist")
     if (d / META_FILE).is_file():

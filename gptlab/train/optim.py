@@ -84,6 +84,15 @@ class Schedule:
             return floor + (1.0 - floor) * (1.0 - progress) / self.decay_fraction
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
+    def at(self, step: int, max_steps: int, *, clock: float = 0.0, max_time: float | None = None,
+           warmup_elapsed: float | None = None) -> float:
+        """The factor at `step`: its decay follows the steps and, under a time budget whose warm-up ended at
+        `warmup_elapsed`, the `clock` too (whichever of max_steps and max_time is nearer)."""
+        progress = self.step_progress(step, max_steps)
+        if max_time is not None and warmup_elapsed is not None:
+            progress = max(progress, self.time_progress(clock, max_time, warmup_elapsed))
+        return self.multiplier(step, progress)
+
     def step_progress(self, step: int, max_steps: int) -> float:
         """The decay's progress at `step` of a `max_steps` run: (step - warmup) / (max_steps - warmup)."""
         return _share(step - self.warmup_steps, max_steps - self.warmup_steps)

@@ -9,6 +9,8 @@ is really there.
   last line torn by a kill mid-write is dropped with a notice, while damage elsewhere is an error naming the line.
 - `checkpoint_to_resume`: the latest step checkpoint, with its files checked before anything is loaded; a
   damaged one is named, with the intact earlier checkpoint and how to resume from it.
+- `check_checkpoint_matches` / `check_state_matches`: the checkpoint is this run's (vocabulary, model, LoRA base,
+  recipe, data sources), each difference named.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import fcntl
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from gptlab import checkpoint as ckpt
+from gptlab.data.dataset import format_sources
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json, atomic_write_text, parse_json, safetensors_problem, write_error
+from gptlab.train.config import RESUMABLE_CHANGES, TrainConfig, resume_differences
 from gptlab.train.runlog import METRICS_FILE
 
 LOCK_FILE = ".lock"
@@ -88,13 +93,16 @@ def trim_metrics(path: Path, last_step: int, quiet: bool = False) -> None:
     """Keep metrics.jsonl's rows up to `last_step`; drop a torn last line (a kill mid-write) with a notice."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    except OSError as e:
+        raise GptlabError(f"cannot read {path}: {e.strerror or e} (move it aside to continue)") from None
     rows = []
     for i, line in enumerate(lines):
         try:
             row = parse_json(line)
             step = int(row["step"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
             if i == len(lines) - 1:
                 if not quiet:
                     print(f"note: dropped the torn last line of {path} (a run stopped while writing it)",
@@ -139,3 +147,41 @@ def checkpoint_to_resume(run_dir: Path) -> Path:
     hint = (f"{intact} is intact: move the damaged one aside (mv {latest} {aside}) and run again with --resume"
             if intact else "no earlier checkpoint is intact: start again without --resume in a new --out")
     raise GptlabError(f"cannot resume from {latest}: {problem}; {hint}")
+
+
+def check_checkpoint_matches(directory: Path, model: Any, cfg: TrainConfig, data_dir: Path) -> None:
+    """Before a step checkpoint loads into this run's model: the same vocabulary, the same model config, and
+    under LoRA the same base weights; else a GptlabError saying which differs."""
+    saved = ckpt.read_config(directory / ckpt.CONFIG_FILE)
+    if saved.vocab_size != model.config.vocab_size:
+        raise GptlabError(f"cannot resume {directory}: it was trained on a vocabulary of {saved.vocab_size} "
+                          f"tokens, --data {data_dir} has {model.config.vocab_size} (another "
+                          "tokenizer?): use the data it was trained on, or start a new --out")
+    ours = model.config.to_dict()
+    differ = [k for k, v in saved.to_dict().items() if ours.get(k) != v]
+    if differ:
+        k = differ[0]
+        raise GptlabError(f"cannot resume {directory}: its {ckpt.CONFIG_FILE} says {k}={saved.to_dict()[k]!r}, "
+                          f"this run's model has {ours.get(k)!r} (a damaged or edited file?)")
+    if (directory / ckpt.LORA_CONFIG).is_file():
+        _, base = ckpt.read_lora_config(directory)
+        if base["sha256"] != model.lora_base["sha256"]:
+            raise GptlabError(f"cannot resume {directory}: its adapters were trained on a base with other weights "
+                              f"({base['path']}) than init_from {cfg.init_from} has now")
+
+
+def check_state_matches(directory: Path, state: dict[str, Any], cfg: TrainConfig,
+                        sources: list[tuple[Path, float]]) -> None:
+    """After state.json is read: the recipe differs only in keys a resume may change, and the data sources are
+    those the run was trained on (one directory may move; a mixture's batches would differ)."""
+    if state["config_hash"] != cfg.hash(RESUMABLE_CHANGES):
+        saved, now = state["config"], cfg.to_dict()
+        diff = resume_differences(saved, cfg)  # none: only keys this checkpoint predates are new
+        shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now[k]!r})" for k in diff[:4])
+        if diff:
+            raise GptlabError(f"cannot resume {directory}: the config differs in {shown}; only "
+                              f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
+    saved_sources, ours = state.get("data_sources", []), [[str(d), w] for d, w in sources]
+    if max(len(ours), len(saved_sources)) > 1 and saved_sources != ours:
+        raise GptlabError(f"cannot resume {directory}: it was trained on --data {format_sources(saved_sources)}, "
+                          f"not {format_sources(ours)}: its batches would differ")

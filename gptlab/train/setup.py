@@ -1,5 +1,5 @@
 """What a run starts from: the model (fresh from the recipe, a pretrained one, or a pretrained one under LoRA
-adapters), the dtype check, and the memory check. The random streams a checkpoint saves are `rng`'s."""
+adapters) and the dtype check. The memory check is `memory`'s, the random streams a checkpoint saves `rng`'s."""
 
 from __future__ import annotations
 
@@ -8,19 +8,17 @@ from pathlib import Path
 import torch
 
 from gptlab.checkpoint import CONFIG_FILE, LORA_FILE, MODEL_FILE, load_weights, read_config, read_tensors
-from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.fileio import human_bytes
-from gptlab.flops import parameter_counts
-from gptlab.hardware import available_memory, gpu_has_bf16
-from gptlab.loading import base_reference, is_hf_dir, load_model, resolve_checkpoint
-from gptlab.lora import LoRASpec, add_lora, has_lora, parse_targets
+from gptlab.hardware import gpu_has_bf16
+from gptlab.loading import base_reference, is_hf_dir, load_frozen_base, load_model, resolve_checkpoint
+from gptlab.lora import LoRASpec, add_lora, has_lora
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
-from gptlab.qlora import quantize_base
+from gptlab.qlora import FrozenQuantizedLinear, quantize_base
 from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
 from gptlab.train.config import TrainConfig
 from gptlab.train.distributed import shard_model
+from gptlab.train.memory import lora_spec
 from gptlab.train.precision import sharding_dtype
 
 
@@ -46,59 +44,6 @@ def check_dtype(dtype: str, device: str) -> None:
                           "them, slowly); use --dtype float16 (loss scaling) or float32")
 
 
-def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) -> int:
-    """A lower bound on the bytes one training step needs on each process.
-
-    States: fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter (a fresh model; a loaded one is
-    already in memory); under low precision without FSDP also the weights' low-precision copies (autocast's casts
-    kept for backward, or the working copy). Under FSDP each process holds 1/world of the states, plus what it
-    gathers: the root's weights (embeddings, head, final norm: kept through forward and backward) and one block's
-    at a time, with their gradients before the reduce-scatter, in the compute dtype.
-    Activations, in the compute dtype: the logits with their gradient, and what each block keeps for backward
-    (the residual, norms, q/k/v, the attention output: 8 values per channel; the MLP's hidden layer: 2, gated 4,
-    values per hidden unit); under activation checkpointing only each block's input, plus one block recomputed.
-    An objective with a reference (dpo, ipo, grpo with kl_beta) without LoRA keeps a frozen reference copy of the
-    weights, in the compute dtype (with LoRA the reference is the base itself: nothing more)."""
-    elt = 4 if cfg.dtype == "float32" else 2  # "auto" is resolved before the trainer asks; 2 is the lower bound
-    fsdp = cfg.distributed == "fsdp" and world > 1
-    total, block, root = parameter_counts(config)
-    if not fresh:
-        states = 0
-    elif fsdp:
-        states = 16 * total // world + 2 * elt * (root + block)
-    else:
-        states = 16 * total + (2 * total if elt == 2 else 0)
-    if (cfg.objective in ("dpo", "ipo") or (cfg.objective == "grpo" and cfg.kl_beta > 0)) and not cfg.lora_rank:
-        states += elt * total
-    tokens = cfg.batch_size // max(world * cfg.grad_accum, 1) * config.block_size
-    per_block = 8 * config.n_embd + (4 if config.gated_mlp else 2) * config.hidden_size
-    if cfg.activation_checkpointing:
-        kept = config.n_layer * config.n_embd + per_block
-    else:
-        kept = config.n_layer * per_block
-    return states + elt * tokens * (2 * config.vocab_size + kept)
-
-
-def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: str, fresh: bool = True) -> None:
-    """Refuse before any work a batch (or model) that cannot fit in the device's free memory."""
-    need, have = step_memory(cfg, config, world, fresh), available_memory(device)
-    if have is not None and need > have:
-        params = parameter_counts(config)[0]
-        more = "" if cfg.activation_checkpointing else ", set activation_checkpointing = true"
-        raise GptlabError(f"training this model ({params:,} parameters) at batch_size {cfg.batch_size} x block_size "
-                          f"{config.block_size} needs at least {human_bytes(need)} of memory per step, {device} has "
-                          f"{human_bytes(have)} free: lower batch_size or micro_batch_size{more}, or choose a "
-                          "smaller model")
-
-
-def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
-    """The recipe's adapters, or None for full training."""
-    if not cfg.lora_rank:
-        return None
-    return LoRASpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                    targets=parse_targets(cfg.lora_targets), quantize=cfg.quantize)
-
-
 def build_model(
     cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None = None, sharded: bool = False
 ) -> GPT:
@@ -118,14 +63,13 @@ def build_model(
         with torch.device("meta"):
             model = GPT(cfg.model_config(vocab_size)).train()
         if not sharded:
-            model.to_empty(device=device)
-            if model.config.tie_embeddings:  # to_empty gave the head a Parameter of its own (FSDP's swap keeps it)
-                model.lm_head.weight = model.transformer.wte.weight
+            materialize(model, device)
             init_weights(model, cfg.seed)
     else:
-        model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=sharded and spec is None)
+        model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=sharded and spec is None,
+                            frozen=spec if spec is not None and not sharded else None)
     if spec is not None:
-        if spec.quantize:
+        if spec.quantize and not any(isinstance(m, FrozenQuantizedLinear) for m in model.modules()):
             quantize_base(model, spec.quantize, spec.group_size)
         add_lora(model, spec, base=base_reference(cfg.init_from))
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -149,6 +93,27 @@ def shard(model: GPT, cfg: TrainConfig, device: str) -> None:
         current = model.state_dict()  # DTensor shards: each key read as this process's rows of the file
         with torch.no_grad():
             load_weights(model, read_tensors(source, device, shards=current.get), where=f"init_from {source}")
+
+
+def materialize(model: torch.nn.Module, device: str) -> None:
+    """Give every meta parameter and buffer of `model` uninitialized storage on `device`, in place; a tied
+    parameter stays one Parameter. What `Module.to_empty` does, without its `empty_like` of meta tensors, whose
+    first call imports torch's symbolic-shapes machinery (~0.2 s of a speedrun's start-up)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor, wrap: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if wrap else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = empty(p, wrap=True)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = empty(b, wrap=False)
 
 
 @torch.no_grad()
@@ -183,12 +148,18 @@ def local_part(values: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None, rows: bool = False
-                ) -> GPT:
+def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | Path | None, rows: bool = False,
+                frozen: LoRASpec | None = None) -> GPT:
     """init_from's model, checked against the recipe and data. `rows`: a gptlab checkpoint stays on the meta
-    device, its file named in `weights_file` for `shard` (other kinds of model load whole, as without)."""
+    device, its file named in `weights_file` for `shard` (other kinds of model load whole, as without).
+    `frozen`: the base of these adapters, read as it will train (`load_frozen_base`: in the compute dtype, QLoRA's
+    Linears quantized), never whole in fp32; else fp32 masters."""
     directory = resolve_checkpoint(cfg.init_from, prefer="best")
-    if rows and not is_hf_dir(directory) and not (directory / LORA_FILE).is_file():
+    if frozen is not None:
+        dtype = torch.float32 if cfg.dtype in ("float32", "auto") else getattr(torch, cfg.dtype)
+        model = load_frozen_base(cfg.init_from, dtype, frozen.quantize, frozen.group_size, device)
+        tokenizer, _ = optional_tokenizer(directory)
+    elif rows and directory.is_dir() and not is_hf_dir(directory) and not (directory / LORA_FILE).is_file():
         with torch.device("meta"):
             model = GPT(read_config(directory / CONFIG_FILE))
         model.weights_file = directory / MODEL_FILE
@@ -211,7 +182,7 @@ def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | 
     if model.config.vocab_size < vocab_size:
         raise GptlabError(f"{cfg.init_from} has a vocabulary of {model.config.vocab_size}, the data needs "
                           f"{vocab_size}")
-    return model.float().train()
+    return (model if frozen is not None else model.float()).train()
 
 
 def check_same_tokenizer(model_path: str, model_tok: Tokenizer | None, data_dir: str, data_tok: Tokenizer | None

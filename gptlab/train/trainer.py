@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import signal
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ import torch
 
 from gptlab import checkpoint as ckpt
 from gptlab.data import check_split_fits, read_meta
-from gptlab.data.dataset import format_sources
 from gptlab.errors import GptlabError
 from gptlab.evaluation.loss import evaluate_loss
 from gptlab.fileio import check_out_dir
@@ -40,17 +38,24 @@ from gptlab.train.config import (
     TrainConfig,
     micro_steps,
     resolve_device_switches,
-    resume_differences,
 )
 from gptlab.train.distributed import gradient_sync, init_distributed, wrap_ddp
 from gptlab.train.losses import DeviceLosses
+from gptlab.train.memory import check_step_memory
 from gptlab.train.objectives import Preference, build_objective, check_objective_data
 from gptlab.train.optim import build_optimizers, lr_schedule, optimizer_spec, set_lr
 from gptlab.train.precision import Precision
 from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
-from gptlab.train.rundir import RunLock, checkpoint_to_resume, prepare_run_dir
+from gptlab.train.rundir import (
+    RunLock,
+    check_checkpoint_matches,
+    check_state_matches,
+    checkpoint_to_resume,
+    prepare_run_dir,
+)
 from gptlab.train.runlog import RunLog, progress_bar
-from gptlab.train.setup import build_model, check_dtype, check_step_memory, resolve_dtype, shard
+from gptlab.train.setup import build_model, check_dtype, resolve_dtype, shard
+from gptlab.train.stopping import StopRequest
 from gptlab.train.trackers import check_trackers, open_trackers
 
 
@@ -116,13 +121,15 @@ class Trainer:
             for split in ("train", "val"):
                 check_split_fits(self.data_dir, split,
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
-            check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device)
+            check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device,
+                              quiet=quiet or not self.procs.is_master)
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         self.benchmarks = Benchmarks(cfg, self.data_dir, lm_eval_tasks, self.fsdp) if cfg.eval_tasks else None
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir, sharded=self.fsdp)
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
-            check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False)
+            check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False,
+                              quiet=quiet or not self.procs.is_master)
         self.train_data, self.seq_len = load_train_data(self.sources, self.model.config.block_size)
         check_split_fits(self.data_dir, "val", self.seq_len)
         self.val_data = Split.load(self.data_dir, "val")
@@ -163,11 +170,7 @@ class Trainer:
             self.net = wrap_ddp(self.net, self.device)
         if cfg.compile:
             self.net = torch.compile(self.net)
-        self.stop_signal: int | None = None
-        # under torchrun: whether any process has seen a stop signal, all-reduced in the step before (read a step
-        # late, so the host never waits for it) and the decision every process takes alike
-        self._stop_flag: torch.Tensor | None = None
-        self._stop_agreed = False
+        self.stop = StopRequest(self.procs.world)
         self._last_step_time = 0.0
 
     # --- checkpoints ----------------------------------------------------------------------------------------
@@ -192,34 +195,9 @@ class Trainer:
             self.lock.release()
 
     def _load(self, directory: Path) -> None:
-        saved = ckpt.read_config(directory / ckpt.CONFIG_FILE)
-        if saved.vocab_size != self.model.config.vocab_size:
-            raise GptlabError(f"cannot resume {directory}: it was trained on a vocabulary of {saved.vocab_size} "
-                              f"tokens, --data {self.data_dir} has {self.model.config.vocab_size} (another "
-                              "tokenizer?): use the data it was trained on, or start a new --out")
-        ours = self.model.config.to_dict()
-        differ = [k for k, v in saved.to_dict().items() if ours.get(k) != v]
-        if differ:
-            k = differ[0]
-            raise GptlabError(f"cannot resume {directory}: its {ckpt.CONFIG_FILE} says {k}={saved.to_dict()[k]!r}, "
-                              f"this run's model has {ours.get(k)!r} (a damaged or edited file?)")
-        if (directory / ckpt.LORA_CONFIG).is_file():
-            _, base = ckpt.read_lora_config(directory)
-            if base["sha256"] != self.model.lora_base["sha256"]:
-                raise GptlabError(f"cannot resume {directory}: its adapters were trained on a base with other weights "
-                                  f"({base['path']}) than init_from {self.cfg.init_from} has now")
+        check_checkpoint_matches(directory, self.model, self.cfg, self.data_dir)
         state = ckpt.load_training_checkpoint(directory, self.model, self.optimizers)
-        if state["config_hash"] != self.cfg.hash(RESUMABLE_CHANGES):
-            saved, now = state["config"], self.cfg.to_dict()
-            diff = resume_differences(saved, self.cfg)  # none: only keys this checkpoint predates are new
-            shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now[k]!r})" for k in diff[:4])
-            if diff:
-                raise GptlabError(f"cannot resume {directory}: the config differs in {shown}; only "
-                                  f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
-        saved_sources, sources = state.get("data_sources", []), [[str(d), w] for d, w in self.sources]
-        if max(len(sources), len(saved_sources)) > 1 and saved_sources != sources:  # one directory may move
-            raise GptlabError(f"cannot resume {directory}: it was trained on --data {format_sources(saved_sources)}, "
-                              f"not {format_sources(sources)}: its batches would differ")
+        check_state_matches(directory, state, self.cfg, self.sources)
         self.step, self.elapsed = state["step"], state["elapsed_sec"]
         self.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
         self.warmup_elapsed = state.get("warmup_elapsed_sec", self.warmup_elapsed)
@@ -295,15 +273,11 @@ class Trainer:
         if self.step + 1 < cfg.max_steps:
             self.feed.prefetch(self.step + 1)  # the host's share of the next step, while the device runs this one
         # all processes stop at the same step: a signal seen by one (torchrun forwards it to all) stops every one
-        sums, any_stop = procs.sum_and_any(sums, self.stop_signal is not None)
+        sums, any_stop = procs.sum_and_any(sums, self.stop.seen)
         total, self.step_stats = sums[0], sums[1:] / count  # statistics: sums over all pairs (completions)
         self.precision.step(self.optimizers, cfg.grad_clip, skip=self.losses.add(self.step, total))
         self.step += 1
-        if isinstance(any_stop, torch.Tensor):  # read the step before's flag, whose all-reduce is done by now
-            previous, self._stop_flag = self._stop_flag, any_stop
-            self._stop_agreed = self._stop_agreed or (previous is not None and bool(previous))
-            if self._stop_agreed and self.stop_signal is None:
-                self.stop_signal = signal.SIGTERM
+        self.stop.agree(any_stop)
         return total if procs.world == 1 else total / procs.world
 
     def read_loss(self) -> float:
@@ -333,15 +307,13 @@ class Trainer:
             device=self.device, world_size=self.procs.world, dtype=self.cfg.dtype,
         )
         bar = progress_bar(self.cfg.max_steps, self.step, show=not self.quiet and self.procs.is_master)
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         clean = False
         try:
-            code = self._train(log, bar)
+            with self.stop.handling():  # a stop signal checkpoints after the current step
+                code = self._train(log, bar)
             clean = True
             return code
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             if bar is not None:
                 bar.close()
             log.close()
@@ -388,7 +360,7 @@ class Trainer:
             if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                 self.read_loss()  # never a checkpoint of a step that a non-finite loss skipped
                 self.save_checkpoint()
-            if self._stop_agreed if self.procs.world > 1 else self.stop_signal is not None:
+            if self.stop.due:
                 self.read_loss()
                 return self._stop_on_signal(bar)
         self.read_loss()  # the end: a final evaluation (unless this step just had one) and checkpoint
@@ -412,26 +384,15 @@ class Trainer:
         return 0
 
     def _lr_multiplier(self) -> float:
-        """The schedule's factor for the coming step. Its decay starts where warm-up ends; under a time budget it
-        follows the clock too (whichever of max_steps and max_time is nearer), from the elapsed time at the end
-        of warm-up to max_time, taken at this step's end (elapsed plus the last step's time) so that the budget's
-        last step is at min_lr."""
-        cfg, schedule = self.cfg, self.schedule
-        if self.warmup_elapsed is None and self.step >= schedule.warmup_steps:
+        """The schedule's factor for the coming step. Its decay starts where warm-up ends; under a time budget
+        the clock is taken at this step's end (elapsed plus the last step's time), so the last step is at min_lr."""
+        if self.warmup_elapsed is None and self.step >= self.schedule.warmup_steps:
             self.warmup_elapsed = self.elapsed
-        progress = schedule.step_progress(self.step, cfg.max_steps)
-        if cfg.max_time is not None and self.warmup_elapsed is not None:
-            clock = self.elapsed + self._last_step_time
-            progress = max(progress, schedule.time_progress(clock, cfg.max_time, self.warmup_elapsed))
-        return schedule.multiplier(self.step, progress)
+        return self.schedule.at(self.step, self.cfg.max_steps, clock=self.elapsed + self._last_step_time,
+                                max_time=self.cfg.max_time, warmup_elapsed=self.warmup_elapsed)
 
     def _time_up(self) -> bool:
         return self.cfg.max_time is not None and self.elapsed >= self.cfg.max_time
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.stop_signal is not None and signum == signal.SIGINT:  # a second Ctrl-C: stop right now
-            raise KeyboardInterrupt
-        self.stop_signal = signum  # the loop checkpoints and stops after the current step
 
     def _stop_on_signal(self, bar: Any) -> int:
         if bar is not None:
@@ -439,7 +400,7 @@ class Trainer:
         path = self.save_checkpoint()
         if self.procs.is_master:
             how = self.resume_command or "the same command with --resume"
-            print(f"stopped by {signal.Signals(self.stop_signal).name} at step {self.step}; checkpoint {path}\n"
+            print(f"stopped by {self.stop.name} at step {self.step}; checkpoint {path}\n"
                   f"resume with: {how}", file=sys.stderr)
         return 0
 

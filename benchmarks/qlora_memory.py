@@ -1,0 +1,132 @@
+"""QLoRA's memory target: the peak memory of `gptlab train --lora-rank R --quantize int4` against the same LoRA run
+with its base frozen in bf16 (no --quantize), on the same model, data, seed and steps, each contender in a process
+of its own; and their losses after the steps. The target: int4 peak <= 0.45x the bf16 run's, the loss within 2%.
+
+    python benchmarks/qlora_memory.py                                      # the target's size (see below)
+    python benchmarks/qlora_memory.py --layers 2 --width 512 --steps 10    # a quick check that it runs
+
+The base: a GPT of `--layers` blocks of width `--width` (a Llama-like block: RMSNorm, RoPE, SwiGLU, no biases) over
+tiny Shakespeare's characters, its weights freshly initialized (`--base DIR`: a checkpoint of your own, with the
+char tokenizer of `--text`) and saved in bf16: its block Linears dominate the memory, as in a real model, where
+the process's own footprint (torch, the libraries: a few hundred MiB) is a small part. Both runs: LoRA rank 16 on
+every block Linear, dtype bfloat16, batch `--batch` x `--seq` characters, `--steps` steps, the same seed.
+
+Printed per contender: the trainer's own estimate ("memory per step: at least ..."), the process's peak RSS
+(VmHWM: loading included), the train loss and the validation loss at the last step; then the ratios int4 / bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from timing import raise_priority  # benchmarks/ is on sys.path when a benchmark runs as a script
+
+TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def child(argv: list[str]) -> int:
+    """One contender: `gptlab train` in this process, then its peak RSS as a JSON line."""
+    from gptlab.cli import main as gptlab
+
+    rc = gptlab(argv)
+    print(json.dumps({"rc": rc, "peak_rss": peak_rss()}))
+    return rc
+
+
+def make_base(args: argparse.Namespace, data: Path, out: Path) -> None:
+    """A freshly initialized Llama-like GPT over the data's characters, saved in bf16 with the data's tokenizer."""
+    import torch
+
+    from gptlab.checkpoint import save_model
+    from gptlab.config import GPTConfig
+    from gptlab.model import GPT
+    from gptlab.tokenizer import load_tokenizer
+    from gptlab.train.setup import init_weights
+
+    tokenizer = load_tokenizer(data)
+    config = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.width // 128, block_size=args.seq,
+                       vocab_size=tokenizer.vocab_size, norm="rmsnorm", position="rope", mlp="swiglu", bias=False)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    save_model(out, model.to(torch.bfloat16), tokenizer)
+    blocks = sum(p.numel() for b in model.iter_blocks() for p in b.parameters())
+    print(f"base: {args.layers} layers x {args.width}, {blocks / 1e6:.0f}M parameters in the blocks, "
+          f"{config.vocab_size} characters")
+
+
+def contender(args: argparse.Namespace, root: Path, base: Path, data: Path, quantize: str | None) -> dict:
+    """Run one contender in a child process; its estimate line, peak RSS and final losses."""
+    name = quantize or "bf16"
+    recipe = root / f"{name}.toml"
+    recipe.write_text(f"batch_size = {args.batch}\nmax_steps = {args.steps}\nwarmup_steps = 2\nlr = 1e-3\n"
+                      f"eval_interval = {args.steps}\neval_tokens = 8192\nlog_interval = {args.steps}\n"
+                      'dtype = "bfloat16"\nlora_rank = 16\nlora_alpha = 32\ntensorboard = false\n')
+    argv = ["train", str(recipe), "--init-from", str(base), "--data", str(data), "--out", str(root / name),
+            "--threads", str(args.threads), *(["--quantize", quantize] if quantize else [])]
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(argv)], capture_output=True, text=True,
+                          preexec_fn=raise_priority, check=False)
+    lines = done.stdout.splitlines()
+    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"rc": done.returncode}
+    if result["rc"] != 0:
+        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    estimate = next((line for line in lines if line.startswith("memory per step")), "(no estimate printed)")
+    return {"name": name, "estimate": estimate, "peak_rss": result["peak_rss"],
+            "train_loss": [r["train_loss"] for r in rows if "train_loss" in r][-1],
+            "val_loss": [r["val_loss"] for r in rows if "val_loss" in r][-1]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--text", type=Path, default=TEXT, help="the training text (default: tiny Shakespeare)")
+    parser.add_argument("--base", type=Path, help="a base checkpoint of your own (its tokenizer: --text's chars)")
+    args = parser.parse_args()
+    if args.child:
+        return child(json.loads(args.child))
+
+    from gptlab.cli import main as gptlab
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = root / "data"
+        assert gptlab(["prepare", str(args.text), "--tokenizer", "char", "--out", str(data)]) == 0
+        base = args.base or root / "base"
+        if args.base is None:
+            make_base(args, data, base)
+        results = [contender(args, root, base, data, q) for q in (None, "int4")]
+    for r in results:
+        print(f"{r['name']:>5}: peak RSS {r['peak_rss'] / 2**20:,.0f} MiB; after {args.steps} steps train loss "
+              f"{r['train_loss']:.4f}, val loss {r['val_loss']:.4f}; {r['estimate']}")
+    bf16, int4 = results
+    memory = int4["peak_rss"] / bf16["peak_rss"]
+    loss = abs(int4["val_loss"] / bf16["val_loss"] - 1)
+    print(f"int4 / bf16: peak RSS {memory:.2f}x (target <= 0.45x), val loss {int4['val_loss'] / bf16['val_loss']:.4f}x "
+          f"(target within 2%), train loss {int4['train_loss'] / bf16['train_loss']:.4f}x")
+    print("target:", "met" if memory <= 0.45 and loss <= 0.02 else "NOT met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

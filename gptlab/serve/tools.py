@@ -1,0 +1,166 @@
+"""Tool calls on /v1/chat/completions: a request's `tools`, `tool_choice` and `parallel_tool_calls` made into the
+chat template's tools, the grammar of the reply (`generation.tool_calls`) and how it is read back, and the reply
+as OpenAI's message: `tool_calls` [{id, type "function", function {name, arguments (JSON text)}}], streamed as
+deltas (the call's id and name first, its arguments piece by piece), finish_reason "tool_calls".
+
+Earlier turns go back through the template as transformers passes them: an assistant's `tool_calls` with their
+arguments as objects, a `role: tool` message with its `tool_call_id` and the called function's `name`.
+
+The rules a request must keep (a 400 naming the field otherwise): `tool_choice` and `parallel_tool_calls` only
+with `tools`; a named choice among the tools; function names unique; `response_format` only with tool_choice
+"none" (a reply is calls or text, not JSON of a schema); parallel_tool_calls true only where the template renders
+several calls in a turn (Llama 3.1's renders one); a template that takes no tools is a 400 naming `tools`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptlab.generation.tool_calls import InvalidToolError, tool_grammar
+from gptlab.serve.schemas import ApiError, ChatRequest, NamedToolChoice
+from gptlab.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from gptlab.tokenizer.tool_syntax import Reply, ToolSyntax, final_reply, split_reply, tool_syntax
+
+FINISH_TOOL_CALLS = "tool_calls"
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools do: the tools the template shows, the grammar of the reply, and the syntax its calls
+    are read back with (None: the reply is content only)."""
+
+    tools: list[dict[str, Any]] | None = None
+    grammar: str | None = None
+    syntax: ToolSyntax | None = None
+    forced: bool = False  # calls only (required, or a named function): the reply ends where its grammar does
+
+
+def _choice(req: ChatRequest) -> str:
+    if isinstance(req.tool_choice, NamedToolChoice):
+        return req.tool_choice.function.name
+    return req.tool_choice or "auto"
+
+
+def _check_fields(req: ChatRequest) -> None:
+    if req.tools is None:
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(req, name) is not None:
+                raise ApiError(400, f"'{name}' is only allowed when 'tools' are given", param=name)
+        return
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) < len(names):
+        raise ApiError(400, "each tool's function must have its own name", param="tools")
+    choice = _choice(req)
+    if isinstance(req.tool_choice, NamedToolChoice) and choice not in names:
+        raise ApiError(400, f"tool_choice names function '{choice}', which is not among the tools", param="tool_choice")
+    if choice != "none" and req.json_schema() is not None:
+        raise ApiError(400, "response_format cannot be combined with tool calls (a reply is calls or text): set "
+                       "tool_choice to 'none'", param="response_format")
+
+
+def plan_tools(template: ChatTemplate, req: ChatRequest) -> ToolPlan:
+    """The request's ToolPlan (renders the template the first time: run it off the event loop)."""
+    _check_fields(req)
+    if req.tools is None:
+        return ToolPlan()
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    try:
+        syntax = tool_syntax(template)
+    except ChatTemplateError as e:  # one that takes no tools, or a broken one (as `messages` would find it)
+        raise ApiError(400, f"tools cannot be used with this model: {e}", param="tools") from e
+    if req.parallel_tool_calls and not syntax.parallel:
+        raise ApiError(400, "this model's chat template renders one tool call per turn: set parallel_tool_calls "
+                       "to false", param="parallel_tool_calls")
+    choice = _choice(req)
+    if choice == "none" and req.json_schema() is not None:
+        return ToolPlan(tools)  # the reply is response_format's JSON, read as content
+    try:
+        grammar = tool_grammar(syntax, tools, choice, parallel=req.parallel_tool_calls is not False)
+    except InvalidToolError as e:
+        raise ApiError(400, str(e), param="tools") from e
+    return ToolPlan(tools, grammar, None if choice == "none" else syntax, forced=choice not in ("none", "auto"))
+
+
+def template_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The request's messages as the template reads them: an assistant's calls with their arguments as objects, a
+    tool message with the name of the function whose call it answers."""
+    called: dict[str, str] = {}  # call id -> function name
+    out = []
+    for i, m in enumerate(req.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [_call_for_template(c, i) for c in m.tool_calls]
+            called.update({c.id: c.function.name for c in m.tool_calls})
+        if m.role == "tool":
+            if m.tool_call_id not in called:
+                raise ApiError(400, f"messages[{i}]: a tool message must answer a call of an earlier assistant "
+                               "message, by its tool_call_id", param="messages")
+            message.update(tool_call_id=m.tool_call_id, name=called[m.tool_call_id])
+        out.append(message)
+    return out
+
+
+def _call_for_template(call: Any, index: int) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError as e:
+        raise ApiError(400, f"messages[{index}]: the arguments of call '{call.id}' are not JSON ({e})",
+                       param="messages") from e
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def finish_reason(reply: Reply, finish: str | None) -> str | None:
+    """A reply that made calls and ended where its grammar did finishes with "tool_calls"."""
+    return FINISH_TOOL_CALLS if finish == "stop" and reply.calls else finish
+
+
+def reply_message(plan: ToolPlan, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The answer's message and finish reason, for a finished reply `text`."""
+    if plan.syntax is None:
+        return {"role": "assistant", "content": text}, finish
+    reply = final_reply(text, plan.syntax)
+    if not reply.calls:
+        return {"role": "assistant", "content": reply.content}, finish
+    calls = [{"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+             for name, arguments in reply.calls]
+    return {"role": "assistant", "content": reply.content or None, "tool_calls": calls}, finish_reason(reply, finish)
+
+
+@dataclass
+class ToolDeltas:
+    """One streamed choice read back as it grows: each text delta in, the chunk's delta out (content, or calls:
+    a new call's id, type and name with its arguments so far, then its arguments' new text)."""
+
+    syntax: ToolSyntax
+    text: str = ""
+    sent: Reply = field(default_factory=Reply)
+    ids: list[str] = field(default_factory=list)
+    finished: bool = False
+
+    def delta(self, text: str, finished: bool) -> dict[str, Any]:
+        if self.finished:  # (the usage chunk after the end asks again)
+            return {}
+        self.text, self.finished = self.text + text, finished
+        reply = (final_reply if finished else split_reply)(self.text, self.syntax)
+        out: dict[str, Any] = {}
+        if len(reply.content) > len(self.sent.content):
+            out["content"] = reply.content[len(self.sent.content):]
+        calls = []
+        for k, (name, arguments) in enumerate(reply.calls):
+            if k >= len(self.sent.calls):
+                self.ids.append(_call_id())
+                calls.append({"index": k, "id": self.ids[k], "type": "function",
+                              "function": {"name": name, "arguments": arguments}})
+            elif len(arguments) > len(self.sent.calls[k][1]):
+                calls.append({"index": k, "function": {"arguments": arguments[len(self.sent.calls[k][1]):]}})
+        if calls:
+            out["tool_calls"] = calls
+        self.sent = reply
+        return out

@@ -1,0 +1,228 @@
+"""GGUF import: gptlab -> GGUF -> gptlab computes the same logits for every family export writes (exactly in f32;
+q8_0 and q4_0 within their quantization's step, checked weight by weight against the blocks' maths; f16 and bf16
+equal to torch's casts), with the tokenizer's ids and the chat template; and every damaged GGUF file (cut
+anywhere, wrong magic or version, counts and lengths past the file, a tensor past the end, wrong shapes and types,
+missing keys, an unknown architecture, a directory, an empty file, a symlink loop) answered in one line naming the
+file, exit 2."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_gguf_families import FAMILIES, hf_family_dir
+
+from gptlab import GPT, GPTConfig
+from gptlab.checkpoint import save_model
+from gptlab.cli import main
+from gptlab.conversion import convert
+from gptlab.loading import load_model
+from gptlab.tokenizer import CharTokenizer
+from gptlab.tokenizer.chat_template import chat_template_for
+
+gguf = pytest.importorskip("gguf")
+
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer 1234\n"
+PROBES = ["To be, or not 1234 we'll", "Whether 'tis nobler in the mind"]
+
+
+def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(torch.tensor([ids]))[0].float()
+
+
+def _char_gpt2(root: Path, n_embd: int = 64) -> Path:
+    tok = CharTokenizer.from_text(TEXT)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("gpt2", n_layer=2, n_embd=n_embd, n_head=4, vocab_size=tok.vocab_size,
+                                 block_size=32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return save_model(root / "ckpt", model, tok)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_comes_back_from_gguf_with_the_same_logits_tokens_and_template(tmp_path: Path,
+                                                                                   family: str) -> None:
+    src = hf_family_dir(tmp_path / "hf", family)
+    done = convert(src, tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
+    model, tok = load_model(tmp_path / "m.gguf")
+    for text in PROBES:
+        ids = done.tokenizer.encode(text)
+        assert tok.encode(text) == ids, (family, text)
+        torch.testing.assert_close(_logits(model, ids), _logits(done.model, ids), rtol=0, atol=1e-5)
+    assert chat_template_for(tok).source == chat_template_for(done.tokenizer).source
+    assert tok.eot_id == done.tokenizer.eot_id
+    messages = [{"role": "user", "content": "Whether 'tis"}]
+    rendered = chat_template_for(tok).render(messages, add_generation_prompt=True)
+    assert tok.encode(rendered, allow_special=True) == done.tokenizer.encode(rendered, allow_special=True)
+
+
+def test_a_character_gpt2_round_trips_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """gptlab -> GGUF -> gptlab checkpoint -> GGUF again, and `sample` / `eval`-style loading straight from the file."""
+    ckpt = _char_gpt2(tmp_path)
+    assert main(["convert", str(ckpt), str(tmp_path / "m.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
+    assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "back")]) == 0  # GGUF -> gptlab by default
+    assert main(["sample", str(tmp_path / "m.gguf"), "--prompt", "To be", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    original, tok = load_model(ckpt)
+    for source in (tmp_path / "m.gguf", tmp_path / "back"):
+        model, tok2 = load_model(source)
+        ids = tok.encode(TEXT[:30])
+        assert tok2.encode(TEXT[:30]) == ids
+        torch.testing.assert_close(_logits(model, ids), _logits(original, ids), rtol=0, atol=1e-5)
+    assert main(["convert", str(tmp_path / "back"), str(tmp_path / "again.gguf"), "--to", "gguf"]) == 0
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    return w.reshape(w.shape[0], -1, 32)
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "f16", "bf16"])
+def test_quantized_and_half_files_dequantize_within_their_step(tmp_path: Path, dtype: str) -> None:
+    """Each weight against the format's maths: q8_0 stores round(w / d) with d = max|block| / 127, so it comes back
+    within d / 2 (plus d's own f16 rounding, up to 127 * 2**-11 * d); q4_0 stores 16 levels of d = max-magnitude / -8,
+    within one step d; f16 and bf16 are torch's casts exactly. 1-D tensors (norms, biases) stay f32, as export
+    writes them."""
+    ckpt = _char_gpt2(tmp_path, n_embd=64)
+    original, tok = load_model(ckpt)
+    convert(ckpt, tmp_path / "m.gguf", to="gguf", gguf_dtype=dtype)
+    model, _ = load_model(tmp_path / "m.gguf", dtype=torch.float32)
+    ours = dict(original.state_dict())
+    for name, back in model.state_dict().items():
+        w = ours[name].float().numpy()
+        got = back.float().numpy()
+        if w.ndim == 1:
+            assert np.array_equal(got, w), name
+        elif dtype in ("f16", "bf16"):
+            cast = torch.from_numpy(w).to(getattr(torch, {"f16": "float16", "bf16": "bfloat16"}[dtype])).float()
+            assert np.array_equal(got, cast.numpy()), name
+        else:
+            blocks, error = _blocks(w), np.abs(_blocks(got) - _blocks(w))
+            step = np.abs(blocks).max(axis=-1, keepdims=True) / (127 if dtype == "q8_0" else 8)
+            # the scale itself is stored as f16 (relative error 2**-11), which moves the largest level (127) too
+            bound = step * (0.5 + 127 / 2048) if dtype == "q8_0" else step * (1 + 8 / 2048)
+            assert (error <= bound * 1.0001 + 1e-7).all(), name
+    ids = tok.encode(TEXT[:30])
+    drift = (_logits(model, ids) - _logits(original, ids)).abs().max().item()
+    assert drift < {"q8_0": 0.05, "q4_0": 0.5, "f16": 0.01, "bf16": 0.05}[dtype], drift
+
+
+# --- damaged files ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def good_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gguf_damage")
+    convert(_char_gpt2(root), root / "good.gguf", to="gguf", gguf_dtype="f32")
+    return root / "good.gguf"
+
+
+def _at(data: bytearray, key: bytes) -> int:
+    """The byte just after a metadata key's name (where its value type starts)."""
+    i = data.find(key)
+    assert i > 0, key
+    return i + len(key)
+
+
+def _tensor_info(data: bytearray, name: bytes) -> int:
+    """The byte where a tensor's n_dims starts."""
+    return _at(data, struct.pack("<Q", len(name)) + name)
+
+
+def _set(data: bytearray, at: int, fmt: str, value: object) -> bytearray:
+    data[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    return data
+
+
+def _edits() -> dict[str, object]:
+    def tensor_offset(d: bytearray, value: int) -> bytearray:
+        at = _tensor_info(d, b"token_embd.weight")
+        n_dims = struct.unpack_from("<I", d, at)[0]
+        return _set(d, at + 4 + 8 * n_dims + 4, "<Q", value)
+
+    return {
+        "bad-magic": lambda d: _set(d, 0, "<4s", b"GGML"),
+        "version-9": lambda d: _set(d, 4, "<I", 9),
+        "tensor-count-huge": lambda d: _set(d, 8, "<Q", 2**62),
+        "key-count-huge": lambda d: _set(d, 16, "<Q", 2**62),
+        "key-length-huge": lambda d: _set(d, 24, "<Q", 2**60),
+        "array-length-huge": lambda d: _set(d, _at(d, b"tokenizer.ggml.tokens") + 8, "<Q", 2**40),
+        "value-type-unknown": lambda d: _set(d, _at(d, b"gpt2.block_count"), "<I", 99),
+        "value-type-wrong": lambda d: _set(d, _at(d, b"gpt2.block_count"), "<I", 6),  # float32 where uint32
+        "key-missing": lambda d: _set(d, _at(d, b"gpt2.block_count") - 5, "<5s", b"couNt"),
+        "architecture-unknown": lambda d: d.replace(b"\x04\x00\x00\x00\x00\x00\x00\x00gpt2",
+                                                     b"\x04\x00\x00\x00\x00\x00\x00\x00gpx2", 1),
+        "tensor-past-end": lambda d: tensor_offset(d, 2**40),
+        "tensor-offset-odd": lambda d: tensor_offset(d, 3),
+        "tensor-dims-huge": lambda d: _set(d, _tensor_info(d, b"token_embd.weight"), "<I", 2**31),
+        "tensor-shape-wrong": lambda d: _set(d, _tensor_info(d, b"blk.0.attn_qkv.weight") + 4, "<Q", 32),
+        "tensor-type-int": lambda d: _set(d, _tensor_info(d, b"blk.0.ffn_up.weight") + 4 + 16, "<I", 26),  # I32
+        "tensor-type-unknown": lambda d: _set(d, _tensor_info(d, b"blk.0.ffn_up.weight") + 4 + 16, "<I", 999),
+        "tensor-missing": lambda d: d.replace(b"blk.1.ffn_down.weight", b"blk.1.ffn_dowX.weight", 1),
+        "tokenizer-unknown": lambda d: _set(d, _at(d, b"tokenizer.ggml.model") + 12, "<4s", b"t5x5"),
+        "chat-template-not-text": lambda d: _set(d, _at(d, b"tokenizer.chat_template"), "<I", 4),  # int32
+    }
+
+
+def _cuts(size: int) -> list[int]:
+    return [0, 3, 4, 7, 12, 20, 24, 30, 100, 1000, size // 3, size // 2, size - 100, size - 1]
+
+
+def _cases() -> list[str]:
+    return [*_edits(), *(f"cut-at-{i}" for i in range(len(_cuts(10_000)))), "empty", "directory", "symlink-loop",
+            "dangling-symlink"]
+
+
+def _damage(good: Path, tmp_path: Path, how: str) -> Path:
+    path = tmp_path / "bad.gguf"
+    data = bytearray(good.read_bytes())
+    if how in _edits():
+        path.write_bytes(bytes(_edits()[how](data)))
+    elif how.startswith("cut-at-"):
+        path.write_bytes(bytes(data[:_cuts(len(data))[int(how.removeprefix("cut-at-"))]]))
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "directory":
+        path.mkdir()
+    elif how == "symlink-loop":
+        os.symlink(path, path)
+    elif how == "dangling-symlink":
+        os.symlink(tmp_path / "gone.gguf", path)
+    return path
+
+
+@pytest.mark.parametrize("how", _cases())
+def test_a_damaged_gguf_file_is_one_line_naming_it(good_gguf: Path, tmp_path: Path, how: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPTLAB_DEBUG", "1")  # an internal error raises here instead of printing one line
+    path = _damage(good_gguf, tmp_path, how)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["sample", str(path), "--max-new-tokens", "2"])
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert rc == 2, (how, lines)
+    assert len(lines) == 1 and str(path) in lines[0], (how, lines)
+
+
+def test_training_starts_from_a_gguf_file_and_lora_asks_for_a_checkpoint(tmp_path: Path, good_gguf: Path) -> None:
+    from gptlab.loading import base_reference
+
+    data = tmp_path / "data"
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 40)
+    assert main(["prepare", str(text), "--tokenizer-from", str(good_gguf), "--out", str(data)]) == 2  # a file
+    assert main(["convert", str(good_gguf), str(tmp_path / "ckpt")]) == 0
+    assert main(["prepare", str(text), "--tokenizer-from", str(tmp_path / "ckpt"), "--out", str(data)]) == 0
+    recipe = tmp_path / "finetune.toml"
+    recipe.write_text("max_steps = 1\nbatch_size = 2\nwarmup_steps = 0\neval_interval = 1\neval_tokens = 64\n"
+                      "log_interval = 1\n")
+    assert main(["train", str(recipe), "--init-from", str(good_gguf), "--data", str(data), "--out",
+                 str(tmp_path / "run"), "--quiet"]) == 0
+    with pytest.raises(Exception, match="is a GGUF file: a LoRA run records"):
+        base_reference(good_gguf)
