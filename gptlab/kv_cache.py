@@ -103,6 +103,27 @@ class KVCache:
         view._where, view._end = 0, 0
         return view
 
+    def gather(self, slots: torch.Tensor, max_len: int) -> KVCache:
+        """Rows `slots` (any rows, in this order) copied into a cache of their own of `max_len` positions: their
+        lengths and the keys and values up to the longest one (the rest zero, never NaN: a masked key's value
+        still enters attention's sum with weight 0). `scatter` writes back what a forward added."""
+        part = object.__new__(KVCache)
+        part.max_len = max_len
+        part.lengths = self.lengths[slots].clone()
+        held = int(part.lengths.max())
+        shape = (self.k.shape[0], len(slots), self.k.shape[2], max_len, self.k.shape[4])
+        part.k, part.v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        if held:
+            part.k[:, :, :, :held] = self.k[:, slots, :, :held]
+            part.v[:, :, :, :held] = self.v[:, slots, :, :held]
+        part._where, part._end = 0, 0
+        return part
+
+    def scatter(self, slots: torch.Tensor, part: KVCache, start: int, stop: int) -> None:
+        """Write positions start..stop-1 of `part` (made by `gather(slots, ...)`) back into rows `slots`."""
+        self.k[:, slots, :, start:stop] = part.k[:, :, :, start:stop]
+        self.v[:, slots, :, start:stop] = part.v[:, :, :, start:stop]
+
     # --- one cached forward: begin, append per layer, advance ----------------------------------------------------
     def begin(self, T: int, sliding_window: int | None = None, keys: int | None = None) -> tuple[torch.Tensor, Masks]:
         """Plan a forward of T new tokens per row: their positions (1 or B, T), and the boolean attention masks

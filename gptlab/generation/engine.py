@@ -1,7 +1,7 @@
 """The generation engine: batched, KV-cached decoding behind `gptlab.generate`, `gptlab sample` and `gptlab serve`.
 
-* `Engine` owns a `KVCache` of `max_batch` rows, allocated once. `add` prefills prompts into free rows
-  (right-padded when their lengths differ, each row then rewound to its own length) and samples each row's
+* `Engine` owns a `KVCache` of `max_batch` rows, allocated once. `add` prefills prompts into any free rows
+  together (`prefill`: one right-padded forward, or a few when their lengths differ much) and samples each row's
   first token; `step` feeds every running row its last token and samples the next. Rows finish on their own
   ("stop" or "length") and free their slot, so new requests can join between steps (continuous batching).
   With `prefill_chunk`, a longer prompt is prefilled that many tokens per step, alongside the other rows'
@@ -45,9 +45,11 @@ from gptlab.generation.fast_decode import decode_hidden, supports
 from gptlab.generation.graph_decode import StaticDecode, usable
 from gptlab.generation.packed_linear import kernel_name, try_pack
 from gptlab.generation.params import SamplingParams
+from gptlab.generation.prefill import padded_groups, prefill_rows
 from gptlab.generation.prefix_cache import PrefixCache
 from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.rows import (
+    FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
@@ -195,39 +197,67 @@ class Engine:
     # --- prefill --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def add(self, gens: Sequence[Generation]) -> None:
-        """Prefill prompts into free rows (one forward, right-padded) and sample each one's first token."""
+        """Prefill prompts into free rows (together, `prefill`) and sample each one's first token (with
+        prefill_chunk, a longer prompt's first chunk now, the rest in the next steps)."""
         gens = [g for g in gens if not self._done_before_start(g)]
         if not gens:
             return
         free = [i for i, g in enumerate(self.slots) if g is None]
         if len(gens) > len(free):
             raise GptlabError(f"{len(gens)} prompts but only {len(free)} free rows")
-        # rows of one prefill must be contiguous to share a cache view: take the first long enough run of free
-        # rows, else prefill one at a time
-        start = _first_run(free, len(gens))
-        if start is None:
-            for g in gens:
-                self.add([g])
-            return
-        for i, g in enumerate(gens):
-            g.row.slot = start + i
-            self.slots[g.row.slot] = g
+        for g, slot in zip(gens, free, strict=False):
+            g.row.slot = slot
+            self.slots[slot] = g
             g.row.window = list(g.prompt_ids)
             g.prompt_logprobs = [None] if g.params.prompt_logprobs else []
         self._reset_penalty_rows(gens)
-        kept = [self._restore(g) for g in gens]  # each row's prompt tokens found in the prefix cache
-        rests = [g.prompt_ids[n:] for g, n in zip(gens, kept, strict=True)]
-        longest = max(len(r) for r in rests)
-        if (self.prefill_chunk is not None and longest > self.prefill_chunk) or max(kept) + longest > self.max_len:
-            for g, n, rest in zip(gens, kept, rests, strict=True):  # each row on its own: (its first chunk now)
-                self.cache.lengths[g.row.slot] = n  # (whatever the slot's previous user left)
-                self._prefill_part(g, rest)
-            return
-        logits, hidden = self._prefill(start, rests, kept)
-        for i, g in enumerate(gens):
-            self._score_prompt(g, hidden[i], 0)
-            self._keep(g)
-        self._accept(gens, logits)
+        for g in gens:
+            kept = self._restore(g)  # the prompt's tokens found in the prefix cache, copied into its row
+            self.cache.lengths[g.row.slot] = kept  # (whatever the slot's previous user left)
+            g.row.pending = g.prompt_ids[kept:]
+        self._prefill_pending(gens, isolate=len(gens) > 1)
+
+    def _prefill_pending(self, gens: list[Generation], isolate: bool) -> None:
+        """Each row's next prompt part (its pending tokens, up to prefill_chunk) in as few forwards as padding
+        allows; rows whose prompt is then in sample their first token. With `isolate`, a forward that fails is
+        tried again row by row, and a row that fails alone finishes with its error (the others go on)."""
+        parts = [g.row.pending[: self.prefill_chunk or len(g.row.pending)] for g in gens]
+        held = [len(g.prompt_ids) - len(g.row.pending) for g in gens]
+        for group in padded_groups([len(p) for p in parts], held, self.max_len):
+            rows, error = [gens[i] for i in group], None
+            with self._kernels(refresh=True), steering_rows(self.model, rows):
+                try:
+                    hidden = prefill_rows(self.model, self.cache, [g.row.slot for g in rows], [parts[i] for i in group])
+                except Exception as e:
+                    if not isolate:
+                        raise
+                    error = e
+                else:
+                    done, logits = self._prompts_in(rows, [parts[i] for i in group], hidden)
+            if error is None:
+                if done:
+                    self._accept(done, logits)
+            elif len(rows) > 1:
+                for g in rows:
+                    self._prefill_pending([g], isolate=True)
+            else:
+                rows[0].error = error
+                rows[0]._finish(FINISH_ERROR)
+                self.release(rows[0])
+
+    def _prompts_in(self, gens: list[Generation], parts: list[list[int]],
+                    hidden: torch.Tensor) -> tuple[list[Generation], torch.Tensor | None]:
+        """After a prefill forward (inside `_kernels`): the parts' prompt logprobs scored; the rows whose prompt is
+        now whole, kept by the prefix cache, and the logits after their last token."""
+        done, last = [], []
+        for i, (g, part) in enumerate(zip(gens, parts, strict=True)):
+            self._score_prompt(g, hidden[i, : len(part)], len(g.prompt_ids) - len(g.row.pending))
+            g.row.pending = g.row.pending[len(part) :]
+            if not g.row.pending:
+                done.append(g)
+                last.append(hidden[i, len(part) - 1])
+                self._keep(g)
+        return done, self.model.logits(torch.stack(last)) if done else None
 
     def _restore(self, g: Generation) -> int:
         """The prompt's longest kept prefix, copied into g's row: its length (prompt logprobs need every position)."""
@@ -240,20 +270,6 @@ class Engine:
         if self.prefix_cache is not None and not g.steering:
             held = g.row.window[: int(self.cache.lengths[g.row.slot])]
             self.prefix_cache.store(self.model, self.cache, g.row.slot, held)
-
-    def _prefill_part(self, g: Generation, tokens: list[int]) -> None:
-        """Append up to prefill_chunk of `tokens` to g's row; the rest waits (g.row.pending) for the next steps.
-        When the prompt is complete, sample the row's first token."""
-        chunk = self.prefill_chunk or len(tokens)
-        part, g.row.pending = tokens[:chunk], tokens[chunk:]
-        done = len(g.prompt_ids) - len(g.row.pending) - len(part)  # prompt tokens already in the cache
-        view = self.cache.rows(g.row.slot, g.row.slot + 1)
-        with self._kernels(refresh=True), steering_rows(self.model, [g]):
-            hidden = self.model.hidden_states(torch.tensor([part], device=self.device), kv_cache=view)[0]
-            self._score_prompt(g, hidden, done)
-            if not g.row.pending:
-                self._keep(g)
-                self._accept([g], self.model.logits(hidden[-1:]))
 
     def _score_prompt(self, g: Generation, hidden: torch.Tensor, start: int) -> None:
         """With params.prompt_logprobs: score the prompt tokens that hidden states (T, C) of prompt positions
@@ -272,22 +288,6 @@ class Engine:
             return True
         return False
 
-    def _prefill(self, start: int, prompts: list[list[int]],
-                 after: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-        """Run right-padded prompts through rows start.. of the cache, each after the `after` tokens its row holds
-        (default none): the logits at each last token, and the hidden states (n, T, C) of every position."""
-        n, lengths = len(prompts), torch.tensor([len(p) for p in prompts], device=self.device)
-        idx = torch.zeros(n, max(len(p) for p in prompts), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            idx[i, : len(p)] = torch.tensor(p)
-        view = self.cache.rows(start, start + n)
-        view.lengths.copy_(torch.tensor(after or [0] * n))
-        end = view.lengths + lengths
-        with self._kernels(refresh=True), steering_rows(self.model, self.slots, first=start):
-            h = self.model.hidden_states(idx.to(self.device), kv_cache=view)
-            view.lengths.copy_(end)  # rewind each row past its padding
-            return self.model.logits(h[torch.arange(n, device=self.device), lengths - 1]), h
-
     # --- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Generation]:
@@ -299,8 +299,8 @@ class Engine:
             return running
         if running:
             self._decode(running, prefilling)
-        for g in prefilling:  # one more chunk of each long prompt; the last one samples its first token
-            self._prefill_part(g, g.row.pending)
+        if prefilling:  # one more chunk of each long prompt; the last one samples its first token
+            self._prefill_pending(prefilling, isolate=True)
         return running + [g for g in prefilling if g.token_ids]
 
     def _decode(self, running: list[Generation], prefilling: list[Generation]) -> None:
@@ -374,7 +374,8 @@ class Engine:
         g.row.window = list(keep)
         self.cache.lengths[g.row.slot] = 0
         if keep:
-            self._prefill(g.row.slot, [keep])
+            with self._kernels(refresh=True), steering_rows(self.model, [g]):
+                prefill_rows(self.model, self.cache, [g.row.slot], [keep])
 
     def _accept(self, gens: list[Generation], logits: torch.Tensor) -> None:
         """Sample one token per row, record it, and finish / free the rows that are done (`accept`'s jobs)."""
@@ -409,8 +410,3 @@ class Engine:
             if g.error is not None:
                 raise g.error
         return list(gens)
-
-
-def _first_run(free: list[int], n: int) -> int | None:
-    """The first slot of n consecutive free slots, or None."""
-    return next((free[j] for j in range(len(free) - n + 1) if free[j + n - 1] - free[j] == n - 1), None)

@@ -1,9 +1,10 @@
 """Continuous batching for the server: one background thread owns the model and an `Engine` of max_batch rows.
 
 Request handlers (on the asyncio event loop) submit a `Job` (one or more `Generation`s, e.g. n > 1) and await
-its events. The scheduler thread loops: admit waiting generations into free rows (each prefilled on its own
-row), run one decode step for every running row, and hand each job the text its rows produced. A finished row
-frees its slot before the next step, so a new request joins the running batch without waiting for the others.
+its events. The scheduler thread loops: admit waiting generations into free rows (their prompts prefilled
+together, `Engine.add`), run one decode step for every running row, and hand each job the text its rows
+produced. A finished row frees its slot before the next step, so a new request joins the running batch without
+waiting for the others.
 
 A failure ends only the generations it belongs to: one while admitting a row fails that row's request, one the
 engine pins on a row of a decoding step (`Generation.error`) fails that row's request, whose other rows are
@@ -177,11 +178,12 @@ class Scheduler:
                     self._owner.pop(id(gen), None)
                     engine.release(gen)
             for job, i in admitted:
-                gen = job.gens[i]
-                self._owner[id(gen)] = _Owner(job, i)
+                self._owner[id(job.gens[i])] = _Owner(job, i)
                 if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
-                self._run([gen], lambda g=gen: engine.add([g]))
+                    self.metrics.prompt_tokens.inc(len(job.gens[i].prompt_ids))
+            if admitted:  # prefilled together (the engine isolates a row whose prefill fails)
+                new = [job.gens[i] for job, i in admitted]
+                self._run(new, lambda new=new: engine.add(new))
             if engine.running:
                 running = engine.running
                 self.max_rows_seen = max(self.max_rows_seen, len(running))

@@ -1,0 +1,160 @@
+"""Prompts prefilled together (`generation/prefill.py`): into any rows of the cache, checked against full forwards
+without a cache, and in the engine and the server's scheduler against each prompt alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gptlab.generation.engine as engine_module
+from gptlab.generation import Engine, SamplingParams, generate_batch
+from gptlab.generation.prefill import PADDING_WASTE, padded_groups, prefill_rows
+from gptlab.generation.prefix_cache import PrefixCache
+from gptlab.kv_cache import KVCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+_MODELS = {"rope": tiny_model(seed=5), "learned": tiny_model("learned", seed=6),
+           "window": tiny_model(seed=7, sliding_window=6)}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(31 * seed + 7 * j) % 256 for j in range(n)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(sorted(_MODELS)), held=st.lists(st.integers(0, 20), min_size=1, max_size=4),
+       fed=st.data())
+def test_rows_fed_together_equal_full_forwards(kind, held, fed):
+    """Rows holding different numbers of tokens, fed parts of different lengths in one forward, in an order other
+    than the cache's: each row's hidden states are those of a forward over its whole sequence without a cache, and
+    a row not fed is left as it was."""
+    model = _MODELS[kind]
+    parts = [tokens(i + 50, fed.draw(st.integers(1, 12))) for i in range(len(held))]
+    cache = KVCache(model.config, len(held) + 1, 40)
+    slots = list(range(len(held), 0, -1))  # rows n..1, row 0 stays out
+    with torch.inference_mode():
+        prefill_rows(model, cache, [0], [tokens(99, 5)])
+        before = cache.k[:, 0].clone()
+        for slot, n in zip(slots, held, strict=True):
+            if n:
+                prefill_rows(model, cache, [slot], [tokens(slot, n)])
+        hidden = prefill_rows(model, cache, slots, parts)
+        for i, (slot, n, part) in enumerate(zip(slots, held, parts, strict=True)):
+            whole = model.hidden_states(torch.tensor([tokens(slot, n) + part]))[0, n:]
+            torch.testing.assert_close(hidden[i, : len(part)], whole, atol=1e-5, rtol=1e-5)
+            assert int(cache.lengths[slot]) == n + len(part)
+    assert torch.equal(cache.k[:, 0], before) and int(cache.lengths[0]) == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.integers(1, 300), min_size=1, max_size=16), data=st.data())
+def test_padded_groups_take_each_row_once_and_bound_the_padding(parts, data):
+    held = data.draw(st.lists(st.integers(0, 200), min_size=len(parts), max_size=len(parts)))
+    max_len = max(h + p for h, p in zip(held, parts, strict=True))
+    groups = padded_groups(parts, held, max_len)
+    assert sorted(i for g in groups for i in g) == list(range(len(parts)))
+    for g in groups:
+        longest = max(parts[i] for i in g)
+        assert len(g) == 1 or len(g) * longest <= PADDING_WASTE * sum(parts[i] for i in g)
+        assert max(held[i] for i in g) + longest <= max_len
+
+
+def test_rows_that_join_together_in_scattered_slots_answer_as_alone(monkeypatch):
+    """Rows freed here and there are filled by one prefill forward; every row answers as it would alone."""
+    model = _MODELS["rope"]
+    forwards = []
+    monkeypatch.setattr(engine_module, "prefill_rows",
+                        lambda m, c, slots, parts: forwards.append(list(slots)) or prefill_rows(m, c, slots, parts))
+    engine = Engine(model, max_batch=5)
+    first = [engine.prepare(tokens(i, 3 + i), SamplingParams(temperature=0, max_new_tokens=n))
+             for i, n in enumerate([20, 2, 20, 3, 20])]
+    engine.add(first)
+    while not (first[1].finished and first[3].finished):
+        engine.step()
+    assert [g is None for g in engine.slots] == [False, True, False, True, False]
+    later = [engine.prepare(tokens(10 + i, 4 + 3 * i), GREEDY) for i in range(2)]
+    forwards.clear()
+    engine.add(later)
+    assert [sorted(f) for f in forwards] == [[1, 3]]  # one forward into the two scattered free rows
+    while engine.running:
+        engine.step()
+    alone = [generate_batch(model, [g.prompt_ids], g.params)[0].token_ids for g in first + later]
+    assert [g.token_ids for g in first + later] == alone
+
+
+def test_with_the_prefix_cache_and_prompt_logprobs_rows_together_answer_as_alone():
+    """Rows restored from the prefix cache (each holding a different kept length) and rows scoring their prompt,
+    prefilled together in chunks, get the tokens and logprobs each gets alone without the cache."""
+    model = _MODELS["rope"]
+    shared = tokens(3, 24)
+    prompts = [shared + tokens(4, 5), shared[:16] + tokens(5, 9), tokens(6, 30), shared + tokens(7, 2)]
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0, max_new_tokens=12, prompt_logprobs=True, logprobs=1),
+              SamplingParams(temperature=0.9, seed=4, max_new_tokens=12)]
+    engine = Engine(model, max_batch=4, prefill_chunk=7, prefix_cache=PrefixCache(1 << 24, block_tokens=8))
+    engine.run([engine.prepare(shared + [1], GREEDY)])  # the shared beginning kept
+    together = engine.run([engine.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)])
+    assert engine.prefix_cache.stats().hit_tokens > 0
+    for g, p, sp in zip(together, prompts, params, strict=True):
+        (alone,) = generate_batch(model, [p], sp)
+        assert g.token_ids == alone.token_ids
+        assert [e.logprob for e in g.prompt_logprobs[1:]] == pytest.approx(
+            [e.logprob for e in alone.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_a_prefill_that_fails_fails_its_row_alone(monkeypatch):
+    """One prompt whose forward fails, admitted with others: it finishes with its error, the others answer as
+    alone; added alone, the error is raised as before."""
+    model = _MODELS["rope"]
+    real = engine_module.prefill_rows
+
+    def failing(m, c, slots, parts):  # noqa: ANN001, ANN202
+        if any(p[:1] == [13] for p in parts):
+            raise RuntimeError("boom")
+        return real(m, c, slots, parts)
+
+    monkeypatch.setattr(engine_module, "prefill_rows", failing)
+    engine = Engine(model, max_batch=3)
+    gens = [engine.prepare(p, GREEDY) for p in ([5, 6, 7], [13, 1, 2], [9, 8])]
+    engine.add(gens)
+    assert gens[1].finish_reason == "error" and "boom" in str(gens[1].error) and engine.slots[1] is None
+    while engine.running:
+        engine.step()
+    for g in (gens[0], gens[2]):
+        assert g.token_ids == generate_batch(model, [g.prompt_ids], GREEDY)[0].token_ids
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.add([engine.prepare([13, 4], GREEDY)])
+
+
+def test_the_scheduler_admits_waiting_requests_in_one_prefill():
+    """Requests waiting when the server's scheduler looks are prefilled by one `Engine.add`, and each answers
+    as alone."""
+    import asyncio
+    import time
+
+    from gptlab.serve.scheduler import Job, Scheduler
+
+    model = _MODELS["rope"]
+    engine = Engine(model, max_batch=4)
+    added, real_add = [], engine.add
+    engine.add = lambda gens: added.append(len(gens)) or real_add(gens)
+    loop = asyncio.new_event_loop()  # not running: the events just queue on it
+    try:
+        jobs = [Job([engine.prepare(tokens(20 + i, 3 + 2 * i), GREEDY)], loop=loop) for i in range(3)]
+        scheduler = Scheduler(engine)
+        for job in jobs:
+            scheduler.submit(job)
+        scheduler.start()
+        deadline = time.monotonic() + 60
+        while not all(job.gens[0].finished for job in jobs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        scheduler.stop()
+    finally:
+        loop.close()
+    assert added == [3]
+    for job in jobs:
+        assert job.gens[0].token_ids == generate_batch(model, [job.gens[0].prompt_ids], GREEDY)[0].token_ids
