@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -42,6 +42,9 @@ from gptlab.evaluation.tasks import continuation_scores
 from gptlab.generation import Engine, SamplingParams, cache_length
 from gptlab.hardware import resolve_device
 from gptlab.loading import load_model
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_GEN_TOKS = 256  # as lm-eval's hf backend
@@ -109,7 +112,7 @@ class GptlabLM(TemplateLM):
         self._attach(model.eval(), tokenizer, str(pretrained), batch_size, max_length, max_gen_toks, add_bos_token)
 
     @classmethod
-    def of_model(cls, model: torch.nn.Module, tokenizer: Any, name: str, batch_size: int = 1) -> GptlabLM:
+    def of_model(cls, model: torch.nn.Module, tokenizer: TextTokenizer, name: str, batch_size: int = 1) -> GptlabLM:
         """An lm-eval model over a model already in memory, e.g. a training run's (its mode is the caller's)."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
@@ -117,7 +120,7 @@ class GptlabLM(TemplateLM):
         lm._attach(model, tokenizer, name, batch_size, None, None, None)
         return lm
 
-    def _attach(self, model: torch.nn.Module, tokenizer: Any, name: str, batch_size: int | str | None,
+    def _attach(self, model: torch.nn.Module, tokenizer: TextTokenizer, name: str, batch_size: int | str | None,
                 max_length: int | str | None, max_gen_toks: int | str | None, add_bos_token: bool | None) -> None:
         self.model, self.tok, self.pretrained = model, tokenizer, name
         block_size = model.config.block_size
@@ -308,7 +311,7 @@ class LmEvalTasks:
         self.limit, self.batch_size = limit, batch_size
         self.manager = _task_manager(self.tasks, folders.pop() if folders else None)
 
-    def __call__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> dict[str, float]:
+    def __call__(self, model: torch.nn.Module, tokenizer: TextTokenizer, name: str) -> dict[str, float]:
         from lm_eval import simple_evaluate
 
         lm = GptlabLM.of_model(model, tokenizer, name, batch_size=self.batch_size)

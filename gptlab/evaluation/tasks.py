@@ -23,13 +23,16 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_utf8
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 Pair = tuple[list[int], list[int]]  # (context tokens, continuation tokens)
 
@@ -102,7 +105,7 @@ def load_choice_task(path: str | Path) -> ChoiceTask:
     return ChoiceTask(path.stem, tuple(examples))
 
 
-def split_pair(tokenizer: Any, context: str, continuation: str, prefix_token: int | None) -> Pair:
+def split_pair(tokenizer: TextTokenizer, context: str, continuation: str, prefix_token: int | None) -> Pair:
     """Context and continuation tokens as lm-eval splits them; an empty context becomes `prefix_token`."""
     spaces = len(context) - len(context.rstrip(" "))
     if spaces:
@@ -116,7 +119,7 @@ def split_pair(tokenizer: Any, context: str, continuation: str, prefix_token: in
     return ctx, whole[len(ctx):]
 
 
-def score_choice_task(model: Any, tokenizer: Any, task: ChoiceTask, *, limit: int | None = None,
+def score_choice_task(model: Any, tokenizer: TextTokenizer, task: ChoiceTask, *, limit: int | None = None,
                       batch_size: int = 16) -> dict[str, float]:
     """{acc, acc_norm, centered} of `task` (its first `limit` examples) on `model` (in eval mode)."""
     examples = task.examples[:limit]
@@ -136,7 +139,7 @@ def score_choice_task(model: Any, tokenizer: Any, task: ChoiceTask, *, limit: in
     return {"acc": acc, "acc_norm": right_norm / n, "centered": (acc - chance) / (1 - chance)}
 
 
-def score_choice_tasks(model: Any, tokenizer: Any, tasks: Sequence[ChoiceTask], *, limit: int | None = None,
+def score_choice_tasks(model: Any, tokenizer: TextTokenizer, tasks: Sequence[ChoiceTask], *, limit: int | None = None,
                        batch_size: int = 16) -> dict[str, float]:
     """Every task's scores as "<task>/<metric>", and "core": the mean of their centered accuracies."""
     out: dict[str, float] = {}
