@@ -18,12 +18,15 @@ import contextlib
 import difflib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
 
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
+
+M = TypeVar("M", bound=nn.Module)
 
 HookFn = Callable[[torch.Tensor], "torch.Tensor | None"]
 
@@ -166,8 +169,9 @@ def as_batch(model: GPT, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def evaluating(model: GPT) -> Iterator[GPT]:
-    """The model in eval mode (dropout off) within the `with`, its own mode given back after."""
+def eval_mode(model: M) -> Iterator[M]:
+    """The model in eval mode (dropout off) within the `with`, its own mode given back after, also when the block
+    raises: a training model left in eval mode by a failed evaluation would train on without dropout."""
     was = model.training
     model.eval()
     try:
@@ -178,7 +182,7 @@ def evaluating(model: GPT) -> Iterator[GPT]:
 
 def run_with_hooks(model: GPT, idx: torch.Tensor | Sequence[int], fns: Mapping[str, HookFn]) -> torch.Tensor:
     """The logits (B, T, vocab) of one forward (in eval mode) with `fns` at their hook points (see `hooked`)."""
-    with evaluating(model), hooked(model, fns):
+    with eval_mode(model), hooked(model, fns):
         logits, _ = model(as_batch(model, idx))
     return logits
 

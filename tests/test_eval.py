@@ -90,7 +90,7 @@ def test_eval_cli_errors_are_one_line(setup, tmp_path: Path, capsys) -> None:
 def test_a_failing_evaluation_gives_the_model_back_in_training_mode() -> None:
     """eval_mode restores the caller's mode when the block raises: a training model left in eval mode would train
     on without dropout."""
-    from gptlab.evaluation.loss import eval_mode
+    from gptlab.hooks import eval_mode
 
     model = torch.nn.Dropout(0.5).train()
     with pytest.raises(RuntimeError), eval_mode(model):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from gptlab.data import load_mask, load_split, read_meta
 from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
 from gptlab.hardware import available_memory
+from gptlab.hooks import eval_mode
 from gptlab.tokenizer import optional_tokenizer
 
 
@@ -109,18 +110,6 @@ def evaluate_loss(
 
 # windows -> inputs, targets (-1: not counted) and how many targets count, known on the host without reading a tensor
 Rows = Callable[[range], tuple[torch.Tensor, torch.Tensor, int]]
-
-
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Dropout off for the block, the model's own mode restored after it, also when it raises: a training model
-    left in eval mode by a failed evaluation would train on without dropout."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def window_share(n_windows: int, rank: int, world: int) -> range:

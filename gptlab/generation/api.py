@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gptlab.evaluation.loss import eval_mode
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.rows import Generation
+from gptlab.hooks import eval_mode
 from gptlab.kv_cache import cache_length
 from gptlab.model import GPT
 from gptlab.steering import SteeringVector

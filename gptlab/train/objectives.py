@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.errors import GptlabError
-from gptlab.evaluation.loss import eval_mode
+from gptlab.hooks import eval_mode
 from gptlab.train.config import TrainConfig
 from gptlab.train.grpo import Grpo
 from gptlab.train.reference import frozen_reference, reference_forward

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from gptlab.evaluation.loss import eval_mode
+from gptlab.hooks import eval_mode
 from gptlab.lora import adapters_disabled, has_lora
 
 Context = Callable[[], contextlib.AbstractContextManager]
