@@ -31,12 +31,12 @@ def sampled_reward(run: Path, data: Path, prompts: int, samples: int, seed: int)
     import torch
 
     from gptlab.loading import load_model
-    from gptlab.train.batches import Split, StepBatch
+    from gptlab.train.batches import StepBatch, TokenSplit
     from gptlab.train.grpo import Grpo, prompts_and_replies
     from gptlab.train.recipe import build_train_config
 
     model, _ = load_model(str(run), prefer="latest")
-    val = Split.load(data, "val")
+    val = TokenSplit.load(data, "val")
     window = int(val.window_tokens)
     count = min(prompts, len(val.tokens) // window)
     rows = StepBatch(val.tokens[: count * window].reshape(count, window).astype("int64"),

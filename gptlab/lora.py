@@ -36,8 +36,7 @@ from torch import nn
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
-from gptlab.ops import linear as upcasting_linear
-from gptlab.ops import upcasts
+from gptlab.ops import upcasting_linear, upcasts
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",

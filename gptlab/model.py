@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from gptlab.attention import CausalSelfAttention, Hook, tap
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import KVCache, document_masks, masks_for
-from gptlab.ops import assert_in_range_on_device, cross_entropy, linear
+from gptlab.ops import assert_in_range_on_device, cross_entropy, upcasting_linear
 from gptlab.rope import rope_tables
 
 
@@ -250,7 +250,8 @@ class GPT(nn.Module):
         else:  # the loss's LM head through fp32 where this CPU lacks bf16 matmuls (`linear`); generation's
             # (`logits`) stays the module's own forward, which packed inference weights replace
             head = self.lm_head  # a quantized head (not an nn.Linear) runs its own forward
-            logits = self.logits(h, head=linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else None)
+            raw = upcasting_linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else None
+            logits = self.logits(h, raw=raw)
             logits = tap(self.hooks, "hook_logits", logits)
             loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return ModelOutput(logits, loss)
@@ -267,10 +268,10 @@ class GPT(nn.Module):
             raise ValueError(f"target {bad} is outside the vocabulary: targets must be in [0, "
                              f"{self.config.vocab_size}) or -1 (ignored)")
 
-    def logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
-        """The LM head (with optional soft-capping) over final hidden states (..., C); `head`: lm_head(h) if
+    def logits(self, h: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head (with optional soft-capping) over final hidden states (..., C); `raw`: lm_head(h) if
         already computed."""
-        logits = self.lm_head(h) if head is None else head
+        logits = self.lm_head(h) if raw is None else raw
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)

@@ -144,7 +144,7 @@ class _PaddedLinear(torch.autograd.Function):
         return weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32 and _odd_wide_product(x, weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def upcasting_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through fp32 where this CPU has no native matmul for the weights' low-precision dtype, and at
     a padded width for a wide fp32 weight of an odd width on a CPU (see the module docstring)."""
     if upcasts(x, weight) and x.dtype == weight.dtype:

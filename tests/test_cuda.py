@@ -170,7 +170,7 @@ def test_the_server_answers_from_the_gpu(tmp_path: Path) -> None:
 
 
 def test_an_odd_lm_head_runs_padded_on_the_gpu() -> None:
-    """GPT-2's 50,257-wide head at 50,304 for the tensor cores (ops.linear): the same logits and gradients."""
+    """GPT-2's 50,257-wide head at 50,304 for the tensor cores (ops.upcasting_linear): the same logits and gradients."""
     from gptlab import ops
 
     torch.manual_seed(0)
@@ -178,7 +178,7 @@ def test_an_odd_lm_head_runs_padded_on_the_gpu() -> None:
     w = torch.randn(50257, 256, device="cuda", requires_grad=True)
     assert ops._gpu_pads(x, w)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out, want = ops.linear(x, w), torch.nn.functional.linear(x, w)
+        out, want = ops.upcasting_linear(x, w), torch.nn.functional.linear(x, w)
     assert out.shape == want.shape
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)  # another kernel may sum in another order
     grad = torch.randn_like(out)

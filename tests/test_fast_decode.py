@@ -17,7 +17,7 @@ from families import ALL_FAMILIES, gpt2_like, model_of
 
 import gptlab.generation.engine as engine_module
 from gptlab.generation import Engine, generate, native_decode
-from gptlab.generation.fast_decode import LEAN_SWITCHES, decode_hidden, supports, unknown_switches
+from gptlab.generation.fast_decode import LEAN_SWITCHES, decode_hidden, lean_step_exact, unknown_switches
 from gptlab.generation.packed_linear import PackedLinears, forget_packed, kernel_packed
 from gptlab.kv_cache import KVCache
 from gptlab.lora import LoRASpec, add_lora
@@ -30,17 +30,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # The lean decode step: every family
 # ---------------------------------------------------------------------------------------------------------------
 def test_supports_every_family_and_refuses_what_it_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert all(supports(model_of(f)) for f in ALL_FAMILIES)
+    assert all(lean_step_exact(model_of(f)) for f in ALL_FAMILIES)
     dropout = gpt2_like(dropout=0.1)
-    assert supports(dropout) and not supports(dropout.train())  # dropout runs in training only
+    assert lean_step_exact(dropout) and not lean_step_exact(dropout.train())  # dropout runs in training only
     model = model_of("llama")
     model.transformer.h[1].ln_2 = nn.GroupNorm(1, model.config.n_embd)  # a module the step does not know
-    assert not supports(model)
+    assert not lean_step_exact(model)
     # a switch added to GPTConfig later, which the step has not been taught: refused while it is not at its default
     monkeypatch.setattr("gptlab.generation.fast_decode.LEAN_SWITCHES", LEAN_SWITCHES - {"attn_softcap"})
     gemma = model_of("gemma2")
-    assert unknown_switches(gemma.config) == ["attn_softcap"] and not supports(gemma)
-    assert supports(model_of("llama"))  # the switch at its default: nothing is ignored
+    assert unknown_switches(gemma.config) == ["attn_softcap"] and not lean_step_exact(gemma)
+    assert lean_step_exact(model_of("llama"))  # the switch at its default: nothing is ignored
 
 
 def _steps(model: nn.Module, decode, lengths: list[int], steps: int = 4) -> torch.Tensor:  # noqa: ANN001
@@ -162,7 +162,7 @@ def _greedy_with_and_without_the_lean_step(model: nn.Module, monkeypatch: pytest
     monkeypatch.setattr(engine_module, "decode_hidden", lambda *a, **kw: calls.append(1) or decode_hidden(*a, **kw))
     fast = generate(model, idx, 24, temperature=0)
     assert len(calls) == 23  # every step after the prefill took the lean path
-    monkeypatch.setattr(engine_module, "supports", lambda m: False)
+    monkeypatch.setattr(engine_module, "lean_step_exact", lambda m: False)
     assert torch.equal(fast, generate(model, idx, 24, temperature=0))
 
 

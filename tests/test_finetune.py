@@ -25,7 +25,7 @@ from gptlab.generation import SamplingParams, generate_batch
 from gptlab.loading import load_model
 from gptlab.lora import has_lora
 from gptlab.train import build_train_config
-from gptlab.train.batches import Split, step_batch
+from gptlab.train.batches import TokenSplit, step_batch
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -237,7 +237,7 @@ def masked_data(root: Path, window: int = 17, windows_per_split: int = 24, vocab
 
 def test_masked_step_loss_is_the_mean_over_counted_targets_however_split(tmp_path: Path) -> None:
     data = masked_data(tmp_path / "data")
-    split = Split.load(data, "train")
+    split = TokenSplit.load(data, "train")
     batch = step_batch(split, seed=1, step=0, batch_size=8, block_size=16)
     assert (batch.windows.shape, batch.n_targets) == ((8, 17), int(batch.mask[:, 1:].sum()))
     assert all(batch_starts(len(split.tokens), 1, 0, 8, 16, window_tokens=17) % 17 == 0)  # rows are whole windows

@@ -28,7 +28,7 @@ from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
 from gptlab.train import Trainer, load_train_config
-from gptlab.train.batches import Split, StepFeed, step_batch
+from gptlab.train.batches import StepFeed, TokenSplit, step_batch
 from gptlab.train.optim import BatchedMuon, FusedAdamW, set_lr, step_optimizers
 from gptlab.train.precision import Precision
 
@@ -129,7 +129,7 @@ def test_evaluation_reads_the_device_once(data: Path) -> None:
         def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, **kwargs) -> tuple:
             return model(x, y, check_ids=False, **kwargs)
 
-    val = Split.load(data, "val").tokens[:16 * 20 + 7]  # 20 full windows and a shorter one: 7 forwards of 3
+    val = TokenSplit.load(data, "val").tokens[:16 * 20 + 7]  # 20 full windows and a shorter one: 7 forwards of 3
     with HostReads() as reads:
         result = evaluate_loss(Unchecked(), val, 16, batch_size=3)
     assert reads.count == 1 and result.tokens == 16 * 20 + 6
@@ -272,7 +272,7 @@ def test_fp16_loss_scaling_skips_a_flagged_step_through_gradscaler() -> None:
 
 # --- batches prepared ahead -------------------------------------------------------------------------------------
 def test_the_feed_prepares_each_steps_batches_ahead_and_checks_their_ids(tmp_path: Path, data: Path) -> None:
-    split = Split.load(data, "train")
+    split = TokenSplit.load(data, "train")
     feed = StepFeed(split, seed=3, batch_size=8, seq_len=16, rank=1, world=2, grad_accum=2, vocab_size=200,
                     device="cpu")
     feed.prefetch(5)
@@ -292,7 +292,7 @@ def test_the_feed_prepares_each_steps_batches_ahead_and_checks_their_ids(tmp_pat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_feed_copies_from_pinned_memory_without_waiting(data: Path) -> None:
-    split = Split.load(data, "train")
+    split = TokenSplit.load(data, "train")
     feed = StepFeed(split, seed=3, batch_size=8, seq_len=16, rank=0, world=1, grad_accum=1, vocab_size=200,
                     device="cuda")
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises

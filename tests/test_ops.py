@@ -84,7 +84,7 @@ def test_upcast_linear_is_an_fp32_matmul_rounded_once(no_native_bf16: None, bias
     w = torch.randn(5000, 48).to(torch.bfloat16).requires_grad_()  # more rows than one chunk holds
     b = torch.randn(5000).to(torch.bfloat16).requires_grad_() if bias else None
     assert ops.upcasts(x, w)
-    out = ops.linear(x, w, b)
+    out = ops.upcasting_linear(x, w, b)
     expected = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected.to(torch.bfloat16), rtol=0, atol=0)
@@ -107,7 +107,7 @@ def test_padded_head_equals_f_linear_with_its_gradients(bias: bool, rows: int) -
     b = torch.randn(rows).requires_grad_() if bias else None
     assert ops._PaddedLinear.helps(x, w) == (rows % 64 != 0)
     assert not ops._PaddedLinear.helps(x[:, :1], w)  # a few rows (decoding): the plain product
-    out = ops.linear(x, w, b)
+    out = ops.upcasting_linear(x, w, b)
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert out.shape == (2, 40, rows) and out.dtype == torch.float32 and out.is_contiguous()
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from helpers import PAIRS, hf_llama_dir, make_data, one_line_error, pairs_data, 
 
 from gptlab.cli import main
 from gptlab.errors import GptlabError
-from gptlab.train.batches import Split, rows_of_pairs, step_batch
+from gptlab.train.batches import TokenSplit, rows_of_pairs, step_batch
 from gptlab.train.objectives import Preference, sequence_logps
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -40,7 +40,7 @@ def test_pairs_are_two_windows_with_targets_on_the_replies_only(tmp_path: Path) 
         assert start == int(np.argmax(mask[c + 1])) and (ids[c, :start] == ids[c + 1, :start]).all()
     assert "Hello" in tok.decode(ids[2].tolist())
     # a step's rows: pairs side by side, chosen first; n_targets counts pairs
-    split = Split.load(data, "train")
+    split = TokenSplit.load(data, "train")
     batch = step_batch(split, seed=1, step=0, batch_size=4, block_size=window - 1)
     assert batch.windows.shape == (8, window) and batch.n_targets == 4
     starts = [int(np.flatnonzero((ids == row).all(1))[0]) for row in batch.windows]

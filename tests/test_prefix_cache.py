@@ -54,7 +54,7 @@ def step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """The engine's decode step: the model's own forward, or the lean step on PyTorch's Linears."""
     monkeypatch.setenv("GPTLAB_KERNEL", "torch")
     if request.param == "plain":
-        monkeypatch.setattr(engine_module, "supports", lambda m: False)
+        monkeypatch.setattr(engine_module, "lean_step_exact", lambda m: False)
     return request.param
 
 

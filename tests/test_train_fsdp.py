@@ -268,7 +268,7 @@ procs.close(clean=True)
 def test_a_2_process_fsdp_checkpoint_in_rows_equals_the_gathered_one(tmp_path: Path) -> None:
     """2 gloo processes: the checkpoint written in rows (no gather) holds exactly the tensors that gathering
     every shard to the writer writes, uneven shards included."""
-    script = tmp_path / "rows.py"
+    script = tmp_path / "request.py"
     script.write_text(ROWS_VS_GATHERED)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            str(tmp_path)]

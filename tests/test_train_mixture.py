@@ -19,7 +19,7 @@ from gptlab.cli import main
 from gptlab.data import prepare
 from gptlab.data.dataset import parse_sources, recipe_sources
 from gptlab.errors import GptlabError
-from gptlab.train.batches import Mixture, Split, load_train_data, step_batch
+from gptlab.train.batches import Mixture, TokenSplit, load_train_data, step_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,7 +43,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_shards_give_the_single_files_batches(dirs: dict[str, Path]) -> None:
-    plain, sharded = Split.load(dirs["plain"], "train"), Split.load(dirs["a"], "train")
+    plain, sharded = TokenSplit.load(dirs["plain"], "train"), TokenSplit.load(dirs["a"], "train")
     for step in range(20):
         a, b = step_batch(plain, 3, step, 8, 64), step_batch(sharded, 3, step, 8, 64)
         assert np.array_equal(a.windows, b.windows)

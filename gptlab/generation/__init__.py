@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from gptlab.generation.engine import Engine
     from gptlab.generation.params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams
     from gptlab.generation.prefix_cache import PrefixCache, PrefixCacheStats
-    from gptlab.generation.rows import Generation, PromptTooLongError
+    from gptlab.generation.request import Generation, PromptTooLongError
     from gptlab.generation.sampling import TokenLogprob, sample_next
     from gptlab.generation.tool_calls import generate_tool_reply
     from gptlab.kv_cache import cache_length, default_cache_dtype
@@ -43,8 +43,8 @@ _LAZY = {
     "sample_next": "gptlab.generation.sampling",
     "TextState": "gptlab.generation.detokenize",
     "Engine": "gptlab.generation.engine",
-    "Generation": "gptlab.generation.rows",
-    "PromptTooLongError": "gptlab.generation.rows",
+    "Generation": "gptlab.generation.request",
+    "PromptTooLongError": "gptlab.generation.request",
     "cache_length": "gptlab.kv_cache",
     "default_cache_dtype": "gptlab.kv_cache",
     "generate": "gptlab.generation.api",  # idx (B, T) -> (B, T + new), as nanoGPT's model.generate

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from gptlab.config import GPTConfig
-from gptlab.generation.rows import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generation
+from gptlab.generation.request import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generation
 from gptlab.generation.sampling import TokenLogprob, sample_next, token_logprobs
 
 Release = Callable[[Generation], None]  # frees a finished row's slot

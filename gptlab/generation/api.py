@@ -21,7 +21,7 @@ import torch
 
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
-from gptlab.generation.rows import Generation
+from gptlab.generation.request import Generation
 from gptlab.hooks import eval_mode
 from gptlab.kv_cache import cache_length
 from gptlab.model import GPT

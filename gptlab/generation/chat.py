@@ -38,7 +38,7 @@ from gptlab.generation.api import PACK_MIN_TOKENS, stream_deltas
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
-from gptlab.generation.rows import Generation
+from gptlab.generation.request import Generation
 from gptlab.model import GPT
 from gptlab.tokenizer.chat_template import ChatTemplate, chat_template_for, reply_stops
 

@@ -41,20 +41,20 @@ import torch.nn as nn
 from gptlab.errors import GptlabError
 from gptlab.generation import native_decode
 from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows
-from gptlab.generation.fast_decode import decode_hidden, supports
+from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.generation.graph_decode import StaticDecode, usable
-from gptlab.generation.packed_linear import kernel_name, try_pack
+from gptlab.generation.packed_linear import kernel_name, pack_where_it_helps
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.prefill import padded_groups, prefill_rows
 from gptlab.generation.prefix_cache import PrefixCache
-from gptlab.generation.row_steering import any_steered, steering_rows
-from gptlab.generation.rows import (
+from gptlab.generation.request import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
     prepare_generation,
 )
+from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.sampling import TokenCounts, token_logprobs
 from gptlab.generation.speculative import DRAFT_TOKENS, Speculator
 from gptlab.hardware import available_memory
@@ -115,8 +115,8 @@ class Engine:
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         # (not under torch.compile: it cannot trace into the C++ kernels, and compiles its own)
-        self._packed = try_pack(model, max_batch) if pack_weights and not compile_decode else None
-        self._lean = supports(model)  # decode steps skip the general forward's framework time
+        self._packed = pack_where_it_helps(model, max_batch) if pack_weights and not compile_decode else None
+        self._lean_step_exact = lean_step_exact(model)  # decode steps skip the general forward's framework time
         # The weights are checked for changes (and packed again) when prompts are prefilled, not before every
         # decode step, and the C++ step's weight list is kept until they change (a per-step walk over every Linear
         # cost ~5% of a batch-1 token): weights written while rows are decoding count from the next prefill.
@@ -151,7 +151,7 @@ class Engine:
             names = Counter(kernel_name(m) if isinstance(m, nn.Linear) else m.kernel_name(self.dtype)
                             for m in self.model.modules() if isinstance(m, (nn.Linear, QuantizedLinear)))
             native = self._native_weights() is not None
-        step = "native C++" if self._lean and native else "lean" if self._lean else "plain"
+        step = "native C++" if self._lean_step_exact and native else "lean" if self._lean_step_exact else "plain"
         if self._static is not None:
             step = "CUDA graph" if self._static.capture else "static"
         return {"decode step": step, "linears": dict(names)}
@@ -326,7 +326,7 @@ class Engine:
                 longest = max([len(g.row.window) + 1 for g in running]
                               + [len(g.prompt_ids) - len(g.row.pending) + 1 for g in prefilling])
                 logits = self._static(tokens, longest)[rows]
-            elif self._lean and not self.model.training and not hooked:
+            elif self._lean_step_exact and not self.model.training and not hooked:
                 h = decode_hidden(self.model, tokens.to(self.device), view, native=self._native_weights())
             else:
                 h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
@@ -347,7 +347,7 @@ class Engine:
         view = self.cache.rows(slot, slot + 1)
         idx = torch.tensor([tokens], device=self.device)
         with steering_rows(self.model, self.slots, first=slot):
-            lean = len(tokens) == 1 and self._lean and not self.model.training and self.model.hooks is None
+            lean = len(tokens) == 1 and self._lean_step_exact and not self.model.training and self.model.hooks is None
             with self._kernels(head_only=lean and bool(self._native)):
                 if lean:
                     h = decode_hidden(self.model, idx, view, native=self._native_weights())

@@ -16,7 +16,7 @@ The Linear layers are called as modules, so whatever forward they have (packed w
 runs unchanged; the KV cache's own `begin` / `append` / `advance` place keys and masks. Where every Linear runs on
 gptlab's own kernel, the blocks run as one C++ call instead (`gptlab.generation.native_decode`).
 
-`supports` is safe by default: the step names the config switches it computes (`LEAN_SWITCHES`); a model whose
+`lean_step_exact` is safe by default: the step names the config switches it computes (`LEAN_SWITCHES`); a model whose
 config sets any other field away from its default (a switch added to `GPTConfig` later) takes the plain forward.
 Tests compare its hidden states (to the bit) and greedy tokens with the plain forward, family by family.
 """
@@ -37,7 +37,7 @@ from gptlab.kv_cache import KVCache
 from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
 from gptlab.rope import apply_rope, rope_tables
 
-# The GPTConfig fields this step reads, at any value; any other field must be at its default for `supports`.
+# The GPTConfig fields this step reads, at any value; any other field must be at its default for `lean_step_exact`.
 LEAN_SWITCHES = frozenset({
     "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim",
     "norm", "norm_eps", "norm_weight", "norm_unit_offset", "embedding_norm", "scale_embeddings",
@@ -59,7 +59,7 @@ def unknown_switches(config: GPTConfig) -> list[str]:
             if f.name not in LEAN_SWITCHES and getattr(config, f.name) != getattr(default, f.name)]
 
 
-def supports(model: GPT) -> bool:
+def lean_step_exact(model: GPT) -> bool:
     """Whether `decode_hidden` computes exactly what `model.hidden_states` does for this model: its config sets
     only switches the step knows, it is in eval mode (or has no dropout), and its modules are gptlab's own
     classes (a replaced block, attention or norm may compute something else), and no hook point is set on it
@@ -151,7 +151,7 @@ def decode_hidden(
     model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | list | None = True, keys: int | None = None
 ) -> torch.Tensor:
     """Final-norm hidden states (B, 1, C) of one new token per row (idx (B, 1)), appended to `cache`: what
-    `model.hidden_states(idx, kv_cache=cache)` returns, for a model `supports` accepts. With `native` and every
+    `model.hidden_states(idx, kv_cache=cache)` returns, for a model `lean_step_exact` accepts. With `native` and every
     Linear on gptlab's own kernel, the blocks run as one C++ call doing the same maths (`native` may be the C++
     step's weights, gathered once by the caller: `native_decode.weights`; None or False: the Python step).
     With `keys` (a bound on the rows' lengths + 1, see `KVCache.begin`) the step reads nothing back from the

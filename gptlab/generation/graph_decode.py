@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from gptlab.generation.fast_decode import decode_hidden, supports
+from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 from gptlab.rope import LENGTH_DEPENDENT
@@ -32,7 +32,7 @@ MIN_KEYS = 64  # the smallest key bucket: a few more masked keys cost less than 
 def usable(model: GPT) -> bool:
     """Whether `StaticDecode` computes exactly what the model's forward does for it (see the module docstring)."""
     scaling = model.config.rope_scaling
-    return supports(model) and (scaling is None or scaling.kind not in LENGTH_DEPENDENT)
+    return lean_step_exact(model) and (scaling is None or scaling.kind not in LENGTH_DEPENDENT)
 
 
 def _power_of_two_at_least(n: int) -> int:

@@ -26,7 +26,7 @@ model is untouched outside generation. Two things keep this from changing what t
   the tensor's version counter or moves its storage), `active()` packs it again. Writes through `weight.data`
   bypass the version counter and are not noticed: pack again after those (`forget_packed`).
 
-`try_pack` packs a model once and keeps the copies as long as the model lives, so that every `generate` call
+`pack_where_it_helps` packs a model once and keeps the copies as long as the model lives, so that every `generate` call
 (each builds an engine) does not pack all of it again; they cost one extra copy of the Linear weights in memory.
 """
 
@@ -222,7 +222,7 @@ class PackedLinears:
 _PACKED: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()  # model -> its packs
 
 
-def try_pack(model: nn.Module, batch_hint: int = 1) -> PackedLinears | None:
+def pack_where_it_helps(model: nn.Module, batch_hint: int = 1) -> PackedLinears | None:
     """The model's PackedLinears where packing helps and works for some Linear; None (plain linears) otherwise.
 
     Packed on the first call and reused by the next ones (`active()` packs again the weights that changed), or

@@ -21,7 +21,7 @@ from gptlab.model import GPT
 from gptlab.steering import layer_totals, resid_pre
 
 if TYPE_CHECKING:
-    from gptlab.generation.rows import Generation
+    from gptlab.generation.request import Generation
 
 
 def any_steered(slots: Sequence[Generation | None]) -> bool:

@@ -33,7 +33,7 @@ from gptlab.generation.sampling import apply_logit_bias, filtered_probs
 
 if TYPE_CHECKING:
     from gptlab.generation.engine import Engine
-    from gptlab.generation.rows import Generation
+    from gptlab.generation.request import Generation
     from gptlab.model import GPT
 
 DRAFT_TOKENS = 4  # guesses per forward: more pay off only when most are accepted

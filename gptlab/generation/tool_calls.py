@@ -31,7 +31,7 @@ from gptlab.tokenizer.chat_template import ChatTemplate, chat_template_for, repl
 from gptlab.tokenizer.tool_syntax import Reply, ToolSyntax, final_reply, tool_syntax
 
 if TYPE_CHECKING:
-    from gptlab.generation.rows import Generation
+    from gptlab.generation.request import Generation
     from gptlab.model import GPT
     from gptlab.tokenizer.base import TextTokenizer
 

@@ -47,7 +47,7 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     return read_json_object(directory / "config.json", hint="a Hugging Face model directory needs config.json")
 
 
-def get(config: dict[str, Any], *keys: str, default: Any = _MISSING) -> Any:
+def hf_value(config: dict[str, Any], *keys: str, default: Any = _MISSING) -> Any:
     """The first of `keys` that config.json sets (to something other than null); `default` if none does,
     else a one-line error naming the first key."""
     for key in keys:
@@ -71,8 +71,8 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, float | None, RopeScal
     if params and all(isinstance(v, dict) for v in params.values()):
         raise GptlabError("per-layer-type rope parameters are not supported: gptlab has one RoPE for all layers")
     merged = {**config, **params}
-    theta = get(merged, "rope_theta", "rotary_emb_base", default=10000.0)
-    fraction = get(merged, "partial_rotary_factor", "rotary_pct", default=None)
+    theta = hf_value(merged, "rope_theta", "rotary_emb_base", default=10000.0)
+    fraction = hf_value(merged, "partial_rotary_factor", "rotary_pct", default=None)
     return float(theta), None if fraction is None else float(fraction), _rope_scaling(params, config)
 
 
@@ -90,13 +90,13 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
                           f"{', '.join(k for k in _ROPE_KINDS if k != 'su')}")
     kind = _ROPE_KINDS[kind]
     max_pos = config.get("max_position_embeddings")
-    original = get({**config, **params}, "original_max_position_embeddings", default=max_pos)
+    original = hf_value({**config, **params}, "original_max_position_embeddings", default=max_pos)
     factor = params.get("factor")
     if factor is None and kind in ("yarn", "longrope") and original and max_pos:
         factor = max_pos / original  # transformers' rule for both when factor is absent
     fields: dict[str, Any] = {"kind": kind}
     if kind != "longrope":
-        fields["factor"] = float(get(params, "factor", default=1.0) if factor is None else factor)
+        fields["factor"] = float(hf_value(params, "factor", default=1.0) if factor is None else factor)
     if kind != "linear":
         fields["original_context"] = original
     if kind == "yarn":
@@ -104,14 +104,14 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
                       truncate=bool(params.get("truncate", True)))
     elif kind == "llama3":
-        fields.update(low_freq_factor=float(get(params, "low_freq_factor", default=1.0)),
-                      high_freq_factor=float(get(params, "high_freq_factor", default=4.0)))
+        fields.update(low_freq_factor=float(hf_value(params, "low_freq_factor", default=1.0)),
+                      high_freq_factor=float(hf_value(params, "high_freq_factor", default=4.0)))
     elif kind == "longrope":
         attention = params.get("attention_factor")
         if attention is None:  # the paper's rule, on the stretch of the context
             attention = longrope_mscale(float(factor or 1.0), original)
-        fields.update(attention_factor=float(attention), short_factor=get(params, "short_factor"),
-                      long_factor=get(params, "long_factor"))
+        fields.update(attention_factor=float(attention), short_factor=hf_value(params, "short_factor"),
+                      long_factor=hf_value(params, "long_factor"))
     try:
         return RopeScaling(**fields)
     except (ValueError, TypeError) as e:

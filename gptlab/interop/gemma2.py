@@ -16,7 +16,7 @@ from gptlab.interop.common import (
     attention_layers,
     context_from_hf,
     gelu_approximate,
-    get,
+    hf_value,
     keep,
     layer_types_to_hf,
     rope_settings,
@@ -36,24 +36,24 @@ normalize = keep
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     rope_base, _, scaling = rope_settings(hf)
-    n_layer = get(hf, "num_hidden_layers")
-    head_dim = get(hf, "head_dim", default=256)
+    n_layer = hf_value(hf, "num_hidden_layers")
+    head_dim = hf_value(hf, "head_dim", default=256)
     if hf.get("layer_types") is None:  # before 5.x: even layers slide, odd ones are global
         hf = {**hf, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]}
-    window, every = attention_layers(hf, n_layer, get(hf, "sliding_window", default=None))
-    attention_bias = bool(get(hf, "attention_bias", default=False))
+    window, every = attention_layers(hf, n_layer, hf_value(hf, "sliding_window", default=None))
+    attention_bias = bool(hf_value(hf, "attention_bias", default=False))
     return dict(
-        vocab_size=get(hf, "vocab_size"),
-        block_size=context_from_hf(get(hf, "max_position_embeddings", default=8192), scaling),
+        vocab_size=hf_value(hf, "vocab_size"),
+        block_size=context_from_hf(hf_value(hf, "max_position_embeddings", default=8192), scaling),
         n_layer=n_layer,
-        n_head=get(hf, "num_attention_heads"),
-        n_kv_head=get(hf, "num_key_value_heads", default=get(hf, "num_attention_heads")),
-        n_embd=get(hf, "hidden_size"),
+        n_head=hf_value(hf, "num_attention_heads"),
+        n_kv_head=hf_value(hf, "num_key_value_heads", default=hf_value(hf, "num_attention_heads")),
+        n_embd=hf_value(hf, "hidden_size"),
         head_dim=head_dim,
-        mlp_hidden=get(hf, "intermediate_size"),
+        mlp_hidden=hf_value(hf, "intermediate_size"),
         norm="rmsnorm",
         norm_unit_offset=True,
-        norm_eps=get(hf, "rms_norm_eps", default=1e-6),
+        norm_eps=hf_value(hf, "rms_norm_eps", default=1e-6),
         scale_embeddings=True,
         bias=False,
         qkv_bias=attention_bias,
@@ -62,16 +62,16 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         rope_base=rope_base,
         rope_scaling=scaling,
         mlp="geglu",
-        gelu_approximate=gelu_approximate(get(hf, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")),
+        gelu_approximate=gelu_approximate(hf_value(hf, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")),
         block="sandwich",
-        attn_scale=float(get(hf, "query_pre_attn_scalar", default=head_dim)) ** -0.5,
+        attn_scale=float(hf_value(hf, "query_pre_attn_scalar", default=head_dim)) ** -0.5,
         attn_softcap=hf.get("attn_logit_softcapping"),
         logit_softcap=hf.get("final_logit_softcapping"),
         sliding_window=window,
         global_layer_every=every,
-        tie_embeddings=bool(get(hf, "tie_word_embeddings", default=True)),
-        dropout=get(hf, "attention_dropout", default=0.0),
-        init_std=get(hf, "initializer_range", default=0.02),
+        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=True)),
+        dropout=hf_value(hf, "attention_dropout", default=0.0),
+        init_std=hf_value(hf, "initializer_range", default=0.02),
     )
 
 

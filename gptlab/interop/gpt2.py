@@ -13,7 +13,7 @@ import torch
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.interop.common import Rule, check_multi_head, gelu_approximate, get, same, transposed
+from gptlab.interop.common import Rule, check_multi_head, gelu_approximate, hf_value, same, transposed
 
 NAME = "GPT-2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -35,22 +35,22 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("add_cross_attention"):
         raise GptlabError("GPT-2 with add_cross_attention=true is an encoder-decoder part, not supported")
     return dict(
-        vocab_size=get(hf, "vocab_size"),
-        block_size=get(hf, "n_positions", "max_position_embeddings"),
-        n_layer=get(hf, "n_layer", "num_hidden_layers"),
-        n_head=get(hf, "n_head", "num_attention_heads"),
-        n_embd=get(hf, "n_embd", "hidden_size"),
+        vocab_size=hf_value(hf, "vocab_size"),
+        block_size=hf_value(hf, "n_positions", "max_position_embeddings"),
+        n_layer=hf_value(hf, "n_layer", "num_hidden_layers"),
+        n_head=hf_value(hf, "n_head", "num_attention_heads"),
+        n_embd=hf_value(hf, "n_embd", "hidden_size"),
         mlp_hidden=hf.get("n_inner"),  # null means 4 * n_embd, as gptlab's default mlp_ratio does
         norm="layernorm",
-        norm_eps=get(hf, "layer_norm_epsilon", default=1e-5),
+        norm_eps=hf_value(hf, "layer_norm_epsilon", default=1e-5),
         bias=True,
         position="learned",
         mlp="gelu",
-        gelu_approximate=gelu_approximate(get(hf, "activation_function", default="gelu_new")),
+        gelu_approximate=gelu_approximate(hf_value(hf, "activation_function", default="gelu_new")),
         block="pre",
-        tie_embeddings=bool(get(hf, "tie_word_embeddings", default=True)),
-        dropout=get(hf, "resid_pdrop", default=0.1),
-        init_std=get(hf, "initializer_range", default=0.02),
+        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=True)),
+        dropout=hf_value(hf, "resid_pdrop", default=0.1),
+        init_std=hf_value(hf, "initializer_range", default=0.02),
     )
 
 

@@ -18,7 +18,7 @@ from gptlab.interop.common import (
     check_multi_head,
     concatenated,
     gelu_approximate,
-    get,
+    hf_value,
     keep,
     same,
     unsupported_export,
@@ -36,20 +36,20 @@ normalize = keep
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    n_embd, n_head = get(hf, "n_embd"), get(hf, "n_head")
+    n_embd, n_head = hf_value(hf, "n_embd"), hf_value(hf, "n_head")
     head = n_embd // n_head if isinstance(n_embd, int) and isinstance(n_head, int) and n_head > 0 else 1
-    rotary_dim = get(hf, "rotary_dim", default=None) or head
+    rotary_dim = hf_value(hf, "rotary_dim", default=None) or head
     if not isinstance(rotary_dim, int) or rotary_dim % 2 or not 2 <= rotary_dim <= head:
         raise GptlabError(f"rotary_dim={rotary_dim!r} should be an even number of dims within a head of {head}")
     return dict(
-        vocab_size=get(hf, "vocab_size"),
-        block_size=get(hf, "n_positions", default=2048),
-        n_layer=get(hf, "n_layer"),
+        vocab_size=hf_value(hf, "vocab_size"),
+        block_size=hf_value(hf, "n_positions", default=2048),
+        n_layer=hf_value(hf, "n_layer"),
         n_head=n_head,
         n_embd=n_embd,
-        mlp_hidden=get(hf, "n_inner", default=4 * n_embd if isinstance(n_embd, int) else None),
+        mlp_hidden=hf_value(hf, "n_inner", default=4 * n_embd if isinstance(n_embd, int) else None),
         norm="layernorm",
-        norm_eps=get(hf, "layer_norm_epsilon", default=1e-5),
+        norm_eps=hf_value(hf, "layer_norm_epsilon", default=1e-5),
         bias=True,
         qkv_bias=False,
         attn_proj_bias=False,
@@ -59,12 +59,12 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         rotary_fraction=rotary_dim / head,
         rope_interleaved=True,
         mlp="gelu",
-        gelu_approximate=gelu_approximate(get(hf, "activation_function", default="gelu_new")),
+        gelu_approximate=gelu_approximate(hf_value(hf, "activation_function", default="gelu_new")),
         block="parallel",
         shared_norm=True,
-        tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
-        dropout=get(hf, "attn_pdrop", default=0.0),
-        init_std=get(hf, "initializer_range", default=0.02),
+        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=False)),
+        dropout=hf_value(hf, "attn_pdrop", default=0.0),
+        init_std=hf_value(hf, "initializer_range", default=0.02),
     )
 
 

@@ -20,7 +20,7 @@ from gptlab.interop.common import (
     Rule,
     concatenated,
     context_from_hf,
-    get,
+    hf_value,
     keep,
     max_positions_to_hf,
     rope_settings,
@@ -44,22 +44,22 @@ def llama_config(hf: dict[str, Any], family: str, attention_bias: bool, partial_
                  ) -> dict[str, Any]:
     """The GPTConfig fields every Llama-shaped family shares; the family adds its own. `partial_rotary`: the
     family honours partial_rotary_factor (Phi-3); Llama, Qwen and Mistral ignore it and rotate whole heads."""
-    act = get(hf, "hidden_act", default="silu")
+    act = hf_value(hf, "hidden_act", default="silu")
     if act not in ("silu", "swish"):
         raise GptlabError(f"{family} with hidden_act={act!r} is not supported: gptlab's SwiGLU uses silu")
     rope_base, fraction, scaling = rope_settings(hf)
-    max_pos = get(hf, "max_position_embeddings", default=2048)
+    max_pos = hf_value(hf, "max_position_embeddings", default=2048)
     return dict(
-        vocab_size=get(hf, "vocab_size"),
+        vocab_size=hf_value(hf, "vocab_size"),
         block_size=context_from_hf(max_pos, scaling),
-        n_layer=get(hf, "num_hidden_layers"),
-        n_head=get(hf, "num_attention_heads"),
-        n_kv_head=get(hf, "num_key_value_heads", default=get(hf, "num_attention_heads")),
-        n_embd=get(hf, "hidden_size"),
+        n_layer=hf_value(hf, "num_hidden_layers"),
+        n_head=hf_value(hf, "num_attention_heads"),
+        n_kv_head=hf_value(hf, "num_key_value_heads", default=hf_value(hf, "num_attention_heads")),
+        n_embd=hf_value(hf, "hidden_size"),
         head_dim=hf.get("head_dim"),
-        mlp_hidden=get(hf, "intermediate_size"),
+        mlp_hidden=hf_value(hf, "intermediate_size"),
         norm="rmsnorm",
-        norm_eps=get(hf, "rms_norm_eps", default=1e-6),
+        norm_eps=hf_value(hf, "rms_norm_eps", default=1e-6),
         bias=False,
         qkv_bias=attention_bias,
         attn_proj_bias=attention_bias,
@@ -69,15 +69,15 @@ def llama_config(hf: dict[str, Any], family: str, attention_bias: bool, partial_
         rope_scaling=scaling,
         mlp="swiglu",
         block="pre",
-        tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
-        dropout=get(hf, "attention_dropout", default=0.0),
-        init_std=get(hf, "initializer_range", default=0.02),
+        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=False)),
+        dropout=hf_value(hf, "attention_dropout", default=0.0),
+        init_std=hf_value(hf, "initializer_range", default=0.02),
     )
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    fields = llama_config(hf, NAME, bool(get(hf, "attention_bias", default=False)))
-    fields["bias"] = bool(get(hf, "mlp_bias", default=False))
+    fields = llama_config(hf, NAME, bool(hf_value(hf, "attention_bias", default=False)))
+    fields["bias"] = bool(hf_value(hf, "mlp_bias", default=False))
     return fields
 
 

@@ -21,7 +21,7 @@ from gptlab.interop.common import (
     check_multi_head,
     context_from_hf,
     gelu_approximate,
-    get,
+    hf_value,
     max_positions_to_hf,
     regrouped,
     rope_settings,
@@ -40,10 +40,10 @@ IGNORE = re.compile(r"\.attention\.(bias|masked_bias)$|rotary_emb\.inv_freq$|^em
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    if not get(hf, "attention_bias", default=True):
+    if not hf_value(hf, "attention_bias", default=True):
         raise GptlabError("GPT-NeoX with attention_bias=false is not supported: its MLP and LayerNorms keep "
                           "their biases, and gptlab's single `bias` switch covers all of them")
-    n_embd, n_head = get(hf, "hidden_size"), get(hf, "num_attention_heads")
+    n_embd, n_head = hf_value(hf, "hidden_size"), hf_value(hf, "num_attention_heads")
     rope_base, fraction, scaling = rope_settings(hf)
     fraction = 0.25 if fraction is None else fraction  # NeoX's default rotary_pct
     # transformers takes int(head_size * rotary_pct) dims; an odd count breaks its rotate-half (and ours)
@@ -52,25 +52,25 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         if rotary_dims % 2:
             raise GptlabError(f"rotary_pct={fraction} gives an odd rotary dim count per head ({rotary_dims})")
     return dict(
-        vocab_size=get(hf, "vocab_size"),
-        block_size=context_from_hf(get(hf, "max_position_embeddings", default=2048), scaling),
-        n_layer=get(hf, "num_hidden_layers"),
+        vocab_size=hf_value(hf, "vocab_size"),
+        block_size=context_from_hf(hf_value(hf, "max_position_embeddings", default=2048), scaling),
+        n_layer=hf_value(hf, "num_hidden_layers"),
         n_head=n_head,
         n_embd=n_embd,
-        mlp_hidden=get(hf, "intermediate_size"),
+        mlp_hidden=hf_value(hf, "intermediate_size"),
         norm="layernorm",
-        norm_eps=get(hf, "layer_norm_eps", default=1e-5),
+        norm_eps=hf_value(hf, "layer_norm_eps", default=1e-5),
         bias=True,
         position="rope",
         rope_base=rope_base,
         rotary_fraction=fraction,
         rope_scaling=scaling,
         mlp="gelu",
-        gelu_approximate=gelu_approximate(get(hf, "hidden_act", default="gelu")),
-        block="parallel" if get(hf, "use_parallel_residual", default=True) else "pre",
-        tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
-        dropout=get(hf, "hidden_dropout", default=0.0),
-        init_std=get(hf, "initializer_range", default=0.02),
+        gelu_approximate=gelu_approximate(hf_value(hf, "hidden_act", default="gelu")),
+        block="parallel" if hf_value(hf, "use_parallel_residual", default=True) else "pre",
+        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=False)),
+        dropout=hf_value(hf, "hidden_dropout", default=0.0),
+        init_std=hf_value(hf, "initializer_range", default=0.02),
     )
 
 

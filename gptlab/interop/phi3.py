@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from gptlab.config import GPTConfig
-from gptlab.interop.common import ANY, Rule, get, keep, rope_to_hf, same
+from gptlab.interop.common import ANY, Rule, hf_value, keep, rope_to_hf, same
 from gptlab.interop.llama import llama_config, llama_config_to_hf
 
 NAME = "Phi-3"
@@ -22,7 +22,7 @@ normalize = keep
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     fields = llama_config(hf, NAME, attention_bias=False, partial_rotary=True)
-    return {**fields, "sliding_window": get(hf, "sliding_window", default=None)}
+    return {**fields, "sliding_window": hf_value(hf, "sliding_window", default=None)}
 
 
 def check_export(cfg: GPTConfig) -> None:

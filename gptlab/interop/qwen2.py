@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gptlab.config import GPTConfig
-from gptlab.interop.common import ANY, attention_layers, get, keep, layer_types_to_hf
+from gptlab.interop.common import ANY, attention_layers, hf_value, keep, layer_types_to_hf
 from gptlab.interop.llama import IGNORE, check_llama_export, llama_config, llama_config_to_hf, llama_rules
 
 NAME = "Qwen2"
@@ -27,7 +27,7 @@ def qwen_window(hf: dict[str, Any], n_layer: int) -> tuple[int | None, int | Non
     if not hf.get("use_sliding_window"):
         return None, None
     if hf.get("layer_types") is None:
-        first = get(hf, "max_window_layers", default=0)
+        first = hf_value(hf, "max_window_layers", default=0)
         hf = {**hf, "layer_types": ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]}
     return attention_layers(hf, n_layer, hf.get("sliding_window"))
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gptlab.generation.engine import Engine
-from gptlab.generation.rows import FINISH_ERROR, Generation
+from gptlab.generation.request import FINISH_ERROR, Generation
 
 if TYPE_CHECKING:
     from gptlab.serve.metrics import ServerMetrics

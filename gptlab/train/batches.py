@@ -36,7 +36,7 @@ def sequence_length(data_dir: str | Path, block_size: int) -> int:
 
 
 @dataclass
-class Split:
+class TokenSplit:
     """One split of a data directory: token ids, the loss mask (None: every target counts), the window size
     examples were packed into (None: one running stream of text), and whether windows come in preference pairs
     (chosen, then rejected)."""
@@ -47,7 +47,7 @@ class Split:
     pairs: bool = False
 
     @classmethod
-    def load(cls, data_dir: str | Path, split: str) -> Split:
+    def load(cls, data_dir: str | Path, split: str) -> TokenSplit:
         meta = read_meta(data_dir)
         window = meta.get("window_tokens")
         return cls(load_split(data_dir, split), load_mask(data_dir, split), int(window) if window else None,
@@ -62,25 +62,25 @@ class Mixture:
     every source and the sampler's state are the step a checkpoint records, and a resumed run (or one over more
     processes) draws the same rows."""
 
-    sources: list[Split]
+    sources: list[TokenSplit]
     weights: np.ndarray
     pairs: bool = False
 
 
-def load_train_data(sources: list[tuple[Path, float]], block_size: int) -> tuple[Split | Mixture, int]:
+def load_train_data(sources: list[tuple[Path, float]], block_size: int) -> tuple[TokenSplit | Mixture, int]:
     """The train split of one data directory, or the mixture of several (same tokenizer: checked), and the tokens
     of a row: the shortest any source allows (`sequence_length`), each source checked to hold one."""
     seq_len = min(sequence_length(d, block_size) for d, _ in sources)
     for d, _ in sources:
         check_split_fits(d, "train", seq_len)
     if len(sources) == 1:
-        return Split.load(sources[0][0], "train"), seq_len
+        return TokenSplit.load(sources[0][0], "train"), seq_len
     first = tokenizer_identity(sources[0][0])
     for d, _ in sources[1:]:
         if tokenizer_identity(d) != first:
             raise GptlabError(f"--data mixes {sources[0][0]} and {d}, prepared with different tokenizers: prepare "
                               f"them with the same one (--tokenizer-from {sources[0][0]})")
-    splits = [Split.load(d, "train") for d, _ in sources]
+    splits = [TokenSplit.load(d, "train") for d, _ in sources]
     if any(s.pairs for s in splits):
         raise GptlabError("preference pairs cannot be mixed with other data: train on their directory alone")
     weights = np.array([w for _, w in sources], dtype=np.float64)
@@ -144,7 +144,7 @@ class StepBatch:
         return x, y
 
 
-def step_batch(split: Split | Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
+def step_batch(split: TokenSplit | Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
     """The windows of optimizer step `step`: a pure function of (seed, step), the same on every process."""
     if isinstance(split, Mixture):
         return mixture_batch(split, seed, step, batch_size, block_size)
@@ -177,7 +177,7 @@ def rows_of_pairs(pairs: list[dict[str, list[int]]]) -> tuple[torch.Tensor, torc
     return targets_of(ids, mask)
 
 
-def pair_rows(split: Split, batch_pairs: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def pair_rows(split: TokenSplit, batch_pairs: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Every preference pair of a split, `batch_pairs` at a time, as (inputs, targets) rows (`targets_of`)."""
     assert split.pairs and split.mask is not None and split.window_tokens is not None
     window, n = split.window_tokens, len(split.tokens) // split.window_tokens
@@ -220,7 +220,7 @@ class StepFeed:
     device), and `get(s + 1)` then has them ready. The batches are those of `step_batch`, a pure function of
     (seed, step): preparing them early changes nothing."""
 
-    def __init__(self, split: Split, *, seed: int, batch_size: int, seq_len: int, rank: int, world: int,
+    def __init__(self, split: TokenSplit, *, seed: int, batch_size: int, seq_len: int, rank: int, world: int,
                  grad_accum: int, vocab_size: int, device: str, document_eot: int | None = None) -> None:
         self.split, self.seed, self.batch_size, self.seq_len = split, seed, batch_size, seq_len
         self.rank, self.world, self.grad_accum = rank, world, grad_accum

@@ -31,7 +31,7 @@ from gptlab.evaluation.loss import evaluate_loss
 from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
-from gptlab.train.batches import Split, StepFeed, document_eot, load_train_data, pair_rows, sequence_length
+from gptlab.train.batches import StepFeed, TokenSplit, document_eot, load_train_data, pair_rows, sequence_length
 from gptlab.train.benchmarks import Benchmarks, LmEvalScorer
 from gptlab.train.config import (
     RESUMABLE_CHANGES,
@@ -132,7 +132,7 @@ class Trainer:
                               quiet=quiet or not self.procs.is_master)
         self.train_data, self.seq_len = load_train_data(self.sources, self.model.config.block_size)
         check_split_fits(self.data_dir, "val", self.seq_len)
-        self.val_data = Split.load(self.data_dir, "val")
+        self.val_data = TokenSplit.load(self.data_dir, "val")
         # the tokens of a step's windows (a preference pair is two; its rows run only to the batch's longest reply)
         self.tokens_per_step = cfg.batch_size * self.seq_len * (2 if self.train_data.pairs else 1)
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
