@@ -111,13 +111,14 @@ class TrainConfig:
     eval_tasks_interval: int = bounded(0, int, low=0)
     eval_tasks_limit: int | None = bounded(None, int, low=1, optional=True)
     # --- execution ---
-    # "auto": bfloat16 where the device has fast bf16 matmuls (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else
-    # float32 (on an AVX2-only CPU a bf16 run is ~4x slower than fp32: torch's bf16 kernels there are emulated)
+    # "auto": on a GPU bfloat16 where it has bf16 units (else float16, or float32); on a CPU float32 where bf16 is
+    # emulated (no AVX512-BF16 or AMX), else the faster of the two at this run's shapes, measured (`autotune`)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     # under bf16/fp16, compute attention in fp32: "auto" = on a CPU only (its bf16 attention backward is slow), not on
     # a GPU, where flash / cuDNN attention need bf16/fp16 inputs (and fp32 GQA attention has no fused kernel at all)
     attention_fp32: bool | Literal["auto"] = "auto"
-    compile: bool | Literal["auto"] = "auto"  # torch.compile the model: "auto" = on CUDA (~2x there), off elsewhere
+    # torch.compile the model: "auto" = on CUDA; on a CPU where a long run's measured compiled step is faster
+    compile: bool | Literal["auto"] = "auto"
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 slower
     # with several processes (torchrun): ddp = every process holds the whole model, gradients all-reduced;
     # fsdp = parameters, gradients and optimizer state sharded over the processes (PyTorch's fully_shard)
@@ -256,7 +257,8 @@ def validate(cfg: TrainConfig) -> None:
 
 def resolve_device_switches(cfg: TrainConfig, device_type: str) -> TrainConfig:
     """The recipe with its "auto" switches decided for a device type ("cpu", "cuda", ...), as the run records
-    them: attention in fp32 on a CPU only, torch.compile on CUDA only."""
+    them: attention in fp32 on a CPU only; torch.compile on CUDA, and not on a CPU where `autotune` left it
+    undecided (a short run, or several processes)."""
     on_gpu = device_type == "cuda"
     return dataclasses.replace(
         cfg, attention_fp32=not on_gpu if cfg.attention_fp32 == "auto" else cfg.attention_fp32,

@@ -15,10 +15,13 @@ autocast or bf16 working weights), `distributed` (torchrun processes, DDP, FSDP)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from gptlab.evaluation.loss import evaluate_loss
 from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
+from gptlab.train.autotune import resolve_auto_switches
 from gptlab.train.batches import StepFeed, TokenSplit, document_eot, load_train_data, pair_rows, sequence_length
 from gptlab.train.benchmarks import Benchmarks, LmEvalScorer
 from gptlab.train.config import (
@@ -54,7 +58,7 @@ from gptlab.train.rundir import (
     prepare_run_dir,
 )
 from gptlab.train.runlog import RunLog, progress_bar
-from gptlab.train.setup import build_model, check_dtype, resolve_dtype, shard
+from gptlab.train.setup import build_model, check_dtype, shard
 from gptlab.train.stopping import StopRequest
 from gptlab.train.trackers import check_trackers, open_trackers
 
@@ -96,16 +100,6 @@ class Trainer:
     def _setup(self, resume: bool, lm_eval_tasks: LmEvalScorer | None) -> Path | None:
         """The checks, the model and the data: work of this process alone (no collective)."""
         cfg, quiet, device = self.cfg, self.quiet, self.device
-        if cfg.dtype == "auto":
-            cfg = self.cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
-            if not quiet:
-                print(f"dtype auto: {cfg.dtype} on {device}")
-        check_dtype(cfg.dtype, device)
-        cfg = self.cfg = resolve_device_switches(cfg, torch.device(device).type)
-        # the micro-steps on this many processes (with micro_batch_size: the recipe's global batch on any number)
-        cfg = self.cfg = dataclasses.replace(cfg, grad_accum=micro_steps(cfg, self.procs.world))
-        check_trackers(cfg)
-
         # --- run directory: ours alone (a lock), fresh or resumed from its latest checkpoint
         self.lock = RunLock(check_out_dir(self.run_dir), quiet) if self.procs.is_master else None
         steps = ckpt.list_step_checkpoints(self.run_dir)
@@ -114,8 +108,18 @@ class Trainer:
                               "another --out")
         resume_from = checkpoint_to_resume(self.run_dir) if resume else None
 
-        # --- data and model
+        # --- how it runs: "auto" switches decided (by timing this run's step on a CPU), the micro-steps
         meta = read_meta(self.data_dir)
+        saved = ckpt.read_training_state(resume_from, {"config": dict})["config"] if resume_from else None
+        cfg = self.cfg = resolve_auto_switches(cfg, device, self.procs.world, saved, self._probe_run,
+                                               {"vocab_size": meta.get("vocab_size")}, quiet)
+        check_dtype(cfg.dtype, device)
+        cfg = self.cfg = resolve_device_switches(cfg, torch.device(device).type)
+        # the micro-steps on this many processes (with micro_batch_size: the recipe's global batch on any number)
+        cfg = self.cfg = dataclasses.replace(cfg, grad_accum=micro_steps(cfg, self.procs.world))
+        check_trackers(cfg)
+
+        # --- data and model
         check_objective_data(cfg.objective, meta, self.data_dir)
         if not cfg.init_from:  # fail on the data before allocating the model
             for split in ("train", "val"):
@@ -141,6 +145,16 @@ class Trainer:
                              document_eot=document_eot(cfg.document_mask, meta, self.data_dir))
         self.losses = DeviceLosses(self.procs.world)
         return resume_from
+
+    @contextlib.contextmanager
+    def _probe_run(self, cfg: TrainConfig) -> Iterator[Trainer]:
+        """A run of `cfg` on this run's data in a scratch directory, for `autotune` to time its steps."""
+        with tempfile.TemporaryDirectory(prefix="gptlab-probe-") as scratch:
+            probe = Trainer(cfg, self.data_dir, Path(scratch) / "run", quiet=True, mixture=self.sources)
+            try:
+                yield probe
+            finally:
+                probe.release()
 
     def _setup_steps(self, resume_from: Path | None) -> None:
         """How the steps run: precision, sharding, optimizers, the checkpoint, then the wrappers forward runs
