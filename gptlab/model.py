@@ -250,9 +250,8 @@ class GPT(nn.Module):
         else:  # the loss's LM head through fp32 where this CPU lacks bf16 matmuls (`linear`); generation's
             # (`logits`) stays the module's own forward, which packed inference weights replace
             head = self.lm_head  # a quantized head (not an nn.Linear) runs its own forward
-            raw = upcasting_linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else None
-            logits = self.logits(h, raw=raw)
-            logits = tap(self.hooks, "hook_logits", logits)
+            raw = upcasting_linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else head(h)
+            logits = tap(self.hooks, "hook_logits", self.softcap_logits(raw))
             loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return ModelOutput(logits, loss)
 
@@ -268,14 +267,14 @@ class GPT(nn.Module):
             raise ValueError(f"target {bad} is outside the vocabulary: targets must be in [0, "
                              f"{self.config.vocab_size}) or -1 (ignored)")
 
-    def logits(self, h: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
-        """The LM head (with optional soft-capping) over final hidden states (..., C); `raw`: lm_head(h) if
-        already computed."""
-        logits = self.lm_head(h) if raw is None else raw
-        if self.config.logit_softcap is not None:
-            cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
-        return logits
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head (with the config's soft-capping) over final hidden states (..., C)."""
+        return self.softcap_logits(self.lm_head(h))
+
+    def softcap_logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """The LM head's output `raw` soft-capped where the config says (Gemma 2: cap * tanh(raw / cap))."""
+        cap = self.config.logit_softcap
+        return raw if cap is None else cap * torch.tanh(raw / cap)
 
     def hidden_states(
         self,

@@ -42,7 +42,7 @@ class BytesWithEot(ByteTokenizer):
 
 @pytest.fixture(scope="module")
 def hostile():
-    """(server thread, ServerState state) over a tiny model: 4 rows, at most 16 generations waiting."""
+    """(server thread, ServedModel state) over a tiny model: 4 rows, at most 16 generations waiting."""
     app = create_app(tiny_model(vocab_size=256, block_size=BLOCK), BytesWithEot(), model_name="tiny", max_batch=4,
                      max_queue=16, prefill_chunk=16, max_body_bytes=2**20, body_timeout=2.0)
     with ServerThread(app) as server:

@@ -6,7 +6,7 @@
     metrics        GET /metrics: Prometheus counters, histograms and gauges; requests counted by route and status
     scheduler      the thread that runs the engine (continuous batching), a step's events delivered together
     steering       a request's steering entries -> vectors, over the directions named at start-up
-    state          ServerState: what the routes share; a request -> generations
+    state          ServedModel: what the routes share; a request -> generations
     streaming      server-sent events
     completions    POST /v1/completions
     chat           POST /v1/chat/completions: messages -> prompt text (the chat template), where replies stop

@@ -49,7 +49,7 @@ from gptlab.serve.completions import create_completion
 from gptlab.serve.limits import BodyLimits
 from gptlab.serve.metrics import CONTENT_TYPE, RequestMetrics
 from gptlab.serve.schemas import ApiError, ChatRequest, CompletionRequest, ErrorResponse, error_body, validation_error
-from gptlab.serve.state import ServerState
+from gptlab.serve.state import ServedModel
 from gptlab.serve.steering import Direction
 from gptlab.serve.ui import GUARDED_PREFIX, mount_ui
 
@@ -96,7 +96,7 @@ def create_app(
     decoding while one request decodes alone (a draft model or "ngram"; `gptlab.generation.speculative`).
     `steering`: the directions (name -> a (n_embd,) tensor or a safetensors file) a request's `steering` field
     may name (`gptlab.serve.steering`); None: a request asking for steering is refused (400)."""
-    server = ServerState(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb,
+    server = ServedModel(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb,
                     speculate, draft_tokens, steering)
 
     @asynccontextmanager

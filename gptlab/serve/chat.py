@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from gptlab.serve.schemas import ApiError, ChatRequest, chat_logprobs
-from gptlab.serve.state import ServerState, usage
+from gptlab.serve.state import ServedModel, usage
 from gptlab.serve.streaming import event_stream
 from gptlab.serve.tools import ToolDeltas, plan_tools, reply_message, template_messages
 from gptlab.serve.tools import finish_reason as tool_finish
@@ -55,7 +55,7 @@ def _render(template: ChatTemplate, messages: list[dict[str, Any]], user_stops: 
     return text, template.name == "tokenizer", stops
 
 
-async def create_chat_completion(server: ServerState, req: ChatRequest, request: Request) -> Any:
+async def create_chat_completion(server: ServedModel, req: ChatRequest, request: Request) -> Any:
     tokenizer = server.tokenizer
     n_top = req.logprobs_count()
     messages = template_messages(req)

@@ -15,13 +15,13 @@ from typing import Any
 from fastapi import Request
 
 from gptlab.serve.schemas import CompletionRequest, completion_logprobs
-from gptlab.serve.state import ServerState, usage
+from gptlab.serve.state import ServedModel, usage
 from gptlab.serve.streaming import event_stream
 
 PARAM_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams fields named otherwise in this request
 
 
-async def create_completion(server: ServerState, req: CompletionRequest, request: Request) -> Any:
+async def create_completion(server: ServedModel, req: CompletionRequest, request: Request) -> Any:
     tokenizer = server.tokenizer
     texts = req.texts()
     server.check_queue(len(texts or [()]) * req.n)  # before tokenizing what could never be queued

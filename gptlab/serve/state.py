@@ -1,5 +1,5 @@
 """What every route shares: the model's tokenizer and name, the engine and its scheduler thread, and turning a
-request into generations on it (`ServerState.start`) and waiting for them (`ServerState.wait`).
+request into generations on it (`ServedModel.start`) and waiting for them (`ServedModel.wait`).
 
 Request checks that need the model live here: the model name, prompt token ids, the context length (a prompt
 must leave room for one token; max_tokens is capped to the room left), and the sampling settings, which
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
 
 
-class ServerState:
+class ServedModel:
     """The model behind the routes: tokenizer (and its chat template), name, engine and scheduler."""
 
     def __init__(

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from gptlab.serve.scheduler import Job
 from gptlab.serve.schemas import SamplingFields, error_body
-from gptlab.serve.state import ServerState, usage
+from gptlab.serve.state import ServedModel, usage
 
 # chunk(index, text, finish_reason, tokens): one choice's chunk; `tokens` is how many tokens that choice had
 # produced when the text was taken (where the chunk's logprobs end)
@@ -29,7 +29,7 @@ def sse(obj: Any) -> str:
 
 
 async def _events(
-    server: ServerState, job: Job, prompts: list[list[int]], chunk: ChunkFn, include_usage: bool, request: Request
+    server: ServedModel, job: Job, prompts: list[list[int]], chunk: ChunkFn, include_usage: bool, request: Request
 ) -> AsyncIterator[str]:
     done = 0
     try:
@@ -57,7 +57,7 @@ async def _events(
 
 
 def event_stream(
-    server: ServerState, job: Job, prompts: list[list[int]], chunk: ChunkFn, req: SamplingFields, request: Request
+    server: ServedModel, job: Job, prompts: list[list[int]], chunk: ChunkFn, req: SamplingFields, request: Request
 ) -> StreamingResponse:
     """The streamed answer to `req`, its chunks shaped by `chunk`."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -30,7 +30,7 @@ from gptlab.errors import GptlabError
 from gptlab.inspection.attention import attention_map, check_index
 from gptlab.inspection.lens import logit_lens
 from gptlab.serve.schemas import ApiError
-from gptlab.serve.state import ServerState
+from gptlab.serve.state import ServedModel
 
 STATIC = Path(__file__).parent / "static"
 FILES = {"gptlab.js": "text/javascript", "gptlab.css": "text/css"}  # what /static/ serves, nothing else
@@ -59,11 +59,11 @@ class LensRequest(TextRequest):
     top_k: Index(1, 20) = 5
 
 
-def _bounded(server: ServerState) -> int:
+def _bounded(server: ServedModel) -> int:
     return min(MAX_TOKENS, server.block_size)
 
 
-def _attention(server: ServerState, req: AttentionRequest) -> dict[str, Any]:
+def _attention(server: ServedModel, req: AttentionRequest) -> dict[str, Any]:
     model = server.engine.model
     for kind, value, count in (("layer", req.layer, model.config.n_layer), ("head", req.head, model.config.n_head)):
         try:
@@ -80,7 +80,7 @@ def _attention(server: ServerState, req: AttentionRequest) -> dict[str, Any]:
             "weights": [[round(w, 6) for w in row] for row in weights.tolist()]}
 
 
-def _lens(server: ServerState, req: LensRequest) -> dict[str, Any]:
+def _lens(server: ServedModel, req: LensRequest) -> dict[str, Any]:
     result = _run(lambda: logit_lens(server.engine.model, server.tokenizer, req.text, req.top_k, _bounded(server)))
     return result.to_json(server.tokenizer)
 
@@ -93,7 +93,7 @@ def _run(work: Any) -> Any:
         raise ApiError(400, str(e), param="text", code="invalid_value") from None
 
 
-def mount_ui(app: FastAPI, server: ServerState) -> None:
+def mount_ui(app: FastAPI, server: ServedModel) -> None:
     """Add the page and its endpoints to `app`."""
 
     @app.get("/", include_in_schema=False)
