@@ -1,11 +1,11 @@
 """Matmul and loss kernels the model and its adapters run through, for CPUs as they are.
 
-* `linear`: F.linear, except for bf16/fp16 weights on a CPU without native low-precision matmuls (no AVX512-BF16
+* `upcasting_linear`: F.linear, except for bf16/fp16 weights on a CPU without native low-precision matmuls (no AVX512-BF16
   or AMX: AMD Zen 3, older Xeons), where torch's bf16 matmul is several times slower than fp32 (two orders of
   magnitude for an LM head's backward). There it computes in fp32, in chunks of the weight's rows, and rounds
   once: the numbers of a native bf16 matmul (fp32 accumulation, one rounding) at fp32 speed.
   And for an fp32 LM head whose vocabulary is not a multiple of 64 (GPT-2's 50,257) on a CPU: MKL's matmuls with
-  such an odd output width run markedly slower (nanoGPT pads its vocabulary to 50,304 for this); `linear` pads the
+  such an odd output width run markedly slower (nanoGPT pads its vocabulary to 50,304 for this); it pads the
   weight with zero rows for the products and slices the result, the same numbers at the aligned width's speed.
   The same holds for a GPU's tensor cores (a padded vocabulary trains GPT-2 faster: README, "On a GPU"); there
   the padding is `F.pad` of the weight, which torch.compile fuses into autocast's cast of it.
@@ -50,8 +50,8 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
 
 def _row_chunks(rows: int, cols: int, device: torch.device) -> Iterator[slice]:
     """Row ranges of a (rows, cols) matrix whose fp32 copies take 2 MB each on a CPU (about a core's L2 per
-    thread of two: each chunk is read several times; 8 MB chunks ran the cross-entropy ~1.4x slower on a Zen
-    core), 256 MB on a GPU (where each chunk costs kernel launches)."""
+    thread of two: each chunk is read several times, so larger chunks fall out of the cache and run slower),
+    256 MB on a GPU (where each chunk costs kernel launches)."""
     return _chunks(rows, max(1, (1 << (19 if device.type == "cpu" else 26)) // max(cols, 1)))
 
 

@@ -10,9 +10,9 @@
 * gptlab's own kernel (`gptlab.kernels`, built once per machine), where `gptlab.kernels.dispatch` measured it to be
   the fastest path for the weights' dtype (on AVX2-only CPUs, AMD Zen 2/3 and older Xeons, oneDNN cannot prepack
   bf16 and torch's bf16 matmul is several times slower than fp32; on AVX-512 CPUs it also beat oneDNN): both bf16
-  and fp32 weights go to it, packed in panels of 16 rows: on a 2-core Zen 3 it streams bf16
-  weights at 25-45 GB/s at batch 1 (torch's bf16 F.linear: 15-30) and reaches ~150-170 GFLOP/s at batch 32
-  (MKL fp32 on transposed weights: 60-90). Where the kernels cannot be built, bf16 stays on the plain forward.
+  and fp32 weights go to it, packed in panels of 16 rows, read at close to the memory's bandwidth at batch 1
+  (`benchmarks/kernel_throughput.py` prints it against torch's paths). Where the kernels cannot be built, bf16
+  stays on the plain forward.
 
 `PackedLinears(model).active()` gives Linear modules the packed forward and restores theirs on exit, so the
 model is untouched outside generation. Two things keep this from changing what the model computes:

@@ -8,8 +8,7 @@ waiting for the others.
 
 A failure ends only the generations it belongs to: one while admitting a row fails that row's request, one the
 engine pins on a row of a decoding step (`Generation.error`) fails that row's request, whose other rows are
-dropped; the other requests in the batch go on. (Before this, one request whose top_k did not fit an int64 made
-every concurrent generation end in a 500.)
+dropped; the other requests in the batch go on: a bad request never ends another one's generation.
 
 What a step produced reaches the event loop in one call per step (`Job.deliver` for every job it touched, by one
 `call_soon_threadsafe`), not one per row: each cross-thread call wakes the loop through a write to its pipe, 16 per

@@ -121,7 +121,7 @@ def newton_schulz_stacks(shapes: list[tuple[int, int]]) -> list[tuple[list[int],
     Newton-Schulz runs on the wide orientation (rows <= cols), so a (4C, C) and a (C, 4C) matrix share a stack.
     Small matrices all go into one stack, zero-padded to the largest: padding is exact (zero rows and columns
     stay zero and add nothing to the norm or the products) and one call beats one per shape, whose tiny
-    matmuls are mostly overhead (speedrun model: 1.5 vs 2.3 ms per step). Larger ones stack by shape, where
+    matmuls are mostly overhead (the speedrun model's step is measurably shorter so). Larger ones stack by shape, where
     padding would cost real FLOPs."""
     wide = [(min(s), max(s)) for s in shapes]
     if max(r * c for r, c in wide) <= PAD_MAX_ELEMENTS:
