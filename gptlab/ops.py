@@ -1,8 +1,8 @@
 """Matmul and loss kernels the model and its adapters run through, for CPUs as they are.
 
 * `upcasting_linear`: F.linear, except for bf16/fp16 weights on a CPU without native low-precision matmuls (no
-  AVX512-BF16 or AMX: AMD Zen 3, older Xeons), where torch's bf16 matmul is several times slower than fp32 (two orders of
-  magnitude for an LM head's backward). There it computes in fp32, in chunks of the weight's rows, and rounds
+  AVX512-BF16 or AMX: AMD Zen 3, older Xeons), where torch's bf16 matmul is several times slower than fp32 (two
+  orders of magnitude for an LM head's backward). There it computes in fp32, in chunks of the weight's rows, and rounds
   once: the numbers of a native bf16 matmul (fp32 accumulation, one rounding) at fp32 speed.
   And for an fp32 LM head whose vocabulary is not a multiple of 64 (GPT-2's 50,257) on a CPU: MKL's matmuls with
   such an odd output width run markedly slower (nanoGPT pads its vocabulary to 50,304 for this); it pads the
