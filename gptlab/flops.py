@@ -30,12 +30,16 @@ def flops_per_token(config: GPTConfig, seq_len: int, *, training: bool = True) -
         model = GPT(config)
     matmul_params = sum(m.weight.numel() for m in model.transformer.h.modules() if isinstance(m, nn.Linear))
     head = config.n_embd * config.vocab_size
-    keys = 0.0  # keys seen per query, summed over layers
-    for layer in range(config.n_layer):
-        w = min(config.sliding_window, seq_len) if config.sliding_layer(layer) else seq_len
-        keys += w - w * w / (2 * seq_len)
+    keys = sum(keys_per_query(config, layer, seq_len) for layer in range(config.n_layer))
     attention = 4 * config.n_head * config.head_size * keys  # forward: 2 * hs for q k^T and 2 * hs for a v
     return (3 if training else 1) * (2 * (matmul_params + head) + attention)
+
+
+def keys_per_query(config: GPTConfig, layer: int, seq_len: int) -> float:
+    """Keys a query of `layer` sees on average under the causal (or sliding-window) mask over `seq_len`
+    positions: w - w^2 / (2T) with w = min(window, T)."""
+    w = min(config.sliding_window, seq_len) if config.sliding_layer(layer) else seq_len
+    return w - w * w / (2 * seq_len)
 
 
 def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:

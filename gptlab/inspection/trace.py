@@ -25,6 +25,7 @@ from gptlab.checkpoint import CONFIG_FILE, LORA_FILE, read_config, read_lora_con
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_json_object
+from gptlab.flops import keys_per_query
 from gptlab.interop.hf import config_from_hf
 from gptlab.kv_cache import causal_mask
 from gptlab.loading import is_hf_dir, resolve_checkpoint
@@ -92,16 +93,10 @@ def _linear_flops(count: _Counter, name: str, tokens: int) -> float:
     return 2.0 * module.weight.numel() * tokens
 
 
-def _keys_per_query(config: GPTConfig, layer: int, seq_len: int) -> float:
-    """Keys a query sees on average under the causal (or sliding-window) mask, as `gptlab.flops` counts them."""
-    w = min(config.sliding_window, seq_len) if config.sliding_layer(layer) else seq_len
-    return w - w * w / (2 * seq_len)
-
-
 def _attention_rows(config: GPTConfig, count: _Counter, p: str, layer: int, tokens: int,
                     seq_len: int) -> list[TraceRow]:
     nh, hs = config.n_head, config.head_size
-    per_head = 2.0 * hs * nh * _keys_per_query(config, layer, seq_len) * tokens  # q k^T, and a v alike
+    per_head = 2.0 * hs * nh * keys_per_query(config, layer, seq_len) * tokens  # q k^T, and a v alike
     window = f" and the window of {config.sliding_window}" if config.sliding_layer(layer) else ""
     rows = [
         TraceRow(f"{p}.attn.c_attn", "q, k, v in one projection", BTC, ("B", "T", "(nh+2nkv)·hs"),
