@@ -4,11 +4,12 @@
   AVX512-BF16 or AMX: AMD Zen 3, older Xeons), where torch's bf16 matmul is several times slower than fp32 (two
   orders of magnitude for an LM head's backward). There it computes in fp32, in chunks of the weight's rows, and rounds
   once: the numbers of a native bf16 matmul (fp32 accumulation, one rounding) at fp32 speed.
-  And for an fp32 LM head whose vocabulary is not a multiple of 64 (GPT-2's 50,257) on a CPU: MKL's matmuls with
-  such an odd output width run markedly slower (nanoGPT pads its vocabulary to 50,304 for this); it pads the
-  weight with zero rows for the products and slices the result, the same numbers at the aligned width's speed.
-  The same holds for a GPU's tensor cores (a padded vocabulary trains GPT-2 faster: README, "On a GPU"); there
-  the padding is `F.pad` of the weight, which torch.compile fuses into autocast's cast of it.
+  And for an LM head whose vocabulary is not a multiple of 64 (GPT-2's 50,257) on a CPU, in fp32 or bf16: the
+  CPU's matmuls at such an odd output width run markedly slower (nanoGPT pads its vocabulary to 50,304 for
+  this); it runs the rows up to the last multiple of 64 as one product and the few left as another, each into
+  its own columns of the output: the same numbers, no copy, at the aligned width's speed. The same holds for a
+  GPU's tensor cores (a padded vocabulary trains GPT-2 faster: README, "On a GPU"); there the padding is
+  `F.pad` of the weight, which torch.compile fuses into autocast's cast of it.
 * `cross_entropy`: F.cross_entropy(logits.float(), targets, ignore_index=-1) without an fp32 copy of the whole
   (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words; in training one pass of
   exp over the logits, whose softmax is also the gradient (backward only scales it).
@@ -102,55 +103,63 @@ class _UpcastLinear(torch.autograd.Function):
         return max(256, (1 << 23) // max(rows, 1))
 
 
-class _PaddedLinear(torch.autograd.Function):
-    """F.linear for an fp32 weight of an odd number of rows (an LM head), its products run at the width rounded
-    up to a multiple of 64: the weight copied with zero rows below it (saved for backward: one extra copy of the
-    head), the output and its gradient sliced to and padded from the true width. Zero rows add exact zeros, so
-    only the matmuls' blocking differs from F.linear."""
+class _SplitLinear(torch.autograd.Function):
+    """F.linear for a wide weight of an odd number of rows (an LM head) on a CPU, as two products: the rows up to
+    the last multiple of 64, then the few left, each written straight into its columns of the output (and rows
+    of the weight's gradient). The CPU's GEMMs block their output by such multiples; at an odd width the whole
+    product runs slower, the backward's weight gradient most (nanoGPT pads GPT-2's vocabulary to 50,304 for
+    this). Every output element is the same dot product F.linear computes; no copy is made or saved."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
-        n, width = weight.shape[0], _PaddedLinear.width(weight.shape[0])
-        padded = weight.new_zeros(width, weight.shape[1])
-        padded[:n] = weight
         x2 = x.reshape(-1, x.shape[-1])
-        out = (x2 @ padded.T)[:, :n]
-        if bias is not None:
-            out = out + bias
-        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, padded)
+        n, a = weight.shape[0], _SplitLinear.aligned(weight.shape[0])
+        out = x2.new_empty(x2.shape[0], n)
+        for rows in (slice(0, a), slice(a, n)):  # with a bias, addmm as F.linear: one rounding of product + bias
+            if bias is None:
+                torch.mm(x2, weight[rows].T, out=out[:, rows])
+            else:
+                torch.addmm(bias[rows], x2, weight[rows].T, out=out[:, rows])
+        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, weight)
         ctx.has_bias = bias is not None
-        return out.contiguous().view(*x.shape[:-1], n)
+        return out.view(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        x2, padded = ctx.saved_tensors
-        n = grad.shape[-1]
-        g2 = grad.reshape(-1, n)
-        g = g2.new_zeros(g2.shape[0], padded.shape[0])
-        g[:, :n] = g2
-        gx = (g @ padded).view(*grad.shape[:-1], padded.shape[1]) if ctx.needs_input_grad[0] else None
-        gw = (g.T @ x2)[:n] if ctx.needs_input_grad[1] else None  # the first n rows: contiguous
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = (g2 @ weight).view(*grad.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            a = _SplitLinear.aligned(weight.shape[0])
+            gw = torch.empty_like(weight)
+            for rows in (slice(0, a), slice(a, weight.shape[0])):
+                torch.mm(g2[:, rows].T, x2, out=gw[rows])
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
     @staticmethod
-    def width(rows: int) -> int:
-        return -(-rows // 64) * 64
+    def aligned(rows: int) -> int:
+        return rows // 64 * 64
 
     @staticmethod
     def helps(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """An fp32 matrix-matrix product on a CPU with a wide weight (>= 4,096 rows) of a width not a multiple
-        of 64: where the padding was measured to pay for its copies."""
-        return weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32 and _odd_wide_product(x, weight)
+        """A matrix-matrix product on a CPU with a wide weight (>= 4,096 rows) of a width not a multiple of 64, in
+        the inputs' own dtype (autocast, which would cast inside, takes F.linear)."""
+        return (weight.device.type == "cpu" and weight.dtype == x.dtype and x.dtype in _SPLIT_DTYPES
+                and not torch.is_autocast_enabled("cpu") and _odd_wide_product(x, weight))
+
+
+_SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def upcasting_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through fp32 where this CPU has no native matmul for the weights' low-precision dtype, and at
-    a padded width for a wide fp32 weight of an odd width on a CPU (see the module docstring)."""
+    """F.linear, through fp32 where this CPU has no native matmul for the weights' low-precision dtype, and
+    split at a multiple of 64 rows for a wide weight of an odd width on a CPU (see the module docstring)."""
     if upcasts(x, weight) and x.dtype == weight.dtype:
         return _UpcastLinear.apply(x, weight, bias)
-    if _PaddedLinear.helps(x, weight):
-        return _PaddedLinear.apply(x, weight, bias)
+    if _SplitLinear.helps(x, weight):
+        return _SplitLinear.apply(x, weight, bias)
     if _gpu_pads(x, weight):
         return padded_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -158,7 +167,7 @@ def upcasting_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def _odd_wide_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A wide weight (an LM head, >= 4,096 rows) of a width not a multiple of 64, in a matrix-matrix product (at
-    least 64 rows of x): where padding the width pays for its copies."""
+    least 64 rows of x): where an aligned width pays."""
     return bool(weight.shape[0] % 64 and weight.shape[0] >= 4096 and x.numel() >= 64 * x.shape[-1])
 
 
@@ -171,7 +180,7 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear at the output width rounded up to a multiple of 64 (zero rows below the weight), sliced back:
     the same numbers; autograd passes gradients through the pad and the slice."""
     n = weight.shape[0]
-    pad = _PaddedLinear.width(n) - n
+    pad = -(-n // 64) * 64 - n
     out = F.linear(x, F.pad(weight, (0, 0, 0, pad)), None if bias is None else F.pad(bias, (0, pad)))
     return out[..., :n]
 

@@ -97,26 +97,32 @@ def test_upcast_linear_is_an_fp32_matmul_rounded_once(no_native_bf16: None, bias
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [4097, 4160])  # an odd width (padded to 4160) and one already aligned
-def test_padded_head_equals_f_linear_with_its_gradients(bias: bool, rows: int) -> None:
-    """A wide fp32 weight of an odd width runs at the padded width: the same output and gradients as F.linear
-    (zero rows add exact zeros; only the matmuls' summation order may differ)."""
+@pytest.mark.parametrize("rows", [4097, 4160, 50257])  # odd widths (split at 4096 / 50240) and an aligned one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_split_head_equals_f_linear_with_its_gradients(bias: bool, rows: int, dtype: torch.dtype) -> None:
+    """A wide weight of an odd width on a CPU runs as two products split at a multiple of 64 rows: the same
+    output and gradients as F.linear in the same dtype (each element is the same dot product), contiguous."""
     torch.manual_seed(0)
-    x = torch.randn(2, 40, 48, dtype=torch.float64).float().requires_grad_()
-    w = torch.randn(rows, 48).requires_grad_()
-    b = torch.randn(rows).requires_grad_() if bias else None
-    assert ops._PaddedLinear.helps(x, w) == (rows % 64 != 0)
-    assert not ops._PaddedLinear.helps(x[:, :1], w)  # a few rows (decoding): the plain product
+    x = torch.randn(2, 40, 48).to(dtype).requires_grad_()
+    w = torch.randn(rows, 48).to(dtype).requires_grad_()
+    b = torch.randn(rows).to(dtype).requires_grad_() if bias else None
+    assert ops._SplitLinear.helps(x, w) == (rows % 64 != 0)
+    assert not ops._SplitLinear.helps(x[:, :1], w)  # a few rows (decoding): the plain product
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not ops._SplitLinear.helps(x, w)  # autocast casts inside F.linear
     out = ops.upcasting_linear(x, w, b)
-    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
-    assert out.shape == (2, 40, rows) and out.dtype == torch.float32 and out.is_contiguous()
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    grad = torch.randn(out.shape)
-    ours = torch.autograd.grad(out, [x, w] + ([b] if bias else []), grad)
-    theirs = torch.autograd.grad(expected, [x, w] + ([b] if bias else []), grad.double())
+    expected = F.linear(x, w, b)
+    assert out.shape == (2, 40, rows) and out.dtype == dtype and out.is_contiguous()
+    exact = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(out, expected, **exact)
+    reference = F.linear(x.double(), w.double(), None if b is None else b.double())  # and against fp64
+    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-1 if dtype == torch.bfloat16 else 1e-4)
+    grad = torch.randn(out.shape).to(dtype)
+    inputs = [x, w] + ([b] if bias else [])
+    ours, theirs = torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, inputs, grad)
     for a, e in zip(ours, theirs, strict=True):
-        assert a.shape == e.shape and a.dtype == torch.float32 and a.is_contiguous()
-        torch.testing.assert_close(a.double(), e.double(), rtol=1e-5, atol=1e-4)
+        assert a.shape == e.shape and a.dtype == dtype and a.is_contiguous()
+        torch.testing.assert_close(a.float(), e.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("bias", [False, True])
