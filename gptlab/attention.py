@@ -29,6 +29,21 @@ def tap(hooks: Hook | None, name: str, x: torch.Tensor) -> torch.Tensor:
     return x if hooks is None else hooks(name, x)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         dropout_p: float = 0.0) -> torch.Tensor:
+    """F.scaled_dot_product_attention of queries (B, nh, T, hs) over keys and values (B, nkv, T_k, hs), `mask`
+    None meaning causal (for T > 1). With one query per row (decoding) and grouped kv heads, each kv head's group
+    of query heads is read as that many positions of it: the same numbers without `enable_gqa`, whose CPU path is
+    several times slower in bf16, and without repeating k and v."""
+    B, nh, T, hs = q.shape
+    nkv = k.shape[1]
+    if T == 1 and nkv != nh and dropout_p == 0.0:
+        y = F.scaled_dot_product_attention(q.view(B, nkv, nh // nkv, hs), k, v, attn_mask=mask, scale=scale)
+        return y.view(B, nh, 1, hs)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=mask is None and T > 1, scale=scale, enable_gqa=nkv != nh)
+
+
 class CausalSelfAttention(nn.Module):
     # Trainers may set this (GPT.set_attention_dtype) to compute q/k/v, qk-norm, RoPE and attention in another
     # dtype than the surrounding matmuls: fp32 attention under bf16 is faster on CPUs, whose bf16 attention backward
@@ -94,10 +109,7 @@ class CausalSelfAttention(nn.Module):
             if cfg.attention == "manual" or cfg.attn_softcap is not None or self.needs_pattern:  # SDPA: no soft-cap
                 y, _ = self._manual_attention(q, k, v, mask, dropout_p, hooks)
             else:
-                y = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1,
-                    scale=self.scale, enable_gqa=self.n_kv_head != self.n_head,
-                )  # (B, nh, T, hs)
+                y = sdpa(q, k, v, mask, self.scale, dropout_p)  # (B, nh, T, hs)
         y = tap(hooks, "hook_z", y.to(out_dtype).transpose(1, 2))  # (B, T, nh, hs): each head's output
         y = y.contiguous().view(B, T, self.n_head * hs)
         return self.resid_dropout(self.c_proj(y))

@@ -431,3 +431,31 @@ def test_cache_equals_no_cache_property(splits, n_kv_head, position):
             pieces.append(model(idx[:, start : start + n], kv_cache=cache)[0])
             start += n
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("nh", "nkv"), [(6, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("mask_rows", [0, 1, 5])  # no mask, one shared by the rows, one per row
+def test_one_query_attention_equals_grouped_attention_from_the_maths(dtype: torch.dtype, nh: int, nkv: int,
+                                                                     mask_rows: int) -> None:
+    """`attention.sdpa` with one query per row reads a kv head's group of query heads as positions of it: the
+    same numbers as repeating each kv head for its group and attending (computed here in fp64), and as SDPA's own
+    enable_gqa."""
+    from gptlab.attention import sdpa
+
+    torch.manual_seed(nh * 10 + nkv + mask_rows)
+    B, hs, T_k = 5, 16, 23
+    q, k, v = torch.randn(B, nh, 1, hs), torch.randn(B, nkv, T_k, hs), torch.randn(B, nkv, T_k, hs)
+    lengths = torch.randint(1, T_k + 1, (max(mask_rows, 1),))
+    mask = (torch.arange(T_k)[None] < lengths[:, None])[:, None, None, :] if mask_rows else None
+    got = sdpa(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.25)
+    kr, vr = (t.double().repeat_interleave(nh // nkv, dim=1) for t in (k, v))
+    scores = (q.double() @ kr.transpose(-2, -1)) * 0.25
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    want = torch.softmax(scores, dim=-1) @ vr
+    assert got.shape == (B, nh, 1, hs) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    theirs = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask, scale=0.25,
+                                            enable_gqa=nkv != nh)
+    torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)

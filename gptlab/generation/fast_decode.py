@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab.attention import CausalSelfAttention
+from gptlab.attention import CausalSelfAttention, sdpa
 from gptlab.config import GPTConfig
 from gptlab.generation import native_decode
 from gptlab.kv_cache import KVCache
@@ -115,7 +115,7 @@ def _attention(a: CausalSelfAttention, x: torch.Tensor, rope, masks, cache: KVCa
     if cfg.attention == "manual" or cfg.attn_softcap is not None:
         y, _ = a._manual_attention(q, k, v, mask, 0.0)
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale, enable_gqa=nkv != nh)
+        y = sdpa(q, k, v, mask, a.scale)
     return a.c_proj(y.to(out_dtype).reshape(B, 1, nh * hs))  # (B, nh, 1, hs) read as (B, 1, nh * hs)
 
 
