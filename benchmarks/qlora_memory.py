@@ -2,17 +2,29 @@
 with its base frozen in bf16 (no --quantize), on the same model, data, seed and steps, each contender in a process
 of its own; and their losses after the steps. The target: int4 peak <= 0.45x the bf16 run's, the loss within 2%.
 
-    python benchmarks/qlora_memory.py                                      # the target's size (see below)
-    python benchmarks/qlora_memory.py --layers 2 --width 512 --steps 10    # a quick check that it runs
+    python benchmarks/qlora_memory.py --layers 18 --width 4096 --eval-tokens 256   # the memory target: 3.2B
+    python benchmarks/qlora_memory.py --steps 50      # the losses after 50 steps, TinyLlama 1.1B's shape
+    python benchmarks/qlora_memory.py                 # the memory at TinyLlama 1.1B's shape: 3 steps
+    python benchmarks/qlora_memory.py --layers 2 --width 512          # a quick check that it runs
 
-The base: a GPT of `--layers` blocks of width `--width` (a Llama-like block: RMSNorm, RoPE, SwiGLU, no biases) over
-tiny Shakespeare's characters, its weights freshly initialized (`--base DIR`: a checkpoint of your own, with the
-char tokenizer of `--text`) and saved in bf16: its block Linears dominate the memory, as in a real model, where
-the process's own footprint (torch, the libraries: a few hundred MiB) is a small part. Both runs: LoRA rank 16 on
-every block Linear, dtype bfloat16, batch `--batch` x `--seq` characters, `--steps` steps, the same seed.
+What the int4 base saves is a fixed part of the bf16 base's bytes (0.625 bytes a weight where bf16 takes 2); what
+both runs hold besides (torch and the libraries, the adapters' AdamW state, activations) is the same, so the ratio
+falls toward 0.31 as the model grows: below about 3B parameters the rest outweighs the saving (README: the measured
+figures).
+
+The base: `--preset`'s shape (default TinyLlama 1.1B: 22 Llama blocks of width 2048, 969M parameters in them;
+`--layers` / `--width` change its depth and width) over tiny Shakespeare's characters (the vocabulary is the data's
+65 characters, so the blocks are the weights, as in a real model, where the process's own footprint (torch, the
+libraries: a few hundred MiB) is a small part), freshly initialized and saved in bf16 (`--base DIR`: a checkpoint
+of your own, with the char tokenizer of `--text`). Both runs: LoRA rank 16 on every block Linear, dtype bfloat16,
+batch `--batch` x `--seq` characters, activation checkpointing (QLoRA's setting: the blocks' activations would
+otherwise outweigh an int4 base; `--no-checkpointing` keeps them), `--steps` steps, the same seed, the validation
+loss over `--eval-tokens` characters scored `--batch` windows at a time. The peak memory is reached within the
+first steps; the losses need the 50.
 
 Printed per contender: the trainer's own estimate ("memory per step: at least ..."), the process's peak RSS
-(VmHWM: loading included), the train loss and the validation loss at the last step; then the ratios int4 / bf16.
+(VmHWM: loading included, nothing subtracted), the train loss and the validation loss at the last step; then the
+ratios int4 / bf16.
 """
 
 from __future__ import annotations
@@ -47,7 +59,8 @@ def child(argv: list[str]) -> int:
 
 
 def make_base(args: argparse.Namespace, data: Path, out: Path) -> None:
-    """A freshly initialized Llama-like GPT over the data's characters, saved in bf16 with the data's tokenizer."""
+    """A freshly initialized GPT of the preset's shape over the data's characters, saved in bf16 with the data's
+    tokenizer."""
     import torch
 
     from gptlab.checkpoint import save_model
@@ -57,16 +70,33 @@ def make_base(args: argparse.Namespace, data: Path, out: Path) -> None:
     from gptlab.train.setup import init_weights
 
     tokenizer = load_tokenizer(data)
-    config = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.width // 128, block_size=args.seq,
-                       vocab_size=tokenizer.vocab_size, norm="rmsnorm", position="rope", mlp="swiglu", bias=False)
+    config = GPTConfig.preset(args.preset, block_size=args.seq, vocab_size=tokenizer.vocab_size,
+                              **shape_overrides(args))
     with torch.device("meta"):
         model = GPT(config)
-    model.to_empty(device="cpu")
+    model.to(torch.bfloat16).to_empty(device="cpu")  # made in bf16: a base of billions of weights fits twice
     init_weights(model, seed=0)
-    save_model(out, model.to(torch.bfloat16), tokenizer)
+    save_model(out, model, tokenizer)
     blocks = sum(p.numel() for b in model.iter_blocks() for p in b.parameters())
-    print(f"base: {args.layers} layers x {args.width}, {blocks / 1e6:.0f}M parameters in the blocks, "
-          f"{config.vocab_size} characters")
+    print(f"base: {args.preset}'s shape, {config.n_layer} layers x {config.n_embd}, {blocks / 1e6:.0f}M parameters "
+          f"in the blocks, {config.vocab_size} characters")
+
+
+def shape_overrides(args: argparse.Namespace) -> dict:
+    """--layers and --width over the preset's shape: heads of 128, the preset's ratios of query to key/value heads
+    and of hidden to model width."""
+    from gptlab.presets import PRESETS
+
+    preset, shape = PRESETS[args.preset], {}
+    if args.layers:
+        shape["n_layer"] = args.layers
+    if args.width:
+        heads = max(1, args.width // 128)
+        shape.update(n_embd=args.width, n_head=heads,
+                     n_kv_head=max(1, heads * preset.get("n_kv_head", preset["n_head"]) // preset["n_head"]))
+        if preset.get("mlp_hidden"):
+            shape["mlp_hidden"] = 64 * round(preset["mlp_hidden"] * args.width / preset["n_embd"] / 64)
+    return shape
 
 
 def contender(args: argparse.Namespace, root: Path, base: Path, data: Path, quantize: str | None) -> dict:
@@ -74,8 +104,10 @@ def contender(args: argparse.Namespace, root: Path, base: Path, data: Path, quan
     name = quantize or "bf16"
     recipe = root / f"{name}.toml"
     recipe.write_text(f"batch_size = {args.batch}\nmax_steps = {args.steps}\nwarmup_steps = 2\nlr = 1e-3\n"
-                      f"eval_interval = {args.steps}\neval_tokens = 8192\nlog_interval = {args.steps}\n"
-                      'dtype = "bfloat16"\nlora_rank = 16\nlora_alpha = 32\ntensorboard = false\n')
+                      f"eval_interval = {args.steps}\neval_tokens = {args.eval_tokens}\n"
+                      f"eval_batch_size = {args.batch}\nlog_interval = {args.steps}\n"
+                      'dtype = "bfloat16"\nlora_rank = 16\nlora_alpha = 32\ntensorboard = false\n'
+                      f"activation_checkpointing = {str(not args.no_checkpointing).lower()}\n")
     argv = ["train", str(recipe), "--init-from", str(base), "--data", str(data), "--out", str(root / name),
             "--threads", str(args.threads), *(["--quantize", quantize] if quantize else [])]
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(argv)], capture_output=True, text=True,
@@ -94,11 +126,15 @@ def contender(args: argparse.Namespace, root: Path, base: Path, data: Path, quan
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--preset", default="tinyllama-1.1b", help="the base's shape (default: tinyllama-1.1b)")
+    parser.add_argument("--layers", type=int, help="blocks (default: the preset's)")
+    parser.add_argument("--width", type=int, help="n_embd, 128 per head (default: the preset's)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (default 3; the loss target: 50)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument("--no-checkpointing", action="store_true",
+                        help="keep every block's activations (default: activation checkpointing, as QLoRA trains)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--text", type=Path, default=TEXT, help="the training text (default: tiny Shakespeare)")
     parser.add_argument("--base", type=Path, help="a base checkpoint of your own (its tokenizer: --text's chars)")

@@ -180,7 +180,8 @@ def load_frozen_base(path: str | Path, dtype: torch.dtype, quantize: str | None 
     linears = {f"{name}.weight": name for name, _ in base_linears(model)} if quantize else {}
     for key, tensor in tensors:
         if key in linears:  # its bias, if any, is read first or later: either way a buffer of the layer
-            model.get_submodule(linears[key]).weight = torch.nn.Parameter(tensor.float(), requires_grad=False)
+            # as read: quantizing widens a block of rows at a time to fp32
+            model.get_submodule(linears[key]).weight = torch.nn.Parameter(tensor, requires_grad=False)
             quantize_layer(model, linears[key], quantize, group_size)
         else:
             model.load_state_dict({key: tensor.to(dtype)}, strict=False, assign=True)

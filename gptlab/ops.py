@@ -49,7 +49,7 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
     return (slice(i, min(i + size, n)) for i in range(0, n, size))
 
 
-def _row_chunks(rows: int, cols: int, device: torch.device) -> Iterator[slice]:
+def row_chunks(rows: int, cols: int, device: torch.device) -> Iterator[slice]:
     """Row ranges of a (rows, cols) matrix whose fp32 copies take 2 MB each on a CPU (about a core's L2 per
     thread of two: each chunk is read several times, so larger chunks fall out of the cache and run slower),
     256 MB on a GPU (where each chunk costs kernel launches)."""
@@ -204,7 +204,7 @@ class _CrossEntropy(torch.autograd.Function):
         valid = targets != -1
         safe = targets.clamp(min=0)
         softmax = torch.empty_like(logits) if grad else None  # minus the one-hot: the per-row gradient
-        for rows in _row_chunks(n, logits.shape[1], logits.device):
+        for rows in row_chunks(n, logits.shape[1], logits.device):
             chunk = logits[rows]
             picked[rows] = chunk.gather(1, safe[rows, None])[:, 0].float()
             if softmax is None:
@@ -230,7 +230,7 @@ class _CrossEntropy(torch.autograd.Function):
         if softmax.dtype == torch.float32:
             return softmax * scale, None, None
         out = torch.empty_like(softmax)  # scaled in fp32 chunk by chunk (mixed-dtype products run far slower)
-        for rows in _row_chunks(out.shape[0], out.shape[1], out.device):
+        for rows in row_chunks(out.shape[0], out.shape[1], out.device):
             out[rows] = softmax[rows].float().mul_(scale[rows])
         return out, None, None
 

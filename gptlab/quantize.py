@@ -80,7 +80,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 (N, K), scale fp32 (N,)) with w ~ q * scale[:, None], symmetric per row."""
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=_TINY)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # in place: one fp32 temporary
     return q, scale
 
 
@@ -96,13 +96,21 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     65504 in magnitude), so a kernel may store them in 2 bytes each without rounding (gptlab's does: it then reads
     0.625 bytes a weight at group 32, not 0.75). The low end is rounded down and the scale up, so the 16 levels
     still cover the group and every weight stays within scale / 2 of its level."""
+    q, scale, low = quantize_int4_low(w, group_size)
+    return q, scale, low + 8 * scale
+
+
+def quantize_int4_low(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_int4` with each group's low end in place of its zero point: w ~ q * scale + low. One fp32 copy
+    of `w` is the only temporary of its size (the arithmetic runs in place on it): QLoRA quantizes a large model
+    one layer at a time as it loads, where that copy sets the peak."""
     n, k = w.shape
-    groups = w.float().reshape(n, k // group_size, group_size)
+    groups = w.to(torch.float32, copy=True).reshape(n, k // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     low = _fp16_toward(lo, down=True)
     scale = _fp16_toward(((hi - low) / 15).clamp(min=_TINY), down=False)
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return q.reshape(n, k), scale, low + 8 * scale
+    q = groups.sub_(low[..., None]).div_(scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, low
 
 
 def _fp16_toward(x: torch.Tensor, down: bool) -> torch.Tensor:
@@ -149,22 +157,25 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.mode, self.group_size = mode, group_size if mode == "int4" else 0
-        w = linear.weight.detach()
-        # contiguous whatever the weight's layout (a transposed view keeps its strides through the arithmetic): the
-        # kernels read the buffers as dense row-major
-        if mode == "int8":
-            q, scale = quantize_int8(w)
-            self.register_buffer("qweight", q.contiguous())
-            self.register_buffer("scale", scale.contiguous())
-        else:
-            q, scale, zero = quantize_int4(w, group_size)
-            self.register_buffer("qweight", pack_nibbles(q).contiguous())
-            self.register_buffer("scale", scale.contiguous())
-            self.register_buffer("zero", zero.contiguous())
+        self._store(linear.weight.detach())
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._runs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}  # input's kind -> its forward
         self._kernel: tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None = None  # gptlab's kernel: (ops, layout)
+
+    def _store(self, w: torch.Tensor) -> None:
+        """The weight's integers and their scales as buffers."""
+        # contiguous whatever the weight's layout (a transposed view keeps its strides through the arithmetic): the
+        # kernels read the buffers as dense row-major
+        if self.mode == "int8":
+            q, scale = quantize_int8(w)
+            self.register_buffer("qweight", q.contiguous())
+            self.register_buffer("scale", scale.contiguous())
+        else:
+            q, scale, zero = quantize_int4(w, self.group_size)
+            self.register_buffer("qweight", pack_nibbles(q).contiguous())
+            self.register_buffer("scale", scale.contiguous())
+            self.register_buffer("zero", zero.contiguous())
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""

@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import make_data, one_line_error, tiny_model, write_recipe
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from gptlab.cli import main
 from gptlab.lora import LoRALinear, LoRASpec, add_lora, merge_lora
 from gptlab.qlora import FrozenQuantizedLinear, quantize_base
+from gptlab.quantize import QuantizedLinear
 
 
 def nonzero_adapters(model: nn.Module, seed: int) -> None:
@@ -55,6 +58,95 @@ def test_adapter_gradients_through_the_quantized_base_equal_the_dequantized_fp32
     for name in trained:
         torch.testing.assert_close(got[name].grad, want[name].grad, atol=1e-6, rtol=1e-5, msg=name)
     assert all(p.grad is None for n, p in got.items() if n not in trained)
+
+
+# --- one layer against the maths: peft's LoRA over the dequantized weight -------------------------------------------
+def qlora_and_peft(mode: str, dtype: torch.dtype, bias: bool) -> tuple[LoRALinear, nn.Module]:
+    """A `LoRALinear` over a `FrozenQuantizedLinear` of a random (48, 64) Linear, and peft's LoRA over a plain
+    Linear holding that layer's dequantized weight in `dtype`, with the same adapters (B away from 0)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=bias)
+    quantized = FrozenQuantizedLinear(linear, mode, 32)
+    ours = LoRALinear(quantized, {"all": (0, 48)}, LoRASpec(rank=4, alpha=8, quantize=mode))
+    nonzero_adapters(ours, 3)
+    plain = nn.Sequential(nn.Linear(64, 48, bias=bias))
+    with torch.no_grad():
+        plain[0].weight.copy_(quantized.dequantize())
+        if bias:
+            plain[0].bias.copy_(linear.bias)
+    theirs = peft.get_peft_model(plain.to(dtype), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0"]))
+    layer = theirs.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(ours.lora_A["all"])
+        layer.lora_B["default"].weight.copy_(ours.lora_B["all"])
+    for module in (layer.lora_A["default"], layer.lora_B["default"]):
+        module.float()  # adapters in fp32 over a low-precision base, as gptlab's "frozen" precision keeps them
+    if ours.base_layer.bias is not None:
+        ours.base_layer.bias.data = ours.base_layer.bias.data.to(dtype)
+    return ours, theirs
+
+
+@pytest.mark.parametrize(("mode", "dtype", "bias"), [("int4", torch.float32, True), ("int8", torch.float32, False),
+                                                     ("int4", torch.bfloat16, False)])
+def test_a_qlora_layer_equals_peft_lora_over_the_dequantized_weight(mode: str, dtype: torch.dtype,
+                                                                    bias: bool) -> None:
+    """Forward, the gradient to the input and the adapters' gradients: fp32 within rounding; in bf16 (the base's
+    product in bf16, the adapters in fp32) within bf16's rounding of the output."""
+    ours, theirs = qlora_and_peft(mode, dtype, bias)
+    x = torch.randn(3, 5, 64, dtype=dtype)
+    out_grad = torch.randn(3, 5, 48, dtype=dtype)
+    results = []
+    for model in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        y.backward(out_grad)
+        results.append((y, xi.grad))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    (y, gx), (y_ref, gx_ref) = results
+    assert y.dtype == y_ref.dtype == dtype
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(gx, gx_ref, **tol)
+    layer = theirs.base_model.model[0]
+    for name in ("lora_A", "lora_B"):
+        got, want = getattr(ours, name)["all"].grad, getattr(layer, name)["default"].weight.grad
+        torch.testing.assert_close(got, want, **tol, msg=name)
+
+
+def test_a_qlora_layer_keeps_its_integers_and_fp16_scales_and_saves_no_weight_for_backward() -> None:
+    """int4: two weights a byte, an fp16 scale and low end per group of 32, no other tensor; its forward under
+    autograd saves nothing of the weight's size (it dequantizes again in backward)."""
+    ours, _ = qlora_and_peft("int4", torch.bfloat16, False)
+    layer = ours.base_layer
+    assert {n: (b.dtype, tuple(b.shape)) for n, b in layer.named_buffers()} == {
+        "qweight": (torch.uint8, (48, 32)), "scale": (torch.float16, (48, 2)), "low": (torch.float16, (48, 2))}
+    assert list(layer.parameters()) == []
+    saved = []
+    x = torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        y = ours(x)
+    y.sum().backward()
+    assert saved and max(saved) < 48 * 64 // 4
+    torch.testing.assert_close(layer.dequantize(torch.bfloat16), layer.dequantize().to(torch.bfloat16), atol=0, rtol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 70), groups=st.integers(1, 3), log_scale=st.floats(-4, 3), shift=st.floats(-2, 2),
+       seed=st.integers(0, 2**16))
+def test_the_stored_int4_weight_is_quantize_int4s_within_rounding(rows, groups, log_scale, shift, seed) -> None:
+    """The fp16 scale and low end hold `quantize_int4`'s exactly: dequantized, the same weight as the inference
+    layer's fp32 (q - 8) * scale + zero up to fp32 rounding, and within half a step of the original."""
+    g = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(32 * groups, rows, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_((torch.randn(rows, 32 * groups, generator=g) + shift) * 10.0**log_scale)
+    ours, reference = FrozenQuantizedLinear(linear, "int4", 32), QuantizedLinear(linear, "int4", 32)
+    assert ours.scale.dtype == ours.low.dtype == torch.float16
+    assert torch.equal(ours.qweight, reference.qweight)
+    want = reference.dequantize()
+    torch.testing.assert_close(ours.dequantize(), want, atol=4e-7 * float(want.abs().max()), rtol=0)
+    step = reference.scale.repeat_interleave(32, dim=1)
+    assert bool(((ours.dequantize() - linear.weight).abs() <= step / 2 + 4e-7 * float(want.abs().max())).all())
 
 
 def test_the_merged_model_is_the_dequantized_base_plus_the_update() -> None:
@@ -126,8 +218,8 @@ def model_bytes(model: nn.Module) -> tuple[int, int]:
 def test_the_memory_estimate_counts_the_weights_a_lora_run_holds(mode: str | None, dtype: str) -> None:
     """Built on the meta device, the estimate's weights are the bytes of the real model after the trainer's
     quantizing, adapting and casting (`Precision`'s frozen mode), and its states 12 bytes a trainable parameter;
-    the quantized Linears by hand: int4 half a byte a weight + fp32 scale and zero per 32, int8 a byte + a scale
-    per row."""
+    the quantized Linears by hand: int4 half a byte a weight + an fp16 scale and low end per 32, int8 a byte + an
+    fp32 scale per row."""
     from gptlab.train import build_train_config
     from gptlab.train.memory import step_memory
     from gptlab.train.precision import Precision
@@ -148,12 +240,12 @@ def test_the_memory_estimate_counts_the_weights_a_lora_run_holds(mode: str | Non
     assert (estimate.weights, estimate.states) == (real, 12 * trainable)
     elt = 4 if dtype == "float32" else 2
     quantized = sum(n * k for n, k in linears) if mode else 0
-    per_layer = {"int4": lambda n, k: n * k // 2 + 2 * 4 * n * k // 32, "int8": lambda n, k: n * k + 4 * n,
+    per_layer = {"int4": lambda n, k: n * k // 2 + 2 * 2 * n * k // 32, "int8": lambda n, k: n * k + 4 * n,
                  None: lambda n, k: 0}[mode]
     assert real == elt * (plain - quantized) + sum(per_layer(n, k) for n, k in linears) + 4 * trainable
     largest = max(n * k for n, k in linears)
     without = step_memory(dataclasses.replace(cfg, quantize=None), model.config, 1, fresh=False)
-    assert estimate.activations - without.activations == (largest * (4 + elt) if mode else 0)
+    assert estimate.activations - without.activations == (largest * elt if mode else 0)
     assert estimate.to_come == estimate.states + estimate.activations
 
 

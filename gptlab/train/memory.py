@@ -5,8 +5,8 @@ refused before any work.
 What it counts (`step_memory`), in the dtypes the run keeps them in:
 - weights: a model trained whole keeps fp32 masters (4 bytes a parameter). LoRA keeps its frozen base in the
   compute dtype (`train/precision.py`'s "frozen" mode) and the adapters in fp32; QLoRA's block Linears as their
-  integers and scales (`qlora.py`: int8 one byte a weight + a scale per row, int4 half a byte + a scale and a
-  zero point per group, fp32).
+  integers and scales (`qlora.py`: int8 one byte a weight + an fp32 scale per row, int4 half a byte + an fp16
+  scale and low end per group).
 - states: a gradient and AdamW's two moments per trainable parameter (12 bytes); training whole under low
   precision without FSDP also the weights' low-precision copies (autocast's casts kept for backward, or the working
   copy); under FSDP each process holds 1/world of the states plus what it gathers: the root's weights
@@ -16,7 +16,7 @@ What it counts (`step_memory`), in the dtypes the run keeps them in:
 - activations, in the compute dtype: the logits with their gradient, and what each block keeps for backward (the
   residual, norms, q/k/v, the attention output: 8 values per channel; the MLP's hidden layer: 2, gated 4, values
   per hidden unit); under activation checkpointing only each block's input, plus one block recomputed. QLoRA adds
-  the one layer's weight it dequantizes at a time (fp32, and its cast to the compute dtype).
+  the one layer's weight it dequantizes at a time, in the compute dtype.
 
 A lower bound: the allocator's slack, the framework itself and temporaries beyond these are not counted.
 A pretrained model's weights are in memory already when the check runs: it compares what is still to come.
@@ -116,7 +116,7 @@ def adapted_weights(cfg: TrainConfig, config: GPTConfig, elt: int) -> tuple[int,
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
     largest = max((m.in_features * m.out_features for m in model.modules() if isinstance(m, FrozenQuantizedLinear)),
                   default=0)
-    return weights, trainable, largest * (4 + elt)
+    return weights, trainable, largest * elt
 
 
 def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: str, fresh: bool = True,
