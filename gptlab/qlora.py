@@ -27,8 +27,7 @@ from torch import nn
 
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
-from gptlab.ops import linear as upcasting_linear
-from gptlab.ops import row_chunks
+from gptlab.ops import row_chunks, upcasting_linear
 from gptlab.quantize import (
     DEFAULT_GROUP_SIZE,
     QuantizedLinear,
