@@ -203,6 +203,24 @@ def test_tokenizer_from_and_uint32(tmp_path: Path) -> None:
     assert train.dtype == np.dtype("<u4") and train[:3].tolist() == [2, 70_000, 65_537]
 
 
+def test_tokenizer_from_hf_byte_level_bpe_equals_its_own_encode(tmp_path: Path, corpus_bpe) -> None:
+    """A Hugging Face directory's byte-level BPE encodes 1 MiB chunks as ~16k-character pieces in one batch call:
+    the ids of `tokenizers` encoding each split whole."""
+    from tokenizers import Tokenizer as HFTok
+
+    (tmp_path / "hf").mkdir()
+    corpus_bpe._tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    reference = HFTok.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    text = corpus_text(300_000)
+    (tmp_path / "in.txt").write_text(text, encoding="utf-8")
+    meta = prepare([tmp_path / "in.txt"], tmp_path / "d", tokenizer=None, tokenizer_from=tmp_path / "hf",
+                   workers=1)
+    assert meta["tokenizer"] == "hf" and load_tokenizer(tmp_path / "hf").byte_level
+    cut = int(len(text) * 0.9)
+    for split, part in (("train", text[:cut]), ("val", text[cut:])):
+        assert load_split(tmp_path / "d", split).tolist() == reference.encode(part, add_special_tokens=False).ids
+
+
 def test_tokenizer_from_char_dir_rejects_unknown_characters(tmp_path: Path, capsys) -> None:
     (tmp_path / "a.txt").write_text("abc" * 10)
     (tmp_path / "b.txt").write_text("abc" * 10 + "xyz")

@@ -214,10 +214,12 @@ def _optimizers(kind: str, params: list[torch.nn.Parameter]) -> list:
         return [torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, fused=True)]
     if kind == "batched-muon":
         return [BatchedMuon(params, lr=0.1, weight_decay=0.1)]
+    if kind == "batched-muon-no-decay":  # a skipped step is a zero update instead of a select per matrix
+        return [BatchedMuon(params, lr=0.1)]
     return [torch.optim.Muon(params, lr=0.1, weight_decay=0.1, adjust_lr_fn="original")]
 
 
-@pytest.mark.parametrize("kind", ["fused", "torch-fused", "batched-muon", "torch-muon"])
+@pytest.mark.parametrize("kind", ["fused", "torch-fused", "batched-muon", "batched-muon-no-decay", "torch-muon"])
 def test_a_skipped_step_changes_nothing_and_a_finite_one_is_exact(kind: str) -> None:
     """`step_optimizers(..., skip)`: with skip false, bit for bit the plain step; with skip true (and NaN
     gradients), no weight and no optimizer state moves."""

@@ -441,6 +441,19 @@ def test_recipes_load_without_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_a_plain_run_imports_only_what_it_uses(tmp_path: Path, data: Path) -> None:
+    """A fresh model trained on prepared text loads no sampling engine (GRPO's), model loading or format
+    conversion (init_from's), quantization (QLoRA's) or data preparation: start-up every run would pay for."""
+    recipe = write_recipe(tmp_path, max_steps=2, warmup_steps=0, eval_interval=0, log_interval=1)
+    unused = ("gptlab.generation.engine", "gptlab.loading", "gptlab.interop", "gptlab.qlora", "gptlab.quantize",
+              "gptlab.data.preparation", "gptlab.data.records")
+    code = (f"import sys\nfrom gptlab.cli import main\n"
+            f"assert main(['train', {str(recipe)!r}, '--data', {str(data)!r}, '--out', {str(tmp_path / 'run')!r}, "
+            f"'--quiet']) == 0\nprint([m for m in sys.modules if m.startswith({unused!r})])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 # --- distributed -----------------------------------------------------------------------------------------------------
 def test_torchrun_ddp_matches_one_process(tmp_path: Path, data: Path) -> None:
     """2 processes (gloo) x 4 rows see the same global batches as 1 process x 2 micro-steps x 4 rows."""

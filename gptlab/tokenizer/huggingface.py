@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_text, read_json_object
 from gptlab.tokenizer.base import (
@@ -130,6 +132,16 @@ class HFTokenizer(Tokenizer):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # no offsets: ~3x faster
         return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+
+    def encode_np(self, text: str) -> np.ndarray:
+        # through the batch call for its no-offsets path: `encode` tracks every token's offsets (slow, large)
+        return np.asarray(self.encode_batch([text])[0], dtype=np.int64)
+
+    @property
+    def byte_level(self) -> bool:
+        """GPT-2-style byte-level BPE (its decoder reads tokens as bytes): text cut where
+        `gptlab.data.text_stream.chunk_text` cuts encodes to the ids of the whole."""
+        return self._byte_level
 
     def _token_table(self) -> list[bytes]:
         if self._table is None:

@@ -35,7 +35,6 @@ from gptlab.flops import parameter_counts
 from gptlab.hardware import available_memory
 from gptlab.lora import LoRASpec, add_lora, parse_targets
 from gptlab.model import GPT
-from gptlab.qlora import FrozenQuantizedLinear, quantize_base
 from gptlab.train.config import TrainConfig
 
 
@@ -103,6 +102,8 @@ def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) ->
 def adapted_weights(cfg: TrainConfig, config: GPTConfig, elt: int) -> tuple[int, int, int]:
     """(bytes of a LoRA run's weights as it trains, its trainable parameters, the bytes of QLoRA's one
     dequantized weight at a time): the model built on the meta device, quantized and adapted as training does."""
+    from gptlab.qlora import FrozenQuantizedLinear, quantize_base  # with its kernels: only for a LoRA run
+
     with torch.device("meta"):
         model = GPT(config)
         spec = lora_spec(cfg)

@@ -82,6 +82,9 @@ class BatchedMuon(LeanOptimizer):
             shapes = [p.shape for p in params]
             stacks = newton_schulz_stacks(shapes)  # the stacks of one process, so the padding is the same
             owners = matrix_owners(_stack_costs(stacks, len(params)), self.world)
+            # without weight decay a skipped step is a zero update (p + (-lr) * 0 is p, bit for bit): one select
+            # over each stack rather than a copy and a select per matrix
+            zero_skipped = skip is not None and not group["weight_decay"]
             owned = {}
             for idx, (rows_max, cols_max) in stacks:
                 idx = [i for i in idx if owners[i] == self.rank]
@@ -92,24 +95,36 @@ class BatchedMuon(LeanOptimizer):
                     u = updates[i].mT if updates[i].size(0) > updates[i].size(1) else updates[i]
                     wide[j, : u.size(0), : u.size(1)] = u
                 ortho = newton_schulz(wide, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                if zero_skipped:
+                    ortho = torch.where(skip, 0.0, ortho)
+                if self.world == 1:  # the updates' cast to the weights' dtype (exact), once over the stack
+                    ortho = ortho.to(params[0].dtype)
                 for j, i in enumerate(idx):
                     rows, cols = shapes[i]
                     o = ortho[j, : min(rows, cols), : max(rows, cols)]
                     owned[i] = o.mT if rows > cols else o
-            for p, o in zip(params, share_updates(owned, owners, shapes, self.world, params[0].device), strict=True):
-                rows, cols = p.shape
-                self._apply(p, o, group, math.sqrt(max(1.0, rows / cols)), skip)
+            shared = share_updates(owned, owners, shapes, self.world, params[0].device)
+            if skip is None or zero_skipped:
+                _apply_updates(params, [o.to(p.dtype) for p, o in zip(params, shared, strict=True)], group)
+            else:
+                for p, o in zip(params, shared, strict=True):
+                    new = p.clone()
+                    _apply_updates([new], [o.to(p.dtype)], group)
+                    torch.where(skip, p, new, out=p)
 
-    @staticmethod
-    def _apply(p: torch.Tensor, o: torch.Tensor, group: dict, scale: float, skip: torch.Tensor | None) -> None:
-        """p <- p * (1 - lr * weight_decay) - lr * scale * o (decoupled weight decay, then the update); left as
-        it is where `skip` is true."""
-        new = p if skip is None else p.clone()
-        if group["weight_decay"]:
-            new.mul_(1 - group["lr"] * group["weight_decay"])
-        new.add_(o.to(p.dtype), alpha=-group["lr"] * scale)
-        if skip is not None:
-            torch.where(skip, p, new, out=p)
+
+def _apply_updates(params: list[torch.Tensor], updates: list[torch.Tensor], group: dict) -> None:
+    """p <- p * (1 - lr * weight_decay) - lr * sqrt(max(1, rows / cols)) * o (decoupled weight decay, then the
+    update): one foreach call per distinct scale (a model's matrices have a few shapes), each the per-tensor
+    `add_` it stands for."""
+    lr, decay = group["lr"], group["weight_decay"]
+    if decay:
+        torch._foreach_mul_(params, 1 - lr * decay)
+    by_scale: dict[float, list[int]] = {}
+    for i, p in enumerate(params):
+        by_scale.setdefault(math.sqrt(max(1.0, p.size(0) / p.size(1))), []).append(i)
+    for scale, idx in by_scale.items():
+        torch._foreach_add_([params[i] for i in idx], [updates[i] for i in idx], alpha=-lr * scale)
 
 
 PAD_MAX_ELEMENTS = 1 << 17  # matrices up to this size: per-call overhead outweighs the FLOPs padding adds

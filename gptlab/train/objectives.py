@@ -30,7 +30,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +38,10 @@ import torch.nn.functional as F
 from gptlab.errors import GptlabError
 from gptlab.hooks import eval_mode
 from gptlab.train.config import TrainConfig
-from gptlab.train.grpo import Grpo
 from gptlab.train.reference import frozen_reference, reference_forward
+
+if TYPE_CHECKING:
+    from gptlab.train.grpo import Grpo
 
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")  # the others compare the replies under the policy alone
@@ -160,6 +162,8 @@ def build_objective(cfg: TrainConfig, model: torch.nn.Module, data_dir: Path | N
     """The recipe's objective; one with a reference takes it from `model` now (the starting weights). GRPO
     samples with `model` and reads the tokenizer and chat template of `data_dir`."""
     if cfg.objective == "grpo":
+        from gptlab.train.grpo import Grpo  # its sampling engine: imported by the runs that use it
+
         if data_dir is None:
             raise GptlabError("objective grpo needs the data directory its prompts come from")
         return Grpo(cfg, model, data_dir)

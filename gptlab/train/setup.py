@@ -10,11 +10,9 @@ import torch
 from gptlab.checkpoint import CONFIG_FILE, LORA_FILE, MODEL_FILE, load_weights, read_config, read_tensors
 from gptlab.errors import GptlabError
 from gptlab.hardware import gpu_has_bf16
-from gptlab.loading import base_reference, is_hf_dir, load_frozen_base, load_model, resolve_checkpoint
 from gptlab.lora import LoRASpec, add_lora, has_lora
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
-from gptlab.qlora import FrozenQuantizedLinear, quantize_base
 from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
 from gptlab.train.config import TrainConfig
 from gptlab.train.distributed import shard_model
@@ -69,6 +67,9 @@ def build_model(
         model = _pretrained(cfg, vocab_size, "cpu" if sharded else device, data_dir, rows=sharded and spec is None,
                             frozen=spec if spec is not None and not sharded else None)
     if spec is not None:
+        from gptlab.loading import base_reference  # loading, interop and quantization: only where a run uses them
+        from gptlab.qlora import FrozenQuantizedLinear, quantize_base
+
         if spec.quantize and not any(isinstance(m, FrozenQuantizedLinear) for m in model.modules()):
             quantize_base(model, spec.quantize, spec.group_size)
         add_lora(model, spec, base=base_reference(cfg.init_from))
@@ -154,6 +155,8 @@ def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | 
     device, its file named in `weights_file` for `shard` (other kinds of model load whole, as without).
     `frozen`: the base of these adapters, read as it will train (`load_frozen_base`: in the compute dtype, QLoRA's
     Linears quantized), never whole in fp32; else fp32 masters."""
+    from gptlab.loading import is_hf_dir, load_frozen_base, load_model, resolve_checkpoint
+
     directory = resolve_checkpoint(cfg.init_from, prefer="best")
     if frozen is not None:
         dtype = torch.float32 if cfg.dtype in ("float32", "auto") else getattr(torch, cfg.dtype)
