@@ -72,8 +72,10 @@ def source_digest() -> str:
 
 
 def _build_name(library: str, flags: list[str]) -> str:
-    """The build's name changes with every source and header, the flags and the torch version."""
-    key = source_digest() + " ".join(flags) + torch.__version__
+    """The build's name changes with every source and header, the flags, the torch version and where the sources
+    are: torch's build reruns whenever its source paths change, so two installs of gptlab on one machine (a
+    checkout beside a wheel) would otherwise rebuild each other's library on every first use."""
+    key = source_digest() + " ".join(flags) + torch.__version__ + str(SOURCES[0].parent.resolve())
     return f"{library}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
