@@ -278,6 +278,7 @@ def test_patch_cli_table_json_and_png(checkpoint, tmp_path, capsys) -> None:  # 
     (["--corrupt", "the dog sat", "--answer", "ab"], "2 tokens"),
     (["--corrupt", "the dog sat", "--answer", "a", "--wrong", "a"], "the same"),
     (["--corrupt", "the dog sat", "-o", "x.jpg"], "PNG"),
+    (["--corrupt", "the dog sat", "--point", "q"], "not one of"),
 ])
 def test_patch_cli_bad_input(checkpoint, capsys, extra, message) -> None:  # noqa: ANN001
     assert main(["patch", str(checkpoint), "--clean", "the cat sat", *extra]) == 2

@@ -326,6 +326,59 @@ def test_ui_bad_input_is_a_400_in_openai_shape(ui_server, body, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
 
 
+def test_ui_attention_heads_are_the_layers_cached_patterns(ui_server):
+    import httpx
+
+    from gptlab.hooks import run_with_cache
+
+    server, model, tok = ui_server
+    r = httpx.post(server.url + "/ui/attention", json={"text": "Hello", "layer": 1, "heads": True},
+                   headers={"Authorization": f"Bearer {KEY}"}).json()
+    _, cache = run_with_cache(model, tok.encode("Hello"), ["blocks.1.attn.hook_pattern"])
+    pattern = cache["blocks.1.attn.hook_pattern"][0]  # (n_head, T, T): one per query head of the GQA model
+    assert len(r["heads"]) == model.config.n_head == 4
+    torch.testing.assert_close(torch.tensor(r["heads"]), pattern, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("point, answer, wrong", [("resid_pre", "a", "b"), ("mlp_out", "t", "s"), ("z", "e", "o")])
+def test_ui_patch_is_the_librarys_activation_patching(ui_server, point, answer, wrong):
+    import httpx
+
+    from gptlab.inspection.patching import PATCH_POINTS, activation_patching, logit_difference, patch_prompts
+
+    server, model, tok = ui_server
+    body = {"clean": "the cat sat", "corrupt": "the dog sat", "point": point, "answer": answer, "wrong": wrong}
+    r = httpx.post(server.url + "/ui/patch", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    metric = logit_difference(tok.encode(answer)[0], tok.encode(wrong)[0])
+    expected = activation_patching(model, tok.encode("the cat sat"), tok.encode("the dog sat"), metric,
+                                   PATCH_POINTS[point], positions=point != "z")
+    torch.testing.assert_close(torch.tensor(data["values"]), expected, atol=1e-5, rtol=0)
+    assert data["tokens"] == list("the cat sat") and data["axes"][1] == ("head" if point == "z" else "position")
+    default = httpx.post(server.url + "/ui/patch", json={"clean": "the cat sat", "corrupt": "the dog sat"},
+                         headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert default == patch_prompts(model, tok, "the cat sat", "the dog sat").to_json()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"clean": "the cat", "corrupt": "the dog sat"}, "corrupt"), ({"clean": "", "corrupt": "a"}, "clean"),
+    ({"clean": "~", "corrupt": "a"}, "clean"), ({"clean": "a" * 65, "corrupt": "b" * 65}, "clean"),
+    ({"clean": "ab", "corrupt": "ba", "point": "q"}, "point"), ({"clean": "ab", "corrupt": "ba", "answer": "xy"},
+                                                                "answer"),
+    ({"clean": "ab", "corrupt": "ba", "wrong": "~"}, "wrong"), ({"clean": "ab", "corrupt": 3}, "corrupt"),
+    ({"clean": "ab", "corrupt": "ba", "answer": "a", "wrong": "a"}, "answer"),
+    ({"clean": "ab", "corrupt": "ba", "heads": True}, "heads"), ({"corrupt": "ba"}, "clean"),
+])
+def test_ui_patch_bad_input_is_a_400_naming_the_field(ui_server, body, param):
+    import httpx
+
+    r = httpx.post(ui_server[0].url + "/ui/patch", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and "\n" not in err["message"]
+
+
 def test_no_ui_serves_no_page(checkpoint):
     pytest.importorskip("fastapi")
     import httpx

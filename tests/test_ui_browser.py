@@ -1,6 +1,7 @@
 """The web page of `gptlab serve` in a real headless Chromium (Playwright driving Debian's chromium): it loads
 with no console errors and no request leaving the server, a chat message gets a streamed answer, and hovering a
-token shows the weights the JSON endpoint returns.
+token shows the weights the JSON endpoint returns, the per-head grid paints each head's cached attention pattern, and
+the patching view draws the /ui/patch values with the tokens as labels.
 
 Needs `pip install playwright` and `apt-get install chromium` (never `playwright install`: no downloads); skipped
 with the reason when either is missing.
@@ -21,7 +22,9 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 pytest.importorskip("fastapi")
 
 import httpx  # noqa: E402
+import torch  # noqa: E402
 
+from gptlab.hooks import run_with_cache  # noqa: E402
 from gptlab.serve import ServerThread, create_app  # noqa: E402
 from gptlab.tokenizer import CharTokenizer  # noqa: E402
 
@@ -33,9 +36,16 @@ TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
-def page_on_server():
+def served():
+    """A tiny grouped-query model (4 query heads, 2 key/value heads) and its char tokenizer."""
     tok = CharTokenizer.from_text(CHARS)
-    app = create_app(tiny_model(vocab_size=tok.vocab_size, block_size=128), tok, model_name="tiny")
+    return tiny_model(vocab_size=tok.vocab_size, block_size=128), tok
+
+
+@pytest.fixture(scope="module")
+def page_on_server(served):
+    model, tok = served
+    app = create_app(model, tok, model_name="tiny")
     with ServerThread(app) as server, sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=shutil.which(CHROMIUM) or CHROMIUM, args=ARGS)
         page = browser.new_page()
@@ -86,4 +96,64 @@ def test_hovering_a_token_shows_the_endpoints_weights(page_on_server):
         assert [float(w) for w in shown[: i + 1]] == pytest.approx(expected[i][: i + 1], abs=1e-9)
         assert shown[i + 1:] == [None] * (len(text) - i - 1)  # nothing after the token: causal
         assert page.locator("#lens tr").count() == 1 + 3  # header + embeddings and two layers
+    assert errors == []
+
+
+PAINT = "(h) => { const c = document.querySelectorAll('#head-grid canvas')[h];" \
+        " return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data); }"
+
+
+def painted_weights(page, head: int, size: int) -> torch.Tensor:
+    """The weights a head's canvas shows, read back from its pixels: white (0) to (217, 72, 15) (1), one pixel
+    per (query, key); the green channel is 255 - 183 w, rounded."""
+    rgba = torch.tensor(page.evaluate(PAINT, head), dtype=torch.float32).view(size, size, 4)
+    return (255 - rgba[..., 1]) / 183
+
+
+def test_head_grid_paints_every_heads_cached_pattern(page_on_server, served):
+    server, page, errors, _ = page_on_server
+    model, tok = served
+    text = "To be or not"
+    page.fill("#explore-input", text)
+    page.select_option("#layer", "1")
+    page.click("#analyze")
+    page.wait_for_selector("#tokens[data-ready=true]")
+    cells = page.locator("#head-grid .head-cell")
+    assert cells.count() == model.config.n_head == 4 and model.config.n_kv_head == 2
+    _, cache = run_with_cache(model, tok.encode(text), ["blocks.1.attn.hook_pattern"])
+    for h in range(4):
+        torch.testing.assert_close(painted_weights(page, h, len(text)), cache["blocks.1.attn.hook_pattern"][0, h],
+                                   atol=0.6 / 183, rtol=0)
+    cells.nth(2).click()
+    assert page.get_attribute("#head-large-box", "data-head") == "2" and page.is_visible("#head-large")
+    page.hover("#head-large", position={"x": 358, "y": 358})  # the last query's weight on itself
+    expected = cache["blocks.1.attn.hook_pattern"][0, 2, -1, -1].item()
+    assert page.inner_text("#head-readout").endswith(f"{expected:.4f}")
+    assert errors == []
+
+
+def test_patching_view_draws_the_routes_values_with_token_labels(page_on_server, served):
+    server, page, errors, _ = page_on_server
+    model, _ = served
+    body = {"clean": "the cat sat", "corrupt": "the dog sat", "point": "resid_pre", "answer": "a", "wrong": "b"}
+    page.fill("#patch-clean", body["clean"])
+    page.fill("#patch-corrupt", body["corrupt"])
+    page.fill("#patch-answer", "a")
+    page.fill("#patch-wrong", "b")
+    page.click("#patch-run")
+    page.wait_for_selector("#patch-map[data-ready=true]")
+    expected = httpx.post(server.url + "/ui/patch", json=body).json()
+    assert page.locator("#patch-map thead th").all_inner_texts() == ["layer", *body["clean"]]
+    rows = page.locator("#patch-map tbody tr")
+    assert rows.count() == model.config.n_layer
+    for layer in range(model.config.n_layer):
+        cells = rows.nth(layer).locator("td")
+        shown = [float(cells.nth(k).get_attribute("data-value")) for k in range(len(body["clean"]))]
+        assert shown == expected["values"][layer]
+        assert cells.nth(4).get_attribute("title").endswith(f"{expected['values'][layer][4]:.4f}")
+    assert page.locator("#patch-scale .bar").count() == 1
+    page.select_option("#patch-point", "z")
+    page.click("#patch-run")
+    page.wait_for_function("document.querySelectorAll('#patch-map thead th').length === 5")
+    assert page.locator("#patch-map thead th").all_inner_texts() == ["layer", "head 0", "head 1", "head 2", "head 3"]
     assert errors == []

@@ -14,8 +14,7 @@ import argparse
 from gptlab.cli.attention import load
 from gptlab.cli.options import add_device
 
-POINTS = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
-          "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "z": "attn.hook_z"}
+POINTS = "resid_pre|resid_mid|resid_post|attn_out|mlp_out|z"  # checked by patch_prompts (PATCH_POINTS)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corrupt", required=True, help="the prompt they are patched into (as many tokens)")
     p.add_argument("--answer", help="the token the clean prompt should predict (default: its likeliest)")
     p.add_argument("--wrong", help="the token the corrupted prompt predicts (default: its likeliest)")
-    p.add_argument("--point", choices=POINTS, default="resid_pre",
+    p.add_argument("--point", metavar=POINTS, default="resid_pre",
                    help="what to patch: the residual stream entering (resid_pre, default), halfway through "
                         "(resid_mid) or leaving (resid_post) each block, the attention or MLP output, or each "
                         "head's output (z)")
@@ -58,8 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_png_path(args.output)
     model, tokenizer = load(args)
-    point = POINTS[args.point]
-    pmap = patch_prompts(model, tokenizer, args.clean, args.corrupt, point, args.answer, args.wrong)
+    pmap = patch_prompts(model, tokenizer, args.clean, args.corrupt, args.point, args.answer, args.wrong)
     print(f"logit {pmap.answer!r} - logit {pmap.wrong!r}: clean {pmap.clean:.3f}, corrupted {pmap.corrupt:.3f}")
     if args.json:
         atomic_write_json(args.json, pmap.to_json())
@@ -70,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         patching_picture(pmap, args.output)
         print(f"wrote {args.output}")
     if not args.json and not args.output:
-        columns = [f"head {h}" for h in range(pmap.values.shape[1])] if point == "attn.hook_z" else pmap.tokens
+        columns = [f"head {h}" for h in range(pmap.values.shape[1])] if pmap.point == "attn.hook_z" else pmap.tokens
         print(f"{args.point} patched from the clean prompt (row: layer, column: "
-              f"{'head' if point == 'attn.hook_z' else 'position'}):")
+              f"{'head' if pmap.point == 'attn.hook_z' else 'position'}):")
         print(format_map(pmap.values.tolist(), columns))
     return 0

@@ -167,6 +167,11 @@ def ablate(
 
 
 # --- two prompts as text: what `gptlab patch` and the web page show -------------------------------------------------
+# what the CLI's --point and the page's "point" name, short for the layer's hook point patched
+PATCH_POINTS = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
+                "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "z": "attn.hook_z"}
+
+
 @dataclass
 class PatchingMap:
     """The metric (logit of `answer` minus that of `wrong` at the last position) of the corrupted prompt with
@@ -191,29 +196,44 @@ class PatchingMap:
 def single_token(tokenizer: TextTokenizer, text: str, flag: str) -> int:
     """The one token `text` encodes to (after any start token the tokenizer always adds), else a one-line error."""
     start = len(tokenizer.encode(""))
-    ids = tokenizer.encode(text)[start:]
+    try:
+        ids = tokenizer.encode(text)[start:]
+    except GptlabError as e:  # a character the vocabulary lacks
+        raise GptlabError(f"{flag}: {e}") from None
     if len(ids) != 1:
         raise GptlabError(f"{flag} {text!r} is {len(ids)} tokens: pass the text of a single token")
     return ids[0]
 
 
+def _encode(tokenizer: TextTokenizer, text: str, limit: int, flag: str) -> list[int]:
+    try:
+        return encode_prompt(tokenizer, text, limit)
+    except GptlabError as e:
+        raise GptlabError(f"{flag}: {e}") from None
+
+
 @torch.no_grad()
 def patch_prompts(
-    model: GPT, tokenizer: TextTokenizer, clean: str, corrupt: str, point: str = "hook_resid_pre",
-    answer: str | None = None, wrong: str | None = None,
+    model: GPT, tokenizer: TextTokenizer, clean: str, corrupt: str, point: str = "resid_pre",
+    answer: str | None = None, wrong: str | None = None, max_tokens: int | None = None,
 ) -> PatchingMap:
-    """`activation_patching` of two texts. The metric's tokens default to each prompt's likeliest next token."""
-    limit = model.config.block_size
-    clean_ids, corrupt_ids = encode_prompt(tokenizer, clean, limit), encode_prompt(tokenizer, corrupt, limit)
+    """`activation_patching` of two texts (each at most `max_tokens` tokens, default the model's context) at
+    `point`, a name of PATCH_POINTS. The metric's tokens default to each prompt's likeliest next token."""
+    if point not in PATCH_POINTS:
+        raise GptlabError(f"--point {point!r} is not one of {', '.join(PATCH_POINTS)}")
+    point = PATCH_POINTS[point]
+    limit = max_tokens or model.config.block_size
+    clean_ids = _encode(tokenizer, clean, limit, "--clean")
+    corrupt_ids = _encode(tokenizer, corrupt, limit, "--corrupt")
     if len(clean_ids) != len(corrupt_ids):
-        raise GptlabError(f"--clean is {len(clean_ids)} tokens and --corrupt {len(corrupt_ids)}: patching needs "
+        raise GptlabError(f"--corrupt is {len(corrupt_ids)} tokens and --clean {len(clean_ids)}: patching needs "
                           "prompts of the same length (change the same number of tokens)")
     clean_logits, corrupt_logits = run_with_hooks(model, clean_ids, {}), run_with_hooks(model, corrupt_ids, {})
     a = single_token(tokenizer, answer, "--answer") if answer is not None else int(clean_logits[0, -1].argmax())
     w = single_token(tokenizer, wrong, "--wrong") if wrong is not None else int(corrupt_logits[0, -1].argmax())
     if a == w:
-        raise GptlabError(f"the answer and the wrong token are the same ({token_text(tokenizer, a)!r}): pass "
-                          "--answer and --wrong")
+        raise GptlabError(f"--answer and --wrong are the same token ({token_text(tokenizer, a)!r}): pass "
+                          "both, different")
     metric = logit_difference(a, w)
     values = activation_patching(model, clean_ids, corrupt_ids, metric, point, positions=point != "attn.hook_z")
     return PatchingMap(token_labels(tokenizer, clean_ids), point, values, float(metric(clean_logits)),

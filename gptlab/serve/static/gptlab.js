@@ -1,9 +1,10 @@
-// gptlab's page: a chat playground streaming through /v1/chat/completions, and an attention explorer reading
-// /ui/attention and /ui/lens. No framework, no build step, no request outside this server.
+// gptlab's page: a chat playground streaming through /v1/chat/completions, an attention explorer reading
+// /ui/attention (with every head of the layer as a grid) and /ui/lens, and activation patching reading /ui/patch.
+// No framework, no build step, no request outside this server.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { info: null, history: [], tokens: [], weights: null, lens: null, focus: null };
+const state = { info: null, history: [], tokens: [], weights: null, heads: null, lens: null, focus: null };
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -99,10 +100,127 @@ async function loadAttention() {
   const head = $("head").value;
   const res = await api("/ui/attention", {
     text: $("explore-input").value, layer: Number($("layer").value), head: head === "" ? null : Number(head),
+    heads: true,
   });
   const data = await res.json();
   state.tokens = data.tokens;
   state.weights = data.weights;
+  state.heads = data.heads;
+}
+
+// A weight in [0, 1] as white to the page's orange (217, 72, 15), one canvas pixel per (query, key).
+function weightColour(w) {
+  const c = Math.min(1, Math.max(0, w));
+  return [255 - 38 * c, 255 - 183 * c, 255 - 240 * c].map(Math.round);
+}
+
+function paintWeights(canvas, weights) {
+  const n = weights.length;
+  canvas.width = n;
+  canvas.height = n;
+  const ctx = canvas.getContext("2d");
+  const image = ctx.createImageData(n, n);
+  weights.forEach((row, i) => row.forEach((w, j) => {
+    const [r, g, b] = weightColour(w);
+    image.data.set([r, g, b, 255], 4 * (i * n + j));
+  }));
+  ctx.putImageData(image, 0, 0);
+}
+
+// Small multiples: one small heat map per (query) head of the layer; a click opens it large.
+function drawHeadGrid() {
+  const grid = $("head-grid");
+  grid.innerHTML = "";
+  state.heads.forEach((weights, h) => {
+    const cell = document.createElement("div");
+    cell.className = "head-cell";
+    cell.dataset.head = String(h);
+    const canvas = document.createElement("canvas");
+    canvas.style.width = canvas.style.height = "88px";
+    paintWeights(canvas, weights);
+    cell.append(canvas, "head " + h);
+    cell.addEventListener("click", () => openHead(h));
+    grid.appendChild(cell);
+  });
+  const open = Number($("head-large-box").dataset.head);
+  if (!$("head-large-box").hidden && open < state.heads.length) openHead(open);
+}
+
+function openHead(h) {
+  const box = $("head-large-box");
+  box.hidden = false;
+  box.dataset.head = String(h);
+  document.querySelectorAll(".head-cell").forEach((c, i) => c.classList.toggle("open", i === h));
+  $("head-large-title").textContent = "layer " + $("layer").value + ", head " + h;
+  paintWeights($("head-large"), state.heads[h]);
+  $("head-readout").textContent = "";
+}
+
+function readHead(event) {
+  const canvas = $("head-large");
+  const h = Number($("head-large-box").dataset.head);
+  const n = state.heads[h].length;
+  const i = Math.min(n - 1, Math.floor(event.offsetY * n / canvas.clientHeight));
+  const j = Math.min(n - 1, Math.floor(event.offsetX * n / canvas.clientWidth));
+  $("head-readout").textContent = "\"" + label(state.tokens[i]) + "\" (" + i + ") attends to \""
+    + label(state.tokens[j]) + "\" (" + j + "): " + state.heads[h][i][j].toFixed(4);
+}
+
+// --- activation patching --------------------------------------------------------------------------------------------
+// A value as blue (negative) - white - red (positive), scaled by the map's largest magnitude.
+function divergingColour(v, scale) {
+  const t = scale > 0 ? Math.max(-1, Math.min(1, v / scale)) : 0;
+  const [r, g, b] = t >= 0 ? [178, 24, 43] : [33, 102, 172];
+  const a = Math.abs(t);
+  return "rgb(" + [r, g, b].map((c) => Math.round(255 + (c - 255) * a)).join(", ") + ")";
+}
+
+async function onPatch(event) {
+  event.preventDefault();
+  showError("");
+  const optional = (id) => $(id).value === "" ? null : $(id).value;
+  $("patch-run").disabled = true;
+  try {
+    const res = await api("/ui/patch", {
+      clean: $("patch-clean").value, corrupt: $("patch-corrupt").value, point: $("patch-point").value,
+      answer: optional("patch-answer"), wrong: optional("patch-wrong"),
+    });
+    drawPatching(await res.json());
+  } catch (e) {
+    showError(e.message);
+  } finally {
+    $("patch-run").disabled = false;
+  }
+}
+
+function drawPatching(data) {
+  const byHead = data.axes[1] === "head";
+  const columns = byHead ? data.values[0].map((_, h) => "head " + h) : data.tokens.map(label);
+  const scale = Math.max(...data.values.flat().map(Math.abs));
+  $("patch-summary").textContent = "logit \"" + label(data.answer) + "\" - logit \"" + label(data.wrong)
+    + "\": clean " + data.clean.toFixed(3) + ", corrupted " + data.corrupt.toFixed(3);
+  $("patch-scale").innerHTML = "";
+  const bar = document.createElement("span");
+  bar.className = "bar";
+  $("patch-scale").append(String(-scale.toFixed(3)), bar, String(scale.toFixed(3)));
+  const table = $("patch-map");
+  table.innerHTML = "";
+  const head = table.createTHead().insertRow();
+  head.appendChild(document.createElement("th")).textContent = "layer";
+  columns.forEach((c) => { head.appendChild(document.createElement("th")).textContent = c; });
+  const body = table.createTBody();
+  data.values.forEach((row, layer) => {
+    const tr = body.insertRow();
+    tr.appendChild(document.createElement("th")).textContent = String(layer);
+    row.forEach((v, k) => {
+      const td = tr.insertCell();
+      td.dataset.value = String(v);
+      td.style.background = divergingColour(v, scale);
+      td.title = "layer " + layer + ", " + (byHead ? columns[k] : "position " + k + " \"" + columns[k] + "\"")
+        + ": " + v.toFixed(4);
+    });
+  });
+  table.dataset.ready = "true";
 }
 
 async function loadLens() {
@@ -170,6 +288,7 @@ async function onAnalyze(event) {
   try {
     await Promise.all([loadAttention(), loadLens()]);
     drawTokens();
+    drawHeadGrid();
     $("tokens").dataset.ready = "true";
   } catch (e) {
     showError(e.message);
@@ -181,6 +300,7 @@ async function onSelect() {
   try {
     await loadAttention();
     drawTokens();
+    drawHeadGrid();
   } catch (e) {
     showError(e.message);
   }
@@ -193,6 +313,8 @@ async function start() {
   $("explore-form").addEventListener("submit", onAnalyze);
   $("layer").addEventListener("change", onSelect);
   $("head").addEventListener("change", onSelect);
+  $("head-large").addEventListener("mousemove", readHead);
+  $("patch-form").addEventListener("submit", onPatch);
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
     sessionStorage.setItem("gptlab-key", $("key").value);
