@@ -283,3 +283,21 @@ def test_patch_cli_table_json_and_png(checkpoint, tmp_path, capsys) -> None:  # 
 def test_patch_cli_bad_input(checkpoint, capsys, extra, message) -> None:  # noqa: ANN001
     assert main(["patch", str(checkpoint), "--clean", "the cat sat", *extra]) == 2
     assert message in one_line_error(2, capsys.readouterr().err)
+
+
+def test_every_families_hook_points_are_in_the_readme_table() -> None:
+    """The README's hook-point table names every point any family has (a layer's as `blocks.{i}.`)."""
+    import re
+    from pathlib import Path
+
+    rows = [line for line in (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+            if line.startswith("| `") and "hook_" in line]
+    documented = set()
+    for row in rows:
+        first = row.split("|")[1]
+        names = re.findall(r"`([^`]+)`", first)
+        prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
+        documented |= {names[0], *(prefix + n if "." not in n else n for n in names[1:])}
+    for family in ALL_FAMILIES:
+        points = {re.sub(r"^blocks\.\d+\.", "blocks.{i}.", n) for n in hook_point_names(model_of(family))}
+        assert points <= documented, (family, points - documented)
