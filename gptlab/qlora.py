@@ -26,17 +26,10 @@ import torch
 from torch import nn
 
 from gptlab.errors import GptlabError
+from gptlab.integer_weights import pack_nibbles, quantize_int4_low, quantize_int8, unpack_nibbles
 from gptlab.model import GPT
 from gptlab.ops import row_chunks, upcasting_linear
-from gptlab.quantize import (
-    DEFAULT_GROUP_SIZE,
-    QuantizedLinear,
-    check_options,
-    pack_nibbles,
-    quantize_int4_low,
-    quantize_int8,
-    unpack_nibbles,
-)
+from gptlab.quantize import DEFAULT_GROUP_SIZE, QuantizedLinear, check_options
 
 
 class FrozenQuantizedLinear(QuantizedLinear):

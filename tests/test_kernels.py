@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gptlab.integer_weights import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from gptlab.kernels import avx512_ops, cpu_has_avx512, kernel_builds
-from gptlab.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BUILDS = ["avx2", "avx512"]

@@ -19,20 +19,17 @@ import gptlab
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import SamplingParams, generate_batch
-from gptlab.kernels import kernel_builds
-from gptlab.quantize import (
-    GROUP_SIZES,
-    QuantizedLinear,
-    _working_kernel,
+from gptlab.integer_weights import (
     dequantize_int4,
     dequantize_int8,
     int4_params_fit_fp16,
     pack_nibbles,
     quantize_int4,
     quantize_int8,
-    quantize_model,
     unpack_nibbles,
 )
+from gptlab.kernels import kernel_builds
+from gptlab.quantize import GROUP_SIZES, QuantizedLinear, _working_kernel, quantize_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
