@@ -38,7 +38,6 @@ from gptlab.train.autotune import resolve_auto_switches
 from gptlab.train.batches import StepFeed, TokenSplit, document_eot, load_train_data, pair_rows, sequence_length
 from gptlab.train.benchmarks import Benchmarks, LmEvalScorer
 from gptlab.train.config import (
-    RESUMABLE_CHANGES,
     TrainConfig,
     micro_steps,
     resolve_device_switches,
@@ -49,11 +48,10 @@ from gptlab.train.memory import check_step_memory
 from gptlab.train.objectives import Preference, build_objective, check_objective_data
 from gptlab.train.optim import build_optimizers, lr_schedule, optimizer_spec, set_lr
 from gptlab.train.precision import Precision
-from gptlab.train.rng import restore_rng_state, rng_state, seed_dropout
+from gptlab.train.rng import seed_dropout
+from gptlab.train.run_checkpoints import load_run_checkpoint, save_best_weights, save_step_checkpoint
 from gptlab.train.rundir import (
     RunLock,
-    check_checkpoint_matches,
-    check_state_matches,
     checkpoint_to_resume,
     prepare_run_dir,
 )
@@ -178,7 +176,7 @@ class Trainer:
         # elapsed_sec when warm-up ended (None before): a time budget's decay runs from there to max_time
         self.warmup_elapsed: float | None = 0.0 if cfg.warmup_steps == 0 else None
         if resume_from is not None:
-            self._load(resume_from)
+            load_run_checkpoint(self, resume_from)
         self.net = self.precision.train_module  # what forward/backward run on: maybe wrapped below
         if self.procs.world > 1 and not self.fsdp:
             self.net = wrap_ddp(self.net, self.device)
@@ -187,59 +185,20 @@ class Trainer:
         self.stop = StopRequest(self.procs.world)
         self._last_step_time = 0.0
 
-    # --- checkpoints ----------------------------------------------------------------------------------------
-    def _state(self, rng: dict[str, Any]) -> dict[str, Any]:
-        """state.json of a step checkpoint: where the run is, and what it must match to be resumed."""
-        return {
-            "step": self.step,
-            "elapsed_sec": self.elapsed,
-            "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
-            "warmup_elapsed_sec": self.warmup_elapsed,
-            "tokens_seen": self.step * self.tokens_per_step,
-            "rng": rng,
-            "config_hash": self.cfg.hash(RESUMABLE_CHANGES),
-            "config": self.cfg.to_dict(),
-            "data_dir": str(self.data_dir),
-            "data_sources": [[str(d), w] for d, w in self.sources],  # the loader's position in each is the step
-        }
-
+    # --- checkpoints (`run_checkpoints`) --------------------------------------------------------------------
     def release(self) -> None:
         """Let go of the run directory (its lock): `run` does at its end."""
         if self.lock is not None:
             self.lock.release()
 
-    def _load(self, directory: Path) -> None:
-        check_checkpoint_matches(directory, self.model, self.cfg, self.data_dir)
-        state = ckpt.load_training_checkpoint(directory, self.model, self.optimizers)
-        check_state_matches(directory, state, self.cfg, self.sources)
-        self.step, self.elapsed = state["step"], state["elapsed_sec"]
-        self.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
-        self.warmup_elapsed = state.get("warmup_elapsed_sec", self.warmup_elapsed)
-        if self.warmup_elapsed is None and self.step >= self.cfg.warmup_steps:  # a checkpoint from before the key
-            self.warmup_elapsed = self.elapsed * self.cfg.warmup_steps / self.step  # steps of about equal time
-        restore_rng_state(state["rng"], self.procs, self.cfg.seed, self.step)
-        self.precision.sync_weights()
-
     def save_checkpoint(self, gather: bool = True) -> Path | None:
         """A resumable step checkpoint (keeping the newest `keep_last`); its path on the writing process. Every
         process calls it (each one's dropout stream is gathered), unless `gather` is False (after an error)."""
-        rng = rng_state(self.procs, gather)
-        if not self.procs.is_master and not self.fsdp:  # under FSDP every process writes its own rows
-            return None
-        path = self.run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(self.step)
-        written = ckpt.save_checkpoint(path, self.model, self._state(rng), self.optimizers,
-                                       tokenizer_dir=self.data_dir, writer=self.procs.is_master)
-        if written is not None:
-            ckpt.prune_checkpoints(self.run_dir, self.cfg.keep_last)
-        return written
+        return save_step_checkpoint(self, gather)
 
     def save_best(self) -> None:
         """checkpoints/best/: the weights of the best validation loss so far (no optimizer state)."""
-        if not self.procs.is_master and not self.fsdp:
-            return
-        ckpt.save_checkpoint(self.run_dir / ckpt.CHECKPOINTS_DIR / ckpt.BEST_NAME, self.model,
-                             {"step": self.step, "val_loss": self.best_val}, tokenizer_dir=self.data_dir,
-                             writer=self.procs.is_master)
+        save_best_weights(self)
 
     # --- evaluation -----------------------------------------------------------------------------------------
     def evaluate(self) -> float:
