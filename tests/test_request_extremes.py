@@ -1,15 +1,22 @@
 """Every request field at its extremes, read off the server's own pydantic schemas (a new field is swept without
 editing this file), through /v1/completions, /v1/chat/completions and the web page's /ui/* JSON routes: a 200,
 or a 4xx in OpenAI's error shape whose `param` names the field; never a 5xx, never a hang (every request has a
-timeout). A sweep of bad requests does not disturb a good request decoding beside it."""
+timeout). A sweep of bad requests does not disturb a good request decoding beside it. The Python API's
+`generate` / `generate_batch` keyword arguments get the same sweep: a ValueError naming the argument, or a result."""
 
 from __future__ import annotations
 
+import inspect
+import math
 import threading
 
 import httpx
 import pytest
+import torch
 from helpers import ByteTokenizer, tiny_model
+
+from gptlab.errors import GptlabError
+from gptlab.generation import SamplingParams, generate, generate_batch
 
 pytest.importorskip("fastapi")
 from gptlab.serve import ServerThread, create_app  # noqa: E402
@@ -85,3 +92,42 @@ def test_bad_requests_beside_a_good_one_leave_its_answer_alone(server) -> None:
         runner.join(TIMEOUT)
     assert not runner.is_alive() and answers[0].status_code == 200
     assert answers[0].json()["choices"][0]["text"] == alone
+
+
+# --- the Python API: generate / generate_batch keyword arguments -------------------------------------------------
+API_VALUES = {**EXTREMES, "nan": math.nan, "inf": math.inf, "minus-inf": -math.inf}
+del API_VALUES["long-list"], API_VALUES["long-text"]  # lengths are SamplingParams' (swept in test_recipe_extremes)
+
+
+def _keywords(fn) -> list[str]:  # noqa: ANN001
+    skip = {"model", "idx", "prompts", "params", "controls"}
+    return [name for name in inspect.signature(fn).parameters if name not in skip]
+
+
+def _ends_honestly(call, name: str, label: str) -> None:  # noqa: ANN001
+    try:
+        call()
+    except (ValueError, TypeError, GptlabError) as e:
+        message = str(e)
+        assert name in message and "\n" not in message, f"{name}={label}: {type(e).__name__}: {message}"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab_size=256, block_size=16)
+
+
+@pytest.mark.parametrize("name", _keywords(generate))
+def test_every_generate_keyword_at_its_extremes_is_a_result_or_an_error_naming_it(model, name: str) -> None:
+    idx = torch.tensor([[1, 2]])
+    for label, value in API_VALUES.items():
+        kw = {"max_new_tokens": 2, name: value}
+        _ends_honestly(lambda kw=kw: generate(model, idx, **kw), name, label)
+
+
+@pytest.mark.parametrize("name", _keywords(generate_batch))
+def test_every_generate_batch_keyword_at_its_extremes_is_a_result_or_an_error_naming_it(model, name: str) -> None:
+    for label, value in API_VALUES.items():
+        call = lambda value=value: generate_batch(model, [[1, 2]], SamplingParams(max_new_tokens=2),  # noqa: E731
+                                                  **{name: value})
+        _ends_honestly(call, name, label)
