@@ -119,6 +119,8 @@ def _adder(total: torch.Tensor) -> HookFn:
 
 def check_vectors(model: GPT, vectors: Sequence[SteeringVector]) -> tuple[SteeringVector, ...]:
     """The vectors as a tuple, each checked against `model` (layer in range, the model's width, finite)."""
+    if not isinstance(vectors, Sequence) or not all(isinstance(v, SteeringVector) for v in vectors):
+        raise GptlabError(f"steering must be a sequence of SteeringVector, got {vectors!r:.80}")
     for v in vectors:
         v.check(model)
     return tuple(vectors)

@@ -186,7 +186,7 @@ class ByteTokenizer:
     def decode_bytes(self, ids) -> bytes:  # noqa: ANN001
         return bytes(int(i) for i in ids)
 
-    def decode(self, ids) -> str:  # noqa: ANN001
+    def decode(self, ids, *, errors: str = "strict") -> str:  # noqa: ANN001
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 

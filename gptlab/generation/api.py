@@ -15,7 +15,7 @@ back afterwards, and allocates a cache only as long as the run can use.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,9 +26,7 @@ from gptlab.hooks import eval_mode
 from gptlab.kv_cache import cache_length
 from gptlab.model import GPT
 from gptlab.steering import SteeringVector
-
-if TYPE_CHECKING:
-    from gptlab.tokenizer.base import TextTokenizer
+from gptlab.tokenizer.base import TextTokenizer
 
 PACK_MIN_TOKENS = 16  # re-laying the weights out (`packed_linear`) pays off only over enough decoding steps
 
@@ -39,7 +37,7 @@ def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams
         model,
         max_batch=max(1, len(prompts)),
         tokenizer=tokenizer,
-        max_len=cache_length(prompts, params.max_new_tokens),
+        max_len=cache_length(prompts, max(1, params.max_new_tokens)),  # 0 new tokens: the prompt must still fit
         pack_weights=params.max_new_tokens >= PACK_MIN_TOKENS,
         speculate=speculate,
     )
@@ -60,6 +58,9 @@ def generate_batch(
     model or "ngram" (prompt lookup) for speculative decoding of a row decoding alone (`speculative`).
     `steering`: vectors added to every row's residual stream (`gptlab.steering`) at every step."""
     params = params or SamplingParams()
+    if tokenizer is not None and not isinstance(tokenizer, TextTokenizer):
+        raise ValueError(f"tokenizer must have encode, decode and decode_bytes (a TextTokenizer), got "
+                         f"{type(tokenizer).__name__}")
     engine = _engine(model, prompts, params, tokenizer, speculate)
     gens = [
         engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt, steering=steering)
@@ -147,6 +148,9 @@ def generate(
     gens = generate_batch(model, idx.tolist(), params, truncate_prompt=truncate_prompt, speculate=speculate,
                           steering=steering)
     rows = [g.prompt_ids + g.token_ids for g in gens]  # prompts after truncation, if any
+    if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, int)
+                               or not torch.iinfo(idx.dtype).min <= pad_id <= torch.iinfo(idx.dtype).max):
+        raise ValueError(f"pad_id must be an integer that fits idx's {idx.dtype}, got {pad_id!r:.80}")
     pad = pad_id if pad_id is not None else (params.stop_token_ids[0] if params.stop_token_ids else 0)
     out = torch.full((len(rows), max(map(len, rows))), pad, dtype=idx.dtype, device=idx.device)
     for i, row in enumerate(rows):

@@ -30,11 +30,11 @@ import torch
 from gptlab.errors import GptlabError
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.sampling import apply_logit_bias, filtered_probs
+from gptlab.model import GPT
 
 if TYPE_CHECKING:
     from gptlab.generation.engine import Engine
     from gptlab.generation.request import Generation
-    from gptlab.model import GPT
 
 DRAFT_TOKENS = 4  # guesses per forward: more pay off only when most are accepted
 NGRAM = "ngram"
@@ -172,6 +172,8 @@ class Speculator:
             if speculate != NGRAM:
                 raise GptlabError(f"speculate must be a draft model or {NGRAM!r}, got {speculate!r}")
             self.drafter: NgramDrafter | ModelDrafter = NgramDrafter()
+        elif not isinstance(speculate, GPT):
+            raise GptlabError(f"speculate must be a draft model or {NGRAM!r}, got {speculate!r:.80}")
         else:
             vocab, draft_vocab = engine.config.vocab_size, speculate.config.vocab_size
             if draft_vocab != vocab:
