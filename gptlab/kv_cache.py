@@ -201,4 +201,5 @@ def cache_length(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
 
     Allocating (and zeroing) only what a run can use keeps one-shot calls cheap: a full GPT-2 cache of 1024
     positions is 75 MB per row in fp32."""
-    return max((len(p) for p in prompts), default=1) + max_new_tokens
+    # at least one position past the prompt: a row's check wants room for one token even when none is asked for
+    return max((len(p) for p in prompts), default=1) + max(max_new_tokens, 1)

@@ -14,6 +14,7 @@ back afterwards, and allocates a cache only as long as the run can use.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
-from gptlab.generation.request import Generation
+from gptlab.generation.request import Generation, prompt_token_ids
 from gptlab.hooks import eval_mode
 from gptlab.kv_cache import cache_length
 from gptlab.model import GPT
@@ -31,13 +32,26 @@ from gptlab.tokenizer.base import TextTokenizer
 PACK_MIN_TOKENS = 16  # re-laying the weights out (`packed_linear`) pays off only over enough decoding steps
 
 
+def _check_arguments(params: Any, tokenizer: Any, speculate: Any, steering: Any) -> None:
+    """The keyword arguments' types, refused by name here rather than as an AttributeError deep in the engine."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode_bytes", None)):
+        raise ValueError(f"tokenizer must be a gptlab tokenizer (or None), got {type(tokenizer).__name__}")
+    if speculate is not None and not isinstance(speculate, (GPT, str)):
+        raise ValueError(f"speculate must be a draft GPT or 'ngram', got {type(speculate).__name__}")
+    if not isinstance(steering, (list, tuple)) or not all(isinstance(v, SteeringVector) for v in steering):
+        raise ValueError("steering must be a sequence of SteeringVector (gptlab.steering)")
+
+
 def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: TextTokenizer,
-            speculate: GPT | str | None = None) -> Engine:
+            speculate: GPT | str | None = None, steering: Sequence[SteeringVector] = ()) -> Engine:
+    _check_arguments(params, tokenizer, speculate, steering)
     return Engine(
         model,
         max_batch=max(1, len(prompts)),
         tokenizer=tokenizer,
-        max_len=cache_length(prompts, max(1, params.max_new_tokens)),  # 0 new tokens: the prompt must still fit
+        max_len=cache_length(prompts, params.max_new_tokens),
         pack_weights=params.max_new_tokens >= PACK_MIN_TOKENS,
         speculate=speculate,
     )
@@ -58,10 +72,10 @@ def generate_batch(
     model or "ngram" (prompt lookup) for speculative decoding of a row decoding alone (`speculative`).
     `steering`: vectors added to every row's residual stream (`gptlab.steering`) at every step."""
     params = params or SamplingParams()
-    if tokenizer is not None and not isinstance(tokenizer, TextTokenizer):
-        raise ValueError(f"tokenizer must have encode, decode and decode_bytes (a TextTokenizer), got "
-                         f"{type(tokenizer).__name__}")
-    engine = _engine(model, prompts, params, tokenizer, speculate)
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a list of prompts (each a sequence of token ids), got {prompts!r:.60}")
+    prompts = [prompt_token_ids(p) for p in prompts]
+    engine = _engine(model, prompts, params, tokenizer, speculate, steering)
     gens = [
         engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt, steering=steering)
         for i, p in enumerate(prompts)
@@ -106,11 +120,22 @@ def generate_stream(
     """
     params = params or SamplingParams()
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    engine = _engine(model, [ids], params, tokenizer, speculate)
+    engine = _engine(model, [ids], params, tokenizer, speculate, steering)
     gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt, steering=steering)
     yield from stream_deltas(engine, gen)
     if result is not None:
         result.append(gen)
+
+
+def _check_idx(idx: Any, pad_id: Any) -> None:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] == 0:
+        raise ValueError("idx must be a (batch, time) tensor of token ids with at least one row")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+    bounds = torch.iinfo(idx.dtype)
+    if pad_id is not None and not (isinstance(pad_id, int) and not isinstance(pad_id, bool)
+                                   and bounds.min <= pad_id <= bounds.max):
+        raise ValueError(f"pad_id must be an integer that fits idx's {idx.dtype}, got {pad_id!r}")
 
 
 @torch.no_grad()  # not inference_mode: the returned tensor may be used in autograd later (e.g. as data)
@@ -140,17 +165,16 @@ def generate(
     single row, with greedy output identical to the model's alone and sampling from its distribution.
     `steering`: `SteeringVector`s added to the residual stream at every step (`gptlab.steering`).
     """
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-        raise ValueError("idx must be a (batch, time) tensor of token ids")
+    _check_idx(idx, pad_id)
+    unknown = sorted(set(controls) - {f.name for f in dataclasses.fields(SamplingParams)})
+    if unknown:
+        raise ValueError(f"{unknown[0]} is not a generate() argument nor a SamplingParams field")
     params = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, **controls
     )
     gens = generate_batch(model, idx.tolist(), params, truncate_prompt=truncate_prompt, speculate=speculate,
                           steering=steering)
     rows = [g.prompt_ids + g.token_ids for g in gens]  # prompts after truncation, if any
-    if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, int)
-                               or not torch.iinfo(idx.dtype).min <= pad_id <= torch.iinfo(idx.dtype).max):
-        raise ValueError(f"pad_id must be an integer that fits idx's {idx.dtype}, got {pad_id!r:.80}")
     pad = pad_id if pad_id is not None else (params.stop_token_ids[0] if params.stop_token_ids else 0)
     out = torch.full((len(rows), max(map(len, rows))), pad, dtype=idx.dtype, device=idx.device)
     for i, row in enumerate(rows):

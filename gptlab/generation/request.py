@@ -14,9 +14,10 @@ tokens. The batching itself (which rows run, the forwards, sampling) is `engine`
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,6 +88,21 @@ class Generation:
             self.text_state.close()
 
 
+def prompt_token_ids(prompt_ids: Any) -> list[int]:
+    """A prompt as a list of ints; text, floats, bools or nested lists are refused by name rather than cast
+    (int(1.5) would silently become another token)."""
+    try:
+        items = list(prompt_ids) if not isinstance(prompt_ids, (str, bytes)) else [prompt_ids]
+        bad = next((t for t in items if isinstance(t, bool)), None)
+        if bad is not None:
+            raise TypeError
+        return [operator.index(t) for t in items]
+    except TypeError:
+        shown = repr(prompt_ids)
+        raise ValueError(f"prompt must be a sequence of integer token ids, got {shown[:60]}"
+                         f"{'...' if len(shown) > 60 else ''}") from None
+
+
 def prepare_generation(
     prompt_ids: Sequence[int],
     params: SamplingParams,
@@ -99,7 +115,7 @@ def prepare_generation(
     truncate_prompt: bool = False,
 ) -> Generation:
     """Check (or truncate) a prompt for a cache of `context` positions and build its row state."""
-    ids = [int(t) for t in prompt_ids]
+    ids = prompt_token_ids(prompt_ids)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token (e.g. the end-of-text token)")
     V, ctx = vocab_size, context
