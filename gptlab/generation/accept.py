@@ -1,17 +1,22 @@
 """What the engine does with a step's logits, one job per function: sample each row's token (`sample_rows`),
 record its log-probabilities (`record_logprobs`), and append it and finish the rows that are done
 (`finish_rows`). `Engine._accept` runs them in that order, with the penalties' token counts between the last two.
+A prompt's own log-probabilities, when asked for, are scored as its chunks are prefilled (`score_prompt`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from gptlab.config import GPTConfig
 from gptlab.generation.request import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generation
 from gptlab.generation.sampling import TokenLogprob, sample_next, token_logprobs
+
+if TYPE_CHECKING:
+    from gptlab.model import GPT
 
 Release = Callable[[Generation], None]  # frees a finished row's slot
 
@@ -72,3 +77,15 @@ def finish_rows(gens: list[Generation], new: list[int], config: GPTConfig, max_l
             g._finish(FINISH_LENGTH)  # the next token would need a position past the learned table
         if g.finished:
             release(g)
+
+
+def score_prompt(model: GPT, g: Generation, hidden: torch.Tensor, start: int) -> None:
+    """With params.prompt_logprobs: score the prompt tokens that hidden states (T, C) of prompt positions
+    start.. predict (position t's logits score prompt token t + 1)."""
+    if not g.params.prompt_logprobs:
+        return
+    targets = g.prompt_ids[start + 1 : start + 1 + hidden.shape[0]]
+    if targets:
+        ids = torch.tensor(targets, device=hidden.device)
+        logits = model.logits(hidden[: len(targets)])
+        g.prompt_logprobs.extend(token_logprobs(logits, ids, g.params.logprobs or 0))

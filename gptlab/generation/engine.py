@@ -40,13 +40,13 @@ import torch.nn as nn
 
 from gptlab.errors import GptlabError
 from gptlab.generation import native_decode
-from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows
+from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows, score_prompt
 from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.generation.graph_decode import StaticDecode, usable
 from gptlab.generation.packed_linear import kernel_name, pack_where_it_helps
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.prefill import padded_groups, prefill_rows
-from gptlab.generation.prefix_cache import PrefixCache
+from gptlab.generation.prefix_cache import PrefixCache, keep_row, restore_prompt
 from gptlab.generation.request import (
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -55,7 +55,7 @@ from gptlab.generation.request import (
     prepare_generation,
 )
 from gptlab.generation.row_steering import any_steered, steering_rows
-from gptlab.generation.sampling import TokenCounts, token_logprobs
+from gptlab.generation.sampling import TokenCounts
 from gptlab.generation.speculative import DRAFT_TOKENS, Speculator
 from gptlab.hardware import available_memory
 from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
@@ -172,7 +172,7 @@ class Engine:
         """Free a row (finished or cancelled): the prefix cache keeps what it holds; its cache entries are then
         overwritten by the next user."""
         if 0 <= gen.row.slot < self.max_batch and self.slots[gen.row.slot] is gen:
-            self._keep(gen)
+            keep_row(self.prefix_cache, self.model, self.cache, gen)
             self.slots[gen.row.slot] = None
         if not gen.finished:
             gen._finish(FINISH_STOP)
@@ -212,7 +212,7 @@ class Engine:
             g.prompt_logprobs = [None] if g.params.prompt_logprobs else []
         self._reset_penalty_rows(gens)
         for g in gens:
-            kept = self._restore(g)  # the prompt's tokens found in the prefix cache, copied into its row
+            kept = restore_prompt(self.prefix_cache, self.model, self.cache, g)  # found there, copied into its row
             self.cache.lengths[g.row.slot] = kept  # (whatever the slot's previous user left)
             g.row.pending = g.prompt_ids[kept:]
         self._prefill_pending(gens, isolate=len(gens) > 1)
@@ -251,36 +251,13 @@ class Engine:
         now whole, kept by the prefix cache, and the logits after their last token."""
         done, last = [], []
         for i, (g, part) in enumerate(zip(gens, parts, strict=True)):
-            self._score_prompt(g, hidden[i, : len(part)], len(g.prompt_ids) - len(g.row.pending))
+            score_prompt(self.model, g, hidden[i, : len(part)], len(g.prompt_ids) - len(g.row.pending))
             g.row.pending = g.row.pending[len(part) :]
             if not g.row.pending:
                 done.append(g)
                 last.append(hidden[i, len(part) - 1])
-                self._keep(g)
+                keep_row(self.prefix_cache, self.model, self.cache, g)
         return done, self.model.logits(torch.stack(last)) if done else None
-
-    def _restore(self, g: Generation) -> int:
-        """The prompt's longest kept prefix, copied into g's row: its length (prompt logprobs need every position)."""
-        if self.prefix_cache is None or g.params.prompt_logprobs or g.steering:  # steered keys are the row's own
-            return 0
-        return self.prefix_cache.restore(self.model, self.cache, g.row.slot, g.prompt_ids)
-
-    def _keep(self, g: Generation) -> None:
-        """The prefix cache keeps the tokens g's row holds (its window's first `lengths` ones)."""
-        if self.prefix_cache is not None and not g.steering:
-            held = g.row.window[: int(self.cache.lengths[g.row.slot])]
-            self.prefix_cache.store(self.model, self.cache, g.row.slot, held)
-
-    def _score_prompt(self, g: Generation, hidden: torch.Tensor, start: int) -> None:
-        """With params.prompt_logprobs: score the prompt tokens that hidden states (T, C) of prompt positions
-        start.. predict (position t's logits score prompt token t + 1)."""
-        if not g.params.prompt_logprobs:
-            return
-        targets = g.prompt_ids[start + 1 : start + 1 + hidden.shape[0]]
-        if targets:
-            ids = torch.tensor(targets, device=self.device)
-            logits = self.model.logits(hidden[: len(targets)])
-            g.prompt_logprobs.extend(token_logprobs(logits, ids, g.params.logprobs or 0))
 
     def _done_before_start(self, g: Generation) -> bool:
         if g.params.max_new_tokens == 0:

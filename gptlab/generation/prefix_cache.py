@@ -38,12 +38,16 @@ import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from gptlab.kv_cache import KVCache
 from gptlab.rope import LENGTH_DEPENDENT
+
+if TYPE_CHECKING:
+    from gptlab.generation.request import Generation
 
 DEFAULT_PREFIX_CACHE_MB = 512.0  # the server's and chat's default budget: a GPT-2 124M context is ~75 MB (fp32)
 DEFAULT_BLOCK_TOKENS = 16
@@ -205,3 +209,18 @@ def _weights_fingerprint(model: nn.Module) -> tuple:
             version = None
         marks.append((version, t.data_ptr()))
     return tuple(marks)
+
+
+def restore_prompt(prefixes: PrefixCache | None, model: nn.Module, cache: KVCache, g: Generation) -> int:
+    """g's prompt's longest kept prefix, copied into its row of `cache`: its length. Nothing for a row whose prompt
+    logprobs need every position, or a steered one (its keys are its own)."""
+    if prefixes is None or g.params.prompt_logprobs or g.steering:
+        return 0
+    return prefixes.restore(model, cache, g.row.slot, g.prompt_ids)
+
+
+def keep_row(prefixes: PrefixCache | None, model: nn.Module, cache: KVCache, g: Generation) -> None:
+    """The tokens g's row holds (its window's first `lengths` ones) kept, unless steered."""
+    if prefixes is not None and not g.steering:
+        held = g.row.window[: int(cache.lengths[g.row.slot])]
+        prefixes.store(model, cache, g.row.slot, held)
