@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 _THREAD = re.compile(r"^thread \((\w+)\)(?:: (.*))?$")
@@ -22,7 +23,8 @@ class Recording:
     """py-spy sampling process `pid` into `path` from now until `stop()`."""
 
     def __init__(self, pid: int, path: Path, rate: int = 100) -> None:
-        exe = shutil.which("py-spy")
+        # on PATH, or beside this Python (a virtual environment's bin/, not activated)
+        exe = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
         if exe is None:
             raise RuntimeError("py-spy is not installed (pip install py-spy)")
         self.path = path

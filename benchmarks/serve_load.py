@@ -19,7 +19,9 @@ bfloat16, q8_0 for int8, where gptlab serves `--quantize int8`), under the same 
 run), started with `-np` the max batch, `-t` the threads and `--ignore-eos`; `--peer llamacpp` is llama-cpp-python's
 Python server (`bench` extra), which serves one request at a time. The servers take turns over --rounds and the
 medians and ratios gptlab / peer are printed (tokens/s: higher is better; first-token p99: lower is better). Tokens
-are counted from each stream's `usage` where the server sends it, else one per streamed chunk. Beside the served
+are counted from each stream's `usage` where the server sends it, else one per streamed chunk. Each round also
+prints the CPU the load generator (this process) and the server used, the server's as CPU milliseconds per token:
+a figure other work on a shared machine moves far less than tokens/s. Beside the served
 figure: the engine's own tokens/s at the same batch without a server (`generate_batch` of max-batch prompts,
 max-tokens each, in a process of its own, once per round), and served / offline.
 
@@ -145,13 +147,13 @@ def load(url: str, args: argparse.Namespace) -> dict:
                         errors.append(repr(e))
                 n += 1
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=args.seconds + 360)
-    wall = time.perf_counter() - t0
+    wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     ttft = [r["ttft"] for r in results]
     lat = [r["latency"] for r in results]
     return {"requests": len(results), "wall": wall, "tokens": sum(r["tokens"] for r in results),
@@ -159,7 +161,8 @@ def load(url: str, args: argparse.Namespace) -> dict:
             "lat50": percentile(lat, 0.5), "lat99": percentile(lat, 0.99),
             "ttft50": percentile(ttft, 0.5), "ttft99": percentile(ttft, 0.99),
             "pauses": [r["pause"] for r in results if not r["long"]], "errors": errors,
-            "mean_tokens": statistics.mean(r["tokens"] for r in results) if results else 0.0}
+            "mean_tokens": statistics.mean(r["tokens"] for r in results) if results else 0.0,
+            "client_cores": client_cpu / wall}
 
 
 def serve_gptlab(ckpt: str, port: int, args: argparse.Namespace, log: IO) -> subprocess.Popen:
@@ -231,6 +234,16 @@ print(statistics.median(rates))
     return float(done.stdout.split()[-1])
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) process `pid` has used, from /proc (Linux); nan elsewhere. Unlike
+    tokens/s, CPU time per token is little moved by other work on a shared machine."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def run_round(name: str, start, args: argparse.Namespace, log: Path,  # noqa: ANN001 - start(port, log)
               profile: Path | None = None) -> dict:
     """One contender under the load; with `profile`, its server sampled by py-spy while the load runs."""
@@ -241,7 +254,12 @@ def run_round(name: str, start, args: argparse.Namespace, log: Path,  # noqa: AN
         wait_for_server(server, f"http://127.0.0.1:{port}", "/v1/models" if name == "llama.cpp" else "/health", log)
         recording = Recording(server.pid, profile) if profile else None
         try:
-            return load(f"http://127.0.0.1:{port}", args)
+            cpu0 = process_cpu_seconds(server.pid)
+            summary = load(f"http://127.0.0.1:{port}", args)
+            cpu = process_cpu_seconds(server.pid) - cpu0
+            summary["server_cores"] = cpu / summary["wall"]
+            summary["cpu_ms_per_token"] = 1000 * cpu / max(summary["tokens"], 1)
+            return summary
         finally:
             if recording is not None:
                 recording.stop()
@@ -257,7 +275,9 @@ def report(name: str, s: dict, args: argparse.Namespace) -> None:
     print(f"  {name}: {s['requests']} requests in {s['wall']:.1f} s = {s['req_per_s']:.2f} req/s, "
           f"{s['tokens']} tokens = {s['tokens_per_s']:.1f} tokens/s, latency p50 {s['lat50'] * 1000:.0f} ms "
           f"p99 {s['lat99'] * 1000:.0f} ms, first token p50 {s['ttft50'] * 1000:.0f} ms p99 "
-          f"{s['ttft99'] * 1000:.0f} ms, {s['mean_tokens']:.1f} tokens per request, errors {len(s['errors'])}"
+          f"{s['ttft99'] * 1000:.0f} ms, {s['mean_tokens']:.1f} tokens per request, load generator's CPU "
+          f"{s['client_cores']:.2f} cores, server's CPU {s['server_cores']:.2f} cores = "
+          f"{s['cpu_ms_per_token']:.2f} CPU ms per token, errors {len(s['errors'])}"
           + (f" (first: {s['errors'][0]})" if s["errors"] else ""))
     if name == "gptlab" and args.long_prompt:
         p = s["pauses"]
@@ -326,11 +346,12 @@ def main() -> None:
                 offline.append(offline_tokens_per_s(ckpt, args))
                 print(f"  gptlab's engine offline: {offline[-1]:.1f} tokens/s")
 
-    med = {name: {k: statistics.median(s[k] for s in runs) for k in ("tokens_per_s", "req_per_s", "ttft50", "ttft99")}
-           for name, runs in rounds.items()}
+    keys = ("tokens_per_s", "req_per_s", "ttft50", "ttft99", "cpu_ms_per_token", "client_cores")
+    med = {name: {k: statistics.median(s[k] for s in runs) for k in keys} for name, runs in rounds.items()}
     for name, m in med.items():
         print(f"median {name}: {m['tokens_per_s']:.1f} tokens/s, {m['req_per_s']:.2f} req/s, first token p50 "
-              f"{m['ttft50'] * 1000:.0f} ms p99 {m['ttft99'] * 1000:.0f} ms, errors "
+              f"{m['ttft50'] * 1000:.0f} ms p99 {m['ttft99'] * 1000:.0f} ms, {m['cpu_ms_per_token']:.2f} server CPU ms "
+              f"per token, load generator {m['client_cores']:.2f} cores, errors "
               f"{sum(len(s['errors']) for s in rounds[name])}")
     g = med["gptlab"]
     if offline:
@@ -341,7 +362,8 @@ def main() -> None:
         p = med[peer]
         if p["tokens_per_s"] > 0:
             print(f"gptlab / {peer}: tokens/s {g['tokens_per_s'] / p['tokens_per_s']:.2f}x, first-token p99 "
-                  f"{g['ttft99'] / p['ttft99']:.2f}x (below 1 is better)")
+                  f"{g['ttft99'] / p['ttft99']:.2f}x, server CPU per token "
+                  f"{g['cpu_ms_per_token'] / p['cpu_ms_per_token']:.2f}x (below 1 is better)")
     if args.profile:
         print(f"py-spy profile of the gptlab server (last round; {args.profile}):")
         print(summarize(args.profile))
