@@ -32,21 +32,18 @@ from gptlab.tokenizer.base import TextTokenizer
 PACK_MIN_TOKENS = 16  # re-laying the weights out (`packed_linear`) pays off only over enough decoding steps
 
 
-def _check_arguments(params: Any, tokenizer: Any, speculate: Any, steering: Any) -> None:
-    """The keyword arguments' types, refused by name here rather than as an AttributeError deep in the engine."""
+def _check_arguments(params: Any, tokenizer: Any) -> None:
+    """The keyword arguments' types, refused by name here rather than as an AttributeError deep in the engine
+    (`speculate` and `steering` are checked where the engine takes them: `Speculator`, `check_vectors`)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if tokenizer is not None and not callable(getattr(tokenizer, "decode_bytes", None)):
         raise ValueError(f"tokenizer must be a gptlab tokenizer (or None), got {type(tokenizer).__name__}")
-    if speculate is not None and not isinstance(speculate, (GPT, str)):
-        raise ValueError(f"speculate must be a draft GPT or 'ngram', got {type(speculate).__name__}")
-    if not isinstance(steering, (list, tuple)) or not all(isinstance(v, SteeringVector) for v in steering):
-        raise ValueError("steering must be a sequence of SteeringVector (gptlab.steering)")
 
 
 def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: TextTokenizer,
-            speculate: GPT | str | None = None, steering: Sequence[SteeringVector] = ()) -> Engine:
-    _check_arguments(params, tokenizer, speculate, steering)
+            speculate: GPT | str | None = None) -> Engine:
+    _check_arguments(params, tokenizer)
     return Engine(
         model,
         max_batch=max(1, len(prompts)),
@@ -75,7 +72,7 @@ def generate_batch(
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a list of prompts (each a sequence of token ids), got {prompts!r:.60}")
     prompts = [prompt_token_ids(p) for p in prompts]
-    engine = _engine(model, prompts, params, tokenizer, speculate, steering)
+    engine = _engine(model, prompts, params, tokenizer, speculate)
     gens = [
         engine.prepare(p, params, sample_index=i, truncate_prompt=truncate_prompt, steering=steering)
         for i, p in enumerate(prompts)
@@ -120,7 +117,7 @@ def generate_stream(
     """
     params = params or SamplingParams()
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    engine = _engine(model, [ids], params, tokenizer, speculate, steering)
+    engine = _engine(model, [ids], params, tokenizer, speculate)
     gen = engine.prepare(ids, params, truncate_prompt=truncate_prompt, steering=steering)
     yield from stream_deltas(engine, gen)
     if result is not None:
