@@ -24,13 +24,16 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json, read_json_or_empty
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     pass
@@ -217,23 +220,49 @@ def _probe(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> 
     return best
 
 
+def cached_measurement(file_name: str, key: str, read: Callable[[Any], T | None], measure: Callable[[], T],
+                       stored: Callable[[T], Any] = lambda value: value,
+                       keep: Callable[[T], bool] = lambda value: True) -> T:
+    """A measurement of this machine, kept under `key` in the cache folder's JSON file `file_name`: the kept entry
+    where `read` makes a value of it (a missing or damaged entry reads as None and is measured again), else
+    `measure()`, written back as `stored(value)` unless `keep(value)` says not (a read-only home: measured again
+    next time)."""
+    path = cache_dir() / file_name
+    cached = read_json_or_empty(path)
+    value = read(cached.get(key))
+    if value is not None:
+        return value
+    value = measure()
+    if keep(value):
+        cached[key] = stored(value)
+        try:
+            atomic_write_json(path, cached)
+        except (OSError, GptlabError):
+            pass
+    return value
+
+
+def busy() -> bool:
+    """Whether other work keeps this machine's cores busy (a load average above their count). A probe taken then
+    measures the contention as much as what it times (one spike made a kernel build look 20x slower than it is),
+    so its result is used but not kept for later runs."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:  # no load average (Windows)
+        return False
+
+
 def peak_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> float:
     """Peak matmul FLOP/s of `device` in `dtype`: measured once (a fraction of a second), then cached."""
     device = torch.device(device)
-    key = _device_key(device, dtype)
-    path = cache_dir() / CACHE_FILE
-    cached = read_json_or_empty(path)
-    value = cached.get(key)
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf:
-        return float(value)  # anything else in its place is measured again
     n = 4096 if device.type == "cuda" else 1024
-    flops = _probe(device, dtype, n, seconds=0.5 if device.type == "cuda" else 0.25)
-    cached[key] = flops
-    try:
-        atomic_write_json(path, cached)
-    except (OSError, GptlabError):
-        pass  # a read-only home: measure again next time
-    return flops
+
+    def read(value: Any) -> float | None:  # anything but a positive finite number is measured again
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+        return float(value) if ok else None
+
+    return cached_measurement(CACHE_FILE, _device_key(device, dtype), read,
+                              lambda: _probe(device, dtype, n, seconds=0.5 if device.type == "cuda" else 0.25))
 
 
 # Dense bf16 tensor-core FLOP/s from NVIDIA's datasheets (no sparsity), by a substring of the device's name, most

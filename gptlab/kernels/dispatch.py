@@ -30,9 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_json, read_json_or_empty
-from gptlab.hardware import cache_dir, cpu_id
+from gptlab.hardware import busy, cached_measurement, cpu_id
 from gptlab.kernels import kernel_builds, source_digest
 
 KINDS = ("bfloat16", "float32", "int8", "int4")
@@ -78,32 +76,20 @@ def _measured(kind: str, names: tuple[str, ...], rows: int, threads: int) -> str
     """The probe's choice, from kernels.json or measured (and saved); remembered per process for these arguments
     (the thread count among them: a choice made on 2 threads is not one for 16)."""
     key = "|".join([cpu_id(), f"threads={threads}", torch.__version__, source_digest(), kind, f"rows={rows}"])
-    path = cache_dir() / CACHE_FILE
-    cached = read_json_or_empty(path)
-    entry = cached.get(key)
-    if isinstance(entry, dict) and entry.get("choice") in (*names, TORCH):
-        return entry["choice"]
-    times = probe(kind, names, rows=rows)
-    build = min(names, key=times.get)
-    best = build if times[build] <= BUILD_MARGIN * times[TORCH] else TORCH
-    if busy():  # this process uses the choice; a later one, on a quieter machine, measures again
-        return best
-    cached[key] = {"choice": best, "seconds": times}
-    try:
-        atomic_write_json(path, cached)
-    except (OSError, GptlabError):
-        pass  # a read-only home: probe again next time
-    return best
 
+    def read(entry: Any) -> tuple[str, dict[str, float]] | None:
+        ok = isinstance(entry, dict) and entry.get("choice") in (*names, TORCH)
+        return (entry["choice"], {}) if ok else None
 
-def busy() -> bool:
-    """Whether other work keeps this machine's cores busy (a load average above their count). A probe taken then
-    measures the contention as much as the kernels (one spike made a build look 20x slower than it is), so its
-    choice is not saved for later runs."""
-    try:
-        return os.getloadavg()[0] > (os.cpu_count() or 1)
-    except OSError:  # no load average (Windows)
-        return False
+    def measure() -> tuple[str, dict[str, float]]:
+        times = probe(kind, names, rows=rows)
+        build = min(names, key=times.get)
+        return (build if times[build] <= BUILD_MARGIN * times[TORCH] else TORCH), times
+
+    # a choice probed on a busy machine is used by this process; a later one, on a quieter machine, measures again
+    choice, _ = cached_measurement(CACHE_FILE, key, read, measure,
+                                   stored=lambda c: {"choice": c[0], "seconds": c[1]}, keep=lambda c: not busy())
+    return choice
 
 
 def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, calls: int = 3,

@@ -29,10 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gptlab.errors import GptlabError
-from gptlab.fileio import atomic_write_json, read_json_or_empty
-from gptlab.hardware import cache_dir, cpu_id
-from gptlab.kernels.dispatch import busy
+from gptlab.hardware import busy, cache_dir, cached_measurement, cpu_id
 from gptlab.ops import native_low_precision_matmul
 from gptlab.train.config import TrainConfig
 from gptlab.train.setup import resolve_dtype
@@ -86,26 +83,17 @@ def choose(cfg: TrainConfig, make_probe: MakeProbe, shapes: dict[str, Any]) -> C
     """The dtype and compile switch for `cfg` on this CPU, from train_choices.json or measured (and saved).
     `shapes` names what the step's time depends on beyond the recipe's own fields (the vocabulary, the data's
     sequence length)."""
-    key = _cache_key(cfg, shapes)
-    path = cache_dir() / CACHE_FILE
-    cached = read_json_or_empty(path)
-    entry = cached.get(key)
-    if isinstance(entry, dict):
+    def read(entry: Any) -> Choice | None:  # a damaged entry is measured again
         try:
-            choice = Choice(**entry)
+            choice = Choice(**entry) if isinstance(entry, dict) else None
         except TypeError:
-            choice = None  # a damaged entry is measured again
-        if choice is not None and _valid(choice):
-            return dataclasses.replace(choice, why=f"{choice.why} (cached in {path})")
-    choice = _measure(cfg, make_probe)
-    if busy() or not choice.ms_per_step:
-        return choice
-    cached[key] = dataclasses.asdict(choice)
-    try:
-        atomic_write_json(path, cached)
-    except (OSError, GptlabError):
-        pass  # a read-only home: measure again next time
-    return choice
+            return None
+        if choice is None or not _valid(choice):
+            return None
+        return dataclasses.replace(choice, why=f"{choice.why} (cached in {cache_dir() / CACHE_FILE})")
+
+    return cached_measurement(CACHE_FILE, _cache_key(cfg, shapes), read, lambda: _measure(cfg, make_probe),
+                              stored=dataclasses.asdict, keep=lambda c: bool(c.ms_per_step) and not busy())
 
 
 def _measure(cfg: TrainConfig, make_probe: MakeProbe) -> Choice:
