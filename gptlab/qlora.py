@@ -60,7 +60,7 @@ class FrozenQuantizedLinear(QuantizedLinear):
                 self.scale, self.low = self.scale.float(), self.low.float()  # weights beyond fp16's range
             self.qweight[rows], self.scale[rows], self.low[rows] = pack_nibbles(q), scale, low
 
-    def kernel_weights(self) -> None:
+    def kernel(self) -> None:
         return None
 
     def kernel_name(self, dtype: torch.dtype = torch.bfloat16) -> str:

@@ -143,23 +143,11 @@ class QuantizedLinear(nn.Module):
         self._runs.clear()
         self._kernel = None
 
-    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(packed integers, qparams) in the layout of gptlab's own kernel (see gptlab/kernels/linear_avx2.cpp),
-        made once: where the layer is on a CPU on which that kernel is the faster path for this mode
-        (`gptlab.kernels.dispatch`); None elsewhere (and for int8 weights of an odd input width, which its
-        column pairs do not fit)."""
-        kernel = self._kernel_and_weights()
-        return None if kernel is None else kernel[1]
-
-    def kernel_name(self, dtype: torch.dtype = torch.bfloat16) -> str:
-        """Which kernel runs this layer's forward for inputs of `dtype` on its device."""
-        kernel = self._kernel_and_weights() if self.qweight.device.type == "cpu" else None
-        if kernel is not None and dtype in (torch.float32, torch.bfloat16):
-            return f"{kernel[0].name} ({self.mode})"
-        make = _kernel_for(self.mode, self.qweight.device)
-        return f"torch {self.mode} kernel" if make is not None else f"dequantize + F.linear ({self.mode})"
-
-    def _kernel_and_weights(self) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
+    def kernel(self) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
+        """The build of gptlab's own kernel that runs this layer (its torch.ops namespace) and the weights in its
+        layout, (packed integers, qparams) (see gptlab/kernels/linear_avx2.cpp), made once: where the layer is
+        on a CPU on which that kernel is the faster path for this mode (`gptlab.kernels.dispatch`); None
+        elsewhere (and for int8 weights of an odd input width, which its column pairs do not fit)."""
         if self._kernel is not None:  # made for this device and these buffers (`forget_kernels` drops it)
             return self._kernel
         ops = chosen_ops(self.mode) if self.qweight.device.type == "cpu" else None
@@ -173,6 +161,14 @@ class QuantizedLinear(nn.Module):
             weights = tuple(ops.pack_int4(unpack_nibbles(self.qweight), self.scale, self.zero))
         self._kernel = ops, weights
         return self._kernel
+
+    def kernel_name(self, dtype: torch.dtype = torch.bfloat16) -> str:
+        """Which kernel runs this layer's forward for inputs of `dtype` on its device."""
+        kernel = self.kernel() if self.qweight.device.type == "cpu" else None
+        if kernel is not None and dtype in (torch.float32, torch.bfloat16):
+            return f"{kernel[0].name} ({self.mode})"
+        make = _kernel_for(self.mode, self.qweight.device)
+        return f"torch {self.mode} kernel" if make is not None else f"dequantize + F.linear ({self.mode})"
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the kernels' copies behind (made again on first use; a kernel build is no
@@ -192,7 +188,7 @@ class QuantizedLinear(nn.Module):
         weights where one works here, else the reference."""
         out_dtype = torch.get_autocast_dtype(device.type) if autocast else dtype
         own = device.type == "cpu" and out_dtype in (torch.float32, torch.bfloat16)
-        kernel = self._kernel_and_weights() if own else None
+        kernel = self.kernel() if own else None
         if kernel is not None:
             return functools.partial(_kernel_cpu, *kernel, None if self.bias is None else self.bias.detach().float(),
                                      self.out_features, out_dtype)

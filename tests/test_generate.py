@@ -652,7 +652,8 @@ def test_generate_packs_a_model_once_and_again_only_what_changed(monkeypatch):
     model = tiny_model(bias=True)  # fp32 on a CPU: packing always helps
     packed = []
     pack = packed_linear._pack
-    monkeypatch.setattr(packed_linear, "_pack", lambda module, hint: packed.append(module) or pack(module, hint))
+    monkeypatch.setattr(packed_linear, "_pack",
+                        lambda module, hint, build=None: packed.append(module) or pack(module, hint, build))
     prompt, n = [1, 2, 3], 20
     first = generate(model, torch.tensor([prompt]), n, temperature=0)[0, 3:].tolist()
     linears = [m for m in model.modules() if type(m) is nn.Linear]

@@ -453,7 +453,7 @@ def test_int4_beyond_fp16_takes_pytorchs_path(monkeypatch) -> None:  # noqa: ANN
     with torch.no_grad():
         linear.weight.normal_().mul_(1e5)
     layer = QuantizedLinear(linear, "int4", 32)
-    assert not int4_params_fit_fp16(layer.scale, layer.zero) and layer.kernel_weights() is None
+    assert not int4_params_fit_fp16(layer.scale, layer.zero) and layer.kernel() is None
     x = torch.randn(3, 64)
     assert bool(((layer(x) - layer.reference(x)).abs() <= kernel_tolerance(x, layer)).all())
     small = QuantizedLinear(nn.Linear(64, 32, bias=False), "int4", 32)

@@ -57,7 +57,9 @@ from gptlab.generation.request import (
 from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.sampling import TokenCounts
 from gptlab.generation.speculative import DRAFT_TOKENS, Speculator
+from gptlab.generation.step_choice import blocks_build
 from gptlab.hardware import available_memory
+from gptlab.kernels.dispatch import BATCH
 from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
 from gptlab.model import GPT
 from gptlab.quantize import QuantizedLinear
@@ -115,12 +117,14 @@ class Engine:
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         # (not under torch.compile: it cannot trace into the C++ kernels, and compiles its own)
-        self._packed = pack_where_it_helps(model, max_batch) if pack_weights and not compile_decode else None
+        # (the blocks on a build where the one-call C++ step, timed whole, beats the dispatch's faster products)
+        self._packed = (pack_where_it_helps(model, max_batch, blocks_build(model, max_batch, cache_dtype))
+                        if pack_weights and not compile_decode else None)
         self._lean_step_exact = lean_step_exact(model)  # decode steps skip the general forward's framework time
         # The weights are checked for changes (and packed again) when prompts are prefilled, not before every
         # decode step, and the C++ step's weight list is kept until they change (a per-step walk over every Linear
         # cost ~5% of a batch-1 token): weights written while rows are decoding count from the next prefill.
-        self._native: list | None = None  # None: not gathered yet; []: the C++ step cannot run this model
+        self._native: native_decode.NativeWeights | bool | None = None  # None: not gathered yet; False: cannot
         # on a GPU: decode steps of fixed shape, each captured once in a CUDA graph (`static_decode=True` on a CPU
         # runs the same step uncaptured; None: on CUDA, where the model allows it)
         on_gpu = self.device.type == "cuda"
@@ -131,17 +135,22 @@ class Engine:
         # row runs alone (`speculative`)
         self.speculator = None if speculate is None else Speculator(self, speculate, draft_tokens)
 
-    def _kernels(self, refresh: bool = False, head_only: bool = False) -> contextlib.AbstractContextManager:
+    def _kernels(self, refresh: bool = False, head_only: bool = False,
+                 rows: int = 1) -> contextlib.AbstractContextManager:
+        """The packed forwards for a forward of `rows` token rows (all of them, or the LM head's alone); from
+        the dispatch's large-batch probe size on, the blocks on a build for the C++ step keep their plain forward
+        (where they were sent to a build, PyTorch's path won the products at that size)."""
         if self._packed is None:
             return contextlib.nullcontext()
         if refresh and self._packed.refresh():
             self._native = None  # packs made anew: gather the C++ step's weights again
-        return self._packed.active(refresh=False, only=self.model.lm_head if head_only else None)
+        return self._packed.active(refresh=False, only=self.model.lm_head if head_only else None,
+                                   many_rows=rows >= BATCH)
 
-    def _native_weights(self) -> list | None:
+    def _native_weights(self) -> native_decode.NativeWeights | None:
         """The C++ decode step's weights (inside `_kernels()`), gathered on the first decode step."""
         if self._native is None:
-            self._native = native_decode.weights(self.model, self.cache) or []
+            self._native = native_decode.weights(self.model, self.cache) or False
         return self._native or None
 
     def kernels(self) -> dict[str, Any]:
@@ -225,7 +234,8 @@ class Engine:
         held = [len(g.prompt_ids) - len(g.row.pending) for g in gens]
         for group in padded_groups([len(p) for p in parts], held, self.max_len):
             rows, error = [gens[i] for i in group], None
-            with self._kernels(refresh=True), steering_rows(self.model, rows):
+            tokens = len(group) * max(len(parts[i]) for i in group)  # padded
+            with self._kernels(refresh=True, rows=tokens), steering_rows(self.model, rows):
                 try:
                     hidden = prefill_rows(self.model, self.cache, [g.row.slot for g in rows], [parts[i] for i in group])
                 except Exception as e:
@@ -351,7 +361,7 @@ class Engine:
         g.row.window = list(keep)
         self.cache.lengths[g.row.slot] = 0
         if keep:
-            with self._kernels(refresh=True), steering_rows(self.model, [g]):
+            with self._kernels(refresh=True, rows=len(keep)), steering_rows(self.model, [g]):
                 prefill_rows(self.model, self.cache, [g.row.slot], [keep])
 
     def _accept(self, gens: list[Generation], logits: torch.Tensor) -> None:

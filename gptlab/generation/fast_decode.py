@@ -148,7 +148,8 @@ def embed(model: GPT, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 def decode_hidden(
-    model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | list | None = True, keys: int | None = None
+    model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | native_decode.NativeWeights | None = True,
+    keys: int | None = None,
 ) -> torch.Tensor:
     """Final-norm hidden states (B, 1, C) of one new token per row (idx (B, 1)), appended to `cache`: what
     `model.hidden_states(idx, kv_cache=cache)` returns, for a model `lean_step_exact` accepts. With `native` and every

@@ -3,11 +3,15 @@ whose every Linear runs on gptlab's own kernel: plain Linears inside `PackedLine
 `QuantizedLinear`s where that kernel is their forward.
 
 `weights(model)` gathers, per layer, the norms' parameters and each Linear's (packed, qparams, bias) in the
-order the C++ step reads them, or returns None when the step cannot run this model exactly (a Linear on another
-kernel or wrapped by an adapter, a norm with an epsilon other than the config's); `step` then runs every block.
+order the C++ step reads them, with the build whose kernels the Linears were packed for (`NativeWeights`), or
+returns None when the step cannot run this model exactly (a Linear on another kernel or wrapped by an adapter, a
+norm with an epsilon other than the config's); `step` then runs every block in that build.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -15,7 +19,6 @@ import torch.nn as nn
 from gptlab.config import GPTConfig
 from gptlab.generation.packed_linear import kernel_packed
 from gptlab.kernels import kernel_builds
-from gptlab.kernels.dispatch import chosen_ops, kind_of
 from gptlab.kv_cache import KVCache, Masks
 from gptlab.model import GPT
 from gptlab.quantize import QuantizedLinear
@@ -38,13 +41,22 @@ def _shape(model: GPT) -> list[int]:
             cfg.rotary_dim if cfg.position == "rope" else 0, *(int(b.attn.sliding) for b in model.transformer.h)]
 
 
-def _linear(lin: nn.Module) -> list[torch.Tensor | None] | None:
-    """(packed, qparams, bias) of a Linear that runs on gptlab's kernel right now; None otherwise."""
+@dataclass(frozen=True)
+class NativeWeights:
+    """The C++ step's tensors in its order, and the build (torch.ops namespace) the Linears were packed for: the
+    layouts fit every build, but each build's kernels run best on the batch sizes it was chosen for."""
+
+    tensors: list[torch.Tensor | None]
+    ops: Any
+
+
+def _linear(lin: nn.Module) -> tuple[Any, list[torch.Tensor | None]] | None:
+    """The build and (packed, qparams, bias) of a Linear that runs on gptlab's kernel right now; None otherwise."""
     if isinstance(lin, QuantizedLinear):
-        packed = lin.kernel_weights()
-        return None if packed is None else [*packed, lin._parameters.get("bias")]
-    packed = kernel_packed(lin)
-    return None if packed is None else [packed, None, lin._parameters["bias"]]
+        kernel = lin.kernel()
+        return None if kernel is None else (kernel[0], [*kernel[1], lin._parameters.get("bias")])
+    kernel = kernel_packed(lin)
+    return None if kernel is None else (kernel[0], [kernel[1], None, lin._parameters["bias"]])
 
 
 def _norm(module: nn.Module | None, eps: float) -> list[torch.Tensor | None] | None:
@@ -57,37 +69,38 @@ def _norm(module: nn.Module | None, eps: float) -> list[torch.Tensor | None] | N
     return [params.get("weight"), params.get("bias")]
 
 
-def weights(model: GPT, cache: KVCache) -> list[torch.Tensor | None] | None:
-    """Every layer's PER_LAYER tensors in decode_step's order, or None where the C++ step cannot run this model
-    now (or this cache: it takes fp32 keys and values). The engine gathers it once and again only when packs change;
-    `_modules` / `_parameters` are read directly, as nn.Module's attribute lookup is slow for a walk over every
-    Linear."""
+def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
+    """Every layer's PER_LAYER tensors in decode_step's order and the Linears' build, or None where the C++ step
+    cannot run this model now (or this cache: it takes fp32 keys and values). The engine gathers it once and again
+    only when packs change; `_modules` / `_parameters` are read directly, as nn.Module's attribute lookup is slow
+    for a walk over every Linear."""
     if not kernel_builds() or cache.k.dtype != torch.float32:
         return None
     cfg = model.config
     eps = cfg.norm_eps
     out: list[torch.Tensor | None] = []
+    builds = set()
     for b in model.transformer.h:
         parts = b._modules
         attn, mlp = parts["attn"]._modules, parts["mlp"]._modules
-        groups = [
-            _norm(parts["ln_1"], eps), _linear(attn["c_attn"]), _linear(attn["c_proj"]),
-            _norm(parts.get("ln_2"), eps), _linear(mlp["c_fc"]), _linear(mlp["c_proj"]),
-            _norm(parts.get("ln_attn_out"), eps), _norm(parts.get("ln_mlp_out"), eps),
-            _norm(attn.get("q_norm"), eps), _norm(attn.get("k_norm"), eps),
-        ]
-        if any(g is None for g in groups):
+        linears = [_linear(attn["c_attn"]), _linear(attn["c_proj"]), _linear(mlp["c_fc"]), _linear(mlp["c_proj"])]
+        norms = [_norm(parts["ln_1"], eps), _norm(parts.get("ln_2"), eps), _norm(parts.get("ln_attn_out"), eps),
+                 _norm(parts.get("ln_mlp_out"), eps), _norm(attn.get("q_norm"), eps), _norm(attn.get("k_norm"), eps)]
+        if any(g is None for g in linears + norms):
             return None
-        for g in groups[:-2]:
-            out += g
-        out += [groups[-2][0], groups[-1][0]]  # the q/k norms have a weight only
+        builds.update(ops for ops, _ in linears)
+        (ln_1, ln_2, attn_out, mlp_out, q_norm, k_norm), (qkv, proj, fc, down) = norms, (t for _, t in linears)
+        out += [*ln_1, *qkv, *proj, *ln_2, *fc, *down, *attn_out, *mlp_out]
+        out += [q_norm[0], k_norm[0]]  # the q/k norms have a weight only
     final = model.transformer.ln_f
     final = _norm(None if isinstance(final, nn.Identity) else final, eps)
-    return None if final is None else out + final
+    if final is None or len(builds) != 1:  # none, or Linears packed for two builds: the per-Linear forwards
+        return None
+    return NativeWeights(out + final, builds.pop())
 
 
 def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, masks: Masks,
-         cache: KVCache, weights: list[torch.Tensor | None]) -> torch.Tensor:
+         cache: KVCache, weights: NativeWeights) -> torch.Tensor:
     """x (B, 1, C) through every block and the final norm, this token's keys and values written to `cache`
     (fp32): the loop of the lean step in one C++ call."""
     cfg, a = model.config, model.transformer.h[0].attn
@@ -96,9 +109,8 @@ def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | 
     cos = sin = None
     if rope is not None:  # (1 or B, 1, 1, rot / 2) fp32, rounded to the model's dtype as apply_rope does
         cos, sin = (t.to(x.dtype).float().flatten(1) for t in rope)
-    ops = chosen_ops(kind_of(x.dtype), x.shape[0]) or next(iter(kernel_builds().values()))  # packs fit every build
-    return ops.decode_step(
-        x, weights, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
+    return weights.ops.decode_step(
+        x, weights.tensors, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
         masks.window, cos, sin, _shape(model), cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0,
         not isinstance(model.transformer.ln_f, nn.Identity))
 

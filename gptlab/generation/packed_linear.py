@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gptlab.kernels import kernel_builds
 from gptlab.kernels.dispatch import chosen_ops, kind_of
 
 log = logging.getLogger(__name__)
@@ -120,15 +121,16 @@ class _Pack:
         return self.kernel(self.weight, self.module.bias, x)  # the live bias: it is used as it is
 
 
-def _pack(module: nn.Linear, batch_hint: int) -> _Pack | None:
-    """The packed weight of one Linear; None where packing does not help (or fails) for its dtype and device."""
+def _pack(module: nn.Linear, batch_hint: int, build: str | None = None) -> _Pack | None:
+    """The packed weight of one Linear (for gptlab's kernel `build` where one is named); None where packing does
+    not help (or fails) for its dtype and device."""
     weight = module.weight
     if not packing_helps(weight.device, weight.dtype, batch_hint):
         return None
     with torch.no_grad():
         w = weight.detach()
-        try:
-            ops = chosen_ops(kind_of(w.dtype), batch_hint)  # gptlab's kernel where it is the fastest path here
+        try:  # gptlab's kernel where it is the fastest path here
+            ops = kernel_builds()[build] if build is not None else chosen_ops(kind_of(w.dtype), batch_hint)
             if ops is not None:
                 kernel, packed = functools.partial(_kernel_forward, ops, w.shape[0]), ops.pack(w)
             elif w.dtype == torch.float32:
@@ -147,10 +149,13 @@ def _installed(module: nn.Module) -> _Pack | None:
     return pack if isinstance(pack, _Pack) else None
 
 
-def kernel_packed(module: nn.Module) -> torch.Tensor | None:
-    """The packed weight a Linear runs through gptlab's own kernel (inside `PackedLinears.active()`), else None."""
+def kernel_packed(module: nn.Module) -> tuple[Any, torch.Tensor] | None:
+    """The build of gptlab's own kernel a Linear runs through (its torch.ops namespace) and the packed weight
+    (inside `PackedLinears.active()`), else None."""
     pack = _installed(module)
-    return pack.weight if pack is not None and getattr(pack.kernel, "func", None) is _kernel_forward else None
+    if pack is None or getattr(pack.kernel, "func", None) is not _kernel_forward:
+        return None
+    return pack.kernel.args[0], pack.weight
 
 
 def kernel_name(module: nn.Module) -> str:
@@ -170,20 +175,32 @@ def packable(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-def _layout(model: nn.Module, batch_hint: int) -> tuple:
+def _layout(model: nn.Module, batch_hint: int, blocks_on: str | None) -> tuple:
     """Which Linear modules a model has, their weights' dtypes and devices: what packing them depends on."""
     linears = (m for m in model.modules() if packable(m))
-    return batch_hint, tuple((id(m), m.weight.dtype, m.weight.device) for m in linears)
+    return batch_hint, blocks_on, tuple((id(m), m.weight.dtype, m.weight.device) for m in linears)
+
+
+def _block_linears(model: nn.Module) -> set[int]:
+    """ids of the plain Linears inside a gptlab GPT's blocks (model.transformer.h): what the C++ decode step reads."""
+    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    return {id(m) for m in blocks.modules() if packable(m)} if isinstance(blocks, nn.Module) else set()
 
 
 class PackedLinears:
-    """Packed copies of a model's plain Linear weights; see the module docstring."""
+    """Packed copies of a model's plain Linear weights; see the module docstring. With `blocks_on` (a build of
+    `gptlab.kernels`), the blocks' Linears go to that build whatever the dispatch picked for their products, so
+    that the one-call C++ decode step can run them (`generation.step_choice` decides when that is faster)."""
 
-    def __init__(self, model: nn.Module, batch_hint: int = 1) -> None:
-        self.batch_hint = batch_hint
-        self.layout = _layout(model, batch_hint)
-        packs = (_pack(m, batch_hint) for m in model.modules() if packable(m))
+    def __init__(self, model: nn.Module, batch_hint: int = 1, blocks_on: str | None = None) -> None:
+        self.batch_hint, self.blocks_on = batch_hint, blocks_on
+        self.layout = _layout(model, batch_hint, blocks_on)
+        self._on_build = _block_linears(model) if blocks_on is not None else set()
+        packs = (self._pack(m) for m in model.modules() if packable(m))
         self.packs = [p for p in packs if p is not None]
+
+    def _pack(self, module: nn.Linear) -> _Pack | None:
+        return _pack(module, self.batch_hint, self.blocks_on if id(module) in self._on_build else None)
 
     @property
     def modules(self) -> list[nn.Linear]:
@@ -195,20 +212,24 @@ class PackedLinears:
         cast to a dtype packing does not help, goes back to the plain forward); returns how many changed."""
         stale = [p for p in self.packs if p.stale()]
         if stale:
-            repacked = {id(p): _pack(p.module, self.batch_hint) for p in stale}
+            repacked = {id(p): self._pack(p.module) for p in stale}
             self.packs = [repacked.get(id(p), p) for p in self.packs]
             self.packs = [p for p in self.packs if p is not None]
         return len(stale)
 
     @contextlib.contextmanager
-    def active(self, refresh: bool = True, only: nn.Module | None = None) -> Iterator[None]:
+    def active(self, refresh: bool = True, only: nn.Module | None = None, many_rows: bool = False) -> Iterator[None]:
         """Run the packed forwards inside the block (packing stale weights again first, unless `refresh` is False:
         an engine checks at each prefill, not every step); with `only`, that module's alone (the C++ decode step
-        reads the packs itself and leaves the LM head to its module)."""
+        reads the packs itself and leaves the LM head to its module). With `many_rows` (a prefill), the Linears
+        `blocks_on` sent to a build keep their plain forward: the build was chosen for the decode step, and on
+        the hundreds of rows of a prompt PyTorch's product of the plain weight is the faster one."""
         if refresh:
             self.refresh()
         # a module whose forward someone else has already replaced keeps it (and gets it back on exit)
         packs = self.packs if only is None else [p for p in self.packs if p.module is only]
+        if many_rows and self._on_build:
+            packs = [p for p in packs if id(p.module) not in self._on_build]
         installed = [p for p in packs if "forward" not in p.module.__dict__]
         for p in installed:  # an instance attribute shadows Linear.forward (set directly: this runs every step)
             p.module.__dict__["forward"] = p.forward
@@ -222,16 +243,17 @@ class PackedLinears:
 _PACKED: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()  # model -> its packs
 
 
-def pack_where_it_helps(model: nn.Module, batch_hint: int = 1) -> PackedLinears | None:
+def pack_where_it_helps(model: nn.Module, batch_hint: int = 1, blocks_on: str | None = None) -> PackedLinears | None:
     """The model's PackedLinears where packing helps and works for some Linear; None (plain linears) otherwise.
 
     Packed on the first call and reused by the next ones (`active()` packs again the weights that changed), or
-    packed anew when the Linear modules, their dtypes or devices, or the batch hint differ from last time."""
+    packed anew when the Linear modules, their dtypes or devices, the batch hint or `blocks_on` differ from last
+    time."""
     packed = _PACKED.get(model)
     # weights made under inference_mode keep no version counter: a write to them could not be noticed later
     untracked = packed is not None and any(p.fingerprint[0] is None for p in packed.packs)
-    if packed is None or untracked or packed.layout != _layout(model, batch_hint):
-        packed = _PACKED[model] = PackedLinears(model, batch_hint)
+    if packed is None or untracked or packed.layout != _layout(model, batch_hint, blocks_on):
+        packed = _PACKED[model] = PackedLinears(model, batch_hint, blocks_on)
     return packed if packed.packs else None
 
 
