@@ -229,7 +229,7 @@ def test_blocks_sent_to_a_build_run_the_native_step_in_that_build(build_name: st
 def test_engine_with_its_blocks_on_a_build_decodes_the_plain_forwards_tokens(build_name: str,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPTLAB_KERNEL", "torch")
-    monkeypatch.setattr(engine_module, "blocks_build", lambda model, rows, cache_dtype: build_name)
+    monkeypatch.setattr(engine_module, "blocks_path", lambda model, rows, cache_dtype: build_name)
     model = model_of("llama", torch.bfloat16)
     assert Engine(model, max_batch=3).kernels()["decode step"] == "native C++"
     _greedy_with_and_without_the_lean_step(model, monkeypatch)

@@ -1,6 +1,6 @@
 """Which decode step an engine runs, by timing whole steps (`gptlab.generation.step_choice`): the decision's logic
-on scripted timings (never this machine's speed), its cache, and one real timing on every build this machine runs.
-That the chosen step computes what the plain forward does is tested in test_fast_decode.py."""
+on scripted timings (never this machine's speed), its cache, and real timings on the builds this machine runs.
+That each step computes what the plain forward does is tested in test_fast_decode.py."""
 
 from __future__ import annotations
 
@@ -11,69 +11,97 @@ import torch
 from families import model_of
 
 from gptlab.generation import step_choice
+from gptlab.generation.packed_linear import PackedLinears, kernel_packed
 from gptlab.quantize import quantize_model
 
 
 @pytest.fixture
 def scripted(tmp_path, monkeypatch: pytest.MonkeyPatch) -> dict:  # noqa: ANN001
-    """The dispatch chose PyTorch's path for the batch and "avx512" is its fastest build; whole steps take
-    `times` (ms); `calls` counts the timings."""
+    """Two builds; whole steps take `times` (ms) on each path; `calls` lists the paths of each timing."""
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
-    state = {"choice": "torch", "times": {"avx512": 2.0, "torch": 3.0}, "calls": 0, "busy": False}
-    monkeypatch.setattr(step_choice, "choice", lambda kind, rows: state["choice"])
-    monkeypatch.setattr(step_choice, "fastest_build", lambda kind, rows: "avx512")
+    state = {"times": {"avx2": 3.0, "avx512": 2.0, "torch": 4.0}, "calls": [], "busy": False}
+    monkeypatch.setattr(step_choice, "kernel_builds", lambda: {"avx2": "A", "avx512": "B"})
     monkeypatch.setattr(step_choice, "busy", lambda: state["busy"])
 
-    def time_steps(model, rows, build):  # noqa: ANN001, ANN202
-        state["calls"] += 1
-        return dict(state["times"])
+    def time_steps(model, rows, paths):  # noqa: ANN001, ANN202
+        state["calls"].append(paths)
+        return {p: state["times"][p] for p in paths}
 
     monkeypatch.setattr(step_choice, "time_steps", time_steps)
     return state
 
 
-def test_the_faster_whole_step_wins_and_is_cached(scripted: dict) -> None:
+def test_the_fastest_whole_step_wins_and_is_cached(scripted: dict) -> None:
     model = model_of("llama", torch.bfloat16)
-    assert step_choice.blocks_build(model, 16, torch.float32) == "avx512"
-    assert step_choice.blocks_build(model, 16, torch.float32) == "avx512" and scripted["calls"] == 1  # read back
-    scripted["times"] = {"avx512": 3.0, "torch": 2.0}
-    assert step_choice.blocks_build(model, 32, torch.float32) is None and scripted["calls"] == 2  # another batch
-    assert step_choice.blocks_build(model_of("gpt2", torch.bfloat16), 16, torch.float32) is None  # another model
-    assert scripted["calls"] == 3
+    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512"
+    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 1  # read
+    assert scripted["calls"] == [("avx2", "avx512", "torch")]
+    scripted["times"] = {"avx2": 3.0, "avx512": 5.0, "torch": 2.0}
+    assert step_choice.blocks_path(model, 32, torch.float32) == "torch"  # another batch: timed again
+    assert step_choice.blocks_path(model_of("gpt2", torch.bfloat16), 16, torch.float32) == "torch"  # another model
+    assert len(scripted["calls"]) == 3
 
 
 def test_a_timing_on_a_busy_machine_is_used_but_not_kept(scripted: dict) -> None:
     model = model_of("llama", torch.bfloat16)
     scripted["busy"] = True
-    assert step_choice.blocks_build(model, 16, torch.float32) == "avx512"
+    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512"
     scripted["busy"] = False
-    assert step_choice.blocks_build(model, 16, torch.float32) == "avx512" and scripted["calls"] == 2
-    assert step_choice.blocks_build(model, 16, torch.float32) == "avx512" and scripted["calls"] == 2
+    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 2
+    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 2
 
 
-def test_nothing_is_timed_where_the_dispatch_already_runs_a_build_or_the_native_step_cannot_run(
-        scripted: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pytorchs_path_is_left_out_where_its_copy_would_not_fit(scripted: dict, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(step_choice, "available_memory", lambda device: 1000)
+    assert step_choice.blocks_path(model_of("llama", torch.bfloat16), 1, torch.float32) == "avx512"
+    assert scripted["calls"] == [("avx2", "avx512")]  # the builds share one copy of the weights
+
+
+def test_nothing_is_timed_where_the_native_step_cannot_run_or_a_path_is_forced(scripted: dict,
+                                                                             monkeypatch) -> None:  # noqa: ANN001
     model = model_of("llama", torch.bfloat16)
-    assert step_choice.blocks_build(model, 16, torch.bfloat16) is None  # the C++ step takes an fp32 cache
+    assert step_choice.blocks_path(model, 16, torch.bfloat16) is None  # the C++ step takes an fp32 cache
     quantized = quantize_model(model_of("llama", torch.bfloat16), "int8")  # no plain Linear in the blocks
-    assert step_choice.blocks_build(quantized, 16, torch.float32) is None
+    assert step_choice.blocks_path(quantized, 16, torch.float32) is None
     model.hooks = object()  # hook points set: the plain forward runs
-    assert step_choice.blocks_build(model, 16, torch.float32) is None
-    scripted["choice"] = "avx512"  # the products already on a build: the C++ step runs anyway
-    assert step_choice.blocks_build(model_of("llama", torch.bfloat16), 16, torch.float32) is None
-    scripted["choice"] = "torch"
-    monkeypatch.setattr(step_choice, "available_memory", lambda device: 1000)  # no room for a second pack
-    assert step_choice.blocks_build(model_of("llama", torch.bfloat16), 16, torch.float32) is None
-    assert scripted["calls"] == 0
+    assert step_choice.blocks_path(model, 16, torch.float32) is None
+    monkeypatch.setenv("GPTLAB_KERNEL", "avx2")
+    assert step_choice.blocks_path(model_of("llama", torch.bfloat16), 16, torch.float32) is None
+    monkeypatch.delenv("GPTLAB_KERNEL")
+    monkeypatch.setattr(step_choice, "kernel_builds", dict)  # no build (no compiler, ARM, GPTLAB_NO_KERNELS)
+    assert step_choice.blocks_path(model_of("llama", torch.bfloat16), 16, torch.float32) is None
+    assert scripted["calls"] == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_whole_steps_are_timed_on_every_build(build_name: str, dtype: torch.dtype) -> None:
-    """A real timing of both contenders (they ran: finite, positive) leaves the model as it was."""
+def test_whole_steps_are_timed_on_every_path(dtype: torch.dtype) -> None:
+    """Real timings of every build this machine runs and of PyTorch's path (they ran: finite, positive); the
+    model is left as it was, no pack's forward installed."""
+    from gptlab.kernels import kernel_builds
+
+    if not kernel_builds():
+        pytest.skip("no build of gptlab's kernels runs here")
     model = model_of("llama", dtype)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    times = step_choice.time_steps(model, 4, build_name)
-    assert set(times) == {build_name, "torch"} and all(0 < t < math.inf for t in times.values())
+    paths = (*sorted(kernel_builds()), "torch")
+    times = step_choice.time_steps(model, 4, paths)
+    assert set(times) == set(paths) and all(0 < t < math.inf for t in times.values())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert "forward" not in model.lm_head.__dict__  # the packs' forwards are gone again
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_model_the_native_step_cannot_run_times_nothing(build_name: str) -> None:
+    model = model_of("llama")
+    model.transformer.h[1].ln_2.eps = 1e-3  # the C++ step takes the config's epsilon for every norm
+    assert step_choice.time_steps(model, 2, (build_name, "torch")) == {}
+
+
+def test_blocks_on_torch_keep_the_lean_step(build_name: str, monkeypatch) -> None:  # noqa: ANN001
+    """The whole step on PyTorch's path won: the blocks' Linears leave gptlab's kernel even where the dispatch
+    chose it for their products."""
+    monkeypatch.setenv("GPTLAB_KERNEL", build_name)
+    model = model_of("llama", torch.bfloat16)
+    with PackedLinears(model, 1, blocks_on="torch").active():
+        assert all(kernel_packed(m) is None for m in model.transformer.h.modules())
+        assert kernel_packed(model.lm_head) is not None  # the head keeps the dispatch's choice

@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from gptlab.kernels import kernel_builds
-from gptlab.kernels.dispatch import chosen_ops, kind_of
+from gptlab.kernels.dispatch import BATCH, chosen_ops, kind_of
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +121,17 @@ class _Pack:
         return self.kernel(self.weight, self.module.bias, x)  # the live bias: it is used as it is
 
 
-def _pack(module: nn.Linear, batch_hint: int, build: str | None = None) -> _Pack | None:
-    """The packed weight of one Linear (for gptlab's kernel `build` where one is named); None where packing does
-    not help (or fails) for its dtype and device."""
+def _pack(module: nn.Linear, batch_hint: int, path: str | None = None) -> _Pack | None:
+    """The packed weight of one Linear for `path` (a build of gptlab's kernels, or "torch": PyTorch's path; None:
+    the one the dispatch measured fastest for its dtype); None where packing does not help (or fails) for its
+    dtype and device."""
     weight = module.weight
     if not packing_helps(weight.device, weight.dtype, batch_hint):
         return None
     with torch.no_grad():
         w = weight.detach()
-        try:  # gptlab's kernel where it is the fastest path here
-            ops = kernel_builds()[build] if build is not None else chosen_ops(kind_of(w.dtype), batch_hint)
+        try:
+            ops = chosen_ops(kind_of(w.dtype), batch_hint) if path is None else kernel_builds().get(path)
             if ops is not None:
                 kernel, packed = functools.partial(_kernel_forward, ops, w.shape[0]), ops.pack(w)
             elif w.dtype == torch.float32:
@@ -141,6 +142,11 @@ def _pack(module: nn.Linear, batch_hint: int, build: str | None = None) -> _Pack
             log.debug("not packing a %s weight: %s", tuple(w.shape), e)
             return None
     return _Pack(module, weakref.ref(weight), _fingerprint(weight), kernel, packed)
+
+
+def _plain_wins_many_rows(pack: _Pack) -> bool:
+    """Whether PyTorch's path won the dispatch's large-batch probe for this Linear's kind of weight."""
+    return chosen_ops(kind_of(pack.module.weight.dtype), BATCH) is None
 
 
 def _installed(module: nn.Module) -> _Pack | None:
@@ -189,8 +195,9 @@ def _block_linears(model: nn.Module) -> set[int]:
 
 class PackedLinears:
     """Packed copies of a model's plain Linear weights; see the module docstring. With `blocks_on` (a build of
-    `gptlab.kernels`), the blocks' Linears go to that build whatever the dispatch picked for their products, so
-    that the one-call C++ decode step can run them (`generation.step_choice` decides when that is faster)."""
+    `gptlab.kernels`, or "torch"), the blocks' Linears go to that path whatever the dispatch picked for their
+    products alone: a build runs them in the one-call C++ decode step, "torch" in the lean step
+    (`generation.step_choice` times which whole step is faster)."""
 
     def __init__(self, model: nn.Module, batch_hint: int = 1, blocks_on: str | None = None) -> None:
         self.batch_hint, self.blocks_on = batch_hint, blocks_on
@@ -221,15 +228,15 @@ class PackedLinears:
     def active(self, refresh: bool = True, only: nn.Module | None = None, many_rows: bool = False) -> Iterator[None]:
         """Run the packed forwards inside the block (packing stale weights again first, unless `refresh` is False:
         an engine checks at each prefill, not every step); with `only`, that module's alone (the C++ decode step
-        reads the packs itself and leaves the LM head to its module). With `many_rows` (a prefill), the Linears
-        `blocks_on` sent to a build keep their plain forward: the build was chosen for the decode step, and on
-        the hundreds of rows of a prompt PyTorch's product of the plain weight is the faster one."""
+        reads the packs itself and leaves the LM head to its module). With `many_rows` (a prefill of at least the
+        dispatch's large-batch size), the Linears `blocks_on` sent to a path chosen for the decode step keep their
+        plain forward where the dispatch measured PyTorch's product the faster one at that size."""
         if refresh:
             self.refresh()
         # a module whose forward someone else has already replaced keeps it (and gets it back on exit)
         packs = self.packs if only is None else [p for p in self.packs if p.module is only]
         if many_rows and self._on_build:
-            packs = [p for p in packs if id(p.module) not in self._on_build]
+            packs = [p for p in packs if id(p.module) not in self._on_build or not _plain_wins_many_rows(p)]
         installed = [p for p in packs if "forward" not in p.module.__dict__]
         for p in installed:  # an instance attribute shadows Linear.forward (set directly: this runs every step)
             p.module.__dict__["forward"] = p.forward

@@ -61,21 +61,7 @@ def choice(kind: str, rows: int = 1) -> str:
         return TORCH
     if forced in builds:
         return forced
-    return _measured(kind, tuple(sorted(builds)), _probe_rows(rows), torch.get_num_threads())[0]
-
-
-def fastest_build(kind: str, rows: int = 1) -> str | None:
-    """The build whose products ran fastest in the probe for `kind` weights and about `rows` input rows, whether or
-    not it beat PyTorch's path (`choice`); None where there is no build or a choice is forced. The engine times a
-    whole decode step on it where PyTorch's path won the products (`generation.step_choice`)."""
-    builds = kernel_builds()
-    if not builds or os.environ.get("GPTLAB_KERNEL"):
-        return None
-    return _measured(kind, tuple(sorted(builds)), _probe_rows(rows), torch.get_num_threads())[1]
-
-
-def _probe_rows(rows: int) -> int:
-    return BATCH if rows >= SMALL_BATCH else 1
+    return _measured(kind, tuple(sorted(builds)), BATCH if rows >= SMALL_BATCH else 1, torch.get_num_threads())
 
 
 def chosen_ops(kind: str, rows: int = 1) -> Any | None:
@@ -86,25 +72,24 @@ def chosen_ops(kind: str, rows: int = 1) -> Any | None:
 
 
 @functools.cache
-def _measured(kind: str, names: tuple[str, ...], rows: int, threads: int) -> tuple[str, str]:
-    """The probe's choice and its fastest build, from kernels.json or measured (and saved); remembered per process
-    for these arguments (the thread count among them: a choice made on 2 threads is not one for 16)."""
+def _measured(kind: str, names: tuple[str, ...], rows: int, threads: int) -> str:
+    """The probe's choice, from kernels.json or measured (and saved); remembered per process for these arguments
+    (the thread count among them: a choice made on 2 threads is not one for 16)."""
     key = "|".join([cpu_id(), f"threads={threads}", torch.__version__, source_digest(), kind, f"rows={rows}"])
 
-    def chosen(times: dict[str, float]) -> tuple[str, str, dict[str, float]]:
-        build = min(names, key=times.__getitem__)
-        return (build if times[build] <= BUILD_MARGIN * times[TORCH] else TORCH), build, times
+    def read(entry: Any) -> tuple[str, dict[str, float]] | None:
+        ok = isinstance(entry, dict) and entry.get("choice") in (*names, TORCH)
+        return (entry["choice"], {}) if ok else None
 
-    def read(entry: Any) -> tuple[str, str, dict[str, float]] | None:
-        times = entry.get("seconds") if isinstance(entry, dict) else None
-        ok = isinstance(times, dict) and all(isinstance(times.get(n), float) for n in (*names, TORCH))
-        return chosen(times) if ok else None
+    def measure() -> tuple[str, dict[str, float]]:
+        times = probe(kind, names, rows=rows)
+        build = min(names, key=times.get)
+        return (build if times[build] <= BUILD_MARGIN * times[TORCH] else TORCH), times
 
     # a choice probed on a busy machine is used by this process; a later one, on a quieter machine, measures again
-    choice, build, _ = cached_measurement(CACHE_FILE, key, read, lambda: chosen(probe(kind, names, rows=rows)),
-                                          stored=lambda c: {"choice": c[0], "seconds": c[2]},
-                                          keep=lambda c: not busy())
-    return choice, build
+    choice, _ = cached_measurement(CACHE_FILE, key, read, measure,
+                                   stored=lambda c: {"choice": c[0], "seconds": c[1]}, keep=lambda c: not busy())
+    return choice
 
 
 def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, calls: int = 3,
