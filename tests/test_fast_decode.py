@@ -203,33 +203,32 @@ def test_packed_kernel_logits_match_torchs_linear(on_kernel) -> None:  # noqa: A
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_blocks_sent_to_a_build_run_the_native_step_in_that_build(build_name: str, family: str,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where whole steps were timed faster on a build than on PyTorch's products (`step_choice`), the blocks'
-    Linears are packed for that build whatever the dispatch picks, the C++ step runs in that build (not in the
-    dispatch's), and the LM head keeps the dispatch's path; a prefill's many rows give the blocks their plain
-    forward."""
+def test_linears_sent_to_a_build_run_the_native_step_in_that_build(build_name: str, family: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where whole steps were timed faster on a build than on other paths (`step_choice`), the Linears are packed
+    for that build whatever the dispatch picks for their products, and the C++ step runs in that build (not in the
+    dispatch's); a prefill's many rows give them their plain forward where the dispatch measured PyTorch's product
+    faster at that size."""
     from gptlab.kernels import kernel_builds
 
     monkeypatch.setenv("GPTLAB_KERNEL", "torch")  # the dispatch's choice: PyTorch's paths
     model = model_of(family, torch.bfloat16)
-    packed = PackedLinears(model, 3, blocks_on=build_name)
-    blocks = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
+    packed = PackedLinears(model, 3, path=build_name)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     with packed.active():
-        assert all(kernel_packed(m)[0] is kernel_builds()[build_name] for m in blocks)
-        assert kernel_packed(model.lm_head) is None
+        assert all(kernel_packed(m)[0] is kernel_builds()[build_name] for m in linears)
         native = native_decode.weights(model, KVCache(model.config, 1, 8))
         assert native is not None and native.ops is kernel_builds()[build_name]
         want = _steps(model, lean, [7, 2, 4])
         assert _close(want, _steps(model, decode_hidden, [7, 2, 4]), torch.bfloat16)
     with packed.active(many_rows=True):
-        assert all(kernel_packed(m) is None for m in blocks)
+        assert all(kernel_packed(m) is None for m in linears)
 
 
-def test_engine_with_its_blocks_on_a_build_decodes_the_plain_forwards_tokens(build_name: str,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_with_its_linears_on_a_build_decodes_the_plain_forwards_tokens(build_name: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPTLAB_KERNEL", "torch")
-    monkeypatch.setattr(engine_module, "blocks_path", lambda model, rows, cache_dtype: build_name)
+    monkeypatch.setattr(engine_module, "decode_path", lambda model, rows, cache_dtype: build_name)
     model = model_of("llama", torch.bfloat16)
     assert Engine(model, max_batch=3).kernels()["decode step"] == "native C++"
     _greedy_with_and_without_the_lean_step(model, monkeypatch)

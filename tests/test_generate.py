@@ -654,7 +654,7 @@ def test_generate_packs_a_model_once_and_again_only_what_changed(monkeypatch):
     pack = packed_linear._pack
     monkeypatch.setattr(packed_linear, "_pack",
                         lambda module, hint, path=None: packed.append(module) or pack(module, hint, path))
-    monkeypatch.setattr(engine, "blocks_path", lambda *args: None)  # its timing packs copies of its own
+    monkeypatch.setattr(engine, "decode_path", lambda *args: None)  # its timing packs copies of its own
     prompt, n = [1, 2, 3], 20
     first = generate(model, torch.tensor([prompt]), n, temperature=0)[0, 3:].tolist()
     linears = [m for m in model.modules() if type(m) is nn.Linear]

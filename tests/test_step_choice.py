@@ -10,8 +10,9 @@ import pytest
 import torch
 from families import model_of
 
-from gptlab.generation import step_choice
+from gptlab.generation import native_decode, step_choice
 from gptlab.generation.packed_linear import PackedLinears, kernel_packed
+from gptlab.kv_cache import KVCache
 from gptlab.quantize import quantize_model
 
 
@@ -23,6 +24,7 @@ def scripted(tmp_path, monkeypatch: pytest.MonkeyPatch) -> dict:  # noqa: ANN001
     state = {"times": {"avx2": 3.0, "avx512": 2.0, "torch": 4.0}, "calls": [], "busy": False}
     monkeypatch.setattr(step_choice, "kernel_builds", lambda: {"avx2": "A", "avx512": "B"})
     monkeypatch.setattr(step_choice, "busy", lambda: state["busy"])
+    monkeypatch.setattr(step_choice, "_TIMED", {})  # this process's answers: none yet
 
     def time_steps(model, rows, paths):  # noqa: ANN001, ANN202
         state["calls"].append(paths)
@@ -34,43 +36,47 @@ def scripted(tmp_path, monkeypatch: pytest.MonkeyPatch) -> dict:  # noqa: ANN001
 
 def test_the_fastest_whole_step_wins_and_is_cached(scripted: dict) -> None:
     model = model_of("llama", torch.bfloat16)
-    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512"
-    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 1  # read
+    assert step_choice.decode_path(model, 16, torch.float32) == "avx512"
+    step_choice._TIMED.clear()  # a new process: read from kernels.json
+    assert step_choice.decode_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 1
     assert scripted["calls"] == [("avx2", "avx512", "torch")]
     scripted["times"] = {"avx2": 3.0, "avx512": 5.0, "torch": 2.0}
-    assert step_choice.blocks_path(model, 32, torch.float32) == "torch"  # another batch: timed again
-    assert step_choice.blocks_path(model_of("gpt2", torch.bfloat16), 16, torch.float32) == "torch"  # another model
+    assert step_choice.decode_path(model, 32, torch.float32) == "torch"  # another batch: timed again
+    assert step_choice.decode_path(model_of("gpt2", torch.bfloat16), 16, torch.float32) == "torch"  # another model
     assert len(scripted["calls"]) == 3
 
 
 def test_a_timing_on_a_busy_machine_is_used_but_not_kept(scripted: dict) -> None:
     model = model_of("llama", torch.bfloat16)
     scripted["busy"] = True
-    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512"
+    assert step_choice.decode_path(model, 16, torch.float32) == "avx512"
+    assert step_choice.decode_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 1  # kept here
     scripted["busy"] = False
-    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 2
-    assert step_choice.blocks_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 2
+    step_choice._TIMED.clear()  # a new process: timed again (nothing was saved), and saved
+    assert step_choice.decode_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 2
+    step_choice._TIMED.clear()
+    assert step_choice.decode_path(model, 16, torch.float32) == "avx512" and len(scripted["calls"]) == 2
 
 
 def test_pytorchs_path_is_left_out_where_its_copy_would_not_fit(scripted: dict, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(step_choice, "available_memory", lambda device: 1000)
-    assert step_choice.blocks_path(model_of("llama", torch.bfloat16), 1, torch.float32) == "avx512"
+    assert step_choice.decode_path(model_of("llama", torch.bfloat16), 1, torch.float32) == "avx512"
     assert scripted["calls"] == [("avx2", "avx512")]  # the builds share one copy of the weights
 
 
 def test_nothing_is_timed_where_the_native_step_cannot_run_or_a_path_is_forced(scripted: dict,
                                                                              monkeypatch) -> None:  # noqa: ANN001
     model = model_of("llama", torch.bfloat16)
-    assert step_choice.blocks_path(model, 16, torch.bfloat16) is None  # the C++ step takes an fp32 cache
+    assert step_choice.decode_path(model, 16, torch.bfloat16) is None  # the C++ step takes an fp32 cache
     quantized = quantize_model(model_of("llama", torch.bfloat16), "int8")  # no plain Linear in the blocks
-    assert step_choice.blocks_path(quantized, 16, torch.float32) is None
+    assert step_choice.decode_path(quantized, 16, torch.float32) is None
     model.hooks = object()  # hook points set: the plain forward runs
-    assert step_choice.blocks_path(model, 16, torch.float32) is None
+    assert step_choice.decode_path(model, 16, torch.float32) is None
     monkeypatch.setenv("GPTLAB_KERNEL", "avx2")
-    assert step_choice.blocks_path(model_of("llama", torch.bfloat16), 16, torch.float32) is None
+    assert step_choice.decode_path(model_of("llama", torch.bfloat16), 16, torch.float32) is None
     monkeypatch.delenv("GPTLAB_KERNEL")
     monkeypatch.setattr(step_choice, "kernel_builds", dict)  # no build (no compiler, ARM, GPTLAB_NO_KERNELS)
-    assert step_choice.blocks_path(model_of("llama", torch.bfloat16), 16, torch.float32) is None
+    assert step_choice.decode_path(model_of("llama", torch.bfloat16), 16, torch.float32) is None
     assert scripted["calls"] == []
 
 
@@ -97,11 +103,11 @@ def test_a_model_the_native_step_cannot_run_times_nothing(build_name: str) -> No
     assert step_choice.time_steps(model, 2, (build_name, "torch")) == {}
 
 
-def test_blocks_on_torch_keep_the_lean_step(build_name: str, monkeypatch) -> None:  # noqa: ANN001
-    """The whole step on PyTorch's path won: the blocks' Linears leave gptlab's kernel even where the dispatch
-    chose it for their products."""
+def test_linears_on_torch_keep_the_lean_step(build_name: str, monkeypatch) -> None:  # noqa: ANN001
+    """The whole step on PyTorch's path won: the Linears leave gptlab's kernel even where the dispatch chose it
+    for their products."""
     monkeypatch.setenv("GPTLAB_KERNEL", build_name)
     model = model_of("llama", torch.bfloat16)
-    with PackedLinears(model, 1, blocks_on="torch").active():
-        assert all(kernel_packed(m) is None for m in model.transformer.h.modules())
-        assert kernel_packed(model.lm_head) is not None  # the head keeps the dispatch's choice
+    with PackedLinears(model, 1, path="torch").active():
+        assert all(kernel_packed(m) is None for m in model.modules())
+        assert native_decode.weights(model, KVCache(model.config, 1, 8)) is None

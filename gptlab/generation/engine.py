@@ -57,7 +57,7 @@ from gptlab.generation.request import (
 from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.sampling import TokenCounts
 from gptlab.generation.speculative import DRAFT_TOKENS, Speculator
-from gptlab.generation.step_choice import blocks_path
+from gptlab.generation.step_choice import decode_path
 from gptlab.hardware import available_memory
 from gptlab.kernels.dispatch import BATCH
 from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
@@ -117,8 +117,8 @@ class Engine:
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         # (not under torch.compile: it cannot trace into the C++ kernels, and compiles its own)
-        # (the blocks' Linears on the path whose whole decode step was timed fastest for this model and batch)
-        self._packed = (pack_where_it_helps(model, max_batch, blocks_path(model, max_batch, cache_dtype))
+        # (the Linears on the path whose whole decode step was timed fastest for this model and batch)
+        self._packed = (pack_where_it_helps(model, max_batch, decode_path(model, max_batch, cache_dtype))
                         if pack_weights and not compile_decode else None)
         self._lean_step_exact = lean_step_exact(model)  # decode steps skip the general forward's framework time
         # The weights are checked for changes (and packed again) when prompts are prefilled, not before every

@@ -181,33 +181,23 @@ def packable(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-def _layout(model: nn.Module, batch_hint: int, blocks_on: str | None) -> tuple:
+def _layout(model: nn.Module, batch_hint: int, path: str | None) -> tuple:
     """Which Linear modules a model has, their weights' dtypes and devices: what packing them depends on."""
     linears = (m for m in model.modules() if packable(m))
-    return batch_hint, blocks_on, tuple((id(m), m.weight.dtype, m.weight.device) for m in linears)
-
-
-def _block_linears(model: nn.Module) -> set[int]:
-    """ids of the plain Linears inside a gptlab GPT's blocks (model.transformer.h): what the C++ decode step reads."""
-    blocks = getattr(getattr(model, "transformer", None), "h", None)
-    return {id(m) for m in blocks.modules() if packable(m)} if isinstance(blocks, nn.Module) else set()
+    return batch_hint, path, tuple((id(m), m.weight.dtype, m.weight.device) for m in linears)
 
 
 class PackedLinears:
-    """Packed copies of a model's plain Linear weights; see the module docstring. With `blocks_on` (a build of
-    `gptlab.kernels`, or "torch"), the blocks' Linears go to that path whatever the dispatch picked for their
-    products alone: a build runs them in the one-call C++ decode step, "torch" in the lean step
+    """Packed copies of a model's plain Linear weights; see the module docstring. With `path` (a build of
+    `gptlab.kernels`, or "torch"), every Linear goes to that path whatever the dispatch picked for its products
+    alone: on a build the blocks run in the one-call C++ decode step, on "torch" in the lean step
     (`generation.step_choice` times which whole step is faster)."""
 
-    def __init__(self, model: nn.Module, batch_hint: int = 1, blocks_on: str | None = None) -> None:
-        self.batch_hint, self.blocks_on = batch_hint, blocks_on
-        self.layout = _layout(model, batch_hint, blocks_on)
-        self._on_build = _block_linears(model) if blocks_on is not None else set()
-        packs = (self._pack(m) for m in model.modules() if packable(m))
+    def __init__(self, model: nn.Module, batch_hint: int = 1, path: str | None = None) -> None:
+        self.batch_hint, self.path = batch_hint, path
+        self.layout = _layout(model, batch_hint, path)
+        packs = (_pack(m, batch_hint, path) for m in model.modules() if packable(m))
         self.packs = [p for p in packs if p is not None]
-
-    def _pack(self, module: nn.Linear) -> _Pack | None:
-        return _pack(module, self.batch_hint, self.blocks_on if id(module) in self._on_build else None)
 
     @property
     def modules(self) -> list[nn.Linear]:
@@ -219,7 +209,7 @@ class PackedLinears:
         cast to a dtype packing does not help, goes back to the plain forward); returns how many changed."""
         stale = [p for p in self.packs if p.stale()]
         if stale:
-            repacked = {id(p): self._pack(p.module) for p in stale}
+            repacked = {id(p): _pack(p.module, self.batch_hint, self.path) for p in stale}
             self.packs = [repacked.get(id(p), p) for p in self.packs]
             self.packs = [p for p in self.packs if p is not None]
         return len(stale)
@@ -229,14 +219,14 @@ class PackedLinears:
         """Run the packed forwards inside the block (packing stale weights again first, unless `refresh` is False:
         an engine checks at each prefill, not every step); with `only`, that module's alone (the C++ decode step
         reads the packs itself and leaves the LM head to its module). With `many_rows` (a prefill of at least the
-        dispatch's large-batch size), the Linears `blocks_on` sent to a path chosen for the decode step keep their
-        plain forward where the dispatch measured PyTorch's product the faster one at that size."""
+        dispatch's large-batch size) on a `path` chosen for the decode step, the Linears keep their plain forward
+        where the dispatch measured PyTorch's product the faster one at that size."""
         if refresh:
             self.refresh()
         # a module whose forward someone else has already replaced keeps it (and gets it back on exit)
         packs = self.packs if only is None else [p for p in self.packs if p.module is only]
-        if many_rows and self._on_build:
-            packs = [p for p in packs if id(p.module) not in self._on_build or not _plain_wins_many_rows(p)]
+        if many_rows and self.path is not None:
+            packs = [p for p in packs if not _plain_wins_many_rows(p)]
         installed = [p for p in packs if "forward" not in p.module.__dict__]
         for p in installed:  # an instance attribute shadows Linear.forward (set directly: this runs every step)
             p.module.__dict__["forward"] = p.forward
@@ -250,17 +240,16 @@ class PackedLinears:
 _PACKED: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()  # model -> its packs
 
 
-def pack_where_it_helps(model: nn.Module, batch_hint: int = 1, blocks_on: str | None = None) -> PackedLinears | None:
+def pack_where_it_helps(model: nn.Module, batch_hint: int = 1, path: str | None = None) -> PackedLinears | None:
     """The model's PackedLinears where packing helps and works for some Linear; None (plain linears) otherwise.
 
     Packed on the first call and reused by the next ones (`active()` packs again the weights that changed), or
-    packed anew when the Linear modules, their dtypes or devices, the batch hint or `blocks_on` differ from last
-    time."""
+    packed anew when the Linear modules, their dtypes or devices, the batch hint or `path` differ from last time."""
     packed = _PACKED.get(model)
     # weights made under inference_mode keep no version counter: a write to them could not be noticed later
     untracked = packed is not None and any(p.fingerprint[0] is None for p in packed.packs)
-    if packed is None or untracked or packed.layout != _layout(model, batch_hint, blocks_on):
-        packed = _PACKED[model] = PackedLinears(model, batch_hint, blocks_on)
+    if packed is None or untracked or packed.layout != _layout(model, batch_hint, path):
+        packed = _PACKED[model] = PackedLinears(model, batch_hint, path)
     return packed if packed.packs else None
 
 

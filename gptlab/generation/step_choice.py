@@ -8,11 +8,11 @@ batch: at batch 16 the one-call step of a small 6-layer model beats oneDNN's fas
 larger products at batch 32 stay faster on oneDNN; and two builds whose products time alike on the probe's two
 shapes stream a whole model's 48 Linears at different speeds. A rule on products alone loses one way or another.
 
-So an engine that can run the C++ step times a few decode steps of its own model at its own batch, on each build
-this CPU runs and on PyTorch's path (the lean step), taking turns, and runs the fastest (`blocks_path`); the LM
-head keeps the dispatch's choice throughout. The builds share one packed layout, so they are timed on one copy of
-the weights; PyTorch's path needs a second, so it is left out where that copy would not fit in a quarter of the
-free memory. The answer is cached with the dispatch's in kernels.json per CPU, thread count, torch, kernel source,
+So an engine that can run the C++ step times a few decode steps of its own model at its own batch (the blocks
+and the LM head), on each build this CPU runs and on PyTorch's path (the lean step), taking turns, and runs the
+fastest (`decode_path`). The builds share one packed layout, so they are timed on one copy of the weights;
+PyTorch's path needs a second, so it is left out where that copy would not fit in a quarter of the free memory.
+The answer is cached with the dispatch's in kernels.json per CPU, thread count, torch, kernel source,
 model shape, dtype and batch (a timing taken on a busy machine is used but not kept), so later engines of the same
 model and batch decide in no time.
 """
@@ -43,9 +43,9 @@ STEPS, ROUNDS = 3, 3  # steps per turn, turns per contender: the fastest step of
 _TIMED: dict[str, dict[str, float]] = {}  # this process's answers, by cache key
 
 
-def blocks_path(model: GPT, rows: int, cache_dtype: torch.dtype) -> str | None:
-    """The path of the blocks' Linears whose whole decode step was fastest for this model at `rows` rows: a build
-    (the C++ step runs them) or "torch" (the lean step over PyTorch's products), for `PackedLinears(blocks_on=)`.
+def decode_path(model: GPT, rows: int, cache_dtype: torch.dtype) -> str | None:
+    """The path of the Linears whose whole decode step was fastest for this model at `rows` rows: a build (the
+    C++ step runs the blocks) or "torch" (the lean step over PyTorch's products), for `PackedLinears(path=)`.
     None where nothing is timed and the dispatch's per-product choice stands: no build, a forced choice
     (`GPTLAB_KERNEL`), or a model or cache the C++ step cannot run."""
     weight = _block_weight(model)
@@ -114,21 +114,20 @@ def time_steps(model: GPT, rows: int, paths: tuple[str, ...]) -> dict[str, float
     gen = torch.Generator().manual_seed(0)  # not the global one: a seeded run's draws stay as they are
     tokens = torch.randint(model.config.vocab_size, (rows, 1), generator=gen)
     builds = [p for p in paths if p != TORCH]
-    packs = {TORCH: PackedLinears(model, rows, blocks_on=TORCH)} if TORCH in paths else {}
+    packs = {TORCH: PackedLinears(model, rows, path=TORCH)} if TORCH in paths else {}
     native = {}
-    if builds:  # one copy of the weights serves every build: the layout is theirs alike
-        packs[builds[0]] = PackedLinears(model, rows, blocks_on=builds[0])
-        with packs[builds[0]].active(refresh=False):
+    if builds:  # one copy of the blocks' weights serves every build (the layout is theirs alike); a head each
+        with PackedLinears(model, rows, path=builds[0]).active(refresh=False):
             gathered = native_decode.weights(model, cache)
         if gathered is None:
             return {}
         native = {b: native_decode.NativeWeights(gathered.tensors, kernel_builds()[b]) for b in builds}
+        packs.update({b: PackedLinears(model.lm_head, rows, path=b) for b in builds})  # the C++ step leaves it out
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(ROUNDS):
         for path in paths:
             cache.lengths.fill_(start)
-            with packs[builds[0] if path in native else TORCH].active(refresh=False,
-                                                                     only=model.lm_head if path in native else None):
+            with packs[path].active(refresh=False):
                 for _ in range(STEPS):
                     t0 = time.perf_counter()
                     h = decode_hidden(model, tokens, cache, native=native.get(path, False))
