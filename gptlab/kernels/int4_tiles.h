@@ -48,11 +48,13 @@ inline void tile(const int8_t* xq, int64_t ldx, const float* d, int64_t ldb, con
   __m512 t[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
-  for (int64_t g0 = 0; g0 < K; g0 += group, qp += 2 * kPanel) {
+  const int64_t G = K / group, per_group = group / kBlock;  // counted, not divided, in the loops
+  for (int64_t g = 0, b = 0; g < G; ++g, qp += 2 * kPanel) {
     __m512 u[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) u[r] = _mm512_setzero_ps();
-    for (int64_t k0 = g0; k0 < g0 + group; k0 += kBlock) {
+    for (int64_t i = 0; i < per_group; ++i, ++b) {
+      const int64_t k0 = b * kBlock;
       const uint8_t* w = panel + k0 * kPanel / 2;
       prefetch_ahead(w, kBlock * kPanel / 2);
       __m512i acc[R][C];
@@ -71,7 +73,6 @@ inline void tile(const int8_t* xq, int64_t ldx, const float* d, int64_t ldb, con
           acc[r][(2 * c + 1) % C] = _mm512_dpbusd_epi32(acc[r][(2 * c + 1) % C], hi, _mm512_set1_epi32(quad(x + 4)));
         }
       }
-      const int64_t b = k0 / kBlock;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m512i a = acc[r][0];
@@ -82,7 +83,6 @@ inline void tile(const int8_t* xq, int64_t ldx, const float* d, int64_t ldb, con
     }
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp))),
                  m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + kPanel)));
-    const int64_t g = g0 / group;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       t[r] = _mm512_fmadd_ps(u[r], s, _mm512_fmadd_ps(m, _mm512_set1_ps(msum[r * ldg + g]), t[r]));
@@ -107,11 +107,12 @@ inline void tile(const int8_t* xq, int64_t ldx, const float* d, int64_t ldb, con
                  const uint8_t* panel, const at::Half* qp, int64_t K, int64_t group, float out[][kPanel]) {
   const __m256i nibble = _mm256_set1_epi8(15);
   float t[R][kPanel] = {};
-  for (int64_t g0 = 0; g0 < K; g0 += group, qp += 2 * kPanel) {
+  const int64_t G = K / group, per_group = group / kBlock;
+  for (int64_t g = 0, b = 0; g < G; ++g, qp += 2 * kPanel) {
     float u[R][kPanel] = {};
-    for (int64_t k0 = g0; k0 < g0 + group; k0 += kBlock) {
+    for (int64_t i = 0; i < per_group; ++i, ++b) {
+      const int64_t k0 = b * kBlock;
       const uint8_t* w = panel + k0 * kPanel / 2;
-      const int64_t b = k0 / kBlock;
       for (int h = 0; h < 2; ++h) {  // rows 0-7, then 8-15
         __m256i acc[R];
 #pragma GCC unroll 8
@@ -132,7 +133,6 @@ inline void tile(const int8_t* xq, int64_t ldx, const float* d, int64_t ldb, con
                                                           _mm256_loadu_ps(u[r] + 8 * h)));
       }
     }
-    const int64_t g = g0 / group;
     for (int h = 0; h < 2; ++h) {
       const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + 8 * h))),
                    m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + kPanel + 8 * h)));
