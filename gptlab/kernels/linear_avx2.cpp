@@ -232,8 +232,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* sca
 }
 
 // x (M, K) fp32, K a multiple of 32 -> int8 per block of 32 (int4's activations: q8_0's rounding): xq =
-// round(x / d) with d = max|x| / 127 per block (a block of zeros: d = 0; with inf or NaN: d = NaN, so its outputs are
-// NaN as a float product's would be), and per row and group of gs inputs the sum over its blocks of d * sum(xq)
+// round(x * (127 / max|x|)) and d = max|x| / 127 per block (a block of zeros: d = 0; with inf or NaN: xq = 0 and
+// d = NaN, so its outputs are NaN as a float product's would be), and per row and group of gs inputs the sum over its
+// blocks of d * sum(xq)
 void quantize_blocks(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq, float* d, float* msum) {
   constexpr int64_t kBlock = GPTLAB_NS::int4_tiles::kBlock;
   for (int64_t m = 0; m < M; ++m) {
@@ -250,7 +251,8 @@ void quantize_blocks(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* x
         const float scale = !finite ? std::nanf("") : top / 127.0f, inv = finite && top > 0.0f ? 127.0f / top : 0.0f;
         int32_t sum = 0;
         for (int64_t k = 0; k < kBlock; ++k) {
-          const auto q = static_cast<int8_t>(std::clamp(std::nearbyint(block[k] * inv), -127.0f, 127.0f));
+          const float v = finite ? std::nearbyint(block[k] * inv) : 0.0f;  // never a NaN cast to an integer
+          const auto q = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
           xq[m * K + k0 + k] = q;
           sum += q;
         }
