@@ -92,13 +92,16 @@ inline void tile(const int8_t* xq, int64_t ldx, const float* d, int64_t ldb, con
 }
 
 #else
-// four byte products summed into each int32 lane of acc: w unsigned (0..15), x signed
-inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+// acc + (four byte products of lo and xlo) + (four of hi and xhi) in each int32 lane: weights unsigned (0..15), x
+// signed
+inline __m256i dot8(__m256i acc, __m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
 #if defined(GPTLAB_AVXVNNI)
-  return _mm256_dpbusd_avx_epi32(acc, w, x);
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, xlo), hi, xhi);
 #else
-  // pairs of products in int16 (at most 2 * 15 * 127: no saturation), then pairs of those in int32
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  // pairs of products in int16 (at most 2 * 15 * 127), both halves' pairs added there (at most 7620: no
+  // saturation), then pairs of those in int32
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -124,7 +127,7 @@ inline void tile(const int8_t* xq, int64_t ldx, const float* d, int64_t ldb, con
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const int8_t* x = xq + r * ldx + k0 + 8 * c;
-            acc[r] = dot4(dot4(acc[r], lo, _mm256_set1_epi32(quad(x))), hi, _mm256_set1_epi32(quad(x + 4)));
+            acc[r] = dot8(acc[r], lo, _mm256_set1_epi32(quad(x)), hi, _mm256_set1_epi32(quad(x + 4)));
           }
         }
 #pragma GCC unroll 8
