@@ -6,8 +6,8 @@ within 0.1% and 2%). The models are trained here into a temporary directory unle
 configs/speedrun_cpu.toml (~15 s on 2 cores), the GPT-2-token one by GPT2_RECIPE below (4 layers, width 128, 300
 steps of 8 x 128 tokens: a few minutes on 2 cores). Or pass --char-run / --gpt2-run with their --char-data /
 --gpt2-data. The evaluation runs the kernels `--quantize` runs on this machine (where the dispatch picks gptlab's
-own, as on every x86 CPU tried so far, their activations are 16-bit fixed point), so the figures are those of the
-fast path.
+own, as on every x86 CPU tried so far, int8's activations are 16-bit fixed point and int4's int8 blocks of 32), so
+the figures are those of the fast path.
 
 Decode speed of the same modes against llama.cpp's q8_0 / q4_0 and CTranslate2's int8 is
 benchmarks/generate_throughput.py's `--settings 1:int8,1:int4`.

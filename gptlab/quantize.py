@@ -2,7 +2,7 @@
 
 Decoding one token reads every weight once and does little arithmetic with it, so its speed is set by how many
 bytes of weights it reads: int8 halves a bf16 model's, int4 quarters it. The activations are not stored
-quantized (gptlab's kernel below rounds them to 16-bit fixed point inside the product).
+quantized (gptlab's kernel below rounds them inside the product: int8 to 16-bit fixed point, int4 to int8 blocks).
 
 * Which layers: every Linear in the blocks (attention's q/k/v and output projections, the MLP's two) and the LM
   head. The head is GPT-2's largest matrix (38.6M of its 124M parameters, a third of the bytes read per token),
@@ -25,10 +25,12 @@ them) and computes x @ dequantized(W).T + b. `reference` does exactly that in Py
 kernel where one runs:
 
 * CPUs where it is the faster path (measured once per machine by `gptlab.kernels.dispatch`: so far every x86 CPU
-  tried, AVX2-only and AVX-512 alike): gptlab's own kernel (`gptlab.kernels`, built once per machine). It
-  multiplies the integers with integer multiply-adds against the activations put in 16-bit fixed point per row
-  (rounding error at most 2^-16 of the row's largest value: finer than the bf16 activations PyTorch's kernels
-  take, for every value above 1/128 of the largest), sums exactly in int32 and scales in fp32.
+  tried, AVX2-only and AVX-512 alike): gptlab's own kernel (`gptlab.kernels`, built once per machine). int8: integer
+  multiply-adds against the activations put in 16-bit fixed point per row (rounding error at most 2^-16 of the
+  row's largest value: finer than the bf16 activations PyTorch's kernels take, for every value above 1/128 of the
+  largest). int4: byte dot products against the activations rounded to int8 per block of 32 inputs, as llama.cpp's
+  q4_0 x q8_0 (error at most 1/254 of the block's largest value; four products per instruction, not two). Both sum
+  exactly in int32 and scale in fp32.
   PyTorch's kernels below were slower there than the bf16 model; benchmarks/generate_throughput.py --settings
   1:int8,1:int4 times this kernel against them.
 * Elsewhere on CPUs: PyTorch's `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`, with bf16 (or fp16)

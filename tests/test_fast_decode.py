@@ -100,7 +100,8 @@ def test_native_step_equals_the_lean_one(on_kernel, family: str, dtype: torch.dt
 def test_quantized_native_step_equals_the_lean_one(on_kernel, family: str, mode: str, dtype: torch.dtype) -> None:  # noqa: ANN001
     """int8/int4 Linears whose CPU forward is gptlab's kernel go into the C++ step as (packed, qparams): the
     lean step calling each QuantizedLinear, within rounding (fp32: an input that differs by a rounding may put a
-    value of the kernel's 16-bit fixed point one step over, 2**-15 of the row's largest)."""
+    value of the kernel's rounded activations one step over: int8's 16-bit fixed point 2**-15 of the row's largest,
+    int4's int8 blocks 1/127 of the block's largest, rare enough that the step's outputs stay within 2**-11)."""
     model = quantize_model(model_of(family, dtype), mode, 32 if mode == "int4" else None)
     assert all(m.kernel() is not None for m in model.modules() if isinstance(m, QuantizedLinear))
     assert native_decode.weights(model, KVCache(model.config, 1, 8)) is not None

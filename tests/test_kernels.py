@@ -1,6 +1,7 @@
 """gptlab's C++ Linear kernels, for every build this machine can execute (`gptlab.kernels.kernel_builds()`: AVX2,
-AVX-512; a build that is absent here is skipped): each against float64 matmuls, and the builds against each other
-on the same packed weights (one layout: int8/int4 to the bit, bf16/fp32 within fp32 rounding).
+AVX2 + AVX-VNNI, AVX-512; a build that is absent here is skipped): each against float64 matmuls (int4: against
+llama.cpp's q8_0 rounding of the activations computed here from the maths), and the builds against each other on
+the same packed weights (one layout: int8/int4 to the bit, bf16/fp32 within fp32 rounding).
 
 Tolerances: the kernel accumulates in fp32 and rounds once, so fp32 outputs are within ~1e-5 of float64 (relative
 to the largest output) and bf16 ones within one bf16 rounding (2**-8 relative)."""
@@ -18,7 +19,7 @@ from gptlab.integer_weights import dequantize_int4, dequantize_int8, quantize_in
 from gptlab.kernels import avx512_ops, cpu_has_avx512, kernel_builds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-BUILDS = ["avx2", "avx512"]
+BUILDS = ["avx2", "avxvnni", "avx512"]
 
 
 @pytest.fixture(scope="module")
@@ -94,16 +95,85 @@ def quantized(mode: str, W: torch.Tensor, group: int, ops) -> tuple:  # noqa: AN
     return *ops.pack_int4(q, scale, zero), dequantize_int4(q, scale, zero)
 
 
+def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) rounded as the int4 kernel rounds its activations (llama.cpp's q8_0 way), from the maths: per block of
+    32 inputs d = max|x| / 127 and xq = round(x * (127 / max|x|)) in fp32 (ties to even), |xq| <= 127. Returns (xq
+    (M, K / 32, 32) int64, d (M, K / 32) float64)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1)
+    # a tensor divided by a tensor: `127.0 / top` multiplies by top's reciprocal, another rounding than C++'s 127 / top
+    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    xq = (blocks * inv[..., None]).round().clamp(-127, 127)
+    return xq.long(), (top / 127).double()
+
+
+def int4_q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """y = x @ W.T for int4 W = q * s + (zero - 8 s) per group, x in int8 blocks: each block's integer dot products
+    exact (int64), then the scales in float64."""
+    xq, d = int8_blocks(x)
+    n, k = q.shape
+    qb = q.long().reshape(n, k // 32, 32)
+    dots = torch.einsum("mbk,nbk->mnb", xq, qb).double() * d[:, None, :]  # (M, N, blocks), each d_b * sum q xq
+    sums = xq.sum(-1).double() * d  # (M, blocks): d_b * sum xq
+    per_group = k // scale.shape[1] // 32
+    s, low = scale.double(), (zero - 8 * scale).double()
+    qx = dots.reshape(*dots.shape[:2], -1, per_group).sum(-1)  # (M, N, G)
+    mx = sums.reshape(sums.shape[0], -1, per_group).sum(-1)  # (M, G)
+    return (qx * s[None] + mx[:, None, :] * low[None]).sum(-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 20), N=st.integers(1, 70), blocks=st.integers(1, 24), group=st.sampled_from([32, 64, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), spread=st.floats(0.0, 6.0), seed=st.integers(0, 2**16))
+def test_int4_kernel_equals_q8_activations_from_the_maths(ops, M: int, N: int, blocks: int, group: int,  # noqa: ANN001
+                                                          dtype: torch.dtype, spread: float, seed: int) -> None:
+    """int4 weights against x rounded to int8 per block of 32 (int8_blocks): the kernel's integer sums are exact
+    and only its fp32 scaling rounds, so it is within a few fp32 roundings of the float64 reference on the same
+    integers (then one rounding to x's dtype). Row tiles of 1-8, padded panels, groups of 1-4 blocks; `spread`
+    gives blocks of very different magnitudes (a block of zeros among them)."""
+    g = torch.Generator().manual_seed(seed)
+    K = group * max(1, blocks * 32 // group)
+    W = torch.randn(N, K, generator=g)
+    x = torch.randn(M, K, generator=g) * torch.exp(spread * torch.randn(M, K // 32, 1, generator=g)).repeat_interleave(
+        32, 1).reshape(M, K)
+    if blocks % 3 == 0:
+        x[:, :32] = 0
+    x = x.to(dtype)
+    b = torch.randn(N, generator=g)
+    q, scale, zero = quantize_int4(W, group)
+    y = ops.linear(x, *ops.pack_int4(q, scale, zero), b, N)
+    ref = int4_q8_reference(x, q, scale, zero) + b.double()
+    assert y.dtype == dtype and y.shape == (M, N)
+    xq, d = int8_blocks(x)
+    # what fp32 rounding scales with: the sum of |terms| (each block's scaled dot, each group's offset term)
+    magnitude = (xq.abs().double() * d[..., None]).reshape(M, K) @ dequantize_int4(q, scale, zero).abs().double().T
+    bound = 1e-5 * magnitude + b.double().abs() * 2**-23 + (2**-8 * ref.abs() if dtype == torch.bfloat16 else 0)
+    assert bool(((y.double() - ref).abs() <= bound + 1e-30).all())
+
+
+def test_int4_kernel_rounds_each_block_apart_and_keeps_nan() -> None:
+    """A block's scale is its own (a huge block beside a tiny one loses nothing of the tiny one), and a NaN in a
+    block makes the outputs NaN, as a float product's would be."""
+    for ops in kernel_builds().values():
+        q, scale, zero = quantize_int4(torch.randn(16, 64), 32)
+        packed, qparams = ops.pack_int4(q, scale, zero)
+        x = torch.cat([torch.full((1, 32), 1e4), torch.linspace(-1e-4, 1e-4, 32)[None]], 1)
+        ref = int4_q8_reference(x, q, scale, zero)
+        assert torch.allclose(ops.linear(x, packed, qparams, None, 16).double(), ref, rtol=1e-5)
+        x[0, 40] = float("nan")
+        assert bool(ops.linear(x, packed, qparams, None, 16).isnan().all())
+
+
 @settings(max_examples=30, deadline=None)
-@given(M=st.integers(1, 14), N=st.integers(1, 70), K=st.integers(1, 72), group=st.sampled_from([2, 4, 32, 64]),
+@given(M=st.integers(1, 14), N=st.integers(1, 70), K=st.integers(1, 72), group=st.sampled_from([32, 64]),
        mode=st.sampled_from(["int8", "int4"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 2**16))
 def test_integer_kernels_equal_the_dequantized_weight_in_float64(ops, M: int, N: int, K: int, group: int,  # noqa: ANN001
                                                                   mode: str, dtype: torch.dtype, seed: int) -> None:
-    """int8 (row scales) and int4 (nibbles, a scale and zero per group, groups of 2 to 64 columns) through the
-    kernel: the dequantized weight (the quantize module's own formula) times x in 16-bit fixed point (within its
-    rounding bound), rounded once to x's dtype. Row tiles of 1-6, padded panels, int8's blocks of 256 column pairs
-    (K up to 720) and the pair loops' tails are all reached."""
+    """int8 (row scales) and int4 (nibbles, a scale and zero per group of 32 or 64 columns) through the kernel:
+    the dequantized weight (the quantize module's own formula) times x in 16-bit fixed point (int8) or int8 blocks
+    of 32 (int4), within that rounding's bound, rounded once to x's dtype. Row tiles, padded panels, int8's blocks
+    of 256 column pairs (K up to 720) and the pair loops' tails are all reached."""
     g = torch.Generator().manual_seed(seed)
     K = (K % 12 + 1) * group if mode == "int4" else K * 10  # int4: whole groups; int8: even widths
     W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)
@@ -113,8 +183,11 @@ def test_integer_kernels_equal_the_dequantized_weight_in_float64(ops, M: int, N:
     assert y.dtype == dtype and y.shape == (M, N)
     tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
     bound = tol * max(ref.abs().max().item(), 1.0)
-    # x rounded to 16-bit fixed point: each x[m, k] within max|x[m]| / 65534
-    bound = bound + (x.double().abs().amax(dim=1, keepdim=True) / 65534) @ dense.double().abs().sum(1)[None]
+    if mode == "int8":  # x rounded to 16-bit fixed point: each x[m, k] within max|x[m]| / 65534
+        bound = bound + (x.double().abs().amax(dim=1, keepdim=True) / 65534) @ dense.double().abs().sum(1)[None]
+    else:  # x rounded to int8 per block of 32: each x[m, k] within its block's max / 254 (and fp32's rounding)
+        step = x.double().abs().reshape(M, -1, 32).amax(-1).repeat_interleave(32, 1) / 254 * (1 + 2**-20)
+        bound = bound + step @ dense.double().abs().T
     assert bool(((y.double() - ref).abs() <= bound).all())
 
 
@@ -129,12 +202,12 @@ def test_kernel_refuses_a_mismatched_input(ops) -> None:  # noqa: ANN001
 
 @settings(max_examples=40, deadline=None)
 @given(M=st.integers(1, 13), N=st.integers(1, 70).map(lambda n: n | 1), K=st.integers(1, 72),
-       group=st.sampled_from([2, 4, 32, 64]), mode=st.sampled_from(["int8", "int4"]),
+       group=st.sampled_from([32, 64, 128]), mode=st.sampled_from(["int8", "int4"]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
 def test_builds_give_identical_integer_outputs(two, M: int, N: int, K: int, group: int, mode: str,  # noqa: ANN001
                                                dtype: torch.dtype, seed: int) -> None:
     """The same int8/int4 weight, packed once, through every build: the same int32 sums and the same fp32
-    operations on them, so equal to the bit (odd N, groups of 2-64, K past int8's 256-pair blocks)."""
+    operations on them, so equal to the bit (odd N, int4 groups of 1-4 blocks, K past int8's 256-pair blocks)."""
     g = torch.Generator().manual_seed(seed)
     K = (K % 12 + 1) * group if mode == "int4" else K * 10
     W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)

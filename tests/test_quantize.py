@@ -332,7 +332,7 @@ def test_lm_eval_model_args_quantize(trained) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Every CPU kernel path, on imported models and at odd widths
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.fixture(params=["torch", "avx2", "avx512"])
+@pytest.fixture(params=["torch", "avx2", "avxvnni", "avx512"])
 def cpu_path(request, monkeypatch):  # noqa: ANN001, ANN201
     """Each CPU kernel this machine runs, whatever the dispatch would pick: PyTorch's int8/int4 kernels and each
     of gptlab's builds that runs here (GPTLAB_KERNEL)."""
@@ -394,8 +394,11 @@ def test_imported_models_quantize_and_generate_on_every_path(hf_dirs, family, mo
         assert out.shape == (1, prompt.shape[1] + 8) and {id(m) for m in calls} == {id(m) for m in layers}
         with torch.no_grad():
             got, want = model(out)[0], reference_model(model)(out)[0]
-    # a random model is chaotic (see above): the kernels' bf16 activations move its logits by a few percent
-    assert float((got - want).abs().max()) <= 0.15 * float(want.std())
+    # a random model is chaotic (see above): the kernels' bf16 activations move its logits by a few percent, and
+    # int4 on gptlab's builds (activations in int8 blocks of 32, llama.cpp's q8_0 rounding) by up to a quarter of
+    # their spread; each layer's output was checked above against the reference on the same input
+    eight_bit = mode == "int4" and cpu_path != "torch"
+    assert float((got - want).abs().max()) <= (0.3 if eight_bit else 0.15) * float(want.std())
 
 
 def test_imported_weights_and_quantized_buffers_are_contiguous(hf_dirs) -> None:

@@ -7,10 +7,12 @@ where they are faster than PyTorch's kernels (`dispatch` measures which path run
 (`gptlab.generation.native_decode`). Both are built into one library (`linear_avx2.h` is what they share;
 `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels).
 
-The sources are built twice, one library each (`kernel_builds()` lists those this machine runs): `avx2_ops()`
-(AVX2 + FMA, torch.ops.gptlab_avx2) and `avx512_ops()` (AVX-512 F/BW/VL/DQ with VNNI integer and BF16 dot
-products, torch.ops.gptlab_avx512: Zen 4, Sapphire Rapids and later). Both read the same packed weights, so a
-weight packed once runs on either; int8/int4 outputs are equal to the bit, bf16/fp32 ones within fp32 rounding.
+The sources are built three times, one library each (`kernel_builds()` lists those this machine runs):
+`avx2_ops()` (AVX2 + FMA, torch.ops.gptlab_avx2), `avxvnni_ops()` (the same with AVX-VNNI's 256-bit byte dot
+products for int4, torch.ops.gptlab_avxvnni: Alder Lake, Zen 5 and later) and `avx512_ops()` (AVX-512 F/BW/VL/DQ
+with VNNI integer and BF16 dot products, torch.ops.gptlab_avx512: Zen 4, Sapphire Rapids and later). All read the
+same packed weights, so a weight packed once runs on any; int8/int4 outputs are equal to the bit, bf16/fp32 ones
+within fp32 rounding.
 Which build (or PyTorch) serves each kind of weight is measured once per machine by `gptlab.kernels.dispatch`.
 
 The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
@@ -45,6 +47,7 @@ AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AV
 # the AVX-512 build: the int8/int4 kernels need VNNI (vpdpwssd), the bf16 one BF16 (vdpbf16ps); Zen 4, Ice Lake
 # server with BF16 (Cooper Lake), Sapphire Rapids and later have all of them
 AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
+AVXVNNI_FLAGS = [*AVX2_FLAGS, "-mavxvnni"]
 AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
                               "avx512_bf16"})
 
@@ -57,6 +60,11 @@ def _x86() -> bool:
 def cpu_has_avx2() -> bool:
     """Whether this CPU runs AVX2 + FMA code (an x86 CPU, and torch's own dispatch level says so)."""
     return _x86() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def cpu_has_avxvnni() -> bool:
+    """Whether this CPU runs the AVX-VNNI build: AVX2 with the VEX-encoded byte dot products."""
+    return cpu_has_avx2() and "avx_vnni" in cpu_flags()
 
 
 def cpu_has_avx512() -> bool:
@@ -107,6 +115,15 @@ def avx2_ops() -> Any | None:
 
 
 @functools.cache
+def avxvnni_ops() -> Any | None:
+    """torch.ops.gptlab_avxvnni: the AVX2 build with AVX-VNNI's `vpdpbusd` for int4 (the other kinds as AVX2's);
+    None where the CPU lacks AVX-VNNI or as `avx2_ops()`."""
+    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avxvnni():
+        return None
+    return _build("gptlab_avxvnni", "AVX-VNNI", AVXVNNI_FLAGS)
+
+
+@functools.cache
 def avx512_ops() -> Any | None:
     """torch.ops.gptlab_avx512: the same operators built for AVX-512 (VNNI integer and BF16 dot products), reading
     the same packed weights as `avx2_ops()`; built on first use, None (after one warning where a build was tried)
@@ -118,7 +135,7 @@ def avx512_ops() -> Any | None:
 
 
 def kernel_builds() -> dict[str, Any]:
-    """Every build of the kernels this machine can execute, by name ("avx2", "avx512"), each built on first use.
-    A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout)."""
-    builds = {"avx2": avx2_ops(), "avx512": avx512_ops()}
+    """Every build of the kernels this machine can execute, by name ("avx2", "avxvnni", "avx512"), each built on
+    first use. A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout)."""
+    builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops()}
     return {name: ops for name, ops in builds.items() if ops is not None}

@@ -1,5 +1,5 @@
-// The int8 and int4 micro-kernels of linear_avx2.cpp: rows of x in 16-bit fixed point against one panel of integer
-// weights, integer multiply-adds summed exactly in int32 and scaled in fp32.
+// The int8 micro-kernels of linear_avx2.cpp: rows of x in 16-bit fixed point against one panel of int8 weights,
+// integer multiply-adds summed exactly in int32 and scaled in fp32 (int4's are in int4_tiles.h).
 #pragma once
 
 #include <immintrin.h>
@@ -14,23 +14,13 @@ namespace GPTLAB_NS::int_tiles {
 
 constexpr int64_t kExactPairs = 256;
 
-// int4's per-group scale and offset are stored in fp16 (2 bytes each: at group 32 a weight reads 0.625 bytes, not
-// 0.75) and widened exactly by F16C's vcvtph2ps
-inline __m256 fp16x8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}  // int8: pairs summed in int32 before the fp32 total (see below)
-
-// int8 and int4: x in 16-bit fixed point (per row: x ~ xq * xscale, |xq| <= 32767) against the weights' integers.
+// int8: x in 16-bit fixed point (per row: x ~ xq * xscale, |xq| <= 32767) against the weights' integers.
 // A panel's column pair (k, k + 1) is laid out so that 8 rows' weights widen to (q[r][k], q[r][k + 1]) int16 pairs
 // in one register; _mm256_madd_epi16 multiplies them by the pair (xq[k], xq[k + 1]) and adds the two products into
-// an int32. Per 32 weights and row of x: 2 multiply-adds and 2 adds, plus 2 widenings shared by the rows (int4: 3
-// more to split the nibbles), where converting every weight to fp32 took 18 instructions.
-// * int8: 32 bytes per pair, rows 0-7 then 8-15. The int32 sums are exact for 256 pairs (2 * 32767 * 127 * 256 <
-//   2^31), then go to fp32 totals; the weight's row scale comes in linear_impl.
-// * int4: 16 bytes per pair, the low nibbles holding rows 0-7's pairs and the high ones rows 8-15's. Per group of
-//   columns (at most 256: exact in int32) the sum goes to the fp32 total times the group's scale s, plus its offset
-//   m times the group's sum of xq (w = q * s + m).
-// The totals are scaled by xscale at the end.
+// an int32. Per 32 weights and row of x: 2 multiply-adds and 2 adds, plus 2 widenings shared by the rows, where
+// converting every weight to fp32 took 18 instructions.
+// 32 bytes per pair, rows 0-7 then 8-15. The int32 sums are exact for 256 pairs (2 * 32767 * 127 * 256 < 2^31),
+// then go to fp32 totals, scaled by xscale at the end; the weight's row scale comes in linear_impl.
 #if !defined(GPTLAB_AVX512)
 #define GPTLAB_QROW(r)                                                                        \
   if constexpr (R > r) {                                                                      \
@@ -41,7 +31,7 @@ inline __m256 fp16x8(const at::Half* p) {
     a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(w1, xb));                           \
   }
 #define GPTLAB_QROWS GPTLAB_QROW(0) GPTLAB_QROW(1) GPTLAB_QROW(2) GPTLAB_QROW(3) GPTLAB_QROW(4) GPTLAB_QROW(5)
-// tot[r] += a * s + m * sum (int8: s = 1, m = 0)
+// tot[r] += a * s + m * sum (here s = 1, m = 0)
 #define GPTLAB_QFLUSH(r, s0, s1, m0, m1, sum)                                                 \
   if constexpr (R > r) {                                                                      \
     const __m256 xs = _mm256_set1_ps(sum);                                                    \
@@ -75,29 +65,6 @@ inline void tile_i8(const int16_t* xq, int64_t ldx, const float* xscale, const i
     for (int64_t c = 0; c < kPanel; ++c) out[r][c] = tot[r][c] * xscale[r];
 }
 
-// qp: the panel's (groups, 2, 16) scales and offsets; xqsum (rows, groups, row stride G): each group's sum of xq
-template <int R>
-inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const float* xqsum, const uint8_t* panel,
-                    const at::Half* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
-  float tot[R][kPanel] = {};
-  const int64_t G = pairs / group_pairs;
-  const __m128i nibble = _mm_set1_epi8(15);
-  for (int64_t g = 0; g < G; ++g, qp += 2 * kPanel) {
-    GPTLAB_QZERO
-    for (int64_t j = g * group_pairs; j < (g + 1) * group_pairs; ++j) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + j * kPanel));
-      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble));
-      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
-      GPTLAB_QROWS
-    }
-    const __m256 s0 = fp16x8(qp), s1 = fp16x8(qp + 8), m0 = fp16x8(qp + kPanel), m1 = fp16x8(qp + kPanel + 8);
-    GPTLAB_QFLUSH(0, s0, s1, m0, m1, xqsum[g]) GPTLAB_QFLUSH(1, s0, s1, m0, m1, xqsum[G + g])
-    GPTLAB_QFLUSH(2, s0, s1, m0, m1, xqsum[2 * G + g]) GPTLAB_QFLUSH(3, s0, s1, m0, m1, xqsum[3 * G + g])
-    GPTLAB_QFLUSH(4, s0, s1, m0, m1, xqsum[4 * G + g]) GPTLAB_QFLUSH(5, s0, s1, m0, m1, xqsum[5 * G + g])
-  }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kPanel; ++c) out[r][c] = tot[r][c] * xscale[r];
-}
 #undef GPTLAB_QROW
 #undef GPTLAB_QROWS
 #undef GPTLAB_QFLUSH
@@ -107,9 +74,7 @@ inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const f
 // AVX-512 VNNI: one register holds a column pair's 16 rows as int16 pairs, and vpdpwssd multiplies them by
 // (xq[k], xq[k + 1]) and adds both products to the int32 lane: the int32 sums of AVX2's madd + add, exactly, and
 // the same fp32 operations on them in the same order, so both builds give bit-identical outputs.
-// * int8: the pair's 32 bytes (rows 0-7 then 8-15) sign-extend to one register, lanes in output order.
-// * int4: the pair's 16 bytes go to both halves of a 256-bit register, the upper one shifted right by 4
-//   (vpsrlvq), then masked to nibbles and zero-extended: the low nibbles' rows 0-7, then the high nibbles' 8-15.
+// The pair's 32 bytes (rows 0-7 then 8-15) sign-extend to one register, lanes in output order.
 // Pairs alternate between C accumulators per row (C = 4 for one row, 2 for two or three: chains that do not wait
 // on each other), added exactly in int32 before each flush.
 #define GPTLAB_ZQACC                                                                                             \
@@ -174,29 +139,6 @@ inline void tile_i8(const int16_t* xq, int64_t ldx, const float* xscale, const i
   GPTLAB_ZQOUTS
 }
 
-template <int R>
-inline void tile_q4(const int16_t* xq, int64_t ldx, const float* xscale, const float* xqsum, const uint8_t* panel,
-                    const at::Half* qp, int64_t pairs, int64_t group_pairs, float out[][kPanel]) {
-  constexpr int C = kChains<R>;
-  const int64_t G = pairs / group_pairs;
-  constexpr int kPairBytes = kPanel;
-  const auto wptr = [panel](int64_t j) { return panel + j * kPanel; };
-  const __m256i shifts = _mm256_setr_epi64x(0, 0, 4, 4), nibble = _mm256_set1_epi8(15);
-  const auto wload = [&](int64_t j) {
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + j * kPanel)));
-    return _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srlv_epi64(v, shifts), nibble));
-  };
-  __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0, t4 = t0, t5 = t0;
-  for (int64_t g = 0; g < G; ++g, qp += 2 * kPanel) {
-    GPTLAB_ZBLOCK(g * group_pairs, (g + 1) * group_pairs)
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp))),
-                 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + kPanel)));
-    GPTLAB_ZQFLUSH(0, s, m, xqsum[g]) GPTLAB_ZQFLUSH(1, s, m, xqsum[G + g])
-    GPTLAB_ZQFLUSH(2, s, m, xqsum[2 * G + g]) GPTLAB_ZQFLUSH(3, s, m, xqsum[3 * G + g])
-    GPTLAB_ZQFLUSH(4, s, m, xqsum[4 * G + g]) GPTLAB_ZQFLUSH(5, s, m, xqsum[5 * G + g])
-  }
-  GPTLAB_ZQOUTS
-}
 #undef GPTLAB_ZQACC
 #undef GPTLAB_ZQ
 #undef GPTLAB_ZQS

@@ -5,29 +5,36 @@
 // Decoding multiplies a few activation rows (M = the batch) by every weight matrix once per token, so the work is
 // reading the weights: the kernel must stream them at memory speed and do its arithmetic in fp32 on the way.
 //
-// Built twice (gptlab/kernels/__init__.py): for AVX2 + FMA (torch.ops.gptlab_avx2) and for AVX-512 with VNNI and
-// BF16 (torch.ops.gptlab_avx512: see linear_avx2.h); one packing layout, so a weight packed by either runs on both.
+// Built three times (gptlab/kernels/__init__.py): for AVX2 + FMA (torch.ops.gptlab_avx2), AVX2 + AVX-VNNI
+// (torch.ops.gptlab_avxvnni) and AVX-512 with VNNI and BF16 (torch.ops.gptlab_avx512: see linear_avx2.h); one packing
+// layout, so a weight packed by any of them runs on all.
 //
 // * `pack(W)`: W (N, K), bf16 or fp32, re-laid out once per model as panels of 16 output rows: (ceil(N/16), K, 16),
 //   zero-padded. fp32: one panel's column k is 16 consecutive values; bf16: column pairs, each output's
 //   (W[n][k], W[n][k + 1]) in one 32-bit lane (the int8 layout; see dense_tiles.h).
-// * `pack_int8(q)`, `pack_int4(q, scale, zero)`: int8 q (N, K), or q (N, K) in 0..15 with per-group scale and zero
-//   (gptlab.quantize's per-row int8 w = q * scale and asymmetric int4 w = (q - 8) * scale + zero), in the same
-//   panels as column pairs (see int_tiles.h); int4 comes with `qparams` (panels, K / group, 2, 16) fp16: per group
-//   and output row the scale s and the offset m = zero - 8 s (exact for gptlab.quantize's, fp16 values). Each row of x is put in 16-bit fixed point (xq * s,
-//   |xq| <= 32767: rounding error up to 2^-16 of the row's largest value, no more than bf16's 2^-9 for values
-//   above 1/128 of it) and multiplied with integer multiply-adds, summed exactly in int32, scaled in fp32.
+// * `pack_int8(q)`: int8 q (N, K) (gptlab.quantize's per-row w = q * scale) in the same panels as column pairs (see
+//   int_tiles.h). Each row of x is put in 16-bit fixed point (xq * s, |xq| <= 32767: rounding error up to 2^-16 of
+//   the row's largest value, no more than bf16's 2^-9 for values above 1/128 of it) and multiplied with integer
+//   multiply-adds, summed exactly in int32, scaled in fp32.
+// * `pack_int4(q, scale, zero)`: q (N, K) in 0..15 with per-group scale and zero (gptlab.quantize's asymmetric
+//   w = (q - 8) * scale + zero, groups of a multiple of 32 inputs) as nibble quads (see int4_tiles.h), with `qparams`
+//   (panels, K / group, 2, 16) fp16: per group and output row the scale s and the offset m = zero - 8 s (exact for
+//   gptlab.quantize's, fp16 values). Each row of x is rounded to int8 per block of 32 inputs (llama.cpp's q8_0:
+//   error up to 1/254 of the block's largest value) and multiplied by byte dot products, exact in int32 per block.
 // * `linear(x, packed, qparams, bias, N)` (declared in linear_avx2.h for decode_step.cpp's step): y = x @ W.T +
-//   bias for x (M, K) in bf16 or fp32, out in x's dtype. A micro-kernel (dense_tiles.h, int_tiles.h) takes up to 6
-//   rows of x and one panel. Threads (torch's pool, at::parallel_for) split the panels; rows go in blocks of 96 so
+//   bias for x (M, K) in bf16 or fp32, out in x's dtype. A micro-kernel (dense_tiles.h, int_tiles.h,
+//   int4_tiles.h) takes up to 6 rows of x (int4: 8 on AVX-512, 4 on AVX2) and one panel, whose weights it unpacks
+//   once for all of them. Threads (torch's pool, at::parallel_for) split the panels; rows go in blocks of 96 so
 //   a block of x stays in L2. The result is rounded once: for bf16 the numbers of a native bf16 matmul (fp32
-//   accumulation), for int8/int4 those of the dequantized weight times x in 16-bit fixed point.
+//   accumulation), for int8 those of the dequantized weight times x in 16-bit fixed point, for int4 times x in
+//   int8 blocks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include "dense_tiles.h"
+#include "int4_tiles.h"
 #include "int_tiles.h"
 #include "linear_avx2.h"
 
@@ -36,7 +43,6 @@
 #include <limits>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 namespace {
@@ -46,11 +52,10 @@ using GPTLAB_NS::kTile;
 using GPTLAB_NS::dense_tiles::tile;
 using GPTLAB_NS::dense_tiles::tile1;
 using GPTLAB_NS::int_tiles::tile_i8;
-using GPTLAB_NS::int_tiles::tile_q4;
 constexpr int64_t kRowBlock = 96;
 
 // A weight in panels, its input, and how to run one micro-kernel for rows m.. of the input on panel p: `Dense<W>`
-// for bf16/fp32 columns, `Int8` for column pairs against 16-bit x, `Int4` for nibble pairs with group parameters.
+// for bf16/fp32 columns, `Int8` for column pairs against 16-bit x, `Int4` for nibble quads against 8-bit x blocks.
 template <typename W>
 struct Dense {
   static constexpr int kRows = kTile;
@@ -94,26 +99,33 @@ struct Int8 {
 };
 
 struct Int4 {
-  static constexpr int kRows = kTile;
+  static constexpr int kRows = GPTLAB_NS::int4_tiles::kRows;
   const uint8_t* data;
   const at::Half* qparams;  // (panels, G, 2, 16)
   int64_t K, G;
-  const int16_t* xq;    // (M, K)
-  const float* xscale;  // (M,)
-  const float* xqsum;   // (M, G)
+  const int8_t* xq;   // (M, K)
+  const float* d;     // (M, K / 32): each block's scale
+  const float* msum;  // (M, G): per group, the sum over its blocks of d * (sum of xq)
   void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
+    using GPTLAB_NS::int4_tiles::tile;
     const uint8_t* panel = data + p * (K / 2) * kPanel;
     const at::Half* qp = qparams + p * G * 2 * kPanel;
-    const int16_t* xm = xq + m * K;
-    const float *xs = xscale + m, *sums = xqsum + m * G;
-    const int64_t gp = K / G / 2;
+    const int64_t B = K / GPTLAB_NS::int4_tiles::kBlock, gs = K / G;
+    const int8_t* xm = xq + m * K;
+    const float *dm = d + m * B, *sm = msum + m * G;
     switch (rows) {
-      case 1: return tile_q4<1>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
-      case 2: return tile_q4<2>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
-      case 3: return tile_q4<3>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
-      case 4: return tile_q4<4>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
-      case 5: return tile_q4<5>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
-      default: return tile_q4<6>(xm, K, xs, sums, panel, qp, K / 2, gp, out);
+      case 1: return tile<1>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+      case 2: return tile<2>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+      case 3: return tile<3>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+#if defined(GPTLAB_AVX512)
+      case 4: return tile<4>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+      case 5: return tile<5>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+      case 6: return tile<6>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+      case 7: return tile<7>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+      default: return tile<8>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+#else
+      default: return tile<4>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+#endif
     }
   }
 };
@@ -128,7 +140,7 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
   // grain: enough panels per task that a thread reads at least ~64 KB of weights per hand-off
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(K, 1));
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-    float out[kTile][kPanel];
+    float out[Weight::kRows][kPanel];
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
       for (int64_t p = p0; p < p1; ++p) {
@@ -219,18 +231,53 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* sca
   }
 }
 
-// q (N, K) uint8 in 0..15, scale and zero (N, K / gs) -> (nibble panels (panels, K / 2, 16) uint8, qparams):
-// the layout tile_q4 reads
+// x (M, K) fp32, K a multiple of 32 -> int8 per block of 32 (int4's activations: q8_0's rounding): xq =
+// round(x * (127 / max|x|)) and d = max|x| / 127 per block (a block of zeros: d = 0; with inf or NaN: xq = 0 and
+// d = NaN, so its outputs are NaN as a float product's would be), and per row and group of gs inputs the sum over its
+// blocks of d * sum(xq)
+void quantize_blocks(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq, float* d, float* msum) {
+  constexpr int64_t kBlock = GPTLAB_NS::int4_tiles::kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g0 = 0; g0 < K; g0 += gs) {
+      float group_sum = 0.0f;
+      for (int64_t k0 = g0; k0 < g0 + gs; k0 += kBlock) {
+        const float* block = x + m * K + k0;
+        float top = 0.0f;
+        bool finite = true;  // std::max drops a NaN, so it is looked for on the same pass
+        for (int64_t k = 0; k < kBlock; ++k) {
+          top = std::max(top, std::fabs(block[k]));
+          finite = finite && std::isfinite(block[k]);
+        }
+        const float scale = !finite ? std::nanf("") : top / 127.0f, inv = finite && top > 0.0f ? 127.0f / top : 0.0f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kBlock; ++k) {
+          const float v = finite ? std::nearbyint(block[k] * inv) : 0.0f;  // never a NaN cast to an integer
+          const auto q = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+          xq[m * K + k0 + k] = q;
+          sum += q;
+        }
+        d[m * (K / kBlock) + k0 / kBlock] = scale;
+        group_sum += scale * static_cast<float>(sum);
+      }
+      msum[m * (K / gs) + g0 / gs] = group_sum;
+    }
+  }
+}
+
+// q (N, K) uint8 in 0..15, scale and zero (N, K / gs), gs a multiple of 32 -> (nibble panels (panels, K / 2, 16)
+// uint8, qparams): per panel and 8 columns k0.., 64 bytes whose byte 4 r + j holds row r's q[k0 + j] (low nibble)
+// and q[k0 + 4 + j] (high): the layout int4_tiles.h reads
 std::vector<at::Tensor> pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "pack_int4: a 2-D uint8 weight of values 0..15");
   const int64_t N = q.size(0), K = q.size(1), G = scale.size(1);
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && zero.sizes() == scale.sizes() && G > 0 && K % G == 0 &&
-              (K / G) % 2 == 0, "pack_int4: scale and zero must be (N, K / group) with an even group size");
+              (K / G) % GPTLAB_NS::int4_tiles::kBlock == 0,
+              "pack_int4: scale and zero must be (N, K / group) with a group size that is a multiple of 32");
   auto rows = panel_rows(q);
   const int64_t panels = rows.size(0);
-  // (panels, K / 2, 32): per column pair, rows 0-7's (k, k + 1) then rows 8-15's; the first 16 go to low nibbles
-  auto pairs = rows.view({panels, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).reshape({panels, K / 2, 2 * kPanel});
-  auto packed = pairs.narrow(2, 0, kPanel).bitwise_or(pairs.narrow(2, kPanel, kPanel).mul(16)).contiguous();
+  // (panels, 16, K / 8, 2, 4) -> (panels, K / 8, 16, 2, 4): per 8 columns, each row's low quad and high quad
+  auto quads = rows.view({panels, kPanel, K / 8, 2, 4}).permute({0, 2, 1, 3, 4});
+  auto packed = quads.select(3, 0).bitwise_or(quads.select(3, 1).mul(16)).contiguous().view({panels, K / 2, kPanel});
   const auto s = scale.to(at::kFloat), offset = zero.to(at::kFloat) - 8 * s;  // w = q * s + (zero - 8 s)
   auto qparams = at::stack({panel_rows(s).transpose(1, 2), panel_rows(offset).transpose(1, 2)}, 2);
   // fp16 (2 bytes a value): exact for gptlab.quantize's int4 weights, whose scales and low ends are fp16 values
@@ -259,8 +306,9 @@ at::Tensor checked(const at::Tensor& packed, const c10::optional<at::Tensor>& qp
   if (int4)
     TORCH_CHECK(qparams->scalar_type() == at::kHalf && qparams->is_contiguous() && qparams->dim() == 4 &&
                 qparams->size(0) == panels && qparams->size(1) > 0 && K % qparams->size(1) == 0 &&
-                (K / qparams->size(1)) % 2 == 0 && qparams->size(2) == 2 && qparams->size(3) == kPanel,
-                "linear: int4 qparams must be (panels, groups, 2, 16) fp16");
+                (K / qparams->size(1)) % GPTLAB_NS::int4_tiles::kBlock == 0 && qparams->size(2) == 2 &&
+                qparams->size(3) == kPanel,
+                "linear: int4 qparams must be (panels, groups, 2, 16) fp16, groups of a multiple of 32 inputs");
   if (!bias.has_value() || !bias->defined()) return at::Tensor();
   TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), "linear: bias must be contiguous with ", N, " values");
   TORCH_CHECK(bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat, "linear: bias dtype");
@@ -272,21 +320,19 @@ at::Tensor checked(const at::Tensor& packed, const c10::optional<at::Tensor>& qp
 void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
              const c10::optional<at::Tensor>& qparams, const at::Tensor& b, int64_t N, void* y, bool bf16_out) {
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
-  if (int4 || int8) {
+  if (int8) {
     std::vector<int16_t> xq(M * K);
     std::vector<float> xscale(M);
     quantize_rows(xp, M, K, xq.data(), xscale.data());
-    if (int8) {
-      dispatch(M, K, Int8{packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b, N,
-               y, bf16_out);
-    } else {
-      const int64_t G = qparams->size(1), gs = K / G;
-      std::vector<float> xqsum(M * G);  // per row and group: the sum of xq (exact in fp32: |sum| < 2^24)
-      for (int64_t i = 0; i < M * G; ++i)
-        xqsum[i] = static_cast<float>(std::accumulate(xq.begin() + i * gs, xq.begin() + (i + 1) * gs, int64_t{0}));
-      dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), xscale.data(),
-                          xqsum.data()}, nullptr, b, N, y, bf16_out);
-    }
+    dispatch(M, K, Int8{packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b, N,
+             y, bf16_out);
+  } else if (int4) {
+    const int64_t G = qparams->size(1);
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> d(M * K / GPTLAB_NS::int4_tiles::kBlock), msum(M * G);
+    quantize_blocks(xp, M, K, K / G, xq.data(), d.data(), msum.data());
+    dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), d.data(),
+                        msum.data()}, nullptr, b, N, y, bf16_out);
   } else if (packed.scalar_type() == at::kBFloat16) {
     dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb}, nullptr, b, N, y, bf16_out);
   } else {

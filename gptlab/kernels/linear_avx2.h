@@ -2,10 +2,10 @@
 // which build this is, and `linear`, y = x @ W.T + bias over a packed weight (decode_step.cpp's step calls
 // `linear_into`, the same over raw rows).
 //
-// The same sources are compiled twice (gptlab/kernels/__init__.py): with AVX2 + FMA, and with AVX-512
-// (F/BW/VL/DQ + VNNI + BF16). The compiler's own macros pick the build: the AVX-512 one registers its operators
-// as torch.ops.gptlab_avx512 and keeps its C++ in namespace gptlab_avx512 (GPTLAB_NS), so both libraries can be
-// loaded in one process without sharing a symbol. Both read the same packed weights (one `pack` for both).
+// The same sources are compiled three times (gptlab/kernels/__init__.py): with AVX2 + FMA, with AVX2 + AVX-VNNI,
+// and with AVX-512 (F/BW/VL/DQ + VNNI + BF16). The compiler's own macros pick the build: the AVX-512 one registers
+// its operators as torch.ops.gptlab_avx512 and keeps its C++ in namespace gptlab_avx512 (GPTLAB_NS), so all the
+// libraries can be loaded in one process without sharing a symbol. All read the same packed weights (one `pack`).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,6 +19,9 @@
     defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #define GPTLAB_AVX512 1
 #define GPTLAB_NS gptlab_avx512
+#elif defined(__AVXVNNI__)
+#define GPTLAB_AVXVNNI 1  // the AVX2 build with AVX-VNNI's 256-bit byte dot products (int4's vpdpbusd)
+#define GPTLAB_NS gptlab_avxvnni
 #else
 #define GPTLAB_NS gptlab_avx2
 #endif
