@@ -60,10 +60,10 @@ class FrozenQuantizedLinear(QuantizedLinear):
                 self.scale, self.low = self.scale.float(), self.low.float()  # weights beyond fp16's range
             self.qweight[rows], self.scale[rows], self.low[rows] = pack_nibbles(q), scale, low
 
-    def kernel(self) -> None:
+    def kernel(self, rows: int = 1) -> None:
         return None
 
-    def kernel_name(self, dtype: torch.dtype = torch.bfloat16) -> str:
+    def kernel_name(self, dtype: torch.dtype = torch.bfloat16, rows: int = 1) -> str:
         return f"dequantize + F.linear ({self.mode})"
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:

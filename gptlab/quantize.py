@@ -68,7 +68,7 @@ from gptlab.integer_weights import (
     quantize_int8,
     unpack_nibbles,
 )
-from gptlab.kernels.dispatch import chosen_ops
+from gptlab.kernels.dispatch import SMALL_BATCH, chosen_ops
 from gptlab.lora import has_lora
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,9 @@ class QuantizedLinear(nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._runs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}  # input's kind -> its forward
-        self._kernel: tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None = None  # gptlab's kernel: (ops, layout)
+        # gptlab's kernel's copy of the weights (every build reads the one layout); None: not made yet, False:
+        # these weights do not fit it
+        self._kernel: tuple[torch.Tensor, torch.Tensor] | bool | None = None
 
     def _store(self, w: torch.Tensor) -> None:
         """The weight's integers and their scales as buffers."""
@@ -131,12 +133,14 @@ class QuantizedLinear(nn.Module):
         return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # decoding calls each layer once per token: what to run for this kind of input is worked out once
+        # decoding calls each layer once per token: what to run for this kind of input is worked out once (a
+        # batch of many rows apart from a few: the dispatch may pick another kernel for each)
         autocast = torch.is_autocast_enabled(x.device.type)
-        key = (x.device, x.dtype, autocast)
+        rows = x.numel() // self.in_features if self.in_features else 1
+        key = (x.device, x.dtype, autocast, rows >= SMALL_BATCH)
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = self._prepare(x.device, x.dtype, autocast)
+            run = self._runs[key] = self._prepare(x.device, x.dtype, autocast, rows)
         return run(x)
 
     def forget_kernels(self) -> None:
@@ -145,28 +149,29 @@ class QuantizedLinear(nn.Module):
         self._runs.clear()
         self._kernel = None
 
-    def kernel(self) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
-        """The build of gptlab's own kernel that runs this layer (its torch.ops namespace) and the weights in its
-        layout, (packed integers, qparams) (see gptlab/kernels/linear_avx2.cpp), made once: where the layer is
-        on a CPU on which that kernel is the faster path for this mode (`gptlab.kernels.dispatch`); None
-        elsewhere (and for int8 weights of an odd input width, which its column pairs do not fit)."""
-        if self._kernel is not None:  # made for this device and these buffers (`forget_kernels` drops it)
-            return self._kernel
-        ops = chosen_ops(self.mode) if self.qweight.device.type == "cpu" else None
-        if ops is None or (self.mode == "int8" and self.in_features % 2):
+    def kernel(self, rows: int = 1) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
+        """The build of gptlab's own kernel that runs this layer for inputs of about `rows` rows (its torch.ops
+        namespace) and the weights in its layout, (packed integers, qparams) (see gptlab/kernels/linear_avx2.cpp),
+        made once for every build: where the layer is on a CPU on which that kernel is the faster path for this
+        mode and batch (`gptlab.kernels.dispatch`); None elsewhere (and for int8 weights of an odd input width,
+        which its column pairs do not fit)."""
+        ops = chosen_ops(self.mode, rows) if self.qweight.device.type == "cpu" else None
+        if ops is None or self._kernel is False:
             return None
-        if self.mode == "int4" and not int4_params_fit_fp16(self.scale, self.zero):
-            return None  # weights beyond fp16's range, or quantized elsewhere: PyTorch's int4 kernel
-        if self.mode == "int8":
-            weights = ops.pack_int8(self.qweight), self.scale.float().contiguous()
-        else:
-            weights = tuple(ops.pack_int4(unpack_nibbles(self.qweight), self.scale, self.zero))
-        self._kernel = ops, weights
-        return self._kernel
+        if self._kernel is None:  # made for this device and these buffers (`forget_kernels` drops it)
+            if (self.mode == "int8" and self.in_features % 2) or (
+                    self.mode == "int4" and not int4_params_fit_fp16(self.scale, self.zero)):
+                self._kernel = False  # int4 weights beyond fp16's range, or quantized elsewhere: PyTorch's kernel
+                return None
+            if self.mode == "int8":
+                self._kernel = ops.pack_int8(self.qweight), self.scale.float().contiguous()
+            else:
+                self._kernel = tuple(ops.pack_int4(unpack_nibbles(self.qweight), self.scale, self.zero))
+        return ops, self._kernel
 
-    def kernel_name(self, dtype: torch.dtype = torch.bfloat16) -> str:
-        """Which kernel runs this layer's forward for inputs of `dtype` on its device."""
-        kernel = self.kernel() if self.qweight.device.type == "cpu" else None
+    def kernel_name(self, dtype: torch.dtype = torch.bfloat16, rows: int = 1) -> str:
+        """Which kernel runs this layer's forward for inputs of `dtype` and about `rows` rows on its device."""
+        kernel = self.kernel(rows) if self.qweight.device.type == "cpu" else None
         if kernel is not None and dtype in (torch.float32, torch.bfloat16):
             return f"{kernel[0].name} ({self.mode})"
         make = _kernel_for(self.mode, self.qweight.device)
@@ -185,12 +190,12 @@ class QuantizedLinear(nn.Module):
         self.forget_kernels()
         super()._load_from_state_dict(*args, **kwargs)
 
-    def _prepare(self, device: torch.device, dtype: torch.dtype, autocast: bool):  # noqa: ANN202
-        """The forward for inputs of this device, dtype and autocast state: a kernel with its copies of the
-        weights where one works here, else the reference."""
+    def _prepare(self, device: torch.device, dtype: torch.dtype, autocast: bool, rows: int):  # noqa: ANN202
+        """The forward for inputs of this device, dtype, autocast state and about this many rows: a kernel with
+        its copies of the weights where one works here, else the reference."""
         out_dtype = torch.get_autocast_dtype(device.type) if autocast else dtype
         own = device.type == "cpu" and out_dtype in (torch.float32, torch.bfloat16)
-        kernel = self.kernel() if own else None
+        kernel = self.kernel(rows) if own else None
         if kernel is not None:
             return functools.partial(_kernel_cpu, *kernel, None if self.bias is None else self.bias.detach().float(),
                                      self.out_features, out_dtype)

@@ -461,3 +461,27 @@ def test_int4_beyond_fp16_takes_pytorchs_path(monkeypatch) -> None:  # noqa: ANN
     assert bool(((layer(x) - layer.reference(x)).abs() <= kernel_tolerance(x, layer)).all())
     small = QuantizedLinear(nn.Linear(64, 32, bias=False), "int4", 32)
     assert int4_params_fit_fp16(small.scale, small.zero)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_batch_of_many_rows_runs_the_dispatchs_choice_for_many_rows(mode: str, monkeypatch) -> None:  # noqa: ANN001
+    """The dispatch probes few rows and many apart and may pick another build (or PyTorch's kernel) for each: a
+    layer runs what it picked for its input's rows, from one copy of the weights, equal to the reference."""
+    import gptlab.quantize as quantize_module
+
+    builds = kernel_builds()
+    if len(builds) < 2:
+        pytest.skip("needs two of gptlab's builds")
+    few, many = sorted(builds)[:2]
+    monkeypatch.setattr(quantize_module, "chosen_ops",
+                        lambda kind, rows=1: builds[few] if rows < 8 else builds[many] if rows < 64 else None)
+    torch.manual_seed(0)
+    layer = QuantizedLinear(nn.Linear(64, 48), mode, 32 if mode == "int4" else None)
+    assert layer.kernel(1)[0] is builds[few] and layer.kernel(32)[0] is builds[many]
+    assert layer.kernel(1)[1] is layer.kernel(32)[1]  # one copy of the weights for every build
+    assert layer.kernel(64) is None  # PyTorch's kernel won
+    assert f"({mode})" in layer.kernel_name(torch.float32, 32) and builds[many].name in layer.kernel_name(
+        torch.float32, 32)
+    for rows in (1, 32, 64):
+        x = torch.randn(rows, 64)
+        assert bool(((layer(x) - layer.reference(x)).abs() <= kernel_tolerance(x, layer)).all()), rows

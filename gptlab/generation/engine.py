@@ -157,7 +157,8 @@ class Engine:
         """What runs this engine's decode steps on this machine: the decode step ("native C++": the blocks in one
         call, "lean", or "plain": the general forward) and each Linear's kernel, counted by name."""
         with self._kernels():
-            names = Counter(kernel_name(m) if isinstance(m, nn.Linear) else m.kernel_name(self.dtype)
+            rows = self.cache.batch_size
+            names = Counter(kernel_name(m) if isinstance(m, nn.Linear) else m.kernel_name(self.dtype, rows)
                             for m in self.model.modules() if isinstance(m, (nn.Linear, QuantizedLinear)))
             native = self._native_weights() is not None
         step = "native C++" if self._lean_step_exact and native else "lean" if self._lean_step_exact else "plain"

@@ -50,10 +50,11 @@ class NativeWeights:
     ops: Any
 
 
-def _linear(lin: nn.Module) -> tuple[Any, list[torch.Tensor | None]] | None:
-    """The build and (packed, qparams, bias) of a Linear that runs on gptlab's kernel right now; None otherwise."""
+def _linear(lin: nn.Module, rows: int) -> tuple[Any, list[torch.Tensor | None]] | None:
+    """The build and (packed, qparams, bias) of a Linear that runs on gptlab's kernel right now (a quantized one:
+    for inputs of `rows` rows); None otherwise."""
     if isinstance(lin, QuantizedLinear):
-        kernel = lin.kernel()
+        kernel = lin.kernel(rows)
         return None if kernel is None else (kernel[0], [*kernel[1], lin._parameters.get("bias")])
     kernel = kernel_packed(lin)
     return None if kernel is None else (kernel[0], [kernel[1], None, lin._parameters["bias"]])
@@ -76,14 +77,14 @@ def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
     for a walk over every Linear."""
     if not kernel_builds() or cache.k.dtype != torch.float32:
         return None
-    cfg = model.config
+    cfg, rows = model.config, cache.batch_size
     eps = cfg.norm_eps
     out: list[torch.Tensor | None] = []
     builds = set()
     for b in model.transformer.h:
         parts = b._modules
         attn, mlp = parts["attn"]._modules, parts["mlp"]._modules
-        linears = [_linear(attn["c_attn"]), _linear(attn["c_proj"]), _linear(mlp["c_fc"]), _linear(mlp["c_proj"])]
+        linears = [_linear(module, rows) for module in (attn["c_attn"], attn["c_proj"], mlp["c_fc"], mlp["c_proj"])]
         norms = [_norm(parts["ln_1"], eps), _norm(parts.get("ln_2"), eps), _norm(parts.get("ln_attn_out"), eps),
                  _norm(parts.get("ln_mlp_out"), eps), _norm(attn.get("q_norm"), eps), _norm(attn.get("k_norm"), eps)]
         if any(g is None for g in linears + norms):
