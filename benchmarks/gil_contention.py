@@ -8,6 +8,9 @@ interval (5 ms by default) to run out. This benchmark times the engine's decode 
 as the event loop's burst per step), in four settings taking turns over --rounds:
 
 * alone: no competitor (the offline engine);
+* alone, on another thread: no competitor, the steps on a thread other than the one that loaded the model, as the
+  server's scheduler runs them (the model's first forwards made the main thread an OpenMP team of its own: with two
+  teams on two cores, libgomp makes idle threads sleep almost at once);
 * thread: the competitor on a thread of this process, the default switch interval;
 * thread, short interval: the same with `sys.setswitchinterval(--interval-ms)`;
 * process: the competitor in a process of its own (what an engine process apart from the HTTP process gives):
@@ -97,6 +100,15 @@ def with_thread(steps: Callable[[int], float], n: int, busy_s: float, idle_s: fl
         sys.setswitchinterval(default)
 
 
+def on_thread(steps: Callable[[int], float], n: int) -> float:
+    """The steps on a thread other than the one that loaded the model (where the server's scheduler runs them)."""
+    result: list[float] = []
+    worker = threading.Thread(target=lambda: result.append(steps(n)))
+    worker.start()
+    worker.join()
+    return result[0]
+
+
 def with_process(steps: Callable[[int], float], n: int, busy_s: float, idle_s: float) -> float:
     ctx = multiprocessing.get_context("spawn")
     done = ctx.Event()
@@ -117,6 +129,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     busy, idle, n = args.busy_ms / 1000, args.idle_ms / 1000, args.steps
     settings: dict[str, Callable[[], float]] = {
         "alone": lambda: steps(n),
+        "alone, on another thread": lambda: on_thread(steps, n),
         "thread": lambda: with_thread(steps, n, busy, idle, None),
         f"thread, interval {args.interval_ms:g} ms": lambda: with_thread(steps, n, busy, idle, args.interval_ms / 1000),
         "process": lambda: with_process(steps, n, busy, idle),
