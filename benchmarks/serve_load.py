@@ -21,7 +21,8 @@ Python server (`bench` extra), which serves one request at a time. The servers t
 medians and ratios gptlab / peer are printed (tokens/s: higher is better; first-token p99: lower is better). Tokens
 are counted from each stream's `usage` where the server sends it, else one per streamed chunk. Each round also
 prints the CPU the load generator (this process) and the server used, the server's as CPU milliseconds per token:
-a figure other work on a shared machine moves far less than tokens/s. Beside the served
+a figure other work on a shared machine moves far less than tokens/s; gptlab's is split into its event loop's thread
+(HTTP and streaming) and the rest (the engine's scheduler and kernel threads). Beside the served
 figure: the engine's own tokens/s at the same batch without a server (`generate_batch` of max-batch prompts,
 max-tokens each, in a process of its own, once per round), and served / offline.
 
@@ -234,11 +235,13 @@ print(statistics.median(rates))
     return float(done.stdout.split()[-1])
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, every thread) process `pid` has used, from /proc (Linux); nan elsewhere. Unlike
-    tokens/s, CPU time per token is little moved by other work on a shared machine."""
+def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """CPU time (user + system) process `pid` has used, every thread's or only `thread`'s (a thread id; the main
+    thread's is `pid`), from /proc (Linux); nan elsewhere. Unlike tokens/s, CPU time per token is little moved by
+    other work on a shared machine."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        fields = stat.read_text().rpartition(")")[2].split()
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
@@ -254,11 +257,14 @@ def run_round(name: str, start, args: argparse.Namespace, log: Path,  # noqa: AN
         wait_for_server(server, f"http://127.0.0.1:{port}", "/v1/models" if name == "llama.cpp" else "/health", log)
         recording = Recording(server.pid, profile) if profile else None
         try:
-            cpu0 = process_cpu_seconds(server.pid)
+            cpu0, main0 = process_cpu_seconds(server.pid), process_cpu_seconds(server.pid, server.pid)
             summary = load(f"http://127.0.0.1:{port}", args)
             cpu = process_cpu_seconds(server.pid) - cpu0
+            main = process_cpu_seconds(server.pid, server.pid) - main0
             summary["server_cores"] = cpu / summary["wall"]
             summary["cpu_ms_per_token"] = 1000 * cpu / max(summary["tokens"], 1)
+            # gptlab's main thread is uvicorn's event loop (HTTP, streaming); the rest, its engine's threads
+            summary["main_cpu_ms_per_token"] = 1000 * main / max(summary["tokens"], 1)
             return summary
         finally:
             if recording is not None:
@@ -277,7 +283,9 @@ def report(name: str, s: dict, args: argparse.Namespace) -> None:
           f"p99 {s['lat99'] * 1000:.0f} ms, first token p50 {s['ttft50'] * 1000:.0f} ms p99 "
           f"{s['ttft99'] * 1000:.0f} ms, {s['mean_tokens']:.1f} tokens per request, load generator's CPU "
           f"{s['client_cores']:.2f} cores, server's CPU {s['server_cores']:.2f} cores = "
-          f"{s['cpu_ms_per_token']:.2f} CPU ms per token, errors {len(s['errors'])}"
+          f"{s['cpu_ms_per_token']:.2f} CPU ms per token"
+          + (f" ({s['main_cpu_ms_per_token']:.3f} on the event loop's thread)" if name == "gptlab" else "")
+          + f", errors {len(s['errors'])}"
           + (f" (first: {s['errors'][0]})" if s["errors"] else ""))
     if name == "gptlab" and args.long_prompt:
         p = s["pauses"]
