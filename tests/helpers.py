@@ -229,6 +229,21 @@ class ByteTokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
+def templated_byte_tokenizer(template: str | None) -> ByteTokenizer:
+    """Bytes and an end-of-text token (256, which a grammar allows only at an end), with the chat template
+    tests/data/templates/TEMPLATE.jinja (None: no template)."""
+
+    class Tok(ByteTokenizer):
+        vocab_size, eot_id = 257, 256
+        chat_template = None if template is None else (REPO / "tests" / "data" / "templates" /
+                                                       f"{template}.jinja").read_text()
+
+        def decode_bytes(self, ids) -> bytes:  # noqa: ANN001
+            return bytes(int(i) for i in ids if int(i) < 256)
+
+    return Tok()
+
+
 # --- training data and recipes ------------------------------------------------------------------------------------
 # a 2-layer, width-32 model: a training step takes a few milliseconds
 TINY_RECIPE = dict(

@@ -3,9 +3,10 @@ them: `gptlab train`, `gptlab eval` and `gptlab train --resume` each refuse befo
 file (for ids past the vocabulary, also the first bad offset and id), and exit 2. Never an internal error, a
 traceback, or a run that trains on the damage.
 
-The damages: a loss mask missing, empty, cut, longer, a directory, holding a byte other than 0 / 1; a shard whose
-bytes no longer match the manifest's sha256, a shard missing; token ids past the vocabulary in train.bin, val.bin
-and a shard. (Sizes of train.bin / val.bin and meta.json's keys: test_damaged_files.)
+The damages: a loss mask missing, empty, cut (by a byte, in half), longer, a directory, holding a byte other than
+0 / 1; a shard whose bytes no longer match the manifest's sha256, a shard missing; token ids past the vocabulary in
+train.bin, val.bin and a shard; the data's tokenizer_meta.json cut in half or empty. (Sizes of train.bin / val.bin
+and meta.json's keys: test_damaged_files.)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def mask_damages() -> dict[str, Callable[[Path], None]]:
         p.write_bytes(bytes(data))
 
     return {"missing": Path.unlink, "empty": lambda p: p.write_bytes(b""), "cut": cut,
+            "half": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
             "longer": lambda p: p.write_bytes(p.read_bytes() + b"\x01\x01"), "directory": directory,
             "value-7": bad_value}
 
@@ -101,6 +103,8 @@ def cases() -> list[tuple[str, str, str, str, str]]:
                  (f"ids-past-vocab-shard-{split}", "shards", "{shard}", "past-vocab", "offset 5"),
                  (f"shard-sha256-{split}", "shards", "{shard}", "sha256", "sha256"),
                  (f"shard-missing-{split}", "shards", "{shard}", "missing", "")]
+    # the data's tokenizer: a run would copy a damaged one into every checkpoint, which then cannot sample
+    rows += [(f"tokenizer-{how}", "text", "tokenizer_meta.json", how, "damaged") for how in ("half", "empty")]
     return rows
 
 
