@@ -52,11 +52,14 @@ def human_bytes(n: float) -> str:
 def write_error(target: Path, e: OSError, needed: int | None = None) -> GptlabError:
     """A one-line error for an OSError met while writing `target` (for a full disk: the space needed, the space
     free)."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        try:
-            free = f", {human_bytes(shutil.disk_usage(target.parent).free)} free"
-        except OSError:
-            free = ""
+    try:
+        free_bytes: int | None = shutil.disk_usage(target.parent).free
+    except OSError:
+        free_bytes = None
+    # a buffered writer (gguf's) reports a full disk as a short write, "N requested and M written", with no errno
+    short_write_on_full_disk = e.errno is None and free_bytes is not None and free_bytes < 1 << 20
+    if e.errno in (errno.ENOSPC, errno.EDQUOT) or short_write_on_full_disk:
+        free = f", {human_bytes(free_bytes)} free" if free_bytes is not None else ""
         need = f" needs about {human_bytes(needed)}" if needed else ""
         return GptlabError(f"no space left on the device of {target.parent}: writing {target.name}{need}{free}; "
                            f"nothing was replaced (free some space and run again)")

@@ -4,11 +4,15 @@ and the check that a command failed with one clean line. Import them as `from he
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import os
 import random
+import signal
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,6 +98,41 @@ needs_tiktoken_gpt2 = pytest.mark.skipif(not tiktoken_has_gpt2(), reason=GPT2_SK
 
 
 # --- command-line results ---------------------------------------------------------------------------------------
+class Hang(BaseException):
+    """A row that did not answer in time (a BaseException: no handler of the command line may turn it into a
+    clean-looking error line)."""
+
+
+@contextlib.contextmanager
+def time_bound(seconds: int) -> Iterator[None]:
+    """Fail (instead of hanging the suite) when the body takes longer than `seconds`."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise Hang(f"no answer within {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def cli_outcome(argv: list[str], seconds: int) -> tuple[int, list[str]]:
+    """(exit code, stderr's lines) of one in-process command line (`gptlab.cli.main`, argparse's own refusals
+    included), bounded in time; stdout is dropped."""
+    from gptlab.cli import main
+
+    err = io.StringIO()
+    with time_bound(seconds), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's own refusals: usage line + one error line, exit 2
+            rc = int(e.code or 0)
+    return rc, err.getvalue().splitlines()
+
+
 def one_line_error(rc: int, err: str, notes: int = 0) -> str:
     """The CLI's exit code 2 and a single `error:` line (after `notes` progress lines), no traceback."""
     assert rc == 2 and "Traceback" not in err, err
@@ -188,6 +227,21 @@ class ByteTokenizer:
 
     def decode(self, ids, *, errors: str = "strict") -> str:  # noqa: ANN001
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def templated_byte_tokenizer(template: str | None) -> ByteTokenizer:
+    """Bytes and an end-of-text token (256, which a grammar allows only at an end), with the chat template
+    tests/data/templates/TEMPLATE.jinja (None: no template)."""
+
+    class Tok(ByteTokenizer):
+        vocab_size, eot_id = 257, 256
+        chat_template = None if template is None else (REPO / "tests" / "data" / "templates" /
+                                                       f"{template}.jinja").read_text()
+
+        def decode_bytes(self, ids) -> bytes:  # noqa: ANN001
+            return bytes(int(i) for i in ids if int(i) < 256)
+
+    return Tok()
 
 
 # --- training data and recipes ------------------------------------------------------------------------------------

@@ -8,18 +8,15 @@ thread start-up). The damaged files they read are made once per module from one 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import REPO, corpus_text, hf_llama_dir, hf_tokenizer_dir, make_data, write_jsonl, write_recipe
+from helpers import REPO, corpus_text, hf_llama_dir, hf_tokenizer_dir, make_data, time_bound, write_jsonl, write_recipe
 
 from gptlab.cli import main
 
@@ -131,27 +128,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # 1e10 steps
-
-
-class Hang(BaseException):
-    """A row that did not answer in time (a BaseException: no handler of the command line may turn it into a
-    clean-looking error line)."""
-
-
-@contextlib.contextmanager
-def time_bound(seconds: int) -> Iterator[None]:
-    """Fail (instead of hanging the suite) when the body takes longer than `seconds`."""
-
-    def expire(signum: int, frame: object) -> None:
-        raise Hang(f"no answer within {seconds} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 TRAIN = ["train", "{recipe}", "--data", "{data}", "--quiet"]

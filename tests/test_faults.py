@@ -311,6 +311,30 @@ def test_a_full_disk_during_convert_to_hf_keeps_the_previous_copy(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_a_full_disk_during_gguf_export_is_the_same_one_line(tmp_path: Path, data: Path, monkeypatch,
+                                                            capsys) -> None:
+    """gguf's buffered writer meets a full disk as a short write with no errno ("2048 requested and 1472 written",
+    as on a 3 MB tmpfs): the same message as every other write, and no file left behind."""
+    import shutil
+
+    gguf = pytest.importorskip("gguf")
+    recipe = write_recipe(tmp_path, max_steps=2, eval_interval=0, warmup_steps=1)
+    assert main(train_argv(recipe, data, tmp_path / "run")) == 0
+    capsys.readouterr()
+
+    def short_write(self, *args, **kw) -> None:  # noqa: ANN001
+        raise OSError("2048 requested and 1472 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short_write)
+    monkeypatch.setattr(fileio.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(3 << 20, 3 << 20, 0))
+    out = tmp_path / "m.gguf"
+    assert main(["convert", str(tmp_path / "run"), str(out), "--to", "gguf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no space left on the device of {tmp_path}: writing m.gguf"), err
+    assert err.count("\n") == 1 and "nothing was replaced" in err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path: Path, capsys) -> None:
     path = tmp_path / "metrics.jsonl"
     rows = [json.dumps({"step": s, "train_loss": 1.0}) for s in (1, 2, 3)]

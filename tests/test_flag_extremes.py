@@ -9,14 +9,12 @@ The rows run in-process (`gptlab.cli.main`) against one tiny trained run, under 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import os
-import signal
 import sys
 
 import pytest
-from helpers import make_data, write_recipe
+from helpers import cli_outcome, make_data, write_recipe
 
 from gptlab.cli import build_parser, main
 
@@ -25,10 +23,6 @@ VALUES = ("nan", "-1", "1e999", "99999999999999999999", "")
 NOT_SWEPT = {"--out", "-o", "--json", "--tokenizer-from", "--init-from", "--text", "--prompt", "--chat-template",
              "--system", "--model-name", "--api-key", "--prompt-file"}  # paths and free text: other tables
 LONG_BY_DESIGN = {("sample", "--num-samples", "99999999999999999999")}  # streams samples until interrupted
-
-
-class RowTimeout(BaseException):  # not an Exception: nothing under test may catch it as a failure of its own
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -67,23 +61,8 @@ def value_flags(command: str) -> list[str]:
 
 def outcome(argv: list[str]) -> tuple[int, list[str]]:
     """(exit code, stderr's error lines) of one in-process command line, bounded in time."""
-    err = io.StringIO()
-
-    def alarm(*_: object) -> None:
-        raise RowTimeout(" ".join(argv))
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(ROW_SECONDS)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            try:
-                rc = main(argv)
-            except SystemExit as e:  # argparse's own refusals: usage line + one error line, exit 2
-                rc = int(e.code or 0)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-    return rc, [line for line in err.getvalue().splitlines() if "error" in line]
+    rc, lines = cli_outcome(argv, ROW_SECONDS)
+    return rc, [line for line in lines if "error" in line]
 
 
 @pytest.mark.parametrize("command", ["sample", "chat", "eval", "attention", "lens", "trace", "prepare", "convert",

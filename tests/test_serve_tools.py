@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import ByteTokenizer, tiny_model
+from helpers import ByteTokenizer, templated_byte_tokenizer, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,20 +51,9 @@ TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n}.", "p
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
-def _tokenizer(template: str | None) -> ByteTokenizer:
-    class Tok(ByteTokenizer):
-        vocab_size, eot_id = 257, 256  # bytes and an end-of-text token, which the grammar allows only at an end
-        chat_template = None if template is None else (TEMPLATES / f"{template}.jinja").read_text()
-
-        def decode_bytes(self, ids) -> bytes:  # noqa: ANN001
-            return bytes(int(i) for i in ids if int(i) < 256)
-
-    return Tok()
-
-
 @pytest.fixture(scope="module", params=["qwen_tools", "llama3_tools", None])
 def served(request):
-    tok = _tokenizer(request.param)
+    tok = templated_byte_tokenizer(request.param)
     model = tiny_model(vocab_size=257, block_size=2048)
     with ServerThread(create_app(model, tok, model_name="m", max_batch=2, ui=False)) as server:
         yield server, tok, request.param
@@ -103,12 +92,12 @@ def _reference_prompt(tok: ByteTokenizer, messages: list[dict], tools: list[dict
 # The call syntax, read off each template, and replies read back
 # ---------------------------------------------------------------------------------------------------------
 def test_the_call_syntax_is_read_off_each_template() -> None:
-    qwen = tool_syntax(chat_template_for(_tokenizer("qwen_tools")))
+    qwen = tool_syntax(chat_template_for(templated_byte_tokenizer("qwen_tools")))
     assert qwen == ToolSyntax('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n", parallel=True)
-    llama = tool_syntax(chat_template_for(_tokenizer("llama3_tools")))
+    llama = tool_syntax(chat_template_for(templated_byte_tokenizer("llama3_tools")))
     assert llama == ToolSyntax('{"name": "', '", "parameters": ', "}", parallel=False)  # one call per turn
     with pytest.raises(NoToolSupportError, match="does not render tools"):
-        tool_syntax(chat_template_for(_tokenizer(None)))
+        tool_syntax(chat_template_for(templated_byte_tokenizer(None)))
 
 
 _args = st.dictionaries(st.sampled_from(["a", "b", "x y"]), st.one_of(
@@ -140,7 +129,7 @@ def _allowed(grammar, text: str) -> set[str]:  # noqa: ANN001
 
 
 def test_each_tool_choice_allows_exactly_its_replies() -> None:
-    tok = _tokenizer("qwen_tools")
+    tok = templated_byte_tokenizer("qwen_tools")
     syntax = tool_syntax(chat_template_for(tok))
 
     def grammar(choice: str, parallel: bool = True):  # noqa: ANN202

@@ -300,11 +300,16 @@ def read_lora_config(directory: str | Path) -> tuple[LoRASpec, dict[str, str]]:
     meta = read_json_object(path)
     if meta.get("format") != LORA_FORMAT:
         raise GptlabError(f"{path} is not a gptlab LoRA config (format {meta.get('format')!r})")
+    base = meta.get("base")
+    if not (isinstance(base, dict) and isinstance(base.get("path"), str) and isinstance(base.get("sha256"), str)):
+        raise GptlabError(f"{path}: \"base\" must be an object of the base model's \"path\" and \"sha256\" "
+                          f"(strings), got {str(base)[:80]!r}")
     try:
         spec = LoRASpec.from_dict(meta)
-        base = {"path": str(meta["base"]["path"]), "sha256": str(meta["base"]["sha256"])}
     except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: an infinite rank
-        raise GptlabError(f"{path} lacks or garbles {e}: the adapters cannot be placed") from None
+        what = f"the key {e}" if isinstance(e, KeyError) else str(e)
+        raise GptlabError(f"{path} lacks or garbles {what}: the adapters cannot be placed") from None
+    base = {"path": base["path"], "sha256": base["sha256"]}
     # JSON allows NaN and any integer: a NaN alpha samples garbage, a huge rank allocates gigabytes
     if isinstance(meta["rank"], bool) or not isinstance(meta["rank"], int) or spec.rank < 1:
         raise GptlabError(f"{path}: rank must be a whole number of at least 1, got {meta['rank']!r}")

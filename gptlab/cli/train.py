@@ -75,7 +75,10 @@ def _lm_eval_tasks(cfg: TrainConfig) -> LmEvalScorer | None:
                           "install 'gptlab[eval]' (or give multiple-choice .jsonl files)")
     from gptlab.evaluation.harness import LmEvalTasks
 
-    return LmEvalTasks(names, limit=cfg.eval_tasks_limit)
+    try:
+        return LmEvalTasks(names, limit=cfg.eval_tasks_limit)
+    except GptlabError as e:
+        raise GptlabError(f"eval_tasks: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.data.shards import ShardedTokens, load_shards
+from gptlab.data.verify import check_mask_file, check_token_file
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_json_object, read_toml
 
@@ -44,10 +45,10 @@ def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     missing = [k for k in ("vocab_size", "dtype", "train_tokens", "val_tokens") if k not in meta]
     if missing:
         raise GptlabError(f"{d / META} lacks {', '.join(missing)}; {_hint(d)}")
-    for key in ("train_tokens", "val_tokens", "window_tokens"):
+    for key in ("vocab_size", "train_tokens", "val_tokens", "window_tokens"):
         if key == "window_tokens" and meta.get(key) is None:
             continue
-        if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0:
+        if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < (key == "vocab_size"):
             raise GptlabError(f"{d / META}: {key} must be a whole number of tokens, got {meta[key]!r}; {_hint(d)}")
     return meta
 
@@ -125,7 +126,9 @@ def load_split(data_dir: str | os.PathLike[str], split: str) -> np.memmap | Shar
     expected = int(meta[f"{split}_tokens"]) * dtype.itemsize
     if path.stat().st_size != expected:
         raise GptlabError(f"{path} has {path.stat().st_size} bytes, meta.json says {expected}; {_hint(d)}")
-    return np.memmap(path, dtype=dtype, mode="r")
+    ids = np.memmap(path, dtype=dtype, mode="r")
+    check_token_file(path, ids, meta["vocab_size"], _hint(d))
+    return ids
 
 
 def load_mask(data_dir: str | os.PathLike[str], split: str) -> np.memmap | None:
@@ -143,7 +146,9 @@ def load_mask(data_dir: str | os.PathLike[str], split: str) -> np.memmap | None:
     expected = int(meta[f"{split}_tokens"])
     if path.stat().st_size != expected:
         raise GptlabError(f"{path} has {path.stat().st_size} bytes, meta.json says {expected}; {_hint(d)}")
-    return np.memmap(path, dtype=np.uint8, mode="r")
+    mask = np.memmap(path, dtype=np.uint8, mode="r")
+    check_mask_file(path, mask, _hint(d))
+    return mask
 
 
 def check_split_fits(data_dir: str | os.PathLike[str], split: str, block_size: int) -> int:

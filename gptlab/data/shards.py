@@ -2,9 +2,9 @@
 
 A sharded DATA_DIR holds ``train-000000.bin``, ``train-000001.bin``, ..., ``val-000000.bin``, ... (raw token ids,
 the dtype of meta.json), every shard `shard_tokens` long but the last of its split. meta.json's ``"shards"`` is
-the manifest: per split, each shard's file, token count and sha256. Readers check every shard's size against it
-(`ShardedTokens` reads them as one array, so a row may run from one shard into the next, as it runs through one
-file); `verify_shards` checks the hashes too.
+the manifest: per split, each shard's file, token count and sha256. Readers check every shard's size, sha256 and
+ids against it (`gptlab.data.verify`; `ShardedTokens` reads them as one array, so a row may run from one shard into
+the next, as it runs through one file); `verify_shards` checks the hashes alone.
 
 Resuming: the shards are built in a fixed hidden directory beside DATA_DIR (``.NAME.building``) with a state
 file, ``progress.json``, rewritten (atomically, after the shard's bytes are fsynced) each time a shard is closed.
@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from gptlab.data.verify import check_token_file
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_json, fsync_dir
 
@@ -110,7 +111,7 @@ def shard_entries(data_dir: Path, meta: dict[str, Any], split: str, hint: str) -
     entries = meta["shards"].get(split) if isinstance(meta["shards"], dict) else None
     if not isinstance(entries, list) or not entries or not all(
         isinstance(e, dict) and isinstance(e.get("file"), str) and SHARD_NAME.match(e["file"])
-        and isinstance(e.get("tokens"), int) and e["tokens"] > 0 for e in entries
+        and isinstance(e.get("tokens"), int) and e["tokens"] > 0 and isinstance(e.get("sha256"), str) for e in entries
     ):
         raise GptlabError(f"{data_dir / 'meta.json'}: \"shards\" has no valid list of {split} shards; {hint}")
     if sum(e["tokens"] for e in entries) != meta[f"{split}_tokens"]:
@@ -130,6 +131,7 @@ def load_shards(data_dir: Path, meta: dict[str, Any], split: str, dtype: np.dtyp
             raise GptlabError(f"{path} has {path.stat().st_size} bytes, meta.json says "
                               f"{entry['tokens'] * dtype.itemsize}; {hint}")
         arrays.append(np.memmap(path, dtype=dtype, mode="r"))
+        check_token_file(path, arrays[-1], meta["vocab_size"], hint, sha256=entry["sha256"])
     return ShardedTokens(arrays)
 
 
@@ -138,8 +140,8 @@ def verify_shards(data_dir: str | os.PathLike[str], manifest: dict[str, list[dic
     for entries in manifest.values():
         for entry in entries:
             path = Path(data_dir) / entry["file"]
-            if _sha256(path).hexdigest() != entry["sha256"]:
-                raise GptlabError(f"{path} does not match its sha256 in the manifest (damaged or replaced)")
+            check_token_file(path, np.memmap(path, dtype=np.uint8, mode="r"), None, "prepare it again",
+                             sha256=entry["sha256"])
 
 
 # --- writing ----------------------------------------------------------------------------------------------------

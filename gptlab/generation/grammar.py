@@ -33,6 +33,12 @@ class GrammarDeadEnd(GptlabError):
     """A row's grammar allows no token of the model's vocabulary (it cannot go on, nor end)."""
 
 
+def matcher_error(matcher: Any) -> str:
+    """llguidance's error as one line: its first (it goes on with the parser's state and the whole grammar)."""
+    lines = matcher.get_error().strip().splitlines()
+    return lines[0] if lines else "unknown error"
+
+
 def _llguidance() -> Any:
     try:
         import llguidance
@@ -76,8 +82,8 @@ class RowGrammar:
     """One row's grammar state: a matcher that consumed the row's tokens so far, and the row's stop tokens (allowed
     only where the grammar accepts)."""
 
-    def __init__(self, matcher: Any, stop_ids: frozenset[int], vocab_size: int) -> None:
-        self.matcher, self.stop_ids, self.vocab_size = matcher, stop_ids, vocab_size
+    def __init__(self, matcher: Any, stop_ids: frozenset[int], vocab_size: int, field: str = "json_schema") -> None:
+        self.matcher, self.stop_ids, self.vocab_size, self.field = matcher, stop_ids, vocab_size, field
 
     @property
     def accepting(self) -> bool:
@@ -90,8 +96,9 @@ class RowGrammar:
 
     def advance(self, token: int) -> bool:
         """Consume the row's new token (one the mask allowed); True when the output is then complete."""
-        if not self.matcher.consume_token(token):
-            raise GptlabError(f"token {token} does not continue the row's JSON: {self.matcher.get_error()}")
+        if not self.matcher.consume_token(token):  # the mask allowed it: the matcher went past its limits
+            raise InvalidSamplingParam(self.field, f"(token {token})", "is too large for gptlab's grammar engine: "
+                                       f"{matcher_error(self.matcher)}")
         return self.done
 
 
@@ -106,14 +113,17 @@ def row_grammar(constraint: tuple[str, str], tokenizer: TextTokenizer | None, st
     vocab = grammar_vocabulary(tokenizer)
     matcher = llg.LLMatcher(vocab, grammar_text, log_level=0)
     if matcher.is_error():
-        why = f"is not a {field.replace('json_', '')} gptlab can enforce: {matcher.get_error()}"
+        why = f"is not a {field.replace('json_', '')} gptlab can enforce: {matcher_error(matcher)}"
         raise InvalidSamplingParam(field, schema_start(grammar_text), why)
-    grammar = RowGrammar(matcher, stop_ids, tokenizer.vocab_size)
+    grammar = RowGrammar(matcher, stop_ids, tokenizer.vocab_size, field)
     try:
         allowed_tokens([grammar], tokenizer.vocab_size)
     except GrammarDeadEnd:
         why = "cannot be written in this model's vocabulary: no token starts an output it allows"
         raise InvalidSamplingParam(field, schema_start(grammar_text), why) from None
+    if matcher.is_error():  # the first mask already went past llguidance's limits (a row of too many items)
+        why = f"is too large for gptlab's grammar engine: {matcher_error(matcher)}"
+        raise InvalidSamplingParam(field, schema_start(grammar_text), why)
     return grammar
 
 
@@ -146,5 +156,5 @@ def allowed_tokens(grammars: Sequence[RowGrammar], vocab_size: int) -> torch.Ten
     dead = [i for i in range(n) if not live[i] and not accepting.get(i, False)]
     if dead:
         g = grammars[dead[0]]
-        raise GrammarDeadEnd(f"no token of the vocabulary continues the row's JSON ({g.matcher.get_error()})")
+        raise GrammarDeadEnd(f"no token of the vocabulary continues the row's JSON ({matcher_error(g.matcher)})")
     return allowed

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gptlab.checked import InvalidField, bounded, check_fields
+from gptlab.fileio import parse_json
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch's integers (seeds, top-k) are int64
@@ -34,6 +35,8 @@ MAX_STOP_CHARS = 512  # characters per stop string
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 all but forces it
 MAX_SCHEMA_CHARS = 100_000  # a JSON schema's text (its grammar is compiled per request)
+# levels of JSON nesting in a schema: llguidance's reader stops at 128 and a chat template's tojson recurses per level
+MAX_SCHEMA_DEPTH = 64
 JSON_OBJECT = {"type": "object"}  # OpenAI's json_object mode: any JSON object
 
 
@@ -81,6 +84,8 @@ def _schema_text(schema: Any) -> Any:
     """A JSON schema as its JSON text (a frozen, comparable value); a value that is neither a mapping nor text is
     kept for `_check_schema` to refuse."""
     if isinstance(schema, Mapping):
+        if (problem := schema_depth_problem(schema)) is not None:  # before json.dumps recurses through it
+            raise InvalidSamplingParam("json_schema", "{...}", f"must be a JSON schema that {problem}")
         try:
             return json.dumps(schema, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -101,6 +106,24 @@ def schema_start(schema: Any) -> Any:
     return schema if not isinstance(schema, str) or len(schema) <= 60 else schema[:57] + "..."
 
 
+def json_depth(value: Any) -> int:
+    """How deeply `value` (parsed JSON) nests lists and objects (a scalar: 0), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def schema_depth_problem(schema: Any) -> str | None:
+    """Why a schema (parsed JSON) nests too deeply, or None: one bound for SamplingParams and the server's tools."""
+    depth = json_depth(schema)
+    return f"nests {depth} levels deep, at most {MAX_SCHEMA_DEPTH}" if depth > MAX_SCHEMA_DEPTH else None
+
+
 def _check_schema(schema: Any) -> None:
     """A JSON schema that the grammar library compiles (checked without a tokenizer: the vocabulary's part is
     `generation.grammar`'s)."""
@@ -111,10 +134,13 @@ def _check_schema(schema: Any) -> None:
         raise InvalidSamplingParam("json_schema", shown, f"must be a JSON schema of at most {MAX_SCHEMA_CHARS} "
                                    "characters")
     try:
-        if not isinstance(json.loads(schema), dict):
+        parsed = parse_json(schema)
+        if not isinstance(parsed, dict):
             raise ValueError("not a JSON object")
     except ValueError as e:
         raise InvalidSamplingParam("json_schema", shown, f"must be a JSON schema, a JSON object ({e})") from None
+    if (problem := schema_depth_problem(parsed)) is not None:
+        raise InvalidSamplingParam("json_schema", shown, f"must be a JSON schema that {problem}")
     _check_compiles("json_schema", shown, lambda: json_grammar(schema), "a schema")
 
 
@@ -125,7 +151,10 @@ def _check_compiles(name: str, shown: Any, grammar: Any, what: str) -> None:
     except ImportError:
         raise InvalidSamplingParam(name, shown, "needs the llguidance package: "
                                    "pip install 'gptlab[structured]'") from None
-    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar())
+    try:
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar())
+    except ValueError as e:  # the schema's reader refused it before any grammar was made
+        failed, messages = True, [str(e)]
     if failed:
         first = " ".join(messages[0].split())  # llguidance points at the place over several lines: one line here
         raise InvalidSamplingParam(name, shown, f"is not {what} gptlab can enforce: {first}")

@@ -56,6 +56,8 @@ class Job:
     gens: list[Generation]
     loop: asyncio.AbstractEventLoop
     error: BaseException | None = None
+    # SamplingParams' field names -> the request's, for an error of a row's own settings found while it ran
+    param_names: dict[str, str] = field(default_factory=dict)
     cancelled: bool = False
     created: float = field(default_factory=time.perf_counter)  # when it was submitted: time to first token
     _inbox: list[Event] = field(default_factory=list)

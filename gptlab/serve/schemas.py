@@ -9,7 +9,8 @@ requests accept vLLM-style extras: top_k, min_p, repetition_penalty, ignore_eos,
 
 Every field is bounded here, so that the OpenAPI schema (/openapi.json) states each bound and a request out of
 range is a 400 before any work: the server's own policy limits (OpenAI's temperature <= 2, penalties in [-2, 2],
-n <= 16, at most 4 stop strings, at most MAX_PROMPTS prompts) and the ranges `SamplingParams` requires, with its
+n <= 16, at most 4 stop strings, MAX_PROMPTS prompts, MAX_MESSAGES messages, schemas nested MAX_SCHEMA_DEPTH
+levels) and the ranges `SamplingParams` requires, with its
 constants (int64 seeds, top_k, logprobs <= 20, stop string length). SamplingParams still checks its own ranges
 (every caller goes through it); the routes turn its `InvalidSamplingParam` into a 400 naming the request's field.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from gptlab.generation.params import (  # torch-free
     INT64_MAX,
@@ -30,7 +31,9 @@ from gptlab.generation.params import (  # torch-free
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_SCHEMA_CHARS,
+    MAX_SCHEMA_DEPTH,
     MAX_STOP_CHARS,
+    schema_depth_problem,
 )
 
 if TYPE_CHECKING:
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 MAX_N = 16
 SERVER_MAX_STOPS = 4  # OpenAI's limit; the engine takes more (generation.params.MAX_STOPS)
 MAX_PROMPTS = 64  # prompts in one completions request (each is n generations, bounded by the queue too)
+MAX_MESSAGES = 4096  # a chat's messages, and one message's content parts (each is rendered by the template)
+MAX_NAME_CHARS = 256  # `model`, ids and the caller's tags
 
 
 def _whole_number(value: Any) -> Any:
@@ -56,6 +61,18 @@ Seed = Int(INT64_MIN, INT64_MAX)
 Choices = Int(1, MAX_N)
 NTop = Int(0, MAX_LOGPROBS, description=f"alternatives reported per token, 0..{MAX_LOGPROBS}")
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _shallow(schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema nested at most MAX_SCHEMA_DEPTH levels (deeper ones fail in the grammar's reader and the
+    template's tojson, each recursing per level)."""
+    if (problem := schema_depth_problem(schema)) is not None:
+        raise ValueError(f"the schema {problem}")
+    return schema
+
+
+SchemaObject = Annotated[dict[str, Any], AfterValidator(_shallow),
+                         Field(description=f"a JSON schema nested at most {MAX_SCHEMA_DEPTH} levels")]
 
 
 class ApiError(Exception):
@@ -164,7 +181,7 @@ class JsonSchemaSpec(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    json_schema: dict[str, Any] = Field(alias="schema")  # (`schema` is a name pydantic's BaseModel uses)
+    json_schema: SchemaObject = Field(alias="schema")  # (`schema` is a name pydantic's BaseModel uses)
     description: str | None = Field(None, max_length=4096)
     strict: bool | None = None
 
@@ -196,7 +213,7 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    model: str | None = None
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: Choices = 1
@@ -213,8 +230,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     logit_bias: Annotated[dict[TokenKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # the caller's tags for its end user (abuse monitoring on OpenAI's side): no effect on the answer, as there
-    user: str | None = Field(None, max_length=256)
-    safety_identifier: str | None = Field(None, max_length=256)
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    safety_identifier: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     response_format: ResponseFormat | None = None
     steering: Annotated[list[SteeringEntry], Field(max_length=MAX_STEERING)] | None = None
@@ -265,7 +282,7 @@ class FunctionSpec(FunctionName):
     """A function the model may call: its arguments are constrained to `parameters` (an object's JSON schema)."""
 
     description: str | None = Field(None, max_length=4096)
-    parameters: dict[str, Any] | None = None
+    parameters: SchemaObject | None = None
     strict: bool | None = None  # the schema is always enforced, as response_format's
 
 
@@ -289,7 +306,7 @@ class MessageToolCall(BaseModel):
     """A call in an earlier assistant message, fed back to the template."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    id: str = Field(max_length=256)
+    id: str = Field(max_length=MAX_NAME_CHARS)
     type: Literal["function"]
     function: CalledFunction
 
@@ -297,9 +314,9 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
     tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
-    tool_call_id: str | None = Field(None, max_length=256)  # a tool message's: the call it answers
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)  # a tool message's: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -313,7 +330,7 @@ class ChatRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={
         "dependentSchemas": {"top_logprobs": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
     })
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None

@@ -121,6 +121,7 @@ class ServedModel:
                 code="model_not_found",
             )
         fields = req.model_dump()
+        names = {"json_schema": "response_format", **(param_names or {})}
         steering = self.steering.vectors(req.steering)
         gens = []
         for ids in prompts:
@@ -140,12 +141,8 @@ class ServedModel:
                 )
                 gens += [self.engine.prepare(ids, params, sample_index=j, steering=steering) for j in range(req.n)]
             except InvalidSamplingParam as e:
-                param = {"json_schema": "response_format", **(param_names or {})}.get(e.field, e.field)
-                raise ApiError(
-                    400, f"Invalid value for '{param}': {e.requirement}, got {e.value!r}", param=param,
-                    code="invalid_value",
-                ) from e
-        job = Job(gens, loop=asyncio.get_running_loop())
+                raise invalid_field(e, names) from e
+        job = Job(gens, loop=asyncio.get_running_loop(), param_names=names)
         try:
             self.scheduler.submit(job)
         except QueueFull as e:
@@ -185,7 +182,22 @@ class ServedModel:
             if not job.done.done() or job.error is not None:
                 self.scheduler.cancel(job)
         if job.error is not None:
-            raise ApiError(500, f"generation failed: {job.error}", type="server_error")
+            raise job_failure(job)
+
+
+def invalid_field(e: InvalidSamplingParam, param_names: Mapping[str, str]) -> ApiError:
+    """A 400 naming the request's field that SamplingParams' field `e.field` came from."""
+    param = param_names.get(e.field, e.field)
+    return ApiError(400, f"Invalid value for '{param}': {e.requirement}, got {e.value!r}", param=param,
+                    code="invalid_value")
+
+
+def job_failure(job: Job) -> ApiError:
+    """What a failed job answers: a 400 where a row's own settings failed as it ran (a grammar past the grammar
+    engine's limits), else a 500."""
+    if isinstance(job.error, InvalidSamplingParam):
+        return invalid_field(job.error, job.param_names)
+    return ApiError(500, f"generation failed: {job.error}", type="server_error")
 
 
 async def _disconnected(request: Request) -> None:

@@ -16,8 +16,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from gptlab.serve.scheduler import Job
-from gptlab.serve.schemas import SamplingFields, error_body
-from gptlab.serve.state import ServedModel, usage
+from gptlab.serve.schemas import SamplingFields
+from gptlab.serve.state import ServedModel, job_failure, usage
 
 # chunk(index, text, finish_reason, tokens): one choice's chunk; `tokens` is how many tokens that choice had
 # produced when the text was taken (where the chunk's logprobs end)
@@ -43,7 +43,7 @@ async def _events(
             for index, delta, finish, tokens in events:
                 done += finish is not None
                 if finish == "error":
-                    out.append(sse(error_body(f"generation failed: {job.error}", "server_error")))
+                    out.append(sse(job_failure(job).body()))
                     done = len(job.gens)  # nothing more comes
                     break
                 out.append(sse(chunk(index, delta, finish, tokens)))

@@ -23,6 +23,7 @@ class InvalidTrainKey(InvalidField, GptlabError):
     """A recipe key out of its range: both the one checked-field error and a GptlabError (exit 2, one line)."""
 
 
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX: a longer init_from or eval_tasks entry names no file
 MAX_DISTRIBUTED_TIMEOUT = 1e9  # seconds (31 years): a datetime.timedelta holds no more than ~8.6e13
 
 
@@ -225,6 +226,9 @@ def validate(cfg: TrainConfig) -> None:
                           "lower warmup_steps or raise max_steps")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise GptlabError(f"adam_betas must each be in [0, 1), got {list(cfg.adam_betas)}")
+    for key, path in [("init_from", cfg.init_from or ""), *(("eval_tasks", t) for t in cfg.eval_tasks)]:
+        if len(path) > MAX_PATH_CHARS:
+            raise GptlabError(f"{key}: a path or name of {len(path)} characters (at most {MAX_PATH_CHARS})")
     if not cfg.device.strip():
         raise GptlabError("device must name a device: auto, cpu, cuda or cuda:N")
     # a batch that splits on no number of processes fails now; the trainer checks its own number of processes

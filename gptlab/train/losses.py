@@ -34,7 +34,7 @@ class NonFinite:
         """The run's stop, naming the step (1-based) and the run's latest checkpoint (`checkpoints`, oldest first)."""
         where = f"last good checkpoint: {checkpoints[-1]}" if checkpoints else "no checkpoint was written yet"
         return GptlabError(f"loss is {self.loss} at step {self.step + 1}; stopped without updating the weights "
-                           f"({where}). Try a lower lr, grad_clip, or float32")
+                           f"({where}). Try a lower lr (or init_std, for a fresh model), grad_clip, or float32")
 
 
 class DeviceLosses:

@@ -157,7 +157,10 @@ def _pretrained(cfg: TrainConfig, vocab_size: int, device: str, data_dir: str | 
     Linears quantized), never whole in fp32; else fp32 masters."""
     from gptlab.loading import is_hf_dir, load_frozen_base, load_model, resolve_checkpoint
 
-    directory = resolve_checkpoint(cfg.init_from, prefer="best")
+    try:
+        directory = resolve_checkpoint(cfg.init_from, prefer="best")
+    except GptlabError as e:
+        raise GptlabError(f"init_from: {e}") from None
     if frozen is not None:
         dtype = torch.float32 if cfg.dtype in ("float32", "auto") else getattr(torch, cfg.dtype)
         model = load_frozen_base(cfg.init_from, dtype, frozen.quantize, frozen.group_size, device)

@@ -34,6 +34,7 @@ from gptlab.evaluation.loss import evaluate_loss
 from gptlab.fileio import check_out_dir
 from gptlab.flops import flops_per_token
 from gptlab.hardware import resolve_device, set_threads
+from gptlab.tokenizer import optional_tokenizer
 from gptlab.train.autotune import resolve_auto_switches
 from gptlab.train.batches import StepFeed, TokenSplit, document_eot, load_train_data, pair_rows, sequence_length
 from gptlab.train.benchmarks import Benchmarks, LmEvalScorer
@@ -119,6 +120,7 @@ class Trainer:
 
         # --- data and model
         check_objective_data(cfg.objective, meta, self.data_dir)
+        optional_tokenizer(self.data_dir)  # damaged tokenizer files fail now, not in each checkpoint they go into
         if not cfg.init_from:  # fail on the data before allocating the model
             for split in ("train", "val"):
                 check_split_fits(self.data_dir, split,
