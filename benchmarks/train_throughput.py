@@ -61,11 +61,14 @@ def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
     """One `gptlab train` optimizer step, built from the trainer's own parts."""
     from gptlab.model import GPT
     from gptlab.train import build_train_config
+    from gptlab.train.config import resolve_device_switches
     from gptlab.train.optim import build_optimizers, optimizer_spec
     from gptlab.train.precision import Precision
 
+    attention = {"auto": "auto", "float32": True, "bfloat16": False}[args.attention]
     cfg = build_train_config({"model": "gpt2", "optimizer": "adamw", "dtype": args.dtype, "block_size": args.seq,
-                              "optimizer_impl": args.optimizer_impl, "attention_fp32": not args.bf16_attention})
+                              "optimizer_impl": args.optimizer_impl, "attention_fp32": attention})
+    cfg = resolve_device_switches(cfg, "cpu")  # attention's dtype as `gptlab train` picks it here
     torch.manual_seed(0)
     model = GPT(cfg.model_config(vocab_size=50257)).train()
     precision = Precision(model, cfg.dtype, "cpu", cfg.attention_fp32, distributed=args.autocast)
@@ -78,7 +81,8 @@ def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
         precision.backward(loss)
         precision.step(optimizers, cfg.grad_clip)
 
-    return step, model.num_parameters(), f"{precision.mode}{' + compile' if args.compile else ''}"
+    attention = " (fp32 attention)" if cfg.attention_fp32 and precision.mode != "float32" else ""
+    return step, model.num_parameters(), f"{precision.mode}{attention}{' + compile' if args.compile else ''}"
 
 
 def hf_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
@@ -143,7 +147,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile gptlab's model")
     parser.add_argument("--autocast", action="store_true", help="gptlab: autocast instead of bf16 working weights")
-    parser.add_argument("--bf16-attention", action="store_true", help="gptlab: attention in bf16, not fp32")
+    parser.add_argument("--attention", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="gptlab: attention's dtype under bf16 (auto: as `gptlab train` picks it on a CPU)")
     parser.add_argument("--optimizer-impl", default="torch", choices=["torch", "gptlab"])
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--nanogpt", help="a nanoGPT checkout: its model joins as a peer")

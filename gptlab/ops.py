@@ -12,7 +12,9 @@
   `F.pad` of the weight, which torch.compile fuses into autocast's cast of it.
 * `cross_entropy`: F.cross_entropy(logits.float(), targets, ignore_index=-1) without an fp32 copy of the whole
   (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words; in training one pass of
-  exp over the logits, whose softmax is also the gradient (backward only scales it).
+  exp over the logits, whose softmax is also the gradient (backward only scales it). For LM-head-sized logits on a
+  CPU that pass is gptlab's C++ kernel (`gptlab.kernels`, cross_entropy.cpp): one read of each row instead of ~10
+  ATen ops per chunk of rows.
 """
 
 from __future__ import annotations
@@ -194,38 +196,27 @@ class _CrossEntropy(torch.autograd.Function):
     the targets' one-hot is d(loss_i)/d(logits_i), stored in the logits' dtype (the buffer backward would
     allocate for its result). Backward then only scales each row by its incoming gradient: no second pass of
     exp over the 50,257-wide rows. The stored softmax is rounded to the logits' dtype before that scaling (for
-    bf16 two roundings instead of one: within bf16's own error)."""
+    bf16 two roundings instead of one: within bf16's own error). The forward is the C++ kernel where
+    `_native_softmax_xent` has one, else ATen ops over row chunks (`_chunked_softmax_xent`)."""
 
     @staticmethod
     def forward(ctx, logits, targets, grad):  # noqa: ANN001, ANN205
-        n = logits.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        picked = torch.empty(n, dtype=torch.float32, device=logits.device)
         valid = targets != -1
-        safe = targets.clamp(min=0)
-        softmax = torch.empty_like(logits) if grad else None  # minus the one-hot: the per-row gradient
-        for rows in row_chunks(n, logits.shape[1], logits.device):
-            chunk = logits[rows]
-            picked[rows] = chunk.gather(1, safe[rows, None])[:, 0].float()
-            if softmax is None:
-                lse[rows] = torch.logsumexp(chunk.float(), dim=-1)
-                continue
-            # the row maxima (exact in any dtype), then exp(logits - max) in fp32, in place on one fp32 copy (a
-            # subtraction of mixed dtypes runs ~30x slower on a CPU)
-            peak = chunk.amax(dim=-1, keepdim=True).float().clamp_(min=torch.finfo(torch.float32).min)
-            shifted = chunk.to(torch.float32, copy=True).sub_(peak).exp_()
-            total = shifted.sum(dim=-1, keepdim=True)
-            lse[rows] = (total.log() + peak)[:, 0]
-            shifted.mul_(total.reciprocal_()).scatter_add_(1, safe[rows, None], -valid[rows, None].float())
-            softmax[rows] = shifted
-        ctx.save_for_backward(softmax, valid)
-        return torch.where(valid, lse - picked, 0.0)
+        native = _native_softmax_xent(logits)
+        if native is not None:  # one pass per row in C++ (kernels/cross_entropy.cpp): the same sums, in fp32
+            losses, softmax = native(logits, targets, grad)
+        else:
+            losses, softmax = _chunked_softmax_xent(logits, targets, valid, grad)
+        ctx.save_for_backward(softmax if grad else None, valid)
+        return losses
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         softmax, valid = ctx.saved_tensors
         if softmax is None:
             raise RuntimeError("cross_entropy was computed without its gradient (grad=False)")
+        if softmax.dtype != torch.float32 and grad.stride(0) == 0:  # one scale for every row (a sum or mean):
+            return softmax * grad[0], None, None  # computed in fp32, rounded once, as below; ignored rows are 0
         scale = torch.where(valid, grad.float(), 0.0)[:, None]
         if softmax.dtype == torch.float32:
             return softmax * scale, None, None
@@ -233,6 +224,49 @@ class _CrossEntropy(torch.autograd.Function):
         for rows in row_chunks(out.shape[0], out.shape[1], out.device):
             out[rows] = softmax[rows].float().mul_(scale[rows])
         return out, None, None
+
+
+def _chunked_softmax_xent(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                          grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """_CrossEntropy's forward in ATen ops over row chunks: each row's loss (0 where ignored) and, with `grad`, the
+    rows' softmax minus the one-hot in the logits' dtype (zeros on ignored rows)."""
+    n = logits.shape[0]
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    picked = torch.empty(n, dtype=torch.float32, device=logits.device)
+    safe = targets.clamp(min=0)
+    softmax = torch.empty_like(logits) if grad else None  # minus the one-hot: the per-row gradient
+    for rows in row_chunks(n, logits.shape[1], logits.device):
+        chunk = logits[rows]
+        picked[rows] = chunk.gather(1, safe[rows, None])[:, 0].float()
+        if softmax is None:
+            lse[rows] = torch.logsumexp(chunk.float(), dim=-1)
+            continue
+        # the row maxima (exact in any dtype), then exp(logits - max) in fp32, in place on one fp32 copy (a
+        # subtraction of mixed dtypes runs ~30x slower on a CPU)
+        peak = chunk.amax(dim=-1, keepdim=True).float().clamp_(min=torch.finfo(torch.float32).min)
+        shifted = chunk.to(torch.float32, copy=True).sub_(peak).exp_()
+        total = shifted.sum(dim=-1, keepdim=True)
+        lse[rows] = (total.log() + peak)[:, 0]
+        shifted.mul_(total.reciprocal_().mul_(valid[rows, None])).scatter_add_(1, safe[rows, None],
+                                                                             -valid[rows, None].float())
+        softmax[rows] = shifted
+    return torch.where(valid, lse - picked, 0.0), softmax
+
+
+def _native_softmax_xent(logits: torch.Tensor):  # noqa: ANN202 - the op, or None
+    """gptlab's C++ cross-entropy (`gptlab.kernels`, built once per machine) for LM-head-sized fp32/bf16 logits on
+    an x86 CPU, or None: for small logits (a character model's 65 words) the chunked ATen ops cost less than
+    loading the library, and under torch.compile inductor fuses those instead."""
+    if (logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16)
+            or logits.numel() < _NATIVE_XENT_MIN or not logits.is_contiguous() or torch.compiler.is_compiling()):
+        return None
+    from gptlab.kernels import avx2_ops, avx512_ops
+
+    ops = avx512_ops() or avx2_ops()
+    return None if ops is None else ops.softmax_xent
+
+
+_NATIVE_XENT_MIN = 1 << 22  # logits' elements: 4M, e.g. 1,024 tokens over a 4,096-word vocabulary
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -168,3 +168,32 @@ def test_a_bf16_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path, monke
     final = Path("checkpoints") / "step-0000008" / "model.safetensors"
     a, b = load_file(whole / final), load_file(resumed / final)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_attention_keeps_a_bf16_steps_gradients_as_close_to_fp32_as_fp32_attention_does() -> None:
+    """At GPT-2's head size (64, where `attention_fp32 = "auto"` picks bf16 on a CPU) a bf16 working-copy step's
+    loss and gradients, against the fp32 model's, differ no more with attention in bf16 than with it in fp32: the
+    error is the bf16 weights' and activations', not attention's."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_layer=2, n_embd=128, n_head=2, n_kv_head=2, block_size=64,
+                                 vocab_size=300))
+    assert model.config.head_size == 64
+    rows = torch.randint(0, 300, (4, 65), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads(net: torch.nn.Module) -> tuple[float, torch.Tensor]:
+        _, loss = net(rows[:, :-1], rows[:, 1:])
+        loss.backward()
+        grads = torch.cat([p.grad.float().reshape(-1) for p in net.parameters()])
+        net.zero_grad(set_to_none=True)
+        return float(loss.detach()), grads
+
+    ref_loss, ref = loss_and_grads(copy.deepcopy(model))
+    errors = {}
+    for fp32_attention in (True, False):
+        working = Precision(copy.deepcopy(model), "bfloat16", "cpu", attention_fp32=fp32_attention,
+                            distributed=False).train_module
+        loss, grads = loss_and_grads(working)
+        errors[fp32_attention] = (abs(loss - ref_loss), float((grads - ref).norm() / ref.norm()))
+    assert errors[True][1] < 0.05  # what a bf16 step resolves at all
+    assert errors[False][0] <= 2 * errors[True][0] + 1e-3
+    assert errors[False][1] <= 1.25 * errors[True][1]

@@ -89,5 +89,21 @@ def test_auto_switches_of_a_recipe_follow_the_device() -> None:
     assert (gpu.attention_fp32, gpu.compile) == (False, True)
     chosen = build_train_config({"model": "tiny", "attention_fp32": True, "compile": False})
     assert resolve_device_switches(chosen, "cuda") == chosen
+
+
+def test_cpu_attention_runs_in_bf16_from_head_size_64_and_a_resume_keeps_its_choice() -> None:
+    """CPU flash attention is faster in bf16 than in fp32 (with its casts) from 64-wide heads on (README, "Training
+    speed"): GPT-2's heads run in bf16, a character model's 32-wide ones in fp32; the model's own head size (an
+    init_from model's) decides over the preset's, and a resumed run keeps what its saved config recorded."""
+    from gptlab.train import build_train_config
+    from gptlab.train.config import BF16_ATTENTION_MIN_HEAD, resolve_device_switches
+
+    gpt2, char = build_train_config({"model": "gpt2"}), build_train_config({"model": "speedrun-char"})
+    assert resolve_device_switches(gpt2, "cpu").attention_fp32 is False
+    assert resolve_device_switches(char, "cpu").attention_fp32 is True
+    assert resolve_device_switches(char, "cpu", head_size=BF16_ATTENTION_MIN_HEAD).attention_fp32 is False
+    assert resolve_device_switches(gpt2, "cpu", head_size=BF16_ATTENTION_MIN_HEAD - 1).attention_fp32 is True
+    assert resolve_device_switches(gpt2, "cpu", saved={"attention_fp32": True}).attention_fp32 is True
+    assert resolve_device_switches(gpt2, "cuda", saved={}).attention_fp32 is False
     with pytest.raises(Exception, match="attention_fp32"):
         build_train_config({"model": "tiny", "attention_fp32": "sometimes"})

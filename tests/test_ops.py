@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gptlab import ops
@@ -70,6 +70,82 @@ def test_cross_entropy_without_gradient_is_the_same_loss() -> None:
         plain = ops.cross_entropy(logits, targets, reduction="none")
     torch.testing.assert_close(plain, ops.cross_entropy(logits, targets, reduction="none"), rtol=0, atol=2e-6)
 
+
+
+@pytest.fixture
+def native_xent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ cross-entropy (gptlab.kernels) for logits of any size; skipped where it cannot be built."""
+    from gptlab.kernels import avx2_ops, avx512_ops
+
+    if avx512_ops() is None and avx2_ops() is None:
+        pytest.skip("no gptlab kernel build on this machine")
+    monkeypatch.setattr(ops, "_NATIVE_XENT_MIN", 0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 24), vocab=st.integers(1, 3000), ignored=st.floats(0, 1), seed=st.integers(0, 10_000),
+       bf16=st.booleans(), reduction=st.sampled_from(["mean", "sum", "none"]))
+def test_native_cross_entropy_equals_torchs_in_fp64(native_xent: None, n: int, vocab: int, ignored: float, seed: int,
+                                                    bf16: bool, reduction: str) -> None:
+    """The C++ kernel's loss and gradient against F.cross_entropy in fp64 on the same values: any width (the
+    vectorized lanes' remainders), ignored rows, every reduction, a per-row weight or one scale for all rows."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=g) * 4).to(torch.bfloat16 if bf16 else torch.float32)
+    logits.requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[torch.rand(n, generator=g) < ignored] = -1
+    targets[0] = vocab - 1
+    assert ops._native_softmax_xent(logits) is not None
+    ours = ops.cross_entropy(logits, targets, reduction=reduction)
+    ref = logits.detach().double().requires_grad_()
+    theirs = F.cross_entropy(ref, targets, ignore_index=-1, reduction=reduction)
+    torch.testing.assert_close(ours.double(), theirs, rtol=1e-6, atol=1e-5)
+    weights = torch.rand(theirs.shape, generator=g, dtype=torch.float64) + 0.5
+    (g_ours,) = torch.autograd.grad((ours * weights.float()).sum() * 0.3, logits)
+    (g_theirs,) = torch.autograd.grad((theirs * weights).sum() * 0.3, ref)
+    # fp32: a few ulps of the fp32 exp and sums; bf16: the stored gradient and its scaled result each rounded once
+    tol = dict(rtol=2**-7, atol=1e-9) if bf16 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g_ours.double(), g_theirs, **tol)
+    assert not g_ours[targets == -1].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_cross_entropy_matches_the_chunked_ops(native_xent: None, monkeypatch: pytest.MonkeyPatch,
+                                                      dtype: torch.dtype) -> None:
+    """GPT-2's 50,257-wide rows: the kernel and the ATen chunks give the same losses (fp32 sums in another order)
+    and bf16 gradients equal but for the rare entry that lands on the other side of a rounding boundary."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(40, 50257, generator=g) * 3).to(dtype).requires_grad_()
+    targets = torch.randint(0, 50257, (40,), generator=g)
+    targets[::5] = -1
+
+    def loss_and_grad() -> tuple[torch.Tensor, torch.Tensor]:
+        loss = ops.cross_entropy(logits, targets, reduction="sum") / 7
+        return loss.detach(), torch.autograd.grad(loss, logits)[0]
+
+    native = loss_and_grad()
+    monkeypatch.setattr(ops, "_NATIVE_XENT_MIN", 1 << 62)
+    assert ops._native_softmax_xent(logits) is None
+    chunked = loss_and_grad()
+    torch.testing.assert_close(native[0], chunked[0], rtol=1e-6, atol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(native[1], chunked[1], rtol=1e-5, atol=1e-9)
+    else:
+        differ = native[1] != chunked[1]
+        assert differ.float().mean() < 1e-4
+        torch.testing.assert_close(native[1][differ].float(), chunked[1][differ].float(), rtol=2**-7, atol=1e-9)
+
+
+def test_native_cross_entropy_keeps_non_finite_rows_non_finite(native_xent: None) -> None:
+    """A NaN or +inf logit makes its row's loss (and so the step's) non-finite, as in torch, so that the trainer
+    skips the step; a -inf logit off the target is a word of probability 0 and leaves the row finite."""
+    logits = torch.randn(4, 300)
+    logits[0, 5], logits[1, 7], logits[2, 9] = float("nan"), float("inf"), float("-inf")
+    targets = torch.tensor([1, 2, 3, 4])
+    ours = ops.cross_entropy(logits, targets, reduction="none")
+    theirs = F.cross_entropy(logits, targets, reduction="none")
+    assert ours[:2].isnan().all() and not theirs[:2].isfinite().any()
+    torch.testing.assert_close(ours[2:], theirs[2:])
 
 @pytest.fixture
 def no_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

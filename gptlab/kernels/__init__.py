@@ -4,8 +4,10 @@
 weights re-laid out once, for `gptlab.generation.packed_linear` and `gptlab.quantize`'s int8/int4 weights, on CPUs
 where they are faster than PyTorch's kernels (`dispatch` measures which path runs each kind of weight here).
 `decode_step.cpp`: the decode step of any gptlab model over those packed weights in one call
-(`gptlab.generation.native_decode`). Both are built into one library (`linear_avx2.h` is what they share;
-`dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels).
+(`gptlab.generation.native_decode`). `cross_entropy.cpp`: the training loss's softmax cross-entropy and its
+gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). All are built into one library
+(`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4
+micro-kernels, `exp_fast.h` the vectorizable exp).
 
 The sources are built three times, one library each (`kernel_builds()` lists those this machine runs):
 `avx2_ops()` (AVX2 + FMA, torch.ops.gptlab_avx2), `avxvnni_ops()` (the same with AVX-VNNI's 256-bit byte dot
@@ -40,7 +42,7 @@ from gptlab.kernels.build import load_library
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_step.cpp"]
+SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "exp_fast.h"
 #include "linear_avx2.h"
 
 #include <algorithm>
@@ -28,6 +29,8 @@
 #include <vector>
 
 namespace {
+
+using GPTLAB_NS::exp_fast;
 
 using GPTLAB_NS::linear;
 
@@ -116,23 +119,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) sum += a[i] * b[i];
   for (int j = 0; j < 16; ++j) sum += lanes[j];
   return sum;
-}
-
-// exp(x), branch-free so that a loop over it vectorizes: 2^n by the exponent bits, e^r on |r| <= ln2 / 2 by its
-// Taylor polynomial to r^7 (relative error ~1e-7, as std::exp's fp32 result); below -87 the result is 0 (as an fp32
-// exp underflows: a masked key's -inf included), above 88 it is e^88 (silu and tanh saturate long before)
-inline float exp_fast(float x) {
-  const bool underflows = x < -87.0f;
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720, p = p * r + 1.0f / 120, p = p * r + 1.0f / 24, p = p * r + 1.0f / 6, p = p * r + 0.5f;
-  p = p * r + 1.0f, p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // -126 <= n <= 127: a normal power of two
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return underflows ? 0.0f : p * scale;
 }
 
 // The MLP's activations in fp32, as ATen computes them (silu x / (1 + e^-x); GELU 0.5 x (1 + tanh(...)) or

@@ -115,8 +115,9 @@ class TrainConfig:
     # "auto": on a GPU bfloat16 where it has bf16 units (else float16, or float32); on a CPU float32 where bf16 is
     # emulated (no AVX512-BF16 or AMX), else the faster of the two at this run's shapes, measured (`autotune`)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    # under bf16/fp16, compute attention in fp32: "auto" = on a CPU only (its bf16 attention backward is slow), not on
-    # a GPU, where flash / cuDNN attention need bf16/fp16 inputs (and fp32 GQA attention has no fused kernel at all)
+    # under bf16/fp16, compute attention in fp32: "auto" = on a CPU for heads narrower than 64 (its bf16 flash
+    # attention backward is slower there; from 64 on bf16 is faster: README, "Training"), not on a GPU, where
+    # flash / cuDNN attention need bf16/fp16 inputs (and fp32 GQA attention has no fused kernel at all)
     attention_fp32: bool | Literal["auto"] = "auto"
     # torch.compile the model: "auto" = on CUDA; on a CPU where a long run's measured compiled step is faster
     compile: bool | Literal["auto"] = "auto"
@@ -259,12 +260,25 @@ def validate(cfg: TrainConfig) -> None:
     cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read
 
 
-def resolve_device_switches(cfg: TrainConfig, device_type: str) -> TrainConfig:
+# the narrowest head whose attention runs faster in bf16 than in fp32 on a CPU (flash attention forward + backward,
+# the fp32 path's casts included, measured by process time: 0.6-0.7x at head sizes 32 and 48, 1.3-1.7x at 64 and 128)
+BF16_ATTENTION_MIN_HEAD = 64
+
+
+def resolve_device_switches(cfg: TrainConfig, device_type: str, head_size: int | None = None,
+                            saved: dict[str, Any] | None = None) -> TrainConfig:
     """The recipe with its "auto" switches decided for a device type ("cpu", "cuda", ...), as the run records
-    them: attention in fp32 on a CPU only; torch.compile on CUDA, and not on a CPU where `autotune` left it
-    undecided (a short run, or several processes)."""
+    them: attention in fp32 on a CPU for heads narrower than `BF16_ATTENTION_MIN_HEAD` (`head_size`: the model's,
+    init_from's, by default the recipe's preset's; a resumed run keeps its `saved` config's choice, so that it
+    resumes exactly); torch.compile on CUDA, and not on a CPU where `autotune` left it undecided (a short run, or
+    several processes)."""
     on_gpu = device_type == "cuda"
+    attention_fp32 = cfg.attention_fp32
+    if attention_fp32 == "auto" and saved is not None and isinstance(saved.get("attention_fp32"), bool):
+        attention_fp32 = saved["attention_fp32"]
+    elif attention_fp32 == "auto":
+        attention_fp32 = not on_gpu and (head_size or cfg.model_config().head_size) < BF16_ATTENTION_MIN_HEAD
     return dataclasses.replace(
-        cfg, attention_fp32=not on_gpu if cfg.attention_fp32 == "auto" else cfg.attention_fp32,
+        cfg, attention_fp32=attention_fp32,
         compile=on_gpu if cfg.compile == "auto" else cfg.compile)
 

@@ -113,7 +113,6 @@ class Trainer:
         cfg = self.cfg = resolve_auto_switches(cfg, device, self.procs.world, saved, self._probe_run,
                                                {"vocab_size": meta.get("vocab_size")}, quiet)
         check_dtype(cfg.dtype, device)
-        cfg = self.cfg = resolve_device_switches(cfg, torch.device(device).type)
         # the micro-steps on this many processes (with micro_batch_size: the recipe's global batch on any number)
         cfg = self.cfg = dataclasses.replace(cfg, grad_accum=micro_steps(cfg, self.procs.world))
         check_trackers(cfg)
@@ -130,6 +129,9 @@ class Trainer:
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         self.benchmarks = Benchmarks(cfg, self.data_dir, lm_eval_tasks, self.fsdp) if cfg.eval_tasks else None
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir, sharded=self.fsdp)
+        # attention's dtype follows the model's head size (init_from's model, not the recipe's preset)
+        cfg = self.cfg = resolve_device_switches(cfg, torch.device(device).type, self.model.config.head_size,
+                                                 saved)
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False,
