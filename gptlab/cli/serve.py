@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
+import threading
+from typing import Any
 
 from gptlab.cli.options import (
     add_device,
@@ -88,11 +91,41 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
         prefill_chunk=args.prefill_chunk or None, max_body_bytes=int(args.max_body_mb * 2**20), ui=not args.no_ui,
-        steering=steering, **prefix_cache, **speculation,
+        steering=steering, scheduler_thread=False, **prefix_cache, **speculation,
     )
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    serve_on_main_thread(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")),
+                         app.state.server.scheduler)
     return 0
+
+
+def serve_on_main_thread(http: Any, scheduler: Any) -> None:
+    """HTTP (uvicorn's `http`) on a thread of its own, the engine's loop on this one, the thread that loaded the
+    model (why: `gptlab.serve.scheduler`). Ctrl-C or SIGTERM shuts HTTP down (a second one at once), whose shutdown
+    ends the loop; the loop ending any other way shuts HTTP down too."""
+
+    def serve_http() -> None:
+        try:
+            http.run()
+        finally:
+            scheduler.request_stop()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        http.force_exit = http.should_exit
+        http.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=serve_http, name="gptlab-http")
+    thread.start()
+    try:
+        scheduler.run()
+    finally:
+        http.should_exit = True
+        thread.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not http.started:  # (uvicorn logged why: it could not listen, or its startup failed)
+        raise GptlabError("the HTTP server did not start")
 
 
 def steering_files(specs: list[str]) -> dict[str, str] | None:

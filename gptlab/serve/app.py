@@ -87,6 +87,7 @@ def create_app(
     speculate: Any = None,
     draft_tokens: int = DRAFT_TOKENS,
     steering: Mapping[str, Direction] | None = None,
+    scheduler_thread: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan.
     `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generation.Engine`.
@@ -95,13 +96,17 @@ def create_app(
     kept for later requests (0: none; `gptlab.generation.prefix_cache`). `speculate`, `draft_tokens`: speculative
     decoding while one request decodes alone (a draft model or "ngram"; `gptlab.generation.speculative`).
     `steering`: the directions (name -> a (n_embd,) tensor or a safetensors file) a request's `steering` field
-    may name (`gptlab.serve.steering`); None: a request asking for steering is refused (400)."""
+    may name (`gptlab.serve.steering`); None: a request asking for steering is refused (400). `scheduler_thread`:
+    the engine's loop runs on a thread of its own, started with the app; False: the caller runs
+    `app.state.server.scheduler.run()` on its own thread (the app's shutdown ends it), as `gptlab serve` does on its
+    main thread (`gptlab.serve.scheduler`)."""
     server = ServedModel(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb,
                     speculate, draft_tokens, steering)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.scheduler.start()
+        if scheduler_thread:
+            server.scheduler.start()
         yield
         server.scheduler.stop()
 

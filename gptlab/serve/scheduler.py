@@ -16,6 +16,13 @@ step at 16 rows. A handler takes every event that arrived since it last looked (
 writes them in one send however far it fell behind. With `metrics`, each step also reports its rows' new tokens,
 their time to first token and per-token latency (`gptlab.serve.metrics.ServerMetrics`).
 
+Which thread runs the loop matters on a CPU: the engine's kernels split each product over torch's OpenMP threads,
+and libgomp, once it manages more threads than the machine has cores, makes its idle threads sleep almost at once,
+so every parallel region waits to wake them. A thread other than the one that loaded the model brings a second
+OpenMP team (2 + 2 threads on 2 cores): its decode steps took 2.5x as long with about one core busy. So `gptlab
+serve` runs the loop on its main thread (`run`), where the model was loaded, and HTTP on a thread of its own;
+`start` runs it on a thread of its own, for servers inside another program.
+
 Waiting generations are bounded by max_queue: `submit` raises `QueueFull` (the server answers 429) beyond it.
 Because every row has its own position, cache row and generator, a greedy (or seeded) answer is the one the
 request would get alone.
@@ -125,20 +132,31 @@ class Scheduler:
         self._owner: dict[int, _Owner] = {}  # id(generation) -> its owner while it runs
         self._cancel: list[Job] = []
         self._outbox: list[tuple[Job, Event]] = []  # this step's events, delivered together (`_flush`)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
         self._stop = False
         self.steps = 0  # decode steps run (for tests and stats)
         self.max_rows_seen = 0  # the largest number of rows decoded together
         self._thread = threading.Thread(target=self._loop, name="gptlab-scheduler", daemon=True)
 
     def start(self) -> None:
+        """The loop on a thread of its own (a server inside another program: tests, `ServerThread`)."""
         self._thread.start()
 
-    def stop(self) -> None:
-        with self._cond:
+    def run(self) -> None:
+        """The loop on the calling thread until `request_stop` (`gptlab serve`'s main thread, see the module
+        docstring)."""
+        self._loop()
+
+    def request_stop(self) -> None:
+        """End the loop after its current step (callable from any thread and from a signal handler)."""
+        with self._cond:  # (reentrant: a signal handler may run on the thread that holds it)
             self._stop = True
             self._cond.notify()
-        self._thread.join(timeout=10)
+
+    def stop(self) -> None:
+        self.request_stop()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     # --- called from request handlers -----------------------------------------------------------------------
     def submit(self, job: Job) -> None:
