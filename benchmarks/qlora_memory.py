@@ -105,13 +105,13 @@ def contender(args: argparse.Namespace, root: Path, base: Path, data: Path, quan
     recipe = root / f"{name}.toml"
     recipe.write_text(f"batch_size = {args.batch}\nmax_steps = {args.steps}\nwarmup_steps = 2\nlr = 1e-3\n"
                       f"eval_interval = {args.steps}\neval_tokens = {args.eval_tokens}\n"
-                      f"eval_batch_size = {args.batch}\nlog_interval = {args.steps}\n"
+                      f"eval_batch_size = {args.batch}\nlog_interval = {args.log_interval or args.steps}\n"
                       'dtype = "bfloat16"\nlora_rank = 16\nlora_alpha = 32\ntensorboard = false\n'
                       f"activation_checkpointing = {str(not args.no_checkpointing).lower()}\n")
     argv = ["train", str(recipe), "--init-from", str(base), "--data", str(data), "--out", str(root / name),
             "--threads", str(args.threads), *(["--quantize", quantize] if quantize else [])]
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(argv)], capture_output=True, text=True,
-                          preexec_fn=raise_priority, check=False)
+                          preexec_fn=None if args.normal_priority else raise_priority, check=False)
     lines = done.stdout.splitlines()
     result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"rc": done.returncode}
     if result["rc"] != 0:
@@ -136,6 +136,12 @@ def main() -> int:
     parser.add_argument("--no-checkpointing", action="store_true",
                         help="keep every block's activations (default: activation checkpointing, as QLoRA trains)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--log-interval", type=int,
+                        help="steps between metrics.jsonl's train rows (default: the last step only), to follow a "
+                             "long run in its temporary folder")
+    parser.add_argument("--normal-priority", action="store_true",
+                        help="leave the contenders at this process's priority (default: raised, as timed runs are; "
+                             "a long run on a shared machine may rather stay nice)")
     parser.add_argument("--text", type=Path, default=TEXT, help="the training text (default: tiny Shakespeare)")
     parser.add_argument("--base", type=Path, help="a base checkpoint of your own (its tokenizer: --text's chars)")
     args = parser.parse_args()

@@ -5,11 +5,12 @@ What a quantized layer keeps, and nothing more: int4 as two weights a byte with 
 per group of inputs (w = q * scale + low, 0.625 bytes a weight at groups of 32; `quantize_int4` makes both fp16
 values, so fp16 holds them exactly: fp32 only for weights beyond fp16's range), int8 as a byte a weight with an
 fp32 scale per row. No fp32 copy of the base exists at any point: loading quantizes one layer as it is read
-(`loading.load_frozen_base`), and each call dequantizes its layer's weight into the compute dtype, a block of rows
-at a time through fp32 (rounded once, as casting the fp32 dequantized weight would), uses it and drops it:
-`_DequantizedLinear` saves nothing for backward and dequantizes again there. So one layer's weight exists at a
-time, forward and backward. Evaluation and rollouts run the same function (no inference kernel's packed copy,
-which would double the base's bytes).
+(`loading.load_frozen_base`), and each call dequantizes its layer's weight into the compute dtype a block at a time
+(through fp32, rounded once, as casting the fp32 dequantized weight would), multiplies with the block and goes on
+to the next in the same buffer: `_DequantizedLinear` saves nothing for backward and dequantizes again there. So no
+layer's whole weight exists in the compute dtype, forward or backward: a large model's widest Linear (a gated MLP's
+fused gate and up projection) would otherwise be the largest tensor of the step. Evaluation and rollouts run the
+same function (no inference kernel's packed copy, which would double the base's bytes).
 
 The embeddings, norms and LM head stay in the compute dtype, as QLoRA and peft keep them: a lookup reads one row
 per token, and a tied head (GPT-2's) is the embedding's own table, which a quantized copy would add to.
@@ -21,6 +22,8 @@ the same integers: a resumed run continues on the same base.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -66,55 +69,101 @@ class FrozenQuantizedLinear(QuantizedLinear):
     def kernel_name(self, dtype: torch.dtype = torch.bfloat16, rows: int = 1) -> str:
         return f"dequantize + F.linear ({self.mode})"
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight this layer computes with, (out, in) in `dtype` (into `out` if given): computed in fp32 a
-        block of rows at a time, so the only full-size tensor is the result."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                   rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        """The weight this layer computes with, (out, in) in `dtype` (into `out` if given), or its block [rows,
+        cols] (int4: cols at whole groups): computed in fp32 a block of rows at a time, so the only full-size
+        tensor is the result. Each weight is the same number whatever the block (the arithmetic is per weight)."""
+        r0, r1, _ = rows.indices(self.out_features)
+        c0, c1, _ = cols.indices(self.in_features)
         if out is None:
-            out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.qweight.device)
-        for rows in row_chunks(self.out_features, self.in_features, self.qweight.device):
-            out[rows] = self._rows_fp32(rows)
+            out = torch.empty(r1 - r0, c1 - c0, dtype=dtype, device=self.qweight.device)
+        for chunk in row_chunks(r1 - r0, c1 - c0, self.qweight.device):
+            out[chunk] = self._block_fp32(slice(r0 + chunk.start, r0 + chunk.stop), c0, c1)
         return out
 
-    def _rows_fp32(self, rows: slice) -> torch.Tensor:
+    def _block_fp32(self, rows: slice, c0: int, c1: int) -> torch.Tensor:
         if self.mode == "int8":
-            return self.qweight[rows].float().mul_(self.scale[rows, None])
-        q = unpack_nibbles(self.qweight[rows]).float()
-        groups = q.view(q.shape[0], -1, self.group_size)
-        return groups.mul_(self.scale[rows, :, None]).add_(self.low[rows, :, None]).view(q.shape)
+            return self.qweight[rows, c0:c1].float().mul_(self.scale[rows, None])
+        group = self.group_size
+        if c0 % group or (c1 % group and c1 != self.in_features):
+            raise ValueError(f"int4 columns {c0}:{c1} are not whole groups of {group}")
+        q = unpack_nibbles(self.qweight[rows, c0 // 2:(c1 + 1) // 2]).float()
+        groups = q.view(q.shape[0], -1, group)
+        g0, g1 = c0 // group, c0 // group + groups.shape[1]
+        return groups.mul_(self.scale[rows, g0:g1, None]).add_(self.low[rows, g0:g1, None]).view(q.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _DequantizedLinear.apply(x, self)
 
 
 class _DequantizedLinear(torch.autograd.Function):
-    """x @ W^T + b with W dequantized in x's dtype for the forward and again for the backward: nothing of the
-    weight is saved between them."""
+    """x @ W^T + b with W dequantized in x's dtype a block at a time, in the forward and again in the backward:
+    nothing of the weight is saved between them, and no more of it than a block exists at once (`weight_blocks`).
+    The forward takes blocks of W's rows (each gives its columns of the output), the backward blocks of its
+    columns (each gives its columns of the input's gradient): every output is the same dot product over the whole
+    reduction as with the whole weight, so blocking changes no sum's order."""
 
     @staticmethod
     def forward(ctx, x, layer):  # noqa: ANN001, ANN205
         ctx.layer = layer
-        bias = None if layer.bias is None else layer.bias.to(x.dtype)
-        return upcasting_linear(x, _dequantized(layer, x.dtype), bias)
+        out = x.new_empty(*x.shape[:-1], layer.out_features)
+        for rows in weight_blocks(layer, along_rows=True):
+            bias = None if layer.bias is None else layer.bias[rows].to(x.dtype)
+            out[..., rows] = upcasting_linear(x, _dequantized(layer, x.dtype, rows, slice(None)), bias)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        return upcasting_linear(grad, _dequantized(ctx.layer, grad.dtype).t()), None
+        layer = ctx.layer
+        grad_x = grad.new_empty(*grad.shape[:-1], layer.in_features)
+        for cols in weight_blocks(layer, along_rows=False):
+            grad_x[..., cols] = upcasting_linear(grad, _dequantized(layer, grad.dtype, slice(None), cols).t())
+        return grad_x, None
 
 
-# per (device, dtype): the one buffer every layer's call dequantizes its weight into, as large as the largest layer.
-# The calls run one after another (a layer's product is done, or queued before the next write on a GPU's stream),
-# so one buffer serves them all: no allocation per call, and no freed weight-sized blocks for the allocator to
-# hold between the step's other tensors
+def block_elements(device: torch.device) -> int:
+    """Weights per dequantized block: 4M on a CPU (8 MB in bf16: the block is still in the last-level cache when
+    its product reads it), 64M on a GPU (where each block costs kernel launches)."""
+    return 1 << (22 if device.type == "cpu" else 26)
+
+
+def weight_blocks(layer: FrozenQuantizedLinear, along_rows: bool, device: torch.device | None = None) -> list[slice]:
+    """The layer's weight in blocks of about `block_elements(device)` weights (default: the layer's device): ranges
+    of its rows (`along_rows`) or of its columns, each a multiple of 64 (the CPU's GEMMs block their output so) and
+    of int4's group."""
+    length, other = (layer.out_features, layer.in_features) if along_rows else (layer.in_features, layer.out_features)
+    align = 64 if along_rows else math.lcm(64, layer.group_size or 1)
+    step = max(align, block_elements(device or layer.qweight.device) // other // align * align)
+    return [slice(start, min(start + step, length)) for start in range(0, length, step)]
+
+
+def workspace_elements(layer: FrozenQuantizedLinear, device: torch.device | None = None) -> int:
+    """The largest block `_DequantizedLinear` dequantizes of this layer on `device` (default: the layer's): what
+    the shared buffer holds for it."""
+    def widest(along_rows: bool) -> int:
+        return max(s.stop - s.start for s in weight_blocks(layer, along_rows, device))
+
+    return max(widest(True) * layer.in_features, widest(False) * layer.out_features)
+
+
+# per (device, dtype): the one buffer every layer's call dequantizes its blocks into, as large as the largest block.
+# The calls run one after another (a block's product is done, or queued before the next write on a GPU's stream),
+# so one buffer serves them all: no allocation per call, and no freed blocks for the allocator to hold between the
+# step's other tensors
 _WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _dequantized(layer: FrozenQuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's weight in `dtype`, in the shared buffer: valid until the next layer's call."""
-    device, numel = layer.qweight.device, layer.out_features * layer.in_features
+def _dequantized(layer: FrozenQuantizedLinear, dtype: torch.dtype, rows: slice, cols: slice) -> torch.Tensor:
+    """The layer's weight block [rows, cols] in `dtype`, in the shared buffer: valid until the next block's call."""
+    device = layer.qweight.device
+    r0, r1, _ = rows.indices(layer.out_features)
+    c0, c1, _ = cols.indices(layer.in_features)
+    numel = (r1 - r0) * (c1 - c0)
     buffer = _WORKSPACES.get((device, dtype))
     if buffer is None or buffer.numel() < numel:
         buffer = _WORKSPACES[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
-    return layer.dequantize(dtype, out=buffer[:numel].view(layer.out_features, layer.in_features))
+    return layer.dequantize(dtype, out=buffer[:numel].view(r1 - r0, c1 - c0), rows=rows, cols=cols)
 
 
 def quantize_base(model: GPT, mode: str, group_size: int | None = None) -> GPT:

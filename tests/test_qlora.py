@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from gptlab import qlora
 from gptlab.cli import main
 from gptlab.lora import LoRALinear, LoRASpec, add_lora, merge_lora
 from gptlab.qlora import FrozenQuantizedLinear, quantize_base
@@ -61,16 +62,18 @@ def test_adapter_gradients_through_the_quantized_base_equal_the_dequantized_fp32
 
 
 # --- one layer against the maths: peft's LoRA over the dequantized weight -------------------------------------------
-def qlora_and_peft(mode: str, dtype: torch.dtype, bias: bool) -> tuple[LoRALinear, nn.Module]:
-    """A `LoRALinear` over a `FrozenQuantizedLinear` of a random (48, 64) Linear, and peft's LoRA over a plain
-    Linear holding that layer's dequantized weight in `dtype`, with the same adapters (B away from 0)."""
+def qlora_and_peft(mode: str, dtype: torch.dtype, bias: bool, shape: tuple[int, int] = (48, 64)
+                   ) -> tuple[LoRALinear, nn.Module]:
+    """A `LoRALinear` over a `FrozenQuantizedLinear` of a random Linear of `shape` (out, in), and peft's LoRA over a
+    plain Linear holding that layer's dequantized weight in `dtype`, with the same adapters (B away from 0)."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    linear = nn.Linear(64, 48, bias=bias)
+    n, k = shape
+    linear = nn.Linear(k, n, bias=bias)
     quantized = FrozenQuantizedLinear(linear, mode, 32)
-    ours = LoRALinear(quantized, {"all": (0, 48)}, LoRASpec(rank=4, alpha=8, quantize=mode))
+    ours = LoRALinear(quantized, {"all": (0, n)}, LoRASpec(rank=4, alpha=8, quantize=mode))
     nonzero_adapters(ours, 3)
-    plain = nn.Sequential(nn.Linear(64, 48, bias=bias))
+    plain = nn.Sequential(nn.Linear(k, n, bias=bias))
     with torch.no_grad():
         plain[0].weight.copy_(quantized.dequantize())
         if bias:
@@ -87,15 +90,29 @@ def qlora_and_peft(mode: str, dtype: torch.dtype, bias: bool) -> tuple[LoRALinea
     return ours, theirs
 
 
-@pytest.mark.parametrize(("mode", "dtype", "bias"), [("int4", torch.float32, True), ("int8", torch.float32, False),
-                                                     ("int4", torch.bfloat16, False)])
-def test_a_qlora_layer_equals_peft_lora_over_the_dequantized_weight(mode: str, dtype: torch.dtype,
-                                                                    bias: bool) -> None:
+LAYER_CASES = [("int4", torch.float32, True), ("int8", torch.float32, False), ("int4", torch.bfloat16, False),
+               ("int8", torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("blocks", ["whole", "blocks"])
+@pytest.mark.parametrize(("mode", "dtype", "bias"), LAYER_CASES)
+def test_a_qlora_layer_equals_peft_lora_over_the_dequantized_weight(mode: str, dtype: torch.dtype, bias: bool,
+                                                                    blocks: str, monkeypatch) -> None:
     """Forward, the gradient to the input and the adapters' gradients: fp32 within rounding; in bf16 (the base's
-    product in bf16, the adapters in fp32) within bf16's rounding of the output."""
-    ours, theirs = qlora_and_peft(mode, dtype, bias)
-    x = torch.randn(3, 5, 64, dtype=dtype)
-    out_grad = torch.randn(3, 5, 48, dtype=dtype)
+    product in bf16, the adapters in fp32) within bf16's rounding of the output. "blocks": a (200, 320) layer
+    dequantized in blocks of 64 x 64 weights (4 blocks of rows forward, 5 of columns backward, the last ones
+    short), as a large model's layers are."""
+    shape = (48, 64)
+    if blocks == "blocks":
+        monkeypatch.setattr(qlora, "block_elements", lambda device: 64 * 64)
+        shape = (200, 320)
+    ours, theirs = qlora_and_peft(mode, dtype, bias, shape)
+    if blocks == "blocks":
+        layer = ours.base_layer
+        assert len(qlora.weight_blocks(layer, along_rows=True)) == 4
+        assert len(qlora.weight_blocks(layer, along_rows=False)) == 5
+    x = torch.randn(3, 5, shape[1], dtype=dtype)
+    out_grad = torch.randn(3, 5, shape[0], dtype=dtype)
     results = []
     for model in (ours, theirs):
         xi = x.clone().requires_grad_(True)
@@ -281,3 +298,38 @@ def test_the_trainer_prints_the_estimate_before_the_first_step(tmp_path: Path, c
                  str(tmp_path / "base"), "--lora-rank", "4", "--quantize", "int4"]) == 0
     out = capsys.readouterr().out
     assert "memory per step: at least" in out and "weights" in out and "free on cpu" in out
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("int4", torch.bfloat16), ("int8", torch.bfloat16),
+                                             ("int4", torch.float32)])
+def test_blocks_compute_what_the_whole_weight_does_without_ever_holding_it(mode: str, dtype: torch.dtype,
+                                                                          monkeypatch) -> None:
+    """A (200, 320) layer in blocks of 64 x 64 weights: output and input gradient equal to the one-block call's
+    (the whole weight dequantized), in bf16 to the bit, in fp32 within its rounding (the CPU's fp32 GEMM orders a
+    sum by the output's width: a short last block's differs), and no tensor of the step as large as the weight in
+    `dtype` (the whole-weight call's buffer is)."""
+    torch.manual_seed(0)
+    layer = FrozenQuantizedLinear(nn.Linear(320, 200), mode, 32)
+    layer.bias.data = layer.bias.data.to(dtype)
+    x = torch.randn(4, 7, 320, dtype=dtype)
+    out_grad = torch.randn(4, 7, 200, dtype=dtype)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(out_grad)
+        return y, xi.grad
+
+    qlora._WORKSPACES.clear()
+    y_whole, gx_whole = run()
+    monkeypatch.setattr(qlora, "block_elements", lambda device: 64 * 64)
+    qlora._WORKSPACES.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        y, gx = run()
+    exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-6}
+    torch.testing.assert_close(y, y_whole, **exact)
+    torch.testing.assert_close(gx, gx_whole, **exact)
+    allocations = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    weight_bytes = 200 * 320 * torch.finfo(dtype).bits // 8
+    assert allocations and max(allocations) < weight_bytes
+    assert qlora._WORKSPACES[(torch.device("cpu"), dtype)].numel() == qlora.workspace_elements(layer) == 64 * 320

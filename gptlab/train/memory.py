@@ -16,7 +16,7 @@ What it counts (`step_memory`), in the dtypes the run keeps them in:
 - activations, in the compute dtype: the logits with their gradient, and what each block keeps for backward (the
   residual, norms, q/k/v, the attention output: 8 values per channel; the MLP's hidden layer: 2, gated 4, values
   per hidden unit); under activation checkpointing only each block's input, plus one block recomputed. QLoRA adds
-  the one layer's weight it dequantizes at a time, in the compute dtype.
+  the one block of a weight it dequantizes at a time, in the compute dtype.
 
 A lower bound: the allocator's slack, the framework itself and temporaries beyond these are not counted.
 A pretrained model's weights are in memory already when the check runs: it compares what is still to come.
@@ -70,13 +70,13 @@ def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
                     targets=parse_targets(cfg.lora_targets), quantize=cfg.quantize)
 
 
-def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) -> StepMemory:
-    """The bytes one training step of `config` under `cfg` needs on each of `world` processes; `fresh`: a model
-    built from the recipe (else loaded: its weights are in memory already)."""
+def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool, device: str = "cpu") -> StepMemory:
+    """The bytes one training step of `config` under `cfg` needs on each of `world` processes of `device`'s type;
+    `fresh`: a model built from the recipe (else loaded: its weights are in memory already)."""
     elt = 4 if cfg.dtype == "float32" else 2  # "auto" is resolved before the trainer asks; 2 is the lower bound
     fsdp = cfg.distributed == "fsdp" and world > 1
     if cfg.lora_rank:
-        weights, trainable, dequantized = adapted_weights(cfg, config, elt)
+        weights, trainable, dequantized = adapted_weights(cfg, config, elt, torch.device(device))
         states = 12 * trainable
         if fsdp:
             weights, states = weights // world, states // world
@@ -99,10 +99,11 @@ def step_memory(cfg: TrainConfig, config: GPTConfig, world: int, fresh: bool) ->
     return StepMemory(weights, states, activations, loaded=not fresh)
 
 
-def adapted_weights(cfg: TrainConfig, config: GPTConfig, elt: int) -> tuple[int, int, int]:
+def adapted_weights(cfg: TrainConfig, config: GPTConfig, elt: int, device: torch.device) -> tuple[int, int, int]:
     """(bytes of a LoRA run's weights as it trains, its trainable parameters, the bytes of QLoRA's one
-    dequantized weight at a time): the model built on the meta device, quantized and adapted as training does."""
-    from gptlab.qlora import FrozenQuantizedLinear, quantize_base  # with its kernels: only for a LoRA run
+    dequantized block at a time on `device`): the model built on the meta device, quantized and adapted as
+    training does."""
+    from gptlab.qlora import FrozenQuantizedLinear, quantize_base, workspace_elements  # only for a LoRA run
 
     with torch.device("meta"):
         model = GPT(config)
@@ -115,7 +116,7 @@ def adapted_weights(cfg: TrainConfig, config: GPTConfig, elt: int) -> tuple[int,
         trainable += p.numel() if p.requires_grad else 0
         weights += p.numel() * (4 if p.requires_grad else elt)
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
-    largest = max((m.in_features * m.out_features for m in model.modules() if isinstance(m, FrozenQuantizedLinear)),
+    largest = max((workspace_elements(m, device) for m in model.modules() if isinstance(m, FrozenQuantizedLinear)),
                   default=0)
     return weights, trainable, largest * elt
 
@@ -124,7 +125,7 @@ def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: s
                       quiet: bool = True) -> StepMemory:
     """Print the estimate (unless `quiet`) and refuse before any work a batch (or model) that cannot fit in the
     device's free memory; returns the estimate."""
-    need, have = step_memory(cfg, config, world, fresh), available_memory(device)
+    need, have = step_memory(cfg, config, world, fresh, device), available_memory(device)
     if not quiet:
         print(need.describe() + ("" if have is None else f"; {human_bytes(have)} free on {device}"))
     if have is not None and need.to_come > have:
