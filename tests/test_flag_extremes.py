@@ -47,7 +47,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
         "prepare": ["prepare", str(text), "--tokenizer", "char", "--out", str(root / "prepared")],
         "convert": ["convert", r, str(root / "converted")],
         "plot": ["plot", r, "-o", str(root / "p.png")],
-        "serve": ["serve", r],
+        "serve": ["serve", r, "--port", "0"],  # not 8000: another program may hold it
     }
 
 
@@ -70,11 +70,11 @@ def outcome(argv: list[str]) -> tuple[int, list[str]]:
 def test_every_flag_at_its_extremes_runs_or_answers_in_one_line(
     command: str, world: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import uvicorn
+    import gptlab.cli.serve as serve_cli
 
     monkeypatch.setenv("GPTLAB_NO_KERNELS", "1")  # which kernel runs is not what a flag's check is about
     monkeypatch.setenv("GPTLAB_DEBUG", "1")  # an internal error raises here instead of printing one line
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # `serve` checks everything, then would listen
+    monkeypatch.setattr(serve_cli, "serve_on_main_thread", lambda *a: None)  # `serve` checks all, then would listen
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # `chat` reads turns until end of input
     flags = value_flags(command)
     assert flags, f"{command} has no value-taking flag to sweep"

@@ -104,5 +104,5 @@ def test_directions_are_checked_at_start_and_the_flag_in_one_line(tmp_path, caps
         create_app(model, Bytes(), steering={"up": torch.zeros(3)})
     ckpt = str(tmp_path / "unused")  # the flag is checked before any model is loaded
     for spec, words in [("noequals", "NAME=FILE"), ("a=" + str(tmp_path / "none.safetensors"), "missing")]:
-        assert main(["serve", ckpt, "--allow-steering", spec]) == 2
+        assert main(["serve", ckpt, "--port", "0", "--allow-steering", spec]) == 2  # 8000 may be taken
         assert words in one_line_error(2, capsys.readouterr().err)
