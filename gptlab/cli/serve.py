@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -99,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+SWITCH_INTERVAL = 0.001  # seconds a thread holds the GIL before another waiting one gets it (Python's default: 0.005)
+
+
 def serve_on_main_thread(http: Any, scheduler: Any) -> None:
     """HTTP (uvicorn's `http`) on a thread of its own, the engine's loop on this one, the thread that loaded the
     model (why: `gptlab.serve.scheduler`). Ctrl-C or SIGTERM shuts HTTP down (a second one at once), whose shutdown
@@ -115,6 +119,11 @@ def serve_on_main_thread(http: Any, scheduler: Any) -> None:
         http.should_exit = True
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # the engine's thread holds the GIL between its steps' native calls; at Python's default 5 ms switch interval
+    # the HTTP thread waited that long for each turn, and a new request's first token waited for many turns
+    # (first-token p99 1.4 s against 86 ms at 1 ms, at no cost in tokens/s: benchmarks/serve_load.py)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL)
     thread = threading.Thread(target=serve_http, name="gptlab-http")
     thread.start()
     try:
@@ -122,6 +131,7 @@ def serve_on_main_thread(http: Any, scheduler: Any) -> None:
     finally:
         http.should_exit = True
         thread.join()
+        sys.setswitchinterval(interval)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not http.started:  # (uvicorn logged why: it could not listen, or its startup failed)
