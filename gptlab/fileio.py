@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -294,6 +295,12 @@ def read_toml(path: str | Path, missing: str = "") -> dict[str, Any]:
         raise GptlabError(f"{path} is not valid TOML: {e}") from None
     except RecursionError:  # arrays nested thousands deep
         raise GptlabError(f"{path} is not valid TOML: nested too deeply") from None
+
+
+def json_digest(value: Any) -> str:
+    """16 hex digits of the sha256 of `value` as sorted JSON (values JSON cannot hold as their str): a short key
+    for what a cached result or a run depends on."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def read_json_or_empty(path: str | Path) -> dict[str, Any]:

@@ -19,9 +19,6 @@ model and batch decide in no time.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import os
 import time
 from typing import Any
@@ -29,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gptlab.fileio import json_digest
 from gptlab.generation import native_decode
 from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.generation.packed_linear import PackedLinears, packable
@@ -56,7 +54,7 @@ def decode_path(model: GPT, rows: int, cache_dtype: torch.dtype) -> str | None:
     builds = tuple(sorted(kernel_builds()))
     if not builds or os.environ.get("GPTLAB_KERNEL"):
         return None
-    times = _measured(model, rows, builds + ((TORCH,) if _room_for_a_second_pack(model) else ()))
+    times = _measured(model, weight.dtype, rows, builds + ((TORCH,) if _room_for_a_second_pack(model) else ()))
     return min(times, key=times.__getitem__) if times else None
 
 
@@ -76,11 +74,13 @@ def _room_for_a_second_pack(model: GPT) -> bool:
     return free is None or 4 * weights <= free
 
 
-def _measured(model: GPT, rows: int, paths: tuple[str, ...]) -> dict[str, float]:
+def _measured(model: GPT, dtype: torch.dtype, rows: int, paths: tuple[str, ...]) -> dict[str, float]:
     """Milliseconds per step on each path, from kernels.json or timed (and saved unless the machine was busy); {}
-    where the C++ step cannot run this model."""
+    where the C++ step cannot run this model. Kept per model shape and switches and weights' dtype (what a step's
+    time depends on, not the weights) and batch."""
     key = "|".join(["decode step", cpu_id(), f"threads={torch.get_num_threads()}", torch.__version__,
-                    source_digest(), _model_digest(model), f"rows={rows}", ",".join(paths)])
+                    source_digest(), json_digest([model.config.to_dict(), str(dtype)]), f"rows={rows}",
+                    ",".join(paths)])
 
     def read(entry: Any) -> dict[str, float] | None:
         times = entry.get("ms per step") if isinstance(entry, dict) else None
@@ -93,15 +93,6 @@ def _measured(model: GPT, rows: int, paths: tuple[str, ...]) -> dict[str, float]
     return _TIMED[key]
 
 
-@functools.cache
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _model_digest(model: GPT) -> str:
-    """The model's shape and switches, and its weights' dtype: what a step's time depends on (not the weights)."""
-    return _digest(json.dumps([model.config.to_dict(), str(_block_weight(model).dtype)], sort_keys=True,
-                              default=str))
 
 
 @torch.inference_mode()

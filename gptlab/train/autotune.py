@@ -20,8 +20,6 @@ several processes (torchrun) or a GPU keep the fixed rules of `setup.resolve_dty
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -29,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gptlab.fileio import json_digest
 from gptlab.hardware import busy, cache_dir, cached_measurement, cpu_id
 from gptlab.ops import native_low_precision_matmul
 from gptlab.train.config import TrainConfig
@@ -150,8 +149,7 @@ def _cache_key(cfg: TrainConfig, shapes: dict[str, Any]) -> str:
             "log_interval", "checkpoint_interval", "keep_last", "tracker", "tracker_project", "eval_tasks",
             "eval_tasks_interval", "eval_tasks_limit", "tensorboard"}
     fields = {k: v for k, v in cfg.to_dict().items() if k not in skip}
-    digest = hashlib.sha256(json.dumps([fields, shapes], sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return "|".join([cpu_id(), f"threads={torch.get_num_threads()}", torch.__version__, digest])
+    return "|".join([cpu_id(), f"threads={torch.get_num_threads()}", torch.__version__, json_digest([fields, shapes])])
 
 
 def _valid(choice: Choice) -> bool:

@@ -7,8 +7,6 @@ No torch here: a recipe is checked before anything heavy is imported.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,6 +14,7 @@ from typing import Any, Literal
 from gptlab.checked import InvalidField, bounded, check_fields
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
+from gptlab.fileio import json_digest
 from gptlab.train.rewards import check_rollout_settings
 
 
@@ -153,7 +152,7 @@ class TrainConfig:
 
     def hash(self, ignore: frozenset[str] = frozenset()) -> str:
         d = {k: v for k, v in self.to_dict().items() if k not in ignore}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return json_digest(d)
 
 
 # Keys that may change when a run is resumed: they affect how long it runs and what it records, not the
