@@ -132,7 +132,7 @@ class Scheduler:
         self._owner: dict[int, _Owner] = {}  # id(generation) -> its owner while it runs
         self._cancel: list[Job] = []
         self._outbox: list[tuple[Job, Event]] = []  # this step's events, delivered together (`_flush`)
-        self._cond = threading.Condition(threading.RLock())
+        self._cond = threading.Condition()
         self._stop = False
         self.steps = 0  # decode steps run (for tests and stats)
         self.max_rows_seen = 0  # the largest number of rows decoded together
@@ -148,8 +148,8 @@ class Scheduler:
         self._loop()
 
     def request_stop(self) -> None:
-        """End the loop after its current step (callable from any thread and from a signal handler)."""
-        with self._cond:  # (reentrant: a signal handler may run on the thread that holds it)
+        """End the loop after its current step (callable from any thread)."""
+        with self._cond:
             self._stop = True
             self._cond.notify()
 
