@@ -43,6 +43,38 @@ def cuda_time(fn, n: int) -> float:  # noqa: ANN001 - a zero-argument callable
     return (time.perf_counter() - t0) / n
 
 
+# kernel names -> what they do (first match wins): where a step's GPU time goes
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa")),  # before matmul: cuDNN's use wgmma too
+                ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "wgmma")),
+                ("optimizer", ("adam", "multi_tensor", "foreach")),
+                ("compiled fusions (triton)", ("triton",)),
+                ("copies and fills", ("memcpy", "memset", "copy", "fill")))
+
+
+def profile_step(name: str, step, steps: int) -> None:  # noqa: ANN001 - a zero-argument callable
+    """GPU time per step by kind of kernel (KERNEL_KINDS) beside the wall time, then the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wall = cuda_time(step, steps)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    # the kernels themselves: the CPU-side ops that launched them report the same time again
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        kind = next((k for k, keys in KERNEL_KINDS if any(t in e.key.lower() for t in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3 / steps
+    busy = sum(kinds.values())
+    print(f"\n  {name}: {wall * 1e3:.1f} ms/step wall, {busy:.1f} ms/step of kernels (GPU idle "
+          f"{max(wall * 1e3 - busy, 0):.1f} ms)")
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"    {kind:28s} {ms:7.2f} ms/step  {ms / busy:6.1%}")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]:
+        print(f"      {e.self_device_time_total / 1e3 / steps:7.3f} ms/step  x{e.count // steps:<4d} {e.key[:110]}")
+
+
 def describe() -> str:
     if DEVICE != "cuda":
         return f"{DEVICE} (dry run), torch {torch.__version__}"
@@ -147,6 +179,9 @@ def train(args: argparse.Namespace) -> None:
         best = max(v for k, v in rates.items() if k.startswith("gptlab"))
         print(f"  ratio gptlab / nanoGPT: {rates['gptlab'] / rates['nanoGPT']:.2f}x (best gptlab form "
               f"{best / rates['nanoGPT']:.2f}x)")
+    if args.profile and DEVICE == "cuda":
+        for name, (step, _, _) in contenders.items():
+            profile_step(name, step, args.profile)
 
 
 # --- decoding ---------------------------------------------------------------------------------------------------------
@@ -184,7 +219,6 @@ def decode(args: argparse.Namespace) -> None:
 
     from gptlab.hardware import use_tensor_cores
     from gptlab.interop import from_hf
-    from gptlab.quantize import QuantizedLinear, quantize_model
 
     use_tensor_cores()
     torch.manual_seed(0)
@@ -223,24 +257,49 @@ def decode(args: argparse.Namespace) -> None:
               f"/ dynamic: {med['gptlab'] / med['transformers dynamic cache']:.2f}x")
     bf16_bytes = sum(m.weight.numel() * 2 for m in ours.modules() if isinstance(m, torch.nn.Linear))
     for mode in ("int8", "int4"):
+        quantized_decode(args, with_hf_dir, mode, prompt, bf16_bytes)
+
+
+def quantized_decode(args: argparse.Namespace, hf_dir: Path, mode: str, prompt: torch.Tensor, bf16_bytes: int) -> None:
+    """gptlab's `mode` weights at batch 1 through each kernel this device has for them (quantize's candidates,
+    each forced in turn), and with --compiled the step under torch.compile too (inductor may fuse the widening)."""
+    from gptlab import quantize
+    from gptlab.interop import from_hf
+
+    key = (DEVICE, mode)
+    # PyTorch's int8 weight-only kernel too, which quantize passes over on a GPU (to see that it still should)
+    candidates = tuple(dict.fromkeys([*quantize._KERNELS.get(key, (None,)),
+                                      *([quantize._int8_weight_only] if mode == "int8" else [])]))
+    variants = [(make, False) for make in candidates] + ([(candidates[0], True)] if args.compiled else [])
+    new = args.new_tokens
+    for make, compiled in variants:
+        label = f"gptlab {mode} b1 [{make.__name__ if make else 'reference'}{', compiled step' if compiled else ''}]"
+        saved = quantize._KERNELS.get(key)
         try:
-            group = 128 if mode == "int4" else None
-            cpu = quantize_model(from_hf(with_hf_dir, dtype=torch.float32).eval(), mode, group)
+            if make is not None:
+                quantize._KERNELS[key] = (make,)
+                quantize._working_kernel.cache_clear()
+            cpu = quantize.quantize_model(from_hf(hf_dir, dtype=torch.float32).eval(), mode,
+                                          128 if mode == "int4" else None)
             before = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
             q = cpu.to(DEVICE, torch.bfloat16)
             with torch.inference_mode():  # the kernels' own copies of the weights are made on the first call
                 q(prompt[:1].to(DEVICE))
             held = (torch.cuda.memory_allocated() if DEVICE == "cuda" else 0) - before
-            qbytes = sum(b.numel() * b.element_size() for m in q.modules() if isinstance(m, QuantizedLinear)
+            qbytes = sum(b.numel() * b.element_size() for m in q.modules() if isinstance(m, quantize.QuantizedLinear)
                          for b in m.buffers())
-            run, engine = gptlab_decode(q, 1, prompt, new)
+            run, engine = gptlab_decode(q, 1, prompt, new, compile=compiled)
             run()
             rate = statistics.median(new / cuda_time(run, 1) for _ in range(args.rounds))
-            print(f"  gptlab {mode} b1: {rate:,.0f} tok/s, Linear weights {qbytes / 2**20:.0f} MiB (bf16: "
+            print(f"  {label}: {rate:,.0f} tok/s, Linear weights {qbytes / 2**20:.0f} MiB (bf16: "
                   f"{bf16_bytes / 2**20:.0f} MiB), whole model on the GPU after a forward {held / 2**20:.0f} MiB, "
-                  f"{engine.kernels()}")
+                  f"{engine.kernels()}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on: the other figures stand
-            print(f"  gptlab {mode} b1: failed: {type(e).__name__}: {e}")
+            print(f"  {label}: failed: {type(e).__name__}: {e}", flush=True)
+        finally:
+            if saved is not None:
+                quantize._KERNELS[key] = saved
+            quantize._working_kernel.cache_clear()
 
 
 def main() -> None:
@@ -254,6 +313,8 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--rounds", type=int, default=3)
     t.add_argument("--no-compile", action="store_true")
+    t.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="then each contender's GPU time by kind of kernel over STEPS steps (torch.profiler)")
     d = sub.add_parser("decode")
     d.add_argument("--new-tokens", type=int, default=256)
     d.add_argument("--rounds", type=int, default=3)

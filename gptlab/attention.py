@@ -39,7 +39,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     nkv = k.shape[1]
     if T == 1 and nkv != nh and dropout_p == 0.0:
         y = F.scaled_dot_product_attention(q.view(B, nkv, nh // nkv, hs), k, v, attn_mask=mask, scale=scale)
-        return y.view(B, nh, 1, hs)
+        return y.reshape(B, nh, 1, hs)  # CUDA's kernels may hand back (B, nkv, g, hs) in another memory order
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=mask is None and T > 1, scale=scale, enable_gqa=nkv != nh)
 

@@ -38,9 +38,10 @@ kernel where one runs:
   model's activations go through them in bf16 and come back in fp32: the same rounding a bf16 matmul has.
   Dequantizing and then multiplying is several times slower than either kernel, so it is only the reference.
 * CUDA (quantized on the CPU, only the integers moved: `gptlab.loading`): int4 through `aten._weight_int4pack_mm`
-  (tinygemm), checked once against the reference on a small weight before use; int8 through
-  `aten._weight_int8pack_mm` where the CUDA build has it, else (x @ q.T) * scale with each layer's weight widened
-  for its call only: the integers stay the one copy at rest.
+  (tinygemm), checked once against the reference on a small weight before use; int8 as (x @ q.T) * scale with
+  each layer's weight widened for its call only (the integers stay the one copy at rest; under torch.compile
+  inductor fuses the widening into the product). `aten._weight_int8pack_mm` was 2.3x slower than that on an H100
+  at batch 1 (benchmarks/gpu.py decode times both).
 * Anywhere else (another device, float64 inputs, a kernel that refuses a shape): the reference.
 
 The kernels' copies of the weights (packed layouts, scales in the activations' dtype) are made on first use per
@@ -229,8 +230,7 @@ def _kernel_cpu(ops: Any, weights: tuple[torch.Tensor, torch.Tensor], bias: torc
 
 # --- PyTorch's kernels: each takes (layer, activations' dtype) and returns x (M, K) -> y (M, N) --------------------
 def _int8_weight_only(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """aten._weight_int8pack_mm: the integers times the activations, scaled per output channel (CPU, and CUDA
-    builds that have it)."""
+    """aten._weight_int8pack_mm: the integers times the activations, scaled per output channel (CPUs)."""
     q, scale = layer.qweight, layer.scale.to(dtype)
     pad = -layer.in_features % _INT8_K_MULTIPLE
     if pad:  # zero columns of the weight times zeros of x: the same sums
@@ -261,8 +261,7 @@ def _int4_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Ten
 # --- CUDA kernels --------------------------------------------------------------------------------------------------
 def _int8_widened(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """(x @ q.T) * scale: each call widens the layer's integers for the matmul and drops them, so they stay the
-    only copy at rest (CUDA builds without the weight-only kernel; under torch.compile, inductor fuses the
-    widening into the matmul)."""
+    only copy at rest (under torch.compile, inductor fuses the widening into the matmul)."""
     q, scale = layer.qweight, layer.scale.to(dtype)
     return lambda x: (x @ q.T.to(dtype)) * scale
 
@@ -279,7 +278,7 @@ def _int4_cuda(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Te
 
 # per device and mode, the kernels to try, in order of preference: the first that works here runs
 _KERNELS = {("cpu", "int8"): (_int8_weight_only,), ("cpu", "int4"): (_int4_cpu,),
-            ("cuda", "int8"): (_int8_weight_only, _int8_widened), ("cuda", "int4"): (_int4_cuda,)}
+            ("cuda", "int8"): (_int8_widened,), ("cuda", "int4"): (_int4_cuda,)}
 
 
 def _kernel_for(mode: str, device: torch.device):  # noqa: ANN202 - one of the kernels above, or None

@@ -100,3 +100,21 @@ def test_the_compiled_fixed_shape_step_picks_the_same_tokens() -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     compiled = Engine(model, 2, static_decode=True, compile_decode=True)
     assert _greedy(compiled, prompts, 10) == _greedy(Engine(model, 2, static_decode=False), prompts, 10)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_compiled_step_of_a_quantized_model_is_one_graph(mode: str) -> None:
+    """Quantized layers choose their kernel and copy their weights on first use: the step runs once uncompiled
+    first, so torch.compile traces it whole (through gptlab's C++ kernel too, where it runs them) instead of
+    breaking the graph at every layer; the same tokens as the uncompiled engine."""
+    from torch._dynamo.utils import counters
+
+    from gptlab.quantize import quantize_model
+
+    model = quantize_model(family_model("llama").eval(), mode, 32 if mode == "int4" else None)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    torch._dynamo.reset()
+    counters.clear()
+    got = _greedy(Engine(model, 2, static_decode=True, compile_decode=True), prompts, 10)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert got == _greedy(Engine(model, 2, static_decode=False), prompts, 10)

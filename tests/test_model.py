@@ -459,3 +459,18 @@ def test_one_query_attention_equals_grouped_attention_from_the_maths(dtype: torc
     theirs = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask, scale=0.25,
                                             enable_gqa=nkv != nh)
     torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_one_query_attention_takes_any_memory_order_sdpa_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's attention kernels may return their output in another memory order than the CPU's (H100, fp32,
+    grouped heads: (B, g, nkv, hs) strides); the grouped one-query path still gives the same numbers."""
+    from gptlab import attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 6, 1, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
+    want = attention.sdpa(q, k, v, None, 0.25)
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    got = attention.sdpa(q, k, v, None, 0.25)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

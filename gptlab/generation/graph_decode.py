@@ -52,6 +52,7 @@ class StaticDecode:
         self._run = torch.compile(self._step, dynamic=False) if compile else self._step
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every capture
+        self._primed: set[int] = set()  # row counts the step has run uncompiled (see _prime)
 
     def rows_for(self, busy: int) -> int:
         """Rows a step computes when rows 0..busy-1 hold the busy ones (the rest of them must be idle)."""
@@ -72,6 +73,8 @@ class StaticDecode:
         """Logits (rows, V) for the newest token of each row (tokens (rows, 1), on the host), appended to the cache;
         `longest`: the most tokens any of these rows holds after the step."""
         keys = self.keys_for(longest)
+        if self.compiled and tokens.shape[0] not in self._primed:
+            self._prime(tokens.shape[0], keys)
         if not self.capture:
             return self._run(tokens.to(self.cache.lengths.device), keys)
         shape = (tokens.shape[0], keys)
@@ -86,6 +89,18 @@ class StaticDecode:
         tokens_in.copy_(tokens, non_blocking=True)
         graph.replay()
         return logits_out.clone()  # the next replay overwrites the graph's output
+
+    def _prime(self, rows: int, keys: int) -> None:
+        """Run the step once uncompiled at this row count, putting the rows' lengths back: what layers make on
+        their first call (a quantized layer's choice of kernel and its copies of the weights) then exists before
+        torch.compile traces the step; made while tracing, it would break the graph at every layer."""
+        lengths = self.cache.lengths
+        saved = lengths.clone()
+        try:
+            self._step(torch.zeros(rows, 1, dtype=torch.long, device=lengths.device), keys)
+        finally:
+            lengths.copy_(saved)
+        self._primed.add(rows)
 
     def _record(self, rows: int, keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """Capture one step of this shape. Warm-up runs first (on a side stream, as CUDA graphs require), each

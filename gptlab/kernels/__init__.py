@@ -99,6 +99,10 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
     try:
         cflags = [*_COMMON_FLAGS, *flags]
         load_library(_build_name(library, cflags), SOURCES, cflags, ["-fopenmp"])
+        # the output's shape and dtype without running it: torch.compile then traces a model through `linear`
+        # (an opaque call in its graph) instead of failing there
+        torch.library.register_fake(f"{library}::linear")(
+            lambda x, packed, qparams, bias, N: x.new_empty((*x.shape[:-1], N)))
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         warnings.warn(f"gptlab: building the {what} kernels failed, using PyTorch's ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)

@@ -382,5 +382,8 @@ GPTLAB_LIBRARY(GPTLAB_NS, m) {
   m.def("pack(Tensor weight) -> Tensor", &pack);
   m.def("pack_int8(Tensor q) -> Tensor", &pack_int8);
   m.def("pack_int4(Tensor q, Tensor scale, Tensor zero) -> Tensor[]", &pack_int4);
-  m.def("linear(Tensor x, Tensor packed, Tensor? qparams, Tensor? bias, int N) -> Tensor", &GPTLAB_NS::linear);
+  // linear runs inside models' forwards: a CPU kernel (not a catch-all one) lets Python give it a shape function,
+  // so torch.compile can trace a model through it (gptlab/kernels/__init__.py)
+  m.def("linear(Tensor x, Tensor packed, Tensor? qparams, Tensor? bias, int N) -> Tensor");
+  m.impl("linear", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(GPTLAB_NS::linear)));
 }
