@@ -100,6 +100,9 @@ class QuantizedLinear(nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._runs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}  # input's kind -> its forward
+        # PyTorch's kernel with its copy of the weights, per (device, compute dtype): shared by every row count
+        # (a packed int4 copy is as large as the integers themselves)
+        self._matmuls: dict[tuple, Callable[[torch.Tensor], torch.Tensor] | None] = {}
         # gptlab's kernel's copy of the weights (every build reads the one layout); None: not made yet, False:
         # these weights do not fit it
         self._kernel: tuple[torch.Tensor, torch.Tensor] | bool | None = None
@@ -148,6 +151,7 @@ class QuantizedLinear(nn.Module):
         """Drop the kernels' copies of the weights; done on `.to()` and `load_state_dict`, needed after any other
         write to the buffers."""
         self._runs.clear()
+        self._matmuls.clear()
         self._kernel = None
 
     def kernel(self, rows: int = 1) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
@@ -181,7 +185,7 @@ class QuantizedLinear(nn.Module):
     def __getstate__(self) -> dict:
         """Copies and pickles leave the kernels' copies behind (made again on first use; a kernel build is no
         object to copy)."""
-        return {**self.__dict__, "_runs": {}, "_kernel": None}
+        return {**self.__dict__, "_runs": {}, "_matmuls": {}, "_kernel": None}
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's: .to(), .cuda(), .half(), ...
         self.forget_kernels()
@@ -200,13 +204,12 @@ class QuantizedLinear(nn.Module):
         if kernel is not None:
             return functools.partial(_kernel_cpu, *kernel, None if self.bias is None else self.bias.detach().float(),
                                      self.out_features, out_dtype)
-        make = _kernel_for(self.mode, device) if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+        if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return self.reference  # float64 and the like (see the module docstring)
         compute = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16  # see the docstring
-        try:
-            matmul = None if make is None else make(self, compute)
-        except (RuntimeError, NotImplementedError) as e:  # a shape or build the kernel refuses: the plain path
-            log.debug("%s kernel refused a %s weight: %s", self.mode, (self.out_features, self.in_features), e)
-            matmul = None
+        if (device, compute) not in self._matmuls:
+            self._matmuls[(device, compute)] = self._pytorch_matmul(device, compute)
+        matmul = self._matmuls[(device, compute)]
         if matmul is None:
             return self.reference
         bias = None if self.bias is None else self.bias.detach().to(compute)
@@ -219,6 +222,16 @@ class QuantizedLinear(nn.Module):
             return y.view(*x.shape[:-1], n).to(out_dtype)
 
         return run
+
+    def _pytorch_matmul(self, device: torch.device, compute: torch.dtype):  # noqa: ANN202
+        """PyTorch's kernel for this mode on `device` with its copy of the weights, x (M, K) -> (M, N) in
+        `compute`; None where none works here (the reference runs)."""
+        make = _kernel_for(self.mode, device)
+        try:
+            return None if make is None else make(self, compute)
+        except (RuntimeError, NotImplementedError) as e:  # a shape or build the kernel refuses: the plain path
+            log.debug("%s kernel refused a %s weight: %s", self.mode, (self.out_features, self.in_features), e)
+            return None
 
 
 def _kernel_cpu(ops: Any, weights: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None, n: int,

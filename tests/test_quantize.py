@@ -485,3 +485,31 @@ def test_a_batch_of_many_rows_runs_the_dispatchs_choice_for_many_rows(mode: str,
     for rows in (1, 32, 64):
         x = torch.randn(rows, 64)
         assert bool(((layer(x) - layer.reference(x)).abs() <= kernel_tolerance(x, layer)).all()), rows
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_pytorchs_kernel_keeps_one_copy_of_the_weights_for_every_row_count(mode: str, monkeypatch) -> None:  # noqa: ANN001
+    """Inputs of few and of many rows are prepared apart (the dispatch may choose differently for each), but where
+    both run PyTorch's kernel they share its one copy of the weights (a packed int4 copy is as large as the
+    integers): the kernel is set up once per device and dtype."""
+    import gptlab.quantize as quantize_module
+
+    monkeypatch.setenv("GPTLAB_KERNEL", "torch")
+    made = []
+    real = quantize_module._KERNELS[("cpu", mode)]
+    monkeypatch.setitem(quantize_module._KERNELS, ("cpu", mode),
+                        tuple(lambda layer, dtype, make=make: made.append((layer, dtype)) or make(layer, dtype)
+                              for make in real))
+    quantize_module._working_kernel.cache_clear()
+    try:
+        torch.manual_seed(0)
+        layer = QuantizedLinear(nn.Linear(64, 48), mode, 32 if mode == "int4" else None)
+        for rows in (1, 32, 1, 64):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            assert bool(((layer(x) - layer.reference(x)).abs() <= kernel_tolerance(x, layer)).all()), rows
+        assert [dtype for m, dtype in made if m is layer] == [torch.bfloat16]  # (the others: the kernel's check)
+        layer.float()  # moved or cast: the copies are made again
+        layer(torch.randn(2, 64, dtype=torch.bfloat16))
+        assert [dtype for m, dtype in made if m is layer] == [torch.bfloat16, torch.bfloat16]
+    finally:
+        quantize_module._working_kernel.cache_clear()
