@@ -173,7 +173,7 @@ def serve_gptlab(ckpt: str, port: int, args: argparse.Namespace, log: IO) -> sub
     env.pop("GPTLAB_API_KEY", None)
     cmd = [sys.executable, "-m", "gptlab.cli", "serve", ckpt, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-queue", str(4 * args.clients), *dtype_flags(args.dtype),
-           "--prefill-chunk", str(args.prefill_chunk), "--no-ui"]
+           "--prefill-chunk", str(args.prefill_chunk), "--stream-interval", str(args.stream_interval), "--no-ui"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
                             preexec_fn=raise_priority)
 
@@ -328,6 +328,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads of each server")
     ap.add_argument("--long-prompt", type=int, default=0, help="client 0 sends prompts of this many characters")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk (0: off)")
+    ap.add_argument("--stream-interval", type=float, default=0.0, metavar="MS",
+                    help="the gptlab server's --stream-interval (default 0: a write per decoding step)")
     ap.add_argument("--peer", choices=["llama-server", "llamacpp"], help="also load a llama.cpp server on the same "
                     "weights: llama.cpp's own llama-server (--llama-server BIN), or llama-cpp-python's")
     ap.add_argument("--llama-server", metavar="BIN", help="llama.cpp's llama-server program (with --peer llama-server)")
