@@ -20,11 +20,13 @@ run), started with `-np` the max batch, `-t` the threads and `--ignore-eos`; `--
 Python server (`bench` extra), which serves one request at a time. The servers take turns over --rounds and the
 medians and ratios gptlab / peer are printed (tokens/s: higher is better; first-token p99: lower is better). Tokens
 are counted from each stream's `usage` where the server sends it, else one per streamed chunk. Each round also
-prints the CPU the load generator (this process) and the server used, the server's as CPU milliseconds per token:
-a figure other work on a shared machine moves far less than tokens/s; gptlab's is split into its event loop's thread
-(HTTP and streaming) and the rest (the engine's scheduler and kernel threads). Beside the served
-figure: the engine's own tokens/s at the same batch without a server (`generate_batch` of max-batch prompts,
-max-tokens each, in a process of its own, once per round), and served / offline.
+prints the CPU the load generator (this process) and the server used, the server's as CPU milliseconds per token: a
+figure other work on a shared machine moves far less than tokens/s; gptlab's is split into its main thread's (the
+engine's loop, `gptlab serve` runs it there) and the rest (HTTP's thread, the kernels' other OpenMP threads), and
+gptlab's decoding steps a second with their mean rows (its /metrics' `gptlab_decode_steps_total` and
+`gptlab_decode_rows_total`: does the batch stay full?). Beside the served figure: the engine's own tokens/s at the
+same batch without a server (`generate_batch` of max-batch prompts, max-tokens each, in a process of its own, once
+per round), and served / offline.
 
     python benchmarks/serve_load.py --peer llama-server --llama-server LLAMA_CPP/build/bin/llama-server --rounds 3
 
@@ -171,7 +173,7 @@ def serve_gptlab(ckpt: str, port: int, args: argparse.Namespace, log: IO) -> sub
     env.pop("GPTLAB_API_KEY", None)
     cmd = [sys.executable, "-m", "gptlab.cli", "serve", ckpt, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-queue", str(4 * args.clients), *dtype_flags(args.dtype),
-           "--prefill-chunk", str(args.prefill_chunk), "--no-ui"]
+           "--prefill-chunk", str(args.prefill_chunk), "--stream-interval", str(args.stream_interval), "--no-ui"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
                             preexec_fn=raise_priority)
 
@@ -257,14 +259,19 @@ def run_round(name: str, start, args: argparse.Namespace, log: Path,  # noqa: AN
         wait_for_server(server, f"http://127.0.0.1:{port}", "/v1/models" if name == "llama.cpp" else "/health", log)
         recording = Recording(server.pid, profile) if profile else None
         try:
+            url = f"http://127.0.0.1:{port}"
+            steps0 = decode_counts(url) if name == "gptlab" else None
             cpu0, main0 = process_cpu_seconds(server.pid), process_cpu_seconds(server.pid, server.pid)
-            summary = load(f"http://127.0.0.1:{port}", args)
+            summary = load(url, args)
             cpu = process_cpu_seconds(server.pid) - cpu0
             main = process_cpu_seconds(server.pid, server.pid) - main0
             summary["server_cores"] = cpu / summary["wall"]
             summary["cpu_ms_per_token"] = 1000 * cpu / max(summary["tokens"], 1)
-            # gptlab's main thread is uvicorn's event loop (HTTP, streaming); the rest, its engine's threads
+            # gptlab's main thread runs the engine's loop (`serve_on_main_thread`); the rest, HTTP's and OpenMP's
             summary["main_cpu_ms_per_token"] = 1000 * main / max(summary["tokens"], 1)
+            if steps0 is not None:  # (the load's first warm-up request and last requests' tails included)
+                steps, rows = (b - a for a, b in zip(steps0, decode_counts(url), strict=True))
+                summary["steps_per_s"], summary["rows_per_step"] = steps / summary["wall"], rows / max(steps, 1)
             return summary
         finally:
             if recording is not None:
@@ -277,6 +284,15 @@ def run_round(name: str, start, args: argparse.Namespace, log: Path,  # noqa: AN
             server.kill()
 
 
+def decode_counts(url: str) -> tuple[float, float]:
+    """gptlab's decoding steps so far and their rows summed, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return values["gptlab_decode_steps_total"], values["gptlab_decode_rows_total"]
+
+
 def report(name: str, s: dict, args: argparse.Namespace) -> None:
     print(f"  {name}: {s['requests']} requests in {s['wall']:.1f} s = {s['req_per_s']:.2f} req/s, "
           f"{s['tokens']} tokens = {s['tokens_per_s']:.1f} tokens/s, latency p50 {s['lat50'] * 1000:.0f} ms "
@@ -284,9 +300,12 @@ def report(name: str, s: dict, args: argparse.Namespace) -> None:
           f"{s['ttft99'] * 1000:.0f} ms, {s['mean_tokens']:.1f} tokens per request, load generator's CPU "
           f"{s['client_cores']:.2f} cores, server's CPU {s['server_cores']:.2f} cores = "
           f"{s['cpu_ms_per_token']:.2f} CPU ms per token"
-          + (f" ({s['main_cpu_ms_per_token']:.3f} on the event loop's thread)" if name == "gptlab" else "")
+          + (f" ({s['main_cpu_ms_per_token']:.3f} on its main thread, the engine's loop)" if name == "gptlab" else "")
           + f", errors {len(s['errors'])}"
           + (f" (first: {s['errors'][0]})" if s["errors"] else ""))
+    if "steps_per_s" in s:
+        print(f"  gptlab's decoding steps: {s['steps_per_s']:.1f} a second, {s['rows_per_step']:.2f} rows a step on "
+              f"average (max batch {args.max_batch})")
     if name == "gptlab" and args.long_prompt:
         p = s["pauses"]
         print(f"  longest pause between chunks of a short request: p50 {percentile(p, 0.5) * 1000:.0f} ms   "
@@ -309,6 +328,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads of each server")
     ap.add_argument("--long-prompt", type=int, default=0, help="client 0 sends prompts of this many characters")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk (0: off)")
+    ap.add_argument("--stream-interval", type=float, default=0.0, metavar="MS",
+                    help="the gptlab server's --stream-interval (default 0: a write per decoding step)")
     ap.add_argument("--peer", choices=["llama-server", "llamacpp"], help="also load a llama.cpp server on the same "
                     "weights: llama.cpp's own llama-server (--llama-server BIN), or llama-cpp-python's")
     ap.add_argument("--llama-server", metavar="BIN", help="llama.cpp's llama-server program (with --peer llama-server)")
@@ -352,7 +373,8 @@ def main() -> None:
                 report(name, rounds[name][-1], args)
             if not args.no_offline:  # each round: a busy spell of a shared machine hits it as it hits the servers
                 offline.append(offline_tokens_per_s(ckpt, args))
-                print(f"  gptlab's engine offline: {offline[-1]:.1f} tokens/s")
+                print(f"  gptlab's engine offline: {offline[-1]:.1f} tokens/s = {offline[-1] / args.max_batch:.1f} "
+                      f"steps a second of {args.max_batch} rows")
 
     keys = ("tokens_per_s", "req_per_s", "ttft50", "ttft99", "cpu_ms_per_token", "client_cores")
     med = {name: {k: statistics.median(s[k] for s in runs) for k in keys} for name, runs in rounds.items()}

@@ -226,6 +226,31 @@ def test_linears_sent_to_a_build_run_the_native_step_in_that_build(build_name: s
         assert all(kernel_packed(m) is None for m in linears)
 
 
+def test_linears_sent_to_a_build_probe_the_large_batch_choice_when_packed(build_name: str, tmp_path,  # noqa: ANN001
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatch's large-batch probe, which a prefill of many rows consults, runs when the Linears are packed (a
+    server's start-up), not inside the first such prefill, where it stalled every running row."""
+    from gptlab.kernels import dispatch
+
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "busy", lambda: False)
+    probes = []  # PyTorch's products win every probe
+    monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: probes.append(rows)
+                        or {"torch": 1.0, **dict.fromkeys(names, 2.0)})
+    dispatch._measured.cache_clear()
+    try:
+        model = model_of("llama", torch.bfloat16)
+        packed = PackedLinears(model, 3, path=build_name)
+        assert dispatch.BATCH in probes
+        made = len(probes)
+        with packed.active(many_rows=True):
+            assert all(kernel_packed(m) is None for m in model.modules() if isinstance(m, nn.Linear))
+        assert len(probes) == made
+    finally:
+        dispatch._measured.cache_clear()
+
+
 def test_engine_with_its_linears_on_a_build_decodes_the_plain_forwards_tokens(build_name: str,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPTLAB_KERNEL", "torch")

@@ -7,6 +7,7 @@ shape, and 16 concurrent clients against the same requests made one at a time.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -317,7 +318,33 @@ def test_serve_command_rejects_bad_flags_in_one_line(capsys, tmp_path):
 
     ckpt = str(tmp_path / "unused")  # the flags are checked before any model is loaded
     for flags, words in [(["--max-batch", "0"], "--max-batch"), (["--prefill-chunk", "-1"], "--prefill-chunk"),
-                         (["--port", "70000"], "--port"), (["--prefix-cache-mb", "nan"], "--prefix-cache-mb")]:
+                         (["--port", "70000"], "--port"), (["--prefix-cache-mb", "nan"], "--prefix-cache-mb"),
+                         (["--stream-interval", "-1"], "--stream-interval"),
+                         (["--stream-interval", "nan"], "--stream-interval")]:
         assert main(["serve", ckpt, *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and err.count("\n") == 1
+
+
+def test_a_stream_interval_sends_the_steps_meanwhile_in_one_chunk(served, monkeypatch):
+    """With stream_interval, a stream writes at most once an interval after its first token, each choice's tokens
+    since the last write in one chunk: the same text and logprobs as the plain answer, in fewer chunks."""
+    _, model, tokenizer, _ = served
+    interval, tokens = 0.2, 30
+    app = create_app(model, tokenizer, model_name=NAME, max_batch=2, ui=False, prefix_cache_mb=0,
+                     stream_interval=interval)
+    engine = app.state.server.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])  # several steps an interval
+    with ServerThread(app) as server:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        ask = dict(model=NAME, prompt="Once upon", max_tokens=tokens, temperature=0, logprobs=1)
+        plain = api.completions.create(**ask)
+        start = time.perf_counter()
+        chunks = [c for c in api.completions.create(**ask, stream=True) if c.choices]
+        elapsed = time.perf_counter() - start
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert streamed == plain.choices[0].logprobs.tokens and len(streamed) == tokens
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert len(chunks) <= 2 + elapsed / interval  # the first at once, then one write an interval

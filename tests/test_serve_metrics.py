@@ -80,6 +80,9 @@ def test_counts_move_by_what_was_served(served):
     assert moved(before, after, "gptlab_time_to_first_token_seconds_count") == len(prompts)
     assert moved(before, after, "gptlab_time_per_output_token_seconds_count") == len(prompts) * (max_tokens - 1)
     assert moved(before, after, "gptlab_time_per_output_token_seconds_sum") > 0
+    # one request after the other: the first token from the prefill, then a step of that one row per token
+    assert moved(before, after, "gptlab_decode_steps_total") == len(prompts) * (max_tokens - 1)
+    assert moved(before, after, "gptlab_decode_rows_total") == len(prompts) * (max_tokens - 1)
     assert after[("gptlab_queue_length", ())] == 0 and after[("gptlab_running_rows", ())] == 0
     # the server keeps a prefix cache by default: every admitted prompt was looked up in it, whole
     queried = sum(len(tok.encode(p)) for p in prompts)

@@ -198,6 +198,9 @@ class PackedLinears:
         self.layout = _layout(model, batch_hint, path)
         packs = (_pack(m, batch_hint, path) for m in model.modules() if packable(m))
         self.packs = [p for p in packs if p is not None]
+        if path is not None:  # the large-batch choice a big prefill asks for (`active`), probed here at start-up:
+            for p in self.packs:  # in a server's first big prefill it stalled every running row for the probe
+                _plain_wins_many_rows(p)
 
     @property
     def modules(self) -> list[nn.Linear]:

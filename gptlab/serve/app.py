@@ -88,6 +88,7 @@ def create_app(
     draft_tokens: int = DRAFT_TOKENS,
     steering: Mapping[str, Direction] | None = None,
     scheduler_thread: bool = True,
+    stream_interval: float = 0.0,
 ) -> FastAPI:
     """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan.
     `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generation.Engine`.
@@ -99,9 +100,11 @@ def create_app(
     may name (`gptlab.serve.steering`); None: a request asking for steering is refused (400). `scheduler_thread`:
     the engine's loop runs on a thread of its own, started with the app; False: the caller runs
     `app.state.server.scheduler.run()` on its own thread (the app's shutdown ends it), as `gptlab serve` does on its
-    main thread (`gptlab.serve.scheduler`)."""
+    main thread (`gptlab.serve.scheduler`). `stream_interval`: seconds a stream waits after each write but the
+    first, so that the tokens of the steps meanwhile go out in one write (`gptlab.serve.streaming`; 0: each write
+    as soon as a step produced something)."""
     server = ServedModel(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb,
-                    speculate, draft_tokens, steering)
+                         speculate, draft_tokens, steering, stream_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

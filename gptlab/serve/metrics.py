@@ -7,6 +7,8 @@
   generated; `gptlab_time_to_first_token_seconds` (from the request's submission to its first token leaving the
   engine) and `gptlab_time_per_output_token_seconds` (one observation per row per step: the time since that row's
   previous token), histograms fed by the scheduler thread (`ServerMetrics.tokens`).
+* `gptlab_decode_steps_total` and `gptlab_decode_rows_total` (the rows of those steps, summed): their ratio is
+  how full the batch stayed, rows over steps.
 * `gptlab_queue_length` (generations waiting for a row) and `gptlab_running_rows`, read when scraped.
 * The prefix cache, where the engine has one (`engine.prefix_cache.stats()`, read when scraped):
   `gptlab_prefix_cache_query_tokens_total`, `gptlab_prefix_cache_hit_tokens_total`, `gptlab_prefix_cache_hit_rate`
@@ -51,12 +53,20 @@ class ServerMetrics:
         self.time_per_output_token = Histogram(
             "gptlab_time_per_output_token_seconds", "time between two tokens of a generation",
             buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.decode_steps = Counter("gptlab_decode_steps", "decoding steps run", registry=self.registry)
+        self.decode_rows = Counter("gptlab_decode_rows", "rows decoded, summed over the decoding steps",
+                                   registry=self.registry)
         self.registry.register(_Live(queue_length, running_rows, prefix_cache))
 
     def tokens(self, n: int, seconds: float, *, first: bool) -> None:
         """A row published `n` new tokens `seconds` after its previous ones (or, if `first`, after submission)."""
         self.generation_tokens.inc(n)
         (self.time_to_first_token if first else self.time_per_output_token).observe(seconds)
+
+    def decode_step(self, rows: int) -> None:
+        """A decoding step ran `rows` rows."""
+        self.decode_steps.inc()
+        self.decode_rows.inc(rows)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

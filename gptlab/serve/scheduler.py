@@ -208,6 +208,8 @@ class Scheduler:
                 self.max_rows_seen = max(self.max_rows_seen, len(running))
                 self._run(running, engine.step)
                 self.steps += 1
+                if self.metrics is not None:
+                    self.metrics.decode_step(len(running))
             self._flush()
 
     def _run(self, gens: list[Generation], work: Callable[[], object]) -> None:

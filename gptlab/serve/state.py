@@ -51,8 +51,10 @@ class ServedModel:
         speculate: Any = None,
         draft_tokens: int = DRAFT_TOKENS,
         steering: Mapping[str, Direction] | None = None,
+        stream_interval: float = 0.0,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
+        self.stream_interval = stream_interval  # seconds a stream waits after each write (`streaming`)
         self.steering = SteeringDirections(model, steering)  # the directions requests may name (None: refused)
         # one for the server's life: compiled, and its turn end found, on the first chat request, then kept
         self.chat_template = chat_template_for(tokenizer)
