@@ -78,6 +78,11 @@ class FrozenQuantizedLinear(QuantizedLinear):
         c0, c1, _ = cols.indices(self.in_features)
         if out is None:
             out = torch.empty(r1 - r0, c1 - c0, dtype=dtype, device=self.qweight.device)
+        native = self.mode == "int4" and _native_dequantize_int4(self, out)
+        if native:  # one pass over the bytes in C++ (kernels/dequantize_int4.cpp): the same numbers to the bit
+            g0, g1 = self._group_range(c0, c1)
+            native(self.qweight[r0:r1, c0 // 2:c1 // 2], self.scale[r0:r1, g0:g1], self.low[r0:r1, g0:g1], out)
+            return out
         for chunk in row_chunks(r1 - r0, c1 - c0, self.qweight.device):
             out[chunk] = self._block_fp32(slice(r0 + chunk.start, r0 + chunk.stop), c0, c1)
         return out
@@ -85,13 +90,17 @@ class FrozenQuantizedLinear(QuantizedLinear):
     def _block_fp32(self, rows: slice, c0: int, c1: int) -> torch.Tensor:
         if self.mode == "int8":
             return self.qweight[rows, c0:c1].float().mul_(self.scale[rows, None])
-        group = self.group_size
-        if c0 % group or (c1 % group and c1 != self.in_features):
-            raise ValueError(f"int4 columns {c0}:{c1} are not whole groups of {group}")
+        g0, g1 = self._group_range(c0, c1)
         q = unpack_nibbles(self.qweight[rows, c0 // 2:(c1 + 1) // 2]).float()
-        groups = q.view(q.shape[0], -1, group)
-        g0, g1 = c0 // group, c0 // group + groups.shape[1]
+        groups = q.view(q.shape[0], -1, self.group_size)
         return groups.mul_(self.scale[rows, g0:g1, None]).add_(self.low[rows, g0:g1, None]).view(q.shape)
+
+    def _group_range(self, c0: int, c1: int) -> tuple[int, int]:
+        """The int4 groups that columns c0:c1 cover, which must be whole ones."""
+        group = self.group_size
+        if c0 % group or c1 % group:
+            raise ValueError(f"int4 columns {c0}:{c1} are not whole groups of {group}")
+        return c0 // group, c1 // group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _DequantizedLinear.apply(x, self)
@@ -120,6 +129,19 @@ class _DequantizedLinear(torch.autograd.Function):
         for cols in weight_blocks(layer, along_rows=False):
             grad_x[..., cols] = upcasting_linear(grad, _dequantized(layer, grad.dtype, slice(None), cols).t())
         return grad_x, None
+
+
+def _native_dequantize_int4(layer: FrozenQuantizedLinear, out: torch.Tensor):  # noqa: ANN202 - the op, or None
+    """gptlab's C++ int4 dequantization (`gptlab.kernels`, built once per machine) where it applies: a CPU, fp16
+    scales (fp32 ones, for weights beyond fp16's range, can round differently in it), an fp32 or bf16 `out` with
+    contiguous rows, and not under torch.compile; else None (the ATen ops)."""
+    if (out.device.type != "cpu" or out.dtype not in (torch.float32, torch.bfloat16) or out.stride(-1) != 1
+            or layer.scale.dtype != torch.float16 or torch.compiler.is_compiling()):
+        return None
+    from gptlab.kernels import avx2_ops, avx512_ops
+
+    ops = avx512_ops() or avx2_ops()
+    return None if ops is None else ops.dequantize_int4
 
 
 def block_elements(device: torch.device) -> int:

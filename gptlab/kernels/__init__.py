@@ -5,7 +5,8 @@ weights re-laid out once, for `gptlab.generation.packed_linear` and `gptlab.quan
 where they are faster than PyTorch's kernels (`dispatch` measures which path runs each kind of weight here).
 `decode_step.cpp`: the decode step of any gptlab model over those packed weights in one call
 (`gptlab.generation.native_decode`). `cross_entropy.cpp`: the training loss's softmax cross-entropy and its
-gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). All are built into one library
+gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). `dequantize_int4.cpp`: QLoRA's
+int4 base weight unpacked straight into fp32/bf16 blocks (`gptlab.qlora`). All are built into one library
 (`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4
 micro-kernels, `exp_fast.h` the vectorizable exp).
 
@@ -42,7 +43,7 @@ from gptlab.kernels.build import load_library
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp"]
+SOURCES = [HERE / "linear_avx2.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp", HERE / "dequantize_int4.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)
