@@ -42,7 +42,7 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:  # noqa: ANN001 - 
 def op_breakdown(step, steps: int, top: int = 14) -> None:  # noqa: ANN001 - a zero-argument callable
     """torch.profiler over `steps` steps (after one warm-up): each op's share of the self CPU time and its calls per
     step, most time first; then the casts and layout copies (aten::copy_) per step, which a lean step keeps to the
-    ones that must exist."""
+    ones that must exist, and the matmuls' share of the self time (what fusing everything else could win)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -55,6 +55,17 @@ def op_breakdown(step, steps: int, top: int = 14) -> None:  # noqa: ANN001 - a z
         print(f"    {e.key:42s} {100 * e.self_cpu_time_total / total:5.1f}%  {e.count / steps:7.1f} calls/step")
     copies = next((e.count for e in prof.key_averages() if e.key == "aten::copy_"), 0)
     print(f"    aten::copy_ calls per step: {copies / steps:.1f}", flush=True)
+    matmul = sum(e.self_cpu_time_total for e in events if is_matmul(e.key))
+    print(f"    matmuls (mm, addmm, bmm, linear kernels, SDPA): {100 * matmul / total:.1f}% of the self time; "
+          f"everything else {100 * (total - matmul) / total:.1f}%", flush=True)
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+
+
+def is_matmul(op: str) -> bool:
+    """Whether a profiler key is a matrix product (SDPA's kernels are attention's two products and their softmax)."""
+    return op in MATMUL_OPS or "scaled_dot_product" in op
 
 
 def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
