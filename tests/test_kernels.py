@@ -216,6 +216,24 @@ def test_builds_give_identical_integer_outputs(two, M: int, N: int, K: int, grou
     assert all(torch.equal(ys[0], y) for y in ys[1:])
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_integer_kernels_round_each_row_alone_whatever_the_threads(ops, mode: str) -> None:  # noqa: ANN001
+    """Each row of x is rounded to integers on its own, rows split over the threads when there are many: a row's
+    output is the same to the bit in a 48-row call on two threads as alone on one; a row with an inf gives NaNs
+    and leaves the others as they were; a row of zeros gives the bias (int8: K = 1030 reaches the 8-wide tail)."""
+    g = torch.Generator().manual_seed(0)
+    K = 1024 if mode == "int4" else 1030
+    W, x, b = torch.randn(40, K, generator=g), torch.randn(48, K, generator=g), torch.randn(40, generator=g)
+    x[5, 100], x[7] = float("inf"), 0.0
+    packed, qparams, _ = quantized(mode, W, 32, ops)
+    alone = torch.cat([ops.linear(x[m:m + 1], packed, qparams, b, 40) for m in range(48)])
+    torch.set_num_threads(2)  # the one_thread fixture restores the count after
+    together = ops.linear(x, packed, qparams, b, 40)
+    assert bool(together[5].isnan().all()) and torch.equal(together[7], b)
+    others = [m for m in range(48) if m != 5]
+    assert torch.equal(together[others], alone[others])
+
+
 @settings(max_examples=40, deadline=None)
 @given(M=st.integers(1, 13), N=st.integers(1, 70).map(lambda n: n | 1), K=st.integers(1, 300),
        w_dtype=st.sampled_from([torch.float32, torch.bfloat16]), x_dtype=st.sampled_from([torch.float32,

@@ -20,11 +20,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "input_quant.h"
 #include "linear_avx2.h"
 
 namespace GPTLAB_NS::int4_tiles {
 
-constexpr int64_t kBlock = 32;  // inputs per activation scale (q8_0's); a weight group is a whole number of blocks
+constexpr int64_t kBlock = input_quant::kBlock;  // inputs per activation scale; a weight group is whole blocks
 #if defined(GPTLAB_AVX512)
 constexpr int kRows = 8;  // rows of x per call: 8 accumulators, 8 block sums and 8 totals stay in 32 zmm registers
 #else

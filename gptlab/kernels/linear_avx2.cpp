@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include "dense_tiles.h"
+#include "input_quant.h"
 #include "int4_tiles.h"
 #include "int_tiles.h"
 #include "linear_avx2.h"
@@ -52,6 +53,8 @@ using GPTLAB_NS::kTile;
 using GPTLAB_NS::dense_tiles::tile;
 using GPTLAB_NS::dense_tiles::tile1;
 using GPTLAB_NS::int_tiles::tile_i8;
+using GPTLAB_NS::input_quant::quantize_blocks;
+using GPTLAB_NS::input_quant::quantize_rows;
 constexpr int64_t kRowBlock = 96;
 
 // A weight in panels, its input, and how to run one micro-kernel for rows m.. of the input on panel p: `Dense<W>`
@@ -211,57 +214,6 @@ at::Tensor pack_int8(const at::Tensor& q) {
   auto rows = panel_rows(q);
   const int64_t panels = rows.size(0), K = rows.size(2);
   return rows.view({panels, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({panels, K, kPanel});
-}
-
-// x (M, K) fp32 -> 16-bit fixed point per row: xq = round(x / s) with s = max|x| / 32767 (a row of zeros: s = 1;
-// a row with inf or NaN: s = NaN, so its outputs are NaN as a float product's would be)
-void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* scale) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    float top = 0.0f;
-    bool finite = true;  // std::max drops a NaN, so it is looked for on the same pass
-    for (int64_t k = 0; k < K; ++k) {
-      top = std::max(top, std::fabs(row[k]));
-      finite = finite && std::isfinite(row[k]);
-    }
-    scale[m] = !finite ? std::nanf("") : top > 0.0f ? top / 32767.0f : 1.0f;
-    const float inv = finite && top > 0.0f ? 32767.0f / top : 0.0f;
-    for (int64_t k = 0; k < K; ++k)
-      xq[m * K + k] = static_cast<int16_t>(std::clamp(std::nearbyint(row[k] * inv), -32767.0f, 32767.0f));
-  }
-}
-
-// x (M, K) fp32, K a multiple of 32 -> int8 per block of 32 (int4's activations: q8_0's rounding): xq =
-// round(x * (127 / max|x|)) and d = max|x| / 127 per block (a block of zeros: d = 0; with inf or NaN: xq = 0 and
-// d = NaN, so its outputs are NaN as a float product's would be), and per row and group of gs inputs the sum over its
-// blocks of d * sum(xq)
-void quantize_blocks(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq, float* d, float* msum) {
-  constexpr int64_t kBlock = GPTLAB_NS::int4_tiles::kBlock;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g0 = 0; g0 < K; g0 += gs) {
-      float group_sum = 0.0f;
-      for (int64_t k0 = g0; k0 < g0 + gs; k0 += kBlock) {
-        const float* block = x + m * K + k0;
-        float top = 0.0f;
-        bool finite = true;  // std::max drops a NaN, so it is looked for on the same pass
-        for (int64_t k = 0; k < kBlock; ++k) {
-          top = std::max(top, std::fabs(block[k]));
-          finite = finite && std::isfinite(block[k]);
-        }
-        const float scale = !finite ? std::nanf("") : top / 127.0f, inv = finite && top > 0.0f ? 127.0f / top : 0.0f;
-        int32_t sum = 0;
-        for (int64_t k = 0; k < kBlock; ++k) {
-          const float v = finite ? std::nearbyint(block[k] * inv) : 0.0f;  // never a NaN cast to an integer
-          const auto q = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-          xq[m * K + k0 + k] = q;
-          sum += q;
-        }
-        d[m * (K / kBlock) + k0 / kBlock] = scale;
-        group_sum += scale * static_cast<float>(sum);
-      }
-      msum[m * (K / gs) + g0 / gs] = group_sum;
-    }
-  }
 }
 
 // q (N, K) uint8 in 0..15, scale and zero (N, K / gs), gs a multiple of 32 -> (nibble panels (panels, K / 2, 16)
