@@ -36,7 +36,9 @@ class SpinBarrier {
   }
 
  private:
-  static constexpr int kSpins = 1 << 14;  // ~tens of microseconds: a product's tail imbalance, not a descheduling
+  // ~20 microseconds of pauses (a Zen pause is ~65 cycles): a product's tail imbalance; a partner that takes longer
+  // has likely lost its core, and yielding (which returns at once where nothing else waits) lets it have it back
+  static constexpr int kSpins = 1 << 10;
   const int threads_;
   alignas(64) std::atomic<int> arrived_{0};
   alignas(64) std::atomic<unsigned> passed_{0};
