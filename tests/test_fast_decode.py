@@ -109,6 +109,32 @@ def test_quantized_native_step_equals_the_lean_one(on_kernel, family: str, mode:
     assert _close(want, _steps(model, decode_hidden, [7, 2, 4]), dtype, fp32_tol=2**-11)
 
 
+_THREAD_CASES = ([(f, d) for f in ALL_FAMILIES for d in ("float32", "bfloat16")]
+                 + [(f, m) for f in ("gpt2", "llama", "gemma2") for m in ("int8", "int4")])
+
+
+@pytest.mark.parametrize(("family", "weights"), _THREAD_CASES)
+def test_native_step_gives_the_same_bits_on_any_number_of_threads(on_kernel, family: str, weights: str) -> None:  # noqa: ANN001
+    """The C++ step's threads split each product's panels and the attention's heads, every value computed as one
+    thread computes it, and each does the norms and adds on its own copy: the same bits on 1, 2 and 3 threads (3:
+    shares of unequal size, and more threads than this machine may have cores, where the barrier's waiters yield)."""
+    model = model_of(family, torch.bfloat16 if weights == "bfloat16" else torch.float32)
+    if weights in ("int8", "int4"):
+        model = quantize_model(model, weights, 32 if weights == "int4" else None)
+    packed = PackedLinears(model)
+    before = torch.get_num_threads()
+    try:
+        runs = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with packed.active():
+                assert native_decode.weights(model, KVCache(model.config, 1, 8)) is not None  # the C++ step runs
+                runs[threads] = _steps(model, decode_hidden, [7, 2, 12])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("mlp", "approximate"), [("gelu", "none"), ("gelu", "tanh"), ("geglu", "none"),
                                                  ("geglu", "tanh"), ("swiglu", "none"), ("relu2", "none")])

@@ -2,7 +2,12 @@
 // library's `linear`: the loop of gptlab/generation/fast_decode.py's lean step without a Python round trip per op.
 // Norms, rotary embeddings, q/k norms, grouped-query attention over the fp32 KV cache, soft-caps and the MLP's
 // activation are plain loops over a few rows (written so that the compiler vectorizes them); the Linear products go
-// to the kernel over raw rows (`linear_into`). Its buffers are made once per call: no ATen op runs inside a step.
+// to the kernel over raw rows (`linear_part`). Its buffers are made once per call: no ATen op runs inside a step.
+//
+// Threads: one parallel region for the whole step (team.h). Each product's panels and the attention's heads are
+// split between the threads, a spin barrier after each such phase; the small ops between them (adds, norms) are
+// done by every thread on its own copy of the residual stream and the norm's output, which costs no more time than
+// one thread doing them while the others wait, and saves the barrier after each.
 //
 // Values are kept in fp32 and rounded to a bf16 model's dtype wherever the lean step holds a bf16 tensor (after
 // each norm, product, activation, rotation and residual add; a norm once, as ATen's bf16 norms round), so a bf16
@@ -18,25 +23,28 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "exp_fast.h"
 #include "linear_avx2.h"
+#include "step_math.h"
+#include "team.h"
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
 
-using GPTLAB_NS::exp_fast;
+using namespace GPTLAB_NS::step_math;
 
-using GPTLAB_NS::linear;
+using GPTLAB_NS::Team;
 
 constexpr int64_t kPerLayer = 22;
 enum Layout { kPre = 0, kParallel = 1, kSandwich = 2, kPost = 3 };
-enum Norm { kLayerNorm = 0, kRMSNorm = 1, kUnitOffset = 2 };
 enum Mlp { kGelu = 0, kSwiGLU = 1, kGeGLU = 2, kReLU2 = 3 };
 
 struct Shape {
@@ -45,108 +53,20 @@ struct Shape {
 
 using Weights = c10::List<c10::optional<at::Tensor>>;
 
-// v rounded to the nearest bf16 (ties to even; any NaN to the quiet NaN): c10::BFloat16's conversion in integer
-// operations with its NaN branch as a select, so that a loop over many values vectorizes
-inline float round_to(float v, bool bf16) {
-  if (!bf16) return v;
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits = std::isnan(v) ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-inline void round_all(float* p, int64_t n, bool bf16) {
-  if (bf16)
-    for (int64_t i = 0; i < n; ++i) p[i] = round_to(p[i], true);
-}
-// a norm's weight or bias (bf16 or fp32) read as fp32; empty where absent
-struct Vec {
-  const float* f = nullptr;
-  const at::BFloat16* h = nullptr;
-  explicit Vec(const c10::optional<at::Tensor>& t) {
-    if (!t.has_value() || !t->defined()) return;
-    if (t->scalar_type() == at::kBFloat16) h = t->data_ptr<at::BFloat16>();
-    else f = t->data_ptr<float>();
-  }
-  bool present() const { return f || h; }
-  float operator[](int64_t i) const { return f ? f[i] : static_cast<float>(h[i]); }
+// what a step's phases share, made once per call (none of it is a tensor): the products' outputs, the MLP's
+// activation, the attention's heads
+struct Buffers {
+  std::vector<float> a, m, qkv, y, up, act;
+  Buffers(int64_t B, int64_t C, int64_t width, int64_t heads, int64_t fc, int64_t H)
+      : a(B * C), m(B * C), qkv(B * width), y(B * heads), up(B * fc), act(B * H) {}
 };
 
-// rows of width n, normalized (LayerNorm, RMSNorm, or Gemma's RMSNorm scaled by 1 + weight): out = norm(in)
-void norm_rows(const float* in, float* out, int64_t rows, int64_t n, int kind, const c10::optional<at::Tensor>& w,
-               const c10::optional<at::Tensor>& b, float eps, bool bf16) {
-  const Vec weight(w), bias(b);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = in + r * n;
-    float* y = out + r * n;
-    double mean = 0.0, sq = 0.0;
-    if (kind == kLayerNorm) {
-      for (int64_t i = 0; i < n; ++i) mean += x[i];
-      mean /= n;
-    }
-    for (int64_t i = 0; i < n; ++i) sq += (x[i] - mean) * (x[i] - mean);
-    const float inv = 1.0f / std::sqrt(static_cast<float>(sq / n) + eps), m = static_cast<float>(mean);
-    for (int64_t i = 0; i < n; ++i) {
-      float v = (x[i] - m) * inv;
-      if (kind == kUnitOffset) v *= 1.0f + weight[i];
-      else if (weight.present()) v *= weight[i];
-      if (bias.present()) v += bias[i];
-      y[i] = round_to(v, bf16);
-    }
-  }
-}
-
-// rotate a head's first `rot` dims by (cos, sin) (rot / 2 each): pairs (i, i + rot / 2), or (2i, 2i + 1)
-void rotate(float* h, const float* cos, const float* sin, int64_t rot, bool interleaved, bool bf16) {
-  const int64_t half = rot / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
-    const float a = h[ia], b = h[ib];
-    // each product rounded, then the sum, as apply_rope's ops on a bf16 tensor do
-    h[ia] = round_to(round_to(a * cos[i], bf16) - round_to(b * sin[i], bf16), bf16);
-    h[ib] = round_to(round_to(b * cos[i], bf16) + round_to(a * sin[i], bf16), bf16);
-  }
-}
-
-// q . k over n values in 16 independent lanes (summed at the end), so that the compiler vectorizes it: a plain
-// running sum is one dependent chain (and the attention's scores were scalar)
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];
-  float sum = 0.0f;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  for (int j = 0; j < 16; ++j) sum += lanes[j];
-  return sum;
-}
-
-// The MLP's activations in fp32, as ATen computes them (silu x / (1 + e^-x); GELU 0.5 x (1 + tanh(...)) or
-// 0.5 x (1 + erf(x / sqrt 2))), within ~1e-7 relative of its vectorized results
-inline float silu(float v) { return v / (1.0f + exp_fast(-v)); }
-inline float gelu_tanh(float v) {
-  const float u = 0.7978845608f * (v + 0.044715f * v * v * v);
-  const float t = 1.0f - 2.0f / (exp_fast(2.0f * std::fabs(u)) + 1.0f);  // tanh |u|: 1 + tanh within ~1e-7
-  return 0.5f * v * (1.0f + (u < 0.0f ? -t : t));
-}
-// erfc(z) for z >= 0 in the form t exp(-z^2 + P(t)), t = 1 / (1 + z / 2) (fractional error < 1.2e-7 everywhere,
-// Numerical Recipes' erfcc), so that 1 + erf(x / sqrt 2) keeps its relative accuracy in the negative tail too
-inline float gelu_erf(float v) {
-  const float z = std::fabs(v) * 0.70710678f, t = 1.0f / (1.0f + 0.5f * z);
-  float p = 0.17087277f;
-  p = p * t - 0.82215223f, p = p * t + 1.48851587f, p = p * t - 1.13520398f, p = p * t + 0.27886807f;
-  p = p * t - 0.18628806f, p = p * t + 0.09678418f, p = p * t + 0.37409196f, p = p * t + 1.00002368f;
-  const float erfc = t * exp_fast(-z * z - 1.26551223f + t * p);
-  return 0.5f * v * (v < 0.0f ? erfc : 2.0f - erfc);
-}
-
-// what a step writes between its ops, made once per call (none of it is a tensor)
-struct Buffers {
-  std::vector<float> h, a, m, qkv, y, up, act;
-  std::vector<at::BFloat16> xb;  // a product's input as bf16 values (a bf16 model's)
-  Buffers(int64_t B, int64_t C, int64_t width, int64_t heads, int64_t fc)
-      : h(B * C), a(B * C), m(B * C), qkv(B * width), y(B * heads), up(B * fc), act(B * fc),
-        xb(B * std::max({C, heads, fc})) {}
+// what each thread keeps to itself: the residual stream (in fp32), a norm's output, a product's input as bf16
+// values (a bf16 model's) and the attention's scores
+struct Local {
+  std::vector<float> x, h, p;
+  std::vector<at::BFloat16> xb;
+  Local(int64_t B, int64_t C, int64_t end, int64_t widest) : x(B * C), h(B * C), p(end), xb(B * widest) {}
 };
 
 struct Step {
@@ -166,102 +86,115 @@ struct Step {
 
   c10::optional<at::Tensor> at(int64_t layer, int64_t i) const { return w.get(kPerLayer * layer + i); }
 
-  // y (M, N) = x (M, K) @ W.T + bias through the packed kernel; the weight's three entries start at weights[i]. A
-  // bf16 model's x holds bf16 values: handed over as bf16 too, they go through the kernel's bf16 dot products, as
-  // the lean step's bf16 tensors do
-  void project(const float* x, int64_t M, int64_t K, int64_t i, int64_t N, float* y) const {
+  // y (B, N) = x (B, K) @ W.T + bias through the packed kernel, this thread's panels of it; the weight's three
+  // entries start at weights[i]. A bf16 model's x holds bf16 values: handed over as bf16 too, they go through the
+  // kernel's bf16 dot products, as the lean step's bf16 tensors do. Ends the phase: y is whole after it
+  void project(const Team& t, Local& me, const float* x, int64_t K, int64_t i, int64_t N, float* y) const {
     at::BFloat16* xb = nullptr;
     if (bf16) {
-      xb = buf.xb.data();
-      for (int64_t j = 0; j < M * K; ++j) xb[j] = static_cast<at::BFloat16>(x[j]);
+      xb = me.xb.data();
+      for (int64_t j = 0; j < B * K; ++j) xb[j] = static_cast<at::BFloat16>(x[j]);
     }
-    GPTLAB_NS::linear_into(x, xb, M, K, *w.get(i), w.get(i + 1), w.get(i + 2), N, y);
-    round_all(y, M * N, bf16);
+    GPTLAB_NS::linear_part(x, xb, B, K, *w.get(i), w.get(i + 1), w.get(i + 2), N, y, t.part);
+    const int64_t panels = (N + GPTLAB_NS::kPanel - 1) / GPTLAB_NS::kPanel;
+    const int64_t n0 = t.begin(panels) * GPTLAB_NS::kPanel, n1 = std::min(N, t.end(panels) * GPTLAB_NS::kPanel);
+    for (int64_t b = 0; b < B; ++b) round_all(y + b * N + n0, std::max<int64_t>(n1 - n0, 0), bf16);
+    t.sync();
   }
 
-  // the attention branch for input h (B, C) -> out (B, C), writing this token's keys and values to the cache
-  void attention(int64_t layer, bool sliding, const float* h, float* out) const {
-    const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, width = (nh + 2 * nkv) * hs;
-    std::vector<float> &qkv = buf.qkv, &y = buf.y;
-    project(h, B, C, kPerLayer * layer + 2, width, qkv.data());
-    // this layer's (B, nkv, max_len, hs) keys and values
-    float *kp = k_cache.data_ptr<float>() + layer * k_cache.stride(0),
-          *vp = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
+  // this thread's heads of every row: q/k norm and rotation, this token's keys and values into the cache
+  void place_heads(const Team& t, int64_t layer, float* kp, float* vp) const {
+    const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, heads = nh + 2 * nkv, width = heads * hs;
     const int64_t sb = k_cache.stride(1), sh = k_cache.stride(2), st = k_cache.stride(3);
     const auto qn = at(layer, 20), kn = at(layer, 21);
-    for (int64_t b = 0; b < B; ++b) {
-      float* row = qkv.data() + b * width;
-      for (int64_t j = 0; j < nh + nkv; ++j) {  // q heads then k heads: q/k norm, then the rotation
-        float* head = row + j * hs;
+    for (int64_t i = t.begin(B * heads); i < t.end(B * heads); ++i) {
+      const int64_t b = i / heads, j = i % heads;
+      float* head = buf.qkv.data() + b * width + j * hs;
+      if (j < nh + nkv) {  // q heads then k heads: q/k norm, then the rotation
         if (s.qk_norm) norm_rows(head, head, 1, hs, kRMSNorm, j < nh ? qn : kn, c10::nullopt, eps, bf16);
         if (cos) {
           const int64_t r = rope_rows > 1 ? b : 0;
           rotate(head, cos + r * (s.rot / 2), sin + r * (s.rot / 2), s.rot, s.interleaved, bf16);
         }
       }
-      const int64_t slot = where >= 0 ? b : rows[b], t = where >= 0 ? where : pos[b];
-      for (int64_t j = 0; j < nkv; ++j) {
-        std::copy_n(row + (nh + j) * hs, hs, kp + slot * sb + j * sh + t * st);
-        std::copy_n(row + (nh + nkv + j) * hs, hs, vp + slot * sb + j * sh + t * st);
-      }
+      if (j < nh) continue;
+      const int64_t slot = where >= 0 ? b : rows[b], at_t = where >= 0 ? where : pos[b];
+      const int64_t g = j < nh + nkv ? j - nh : j - nh - nkv;
+      std::copy_n(head, hs, (j < nh + nkv ? kp : vp) + slot * sb + g * sh + at_t * st);
     }
-    const bool* mask = sliding ? window : full;
-    const int64_t mask_rows = sliding ? window_rows : full_rows;
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(end * hs, 1));
-    at::parallel_for(0, B * nh, grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> p(end);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / nh, h = i % nh, g = h / (nh / nkv);
-        const float* q = qkv.data() + b * width + h * hs;
-        const float *keys = kp + b * sb + g * sh, *vals = vp + b * sb + g * sh;
-        const bool* m = mask ? mask + (mask_rows > 1 ? b : 0) * end : nullptr;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < end; ++t) {
-          if (m && !m[t]) { p[t] = -std::numeric_limits<float>::infinity(); continue; }
-          float d = dot(q, keys + t * st, hs) * scale;
-          if (softcap > 0.0f) d = softcap * std::tanh(d / softcap);
-          p[t] = d;
-          top = std::max(top, d);
-        }
-        for (int64_t t = 0; t < end; ++t) p[t] = exp_fast(p[t] - top);  // a masked key's -inf gives 0
-        float total = 0.0f;
-        for (int64_t t = 0; t < end; ++t) total += p[t];
-        float* yi = y.data() + b * nh * hs + h * hs;
-        std::fill_n(yi, hs, 0.0f);
-        for (int64_t t = 0; t < end; ++t) {
-          if (p[t] == 0.0f) continue;
-          const float pw = p[t] / total;
-          for (int64_t e = 0; e < hs; ++e) yi[e] += pw * vals[t * st + e];
-        }
-        for (int64_t e = 0; e < hs; ++e) yi[e] = round_to(yi[e], bf16);
-      }
-    });
-    project(y.data(), B, nh * hs, kPerLayer * layer + 5, C, out);
   }
 
-  // the activation rounded where the lean step's bf16 tensors round (the activation, then the gate's product)
-  void mlp(int64_t layer, const float* h, float* out) const {
+  // one query head of row b over the cached keys, into y
+  void attend(Local& me, int64_t b, int64_t h, const float* kp, const float* vp, const bool* mask,
+              int64_t mask_rows) const {
+    const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, width = (nh + 2 * nkv) * hs, g = h / (nh / nkv);
+    const int64_t sb = k_cache.stride(1), sh = k_cache.stride(2), st = k_cache.stride(3);
+    float* p = me.p.data();
+    const float* q = buf.qkv.data() + b * width + h * hs;
+    const float *keys = kp + b * sb + g * sh, *vals = vp + b * sb + g * sh;
+    const bool* m = mask ? mask + (mask_rows > 1 ? b : 0) * end : nullptr;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < end; ++t) {
+      if (m && !m[t]) { p[t] = -std::numeric_limits<float>::infinity(); continue; }
+      float d = dot(q, keys + t * st, hs) * scale;
+      if (softcap > 0.0f) d = softcap * std::tanh(d / softcap);
+      p[t] = d;
+      top = std::max(top, d);
+    }
+    for (int64_t t = 0; t < end; ++t) p[t] = exp_fast(p[t] - top);  // a masked key's -inf gives 0
+    float total = 0.0f;
+    for (int64_t t = 0; t < end; ++t) total += p[t];
+    float* yi = buf.y.data() + b * nh * hs + h * hs;
+    std::fill_n(yi, hs, 0.0f);
+    for (int64_t t = 0; t < end; ++t) {
+      if (p[t] == 0.0f) continue;
+      const float pw = p[t] / total;
+      for (int64_t e = 0; e < hs; ++e) yi[e] += pw * vals[t * st + e];
+    }
+    for (int64_t e = 0; e < hs; ++e) yi[e] = round_to(yi[e], bf16);
+  }
+
+  // the attention branch for input h (B, C) -> out (B, C), writing this token's keys and values to the cache
+  void attention(const Team& t, Local& me, int64_t layer, bool sliding, const float* h, float* out) const {
+    const int64_t nh = s.nh, width = (nh + 2 * s.nkv) * s.hs;
+    project(t, me, h, C, kPerLayer * layer + 2, width, buf.qkv.data());
+    // this layer's (B, nkv, max_len, hs) keys and values
+    float *kp = k_cache.data_ptr<float>() + layer * k_cache.stride(0),
+          *vp = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
+    place_heads(t, layer, kp, vp);
+    t.sync();
+    const bool* mask = sliding ? window : full;
+    const int64_t mask_rows = sliding ? window_rows : full_rows;
+    for (int64_t i = t.begin(B * nh); i < t.end(B * nh); ++i) attend(me, i / nh, i % nh, kp, vp, mask, mask_rows);
+    t.sync();
+    project(t, me, buf.y.data(), nh * s.hs, kPerLayer * layer + 5, C, out);
+  }
+
+  // the activation rounded where the lean step's bf16 tensors round (the activation, then the gate's product);
+  // each thread takes its share of the columns
+  void mlp(const Team& t, Local& me, int64_t layer, const float* h, float* out) const {
     const bool gated = s.mlp == kSwiGLU || s.mlp == kGeGLU;
-    const int64_t H = s.hidden, fc = gated ? 2 * H : H;
+    const int64_t H = s.hidden, fc = gated ? 2 * H : H, i0 = t.begin(H), i1 = t.end(H);
     float *a = buf.up.data(), *act = buf.act.data();  // (B, fc), (B, H)
-    project(h, B, C, kPerLayer * layer + 10, fc, a);
+    project(t, me, h, C, kPerLayer * layer + 10, fc, a);
     for (int64_t b = 0; b < B; ++b) {
       const float *g = a + b * fc, *u = g + H;
       float* o = act + b * H;
       if (s.mlp == kSwiGLU)
-        for (int64_t i = 0; i < H; ++i) o[i] = round_to(round_to(silu(g[i]), bf16) * u[i], bf16);
+        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(silu(g[i]), bf16) * u[i], bf16);
       else if (s.mlp == kGeGLU && s.gelu_tanh)
-        for (int64_t i = 0; i < H; ++i) o[i] = round_to(round_to(gelu_tanh(g[i]), bf16) * u[i], bf16);
+        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(gelu_tanh(g[i]), bf16) * u[i], bf16);
       else if (s.mlp == kGeGLU)
-        for (int64_t i = 0; i < H; ++i) o[i] = round_to(round_to(gelu_erf(g[i]), bf16) * u[i], bf16);
+        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(gelu_erf(g[i]), bf16) * u[i], bf16);
       else if (s.mlp == kReLU2)
-        for (int64_t i = 0; i < H; ++i) o[i] = round_to(std::max(g[i], 0.0f) * std::max(g[i], 0.0f), bf16);
+        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(std::max(g[i], 0.0f) * std::max(g[i], 0.0f), bf16);
       else if (s.gelu_tanh)
-        for (int64_t i = 0; i < H; ++i) o[i] = round_to(gelu_tanh(g[i]), bf16);
+        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(gelu_tanh(g[i]), bf16);
       else
-        for (int64_t i = 0; i < H; ++i) o[i] = round_to(gelu_erf(g[i]), bf16);
+        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(gelu_erf(g[i]), bf16);
     }
-    project(act, B, H, kPerLayer * layer + 13, C, out);
+    t.sync();
+    project(t, me, act, H, kPerLayer * layer + 13, C, out);
   }
 
   void add(float* x, const float* y) const {
@@ -272,26 +205,25 @@ struct Step {
     norm_rows(in, out, B, C, s.norm, at(layer, i), at(layer, i + 1), eps, bf16);
   }
 
-  void layer(int64_t l, bool sliding, float* x) const {
-    std::vector<float> &h = buf.h, &a = buf.a, &m = buf.m;
+  void layer(const Team& t, Local& me, int64_t l, bool sliding) const {
+    float *x = me.x.data(), *h = me.h.data(), *a = buf.a.data(), *m = buf.m.data();
     switch (s.layout) {
       case kPre:
-        norm(l, 0, x, h.data()), attention(l, sliding, h.data(), a.data()), add(x, a.data());
-        norm(l, 8, x, h.data()), mlp(l, h.data(), m.data()), add(x, m.data());
+        norm(l, 0, x, h), attention(t, me, l, sliding, h, a), add(x, a);
+        norm(l, 8, x, h), mlp(t, me, l, h, m), add(x, m);
         break;
       case kParallel:
-        norm(l, 0, x, h.data()), attention(l, sliding, h.data(), a.data());
-        if (!s.shared_norm) norm(l, 8, x, h.data());
-        mlp(l, h.data(), m.data()), add(x, a.data()), add(x, m.data());
+        norm(l, 0, x, h), attention(t, me, l, sliding, h, a);
+        if (!s.shared_norm) norm(l, 8, x, h);
+        mlp(t, me, l, h, m), add(x, a), add(x, m);
         break;
       case kSandwich:
-        norm(l, 0, x, h.data()), attention(l, sliding, h.data(), a.data()), norm(l, 16, a.data(), h.data());
-        add(x, h.data());
-        norm(l, 8, x, h.data()), mlp(l, h.data(), m.data()), norm(l, 18, m.data(), h.data()), add(x, h.data());
+        norm(l, 0, x, h), attention(t, me, l, sliding, h, a), norm(l, 16, a, h), add(x, h);
+        norm(l, 8, x, h), mlp(t, me, l, h, m), norm(l, 18, m, h), add(x, h);
         break;
       default:  // post
-        attention(l, sliding, x, a.data()), add(x, a.data()), norm(l, 0, x, x);
-        mlp(l, x, m.data()), add(x, m.data()), norm(l, 8, x, x);
+        attention(t, me, l, sliding, x, a), add(x, a), norm(l, 0, x, x);
+        mlp(t, me, l, x, m), add(x, m), norm(l, 8, x, x);
     }
   }
 };
@@ -337,24 +269,47 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
   const bool* full_p = mask_data(full, end, full_rows);
   const bool* window_p = mask_data(window, end, window_rows);
   const int64_t width = (s.nh + 2 * s.nkv) * s.hs, fc = s.mlp == kSwiGLU || s.mlp == kGeGLU ? 2 * s.hidden : s.hidden;
-  Buffers buffers(B, C, width, s.nh * s.hs, fc);
-  Step step{s, weights, B, C, L, bf16, static_cast<float>(eps), static_cast<float>(scale),
-            static_cast<float>(softcap), k_cache, v_cache, where, end,
-            where < 0 ? rows_c.data_ptr<int64_t>() : nullptr, where < 0 ? pos_c.data_ptr<int64_t>() : nullptr,
-            full_p, window_p, full_rows, window_rows,
-            rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr, rope_rows,
-            buffers};
+  for (int64_t l = 0; l < L; ++l) {  // every check before the parallel region, where nothing may throw
+    const auto check = [&](int64_t i, int64_t K, int64_t N) {
+      TORCH_CHECK(weights.get(kPerLayer * l + i).has_value(), "decode_step: layer ", l, " lacks a product");
+      GPTLAB_NS::check_linear(*weights.get(kPerLayer * l + i), weights.get(kPerLayer * l + i + 1),
+                              weights.get(kPerLayer * l + i + 2), K, N);
+    };
+    check(2, C, width), check(5, s.nh * s.hs, C), check(10, C, fc), check(13, s.hidden, C);
+  }
+  Buffers buffers(B, C, width, s.nh * s.hs, fc, s.hidden);
+  const Step step{s, weights, B, C, L, bf16, static_cast<float>(eps), static_cast<float>(scale),
+                  static_cast<float>(softcap), k_cache, v_cache, where, end,
+                  where < 0 ? rows_c.data_ptr<int64_t>() : nullptr, where < 0 ? pos_c.data_ptr<int64_t>() : nullptr,
+                  full_p, window_p, full_rows, window_rows,
+                  rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr,
+                  rope_rows, buffers};
   const auto xc = x.contiguous();
-  std::vector<float> state(B * C);  // the residual stream, in fp32
-  if (bf16) std::copy_n(xc.data_ptr<at::BFloat16>(), B * C, state.begin());
-  else std::copy_n(xc.data_ptr<float>(), B * C, state.begin());
-  for (int64_t l = 0; l < L; ++l) step.layer(l, shape[12 + l] != 0, state.data());
-  if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
-    norm_rows(state.data(), state.data(), B, C, s.norm, weights.get(kPerLayer * L), weights.get(kPerLayer * L + 1),
-              static_cast<float>(eps), bf16);
   auto out = at::empty({B, 1, C}, x.options());
-  if (bf16) std::copy_n(state.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
-  else std::copy_n(state.begin(), B * C, out.data_ptr<float>());
+  const int64_t widest = std::max({C, s.nh * s.hs, s.hidden});
+  const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  int team = 1;
+  std::optional<GPTLAB_NS::SpinBarrier> barrier;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    {  // the team the runtime gave (it may give fewer threads than asked), known to all after single's barrier
+      team = omp_get_num_threads();
+      barrier.emplace(team);
+    }
+    const Team t{{omp_get_thread_num(), team}, &*barrier};
+    Local me(B, C, end, widest);
+    if (bf16) std::copy_n(xc.data_ptr<at::BFloat16>(), B * C, me.x.begin());
+    else std::copy_n(xc.data_ptr<float>(), B * C, me.x.begin());
+    for (int64_t l = 0; l < L; ++l) step.layer(t, me, l, shape[12 + l] != 0);
+    if (t.part.index == 0) {
+      if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
+        norm_rows(me.x.data(), me.x.data(), B, C, s.norm, weights.get(kPerLayer * L),
+                  weights.get(kPerLayer * L + 1), static_cast<float>(eps), bf16);
+      if (bf16) std::copy_n(me.x.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
+      else std::copy_n(me.x.begin(), B * C, out.data_ptr<float>());
+    }
+  }
   return out;
 }
 

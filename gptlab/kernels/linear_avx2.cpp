@@ -21,13 +21,13 @@
 //   (panels, K / group, 2, 16) fp16: per group and output row the scale s and the offset m = zero - 8 s (exact for
 //   gptlab.quantize's, fp16 values). Each row of x is rounded to int8 per block of 32 inputs (llama.cpp's q8_0:
 //   error up to 1/254 of the block's largest value) and multiplied by byte dot products, exact in int32 per block.
-// * `linear(x, packed, qparams, bias, N)` (declared in linear_avx2.h for decode_step.cpp's step): y = x @ W.T +
-//   bias for x (M, K) in bf16 or fp32, out in x's dtype. A micro-kernel (dense_tiles.h, int_tiles.h,
-//   int4_tiles.h) takes up to 6 rows of x (int4: 8 on AVX-512, 4 on AVX2) and one panel, whose weights it unpacks
-//   once for all of them. Threads (torch's pool, at::parallel_for) split the panels; rows go in blocks of 96 so
-//   a block of x stays in L2. The result is rounded once: for bf16 the numbers of a native bf16 matmul (fp32
-//   accumulation), for int8 those of the dequantized weight times x in 16-bit fixed point, for int4 times x in
-//   int8 blocks.
+// * `linear(x, packed, qparams, bias, N)` (declared in linear_avx2.h, with `linear_part` for decode_step.cpp's
+//   step): y = x @ W.T + bias for x (M, K) in bf16 or fp32, out in x's dtype. A micro-kernel (dense_tiles.h,
+//   int_tiles.h, int4_tiles.h) takes up to 6 rows of x (int4: 8 on AVX-512, 4 on AVX2) and one panel, whose
+//   weights it unpacks once for all of them. Threads (torch's pool, at::parallel_for, or the step's team) split
+//   the panels; rows go in blocks of 96 so a block of x stays in L2. The result is rounded once: for bf16 the
+//   numbers of a native bf16 matmul (fp32 accumulation), for int8 those of the dequantized weight times x in 16-bit
+//   fixed point, for int4 times x in int8 blocks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -136,13 +136,14 @@ struct Int4 {
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
-// y (M, N) = x (M, K) @ W.T, times the per-row scales `row_scale` (int8; null otherwise), plus bias
+// y (M, N) = x (M, K) @ W.T, times the per-row scales `row_scale` (int8; null otherwise), plus bias. `part`: this
+// thread's share of the panels when the caller runs its own threads (the decode step's), else all of them over
+// torch's pool
 template <typename Weight, typename O, typename B>
-void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, const B* bias, int64_t N, O* y) {
+void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, const B* bias, int64_t N, O* y,
+                 GPTLAB_NS::Part part) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  // grain: enough panels per task that a thread reads at least ~64 KB of weights per hand-off
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+  auto run = [&](int64_t p0, int64_t p1) {
     float out[Weight::kRows][kPanel];
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
@@ -160,27 +161,30 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
         }
       }
     }
-  });
+  };
+  if (part.of > 0) return run(part.begin(panels), part.end(panels));
+  // grain: enough panels per task that a thread reads at least ~64 KB of weights per hand-off
+  at::parallel_for(0, panels, std::max<int64_t>(1, 2048 / std::max<int64_t>(K, 1)), run);
 }
 
 // the output and bias dtypes (each bf16 or fp32) picked at run time
 template <typename Weight>
 void dispatch(int64_t M, int64_t K, const Weight& w, const float* row_scale, const at::Tensor& bias, int64_t N,
-              void* y, bool bf16_out) {
+              void* y, bool bf16_out, GPTLAB_NS::Part part) {
   auto* yb = static_cast<at::BFloat16*>(y);
   auto* yf = static_cast<float*>(y);
   if (!bias.defined()) {
     const float* none = nullptr;
-    if (bf16_out) linear_impl(M, K, w, row_scale, none, N, yb);
-    else linear_impl(M, K, w, row_scale, none, N, yf);
+    if (bf16_out) linear_impl(M, K, w, row_scale, none, N, yb, part);
+    else linear_impl(M, K, w, row_scale, none, N, yf, part);
   } else if (bias.scalar_type() == at::kBFloat16) {
     const auto* b = bias.data_ptr<at::BFloat16>();
-    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb);
-    else linear_impl(M, K, w, row_scale, b, N, yf);
+    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb, part);
+    else linear_impl(M, K, w, row_scale, b, N, yf, part);
   } else {
     const auto* b = bias.data_ptr<float>();
-    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb);
-    else linear_impl(M, K, w, row_scale, b, N, yf);
+    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb, part);
+    else linear_impl(M, K, w, row_scale, b, N, yf, part);
   }
 }
 
@@ -270,25 +274,27 @@ at::Tensor checked(const at::Tensor& packed, const c10::optional<at::Tensor>& qp
 // y (M, N) = x (M, K) @ W.T + bias over a checked weight: x in fp32 (xb: the same values in bf16, or null), y in
 // bf16 or fp32
 void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
-             const c10::optional<at::Tensor>& qparams, const at::Tensor& b, int64_t N, void* y, bool bf16_out) {
+             const c10::optional<at::Tensor>& qparams, const at::Tensor& b, int64_t N, void* y, bool bf16_out,
+             GPTLAB_NS::Part part = {}) {
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
   if (int8) {
     std::vector<int16_t> xq(M * K);
     std::vector<float> xscale(M);
     quantize_rows(xp, M, K, xq.data(), xscale.data());
     dispatch(M, K, Int8{packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b, N,
-             y, bf16_out);
+             y, bf16_out, part);
   } else if (int4) {
     const int64_t G = qparams->size(1);
     std::vector<int8_t> xq(M * K);
     std::vector<float> d(M * K / GPTLAB_NS::int4_tiles::kBlock), msum(M * G);
     quantize_blocks(xp, M, K, K / G, xq.data(), d.data(), msum.data());
     dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), d.data(),
-                        msum.data()}, nullptr, b, N, y, bf16_out);
+                        msum.data()}, nullptr, b, N, y, bf16_out, part);
   } else if (packed.scalar_type() == at::kBFloat16) {
-    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb}, nullptr, b, N, y, bf16_out);
+    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb}, nullptr, b, N, y, bf16_out,
+             part);
   } else {
-    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr}, nullptr, b, N, y, bf16_out);
+    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr}, nullptr, b, N, y, bf16_out, part);
   }
 }
 
@@ -322,10 +328,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return y.view(sizes);
 }
 
-void linear_into(const float* x, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
+void check_linear(const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
+                  const c10::optional<at::Tensor>& bias, int64_t K, int64_t N) {
+  checked(packed, qparams, bias, K, N);
+}
+
+void linear_part(const float* x, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
                  const c10::optional<at::Tensor>& qparams, const c10::optional<at::Tensor>& bias, int64_t N,
-                 float* y) {
-  product(x, xb, M, K, packed, qparams, checked(packed, qparams, bias, K, N), N, y, false);
+                 float* y, Part part) {
+  const at::Tensor b = bias.has_value() && bias->defined() ? *bias : at::Tensor();
+  product(x, xb, M, K, packed, qparams, b, N, y, false, part);
 }
 
 }  // namespace GPTLAB_NS

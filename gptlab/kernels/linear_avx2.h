@@ -1,6 +1,6 @@
 // What linear_avx2.cpp shares: the panel shape (the micro-kernels of dense_tiles.h and int_tiles.h work on it),
 // which build this is, and `linear`, y = x @ W.T + bias over a packed weight (decode_step.cpp's step calls
-// `linear_into`, the same over raw rows).
+// `linear_part`, the same over raw rows, a thread's share of it).
 //
 // The same sources are compiled three times (gptlab/kernels/__init__.py): with AVX2 + FMA, with AVX2 + AVX-VNNI,
 // and with AVX-512 (F/BW/VL/DQ + VNNI + BF16). The compiler's own macros pick the build: the AVX-512 one registers
@@ -45,12 +45,24 @@ inline void prefetch_ahead(const void* p, int bytes) {
       _mm_prefetch(static_cast<const char*>(p) + GPTLAB_PF + b, _MM_HINT_T0);
 }
 
+// one thread's share of a product's panels when the caller runs its own team of `of` threads (of = 0: the whole
+// product over torch's pool): contiguous and balanced, so each thread streams one run of the weight
+struct Part {
+  int index = 0, of = 0;
+  int64_t begin(int64_t n) const { return n * index / of; }
+  int64_t end(int64_t n) const { return n * (index + 1) / of; }
+};
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
                   const c10::optional<at::Tensor>& bias, int64_t N);
-// the same product over raw rows, y (M, N) in fp32, making no tensor (the decode step's per-Linear call): x in fp32,
-// xb the same values in bf16 where they are bf16 values (the bf16 dot products then run on them), else null
-void linear_into(const float* x, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
+// `linear`'s checks alone, and its product over raw rows for panels `part` of y (M, N) in fp32 (a thread of the
+// decode step's team; unchecked: the step checks every weight first, as nothing may throw inside its parallel
+// region): x in fp32, xb the same values in bf16 where they are bf16 values (the bf16 dot products then run on
+// them), else null
+void check_linear(const at::Tensor& packed, const c10::optional<at::Tensor>& qparams,
+                  const c10::optional<at::Tensor>& bias, int64_t K, int64_t N);
+void linear_part(const float* x, const at::BFloat16* xb, int64_t M, int64_t K, const at::Tensor& packed,
                  const c10::optional<at::Tensor>& qparams, const c10::optional<at::Tensor>& bias, int64_t N,
-                 float* y);
+                 float* y, Part part);
 
 }  // namespace GPTLAB_NS
