@@ -39,9 +39,9 @@ kernel where one runs:
   Dequantizing and then multiplying is several times slower than either kernel, so it is only the reference.
 * CUDA (quantized on the CPU, only the integers moved: `gptlab.loading`): int4 through `aten._weight_int4pack_mm`
   (tinygemm), checked once against the reference on a small weight before use; int8 as (x @ q.T) * scale with
-  each layer's weight widened for its call only (the integers stay the one copy at rest; under torch.compile
-  inductor fuses the widening into the product). `aten._weight_int8pack_mm` was 2.3x slower than that on an H100
-  at batch 1 (benchmarks/gpu.py decode times both).
+  each layer's weight widened for its call only (the integers stay the one copy at rest). `aten._weight_int8pack_mm`
+  was several times slower than that at batch 1 on a GPU (benchmarks/gpu.py decode times both; README has the
+  figures).
 * Anywhere else (another device, float64 inputs, a kernel that refuses a shape): the reference.
 
 The kernels' copies of the weights (packed layouts, scales in the activations' dtype) are made on first use per
@@ -274,7 +274,7 @@ def _int4_cpu(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Ten
 # --- CUDA kernels --------------------------------------------------------------------------------------------------
 def _int8_widened(layer: QuantizedLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """(x @ q.T) * scale: each call widens the layer's integers for the matmul and drops them, so they stay the
-    only copy at rest (under torch.compile, inductor fuses the widening into the matmul)."""
+    only copy at rest."""
     q, scale = layer.qweight, layer.scale.to(dtype)
     return lambda x: (x @ q.T.to(dtype)) * scale
 
