@@ -15,7 +15,9 @@ longrope) read that length every step and decode the usual way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -90,25 +92,32 @@ class StaticDecode:
         graph.replay()
         return logits_out.clone()  # the next replay overwrites the graph's output
 
-    def _prime(self, rows: int, keys: int) -> None:
-        """Run the step once uncompiled at this row count, putting the rows' lengths back: what layers make on
-        their first call (a quantized layer's choice of kernel and its copies of the weights) then exists before
-        torch.compile traces the step; made while tracing, it would break the graph at every layer."""
+    @contextlib.contextmanager
+    def _lengths_kept(self) -> Iterator[torch.Tensor]:
+        """The rows' lengths as they are now (yielded, to put back between runs), restored however the block
+        ends: steps run outside the engine's own (warm-ups, priming) write keys only where its next step will
+        write its own, and leave the rows holding what they held."""
         lengths = self.cache.lengths
         saved = lengths.clone()
         try:
-            self._step(torch.zeros(rows, 1, dtype=torch.long, device=lengths.device), keys)
+            yield saved
         finally:
             lengths.copy_(saved)
+
+    def _prime(self, rows: int, keys: int) -> None:
+        """Run the step once uncompiled at this row count: what layers make on their first call (a quantized
+        layer's choice of kernel and its copies of the weights) then exists before torch.compile traces the
+        step; made while tracing, it would break the graph at every layer."""
+        with self._lengths_kept():
+            self._step(torch.zeros(rows, 1, dtype=torch.long, device=self.cache.lengths.device), keys)
         self._primed.add(rows)
 
     def _record(self, rows: int, keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """Capture one step of this shape. Warm-up runs first (on a side stream, as CUDA graphs require), each
-        putting the rows' lengths back: they write keys only where this step is about to write its own."""
+        putting the rows' lengths back."""
         lengths = self.cache.lengths
-        saved = lengths.clone()
         tokens_in = torch.zeros(rows, 1, dtype=torch.long, device=lengths.device)
-        try:
+        with self._lengths_kept() as saved:
             side = torch.cuda.Stream(lengths.device)
             side.wait_stream(torch.cuda.current_stream(lengths.device))
             with torch.cuda.stream(side):
@@ -120,6 +129,4 @@ class StaticDecode:
             # thread_local: CUDA work of other threads (a server's other endpoints) may go on during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 logits_out = self._run(tokens_in, keys)
-        finally:
-            lengths.copy_(saved)  # whatever ran or failed, the rows hold what they held
         return graph, tokens_in, logits_out
