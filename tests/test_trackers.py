@@ -150,7 +150,8 @@ def test_wandb_offline_run_holds_the_metrics_and_config_and_resumes(tmp_path: Pa
     run_id = json.loads((run / STATE_FILE).read_text())["wandb"]["id"]
     first = _expected(run)
     _resume_from_step_10(recipe, data, run)
-    files = sorted((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    # a resume within the same second as the first run gets the folder name with "-1" appended
+    files = sorted((run / "wandb").glob(f"offline-run-*-{run_id}*/run-{run_id}.wandb"))
     assert len(files) == 2  # the resumed run continued the same wandb run id
     got, config = {}, {}
     for path in files:
