@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,7 @@ def contender(args: argparse.Namespace, root: Path, base: Path, data: Path, quan
     """Run one contender in a child process; its estimate line, peak RSS and final losses."""
     name = quantize or "bf16"
     recipe = root / f"{name}.toml"
-    recipe.write_text(f"batch_size = {args.batch}\nmax_steps = {args.steps}\nwarmup_steps = 2\nlr = 1e-3\n"
+    recipe.write_text(f"batch_size = {args.batch}\nmax_steps = {args.steps}\nwarmup_steps = 2\nlr = {args.lr}\n"
                       f"eval_interval = {args.steps}\neval_tokens = {args.eval_tokens}\n"
                       f"eval_batch_size = {args.batch}\nlog_interval = {args.log_interval or args.steps}\n"
                       'dtype = "bfloat16"\nlora_rank = 16\nlora_alpha = 32\ntensorboard = false\n'
@@ -133,6 +134,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="the adapters' peak learning rate (default 1e-3; at billions of parameters it makes "
+                             "both runs' losses spike, and QLoRA's own recipes take 1e-4 to 2e-4)")
     parser.add_argument("--no-checkpointing", action="store_true",
                         help="keep every block's activations (default: activation checkpointing, as QLoRA trains)")
     parser.add_argument("--threads", type=int, default=2)
@@ -144,6 +148,9 @@ def main() -> int:
                              "a long run on a shared machine may rather stay nice)")
     parser.add_argument("--text", type=Path, default=TEXT, help="the training text (default: tiny Shakespeare)")
     parser.add_argument("--base", type=Path, help="a base checkpoint of your own (its tokenizer: --text's chars)")
+    parser.add_argument("--work", type=Path,
+                        help="keep the data, the base and both runs (metrics.jsonl: the loss curves) in this folder "
+                             "instead of a temporary one; a base already there is reused")
     args = parser.parse_args()
     if args.child:
         return child(json.loads(args.child))
@@ -151,12 +158,15 @@ def main() -> int:
     from gptlab.cli import main as gptlab
 
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = args.work or Path(tmp)
         data = root / "data"
-        assert gptlab(["prepare", str(args.text), "--tokenizer", "char", "--out", str(data)]) == 0
+        if not (data / "meta.json").exists():
+            assert gptlab(["prepare", str(args.text), "--tokenizer", "char", "--out", str(data)]) == 0
         base = args.base or root / "base"
-        if args.base is None:
+        if args.base is None and not (base / "config.json").exists():
             make_base(args, data, base)
+        for name in ("bf16", "int4"):
+            shutil.rmtree(root / name, ignore_errors=True)  # a run folder left by an earlier try would be resumed
         results = [contender(args, root, base, data, q) for q in (None, "int4")]
     for r in results:
         print(f"{r['name']:>5}: peak RSS {r['peak_rss'] / 2**20:,.0f} MiB; after {args.steps} steps train loss "

@@ -260,9 +260,9 @@ def _native_softmax_xent(logits: torch.Tensor):  # noqa: ANN202 - the op, or Non
     if (logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16)
             or logits.numel() < _NATIVE_XENT_MIN or not logits.is_contiguous() or torch.compiler.is_compiling()):
         return None
-    from gptlab.kernels import avx2_ops, avx512_ops
+    from gptlab.kernels import widest_ops
 
-    ops = avx512_ops() or avx2_ops()
+    ops = widest_ops()
     return None if ops is None else ops.softmax_xent
 
 

@@ -138,9 +138,9 @@ def _native_dequantize_int4(layer: FrozenQuantizedLinear, out: torch.Tensor):  #
     if (out.device.type != "cpu" or out.dtype not in (torch.float32, torch.bfloat16) or out.stride(-1) != 1
             or layer.scale.dtype != torch.float16 or torch.compiler.is_compiling()):
         return None
-    from gptlab.kernels import avx2_ops, avx512_ops
+    from gptlab.kernels import widest_ops
 
-    ops = avx512_ops() or avx2_ops()
+    ops = widest_ops()
     return None if ops is None else ops.dequantize_int4
 
 

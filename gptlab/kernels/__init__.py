@@ -146,3 +146,9 @@ def kernel_builds() -> dict[str, Any]:
     first use. A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout)."""
     builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops()}
     return {name: ops for name, ops in builds.items() if ops is not None}
+
+
+def widest_ops() -> Any | None:
+    """The widest build this CPU runs (AVX-512, else AVX2), for the operators that have no per-shape dispatch
+    (cross-entropy, int4 dequantization); None where neither builds."""
+    return avx512_ops() or avx2_ops()
