@@ -3,6 +3,7 @@ with its base frozen in bf16 (no --quantize), on the same model, data, seed and 
 of its own; and their losses after the steps. The target: int4 peak <= 0.45x the bf16 run's, the loss within 2%.
 
     python benchmarks/qlora_memory.py --layers 18 --width 4096 --eval-tokens 256   # the memory target: 3.2B
+    python benchmarks/qlora_memory.py --layers 18 --width 4096 --steps 50 --eval-tokens 1024 --lr 2e-4  # and the loss
     python benchmarks/qlora_memory.py --steps 50      # the losses after 50 steps, TinyLlama 1.1B's shape
     python benchmarks/qlora_memory.py                 # the memory at TinyLlama 1.1B's shape: 3 steps
     python benchmarks/qlora_memory.py --layers 2 --width 512          # a quick check that it runs
