@@ -7,7 +7,10 @@
 // Threads: one parallel region for the whole step (team.h). Each product's panels and the attention's heads are
 // split between the threads, a spin barrier after each such phase; the small ops between them (adds, norms) are
 // done by every thread on its own copy of the residual stream and the norm's output, which costs no more time than
-// one thread doing them while the others wait, and saves the barrier after each.
+// one thread doing them while the others wait, and saves the barrier after each. Work that needs only the columns
+// of a product one thread made (an ungated MLP's activation; a layer's keys and values into the cache where no
+// q/k norm or rotation needs whole heads) runs in that product's phase (`project`'s `then`): a GPT-2 layer has 5
+// barriers, not 7.
 //
 // Values are kept in fp32 and rounded to a bf16 model's dtype wherever the lean step holds a bf16 tensor (after
 // each norm, product, activation, rotation and residual add; a norm once, as ATen's bf16 norms round), so a bf16
@@ -88,8 +91,12 @@ struct Step {
 
   // y (B, N) = x (B, K) @ W.T + bias through the packed kernel, this thread's panels of it; the weight's three
   // entries start at weights[i]. A bf16 model's x holds bf16 values: handed over as bf16 too, they go through the
-  // kernel's bf16 dot products, as the lean step's bf16 tensors do. Ends the phase: y is whole after it
-  void project(const Team& t, Local& me, const float* x, int64_t K, int64_t i, int64_t N, float* y) const {
+  // kernel's bf16 dot products, as the lean step's bf16 tensors do. `then(b, n0, n1)`: work on row b's columns
+  // [n0, n1) that needs no other column (an activation, a copy to the cache), done by the thread that made them
+  // before the phase ends, which saves the barrier a phase of its own would take. Ends the phase: y is whole after it
+  template <typename Then>
+  void project(const Team& t, Local& me, const float* x, int64_t K, int64_t i, int64_t N, float* y,
+               const Then& then) const {
     at::BFloat16* xb = nullptr;
     if (bf16) {
       xb = me.xb.data();
@@ -98,8 +105,33 @@ struct Step {
     GPTLAB_NS::linear_part(x, xb, B, K, *w.get(i), w.get(i + 1), w.get(i + 2), N, y, t.part);
     const int64_t panels = (N + GPTLAB_NS::kPanel - 1) / GPTLAB_NS::kPanel;
     const int64_t n0 = t.begin(panels) * GPTLAB_NS::kPanel, n1 = std::min(N, t.end(panels) * GPTLAB_NS::kPanel);
-    for (int64_t b = 0; b < B; ++b) round_all(y + b * N + n0, std::max<int64_t>(n1 - n0, 0), bf16);
+    for (int64_t b = 0; b < B && n0 < n1; ++b) {
+      round_all(y + b * N + n0, n1 - n0, bf16);
+      then(b, n0, n1);
+    }
     t.sync();
+  }
+  void project(const Team& t, Local& me, const float* x, int64_t K, int64_t i, int64_t N, float* y) const {
+    project(t, me, x, K, i, N, y, [](int64_t, int64_t, int64_t) {});
+  }
+
+  // row b's slot and position in the cache
+  int64_t slot(int64_t b) const { return where >= 0 ? b : rows[b]; }
+  int64_t position(int64_t b) const { return where >= 0 ? where : pos[b]; }
+
+  // row b's keys and values among qkv columns [n0, n1) into this layer's cache: what place_heads does for heads
+  // that need no norm or rotation, here on the columns the thread made
+  void cache_columns(int64_t b, int64_t n0, int64_t n1, float* kp, float* vp) const {
+    const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, width = (nh + 2 * nkv) * hs;
+    const int64_t sb = k_cache.stride(1), sh = k_cache.stride(2), st = k_cache.stride(3);
+    const float* row = buf.qkv.data() + b * width;
+    for (int64_t c = std::max(n0, nh * hs); c < n1;) {  // a run of one head's columns at a time
+      const int64_t j = c / hs, e = c % hs, run = std::min(n1, (j + 1) * hs) - c;
+      const bool key = j < nh + nkv;
+      const int64_t g = key ? j - nh : j - nh - nkv;
+      std::copy_n(row + c, run, (key ? kp : vp) + slot(b) * sb + g * sh + position(b) * st + e);
+      c += run;
+    }
   }
 
   // this thread's heads of every row: q/k norm and rotation, this token's keys and values into the cache
@@ -118,9 +150,8 @@ struct Step {
         }
       }
       if (j < nh) continue;
-      const int64_t slot = where >= 0 ? b : rows[b], at_t = where >= 0 ? where : pos[b];
       const int64_t g = j < nh + nkv ? j - nh : j - nh - nkv;
-      std::copy_n(head, hs, (j < nh + nkv ? kp : vp) + slot * sb + g * sh + at_t * st);
+      std::copy_n(head, hs, (j < nh + nkv ? kp : vp) + slot(b) * sb + g * sh + position(b) * st);
     }
   }
 
@@ -157,12 +188,17 @@ struct Step {
   // the attention branch for input h (B, C) -> out (B, C), writing this token's keys and values to the cache
   void attention(const Team& t, Local& me, int64_t layer, bool sliding, const float* h, float* out) const {
     const int64_t nh = s.nh, width = (nh + 2 * s.nkv) * s.hs;
-    project(t, me, h, C, kPerLayer * layer + 2, width, buf.qkv.data());
     // this layer's (B, nkv, max_len, hs) keys and values
     float *kp = k_cache.data_ptr<float>() + layer * k_cache.stride(0),
           *vp = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
-    place_heads(t, layer, kp, vp);
-    t.sync();
+    if (s.qk_norm || cos) {  // heads normed or rotated whole: a phase of their own after the product
+      project(t, me, h, C, kPerLayer * layer + 2, width, buf.qkv.data());
+      place_heads(t, layer, kp, vp);
+      t.sync();
+    } else {
+      project(t, me, h, C, kPerLayer * layer + 2, width, buf.qkv.data(),
+              [&](int64_t b, int64_t n0, int64_t n1) { cache_columns(b, n0, n1, kp, vp); });
+    }
     const bool* mask = sliding ? window : full;
     const int64_t mask_rows = sliding ? window_rows : full_rows;
     for (int64_t i = t.begin(B * nh); i < t.end(B * nh); ++i) attend(me, i / nh, i % nh, kp, vp, mask, mask_rows);
@@ -170,31 +206,39 @@ struct Step {
     project(t, me, buf.y.data(), nh * s.hs, kPerLayer * layer + 5, C, out);
   }
 
-  // the activation rounded where the lean step's bf16 tensors round (the activation, then the gate's product);
-  // each thread takes its share of the columns
+  // the activation rounded where the lean step's bf16 tensors round (the activation, then the gate's product). An
+  // ungated one needs only the columns a thread made: it runs in the product's phase; a gated one pairs columns
+  // i and H + i, which two threads may have made: a phase of its own, each thread taking its share of the columns
   void mlp(const Team& t, Local& me, int64_t layer, const float* h, float* out) const {
     const bool gated = s.mlp == kSwiGLU || s.mlp == kGeGLU;
-    const int64_t H = s.hidden, fc = gated ? 2 * H : H, i0 = t.begin(H), i1 = t.end(H);
+    const int64_t H = s.hidden, fc = gated ? 2 * H : H;
     float *a = buf.up.data(), *act = buf.act.data();  // (B, fc), (B, H)
-    project(t, me, h, C, kPerLayer * layer + 10, fc, a);
-    for (int64_t b = 0; b < B; ++b) {
-      const float *g = a + b * fc, *u = g + H;
-      float* o = act + b * H;
-      if (s.mlp == kSwiGLU)
-        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(silu(g[i]), bf16) * u[i], bf16);
-      else if (s.mlp == kGeGLU && s.gelu_tanh)
-        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(gelu_tanh(g[i]), bf16) * u[i], bf16);
-      else if (s.mlp == kGeGLU)
-        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(gelu_erf(g[i]), bf16) * u[i], bf16);
-      else if (s.mlp == kReLU2)
-        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(std::max(g[i], 0.0f) * std::max(g[i], 0.0f), bf16);
-      else if (s.gelu_tanh)
-        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(gelu_tanh(g[i]), bf16);
-      else
-        for (int64_t i = i0; i < i1; ++i) o[i] = round_to(gelu_erf(g[i]), bf16);
+    if (gated) {
+      project(t, me, h, C, kPerLayer * layer + 10, fc, a);
+      for (int64_t b = 0; b < B; ++b) activate(a + b * fc, H, act + b * H, t.begin(H), t.end(H));
+      t.sync();
+    } else {
+      project(t, me, h, C, kPerLayer * layer + 10, fc, a,
+              [&](int64_t b, int64_t n0, int64_t n1) { activate(a + b * fc, H, act + b * H, n0, n1); });
     }
-    t.sync();
     project(t, me, act, H, kPerLayer * layer + 13, C, out);
+  }
+
+  // o[i] for i in [i0, i1) from one row of the up projection g (a gated MLP's up half at g + H)
+  void activate(const float* g, int64_t H, float* o, int64_t i0, int64_t i1) const {
+    const float* u = g + H;
+    if (s.mlp == kSwiGLU)
+      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(silu(g[i]), bf16) * u[i], bf16);
+    else if (s.mlp == kGeGLU && s.gelu_tanh)
+      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(gelu_tanh(g[i]), bf16) * u[i], bf16);
+    else if (s.mlp == kGeGLU)
+      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(gelu_erf(g[i]), bf16) * u[i], bf16);
+    else if (s.mlp == kReLU2)
+      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(std::max(g[i], 0.0f) * std::max(g[i], 0.0f), bf16);
+    else if (s.gelu_tanh)
+      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(gelu_tanh(g[i]), bf16);
+    else
+      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(gelu_erf(g[i]), bf16);
   }
 
   void add(float* x, const float* y) const {
