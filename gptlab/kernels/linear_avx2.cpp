@@ -63,13 +63,13 @@ constexpr int kOutRows = 16;  // a micro-kernel's output rows at most: 8 rows of
 
 // A weight in panels, its input, and how to run one micro-kernel for rows m.. of the input on `span` panels from
 // p: `Dense<W>` for bf16/fp32 columns, `Int8` for column pairs against 16-bit x, `Int4` for nibble quads against
-// 8-bit x blocks. `span(left, M)`: how many panels the next call takes when `left` remain (1 or 2), `rows(span)`:
-// rows of x per call; the output of row r and panel j of a call is out[span * r + j].
+// 8-bit x blocks. `span(left)`: how many panels the next call takes when `left` remain (1 or 2), `rows()`: rows
+// of x per call; the output of row r and panel j of a call is out[span * r + j].
 template <int Rows>
 struct OnePanel {  // kernels that take one panel per call
   static constexpr int kRows = Rows;
-  int span(int64_t, int64_t) const { return 1; }
-  int rows(int) const { return kRows; }
+  int span(int64_t) const { return 1; }
+  int rows() const { return kRows; }
 };
 
 template <typename W>
@@ -79,23 +79,35 @@ struct Dense {
   int64_t K;
   const float* x;             // (M, K)
   const at::BFloat16* xb;     // x as it came in bf16 (M, K), or null
+  int64_t M;
   // two panels per call where AVX-512 BF16 dot products run (bf16 x against bf16 weights) on more than one row;
   // one row keeps tile1's four chains over one panel, which stream a matrix-vector product faster
-  int span(int64_t left, int64_t M) const {
+  bool paired() const {
 #if defined(GPTLAB_AVX512)
-    if (std::is_same_v<W, at::BFloat16> && xb != nullptr && M > 1 && left >= 2) return 2;
+    return std::is_same_v<W, at::BFloat16> && xb != nullptr && M > 1;
+#else
+    return false;
 #endif
-    return 1;
   }
-  int rows(int span) const { return span == 2 ? 8 : kRows; }
+  int span(int64_t left) const { return paired() && left >= 2 ? 2 : 1; }
+  int rows() const { return paired() ? 8 : kRows; }
   void run(int rows, int64_t m, int64_t p, int span, float out[][kPanel]) const {
     const W* panel = data + p * K * kPanel;
     const float* xm = x + m * K;
     const at::BFloat16* xbm = xb ? xb + m * K : nullptr;
 #if defined(GPTLAB_AVX512)
     if constexpr (std::is_same_v<W, at::BFloat16>) {
-      // the first call on these panels in a block of rows prefetches the next two
-      if (span == 2) return run2(rows, xbm, panel, m % kRowBlock == 0 ? panel + 2 * K * kPanel : nullptr, out);
+      // the first call on these panels in a block of rows prefetches the next two. A thread's odd last panel goes
+      // through tile2 too (paired with itself, the copy's sums dropped): every panel's sums run in one order, so
+      // the bits do not depend on how the threads split the panels
+      if (span == 2)
+        return run2(rows, xbm, panel, panel + K * kPanel, m % kRowBlock == 0 ? panel + 2 * K * kPanel : nullptr, out);
+      if (paired()) {
+        float both[kOutRows][kPanel];
+        run2(rows, xbm, panel, panel, nullptr, both);
+        for (int r = 0; r < rows; ++r) std::memcpy(out[r], both[2 * r], sizeof out[r]);
+        return;
+      }
     }
 #endif
     switch (rows) {
@@ -108,9 +120,9 @@ struct Dense {
     }
   }
 #if defined(GPTLAB_AVX512)
-  void run2(int rows, const at::BFloat16* xbm, const W* panel, const W* ahead, float out[][kPanel]) const {
+  void run2(int rows, const at::BFloat16* xbm, const W* panel, const W* next, const W* ahead,
+            float out[][kPanel]) const {
     using GPTLAB_NS::dense_tiles::tile2;
-    const W* next = panel + K * kPanel;
     switch (rows) {
       case 1: return tile2<1>(xbm, K, panel, next, K, ahead, out);
       case 2: return tile2<2>(xbm, K, panel, next, K, ahead, out);
@@ -191,8 +203,8 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
       for (int64_t p = p0, span; p < p1; p += span) {
-        span = w.span(p1 - p, M);
-        const int per_call = w.rows(static_cast<int>(span));
+        span = w.span(p1 - p);
+        const int per_call = w.rows();
         for (int64_t m = m0; m < m1; m += per_call) {
           const int rows = static_cast<int>(std::min<int64_t>(per_call, m1 - m));
           w.run(rows, m, p, static_cast<int>(span), out);
@@ -338,10 +350,10 @@ void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, cons
     dispatch(M, K, Int4{{}, packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), d.data(),
                         msum.data()}, nullptr, b, N, y, bf16_out, part);
   } else if (packed.scalar_type() == at::kBFloat16) {
-    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb}, nullptr, b, N, y, bf16_out,
+    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb, M}, nullptr, b, N, y, bf16_out,
              part);
   } else {
-    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr}, nullptr, b, N, y, bf16_out, part);
+    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr, M}, nullptr, b, N, y, bf16_out, part);
   }
 }
 
