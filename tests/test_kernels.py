@@ -216,6 +216,18 @@ def test_builds_give_identical_integer_outputs(two, M: int, N: int, K: int, grou
     assert all(torch.equal(ys[0], y) for y in ys[1:])
 
 
+def test_bf16_outputs_do_not_depend_on_how_the_threads_split_the_panels(ops) -> None:  # noqa: ANN001
+    """AVX-512 takes bf16 panels two at a time; a thread's odd last panel must sum in the same order as a paired
+    one: 5 panels split 3 + 2 over two threads give the bits that one thread gives (and each row's bits alone)."""
+    g = torch.Generator().manual_seed(1)
+    W, x = torch.randn(80, 2049, generator=g).bfloat16(), torch.randn(20, 2049, generator=g).bfloat16()
+    packed = ops.pack(W)
+    one = ops.linear(x, packed, None, None, 80)
+    alone = torch.cat([ops.linear(x[m:m + 2], packed, None, None, 80)[:1] for m in range(19)])
+    torch.set_num_threads(2)  # the one_thread fixture restores the count after
+    assert torch.equal(ops.linear(x, packed, None, None, 80), one) and torch.equal(alone, one[:19])
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_integer_kernels_round_each_row_alone_whatever_the_threads(ops, mode: str) -> None:  # noqa: ANN001
     """Each row of x is rounded to integers on its own, rows split over the threads when there are many: a row's

@@ -13,8 +13,9 @@
 // into 12 fp32 accumulators (the classic 6x16 sgemm tile), so each weight converted serves 6 rows; one row (batch
 // 1) unrolls k to keep 8 FMA chains in flight. AVX-512 (one 16-float register per column): bf16 x against bf16
 // weights goes through vdpbf16ps (32 products per instruction, each exact in fp32, summed in fp32), fp32 x through
-// shift/mask and FMAs; one row keeps 4 chains. The accumulators are named variables, not an array: GCC keeps an
-// array of them on the stack, storing all of them every k (3x slower).
+// shift/mask and FMAs; one row keeps 4 chains; several rows of bf16 x go through `tile2`, two panels per call.
+// The accumulators are named variables, not an array: GCC keeps an array of them on the stack, storing all of them
+// every k (3x slower).
 #pragma once
 
 #include <immintrin.h>
@@ -270,6 +271,61 @@ inline void tile1(const float* x, const at::BFloat16* xb, const at::BFloat16* pa
   _mm512_storeu_ps(out[0], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
                                          _mm512_loadu_ps(rest[0])));
 }
+// bf16 x against two panels at once: each broadcast pair of x serves both panels' vdpbf16ps, so per column pair a
+// row costs one broadcast for two dot products (one per panel) instead of one; R <= 8 rows, one accumulator per row
+// and panel (16 chains: enough to cover vdpbf16ps's latency at two per cycle). out[2 r + j]: row r, panel j.
+// `next` (or null): the two panels after these, prefetched on the way, as the weights come from memory once.
+#define GPTLAB_Z2ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0;
+#define GPTLAB_Z2DOT(r)                                                                       \
+  if constexpr (R > r) {                                                                      \
+    int32_t pair;                                                                             \
+    std::memcpy(&pair, xb + r * ldx + k, sizeof pair);                                        \
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                    \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, (__m512bh)w0, xv);                                    \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, (__m512bh)w1, xv);                                    \
+  }
+#define GPTLAB_Z2TAIL(r)                                                                      \
+  if constexpr (R > r) {                                                                      \
+    const __m512 xv = _mm512_set1_ps(static_cast<float>(xb[r * ldx + k]));                   \
+    c##r##0 = _mm512_fmadd_ps(t0, xv, c##r##0);                                               \
+    c##r##1 = _mm512_fmadd_ps(t1, xv, c##r##1);                                               \
+  }
+#define GPTLAB_Z2STORE(r)                                                                     \
+  if constexpr (R > r) {                                                                      \
+    _mm512_storeu_ps(out[2 * r], c##r##0);                                                    \
+    _mm512_storeu_ps(out[2 * r + 1], c##r##1);                                                \
+  }
+#define GPTLAB_Z2ALL(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+
+template <int R>
+inline void tile2(const at::BFloat16* xb, int64_t ldx, const at::BFloat16* panel0, const at::BFloat16* panel1,
+                  int64_t K, const at::BFloat16* next, float out[][kPanel]) {
+  static_assert(R >= 1 && R <= 8, "tile2 takes 1 to 8 rows");
+  GPTLAB_Z2ALL(GPTLAB_Z2ACC)
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    if (next != nullptr) {  // the next two panels, a line of each per column pair: in cache when their turn comes
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + (K + k) * kPanel), _MM_HINT_T0);
+    }
+    const __m512i w0 = zload(panel0 + k * kPanel), w1 = zload(panel1 + k * kPanel);
+    GPTLAB_Z2ALL(GPTLAB_Z2DOT)
+  }
+  if (k < K) {  // K odd: the last column, 16 plain values per panel; x's bf16 values are exact in fp32
+    const auto plain = [&](const at::BFloat16* p) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * kPanel))), 16));
+    };
+    const __m512 t0 = plain(panel0), t1 = plain(panel1);
+    GPTLAB_Z2ALL(GPTLAB_Z2TAIL)
+  }
+  GPTLAB_Z2ALL(GPTLAB_Z2STORE)
+}
+#undef GPTLAB_Z2ACC
+#undef GPTLAB_Z2DOT
+#undef GPTLAB_Z2TAIL
+#undef GPTLAB_Z2STORE
+#undef GPTLAB_Z2ALL
 #undef GPTLAB_ZACC
 #undef GPTLAB_ZFMA
 #undef GPTLAB_ZFMAS

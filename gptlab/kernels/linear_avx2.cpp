@@ -24,7 +24,8 @@
 // * `linear(x, packed, qparams, bias, N)` (declared in linear_avx2.h, with `linear_part` for decode_step.cpp's
 //   step): y = x @ W.T + bias for x (M, K) in bf16 or fp32, out in x's dtype. A micro-kernel (dense_tiles.h,
 //   int_tiles.h, int4_tiles.h) takes up to 6 rows of x (int4: 8 on AVX-512, 4 on AVX2) and one panel, whose
-//   weights it unpacks once for all of them. Threads (torch's pool, at::parallel_for, or the step's team) split
+//   weights it unpacks once for all of them; AVX-512's bf16-by-bf16 one takes 8 rows and two panels, so each x
+//   broadcast serves two dot products, and prefetches the next two panels. Threads (torch's pool, at::parallel_for, or the step's team) split
 //   the panels; rows go in blocks of 96 so a block of x stays in L2. The result is rounded once: for bf16 the
 //   numbers of a native bf16 matmul (fp32 accumulation), for int8 those of the dequantized weight times x in 16-bit
 //   fixed point, for int4 times x in int8 blocks.
@@ -42,6 +43,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -57,8 +59,19 @@ using GPTLAB_NS::input_quant::quantize_blocks;
 using GPTLAB_NS::input_quant::quantize_rows;
 constexpr int64_t kRowBlock = 96;
 
-// A weight in panels, its input, and how to run one micro-kernel for rows m.. of the input on panel p: `Dense<W>`
-// for bf16/fp32 columns, `Int8` for column pairs against 16-bit x, `Int4` for nibble quads against 8-bit x blocks.
+constexpr int kOutRows = 16;  // a micro-kernel's output rows at most: 8 rows of x by 2 panels (tile2)
+
+// A weight in panels, its input, and how to run one micro-kernel for rows m.. of the input on `span` panels from
+// p: `Dense<W>` for bf16/fp32 columns, `Int8` for column pairs against 16-bit x, `Int4` for nibble quads against
+// 8-bit x blocks. `span(left)`: how many panels the next call takes when `left` remain (1 or 2), `rows()`: rows
+// of x per call; the output of row r and panel j of a call is out[span * r + j].
+template <int Rows>
+struct OnePanel {  // kernels that take one panel per call
+  static constexpr int kRows = Rows;
+  int span(int64_t) const { return 1; }
+  int rows() const { return kRows; }
+};
+
 template <typename W>
 struct Dense {
   static constexpr int kRows = kTile;
@@ -66,10 +79,37 @@ struct Dense {
   int64_t K;
   const float* x;             // (M, K)
   const at::BFloat16* xb;     // x as it came in bf16 (M, K), or null
-  void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
+  int64_t M;
+  // two panels per call where AVX-512 BF16 dot products run (bf16 x against bf16 weights) on more than one row;
+  // one row keeps tile1's four chains over one panel, which stream a matrix-vector product faster
+  bool paired() const {
+#if defined(GPTLAB_AVX512)
+    return std::is_same_v<W, at::BFloat16> && xb != nullptr && M > 1;
+#else
+    return false;
+#endif
+  }
+  int span(int64_t left) const { return paired() && left >= 2 ? 2 : 1; }
+  int rows() const { return paired() ? 8 : kRows; }
+  void run(int rows, int64_t m, int64_t p, int span, float out[][kPanel]) const {
     const W* panel = data + p * K * kPanel;
     const float* xm = x + m * K;
     const at::BFloat16* xbm = xb ? xb + m * K : nullptr;
+#if defined(GPTLAB_AVX512)
+    if constexpr (std::is_same_v<W, at::BFloat16>) {
+      // the first call on these panels in a block of rows prefetches the next two. A thread's odd last panel goes
+      // through tile2 too (paired with itself, the copy's sums dropped): every panel's sums run in one order, so
+      // the bits do not depend on how the threads split the panels
+      if (span == 2)
+        return run2(rows, xbm, panel, panel + K * kPanel, m % kRowBlock == 0 ? panel + 2 * K * kPanel : nullptr, out);
+      if (paired()) {
+        float both[kOutRows][kPanel];
+        run2(rows, xbm, panel, panel, nullptr, both);
+        for (int r = 0; r < rows; ++r) std::memcpy(out[r], both[2 * r], sizeof out[r]);
+        return;
+      }
+    }
+#endif
     switch (rows) {
       case 1: return tile1(xm, xbm, panel, K, out);
       case 2: return tile<2>(xm, K, xbm, panel, K, out);
@@ -79,15 +119,30 @@ struct Dense {
       default: return tile<6>(xm, K, xbm, panel, K, out);
     }
   }
+#if defined(GPTLAB_AVX512)
+  void run2(int rows, const at::BFloat16* xbm, const W* panel, const W* next, const W* ahead,
+            float out[][kPanel]) const {
+    using GPTLAB_NS::dense_tiles::tile2;
+    switch (rows) {
+      case 1: return tile2<1>(xbm, K, panel, next, K, ahead, out);
+      case 2: return tile2<2>(xbm, K, panel, next, K, ahead, out);
+      case 3: return tile2<3>(xbm, K, panel, next, K, ahead, out);
+      case 4: return tile2<4>(xbm, K, panel, next, K, ahead, out);
+      case 5: return tile2<5>(xbm, K, panel, next, K, ahead, out);
+      case 6: return tile2<6>(xbm, K, panel, next, K, ahead, out);
+      case 7: return tile2<7>(xbm, K, panel, next, K, ahead, out);
+      default: return tile2<8>(xbm, K, panel, next, K, ahead, out);
+    }
+  }
+#endif
 };
 
-struct Int8 {
-  static constexpr int kRows = kTile;
+struct Int8 : OnePanel<kTile> {
   const int8_t* data;
   int64_t K;
   const int16_t* xq;    // (M, K)
   const float* xscale;  // (M,)
-  void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
+  void run(int rows, int64_t m, int64_t p, int, float out[][kPanel]) const {
     const int8_t* panel = data + p * K * kPanel;
     const int16_t* xm = xq + m * K;
     switch (rows) {
@@ -101,15 +156,14 @@ struct Int8 {
   }
 };
 
-struct Int4 {
-  static constexpr int kRows = GPTLAB_NS::int4_tiles::kRows;
+struct Int4 : OnePanel<GPTLAB_NS::int4_tiles::kRows> {
   const uint8_t* data;
   const at::Half* qparams;  // (panels, G, 2, 16)
   int64_t K, G;
   const int8_t* xq;   // (M, K)
   const float* d;     // (M, K / 32): each block's scale
   const float* msum;  // (M, G): per group, the sum over its blocks of d * (sum of xq)
-  void run(int rows, int64_t m, int64_t p, float out[][kPanel]) const {
+  void run(int rows, int64_t m, int64_t p, int, float out[][kPanel]) const {
     using GPTLAB_NS::int4_tiles::tile;
     const uint8_t* panel = data + p * (K / 2) * kPanel;
     const at::Half* qp = qparams + p * G * 2 * kPanel;
@@ -143,21 +197,26 @@ template <typename Weight, typename O, typename B>
 void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, const B* bias, int64_t N, O* y,
                  GPTLAB_NS::Part part) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
+  static_assert(Weight::kRows <= kOutRows, "a micro-kernel's output must fit `out`");
   auto run = [&](int64_t p0, int64_t p1) {
-    float out[Weight::kRows][kPanel];
+    float out[kOutRows][kPanel];
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-        for (int64_t m = m0; m < m1; m += Weight::kRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(Weight::kRows, m1 - m));
-          w.run(rows, m, p, out);
-          for (int r = 0; r < rows; ++r) {
-            O* dst = y + (m + r) * N + n0;
-            for (int64_t c = 0; c < cols; ++c)
-              dst[c] = static_cast<O>(out[r][c] * (row_scale ? row_scale[n0 + c] : 1.0f) +
-                                      (bias ? to_float(bias[n0 + c]) : 0.0f));
-          }
+      for (int64_t p = p0, span; p < p1; p += span) {
+        span = w.span(p1 - p);
+        const int per_call = w.rows();
+        for (int64_t m = m0; m < m1; m += per_call) {
+          const int rows = static_cast<int>(std::min<int64_t>(per_call, m1 - m));
+          w.run(rows, m, p, static_cast<int>(span), out);
+          for (int r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < span; ++j) {
+              const int64_t n0 = (p + j) * kPanel, cols = std::min(kPanel, N - n0);
+              const float* src = out[span * r + j];
+              O* dst = y + (m + r) * N + n0;
+              for (int64_t c = 0; c < cols; ++c)
+                dst[c] = static_cast<O>(src[c] * (row_scale ? row_scale[n0 + c] : 1.0f) +
+                                        (bias ? to_float(bias[n0 + c]) : 0.0f));
+            }
         }
       }
     }
@@ -281,20 +340,20 @@ void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, cons
     std::vector<int16_t> xq(M * K);
     std::vector<float> xscale(M);
     quantize_rows(xp, M, K, xq.data(), xscale.data());
-    dispatch(M, K, Int8{packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b, N,
-             y, bf16_out, part);
+    dispatch(M, K, Int8{{}, packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b,
+             N, y, bf16_out, part);
   } else if (int4) {
     const int64_t G = qparams->size(1);
     std::vector<int8_t> xq(M * K);
     std::vector<float> d(M * K / GPTLAB_NS::int4_tiles::kBlock), msum(M * G);
     quantize_blocks(xp, M, K, K / G, xq.data(), d.data(), msum.data());
-    dispatch(M, K, Int4{packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), d.data(),
+    dispatch(M, K, Int4{{}, packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), d.data(),
                         msum.data()}, nullptr, b, N, y, bf16_out, part);
   } else if (packed.scalar_type() == at::kBFloat16) {
-    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb}, nullptr, b, N, y, bf16_out,
+    dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb, M}, nullptr, b, N, y, bf16_out,
              part);
   } else {
-    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr}, nullptr, b, N, y, bf16_out, part);
+    dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr, M}, nullptr, b, N, y, bf16_out, part);
   }
 }
 
