@@ -24,9 +24,12 @@ prints the CPU the load generator (this process) and the server used, the server
 figure other work on a shared machine moves far less than tokens/s; gptlab's is split into its main thread's (the
 engine's loop, `gptlab serve` runs it there) and the rest (HTTP's thread, the kernels' other OpenMP threads), and
 gptlab's decoding steps a second with their mean rows (its /metrics' `gptlab_decode_steps_total` and
-`gptlab_decode_rows_total`: does the batch stay full?). Beside the served figure: the engine's own tokens/s at the
-same batch without a server (`generate_batch` of max-batch prompts, max-tokens each, in a process of its own, once
-per round), and served / offline.
+`gptlab_decode_rows_total`: does the batch stay full?), its admissions a step and the share of the wall its
+engine spent prefilling admitted rows and decoding (`gptlab_admissions_total`, `gptlab_engine_seconds_total`).
+Beside the served figure: the engine's own tokens/s at the same batch without a server (`generate_batch` of
+max-batch prompts, the clients' prompts, max-tokens each at the same temperature, in a process of its own, once per
+round), and served / offline. Both prefill one prompt per max-tokens generated; offline prefills its max-batch
+prompts in one call, the server each admission's as it comes (the prompts waiting at a step together).
 
     python benchmarks/serve_load.py --peer llama-server --llama-server LLAMA_CPP/build/bin/llama-server --rounds 3
 
@@ -270,8 +273,11 @@ def run_round(name: str, start, args: argparse.Namespace, log: Path,  # noqa: AN
             # gptlab's main thread runs the engine's loop (`serve_on_main_thread`); the rest, HTTP's and OpenMP's
             summary["main_cpu_ms_per_token"] = 1000 * main / max(summary["tokens"], 1)
             if steps0 is not None:  # (the load's first warm-up request and last requests' tails included)
-                steps, rows = (b - a for a, b in zip(steps0, decode_counts(url), strict=True))
+                steps, rows, admissions, admit_s, decode_s = (
+                    b - a for a, b in zip(steps0, decode_counts(url), strict=True))
                 summary["steps_per_s"], summary["rows_per_step"] = steps / summary["wall"], rows / max(steps, 1)
+                summary["admissions_per_step"] = admissions / max(steps, 1)
+                summary["admit_share"], summary["decode_share"] = admit_s / summary["wall"], decode_s / summary["wall"]
             return summary
         finally:
             if recording is not None:
@@ -284,13 +290,17 @@ def run_round(name: str, start, args: argparse.Namespace, log: Path,  # noqa: AN
             server.kill()
 
 
-def decode_counts(url: str) -> tuple[float, float]:
-    """gptlab's decoding steps so far and their rows summed, from its /metrics."""
+def decode_counts(url: str) -> tuple[float, ...]:
+    """From gptlab's /metrics, so far: its decoding steps, their rows summed, its admissions (prefill calls of
+    newly admitted rows), and the engine's seconds in those admissions and in decoding steps."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
-    return values["gptlab_decode_steps_total"], values["gptlab_decode_rows_total"]
+    values = {(s.name, s.labels.get("phase")): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples}
+    return (values["gptlab_decode_steps_total", None], values["gptlab_decode_rows_total", None],
+            values["gptlab_admissions_total", None], values.get(("gptlab_engine_seconds_total", "admit"), 0.0),
+            values.get(("gptlab_engine_seconds_total", "decode"), 0.0))
 
 
 def report(name: str, s: dict, args: argparse.Namespace) -> None:
@@ -305,7 +315,9 @@ def report(name: str, s: dict, args: argparse.Namespace) -> None:
           + (f" (first: {s['errors'][0]})" if s["errors"] else ""))
     if "steps_per_s" in s:
         print(f"  gptlab's decoding steps: {s['steps_per_s']:.1f} a second, {s['rows_per_step']:.2f} rows a step on "
-              f"average (max batch {args.max_batch})")
+              f"average (max batch {args.max_batch}); {s['admissions_per_step']:.2f} admissions (a prefill call "
+              f"each) a step; the engine's loop spent {100 * s['admit_share']:.0f}% of the wall prefilling admitted "
+              f"rows and {100 * s['decode_share']:.0f}% in decoding steps")
     if name == "gptlab" and args.long_prompt:
         p = s["pauses"]
         print(f"  longest pause between chunks of a short request: p50 {percentile(p, 0.5) * 1000:.0f} ms   "

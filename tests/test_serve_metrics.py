@@ -83,6 +83,10 @@ def test_counts_move_by_what_was_served(served):
     # one request after the other: the first token from the prefill, then a step of that one row per token
     assert moved(before, after, "gptlab_decode_steps_total") == len(prompts) * (max_tokens - 1)
     assert moved(before, after, "gptlab_decode_rows_total") == len(prompts) * (max_tokens - 1)
+    # each request admitted alone: one prefill call each; the engine's time split by phase moved in both
+    assert moved(before, after, "gptlab_admissions_total") == len(prompts)
+    assert moved(before, after, "gptlab_engine_seconds_total", phase="admit") > 0
+    assert moved(before, after, "gptlab_engine_seconds_total", phase="decode") > 0
     assert after[("gptlab_queue_length", ())] == 0 and after[("gptlab_running_rows", ())] == 0
     # the server keeps a prefix cache by default: every admitted prompt was looked up in it, whole
     queried = sum(len(tok.encode(p)) for p in prompts)

@@ -8,7 +8,11 @@
   engine) and `gptlab_time_per_output_token_seconds` (one observation per row per step: the time since that row's
   previous token), histograms fed by the scheduler thread (`ServerMetrics.tokens`).
 * `gptlab_decode_steps_total` and `gptlab_decode_rows_total` (the rows of those steps, summed): their ratio is
-  how full the batch stayed, rows over steps.
+  how full the batch stayed, rows over steps. `gptlab_admissions_total`: the engine calls that prefilled newly
+  admitted rows (the requests waiting at a step go in together: admitted rows over admissions is how many each
+  prefill took); `gptlab_engine_seconds_total{phase}`: the scheduler thread's time in those calls ("admit") and in
+  decoding steps ("decode"), over the server's uptime the share of its time each took (where a served engine's
+  tokens/s goes, beside the offline engine's).
 * `gptlab_queue_length` (generations waiting for a row) and `gptlab_running_rows`, read when scraped.
 * The prefix cache, where the engine has one (`engine.prefix_cache.stats()`, read when scraped):
   `gptlab_prefix_cache_query_tokens_total`, `gptlab_prefix_cache_hit_tokens_total`, `gptlab_prefix_cache_hit_rate`
@@ -56,6 +60,11 @@ class ServerMetrics:
         self.decode_steps = Counter("gptlab_decode_steps", "decoding steps run", registry=self.registry)
         self.decode_rows = Counter("gptlab_decode_rows", "rows decoded, summed over the decoding steps",
                                    registry=self.registry)
+        self.admissions = Counter("gptlab_admissions", "engine calls prefilling newly admitted rows",
+                                  registry=self.registry)
+        self.engine_seconds = Counter("gptlab_engine_seconds", "the scheduler thread's time in the engine, by phase "
+                                      "(admit: prefilling admitted rows; decode: decoding steps)", ["phase"],
+                                      registry=self.registry)
         self.registry.register(_Live(queue_length, running_rows, prefix_cache))
 
     def tokens(self, n: int, seconds: float, *, first: bool) -> None:
@@ -67,6 +76,12 @@ class ServerMetrics:
         """A decoding step ran `rows` rows."""
         self.decode_steps.inc()
         self.decode_rows.inc(rows)
+
+    def engine_call(self, phase: str, seconds: float) -> None:
+        """An engine call of `phase` ("admit" or "decode") took `seconds`."""
+        if phase == "admit":
+            self.admissions.inc()
+        self.engine_seconds.labels(phase).inc(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

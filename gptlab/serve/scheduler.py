@@ -202,18 +202,20 @@ class Scheduler:
                     self.metrics.prompt_tokens.inc(len(job.gens[i].prompt_ids))
             if admitted:  # prefilled together (the engine isolates a row whose prefill fails)
                 new = [job.gens[i] for job, i in admitted]
-                self._run(new, lambda new=new: engine.add(new))
+                self._run(new, lambda new=new: engine.add(new), "admit")
             if engine.running:
                 running = engine.running
                 self.max_rows_seen = max(self.max_rows_seen, len(running))
-                self._run(running, engine.step)
+                self._run(running, engine.step, "decode")
                 self.steps += 1
                 if self.metrics is not None:
                     self.metrics.decode_step(len(running))
             self._flush()
 
-    def _run(self, gens: list[Generation], work: Callable[[], object]) -> None:
-        """Run an engine call and publish what its rows produced; a failure fails only the jobs it touches."""
+    def _run(self, gens: list[Generation], work: Callable[[], object], phase: str) -> None:
+        """Run an engine call of `phase` (for the metrics: "admit" or "decode") and publish what its rows produced;
+        a failure fails only the jobs it touches."""
+        start = time.perf_counter()
         try:
             work()
         except Exception as e:  # noqa: BLE001 - a failing request must not take the server down
@@ -221,7 +223,10 @@ class Scheduler:
             for gen in gens:
                 self._fail(gen, e)
             return
-        now = time.perf_counter()
+        finally:
+            now = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.engine_call(phase, now - start)
         for gen in gens:
             owner = self._owner.get(id(gen))
             if owner is None:
