@@ -115,21 +115,22 @@ struct Step {
     project(t, me, x, K, i, N, y, [](int64_t, int64_t, int64_t) {});
   }
 
-  // row b's slot and position in the cache
-  int64_t slot(int64_t b) const { return where >= 0 ? b : rows[b]; }
-  int64_t position(int64_t b) const { return where >= 0 ? where : pos[b]; }
+  // where this token's head j of qkv (a key head or a value head: j >= nh) of row b goes in this layer's cache
+  float* cache_head(int64_t b, int64_t j, float* kp, float* vp) const {
+    const int64_t nh = s.nh, nkv = s.nkv, slot = where >= 0 ? b : rows[b], at_t = where >= 0 ? where : pos[b];
+    const bool key = j < nh + nkv;
+    return (key ? kp : vp) + slot * k_cache.stride(1) + (key ? j - nh : j - nh - nkv) * k_cache.stride(2) +
+           at_t * k_cache.stride(3);
+  }
 
   // row b's keys and values among qkv columns [n0, n1) into this layer's cache: what place_heads does for heads
   // that need no norm or rotation, here on the columns the thread made
   void cache_columns(int64_t b, int64_t n0, int64_t n1, float* kp, float* vp) const {
-    const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, width = (nh + 2 * nkv) * hs;
-    const int64_t sb = k_cache.stride(1), sh = k_cache.stride(2), st = k_cache.stride(3);
+    const int64_t nh = s.nh, hs = s.hs, width = (nh + 2 * s.nkv) * hs;
     const float* row = buf.qkv.data() + b * width;
     for (int64_t c = std::max(n0, nh * hs); c < n1;) {  // a run of one head's columns at a time
-      const int64_t j = c / hs, e = c % hs, run = std::min(n1, (j + 1) * hs) - c;
-      const bool key = j < nh + nkv;
-      const int64_t g = key ? j - nh : j - nh - nkv;
-      std::copy_n(row + c, run, (key ? kp : vp) + slot(b) * sb + g * sh + position(b) * st + e);
+      const int64_t j = c / hs, run = std::min(n1, (j + 1) * hs) - c;
+      std::copy_n(row + c, run, cache_head(b, j, kp, vp) + c % hs);
       c += run;
     }
   }
@@ -137,7 +138,6 @@ struct Step {
   // this thread's heads of every row: q/k norm and rotation, this token's keys and values into the cache
   void place_heads(const Team& t, int64_t layer, float* kp, float* vp) const {
     const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, heads = nh + 2 * nkv, width = heads * hs;
-    const int64_t sb = k_cache.stride(1), sh = k_cache.stride(2), st = k_cache.stride(3);
     const auto qn = at(layer, 20), kn = at(layer, 21);
     for (int64_t i = t.begin(B * heads); i < t.end(B * heads); ++i) {
       const int64_t b = i / heads, j = i % heads;
@@ -149,9 +149,7 @@ struct Step {
           rotate(head, cos + r * (s.rot / 2), sin + r * (s.rot / 2), s.rot, s.interleaved, bf16);
         }
       }
-      if (j < nh) continue;
-      const int64_t g = j < nh + nkv ? j - nh : j - nh - nkv;
-      std::copy_n(head, hs, (j < nh + nkv ? kp : vp) + slot(b) * sb + g * sh + position(b) * st);
+      if (j >= nh) std::copy_n(head, hs, cache_head(b, j, kp, vp));
     }
   }
 
