@@ -156,15 +156,17 @@ def main() -> int:
     if args.child:
         return child(json.loads(args.child))
 
+    from gptlab.checkpoint import CONFIG_FILE
     from gptlab.cli import main as gptlab
+    from gptlab.data.dataset import META
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.work or Path(tmp)
         data = root / "data"
-        if not (data / "meta.json").exists():
+        if not (data / META).exists():
             assert gptlab(["prepare", str(args.text), "--tokenizer", "char", "--out", str(data)]) == 0
         base = args.base or root / "base"
-        if args.base is None and not (base / "config.json").exists():
+        if args.base is None and not (base / CONFIG_FILE).exists():
             make_base(args, data, base)
         for name in ("bf16", "int4"):
             shutil.rmtree(root / name, ignore_errors=True)  # a run folder left by an earlier try would be resumed
