@@ -352,6 +352,21 @@ def test_probe_times_every_candidate(builds, kind: str, monkeypatch) -> None:  #
     assert set(times) == {"torch", *builds} and all(t > 0 for t in times.values())
 
 
+@pytest.mark.parametrize(("sizes", "want_mib"), [
+    (["48K", "2048K", "32768K"], 128),  # four times a 32 MiB last-level cache
+    (["32K", "512K"], 64),  # at least 64 MiB
+    (["48K", "2048K", "491520K"], 512),  # a virtual machine reporting its host's whole cache: capped
+    ([], 64),  # no sysfs cache listing
+])
+def test_the_probe_streams_four_times_the_cache_within_bounds(tmp_path, sizes, want_mib) -> None:  # noqa: ANN001
+    from gptlab.kernels import dispatch
+
+    for i, size in enumerate(sizes):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert dispatch._working_set(tmp_path) == want_mib * 2**20
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Building: a killed build leaves nothing that blocks or crashes the next run
 # ---------------------------------------------------------------------------------------------------------------
