@@ -35,10 +35,12 @@ from __future__ import annotations
 import argparse
 import copy
 import multiprocessing
+import signal
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from decode_peers import DTYPES, CTranslate2, LlamaBench, LlamaCpp, Transformers
@@ -172,6 +174,10 @@ def worker(conn, name: str, args: argparse.Namespace) -> None:  # noqa: ANN001
         getattr(contender, "close", lambda: None)()
 
 
+class ContenderDied(RuntimeError):
+    """A contender's process ended under a request (a crash in a peer's library, say)."""
+
+
 class Remote:
     """The parent's handle on a worker process."""
 
@@ -182,25 +188,32 @@ class Remote:
         status, self.name = self.conn.recv()
         self.missing = self.name if status == "missing" else None
 
+    def ask(self, *msg: object) -> Any:
+        """The worker's answer to msg; ContenderDied, with how it ended, where its process ended instead."""
+        try:
+            self.conn.send(msg)
+            return self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self.process.join(5)
+            code = self.process.exitcode
+            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise ContenderDied(f"{self.name}'s process died ({how})") from None
+
     def setting(self, dtype: str, batch: int) -> str | None:
         """None, or why this contender cannot run the setting."""
-        self.conn.send(("setting", dtype, batch))
-        return self.conn.recv()
+        return self.ask("setting", dtype, batch)
 
     def generate(self, idx: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
-        self.conn.send(("generate", idx, n))
-        return self.conn.recv()
+        return self.ask("generate", idx, n)
 
     def rate(self, idx: torch.Tensor, n: int) -> float:
         """Tokens/s over n new tokens for idx's batch (the contender's own timing where it has one)."""
         if self.name == "llama-bench":
-            self.conn.send(("rate", idx.shape[1], n))
-            return self.conn.recv()
+            return self.ask("rate", idx.shape[1], n)
         return idx.shape[0] * n / self.generate(idx, n)[0]
 
     def kernels(self, batch: int) -> str:
-        self.conn.send(("kernels", batch))
-        return self.conn.recv()
+        return self.ask("kernels", batch)
 
     def close(self) -> None:
         if self.process.is_alive():
@@ -251,27 +264,44 @@ def parse_args() -> argparse.Namespace:
 
 
 def time_setting(contenders: list[Remote], B: int, dtype: str, V: int, args: argparse.Namespace) -> dict:
-    """Median tokens/s of each contender that runs this setting, over interleaved rounds."""
+    """Median tokens/s of each contender that runs this setting, over interleaved rounds. A contender whose process
+    dies (a peer's library crashing on this CPU, say) is said so and left out of this setting and the rest of the
+    run (removed from `contenders`); the others go on."""
     idx = torch.randint(0, V, (B, args.prompt_len))
     running = []
-    for c in contenders:
-        problem = c.setting(dtype, B)
-        if problem:
-            print(f"  skipping {c.name} at batch {B} {dtype}: {problem}")
-            continue
-        running.append(c)
-        if c.name != "llama-bench":
-            # warm-up: first-call allocations, kernel selection, and weight packing (generate packs them once
-            # per model from PACK_MIN_TOKENS new tokens on, as llama.cpp lays its weights out once at load)
-            c.generate(idx, PACK_MIN_TOKENS)
-        if c.name == "gptlab":
-            print(f"  gptlab at batch {B} {dtype}: {c.kernels(B)}")
+
+    def died(c: Remote, e: ContenderDied) -> None:
+        print(f"  {e} at batch {B} {dtype}: left out of the rest of the run", flush=True)
+        contenders.remove(c)
+        if c in running:
+            running.remove(c)
+
+    for c in list(contenders):
+        try:
+            problem = c.setting(dtype, B)
+            if problem:
+                print(f"  skipping {c.name} at batch {B} {dtype}: {problem}")
+                continue
+            if c.name != "llama-bench":
+                # warm-up: first-call allocations, kernel selection, and weight packing (generate packs them once
+                # per model from PACK_MIN_TOKENS new tokens on, as llama.cpp lays its weights out once at load)
+                c.generate(idx, PACK_MIN_TOKENS)
+            if c.name == "gptlab":
+                print(f"  gptlab at batch {B} {dtype}: {c.kernels(B)}")
+            running.append(c)
+        except ContenderDied as e:
+            died(c, e)
     result: dict[str, list[float]] = {c.name: [] for c in running}
     for r in range(args.rounds):
         load = loadavg()
-        order = running[r % len(running):] + running[: r % len(running)]  # who goes first rotates
+        order = running[r % len(running):] + running[: r % len(running)] if running else []  # who goes first rotates
         for c in order:
-            rate = c.rate(idx, args.new_tokens)
+            try:
+                rate = c.rate(idx, args.new_tokens)
+            except ContenderDied as e:
+                died(c, e)
+                result.pop(c.name)
+                continue
             result[c.name].append(rate)
             print(f"  round {r + 1} (load {load}) batch {B:>3} {dtype:>8} {c.name:>12}: {rate:8.1f} tokens/s",
                   flush=True)
@@ -299,7 +329,10 @@ def main() -> None:
             contenders.append(remote)
     peers = [c.name for c in contenders[1:]]
     if peers and args.check_tokens:
-        check_tokens(contenders, V, args)
+        try:
+            check_tokens(contenders, V, args)
+        except ContenderDied as e:
+            print(f"greedy tokens not compared: {e}")
     with torch.device("meta"):  # sizes only, for weight_bytes
         shape = GPT(config)
     rows = []
@@ -317,6 +350,9 @@ def main() -> None:
             limit = bandwidth / weight_bytes(shape, name, dtype)
             return f" [{100 * rate / limit:.0f}%]" if B == 1 else ""
 
+        if "gptlab" not in r:
+            print(f"| {B} | {dtype} | - | " + " | ".join("-" for _ in peers) + " |")
+            continue
         cells = [f"{r[n]:.1f} ({r['gptlab'] / r[n]:.2f}x){share(n, r[n])}" if n in r else "-" for n in peers]
         print(f"| {B} | {dtype} | {r['gptlab']:.1f}{share('gptlab', r['gptlab'])} | " + " | ".join(cells) + " |")
 
