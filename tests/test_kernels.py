@@ -1,7 +1,8 @@
 """gptlab's C++ Linear kernels, for every build this machine can execute (`gptlab.kernels.kernel_builds()`: AVX2,
-AVX2 + AVX-VNNI, AVX-512; a build that is absent here is skipped): each against float64 matmuls (int4: against
+AVX2 + AVX-VNNI, AVX-512, AMX; a build that is absent here is skipped): each against float64 matmuls (int4: against
 llama.cpp's q8_0 rounding of the activations computed here from the maths), and the builds against each other on
-the same packed weights (one layout: int8/int4 to the bit, bf16/fp32 within fp32 rounding).
+the same packed weights (one layout: int8/int4 to the bit, bf16/fp32 within fp32 rounding). The AMX build's tiles
+(8 rows or more of bf16 x) multiply the weights widened to bf16: they are checked against that product.
 
 Tolerances: the kernel accumulates in fp32 and rounds once, so fp32 outputs are within ~1e-5 of float64 (relative
 to the largest output) and bf16 ones within one bf16 rounding (2**-8 relative)."""
@@ -19,7 +20,18 @@ from gptlab.integer_weights import dequantize_int4, dequantize_int8, quantize_in
 from gptlab.kernels import avx512_ops, cpu_has_avx512, kernel_builds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-BUILDS = ["avx2", "avxvnni", "avx512"]
+BUILDS = ["avx2", "avxvnni", "avx512", "amx"]
+# the AMX build's tiles take products of this many rows of bf16 x or more, by the weight's kind (amx_tiles.h)
+TILE_ROWS = {"bfloat16": 8, "int8": 12, "int4": 24}
+
+
+def tiles(ops, x: torch.Tensor, mode: str) -> bool:  # noqa: ANN001
+    """Whether `ops` runs the product of x with a `mode` weight on AMX tiles (the AMX build, enough rows of x in
+    bf16, or in fp32 for integer weights, whole tile steps of 32 inputs): then the weight is widened to bf16 and x
+    rounded to bf16 (amx_tiles.h)."""
+    x = x.reshape(-1, x.shape[-1])
+    return (ops is kernel_builds().get("amx") and (x.dtype == torch.bfloat16 or mode != "bfloat16")
+            and x.shape[0] >= TILE_ROWS[mode] and x.shape[1] % 32 == 0)
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +154,11 @@ def test_int4_kernel_equals_q8_activations_from_the_maths(ops, M: int, N: int, b
     b = torch.randn(N, generator=g)
     q, scale, zero = quantize_int4(W, group)
     y = ops.linear(x, *ops.pack_int4(q, scale, zero), b, N)
-    ref = int4_q8_reference(x, q, scale, zero) + b.double()
     assert y.dtype == dtype and y.shape == (M, N)
+    if tiles(ops, x, "int4"):  # the tiles' product: checked in test_amx_tiles_multiply_the_weight_widened_to_bf16
+        assert_tiles_product(y, x, dequantize_int4(q, scale, zero), b)
+        return
+    ref = int4_q8_reference(x, q, scale, zero) + b.double()
     xq, d = int8_blocks(x)
     # what fp32 rounding scales with: the sum of |terms| (each block's scaled dot, each group's offset term)
     magnitude = (xq.abs().double() * d[..., None]).reshape(M, K) @ dequantize_int4(q, scale, zero).abs().double().T
@@ -179,8 +194,11 @@ def test_integer_kernels_equal_the_dequantized_weight_in_float64(ops, M: int, N:
     W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)
     packed, qparams, dense = quantized(mode, W, group, ops)
     y = ops.linear(x, packed, qparams, b, N)
-    ref = x.double() @ dense.double().T + b.double()
     assert y.dtype == dtype and y.shape == (M, N)
+    if tiles(ops, x, mode):
+        assert_tiles_product(y, x, dense, b)
+        return
+    ref = x.double() @ dense.double().T + b.double()
     tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
     bound = tol * max(ref.abs().max().item(), 1.0)
     if mode == "int8":  # x rounded to 16-bit fixed point: each x[m, k] within max|x[m]| / 65534
@@ -212,8 +230,69 @@ def test_builds_give_identical_integer_outputs(two, M: int, N: int, K: int, grou
     K = (K % 12 + 1) * group if mode == "int4" else K * 10
     W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)
     packed, qparams, _ = quantized(mode, W, group, two[0])
-    ys = [ops.linear(x, packed, qparams, b, N) for ops in two]
+    ys = [ops.linear(x, packed, qparams, b, N) for ops in two if not tiles(ops, x, mode)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])
+
+
+def assert_tiles_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, b: torch.Tensor | None) -> None:
+    """y is x (bf16) times the weight widened to bf16 (`dense` rounded once; an int4 weight's q * s + m may round
+    to the neighbouring bf16 value where float32's fused and unfused forms differ), summed in fp32, plus the bias,
+    rounded once to x's dtype."""
+    wide, x = dense.bfloat16().double(), x.bfloat16().double()
+    ref = x @ wide.T + (b.double() if b is not None else 0)
+    magnitude = x.double().abs() @ wide.abs().T
+    bound = x.shape[-1] * 2**-24 * magnitude + 2**-8 * ref.abs() + 2**-8 * (x.double().abs() @ dense.double().abs().T
+                                                                           * (dense.dtype != torch.bfloat16))
+    assert bool(((y.double() - ref).abs() <= bound + 1e-30).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(0, 62), N=st.integers(1, 70), steps=st.integers(1, 8), group=st.sampled_from([32, 64]),
+       mode=st.sampled_from(["bfloat16", "int8", "int4"]), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_amx_tiles_multiply_the_weight_widened_to_bf16(builds, M: int, N: int, steps: int, group: int,  # noqa: ANN001
+                                                       mode: str, bias: bool, seed: int) -> None:
+    """The AMX build's tiles (8 or more rows of bf16 x; one or two A tiles, a partial last one zero-padded; odd
+    panel counts; int4 groups of one or two tile steps): x times the weight widened to bf16 (bf16 as packed, int8
+    exact, int4 q * s + m rounded once), summed in fp32, rounded once to bf16."""
+    if "amx" not in builds:
+        pytest.skip("no AMX build here (a CPU or OS without AMX tiles)")
+    ops = builds["amx"]
+    g = torch.Generator().manual_seed(seed)
+    M += TILE_ROWS[mode]
+    K = steps * group if mode == "int4" else steps * 32
+    W, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g) if bias else None
+    if mode == "bfloat16":
+        packed, qparams, dense = ops.pack(W.bfloat16()), None, W.bfloat16()
+    else:
+        packed, qparams, dense = quantized(mode, W, group, ops)
+    y = ops.linear(x, packed, qparams, b, N)
+    assert tiles(ops, x, mode) and y.dtype == torch.bfloat16 and y.shape == (M, N)
+    if mode == "int8":  # the int8 weight itself is exact in bf16; its row scale multiplies the fp32 sums
+        q, scale = quantize_int8(W)
+        wide = q.double()
+        ref = (x.double() @ wide.T) * scale.double() + (b.double() if bias else 0)
+        bound = K * 2**-24 * (x.double().abs() @ wide.abs().T) * scale.double() + 2**-8 * ref.abs()
+        assert bool(((y.double() - ref).abs() <= bound + 1e-30).all())
+    else:
+        assert_tiles_product(y, x, dense, b)
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])
+def test_amx_tile_rows_do_not_depend_on_the_rows_beside_them_or_the_threads(builds, mode: str) -> None:  # noqa: ANN001
+    """A row's tile sums are its own: 40 rows on two threads (each taking some of 7 panels, one of them paired with
+    itself) give the bits of one thread, and rows 8-31 alone (a block of 24: a whole A tile and a part of one) the
+    bits they have among the 40."""
+    if "amx" not in builds:
+        pytest.skip("no AMX build here (a CPU or OS without AMX tiles)")
+    ops = builds["amx"]
+    g = torch.Generator().manual_seed(2)
+    W, x = torch.randn(100, 256, generator=g), torch.randn(40, 256, generator=g).bfloat16()
+    packed, qparams = (ops.pack(W.bfloat16()), None) if mode == "bfloat16" else quantized(mode, W, 32, ops)[:2]
+    one = ops.linear(x, packed, qparams, None, 100)
+    block = ops.linear(x[8:32], packed, qparams, None, 100)
+    torch.set_num_threads(2)  # the one_thread fixture restores the count after
+    assert torch.equal(ops.linear(x, packed, qparams, None, 100), one) and torch.equal(block, one[8:32])
 
 
 def test_bf16_outputs_do_not_depend_on_how_the_threads_split_the_panels(ops) -> None:  # noqa: ANN001
@@ -231,17 +310,21 @@ def test_bf16_outputs_do_not_depend_on_how_the_threads_split_the_panels(ops) -> 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_integer_kernels_round_each_row_alone_whatever_the_threads(ops, mode: str) -> None:  # noqa: ANN001
     """Each row of x is rounded to integers on its own, rows split over the threads when there are many: a row's
-    output is the same to the bit in a 48-row call on two threads as alone on one; a row with an inf gives NaNs
-    and leaves the others as they were; a row of zeros gives the bias (int8: K = 1030 reaches the 8-wide tail)."""
+    output is the same to the bit in a 48-row call on two threads as alone on one; a row with an inf gives no
+    finite output and leaves the others as they were; a row of zeros gives the bias (int8: K = 1030 reaches the
+    8-wide tail)."""
     g = torch.Generator().manual_seed(0)
     K = 1024 if mode == "int4" else 1030
     W, x, b = torch.randn(40, K, generator=g), torch.randn(48, K, generator=g), torch.randn(40, generator=g)
     x[5, 100], x[7] = float("inf"), 0.0
     packed, qparams, _ = quantized(mode, W, 32, ops)
-    alone = torch.cat([ops.linear(x[m:m + 1], packed, qparams, b, 40) for m in range(48)])
+    # alone: one row a call, or on the AMX build's tiles as few rows as they take (a block of 24 or 12)
+    step = TILE_ROWS[mode] if tiles(ops, x, mode) else 1
+    alone = torch.cat([ops.linear(x[m:m + step], packed, qparams, b, 40) for m in range(0, 48, step)])
     torch.set_num_threads(2)  # the one_thread fixture restores the count after
     together = ops.linear(x, packed, qparams, b, 40)
-    assert bool(together[5].isnan().all()) and torch.equal(together[7], b)
+    # an inf makes the integer kernels' row scale NaN, and the tiles' float sums +-inf: never a finite value
+    assert not bool(together[5].isfinite().any()) and torch.equal(together[7], b)
     others = [m for m in range(48) if m != 5]
     assert torch.equal(together[others], alone[others])
 

@@ -10,12 +10,14 @@ int4 base weight unpacked straight into fp32/bf16 blocks (`gptlab.qlora`). All a
 (`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4
 micro-kernels, `exp_fast.h` the vectorizable exp).
 
-The sources are built three times, one library each (`kernel_builds()` lists those this machine runs):
+The sources are built up to four times, one library each (`kernel_builds()` lists those this machine runs):
 `avx2_ops()` (AVX2 + FMA, torch.ops.gptlab_avx2), `avxvnni_ops()` (the same with AVX-VNNI's 256-bit byte dot
-products for int4, torch.ops.gptlab_avxvnni: Alder Lake, Zen 5 and later) and `avx512_ops()` (AVX-512 F/BW/VL/DQ
-with VNNI integer and BF16 dot products, torch.ops.gptlab_avx512: Zen 4, Sapphire Rapids and later). All read the
-same packed weights, so a weight packed once runs on any; int8/int4 outputs are equal to the bit, bf16/fp32 ones
-within fp32 rounding.
+products for int4, torch.ops.gptlab_avxvnni: Alder Lake, Zen 5 and later), `avx512_ops()` (AVX-512 F/BW/VL/DQ
+with VNNI integer and BF16 dot products, torch.ops.gptlab_avx512: Zen 4, Sapphire Rapids and later) and
+`amx_ops()` (the AVX-512 build whose products of 8 rows or more run on AMX tiles, `amx_tiles.h`,
+torch.ops.gptlab_amx: Sapphire Rapids and later Xeons). All read the same packed weights, so a weight packed once
+runs on any; int8/int4 outputs are equal to the bit across the first three, bf16/fp32 ones within fp32 rounding;
+the AMX build's tiles multiply int8/int4 weights widened to bf16 by x in bf16 (see amx_tiles.h).
 Which build (or PyTorch) serves each kind of weight is measured once per machine by `gptlab.kernels.dispatch`.
 
 The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
@@ -26,6 +28,7 @@ warning, and callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns t
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -51,6 +54,7 @@ AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AV
 # server with BF16 (Cooper Lake), Sapphire Rapids and later have all of them
 AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
 AVXVNNI_FLAGS = [*AVX2_FLAGS, "-mavxvnni"]
+AMX_FLAGS = [*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16"]  # the AVX-512 build plus the tile unit's bf16 products
 AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
                               "avx512_bf16"})
 
@@ -73,6 +77,20 @@ def cpu_has_avxvnni() -> bool:
 def cpu_has_avx512() -> bool:
     """Whether this CPU runs the AVX-512 build: F/BW/VL/DQ with VNNI and BF16."""
     return _x86() and AVX512_CPU_FLAGS <= cpu_flags()
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this process may run the AMX build: the AVX-512 build's flags, AMX-TILE and AMX-BF16, and Linux's
+    permission to use the tile data (asked for once; a kernel or hypervisor that refuses it means no)."""
+    if not (cpu_has_avx512() and {"amx_tile", "amx_bf16"} <= cpu_flags() and platform.system() == "Linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): granted once for the whole process
+        return libc.syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 @functools.cache
@@ -141,10 +159,20 @@ def avx512_ops() -> Any | None:
     return _build("gptlab_avx512", "AVX-512", AVX512_FLAGS)
 
 
+@functools.cache
+def amx_ops() -> Any | None:
+    """torch.ops.gptlab_amx: the AVX-512 build whose products of 8 rows or more run on the tile unit (AMX: Sapphire
+    Rapids and later Xeons; amx_tiles.h); None where the CPU or the OS does not offer AMX, or as `avx512_ops()`."""
+    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_amx():
+        return None
+    return _build("gptlab_amx", "AMX", AMX_FLAGS)
+
+
 def kernel_builds() -> dict[str, Any]:
-    """Every build of the kernels this machine can execute, by name ("avx2", "avxvnni", "avx512"), each built on
-    first use. A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout)."""
-    builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops()}
+    """Every build of the kernels this machine can execute, by name ("avx2", "avxvnni", "avx512", "amx"), each
+    built on first use. A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one
+    layout)."""
+    builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops(), "amx": amx_ops()}
     return {name: ops for name, ops in builds.items() if ops is not None}
 
 

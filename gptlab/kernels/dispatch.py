@@ -2,7 +2,7 @@
 the CPU's vector unit.
 
 For each kind of weight (bf16, fp32, int8, int4) the candidates are gptlab's own builds that this CPU can execute
-(`gptlab.kernels.kernel_builds`: AVX2, AVX-VNNI, AVX-512) and PyTorch's path for that kind (oneDNN's packed bf16
+(`gptlab.kernels.kernel_builds`: AVX2, AVX-VNNI, AVX-512, AMX) and PyTorch's path for that kind (oneDNN's packed bf16
 product where it works, else `F.linear`; MKL on a transposed fp32 weight; `_weight_int8pack_mm`;
 `_weight_int4pack_mm_for_cpu`).
 A short probe (a fraction of a second a kind, on first use) times each on decoding-shaped products (768 x 2304
@@ -15,7 +15,7 @@ Measured on an AMD Zen 4 (AVX-512): the old rule "AVX-512 CPUs keep oneDNN and P
 weight-only kernels" lost 1.3-2.5x at batch 1; at batch 32 oneDNN's bf16 product still wins there
 (benchmarks/kernel_throughput.py prints each path's speed on any machine).
 
-`GPTLAB_KERNEL=torch|avx2|avxvnni|avx512` overrides the choice (for comparisons and tests: a build the CPU cannot
+`GPTLAB_KERNEL=torch|avx2|avxvnni|avx512|amx` overrides the choice (for comparisons and tests: a build the CPU cannot
 run falls back to the probe's choice); `GPTLAB_NO_KERNELS=1` keeps PyTorch's paths everywhere.
 """
 

@@ -5,9 +5,10 @@
 // Decoding multiplies a few activation rows (M = the batch) by every weight matrix once per token, so the work is
 // reading the weights: the kernel must stream them at memory speed and do its arithmetic in fp32 on the way.
 //
-// Built three times (gptlab/kernels/__init__.py): for AVX2 + FMA (torch.ops.gptlab_avx2), AVX2 + AVX-VNNI
-// (torch.ops.gptlab_avxvnni) and AVX-512 with VNNI and BF16 (torch.ops.gptlab_avx512: see linear_avx2.h); one packing
-// layout, so a weight packed by any of them runs on all.
+// Built up to four times (gptlab/kernels/__init__.py): for AVX2 + FMA (torch.ops.gptlab_avx2), AVX2 + AVX-VNNI
+// (torch.ops.gptlab_avxvnni), AVX-512 with VNNI and BF16 (torch.ops.gptlab_avx512: see linear_avx2.h) and AVX-512 +
+// AMX (torch.ops.gptlab_amx: 8 rows or more of bf16 x on the tile unit, amx_tiles.h); one packing layout, so a
+// weight packed by any of them runs on all.
 //
 // * `pack(W)`: W (N, K), bf16 or fp32, re-laid out once per model as panels of 16 output rows: (ceil(N/16), K, 16),
 //   zero-padded. fp32: one panel's column k is 16 consecutive values; bf16: column pairs, each output's
@@ -34,6 +35,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "amx_tiles.h"
 #include "dense_tiles.h"
 #include "input_quant.h"
 #include "int4_tiles.h"
@@ -75,11 +77,13 @@ struct OnePanel {  // kernels that take one panel per call
 template <typename W>
 struct Dense {
   static constexpr int kRows = kTile;
+  static constexpr bool kTiles = std::is_same_v<W, at::BFloat16>;  // bf16 panels are the AMX tiles' layout
   const W* data;
   int64_t K;
   const float* x;             // (M, K)
   const at::BFloat16* xb;     // x as it came in bf16 (M, K), or null
   int64_t M;
+  const W* tile_panel(int64_t p, at::BFloat16*) const { return data + p * K * kPanel; }
   // two panels per call where AVX-512 BF16 dot products run (bf16 x against bf16 weights) on more than one row;
   // one row keeps tile1's four chains over one panel, which stream a matrix-vector product faster
   bool paired() const {
@@ -138,10 +142,17 @@ struct Dense {
 };
 
 struct Int8 : OnePanel<kTile> {
+  static constexpr bool kTiles = true;
   const int8_t* data;
   int64_t K;
   const int16_t* xq;    // (M, K)
   const float* xscale;  // (M,)
+#if defined(GPTLAB_AMX)
+  const at::BFloat16* tile_panel(int64_t p, at::BFloat16* scratch) const {
+    GPTLAB_NS::amx_tiles::widen_int8(data + p * K * kPanel, K, scratch);
+    return scratch;
+  }
+#endif
   void run(int rows, int64_t m, int64_t p, int, float out[][kPanel]) const {
     const int8_t* panel = data + p * K * kPanel;
     const int16_t* xm = xq + m * K;
@@ -163,6 +174,13 @@ struct Int4 : OnePanel<GPTLAB_NS::int4_tiles::kRows> {
   const int8_t* xq;   // (M, K)
   const float* d;     // (M, K / 32): each block's scale
   const float* msum;  // (M, G): per group, the sum over its blocks of d * (sum of xq)
+  static constexpr bool kTiles = true;
+#if defined(GPTLAB_AMX)
+  const at::BFloat16* tile_panel(int64_t p, at::BFloat16* scratch) const {
+    GPTLAB_NS::amx_tiles::widen_int4(data + p * (K / 2) * kPanel, qparams + p * G * 2 * kPanel, K, G, scratch);
+    return scratch;
+  }
+#endif
   void run(int rows, int64_t m, int64_t p, int, float out[][kPanel]) const {
     using GPTLAB_NS::int4_tiles::tile;
     const uint8_t* panel = data + p * (K / 2) * kPanel;
@@ -192,13 +210,37 @@ inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
 // y (M, N) = x (M, K) @ W.T, times the per-row scales `row_scale` (int8; null otherwise), plus bias. `part`: this
 // thread's share of the panels when the caller runs its own threads (the decode step's), else all of them over
-// torch's pool
+// torch's pool. `tiles`: x in bf16 padded to whole tiles where the AMX build's tile unit runs the product, else null
 template <typename Weight, typename O, typename B>
 void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, const B* bias, int64_t N, O* y,
-                 GPTLAB_NS::Part part) {
+                 GPTLAB_NS::Part part, const at::BFloat16* tiles) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   static_assert(Weight::kRows <= kOutRows, "a micro-kernel's output must fit `out`");
+  // rows m.. of y at panels p.., from `rows` rows of sums `out` (row r's panel j at out + (span * r + j) * ld)
+  auto store = [&](int64_t m, int64_t p, int64_t rows, int64_t span, const float* out, int64_t ld) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < span; ++j) {
+        const int64_t n0 = (p + j) * kPanel, cols = std::min(kPanel, N - n0);
+        const float* src = out + (span * r + j) * ld;
+        O* dst = y + (m + r) * N + n0;
+        for (int64_t c = 0; c < cols; ++c)
+          dst[c] = static_cast<O>(src[c] * (row_scale ? row_scale[n0 + c] : 1.0f) +
+                                  (bias ? to_float(bias[n0 + c]) : 0.0f));
+      }
+  };
   auto run = [&](int64_t p0, int64_t p1) {
+#if defined(GPTLAB_AMX)
+    if constexpr (Weight::kTiles) {
+      if (tiles) {  // the tiles' sums come two panels wide: row r's panel j at c + 2 * 16 r + 16 j
+        auto panel = [&](int64_t p, at::BFloat16* scratch) { return w.tile_panel(p, scratch); };
+        return GPTLAB_NS::amx_tiles::run(tiles, M, K, p0, p1, panel,
+                                         [&](int64_t m, int64_t p, int64_t rows, int span, const float* c) {
+                                           for (int64_t r = 0; r < rows; ++r)
+                                             store(m + r, p, 1, span, c + 2 * kPanel * r, kPanel);
+                                         });
+      }
+    }
+#endif
     float out[kOutRows][kPanel];
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
@@ -208,15 +250,7 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
         for (int64_t m = m0; m < m1; m += per_call) {
           const int rows = static_cast<int>(std::min<int64_t>(per_call, m1 - m));
           w.run(rows, m, p, static_cast<int>(span), out);
-          for (int r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < span; ++j) {
-              const int64_t n0 = (p + j) * kPanel, cols = std::min(kPanel, N - n0);
-              const float* src = out[span * r + j];
-              O* dst = y + (m + r) * N + n0;
-              for (int64_t c = 0; c < cols; ++c)
-                dst[c] = static_cast<O>(src[c] * (row_scale ? row_scale[n0 + c] : 1.0f) +
-                                        (bias ? to_float(bias[n0 + c]) : 0.0f));
-            }
+          store(m, p, rows, span, out[0], kPanel);
         }
       }
     }
@@ -229,21 +263,21 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
 // the output and bias dtypes (each bf16 or fp32) picked at run time
 template <typename Weight>
 void dispatch(int64_t M, int64_t K, const Weight& w, const float* row_scale, const at::Tensor& bias, int64_t N,
-              void* y, bool bf16_out, GPTLAB_NS::Part part) {
+              void* y, bool bf16_out, GPTLAB_NS::Part part, const at::BFloat16* tiles = nullptr) {
   auto* yb = static_cast<at::BFloat16*>(y);
   auto* yf = static_cast<float*>(y);
   if (!bias.defined()) {
     const float* none = nullptr;
-    if (bf16_out) linear_impl(M, K, w, row_scale, none, N, yb, part);
-    else linear_impl(M, K, w, row_scale, none, N, yf, part);
+    if (bf16_out) linear_impl(M, K, w, row_scale, none, N, yb, part, tiles);
+    else linear_impl(M, K, w, row_scale, none, N, yf, part, tiles);
   } else if (bias.scalar_type() == at::kBFloat16) {
     const auto* b = bias.data_ptr<at::BFloat16>();
-    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb, part);
-    else linear_impl(M, K, w, row_scale, b, N, yf, part);
+    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb, part, tiles);
+    else linear_impl(M, K, w, row_scale, b, N, yf, part, tiles);
   } else {
     const auto* b = bias.data_ptr<float>();
-    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb, part);
-    else linear_impl(M, K, w, row_scale, b, N, yf, part);
+    if (bf16_out) linear_impl(M, K, w, row_scale, b, N, yb, part, tiles);
+    else linear_impl(M, K, w, row_scale, b, N, yf, part, tiles);
   }
 }
 
@@ -336,22 +370,33 @@ void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, cons
              const c10::optional<at::Tensor>& qparams, const at::Tensor& b, int64_t N, void* y, bool bf16_out,
              GPTLAB_NS::Part part = {}) {
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
+  // the AMX build: x in bf16, zero-padded to whole tiles of 16 rows, for the tile unit. Integer weights take fp32 x
+  // rounded to bf16 (their other kernels round it coarser or as coarse: to 16-bit fixed point or 8-bit blocks);
+  // bf16 weights only x that came in bf16 (fp32 x keeps its fp32 products)
+  std::vector<at::BFloat16> tiles;
+#if defined(GPTLAB_AMX)
+  if ((xb || int8 || int4) && GPTLAB_NS::amx_tiles::applies(M, K, packed.scalar_type())) {
+    tiles.assign((M + 15) / 16 * 16 * K, at::BFloat16(0.0f));
+    for (int64_t i = 0; i < M * K; ++i) tiles[i] = xb ? xb[i] : static_cast<at::BFloat16>(xp[i]);
+  }
+#endif
+  const at::BFloat16* xt = tiles.empty() ? nullptr : tiles.data();
   if (int8) {
-    std::vector<int16_t> xq(M * K);
+    std::vector<int16_t> xq(xt ? 0 : M * K);
     std::vector<float> xscale(M);
-    quantize_rows(xp, M, K, xq.data(), xscale.data());
+    if (!xt) quantize_rows(xp, M, K, xq.data(), xscale.data());
     dispatch(M, K, Int8{{}, packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b,
-             N, y, bf16_out, part);
+             N, y, bf16_out, part, xt);
   } else if (int4) {
     const int64_t G = qparams->size(1);
-    std::vector<int8_t> xq(M * K);
-    std::vector<float> d(M * K / GPTLAB_NS::int4_tiles::kBlock), msum(M * G);
-    quantize_blocks(xp, M, K, K / G, xq.data(), d.data(), msum.data());
+    std::vector<int8_t> xq(xt ? 0 : M * K);
+    std::vector<float> d(xt ? 0 : M * K / GPTLAB_NS::int4_tiles::kBlock), msum(xt ? 0 : M * G);
+    if (!xt) quantize_blocks(xp, M, K, K / G, xq.data(), d.data(), msum.data());
     dispatch(M, K, Int4{{}, packed.data_ptr<uint8_t>(), qparams->data_ptr<at::Half>(), K, G, xq.data(), d.data(),
-                        msum.data()}, nullptr, b, N, y, bf16_out, part);
+                        msum.data()}, nullptr, b, N, y, bf16_out, part, xt);
   } else if (packed.scalar_type() == at::kBFloat16) {
     dispatch(M, K, Dense<at::BFloat16>{packed.data_ptr<at::BFloat16>(), K, xp, xb, M}, nullptr, b, N, y, bf16_out,
-             part);
+             part, xt);
   } else {
     dispatch(M, K, Dense<float>{packed.data_ptr<float>(), K, xp, nullptr, M}, nullptr, b, N, y, bf16_out, part);
   }

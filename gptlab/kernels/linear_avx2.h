@@ -2,8 +2,8 @@
 // which build this is, and `linear`, y = x @ W.T + bias over a packed weight (decode_step.cpp's step calls
 // `linear_part`, the same over raw rows, a thread's share of it).
 //
-// The same sources are compiled three times (gptlab/kernels/__init__.py): with AVX2 + FMA, with AVX2 + AVX-VNNI,
-// and with AVX-512 (F/BW/VL/DQ + VNNI + BF16). The compiler's own macros pick the build: the AVX-512 one registers
+// The same sources are compiled up to four times (gptlab/kernels/__init__.py): with AVX2 + FMA, with AVX2 +
+// AVX-VNNI, with AVX-512 (F/BW/VL/DQ + VNNI + BF16), and with AVX-512 + AMX. The compiler's own macros pick the build: the AVX-512 one registers
 // its operators as torch.ops.gptlab_avx512 and keeps its C++ in namespace gptlab_avx512 (GPTLAB_NS), so all the
 // libraries can be loaded in one process without sharing a symbol. All read the same packed weights (one `pack`).
 #pragma once
@@ -18,7 +18,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
     defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #define GPTLAB_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GPTLAB_AMX 1  // the AVX-512 build with the tile unit's bf16 products for many rows (amx_tiles.h)
+#define GPTLAB_NS gptlab_amx
+#else
 #define GPTLAB_NS gptlab_avx512
+#endif
 #elif defined(__AVXVNNI__)
 #define GPTLAB_AVXVNNI 1  // the AVX2 build with AVX-VNNI's 256-bit byte dot products (int4's vpdpbusd)
 #define GPTLAB_NS gptlab_avxvnni
