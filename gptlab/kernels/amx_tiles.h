@@ -107,9 +107,9 @@ inline void store_bf16(at::BFloat16* out, __m512 lo, __m512 hi) {
 // an int8 panel (K / 2 pairs of 16 outputs, pack_int8's) in bf16, value for value
 inline void widen_int8(const int8_t* q, int64_t K, at::BFloat16* out) {
   for (int64_t i = 0; i < K * kPanel; i += 32) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
-    const __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i + 16))));
+    const auto* at = reinterpret_cast<const __m128i*>(q + i);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
     store_bf16(out + i, lo, hi);
   }
 }
