@@ -1,5 +1,6 @@
 """Linear kernels on decoding shapes: each gptlab kernel build (`gptlab.kernels.kernel_builds()`: AVX2, AVX-VNNI,
-AVX-512, AMX) against PyTorch's paths, on the weight matrices of GPT-2 124M and SmolLM2-135M, batch 1 and 32, bf16/int8/int4.
+AVX-512, AMX) against PyTorch's paths, on the weight matrices of GPT-2 124M and SmolLM2-135M, batch 1 and 32,
+bf16/int8/int4.
 
     python benchmarks/kernel_throughput.py [--threads 2] [--rounds 5] [--models gpt2,smollm2] [--batches 1,32]
 
