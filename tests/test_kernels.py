@@ -2,7 +2,8 @@
 AVX2 + AVX-VNNI, AVX-512, AMX; a build that is absent here is skipped): each against float64 matmuls (int4: against
 llama.cpp's q8_0 rounding of the activations computed here from the maths), and the builds against each other on
 the same packed weights (one layout: int8/int4 to the bit, bf16/fp32 within fp32 rounding). The AMX build's tiles
-(8 rows or more of bf16 x) multiply the weights widened to bf16: they are checked against that product.
+(products of TILE_ROWS rows or more) multiply x in bf16 by the weights widened to bf16: they are checked against
+that product.
 
 Tolerances: the kernel accumulates in fp32 and rounds once, so fp32 outputs are within ~1e-5 of float64 (relative
 to the largest output) and bf16 ones within one bf16 rounding (2**-8 relative)."""
@@ -240,8 +241,8 @@ def assert_tiles_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, 
     rounded once to x's dtype."""
     wide, x = dense.bfloat16().double(), x.bfloat16().double()
     ref = x @ wide.T + (b.double() if b is not None else 0)
-    magnitude = x.double().abs() @ wide.abs().T
-    bound = x.shape[-1] * 2**-24 * magnitude + 2**-8 * ref.abs() + 2**-8 * (x.double().abs() @ dense.double().abs().T
+    magnitude = x.abs() @ wide.abs().T
+    bound = x.shape[-1] * 2**-24 * magnitude + 2**-8 * ref.abs() + 2**-8 * (x.abs() @ dense.double().abs().T
                                                                            * (dense.dtype != torch.bfloat16))
     assert bool(((y.double() - ref).abs() <= bound + 1e-30).all())
 
@@ -251,9 +252,9 @@ def assert_tiles_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, 
        mode=st.sampled_from(["bfloat16", "int8", "int4"]), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_amx_tiles_multiply_the_weight_widened_to_bf16(builds, M: int, N: int, steps: int, group: int,  # noqa: ANN001
                                                        mode: str, bias: bool, seed: int) -> None:
-    """The AMX build's tiles (8 or more rows of bf16 x; one or two A tiles, a partial last one zero-padded; odd
-    panel counts; int4 groups of one or two tile steps): x times the weight widened to bf16 (bf16 as packed, int8
-    exact, int4 q * s + m rounded once), summed in fp32, rounded once to bf16."""
+    """The AMX build's tiles (TILE_ROWS rows of bf16 x or more; one or two A tiles, a partial last one
+    zero-padded; odd panel counts; int4 groups of one or two tile steps): x times the weight widened to bf16 (bf16
+    as packed, int8 exact, int4 q * s + m rounded once), summed in fp32, rounded once to bf16."""
     if "amx" not in builds:
         pytest.skip("no AMX build here (a CPU or OS without AMX tiles)")
     ops = builds["amx"]
@@ -281,8 +282,8 @@ def test_amx_tiles_multiply_the_weight_widened_to_bf16(builds, M: int, N: int, s
 @pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])
 def test_amx_tile_rows_do_not_depend_on_the_rows_beside_them_or_the_threads(builds, mode: str) -> None:  # noqa: ANN001
     """A row's tile sums are its own: 40 rows on two threads (each taking some of 7 panels, one of them paired with
-    itself) give the bits of one thread, and rows 8-31 alone (a block of 24: a whole A tile and a part of one) the
-    bits they have among the 40."""
+    itself) give the bits of one thread, rows 8-31 alone (a block of 24: a whole A tile and a part of one, copied
+    with zero padding) the bits they have among the 40, and rows 8-39 alone (32: bf16 x read in place) too."""
     if "amx" not in builds:
         pytest.skip("no AMX build here (a CPU or OS without AMX tiles)")
     ops = builds["amx"]
@@ -290,9 +291,10 @@ def test_amx_tile_rows_do_not_depend_on_the_rows_beside_them_or_the_threads(buil
     W, x = torch.randn(100, 256, generator=g), torch.randn(40, 256, generator=g).bfloat16()
     packed, qparams = (ops.pack(W.bfloat16()), None) if mode == "bfloat16" else quantized(mode, W, 32, ops)[:2]
     one = ops.linear(x, packed, qparams, None, 100)
-    block = ops.linear(x[8:32], packed, qparams, None, 100)
+    block, whole = ops.linear(x[8:32], packed, qparams, None, 100), ops.linear(x[8:40], packed, qparams, None, 100)
     torch.set_num_threads(2)  # the one_thread fixture restores the count after
     assert torch.equal(ops.linear(x, packed, qparams, None, 100), one) and torch.equal(block, one[8:32])
+    assert torch.equal(whole, one[8:40])
 
 
 def test_bf16_outputs_do_not_depend_on_how_the_threads_split_the_panels(ops) -> None:  # noqa: ANN001

@@ -14,7 +14,7 @@ The sources are built up to four times, one library each (`kernel_builds()` list
 `avx2_ops()` (AVX2 + FMA, torch.ops.gptlab_avx2), `avxvnni_ops()` (the same with AVX-VNNI's 256-bit byte dot
 products for int4, torch.ops.gptlab_avxvnni: Alder Lake, Zen 5 and later), `avx512_ops()` (AVX-512 F/BW/VL/DQ
 with VNNI integer and BF16 dot products, torch.ops.gptlab_avx512: Zen 4, Sapphire Rapids and later) and
-`amx_ops()` (the AVX-512 build whose products of 8 rows or more run on AMX tiles, `amx_tiles.h`,
+`amx_ops()` (the AVX-512 build whose products of many rows run on AMX tiles, `amx_tiles.h`,
 torch.ops.gptlab_amx: Sapphire Rapids and later Xeons). All read the same packed weights, so a weight packed once
 runs on any; int8/int4 outputs are equal to the bit across the first three, bf16/fp32 ones within fp32 rounding;
 the AMX build's tiles multiply int8/int4 weights widened to bf16 by x in bf16 (see amx_tiles.h).
@@ -162,8 +162,9 @@ def avx512_ops() -> Any | None:
 
 @functools.cache
 def amx_ops() -> Any | None:
-    """torch.ops.gptlab_amx: the AVX-512 build whose products of 8 rows or more run on the tile unit (AMX: Sapphire
-    Rapids and later Xeons; amx_tiles.h); None where the CPU or the OS does not offer AMX, or as `avx512_ops()`."""
+    """torch.ops.gptlab_amx: the AVX-512 build whose products of many rows (bf16 from 8, int8 from 12, int4 from 24)
+    run on the tile unit (AMX: Sapphire Rapids and later Xeons; amx_tiles.h); None where the CPU or the OS does not
+    offer AMX, or as `avx512_ops()`."""
     if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_amx():
         return None
     return _build("gptlab_amx", "AMX", AMX_FLAGS)

@@ -151,7 +151,7 @@ inline void widen_int4(const uint8_t* q, const at::Half* qp, int64_t K, int64_t 
   }
 }
 
-// the panels [p0, p1) of y = x @ W.T for x (M rows, bf16, zero-padded to a multiple of 16 rows) through the tiles.
+// the panels [p0, p1) of y = x @ W.T for x (M rows, bf16, in whole tiles: a multiple of 16 rows) through the tiles.
 // `panel(p, scratch)`: panel p in bf16 pairs (the packed weight itself, or widened into scratch, K * 16 values);
 // `store(m, p, rows, span, c)`: c's rows (32 fp32 apart: span panels of 16 outputs) are y's rows m.. at panel p..
 template <typename Panel, typename Store>

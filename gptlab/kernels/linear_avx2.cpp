@@ -7,8 +7,8 @@
 //
 // Built up to four times (gptlab/kernels/__init__.py): for AVX2 + FMA (torch.ops.gptlab_avx2), AVX2 + AVX-VNNI
 // (torch.ops.gptlab_avxvnni), AVX-512 with VNNI and BF16 (torch.ops.gptlab_avx512: see linear_avx2.h) and AVX-512 +
-// AMX (torch.ops.gptlab_amx: 8 rows or more of bf16 x on the tile unit, amx_tiles.h); one packing layout, so a
-// weight packed by any of them runs on all.
+// AMX (torch.ops.gptlab_amx: products of many rows on the tile unit, amx_tiles.h); one packing layout, so a weight
+// packed by any of them runs on all.
 //
 // * `pack(W)` (packing.cpp, as the two below): W (N, K), bf16 or fp32, re-laid out once per model as panels of 16
 //   output rows: (ceil(N/16), K, 16), zero-padded. fp32: one panel's column k is 16 consecutive values; bf16:
@@ -216,12 +216,12 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
                  GPTLAB_NS::Part part, const at::BFloat16* tiles) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   static_assert(Weight::kRows <= kOutRows, "a micro-kernel's output must fit `out`");
-  // rows m.. of y at panels p.., from `rows` rows of sums `out` (row r's panel j at out + (span * r + j) * ld)
+  // rows m.. of y at panels p.., from `rows` rows of sums `out` (row r's panel j at out + r * ld + 16 j)
   auto store = [&](int64_t m, int64_t p, int64_t rows, int64_t span, const float* out, int64_t ld) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < span; ++j) {
         const int64_t n0 = (p + j) * kPanel, cols = std::min(kPanel, N - n0);
-        const float* src = out + (span * r + j) * ld;
+        const float* src = out + r * ld + j * kPanel;
         O* dst = y + (m + r) * N + n0;
         for (int64_t c = 0; c < cols; ++c)
           dst[c] = static_cast<O>(src[c] * (row_scale ? row_scale[n0 + c] : 1.0f) +
@@ -231,12 +231,11 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
   auto run = [&](int64_t p0, int64_t p1) {
 #if defined(GPTLAB_AMX)
     if constexpr (Weight::kTiles) {
-      if (tiles) {  // the tiles' sums come two panels wide: row r's panel j at c + 2 * 16 r + 16 j
+      if (tiles) {  // the tiles' sums come two panels wide whatever the span: rows 2 * 16 values apart
         auto panel = [&](int64_t p, at::BFloat16* scratch) { return w.tile_panel(p, scratch); };
         return GPTLAB_NS::amx_tiles::run(tiles, M, K, p0, p1, panel,
                                          [&](int64_t m, int64_t p, int64_t rows, int span, const float* c) {
-                                           for (int64_t r = 0; r < rows; ++r)
-                                             store(m + r, p, 1, span, c + 2 * kPanel * r, kPanel);
+                                           store(m, p, rows, span, c, 2 * kPanel);
                                          });
       }
     }
@@ -250,7 +249,7 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
         for (int64_t m = m0; m < m1; m += per_call) {
           const int rows = static_cast<int>(std::min<int64_t>(per_call, m1 - m));
           w.run(rows, m, p, static_cast<int>(span), out);
-          store(m, p, rows, span, out[0], kPanel);
+          store(m, p, rows, span, out[0], span * kPanel);
         }
       }
     }
@@ -314,17 +313,23 @@ void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, cons
              const c10::optional<at::Tensor>& qparams, const at::Tensor& b, int64_t N, void* y, bool bf16_out,
              GPTLAB_NS::Part part = {}) {
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
-  // the AMX build: x in bf16, zero-padded to whole tiles of 16 rows, for the tile unit. Integer weights take fp32 x
-  // rounded to bf16 (their other kernels round it coarser or as coarse: to 16-bit fixed point or 8-bit blocks);
-  // bf16 weights only x that came in bf16 (fp32 x keeps its fp32 products)
-  std::vector<at::BFloat16> tiles;
+  // the AMX build: x in bf16 in whole tiles of 16 rows, for the tile unit (bf16 x of whole tiles as it is, else a
+  // zero-padded copy). Integer weights take fp32 x rounded to bf16 (their other kernels round it coarser or as
+  // coarse: to 16-bit fixed point or 8-bit blocks); bf16 weights only x that came in bf16 (fp32 x keeps its fp32
+  // products)
+  std::vector<at::BFloat16> padded;
+  const at::BFloat16* xt = nullptr;
 #if defined(GPTLAB_AMX)
   if ((xb || int8 || int4) && GPTLAB_NS::amx_tiles::applies(M, K, packed.scalar_type())) {
-    tiles.assign((M + 15) / 16 * 16 * K, at::BFloat16(0.0f));
-    for (int64_t i = 0; i < M * K; ++i) tiles[i] = xb ? xb[i] : static_cast<at::BFloat16>(xp[i]);
+    if (xb && M % 16 == 0) {
+      xt = xb;
+    } else {
+      padded.assign((M + 15) / 16 * 16 * K, at::BFloat16(0.0f));
+      for (int64_t i = 0; i < M * K; ++i) padded[i] = xb ? xb[i] : static_cast<at::BFloat16>(xp[i]);
+      xt = padded.data();
+    }
   }
 #endif
-  const at::BFloat16* xt = tiles.empty() ? nullptr : tiles.data();
   if (int8) {
     std::vector<int16_t> xq(xt ? 0 : M * K);
     std::vector<float> xscale(M);

@@ -3,9 +3,10 @@
 // `linear_part`, the same over raw rows, a thread's share of it).
 //
 // The same sources are compiled up to four times (gptlab/kernels/__init__.py): with AVX2 + FMA, with AVX2 +
-// AVX-VNNI, with AVX-512 (F/BW/VL/DQ + VNNI + BF16), and with AVX-512 + AMX. The compiler's own macros pick the build: the AVX-512 one registers
-// its operators as torch.ops.gptlab_avx512 and keeps its C++ in namespace gptlab_avx512 (GPTLAB_NS), so all the
-// libraries can be loaded in one process without sharing a symbol. All read the same packed weights (one `pack`).
+// AVX-VNNI, with AVX-512 (F/BW/VL/DQ + VNNI + BF16), and with AVX-512 + AMX. The compiler's own macros pick the
+// build: the AVX-512 one registers its operators as torch.ops.gptlab_avx512 and keeps its C++ in namespace
+// gptlab_avx512 (GPTLAB_NS), so all the libraries can be loaded in one process without sharing a symbol. All read
+// the same packed weights (one `pack`).
 #pragma once
 
 #include <ATen/ATen.h>
