@@ -66,7 +66,11 @@ def document_masks(documents: torch.Tensor, window: int | None) -> tuple[torch.T
 
 
 class KVCache:
-    """Keys and values of every layer, allocated once, plus the number of tokens each row holds."""
+    """Keys and values of every layer, allocated once, plus the number of tokens each row holds.
+
+    `dtype` is how they are stored, `attend_dtype` (default: the same) the dtype `append` hands them to attention
+    in: a bf16 model's keys and values stored in bf16 (exactly: they are bf16 values) and attended in fp32, as in an
+    fp32 cache, from half the memory."""
 
     def __init__(
         self,
@@ -75,8 +79,10 @@ class KVCache:
         max_len: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        attend_dtype: torch.dtype | None = None,
     ) -> None:
         self.max_len = max_len or config.block_size
+        self.attend_dtype = attend_dtype or dtype
         shape = cache_shape(config, batch_size, self.max_len)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, nkv, max_len, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -97,7 +103,7 @@ class KVCache:
         A forward through it reads and writes those rows only, e.g. to prefill a new request's row while other
         rows are mid-generation."""
         view = object.__new__(KVCache)
-        view.max_len = self.max_len
+        view.max_len, view.attend_dtype = self.max_len, self.attend_dtype
         view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
         view.lengths = self.lengths[start:stop]  # a view: advance()'s in-place `+=` updates this cache too
         view._where, view._end = 0, 0
@@ -108,7 +114,7 @@ class KVCache:
         lengths and the keys and values up to the longest one (the rest zero, never NaN: a masked key's value
         still enters attention's sum with weight 0). `scatter` writes back what a forward added."""
         part = object.__new__(KVCache)
-        part.max_len = max_len
+        part.max_len, part.attend_dtype = max_len, self.attend_dtype
         part.lengths = self.lengths[slots].clone()
         held = int(part.lengths.max())
         shape = (self.k.shape[0], len(slots), self.k.shape[2], max_len, self.k.shape[4])
@@ -160,7 +166,7 @@ class KVCache:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer `layer`'s new keys and values (B, nkv, T, hs) at the positions `begin` planned; return
-        the layer's keys and values so far (B, nkv, end, hs), in the cache's dtype."""
+        the layer's keys and values so far (B, nkv, end, hs), in `attend_dtype`."""
         k_buf, v_buf = self.k[layer], self.v[layer]  # (B, nkv, max_len, hs)
         T = k.shape[2]
         if isinstance(self._where, int):  # every row writes at the same positions: a plain slice copy
@@ -170,7 +176,8 @@ class KVCache:
             rows, pos = self._where  # (B, 1), (B, T)
             k_buf[rows, :, pos] = k.transpose(1, 2).to(k_buf.dtype)  # the indexed view is (B, T, nkv, hs)
             v_buf[rows, :, pos] = v.transpose(1, 2).to(v_buf.dtype)
-        return k_buf[:, :, : self._end], v_buf[:, :, : self._end]
+        k, v = k_buf[:, :, : self._end], v_buf[:, :, : self._end]
+        return k.to(self.attend_dtype), v.to(self.attend_dtype)  # (no copy where they are the same)
 
     def advance(self, T: int) -> None:
         """Every row now holds T more tokens (after the forward's last layer)."""

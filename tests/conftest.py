@@ -63,7 +63,7 @@ def one_thread():  # noqa: ANN201
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=["avx2", "avxvnni", "avx512"])
+@pytest.fixture(scope="module", params=["avx2", "avxvnni", "avx512", "amx"])
 def build_name(request: pytest.FixtureRequest) -> str:
     """Each of gptlab's kernel builds this machine runs (built once per machine, cached); a skip saying why where
     a build is not there."""

@@ -43,11 +43,13 @@ def test_supports_every_family_and_refuses_what_it_does_not_know(monkeypatch: py
     assert lean_step_exact(model_of("llama"))  # the switch at its default: nothing is ignored
 
 
-def _steps(model: nn.Module, decode, lengths: list[int], steps: int = 4) -> torch.Tensor:  # noqa: ANN001
-    """Hidden states of `steps` decode steps over rows whose caches hold `lengths` tokens."""
+def _steps(model: nn.Module, decode, lengths: list[int], steps: int = 4,  # noqa: ANN001
+           stored: torch.dtype = torch.float32) -> torch.Tensor:
+    """Hidden states of `steps` decode steps over rows whose caches hold `lengths` tokens (keys and values stored
+    as `stored`, attended in fp32)."""
     torch.manual_seed(1)
     vocab = model.config.vocab_size
-    cache = KVCache(model.config, len(lengths), 32, dtype=torch.float32)
+    cache = KVCache(model.config, len(lengths), 32, dtype=stored, attend_dtype=torch.float32)
     with torch.inference_mode():
         model.hidden_states(torch.randint(0, vocab, (len(lengths), max(lengths))), kv_cache=cache)
         cache.lengths.copy_(torch.tensor(lengths))  # rows of different lengths: per-row positions and masks
@@ -161,10 +163,34 @@ def test_native_step_is_skipped_when_a_norm_has_another_epsilon(on_kernel) -> No
         assert native_decode.weights(model, cache) is None
 
 
-def test_native_step_needs_every_linear_on_the_kernel_and_an_fp32_cache(on_kernel, monkeypatch) -> None:  # noqa: ANN001
-    model = model_of("llama")
+_BF16_CACHE_CASES = ([(f, "bfloat16") for f in ALL_FAMILIES]
+                     + [(f, m) for f in ("gpt2", "llama") for m in ("int8", "int4")])
+
+
+@pytest.mark.parametrize(("family", "weights"), _BF16_CACHE_CASES)
+def test_a_bf16_models_keys_stored_in_bf16_give_the_bits_of_an_fp32_cache(on_kernel, family: str,  # noqa: ANN001
+                                                                           weights: str) -> None:
+    """A bf16 model's keys and values are bf16 values, so a bf16 cache holds them exactly: the C++ step reading
+    bf16, and the lean step and the plain forward (prefill) attending in fp32 after `append` widens them, compute
+    to the bit what they compute over an fp32 cache."""
+    model = model_of(family, torch.bfloat16)
+    if weights != "bfloat16":
+        model = quantize_model(model, weights, 32 if weights == "int4" else None)
     with PackedLinears(model).active():
+        assert native_decode.weights(model, KVCache(model.config, 1, 8, dtype=torch.bfloat16)) is not None
+        for decode in (decode_hidden, lean, plain):
+            want = _steps(model, decode, [7, 2, 12])
+            assert torch.equal(want, _steps(model, decode, [7, 2, 12], stored=torch.bfloat16)), decode
+
+
+def test_native_step_needs_every_linear_on_the_kernel_and_a_cache_it_reads(on_kernel, monkeypatch) -> None:  # noqa: ANN001
+    model = model_of("llama")
+    with PackedLinears(model).active():  # an fp32 model's keys would lose bits in bf16: not that cache
         assert native_decode.weights(model, KVCache(model.config, 1, 8, dtype=torch.bfloat16)) is None
+        assert native_decode.weights(model, KVCache(model.config, 1, 8, dtype=torch.float16)) is None
+    model = model_of("llama", torch.bfloat16)
+    with PackedLinears(model).active():
+        assert native_decode.weights(model, KVCache(model.config, 1, 8, dtype=torch.float16)) is None
     monkeypatch.setenv("GPTLAB_KERNEL", "torch")  # the dispatch keeps PyTorch's paths: no packed gptlab weights
     model = model_of("llama")
     with PackedLinears(model).active():
@@ -282,5 +308,13 @@ def test_engine_with_its_linears_on_a_build_decodes_the_plain_forwards_tokens(bu
     monkeypatch.setenv("GPTLAB_KERNEL", "torch")
     monkeypatch.setattr(engine_module, "decode_path", lambda model, rows, cache_dtype: build_name)
     model = model_of("llama", torch.bfloat16)
-    assert Engine(model, max_batch=3).kernels()["decode step"] == "native C++"
+    engine = Engine(model, max_batch=3)
+    assert engine.kernels()["decode step"] == "native C++"
+    # the C++ step's cache: a bf16 model's keys in bf16, attended in fp32; a cache the caller names is kept
+    assert engine.cache.k.dtype == torch.bfloat16 and engine.cache.attend_dtype == torch.float32
+    assert Engine(model, max_batch=3, cache_dtype=torch.float32).cache.k.dtype == torch.float32
+    idx = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    stored_bf16 = generate(model, idx, 24, temperature=0)
+    monkeypatch.setattr(engine_module, "step_cache_dtype", lambda model, path: torch.float32)
+    assert torch.equal(stored_bf16, generate(model, idx, 24, temperature=0))
     _greedy_with_and_without_the_lean_step(model, monkeypatch)

@@ -51,6 +51,21 @@ def test_rows_fed_together_equal_full_forwards(kind, held, fed):
     assert torch.equal(cache.k[:, 0], before) and int(cache.lengths[0]) == 5
 
 
+def test_a_cache_stored_narrower_than_it_is_attended_in_gives_the_wide_caches_bits() -> None:
+    """A bf16 model's keys stored in bf16 and attended in fp32 (the C++ step's cache): its row views and gathered
+    rows hand attention fp32 keys too, and prefilling through them gives an fp32 cache's bits."""
+    model = tiny_model(seed=5).to(torch.bfloat16)
+    out = {}
+    for stored in (torch.float32, torch.bfloat16):
+        cache = KVCache(model.config, 3, 40, dtype=stored, attend_dtype=torch.float32)
+        assert cache.rows(1, 2).attend_dtype == cache.gather(torch.tensor([2, 0]), 16).attend_dtype == torch.float32
+        with torch.inference_mode():
+            prefill_rows(model, cache, [2], [tokens(1, 9)])
+            out[stored] = prefill_rows(model, cache, [0, 2], [tokens(2, 7), tokens(3, 4)])
+        assert cache.k.dtype == stored
+    assert torch.equal(out[torch.float32], out[torch.bfloat16])
+
+
 @settings(max_examples=200, deadline=None)
 @given(parts=st.lists(st.integers(1, 300), min_size=1, max_size=16), data=st.data())
 def test_padded_groups_take_each_row_once_and_bound_the_padding(parts, data):

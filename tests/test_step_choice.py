@@ -26,7 +26,7 @@ def scripted(tmp_path, monkeypatch: pytest.MonkeyPatch) -> dict:  # noqa: ANN001
     monkeypatch.setattr(step_choice, "busy", lambda: state["busy"])
     monkeypatch.setattr(step_choice, "_TIMED", {})  # this process's answers: none yet
 
-    def time_steps(model, rows, paths):  # noqa: ANN001, ANN202
+    def time_steps(model, rows, paths, cache_dtype=None):  # noqa: ANN001, ANN202
         state["calls"].append(paths)
         return {p: state["times"][p] for p in paths}
 
@@ -67,7 +67,8 @@ def test_pytorchs_path_is_left_out_where_its_copy_would_not_fit(scripted: dict, 
 def test_nothing_is_timed_where_the_native_step_cannot_run_or_a_path_is_forced(scripted: dict,
                                                                              monkeypatch) -> None:  # noqa: ANN001
     model = model_of("llama", torch.bfloat16)
-    assert step_choice.decode_path(model, 16, torch.bfloat16) is None  # the C++ step takes an fp32 cache
+    assert step_choice.decode_path(model_of("llama"), 16, torch.bfloat16) is None  # an fp32 model's keys in bf16
+    assert step_choice.decode_path(model, 16, torch.float16) is None  # the C++ step reads fp32 or a bf16 model's
     quantized = quantize_model(model_of("llama", torch.bfloat16), "int8")  # no plain Linear in the blocks
     assert step_choice.decode_path(quantized, 16, torch.float32) is None
     model.hooks = object()  # hook points set: the plain forward runs
@@ -78,6 +79,20 @@ def test_nothing_is_timed_where_the_native_step_cannot_run_or_a_path_is_forced(s
     monkeypatch.setattr(step_choice, "kernel_builds", dict)  # no build (no compiler, ARM, GPTLAB_NO_KERNELS)
     assert step_choice.decode_path(model_of("llama", torch.bfloat16), 16, torch.float32) is None
     assert scripted["calls"] == []
+
+
+def test_each_path_is_timed_over_the_cache_it_runs_with(scripted: dict, monkeypatch) -> None:  # noqa: ANN001
+    """The C++ step reads a bf16 model's keys from a bf16 cache (exact, half the bytes); the lean step attends over
+    fp32 ones; a cache the caller names is timed as named."""
+    seen = []
+    monkeypatch.setattr(step_choice, "time_steps", lambda model, rows, paths, cache_dtype: seen.append(cache_dtype)
+                        or {p: scripted["times"][p] for p in paths})
+    bf16, fp32 = model_of("llama", torch.bfloat16), model_of("llama")
+    assert step_choice.step_cache_dtype(bf16, "avx512") == torch.bfloat16
+    assert step_choice.step_cache_dtype(bf16, "torch") == step_choice.step_cache_dtype(bf16, None) == torch.float32
+    assert step_choice.step_cache_dtype(fp32, "avx512") == torch.float32
+    assert step_choice.decode_path(bf16, 8) == step_choice.decode_path(bf16, 9, torch.float32) == "avx512"
+    assert seen == [None, torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -57,7 +57,7 @@ from gptlab.generation.request import (
 from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.sampling import TokenCounts
 from gptlab.generation.speculative import DRAFT_TOKENS, Speculator
-from gptlab.generation.step_choice import decode_path
+from gptlab.generation.step_choice import decode_path, step_cache_dtype
 from gptlab.hardware import available_memory
 from gptlab.kernels.dispatch import BATCH
 from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
@@ -109,17 +109,20 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = min(max_len or self.config.block_size, self.config.block_size)
-        cache_dtype = cache_dtype or default_cache_dtype(self.device, self.dtype)
-        check_cache_memory(self.config, max_batch, self.max_len, cache_dtype, self.device)
-        self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device, dtype=cache_dtype)
-        self.slots: list[Generation | None] = [None] * max_batch
-        self._penalties: TokenCounts | None = None  # made when a row first asks for a penalty
         # on CPUs: copies of the Linear weights laid out for faster kernels, used for the engine's own forwards;
         # the model's, made by its first engine and reused by the next (only changed weights are packed again)
         # (not under torch.compile: it cannot trace into the C++ kernels, and compiles its own)
-        # (the Linears on the path whose whole decode step was timed fastest for this model and batch)
-        self._packed = (pack_where_it_helps(model, max_batch, decode_path(model, max_batch, cache_dtype))
-                        if pack_weights and not compile_decode else None)
+        # (the Linears on the path whose whole decode step was timed fastest for this model and batch; the KV cache
+        # stored as that step reads it fastest, attended in the default dtype: `step_cache_dtype`)
+        attend_dtype = cache_dtype or default_cache_dtype(self.device, self.dtype)
+        check_cache_memory(self.config, max_batch, self.max_len, attend_dtype, self.device)  # (before any timing)
+        path = decode_path(model, max_batch, cache_dtype) if pack_weights and not compile_decode else None
+        cache_dtype = cache_dtype or (step_cache_dtype(model, path) if path else attend_dtype)
+        self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device, dtype=cache_dtype,
+                             attend_dtype=attend_dtype)
+        self.slots: list[Generation | None] = [None] * max_batch
+        self._penalties: TokenCounts | None = None  # made when a row first asks for a penalty
+        self._packed = pack_where_it_helps(model, max_batch, path) if pack_weights and not compile_decode else None
         self._lean_step_exact = lean_step_exact(model)  # decode steps skip the general forward's framework time
         # The weights are checked for changes (and packed again) when prompts are prefilled, not before every
         # decode step, and the C++ step's weight list is kept until they change (a per-step walk over every Linear

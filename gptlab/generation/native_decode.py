@@ -72,10 +72,10 @@ def _norm(module: nn.Module | None, eps: float) -> list[torch.Tensor | None] | N
 
 def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
     """Every layer's PER_LAYER tensors in decode_step's order and the Linears' build, or None where the C++ step
-    cannot run this model now (or this cache: it takes fp32 keys and values). The engine gathers it once and again
-    only when packs change; `_modules` / `_parameters` are read directly, as nn.Module's attribute lookup is slow
-    for a walk over every Linear."""
-    if not kernel_builds() or cache.k.dtype != torch.float32:
+    cannot run this model now (or this cache: it takes fp32 keys and values, or a bf16 model's in bf16). The engine
+    gathers it once and again only when packs change; `_modules` / `_parameters` are read directly, as nn.Module's
+    attribute lookup is slow for a walk over every Linear."""
+    if not kernel_builds() or cache.k.dtype not in (torch.float32, cache_dtype(model)):
         return None
     cfg, rows = model.config, cache.batch_size
     eps = cfg.norm_eps
@@ -100,10 +100,18 @@ def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
     return NativeWeights(out + final, builds.pop())
 
 
+def cache_dtype(model: GPT) -> torch.dtype:
+    """The narrowest cache that holds this model's keys and values exactly, which the C++ step attends over in
+    fp32 as it does an fp32 cache: the model's own dtype (bf16: half the bytes attention reads at large batches),
+    or fp32."""
+    dtype = model.transformer.wte.weight.dtype
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
 def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, masks: Masks,
          cache: KVCache, weights: NativeWeights) -> torch.Tensor:
     """x (B, 1, C) through every block and the final norm, this token's keys and values written to `cache`
-    (fp32): the loop of the lean step in one C++ call."""
+    (fp32, or bf16 for a bf16 model): the loop of the lean step in one C++ call."""
     cfg, a = model.config, model.transformer.h[0].attn
     where, end = cache.step_target()
     rows, pos = (None, None) if isinstance(where, int) else where

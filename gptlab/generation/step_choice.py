@@ -41,21 +41,32 @@ STEPS, ROUNDS = 3, 3  # steps per turn, turns per contender: the fastest step of
 _TIMED: dict[str, dict[str, float]] = {}  # this process's answers, by cache key
 
 
-def decode_path(model: GPT, rows: int, cache_dtype: torch.dtype) -> str | None:
+def decode_path(model: GPT, rows: int, cache_dtype: torch.dtype | None = None) -> str | None:
     """The path of the Linears whose whole decode step was fastest for this model at `rows` rows: a build (the
     C++ step runs the blocks) or "torch" (the lean step over PyTorch's products), for `PackedLinears(path=)`.
     None where nothing is timed and the dispatch's per-product choice stands: no build, a forced choice
-    (`GPTLAB_KERNEL`), or a model or cache the C++ step cannot run."""
+    (`GPTLAB_KERNEL`), or a model or cache the C++ step cannot run. Each path is timed over the KV cache it would
+    run with (`step_cache_dtype`), or over `cache_dtype`'s where the caller fixed it."""
     weight = _block_weight(model)
-    if weight is None or weight.device.type != "cpu" or cache_dtype != torch.float32:
+    if weight is None or weight.device.type != "cpu":
+        return None
+    if cache_dtype not in (None, torch.float32, native_decode.cache_dtype(model)):
         return None
     if weight.dtype not in (torch.float32, torch.bfloat16) or not lean_step_exact(model):
         return None
     builds = tuple(sorted(kernel_builds()))
     if not builds or os.environ.get("GPTLAB_KERNEL"):
         return None
-    times = _measured(model, weight.dtype, rows, builds + ((TORCH,) if _room_for_a_second_pack(model) else ()))
+    paths = builds + ((TORCH,) if _room_for_a_second_pack(model) else ())
+    times = _measured(model, weight.dtype, rows, paths, cache_dtype)
     return min(times, key=times.__getitem__) if times else None
+
+
+def step_cache_dtype(model: GPT, path: str | None) -> torch.dtype:
+    """How a CPU engine stores keys and values for the decode step on `path`: the C++ step's (a bf16 model's in
+    bf16, which it reads as exactly as fp32 and in half the time at large batches), else fp32 (PyTorch's bf16
+    attention is the slower one at decoding shapes, see `default_cache_dtype`)."""
+    return native_decode.cache_dtype(model) if path not in (None, TORCH) else torch.float32
 
 
 def _block_weight(model: GPT) -> torch.Tensor | None:
@@ -74,13 +85,14 @@ def _room_for_a_second_pack(model: GPT) -> bool:
     return free is None or 4 * weights <= free
 
 
-def _measured(model: GPT, dtype: torch.dtype, rows: int, paths: tuple[str, ...]) -> dict[str, float]:
+def _measured(model: GPT, dtype: torch.dtype, rows: int, paths: tuple[str, ...],
+              cache_dtype: torch.dtype | None) -> dict[str, float]:
     """Milliseconds per step on each path, from kernels.json or timed (and saved unless the machine was busy); {}
     where the C++ step cannot run this model. Kept per model shape and switches and weights' dtype (what a step's
     time depends on, not the weights) and batch."""
     key = "|".join(["decode step", cpu_id(), f"threads={torch.get_num_threads()}", torch.__version__,
                     source_digest(), json_digest([model.config.to_dict(), str(dtype)]), f"rows={rows}",
-                    ",".join(paths)])
+                    ",".join(paths), f"cache={cache_dtype or 'per path'}"])
 
     def read(entry: Any) -> dict[str, float] | None:
         times = entry.get("ms per step") if isinstance(entry, dict) else None
@@ -88,7 +100,7 @@ def _measured(model: GPT, dtype: torch.dtype, rows: int, paths: tuple[str, ...])
         return times if ok else None
 
     if key not in _TIMED:  # a timing not kept (a busy machine) still serves this process's later engines
-        _TIMED[key] = cached_measurement(CACHE_FILE, key, read, lambda: time_steps(model, rows, paths),
+        _TIMED[key] = cached_measurement(CACHE_FILE, key, read, lambda: time_steps(model, rows, paths, cache_dtype),
                                          stored=lambda t: {"ms per step": t}, keep=lambda t: not busy())
     return _TIMED[key]
 
@@ -96,12 +108,16 @@ def _measured(model: GPT, dtype: torch.dtype, rows: int, paths: tuple[str, ...])
 
 
 @torch.inference_mode()
-def time_steps(model: GPT, rows: int, paths: tuple[str, ...]) -> dict[str, float]:
+def time_steps(model: GPT, rows: int, paths: tuple[str, ...],
+               cache_dtype: torch.dtype | None = None) -> dict[str, float]:
     """Milliseconds of the fastest decode step (the blocks and the LM head) of `rows` rows holding CONTEXT keys
-    each, on each of `paths`: a build through the C++ step, "torch" through the lean step; {} where the C++ step
-    cannot run this model (a norm of another epsilon)."""
-    cache = KVCache(model.config, rows, min(model.config.block_size, CONTEXT + STEPS), dtype=torch.float32)
-    start = min(CONTEXT, cache.max_len - STEPS)
+    each, on each of `paths`: a build through the C++ step, "torch" through the lean step, each over a cache of
+    `cache_dtype` or (None) the one it would run with; {} where the C++ step cannot run this model (a norm of
+    another epsilon)."""
+    max_len = min(model.config.block_size, CONTEXT + STEPS)
+    caches = {path: KVCache(model.config, rows, max_len, dtype=cache_dtype or step_cache_dtype(model, path),
+                            attend_dtype=None if cache_dtype else torch.float32) for path in paths}
+    start = min(CONTEXT, max_len - STEPS)
     gen = torch.Generator().manual_seed(0)  # not the global one: a seeded run's draws stay as they are
     tokens = torch.randint(model.config.vocab_size, (rows, 1), generator=gen)
     builds = [p for p in paths if p != TORCH]
@@ -109,7 +125,7 @@ def time_steps(model: GPT, rows: int, paths: tuple[str, ...]) -> dict[str, float
     native = {}
     if builds:  # one copy of the blocks' weights serves every build (the layout is theirs alike); a head each
         with PackedLinears(model, rows, path=builds[0]).active(refresh=False):
-            gathered = native_decode.weights(model, cache)
+            gathered = native_decode.weights(model, caches[builds[0]])
         if gathered is None:
             return {}
         native = {b: native_decode.NativeWeights(gathered.tensors, kernel_builds()[b]) for b in builds}
@@ -117,11 +133,11 @@ def time_steps(model: GPT, rows: int, paths: tuple[str, ...]) -> dict[str, float
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(ROUNDS):
         for path in paths:
-            cache.lengths.fill_(start)
+            caches[path].lengths.fill_(start)
             with packs[path].active(refresh=False):
                 for _ in range(STEPS):
                     t0 = time.perf_counter()
-                    h = decode_hidden(model, tokens, cache, native=native.get(path, False))
+                    h = decode_hidden(model, tokens, caches[path], native=native.get(path, False))
                     model.logits(h[:, -1])
                     best[path] = min(best[path], time.perf_counter() - t0)
     return {path: 1000 * seconds for path, seconds in best.items()}

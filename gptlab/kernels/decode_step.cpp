@@ -1,6 +1,6 @@
 // One decode step of any gptlab model (one new token per row) in one C++ call, over weights packed for this
 // library's `linear`: the loop of gptlab/generation/fast_decode.py's lean step without a Python round trip per op.
-// Norms, rotary embeddings, q/k norms, grouped-query attention over the fp32 KV cache, soft-caps and the MLP's
+// Norms, rotary embeddings, q/k norms, grouped-query attention over the KV cache, soft-caps and the MLP's
 // activation are plain loops over a few rows (written so that the compiler vectorizes them); the Linear products go
 // to the kernel over raw rows (`linear_part`). Its buffers are made once per call: no ATen op runs inside a step.
 //
@@ -72,13 +72,15 @@ struct Local {
   Local(int64_t B, int64_t C, int64_t end, int64_t widest) : x(B * C), h(B * C), p(end), xb(B * widest) {}
 };
 
+// KV: the cache's element type, float or (a bf16 model's, which it holds exactly) at::BFloat16
+template <typename KV>
 struct Step {
   const Shape& s;
   const Weights& w;
   int64_t B, C, L;
   bool bf16;
   float eps, scale, softcap;
-  const at::Tensor &k_cache, &v_cache;  // (L, B, nkv, max_len, hs) fp32
+  const at::Tensor &k_cache, &v_cache;  // (L, B, nkv, max_len, hs) of KV
   int64_t where, end;
   const int64_t *rows, *pos;      // where < 0: row b writes at rows[b], pos[b]
   const bool *full, *window;      // (B or 1, end) masks, or null: every key
@@ -116,7 +118,7 @@ struct Step {
   }
 
   // where this token's head j of qkv (a key head or a value head: j >= nh) of row b goes in this layer's cache
-  float* cache_head(int64_t b, int64_t j, float* kp, float* vp) const {
+  KV* cache_head(int64_t b, int64_t j, KV* kp, KV* vp) const {
     const int64_t nh = s.nh, nkv = s.nkv, slot = where >= 0 ? b : rows[b], at_t = where >= 0 ? where : pos[b];
     const bool key = j < nh + nkv;
     return (key ? kp : vp) + slot * k_cache.stride(1) + (key ? j - nh : j - nh - nkv) * k_cache.stride(2) +
@@ -125,18 +127,18 @@ struct Step {
 
   // row b's keys and values among qkv columns [n0, n1) into this layer's cache: what place_heads does for heads
   // that need no norm or rotation, here on the columns the thread made
-  void cache_columns(int64_t b, int64_t n0, int64_t n1, float* kp, float* vp) const {
+  void cache_columns(int64_t b, int64_t n0, int64_t n1, KV* kp, KV* vp) const {
     const int64_t nh = s.nh, hs = s.hs, width = (nh + 2 * s.nkv) * hs;
     const float* row = buf.qkv.data() + b * width;
     for (int64_t c = std::max(n0, nh * hs); c < n1;) {  // a run of one head's columns at a time
       const int64_t j = c / hs, run = std::min(n1, (j + 1) * hs) - c;
-      std::copy_n(row + c, run, cache_head(b, j, kp, vp) + c % hs);
+      store(cache_head(b, j, kp, vp) + c % hs, row + c, run);
       c += run;
     }
   }
 
   // this thread's heads of every row: q/k norm and rotation, this token's keys and values into the cache
-  void place_heads(const Team& t, int64_t layer, float* kp, float* vp) const {
+  void place_heads(const Team& t, int64_t layer, KV* kp, KV* vp) const {
     const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, heads = nh + 2 * nkv, width = heads * hs;
     const auto qn = at(layer, 20), kn = at(layer, 21);
     for (int64_t i = t.begin(B * heads); i < t.end(B * heads); ++i) {
@@ -149,18 +151,18 @@ struct Step {
           rotate(head, cos + r * (s.rot / 2), sin + r * (s.rot / 2), s.rot, s.interleaved, bf16);
         }
       }
-      if (j >= nh) std::copy_n(head, hs, cache_head(b, j, kp, vp));
+      if (j >= nh) store(cache_head(b, j, kp, vp), head, hs);
     }
   }
 
   // one query head of row b over the cached keys, into y
-  void attend(Local& me, int64_t b, int64_t h, const float* kp, const float* vp, const bool* mask,
+  void attend(Local& me, int64_t b, int64_t h, const KV* kp, const KV* vp, const bool* mask,
               int64_t mask_rows) const {
     const int64_t nh = s.nh, nkv = s.nkv, hs = s.hs, width = (nh + 2 * nkv) * hs, g = h / (nh / nkv);
     const int64_t sb = k_cache.stride(1), sh = k_cache.stride(2), st = k_cache.stride(3);
     float* p = me.p.data();
     const float* q = buf.qkv.data() + b * width + h * hs;
-    const float *keys = kp + b * sb + g * sh, *vals = vp + b * sb + g * sh;
+    const KV *keys = kp + b * sb + g * sh, *vals = vp + b * sb + g * sh;
     const bool* m = mask ? mask + (mask_rows > 1 ? b : 0) * end : nullptr;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < end; ++t) {
@@ -178,7 +180,7 @@ struct Step {
     for (int64_t t = 0; t < end; ++t) {
       if (p[t] == 0.0f) continue;
       const float pw = p[t] / total;
-      for (int64_t e = 0; e < hs; ++e) yi[e] += pw * vals[t * st + e];
+      for (int64_t e = 0; e < hs; ++e) yi[e] += pw * widen(vals[t * st + e]);
     }
     for (int64_t e = 0; e < hs; ++e) yi[e] = round_to(yi[e], bf16);
   }
@@ -187,8 +189,8 @@ struct Step {
   void attention(const Team& t, Local& me, int64_t layer, bool sliding, const float* h, float* out) const {
     const int64_t nh = s.nh, width = (nh + 2 * s.nkv) * s.hs;
     // this layer's (B, nkv, max_len, hs) keys and values
-    float *kp = k_cache.data_ptr<float>() + layer * k_cache.stride(0),
-          *vp = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
+    KV *kp = static_cast<KV*>(k_cache.data_ptr()) + layer * k_cache.stride(0),
+       *vp = static_cast<KV*>(v_cache.data_ptr()) + layer * v_cache.stride(0);
     if (s.qk_norm || cos) {  // heads normed or rotated whole: a phase of their own after the product
       project(t, me, h, C, kPerLayer * layer + 2, width, buf.qkv.data());
       place_heads(t, layer, kp, vp);
@@ -278,6 +280,37 @@ const bool* mask_data(const c10::optional<at::Tensor>& mask, int64_t end, int64_
   return mask->data_ptr<bool>();
 }
 
+// every thread's part of the step: the layers, then (thread 0) the final norm and x into out
+template <typename KV>
+void run(const Step<KV>& step, const at::Tensor& x, at::Tensor& out, int64_t widest, at::IntArrayRef shape,
+         bool final_norm) {
+  const int64_t B = step.B, C = step.C, L = step.L;
+  const bool bf16 = step.bf16;
+  const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  int team = 1;
+  std::optional<GPTLAB_NS::SpinBarrier> barrier;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    {  // the team the runtime gave (it may give fewer threads than asked), known to all after single's barrier
+      team = omp_get_num_threads();
+      barrier.emplace(team);
+    }
+    const Team t{{omp_get_thread_num(), team}, &*barrier};
+    Local me(B, C, step.end, widest);
+    if (bf16) std::copy_n(x.data_ptr<at::BFloat16>(), B * C, me.x.begin());
+    else std::copy_n(x.data_ptr<float>(), B * C, me.x.begin());
+    for (int64_t l = 0; l < L; ++l) step.layer(t, me, l, shape[12 + l] != 0);
+    if (t.part.index == 0) {
+      if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
+        norm_rows(me.x.data(), me.x.data(), B, C, step.s.norm, step.w.get(kPerLayer * L),
+                  step.w.get(kPerLayer * L + 1), step.eps, bf16);
+      if (bf16) std::copy_n(me.x.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
+      else std::copy_n(me.x.begin(), B * C, out.data_ptr<float>());
+    }
+  }
+}
+
 // x (B, 1, C) in the model's dtype: the first block's input; returns x after the last block and the final norm
 at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, int64_t where, const c10::optional<at::Tensor>& rows,
@@ -291,11 +324,12 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
   const int64_t L = static_cast<int64_t>(shape.size()) - 12, B = x.size(0), C = x.size(2);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * L + 2, "decode_step: ", kPerLayer,
               " tensors a layer and the final norm's two");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 5 &&
-              k_cache.stride(4) == 1 && v_cache.strides() == k_cache.strides(), "decode_step: an fp32 cache");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "decode_step: bf16 or fp32");
+  const bool bf16 = x.scalar_type() == at::kBFloat16, bf16_cache = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || (bf16 && bf16_cache)) &&
+              v_cache.scalar_type() == k_cache.scalar_type() && k_cache.dim() == 5 && k_cache.stride(4) == 1 &&
+              v_cache.strides() == k_cache.strides(), "decode_step: an fp32 cache, or a bf16 one for a bf16 model");
   TORCH_CHECK(s.nkv > 0 && s.nh % s.nkv == 0 && end > 0 && end <= k_cache.size(3), "decode_step: bad sizes");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor rows_c, pos_c, cos_c, sin_c;
   if (where < 0) {
     rows_c = rows->reshape({-1}).contiguous(), pos_c = pos->reshape({-1}).contiguous();
@@ -320,38 +354,21 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
     check(2, C, width), check(5, s.nh * s.hs, C), check(10, C, fc), check(13, s.hidden, C);
   }
   Buffers buffers(B, C, width, s.nh * s.hs, fc, s.hidden);
-  const Step step{s, weights, B, C, L, bf16, static_cast<float>(eps), static_cast<float>(scale),
-                  static_cast<float>(softcap), k_cache, v_cache, where, end,
-                  where < 0 ? rows_c.data_ptr<int64_t>() : nullptr, where < 0 ? pos_c.data_ptr<int64_t>() : nullptr,
-                  full_p, window_p, full_rows, window_rows,
-                  rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr,
-                  rope_rows, buffers};
   const auto xc = x.contiguous();
   auto out = at::empty({B, 1, C}, x.options());
   const int64_t widest = std::max({C, s.nh * s.hs, s.hidden});
-  const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-  int team = 1;
-  std::optional<GPTLAB_NS::SpinBarrier> barrier;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp single
-    {  // the team the runtime gave (it may give fewer threads than asked), known to all after single's barrier
-      team = omp_get_num_threads();
-      barrier.emplace(team);
-    }
-    const Team t{{omp_get_thread_num(), team}, &*barrier};
-    Local me(B, C, end, widest);
-    if (bf16) std::copy_n(xc.data_ptr<at::BFloat16>(), B * C, me.x.begin());
-    else std::copy_n(xc.data_ptr<float>(), B * C, me.x.begin());
-    for (int64_t l = 0; l < L; ++l) step.layer(t, me, l, shape[12 + l] != 0);
-    if (t.part.index == 0) {
-      if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
-        norm_rows(me.x.data(), me.x.data(), B, C, s.norm, weights.get(kPerLayer * L),
-                  weights.get(kPerLayer * L + 1), static_cast<float>(eps), bf16);
-      if (bf16) std::copy_n(me.x.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
-      else std::copy_n(me.x.begin(), B * C, out.data_ptr<float>());
-    }
-  }
+  const auto go = [&](auto kv) {  // the step over this cache's element type
+    using KV = decltype(kv);
+    const Step<KV> step{s, weights, B, C, L, bf16, static_cast<float>(eps), static_cast<float>(scale),
+                        static_cast<float>(softcap), k_cache, v_cache, where, end,
+                        where < 0 ? rows_c.data_ptr<int64_t>() : nullptr,
+                        where < 0 ? pos_c.data_ptr<int64_t>() : nullptr, full_p, window_p, full_rows, window_rows,
+                        rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr,
+                        rope_rows, buffers};
+    run(step, xc, out, widest, shape, final_norm);
+  };
+  if (bf16_cache) go(at::BFloat16{});
+  else go(float{});
   return out;
 }
 

@@ -81,15 +81,31 @@ inline void rotate(float* h, const float* cos, const float* sin, int64_t rot, bo
   }
 }
 
+// A cached key or value as fp32. A bf16 cache holds a bf16 model's keys and values exactly (the step has rounded
+// them to bf16 already), so attention over it computes what it computes over an fp32 cache, from half the bytes.
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+// n values into the cache (rounded to bf16 there: exact for a bf16 model's values)
+inline void store(float* to, const float* from, int64_t n) { std::memcpy(to, from, n * sizeof(float)); }
+inline void store(at::BFloat16* to, const float* from, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<at::BFloat16>(from[i]);
+}
+
 // q . k over n values in 16 independent lanes (summed at the end), so that the compiler vectorizes it: a plain
 // running sum is one dependent chain (and the attention's scores were scalar)
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t n) {
   float lanes[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * widen(b[i + j]);
   float sum = 0.0f;
-  for (; i < n; ++i) sum += a[i] * b[i];
+  for (; i < n; ++i) sum += a[i] * widen(b[i]);
   for (int j = 0; j < 16; ++j) sum += lanes[j];
   return sum;
 }
