@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from gptlab.attention import CausalSelfAttention, Hook, tap
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import KVCache, document_masks, masks_for
-from gptlab.ops import assert_in_range_on_device, cross_entropy, upcasting_linear
+from gptlab.ops import assert_in_range_on_device, cross_entropy, gelu, upcasting_linear
 from gptlab.rope import rope_tables
 
 
@@ -80,7 +80,7 @@ class MLP(nn.Module):
             return F.silu(h)
         if self.kind == "relu2":
             return F.relu(h).square()
-        return F.gelu(h, approximate=self.gelu_approximate)  # gelu, geglu
+        return gelu(h, approximate=self.gelu_approximate)  # gelu, geglu
 
     def _hooked_activate(self, h: torch.Tensor, hooks: Hook) -> torch.Tensor:
         """`activate` through the hook points: the pre-activation (a gated MLP's gate, and its up half), the

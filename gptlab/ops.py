@@ -15,6 +15,8 @@
   exp over the logits, whose softmax is also the gradient (backward only scales it). For LM-head-sized logits on a
   CPU that pass is gptlab's C++ kernel (`gptlab.kernels`, cross_entropy.cpp): one read of each row instead of ~10
   ATen ops per chunk of rows.
+* `gelu`: F.gelu, except GELU's tanh form (GPT-2's) in training on an x86 CPU, forward and backward in gptlab's C++
+  kernel (activations.cpp): ATen's runs its slow vectorized tanh, ~4.5x the time of its erf form.
 """
 
 from __future__ import annotations
@@ -285,6 +287,39 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     if reduction == "sum":
         return losses.sum()
     return losses.sum() / (targets != -1).sum()
+
+
+class _GeluTanh(torch.autograd.Function):
+    """F.gelu(x, approximate="tanh") through the C++ kernel `ops` (forward and backward: ATen's formulas, tanh from
+    an exp; within fp32 rounding of ATen's values)."""
+
+    @staticmethod
+    def forward(ctx, x, ops):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x)
+        ctx.ops = ops
+        return ops.gelu_tanh(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (x,) = ctx.saved_tensors
+        return ctx.ops.gelu_tanh_backward(grad.contiguous(), x), None
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """F.gelu; the tanh form in training (x needs a gradient) on an x86 CPU through gptlab's kernel, for tensors
+    big enough to pay for the call (inference keeps ATen's bits, which the HF parity tests and the decode steps
+    follow; torch.compile fuses ATen's)."""
+    if (approximate != "tanh" or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
+            or not (x.requires_grad and torch.is_grad_enabled()) or x.numel() < _NATIVE_GELU_MIN
+            or not x.is_contiguous() or torch.compiler.is_compiling()):
+        return F.gelu(x, approximate=approximate)
+    from gptlab.kernels import widest_ops
+
+    ops = widest_ops()
+    return F.gelu(x, approximate=approximate) if ops is None else _GeluTanh.apply(x, ops)
+
+
+_NATIVE_GELU_MIN = 1 << 15  # elements: a 1,024-token batch of a 32-wide MLP
 
 
 def assert_in_range_on_device(t: torch.Tensor, low: int, high: int, message: str) -> bool:

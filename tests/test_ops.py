@@ -4,6 +4,8 @@ and the fused fp32 LoRA layer against the layer's plain path."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,6 +148,80 @@ def test_native_cross_entropy_keeps_non_finite_rows_non_finite(native_xent: None
     theirs = F.cross_entropy(logits, targets, reduction="none")
     assert ours[:2].isnan().all() and not theirs[:2].isfinite().any()
     torch.testing.assert_close(ours[2:], theirs[2:])
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 6), vocab=st.integers(1, 2100), seed=st.integers(0, 10_000), bf16=st.booleans())
+def test_every_builds_cross_entropy_is_the_maths_in_fp64(build_name: str, n: int, vocab: int, seed: int,
+                                                         bf16: bool) -> None:
+    """Each build's kernel (8 lanes a vector in the AVX2 builds, 16 in the AVX-512 ones; any width, so every
+    remainder) against log-sum-exp and softmax minus the one-hot in fp64, an ignored row included."""
+    from gptlab.kernels import kernel_builds
+
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=g) * 4).to(torch.bfloat16 if bf16 else torch.float32)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[n // 2] = -1
+    losses, grad = kernel_builds()[build_name].softmax_xent(logits, targets, True)
+    ref, ignored = logits.double(), targets < 0
+    want = ref.logsumexp(-1) - ref.gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    want_grad = ref.softmax(-1) - F.one_hot(targets.clamp(min=0), vocab).double()
+    want[ignored], want_grad[ignored] = 0.0, 0.0
+    torch.testing.assert_close(losses.double(), want, rtol=1e-6, atol=1e-5)
+    assert grad.dtype == logits.dtype
+    tol = dict(rtol=2**-8, atol=1e-9) if bf16 else dict(rtol=1e-5, atol=1e-7)  # bf16: the stored value rounded once
+    torch.testing.assert_close(grad.double(), want_grad, **tol)
+
+
+def _gelu_tanh_fp64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GELU's tanh form and its derivative from the maths, in fp64 (1 + tanh u as 2 / (1 + e^-2u) and 1 - tanh^2 u
+    as 1 / cosh^2 u: no cancellation in the negative tail, where fp64's 1 + tanh keeps few digits)."""
+    x = x.double()
+    u = math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
+    one_plus, one_minus_sq = 2 / (1 + torch.exp(-2 * u)), torch.cosh(u) ** -2
+    slope = 0.5 * one_plus + 0.5 * x * one_minus_sq * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * x**2)
+    return 0.5 * x * one_plus, slope
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 3000), scale=st.floats(0.1, 12), seed=st.integers(0, 10_000), bf16=st.booleans())
+def test_every_builds_gelu_tanh_is_the_maths_in_fp64(build_name: str, n: int, scale: float, seed: int,
+                                                      bf16: bool) -> None:
+    """Each build's GELU (tanh form) and its derivative against fp64: any length (every vector remainder), inputs
+    out to the tails where 1 + tanh and 1 - tanh^2 lose digits in a careless formula; fp32 within a few ulps of
+    the largest value, bf16 rounded once."""
+    from gptlab.kernels import kernel_builds
+
+    ops_ = kernel_builds()[build_name]
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x, grad = (torch.randn(n, generator=g) * scale).to(dtype), torch.randn(n, generator=g).to(dtype)
+    want, slope = _gelu_tanh_fp64(x)
+    want_grad = grad.double() * slope
+    for ours, theirs in ((ops_.gelu_tanh(x), want), (ops_.gelu_tanh_backward(grad, x), want_grad)):
+        # fp32: e^(2|u|) from an fp32 u errs by ~1e-7 x 2|u| relative in the tail; sums of terms that cancel (the
+        # slope's zero near x = -0.75) by ~1e-7 of the largest term
+        largest = max(1e-6 * float(theirs.abs().max()), torch.finfo(torch.float32).tiny)  # (0: below fp32's range)
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours.double(), theirs, rtol=2**-8 if bf16 else 1e-5, atol=largest)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_runs_the_kernel_in_training_and_atens_otherwise(dtype: torch.dtype) -> None:
+    """`ops.gelu` is F.gelu: bit for bit without a gradient (inference), within rounding in training, where the
+    tanh form runs gptlab's kernel where there is one."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 1024, generator=g) * 3).to(dtype)
+    assert torch.equal(ops.gelu(x, "tanh"), F.gelu(x, approximate="tanh"))
+    assert torch.equal(ops.gelu(x.requires_grad_(), "none"), F.gelu(x, approximate="none"))
+    ours = ops.gelu(x, "tanh")
+    ref = x.detach().clone().requires_grad_()
+    theirs = F.gelu(ref, approximate="tanh")
+    up = torch.randn(ours.shape, generator=g).to(dtype)
+    (g_ours,), (g_theirs,) = torch.autograd.grad(ours, x, up), torch.autograd.grad(theirs, ref, up)
+    for a, b in ((ours, theirs), (g_ours, g_theirs)):  # fp32: within ~1e-6 of the largest value (cancelling sums)
+        bf16, largest = dtype == torch.bfloat16, float(b.detach().abs().max())
+        torch.testing.assert_close(a, b, rtol=2**-7 if bf16 else 1e-5, atol=1e-5 if bf16 else 2e-6 * largest)
+
 
 @pytest.fixture
 def no_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,10 +5,11 @@ weights re-laid out once, for `gptlab.generation.packed_linear` and `gptlab.quan
 where they are faster than PyTorch's kernels (`dispatch` measures which path runs each kind of weight here).
 `decode_step.cpp`: the decode step of any gptlab model over those packed weights in one call
 (`gptlab.generation.native_decode`). `cross_entropy.cpp`: the training loss's softmax cross-entropy and its
-gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). `dequantize_int4.cpp`: QLoRA's
-int4 base weight unpacked straight into fp32/bf16 blocks (`gptlab.qlora`). All are built into one library
-(`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4
-micro-kernels, `exp_fast.h` the vectorizable exp).
+gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). `activations.cpp`: GELU's
+tanh form and its derivative for training (`gptlab.ops.gelu`). `dequantize_int4.cpp`: QLoRA's int4 base weight
+unpacked straight into fp32/bf16 blocks (`gptlab.qlora`). All are built into one library (`linear_avx2.h` is what
+they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels, `exp_fast.h` the
+vectorizable exp, `simd.h` whole vectors of fp32 lanes for the loss's and GELU's loops).
 
 The sources are built up to four times, one library each (`kernel_builds()` lists those this machine runs):
 `avx2_ops()` (AVX2 + FMA, torch.ops.gptlab_avx2), `avxvnni_ops()` (the same with AVX-VNNI's 256-bit byte dot
@@ -47,7 +48,7 @@ from gptlab.kernels.build import load_library
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "packing.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp",
-           HERE / "dequantize_int4.cpp"]
+           HERE / "dequantize_int4.cpp", HERE / "activations.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)

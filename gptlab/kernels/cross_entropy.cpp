@@ -4,7 +4,7 @@
 // on an ignored row; an empty tensor without `grad`). gptlab/ops.py's `_CrossEntropy` does the same over row chunks in ~10 ATen ops per chunk (a
 // cast, max, subtract, exp, sum, scale, scatter, cast back: ~1,000 op calls per step over GPT-2's 50,257-wide rows);
 // here each row is read once from memory and its exponentials kept in a per-thread fp32 row that stays in the
-// cache. In fp32 throughout: the exponentials by `exp_fast` (~1e-7 relative of ATen's), the gradient rounded once.
+// cache, a vector register of lanes at a time (`Vec`). In fp32 throughout: the exponentials by `exp_fast` (~1e-7 relative of ATen's), the gradient rounded once.
 // A row holding a NaN (or +inf) logit gets a NaN loss and gradient, as torch's does, so a non-finite step is seen.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,10 +12,12 @@
 
 #include "exp_fast.h"
 #include "linear_avx2.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -23,28 +25,28 @@
 namespace GPTLAB_NS {
 namespace {
 
-constexpr int kLanes = 16;  // independent partial sums / maxima: the loops below vectorize over them
+using namespace simd;
+constexpr float kInf = std::numeric_limits<float>::infinity();
 
 template <typename T>
 float row_max(const T* row, int64_t V, bool& finite) {
-  float lanes[kLanes];
-  float bad[kLanes] = {};
-  for (int j = 0; j < kLanes; ++j) lanes[j] = -std::numeric_limits<float>::infinity();
+  Vec lanes = splat(-kInf);
+  IVec bad = {};
   int64_t i = 0;
-  for (; i + kLanes <= V; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) {
-      const float x = static_cast<float>(row[i + j]);
-      lanes[j] = x > lanes[j] ? x : lanes[j];
-      bad[j] += (x != x || x == std::numeric_limits<float>::infinity()) ? 1.0f : 0.0f;
-    }
-  float top = -std::numeric_limits<float>::infinity(), nbad = 0.0f;
+  for (; i + kLanes <= V; i += kLanes) {
+    const Vec x = load(row + i);
+    lanes = x > lanes ? x : lanes;
+    bad |= (x != x) | (x == kInf);
+  }
+  float top = lane_max(lanes);
+  bool any_bad = false;
+  for (int j = 0; j < kLanes; ++j) any_bad |= bad[j] != 0;
   for (; i < V; ++i) {
     const float x = static_cast<float>(row[i]);
     top = x > top ? x : top;
-    nbad += (x != x || x == std::numeric_limits<float>::infinity()) ? 1.0f : 0.0f;
+    any_bad |= x != x || x == kInf;
   }
-  for (int j = 0; j < kLanes; ++j) top = lanes[j] > top ? lanes[j] : top, nbad += bad[j];
-  finite = nbad == 0.0f && top > -std::numeric_limits<float>::infinity();
+  finite = !any_bad && top > -kInf;
   return top;
 }
 
@@ -52,23 +54,31 @@ float row_max(const T* row, int64_t V, bool& finite) {
 // ATen's cascade sum: a running fp32 sum over 50,257 terms drifts by ~1e-6 of the total)
 template <typename T>
 float exp_row(const T* row, int64_t V, float top, float* e) {
-  constexpr int64_t kBlock = 1024;
+  constexpr int64_t kBlock = 1024;  // a multiple of kLanes: only the row's end has a scalar tail
   double total = 0.0;
   for (int64_t b = 0; b < V; b += kBlock) {
     const int64_t end = std::min(b + kBlock, V);
-    float lanes[kLanes] = {};
+    Vec lanes = {};
     int64_t i = b;
-    for (; i + kLanes <= end; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) {
-        e[i + j] = exp_fast(static_cast<float>(row[i + j]) - top);
-        lanes[j] += e[i + j];
-      }
+    for (; i + kLanes <= end; i += kLanes) {
+      const Vec x = exp_vec(load(row + i) - top);
+      store(e + i, x);
+      lanes += x;
+    }
     float sum = 0.0f;
     for (; i < end; ++i) sum += (e[i] = exp_fast(static_cast<float>(row[i]) - top));
     for (int j = 0; j < kLanes; ++j) sum += lanes[j];
     total += sum;
   }
   return static_cast<float>(total);
+}
+
+// g[i] = e[i] * inv in the logits' dtype
+template <typename T>
+void scale_row(const float* e, int64_t V, float inv, T* g) {
+  int64_t i = 0;
+  for (; i + kLanes <= V; i += kLanes) store(g + i, load(e + i) * inv);
+  for (; i < V; ++i) g[i] = T(e[i] * inv);
 }
 
 template <typename T>
@@ -96,7 +106,7 @@ void xent_rows(const T* logits, const int64_t* targets, int64_t N, int64_t V, fl
       losses[r] = std::log(sum) + top - static_cast<float>(row[t]);
       if (g == nullptr) continue;
       const float inv = 1.0f / sum;  // as ATen's softmax: a product by the reciprocal of the sum
-      for (int64_t i = 0; i < V; ++i) g[i] = T(e[i] * inv);
+      scale_row(e.data(), V, inv, g);
       g[t] = T(e[t] * inv - 1.0f);
     }
   });

@@ -1,0 +1,73 @@
+// Whole vector registers of fp32 lanes as GCC vectors, for loops the compiler leaves scalar when written over
+// arrays (bf16 conversions, NaN checks, the exp's integer steps): cross_entropy.cpp's softmax and
+// activations.cpp's GELU. One source for every build: 16 lanes in the AVX-512 builds, 8 in the AVX2 ones.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "linear_avx2.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace GPTLAB_NS::simd {
+
+// lanes per vector: one register of the build (a 16-lane vector split over two AVX2 registers ran slower than
+// scalar code)
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+using Vec = float __attribute__((vector_size(4 * kLanes)));
+using IVec = int32_t __attribute__((vector_size(4 * kLanes)));
+using UVec = uint32_t __attribute__((vector_size(4 * kLanes)));
+using HVec = uint16_t __attribute__((vector_size(2 * kLanes)));
+
+inline Vec splat(float v) { return Vec{} + v; }
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline Vec load(const at::BFloat16* p) {  // bf16 to fp32: the 16 bits on top, exactly
+  HVec h;
+  std::memcpy(&h, p, sizeof h);
+  const UVec u = __builtin_convertvector(h, UVec) << 16;
+  Vec v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline void store(at::BFloat16* p, Vec v) {  // rounded to the nearest bf16, ties to even (finite values)
+  UVec u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const HVec h = __builtin_convertvector(u, HVec);
+  std::memcpy(p, &h, sizeof h);
+}
+inline float lane_max(Vec v) {
+  float m = v[0];
+  for (int j = 1; j < kLanes; ++j) m = v[j] > m ? v[j] : m;
+  return m;
+}
+
+// exp_fast (exp_fast.h) on kLanes lanes at once: the same steps, so the same values
+inline Vec exp_vec(Vec x) {
+  const IVec underflows = x < -87.0f;
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const Vec t = x * 1.44269504f + 0.5f;
+  Vec n = __builtin_convertvector(__builtin_convertvector(t, IVec), Vec);  // truncated toward 0, then floor
+  n = n > t ? n - 1.0f : n;
+  const Vec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  Vec p = splat(1.0f / 5040);
+  p = p * r + 1.0f / 720, p = p * r + 1.0f / 120, p = p * r + 1.0f / 24, p = p * r + 1.0f / 6, p = p * r + 0.5f;
+  p = p * r + 1.0f, p = p * r + 1.0f;
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return underflows ? splat(0.0f) : p * scale;
+}
+
+}  // namespace GPTLAB_NS::simd
