@@ -307,7 +307,7 @@ class _GeluTanh(torch.autograd.Function):
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """F.gelu; the tanh form in training (x needs a gradient) on an x86 CPU through gptlab's kernel, for tensors
-    big enough to pay for the call (inference keeps ATen's bits, which the HF parity tests and the decode steps
+    big enough to pay for the library (inference keeps ATen's bits, which the HF parity tests and the decode steps
     follow; torch.compile fuses ATen's)."""
     if (approximate != "tanh" or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
             or not (x.requires_grad and torch.is_grad_enabled()) or x.numel() < _NATIVE_GELU_MIN
@@ -319,7 +319,9 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return F.gelu(x, approximate=approximate) if ops is None else _GeluTanh.apply(x, ops)
 
 
-_NATIVE_GELU_MIN = 1 << 15  # elements: a 1,024-token batch of a 32-wide MLP
+# elements (1,024 tokens of a 1,024-wide MLP): below it ATen's call takes under a millisecond, and a small model's
+# first steps need not load (or, on a fresh machine, build) the library for it
+_NATIVE_GELU_MIN = 1 << 20
 
 
 def assert_in_range_on_device(t: torch.Tensor, low: int, high: int, message: str) -> bool:
