@@ -21,7 +21,7 @@ from gptlab.config import GPTConfig
 from gptlab.data import global_batch
 from gptlab.model import GPT
 from gptlab.train.flat import global_norm
-from gptlab.train.optim import OptimizerSpec, build_optimizers
+from gptlab.train.optim import OptimizerSpec, build_optimizers, step_optimizers, takes_grad_scale
 from gptlab.train.precision import Precision
 
 TOKENS = np.random.default_rng(0).integers(0, 50, 2000).astype(np.uint16)
@@ -86,10 +86,12 @@ def test_flat_steps_are_the_per_parameter_steps_exactly(kind: str, impl: str) ->
         assert torch.equal(w, m.to(torch.bfloat16))  # the working copy is the masters, cast
 
 
-@pytest.mark.parametrize(("kind", "impl"), [("adamw", "gptlab"), ("muon", "gptlab")])
+@pytest.mark.parametrize(("kind", "impl"), [("adamw", "gptlab"), ("adamw", "torch"), ("muon", "gptlab")])
 def test_flat_clipping_matches_torchs(kind: str, impl: str) -> None:
     """One clipped step against torch's clip_grad_norm_: the one difference is the global norm's rounding (all
-    gradients at once vs the norm of per-tensor norms), far below what a bf16 working copy resolves."""
+    gradients at once vs the norm of per-tensor norms), far below what a bf16 working copy resolves, and for the
+    fused AdamWs the gradients divided by the inverse coefficient as the update reads them rather than scaled by it
+    first (Muon: scaled first)."""
     spec = OptimizerSpec(kind=kind, impl=impl, lr=1e-2, weight_decay=0.1)
     reference, flat = tiny(), tiny()
     clip = 0.05
@@ -98,6 +100,15 @@ def test_flat_clipping_matches_torchs(kind: str, impl: str) -> None:
     flat_steps(flat, spec, 1, clip)
     for (name, r), f in zip(reference.named_parameters(), flat.parameters(), strict=True):
         torch.testing.assert_close(f, r, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_grad_scale_goes_only_to_optimizers_that_divide_by_it() -> None:
+    """Muon reads no grad_scale: handing it one would skip the clipping, so it is refused (Precision scales the
+    buffer first where any optimizer is such)."""
+    optimizers = build_optimizers(tiny(), OptimizerSpec(kind="muon", impl="gptlab", lr=1e-2))
+    assert not all(takes_grad_scale(opt) for opt in optimizers)
+    with pytest.raises(ValueError, match="grad_scale"):
+        step_optimizers(optimizers, grad_scale=torch.tensor(2.0))
 
 
 def test_masters_and_working_weights_live_in_one_buffer_each() -> None:
@@ -141,6 +152,7 @@ def test_step_ops_do_not_grow_with_the_parameters() -> None:
     shallow, deep = step_ops(1), step_ops(4)
     assert shallow == deep  # no op per parameter: 4 layers add 24 tensors and not one op
     assert shallow["aten.copy_"] <= 1 and shallow["aten.linalg_vector_norm"] == 2  # blocks' norms, their norm
+    assert shallow["aten.mul_"] == 0  # the fused AdamW applies the clipping as it reads the gradients
 
 
 @pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 1 << 25])

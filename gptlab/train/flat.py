@@ -45,13 +45,17 @@ class FlatCopy:
             w.grad = None
 
     @torch.no_grad()
+    def clip_coefficient(self, max_norm: float) -> torch.Tensor:
+        """What scales the masters' gradients to a global 2-norm of at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` computes it (max_norm / (norm + 1e-6), at most 1), over the buffer: the
+        norm of all gradients at once (`global_norm`) rather than the norm of per-tensor norms (equal up to
+        rounding). A parameter without a gradient has zeros in the buffer, which change no norm. A 0-dim tensor."""
+        return torch.clamp(max_norm / (global_norm(self.master_grad) + 1e-6), max=1.0)
+
+    @torch.no_grad()
     def clip_(self, max_norm: float) -> None:
-        """Scale the masters' gradients so that their global 2-norm is at most `max_norm`, as
-        `torch.nn.utils.clip_grad_norm_` does (coefficient max_norm / (norm + 1e-6), at most 1), over the buffer:
-        the norm of all gradients at once (`global_norm`) rather than the norm of per-tensor norms (equal up to
-        rounding). A parameter without a gradient has zeros in the buffer, which change no norm."""
-        norm = global_norm(self.master_grad)
-        self.master_grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        """Scale the masters' gradients by `clip_coefficient`: one pass over the buffer."""
+        self.master_grad.mul_(self.clip_coefficient(max_norm))
 
     @torch.no_grad()
     def sync(self) -> None:

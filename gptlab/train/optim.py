@@ -188,23 +188,34 @@ def takes_found_inf(opt: object) -> bool:
     return isinstance(opt, (FusedAdamW, BatchedMuon)) or bool(getattr(opt, "_step_supports_amp_scaling", False))
 
 
-def step_optimizers(optimizers: list, skip: torch.Tensor | None = None) -> None:
+def takes_grad_scale(opt: object) -> bool:
+    """Whether `opt.step()` divides the gradients by a `grad_scale` attribute as it reads them (GradScaler's
+    protocol): torch's fused optimizers and FusedAdamW (BatchedMuon reads found_inf only)."""
+    return takes_found_inf(opt) and not isinstance(opt, BatchedMuon)
+
+
+def step_optimizers(optimizers: list, skip: torch.Tensor | None = None,
+                    grad_scale: torch.Tensor | None = None) -> None:
     """Step every optimizer, unless `skip` (a 0-dim bool tensor) is true: then neither the weights nor the
     optimizer state change. Optimizers that take `found_inf` decide on the device, so the host never waits for
     the step's loss; others (torch.optim.Muon, unfused AdamW) cost one read of `skip`, as GradScaler reads
-    found_inf for them."""
+    found_inf for them. `grad_scale` (a 0-dim tensor, for optimizers that `takes_grad_scale`): the gradients are
+    divided by it in the update (the clipping's coefficient, inverted)."""
+    if grad_scale is not None and not all(takes_grad_scale(opt) for opt in optimizers):
+        raise ValueError("grad_scale is for optimizers that divide the gradients by it (takes_grad_scale)")
     found_inf, host_skip = (None if skip is None else skip.float()), None
     for opt in optimizers:
-        if found_inf is None:
+        handed = {} if grad_scale is None else {"grad_scale": grad_scale}
+        if found_inf is not None and takes_found_inf(opt):
+            handed["found_inf"] = found_inf
+        elif found_inf is not None:  # decided on the host
+            host_skip = bool(skip) if host_skip is None else host_skip
+            if host_skip:
+                continue
+        for name, value in handed.items():
+            setattr(opt, name, value)
+        try:
             opt.step()
-        elif takes_found_inf(opt):
-            opt.found_inf = found_inf
-            try:
-                opt.step()
-            finally:
-                del opt.found_inf
-        else:
-            if host_skip is None:
-                host_skip = bool(skip)
-            if not host_skip:
-                opt.step()
+        finally:
+            for name in handed:
+                delattr(opt, name)

@@ -29,7 +29,7 @@ import torch
 
 from gptlab.lora import has_lora
 from gptlab.train.flat import FlatCopy
-from gptlab.train.optim import step_optimizers
+from gptlab.train.optim import step_optimizers, takes_grad_scale
 
 
 def sharding_dtype(dtype: str, lora: bool) -> torch.dtype | None:
@@ -96,8 +96,12 @@ class Precision:
                 _poison_gradients(optimizers, skip)
             for opt in optimizers:
                 self.scaler.unscale_(opt)
+        grad_scale = None
         if grad_clip > 0 and self.working is not None:
-            self.flat.clip_(grad_clip)
+            if all(takes_grad_scale(opt) for opt in optimizers):  # the fused AdamW divides each gradient by it as
+                grad_scale = self.flat.clip_coefficient(grad_clip).reciprocal()  # it reads it: no pass of its own
+            else:
+                self.flat.clip_(grad_clip)
         elif grad_clip > 0:
             params = [p for p in self.master.parameters() if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
@@ -106,7 +110,7 @@ class Precision:
                 self.scaler.step(opt)
             self.scaler.update()
         else:
-            step_optimizers(optimizers, skip)
+            step_optimizers(optimizers, skip, grad_scale)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         self.sync_weights()
