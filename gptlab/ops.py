@@ -302,7 +302,7 @@ class _GeluTanh(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         (x,) = ctx.saved_tensors
-        return ctx.ops.gelu_tanh_backward(grad.contiguous(), x), None
+        return ctx.ops.gelu_tanh_backward(grad, x), None  # (the kernel makes grad contiguous where it is not)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

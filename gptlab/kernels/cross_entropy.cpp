@@ -4,7 +4,8 @@
 // on an ignored row; an empty tensor without `grad`). gptlab/ops.py's `_CrossEntropy` does the same over row chunks in ~10 ATen ops per chunk (a
 // cast, max, subtract, exp, sum, scale, scatter, cast back: ~1,000 op calls per step over GPT-2's 50,257-wide rows);
 // here each row is read once from memory and its exponentials kept in a per-thread fp32 row that stays in the
-// cache, a vector register of lanes at a time (`Vec`). In fp32 throughout: the exponentials by `exp_fast` (~1e-7 relative of ATen's), the gradient rounded once.
+// cache, a vector register of lanes at a time (`Vec`). In fp32 throughout: the exponentials by `exp_fast` (~1e-7
+// relative of ATen's), the gradient rounded once.
 // A row holding a NaN (or +inf) logit gets a NaN loss and gradient, as torch's does, so a non-finite step is seen.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
