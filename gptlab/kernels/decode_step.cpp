@@ -45,6 +45,7 @@ namespace {
 using namespace GPTLAB_NS::step_math;
 
 using GPTLAB_NS::Team;
+namespace simd = GPTLAB_NS::simd;
 
 constexpr int64_t kPerLayer = 22;
 enum Layout { kPre = 0, kParallel = 1, kSandwich = 2, kPost = 3 };
@@ -102,7 +103,10 @@ struct Step {
     at::BFloat16* xb = nullptr;
     if (bf16) {
       xb = me.xb.data();
-      for (int64_t j = 0; j < B * K; ++j) xb[j] = static_cast<at::BFloat16>(x[j]);
+      for_lanes(0, B * K, [&](int64_t j, int64_t n) {  // (x holds bf16 values already: exact)
+        if (n == kLanes) simd::store(xb + j, simd::load(x + j));
+        else for (int64_t e = j; e < j + n; ++e) xb[e] = static_cast<at::BFloat16>(x[e]);
+      });
     }
     GPTLAB_NS::linear_part(x, xb, B, K, *w.get(i), w.get(i + 1), w.get(i + 2), N, y, t.part);
     const int64_t panels = (N + GPTLAB_NS::kPanel - 1) / GPTLAB_NS::kPanel;
@@ -172,9 +176,13 @@ struct Step {
       p[t] = d;
       top = std::max(top, d);
     }
-    for (int64_t t = 0; t < end; ++t) p[t] = exp_fast(p[t] - top);  // a masked key's -inf gives 0
-    float total = 0.0f;
-    for (int64_t t = 0; t < end; ++t) total += p[t];
+    Vec sums{};  // a masked key's -inf gives 0
+    for_lanes(0, end, [&](int64_t t, int64_t n) {
+      const Vec e = simd::exp_vec(load_n(p + t, n) - top);
+      store_n(p + t, e, n);
+      sums += n == kLanes ? e : load_n(p + t, n);  // (the tail's padding lanes: exp(-top), not 0)
+    });
+    const float total = lane_sum(sums);
     float* yi = buf.y.data() + b * nh * hs + h * hs;
     std::fill_n(yi, hs, 0.0f);
     for (int64_t t = 0; t < end; ++t) {
@@ -224,21 +232,21 @@ struct Step {
     project(t, me, act, H, kPerLayer * layer + 13, C, out);
   }
 
-  // o[i] for i in [i0, i1) from one row of the up projection g (a gated MLP's up half at g + H)
+  // o[i] for i in [i0, i1) from one row of the up projection g (a gated MLP's up half at g + H), a vector of lanes
+  // at a time (the tail's too: a column's bits do not depend on which thread's share it fell in)
   void activate(const float* g, int64_t H, float* o, int64_t i0, int64_t i1) const {
     const float* u = g + H;
-    if (s.mlp == kSwiGLU)
-      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(silu(g[i]), bf16) * u[i], bf16);
-    else if (s.mlp == kGeGLU && s.gelu_tanh)
-      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(gelu_tanh(g[i]), bf16) * u[i], bf16);
-    else if (s.mlp == kGeGLU)
-      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(round_to(gelu_erf(g[i]), bf16) * u[i], bf16);
-    else if (s.mlp == kReLU2)
-      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(std::max(g[i], 0.0f) * std::max(g[i], 0.0f), bf16);
-    else if (s.gelu_tanh)
-      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(gelu_tanh(g[i]), bf16);
-    else
-      for (int64_t i = i0; i < i1; ++i) o[i] = round_to(gelu_erf(g[i]), bf16);
+    const bool gated = s.mlp == kSwiGLU || s.mlp == kGeGLU;
+    for_lanes(i0, i1, [&](int64_t i, int64_t n) {
+      const Vec x = load_n(g + i, n);
+      Vec a;
+      if (s.mlp == kSwiGLU) a = silu(x);
+      else if (s.mlp == kReLU2) a = x < 0.0f ? simd::splat(0.0f) : x, a = a * a;
+      else a = s.gelu_tanh ? gelu_tanh(x) : gelu_erf(x);
+      a = round_to(a, bf16);
+      if (gated) a = round_to(a * load_n(u + i, n), bf16);
+      store_n(o + i, a, n);
+    });
   }
 
   void add(float* x, const float* y) const {

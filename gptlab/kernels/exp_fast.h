@@ -13,8 +13,9 @@ namespace GPTLAB_NS {
 
 // exp(x), branch-free so that a loop over it vectorizes: 2^n by the exponent bits, e^r on |r| <= ln2 / 2 by its
 // Taylor polynomial to r^7 (relative error ~1e-7, as std::exp's fp32 result); below -87 the result is 0 (as an fp32
-// exp underflows: a masked key's -inf included), above 88 it is e^88 (silu and tanh saturate long before)
-inline float exp_fast(float x) {
+// exp underflows: a masked key's -inf included), above 88 it is e^88 (silu and tanh saturate long before). Always
+// inlined: GCC left it a call (through the PLT) inside decode_step.cpp's loops, which then stayed scalar
+__attribute__((always_inline)) inline float exp_fast(float x) {
   const bool underflows = x < -87.0f;
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::floor(x * 1.44269504f + 0.5f);

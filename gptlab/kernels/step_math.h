@@ -7,6 +7,7 @@
 
 #include "exp_fast.h"
 #include "linear_avx2.h"
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
@@ -15,6 +16,8 @@
 namespace GPTLAB_NS::step_math {
 
 using GPTLAB_NS::exp_fast;
+using simd::kLanes;
+using simd::Vec;
 
 enum Norm { kLayerNorm = 0, kRMSNorm = 1, kUnitOffset = 2 };
 
@@ -28,39 +31,102 @@ inline float round_to(float v, bool bf16) {
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
+// the same on a whole vector, lane by lane
+inline Vec round_to(Vec v, bool bf16) {
+  if (!bf16) return v;
+  simd::UVec bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const simd::UVec nan = simd::UVec{} + 0x7FC00000u;
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  bits = v != v ? nan : bits;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// n < kLanes values as a vector (zeros after them) and back: a loop's tail computed by the same vector arithmetic as
+// its body, so a value's bits do not depend on where a thread's share of the loop began
+inline Vec load_n(const float* p, int64_t n) {
+  Vec v{};
+  std::memcpy(&v, p, n * sizeof(float));
+  return v;
+}
+inline void store_n(float* p, Vec v, int64_t n) { std::memcpy(p, &v, n * sizeof(float)); }
+
+// f(i, n) for i = i0, i0 + kLanes, ... over [i0, i1): n = kLanes but at the tail
+template <typename F>
+inline void for_lanes(int64_t i0, int64_t i1, const F& f) {
+  int64_t i = i0;
+  for (; i + kLanes <= i1; i += kLanes) f(i, kLanes);
+  if (i < i1) f(i, i1 - i);
+}
+
 inline void round_all(float* p, int64_t n, bool bf16) {
   if (bf16)
-    for (int64_t i = 0; i < n; ++i) p[i] = round_to(p[i], true);
+    for_lanes(0, n, [&](int64_t i, int64_t k) { store_n(p + i, round_to(load_n(p + i, k), true), k); });
+}
+
+// the sum of a vector's lanes, halving it (a tree: a running sum over the lanes is one dependent chain)
+inline float lane_sum(Vec v) {
+  using V8 = float __attribute__((vector_size(32)));
+  using V4 = float __attribute__((vector_size(16)));
+#ifdef __AVX512F__
+  const V8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const V8 h8 = v;
+#endif
+  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 // a norm's weight or bias (bf16 or fp32) read as fp32; empty where absent
-struct Vec {
+struct Param {
   const float* f = nullptr;
   const at::BFloat16* h = nullptr;
-  explicit Vec(const c10::optional<at::Tensor>& t) {
+  explicit Param(const c10::optional<at::Tensor>& t) {
     if (!t.has_value() || !t->defined()) return;
     if (t->scalar_type() == at::kBFloat16) h = t->data_ptr<at::BFloat16>();
     else f = t->data_ptr<float>();
   }
   bool present() const { return f || h; }
   float operator[](int64_t i) const { return f ? f[i] : static_cast<float>(h[i]); }
+  Vec lanes(int64_t i) const { return f ? simd::load(f + i) : simd::load(h + i); }  // kLanes of them from i
 };
 
-// rows of width n, normalized (LayerNorm, RMSNorm, or Gemma's RMSNorm scaled by 1 + weight): out = norm(in)
+// rows of width n, normalized (LayerNorm, RMSNorm, or Gemma's RMSNorm scaled by 1 + weight): out = norm(in). The
+// statistics are summed in fp32 lanes (a row is always one thread's whole, so its bits do not depend on the threads)
 inline void norm_rows(const float* in, float* out, int64_t rows, int64_t n, int kind,
                       const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b, float eps, bool bf16) {
-  const Vec weight(w), bias(b);
+  const Param weight(w), bias(b);
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = in + r * n;
     float* y = out + r * n;
-    double mean = 0.0, sq = 0.0;
+    float mean = 0.0f;
     if (kind == kLayerNorm) {
-      for (int64_t i = 0; i < n; ++i) mean += x[i];
-      mean /= n;
+      simd::Vec lanes{};
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) lanes += simd::load(x + i);
+      float tail = 0.0f;
+      for (; i < n; ++i) tail += x[i];
+      mean = (lane_sum(lanes) + tail) / static_cast<float>(n);
     }
-    for (int64_t i = 0; i < n; ++i) sq += (x[i] - mean) * (x[i] - mean);
-    const float inv = 1.0f / std::sqrt(static_cast<float>(sq / n) + eps), m = static_cast<float>(mean);
-    for (int64_t i = 0; i < n; ++i) {
-      float v = (x[i] - m) * inv;
+    simd::Vec lanes{};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      const simd::Vec d = simd::load(x + i) - mean;
+      lanes += d * d;
+    }
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += (x[i] - mean) * (x[i] - mean);
+    const float inv = 1.0f / std::sqrt((lane_sum(lanes) + tail) / static_cast<float>(n) + eps);
+    for (i = 0; i + kLanes <= n; i += kLanes) {  // the same arithmetic as the scalar tail, lane by lane
+      Vec v = (simd::load(x + i) - mean) * inv;
+      if (kind == kUnitOffset) v *= 1.0f + weight.lanes(i);
+      else if (weight.present()) v *= weight.lanes(i);
+      if (bias.present()) v += bias.lanes(i);
+      simd::store(y + i, round_to(v, bf16));
+    }
+    for (; i < n; ++i) {
+      float v = (x[i] - mean) * inv;
       if (kind == kUnitOffset) v *= 1.0f + weight[i];
       else if (weight.present()) v *= weight[i];
       if (bias.present()) v += bias[i];
@@ -72,7 +138,14 @@ inline void norm_rows(const float* in, float* out, int64_t rows, int64_t n, int 
 // rotate a head's first `rot` dims by (cos, sin) (rot / 2 each): pairs (i, i + rot / 2), or (2i, 2i + 1)
 inline void rotate(float* h, const float* cos, const float* sin, int64_t rot, bool interleaved, bool bf16) {
   const int64_t half = rot / 2;
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+  if (!interleaved)  // pairs (i, i + half): both halves run in lanes
+    for (; i + kLanes <= half; i += kLanes) {
+      const Vec a = simd::load(h + i), b = simd::load(h + i + half), c = simd::load(cos + i), s = simd::load(sin + i);
+      simd::store(h + i, round_to(round_to(a * c, bf16) - round_to(b * s, bf16), bf16));
+      simd::store(h + i + half, round_to(round_to(b * c, bf16) + round_to(a * s, bf16), bf16));
+    }
+  for (; i < half; ++i) {
     const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
     const float a = h[ia], b = h[ib];
     // each product rounded, then the sum, as apply_rope's ops on a bf16 tensor do
@@ -96,36 +169,34 @@ inline void store(at::BFloat16* to, const float* from, int64_t n) {
   for (int64_t i = 0; i < n; ++i) to[i] = static_cast<at::BFloat16>(from[i]);
 }
 
-// q . k over n values in 16 independent lanes (summed at the end), so that the compiler vectorizes it: a plain
-// running sum is one dependent chain (and the attention's scores were scalar)
+// q . k over n values in vector lanes, summed by halving (a plain running sum is one dependent chain)
 template <typename KV>
 inline float dot(const float* a, const KV* b, int64_t n) {
-  float lanes[16] = {};
+  Vec lanes{};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * widen(b[i + j]);
-  float sum = 0.0f;
+  for (; i + kLanes <= n; i += kLanes) lanes += simd::load(a + i) * simd::load(b + i);
+  float sum = lane_sum(lanes);
   for (; i < n; ++i) sum += a[i] * widen(b[i]);
-  for (int j = 0; j < 16; ++j) sum += lanes[j];
   return sum;
 }
 
 // The MLP's activations in fp32, as ATen computes them (silu x / (1 + e^-x); GELU 0.5 x (1 + tanh(...)) or
-// 0.5 x (1 + erf(x / sqrt 2))), within ~1e-7 relative of its vectorized results
-inline float silu(float v) { return v / (1.0f + exp_fast(-v)); }
-inline float gelu_tanh(float v) {
-  const float u = 0.7978845608f * (v + 0.044715f * v * v * v);
-  const float t = 1.0f - 2.0f / (exp_fast(2.0f * std::fabs(u)) + 1.0f);  // tanh |u|: 1 + tanh within ~1e-7
+// 0.5 x (1 + erf(x / sqrt 2))), within ~1e-7 relative of its vectorized results; on a vector of lanes
+inline Vec abs_of(Vec v) { return v < 0.0f ? -v : v; }
+inline Vec silu(Vec v) { return v / (1.0f + simd::exp_vec(-v)); }
+inline Vec gelu_tanh(Vec v) {
+  const Vec u = 0.7978845608f * (v + 0.044715f * v * v * v);
+  const Vec t = 1.0f - 2.0f / (simd::exp_vec(2.0f * abs_of(u)) + 1.0f);  // tanh |u|: 1 + tanh within ~1e-7
   return 0.5f * v * (1.0f + (u < 0.0f ? -t : t));
 }
 // erfc(z) for z >= 0 in the form t exp(-z^2 + P(t)), t = 1 / (1 + z / 2) (fractional error < 1.2e-7 everywhere,
 // Numerical Recipes' erfcc), so that 1 + erf(x / sqrt 2) keeps its relative accuracy in the negative tail too
-inline float gelu_erf(float v) {
-  const float z = std::fabs(v) * 0.70710678f, t = 1.0f / (1.0f + 0.5f * z);
-  float p = 0.17087277f;
+inline Vec gelu_erf(Vec v) {
+  const Vec z = abs_of(v) * 0.70710678f, t = 1.0f / (1.0f + 0.5f * z);
+  Vec p = simd::splat(0.17087277f);
   p = p * t - 0.82215223f, p = p * t + 1.48851587f, p = p * t - 1.13520398f, p = p * t + 0.27886807f;
   p = p * t - 0.18628806f, p = p * t + 0.09678418f, p = p * t + 0.37409196f, p = p * t + 1.00002368f;
-  const float erfc = t * exp_fast(-z * z - 1.26551223f + t * p);
+  const Vec erfc = t * simd::exp_vec(-z * z - 1.26551223f + t * p);
   return 0.5f * v * (v < 0.0f ? erfc : 2.0f - erfc);
 }
 
