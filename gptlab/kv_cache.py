@@ -159,6 +159,17 @@ class KVCache:
         mask = causal_mask(pos, end) if not shared or (T > 1 and lo > 0) else None  # (B or 1, 1, T, end)
         return pos, masks_for(pos, end, mask, sliding_window)
 
+    def begin_rows(self, slots: torch.Tensor, pos: torch.Tensor, sliding_window: int | None = None) -> Masks:
+        """Plan a step of one token per row i at position pos[i] of cache row slots[i] (R each): rows of one slot
+        at successive positions are a prompt's next tokens beside other rows' new ones. Returns the masks (R, 1, 1,
+        keys): each row sees its slot's keys up to its own position. For steps that write the cache themselves
+        (`step_target`: the C++ step); the caller moves `lengths` on."""
+        end = int(pos.max()) + 1
+        if end > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} tokens per row; this step needs {end}")
+        self._where, self._end = (slots[:, None], pos[:, None]), end
+        return masks_for(pos[:, None], end, causal_mask(pos[:, None], end), sliding_window)
+
     def step_target(self) -> tuple[int | tuple[torch.Tensor, torch.Tensor], int]:
         """Where the step `begin` planned writes its keys (a position every row shares, or (rows (B, 1), positions
         (B, T)) of each row's own), and how many keys it attends over: for steps that write the cache themselves."""

@@ -17,8 +17,15 @@ from families import ALL_FAMILIES, gpt2_like, model_of
 
 import gptlab.generation.engine as engine_module
 from gptlab.generation import Engine, generate, native_decode
-from gptlab.generation.fast_decode import LEAN_SWITCHES, decode_hidden, lean_step_exact, unknown_switches
+from gptlab.generation.fast_decode import (
+    LEAN_SWITCHES,
+    decode_hidden,
+    decode_rows,
+    lean_step_exact,
+    unknown_switches,
+)
 from gptlab.generation.packed_linear import PackedLinears, forget_packed, kernel_packed
+from gptlab.generation.prefill import prefill_rows
 from gptlab.kv_cache import KVCache
 from gptlab.lora import LoRASpec, add_lora
 from gptlab.quantize import QuantizedLinear, quantize_model
@@ -94,6 +101,37 @@ def test_native_step_equals_the_lean_one(on_kernel, family: str, dtype: torch.dt
             want = _steps(model, lean, lengths)
             assert native_decode.weights(model, KVCache(model.config, 1, 8)) is not None  # the C++ step runs
             assert _close(want, _steps(model, decode_hidden, lengths), dtype), lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_native_step_prefills_prompt_parts_beside_decoding_rows(on_kernel, family: str, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """`decode_rows`: one C++ call feeds a row its next token and other rows prompt parts after what they hold (in
+    scattered cache rows, one of them empty; parts past a sliding window): each row's hidden states are those of
+    one forward over its whole sequence (within the C++ step's rounding, as above), and each cache row holds its
+    keys after it."""
+    model = model_of(family, dtype)
+    gen = torch.Generator().manual_seed(3)
+    held = {3: 9, 0: 4, 2: 0}  # cache row -> tokens it holds; then the tokens each is fed
+    fed = {3: 1, 0: 6, 2: 11}
+    seqs = {r: torch.randint(0, model.config.vocab_size, (held[r] + fed[r],), generator=gen).tolist() for r in held}
+    cache = KVCache(model.config, 4, 24, dtype=native_decode.cache_dtype(model), attend_dtype=torch.float32)
+    with torch.inference_mode(), PackedLinears(model).active():
+        for r, n in held.items():
+            if n:
+                prefill_rows(model, cache, [r], [seqs[r][:n]])
+        weights = native_decode.weights(model, cache)
+        assert weights is not None  # the C++ step runs
+        rows = [(r, held[r] + i, seqs[r][held[r] + i]) for r in fed for i in range(fed[r])]
+        hidden = decode_rows(model, cache, *(list(col) for col in zip(*rows, strict=True)), weights)
+        start = 0
+        for r in fed:  # against one forward over the row's whole sequence, attending in fp32 as the engine's do
+            alone = KVCache(model.config, 1, 24, dtype=cache.k.dtype, attend_dtype=torch.float32)
+            whole = model.hidden_states(torch.tensor([seqs[r]]), kv_cache=alone)  # (the same packed Linears)
+            assert _close(whole[0, held[r]:], hidden[start : start + fed[r]], dtype), r
+            start += fed[r]
+            n = len(seqs[r])  # the row's cache holds what that forward wrote
+            assert _close(alone.k[:, 0, :, :n], cache.k[:, r, :, :n], dtype), r
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,7 +9,7 @@ from helpers import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gptlab.generation.engine as engine_module
+import gptlab.generation.engine_prefill as prefill_module
 from gptlab.generation import Engine, SamplingParams, generate_batch
 from gptlab.generation.prefill import PADDING_WASTE, padded_groups, prefill_rows
 from gptlab.generation.prefix_cache import PrefixCache
@@ -80,10 +80,12 @@ def test_padded_groups_take_each_row_once_and_bound_the_padding(parts, data):
 
 
 def test_rows_that_join_together_in_scattered_slots_answer_as_alone(monkeypatch):
-    """Rows freed here and there are filled by one prefill forward; every row answers as it would alone."""
+    """Rows freed here and there are filled by one prefill forward (where the decode step does not take them); every
+    row answers as it would alone."""
     model = _MODELS["rope"]
+    monkeypatch.setattr(Engine, "_rows_step_ready", lambda self: False)
     forwards = []
-    monkeypatch.setattr(engine_module, "prefill_rows",
+    monkeypatch.setattr(prefill_module, "prefill_rows",
                         lambda m, c, slots, parts: forwards.append(list(slots)) or prefill_rows(m, c, slots, parts))
     engine = Engine(model, max_batch=5)
     first = [engine.prepare(tokens(i, 3 + i), SamplingParams(temperature=0, max_new_tokens=n))
@@ -100,6 +102,46 @@ def test_rows_that_join_together_in_scattered_slots_answer_as_alone(monkeypatch)
         engine.step()
     alone = [generate_batch(model, [g.prompt_ids], g.params)[0].token_ids for g in first + later]
     assert [g.token_ids for g in first + later] == alone
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("kind", sorted(_MODELS))
+def test_prompts_added_while_rows_decode_go_into_the_next_c_step(on_kernel, monkeypatch, kind: str, chunk):  # noqa: ANN001
+    """On the C++ step, prompts added while other rows decode (a one-token prompt, prompts longer than a chunk,
+    rows restored from the prefix cache, a row scoring its prompt) take no forward of their own: the next steps' C++
+    calls feed them as more rows. Every row gets the tokens and logprobs of the separate prefill forwards."""
+    model = _MODELS[kind]
+    calls = {"rows": 0, "prefill": 0}
+    real_rows, real_prefill = prefill_module.decode_rows, prefill_module.prefill_rows
+    monkeypatch.setattr(prefill_module, "decode_rows",
+                        lambda *a: calls.__setitem__("rows", calls["rows"] + 1) or real_rows(*a))
+    monkeypatch.setattr(prefill_module, "prefill_rows",
+                        lambda *a: calls.__setitem__("prefill", calls["prefill"] + 1) or real_prefill(*a))
+    scoring = SamplingParams(temperature=0, max_new_tokens=12, prompt_logprobs=True, logprobs=1)
+
+    def run(rows_step: bool) -> list:
+        engine = Engine(model, max_batch=5, prefill_chunk=chunk, prefix_cache=PrefixCache(1 << 24, block_tokens=4))
+        assert engine.kernels()["decode step"] == "native C++"
+        if not rows_step:
+            monkeypatch.setattr(engine, "_rows_step_ready", lambda: False)
+        first = [engine.prepare(tokens(i, 3 + 4 * i), GREEDY) for i in range(2)]
+        engine.add(first)
+        for _ in range(3):
+            engine.step()
+        calls.update(rows=0, prefill=0)
+        later = [engine.prepare(tokens(1, 7) + [5], GREEDY), engine.prepare([42], GREEDY),
+                 engine.prepare(tokens(9, 10), scoring)]  # the first begins as a finished row's prompt did
+        engine.add(later)
+        while engine.running:
+            engine.step()
+        return [(g.token_ids, [e.logprob for e in g.prompt_logprobs[1:]]) for g in first + later]
+
+    together = run(True)
+    assert calls["rows"] > 0 and calls["prefill"] == 0
+    alone = run(False)
+    assert calls["rows"] == 0 and calls["prefill"] > 0
+    for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(together, alone, strict=True):
+        assert tokens_a == tokens_b and logprobs_a == pytest.approx(logprobs_b, abs=1e-5)
 
 
 def test_with_the_prefix_cache_and_prompt_logprobs_rows_together_answer_as_alone():
@@ -125,14 +167,14 @@ def test_a_prefill_that_fails_fails_its_row_alone(monkeypatch):
     """One prompt whose forward fails, admitted with others: it finishes with its error, the others answer as
     alone; added alone, the error is raised as before."""
     model = _MODELS["rope"]
-    real = engine_module.prefill_rows
+    real = prefill_module.prefill_rows
 
     def failing(m, c, slots, parts):  # noqa: ANN001, ANN202
         if any(p[:1] == [13] for p in parts):
             raise RuntimeError("boom")
         return real(m, c, slots, parts)
 
-    monkeypatch.setattr(engine_module, "prefill_rows", failing)
+    monkeypatch.setattr(prefill_module, "prefill_rows", failing)
     engine = Engine(model, max_batch=3)
     gens = [engine.prepare(p, GREEDY) for p in ([5, 6, 7], [13, 1, 2], [9, 8])]
     engine.add(gens)

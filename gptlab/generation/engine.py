@@ -2,7 +2,8 @@
 
 * `Engine` owns a `KVCache` of `max_batch` rows, allocated once. `add` prefills prompts into any free rows
   together (`prefill`: one right-padded forward, or a few when their lengths differ much) and samples each row's
-  first token; `step` feeds every running row its last token and samples the next. Rows finish on their own
+  first token, or, while other rows decode on the C++ step, leaves them to the next step's call (`engine_prefill`);
+  `step` feeds every running row its last token and samples the next. Rows finish on their own
   ("stop" or "length") and free their slot, so new requests can join between steps (continuous batching).
   With `prefill_chunk`, a longer prompt is prefilled that many tokens per step, alongside the other rows'
   decoding, so one long prompt does not stall everybody else for a whole prefill (chunked prefill).
@@ -40,16 +41,15 @@ import torch.nn as nn
 
 from gptlab.errors import GptlabError
 from gptlab.generation import native_decode
-from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows, score_prompt
+from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows
+from gptlab.generation.engine_prefill import PromptPrefill
 from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.generation.graph_decode import StaticDecode, usable
 from gptlab.generation.packed_linear import kernel_name, pack_where_it_helps
 from gptlab.generation.params import SamplingParams
-from gptlab.generation.prefill import padded_groups, prefill_rows
-from gptlab.generation.prefix_cache import PrefixCache, keep_row, restore_prompt
+from gptlab.generation.prefill import prefill_rows
+from gptlab.generation.prefix_cache import PrefixCache, keep_row
 from gptlab.generation.request import (
-    FINISH_ERROR,
-    FINISH_LENGTH,
     FINISH_STOP,
     Generation,
     prepare_generation,
@@ -80,7 +80,7 @@ def check_cache_memory(config: Any, max_batch: int, max_len: int, dtype: torch.d
 # ---------------------------------------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------------------------------------
-class Engine:
+class Engine(PromptPrefill):
     """Batched decoding over one preallocated KV cache of `max_batch` rows; see the module docstring."""
 
     def __init__(
@@ -207,78 +207,6 @@ class Engine:
         gen.steering = check_vectors(self.model, steering)
         return gen
 
-    # --- prefill --------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def add(self, gens: Sequence[Generation]) -> None:
-        """Prefill prompts into free rows (together, `prefill`) and sample each one's first token (with
-        prefill_chunk, a longer prompt's first chunk now, the rest in the next steps)."""
-        gens = [g for g in gens if not self._done_before_start(g)]
-        if not gens:
-            return
-        free = [i for i, g in enumerate(self.slots) if g is None]
-        if len(gens) > len(free):
-            raise GptlabError(f"{len(gens)} prompts but only {len(free)} free rows")
-        for g, slot in zip(gens, free, strict=False):
-            g.row.slot = slot
-            self.slots[slot] = g
-            g.row.window = list(g.prompt_ids)
-            g.prompt_logprobs = [None] if g.params.prompt_logprobs else []
-        self._reset_penalty_rows(gens)
-        for g in gens:
-            kept = restore_prompt(self.prefix_cache, self.model, self.cache, g)  # found there, copied into its row
-            self.cache.lengths[g.row.slot] = kept  # (whatever the slot's previous user left)
-            g.row.pending = g.prompt_ids[kept:]
-        self._prefill_pending(gens, isolate=len(gens) > 1)
-
-    def _prefill_pending(self, gens: list[Generation], isolate: bool) -> None:
-        """Each row's next prompt part (its pending tokens, up to prefill_chunk) in as few forwards as padding
-        allows; rows whose prompt is then in sample their first token. With `isolate`, a forward that fails is
-        tried again row by row, and a row that fails alone finishes with its error (the others go on)."""
-        parts = [g.row.pending[: self.prefill_chunk or len(g.row.pending)] for g in gens]
-        held = [len(g.prompt_ids) - len(g.row.pending) for g in gens]
-        for group in padded_groups([len(p) for p in parts], held, self.max_len):
-            rows, error = [gens[i] for i in group], None
-            tokens = len(group) * max(len(parts[i]) for i in group)  # padded
-            with self._kernels(refresh=True, rows=tokens), steering_rows(self.model, rows):
-                try:
-                    hidden = prefill_rows(self.model, self.cache, [g.row.slot for g in rows], [parts[i] for i in group])
-                except Exception as e:
-                    if not isolate:
-                        raise
-                    error = e
-                else:
-                    done, logits = self._prompts_in(rows, [parts[i] for i in group], hidden)
-            if error is None:
-                if done:
-                    self._accept(done, logits)
-            elif len(rows) > 1:
-                for g in rows:
-                    self._prefill_pending([g], isolate=True)
-            else:
-                rows[0].error = error
-                rows[0]._finish(FINISH_ERROR)
-                self.release(rows[0])
-
-    def _prompts_in(self, gens: list[Generation], parts: list[list[int]],
-                    hidden: torch.Tensor) -> tuple[list[Generation], torch.Tensor | None]:
-        """After a prefill forward (inside `_kernels`): the parts' prompt logprobs scored; the rows whose prompt is
-        now whole, kept by the prefix cache, and the logits after their last token."""
-        done, last = [], []
-        for i, (g, part) in enumerate(zip(gens, parts, strict=True)):
-            score_prompt(self.model, g, hidden[i, : len(part)], len(g.prompt_ids) - len(g.row.pending))
-            g.row.pending = g.row.pending[len(part) :]
-            if not g.row.pending:
-                done.append(g)
-                last.append(hidden[i, len(part) - 1])
-                keep_row(self.prefix_cache, self.model, self.cache, g)
-        return done, self.model.logits(torch.stack(last)) if done else None
-
-    def _done_before_start(self, g: Generation) -> bool:
-        if g.params.max_new_tokens == 0:
-            g._finish(FINISH_LENGTH)
-            return True
-        return False
-
     # --- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Generation]:
@@ -288,6 +216,8 @@ class Engine:
         running = [g for g in self.running if not g.row.pending]
         if self.speculator is not None and len(running) == 1 and not prefilling and self.speculator.step(running[0]):
             return running
+        if running and prefilling and self._step_rows(running, prefilling):
+            return running + [g for g in prefilling if g.token_ids]
         if running:
             self._decode(running, prefilling)
         if prefilling:  # one more chunk of each long prompt; the last one samples its first token
@@ -383,13 +313,6 @@ class Engine:
         if counts is not None:
             counts.add(slots, new)
         finish_rows(gens, new, self.config, self.max_len, self.release)
-
-    def _reset_penalty_rows(self, gens: list[Generation]) -> None:
-        if self._penalties is None and any(g.params.penalized for g in gens):
-            self._penalties = TokenCounts(self.max_batch, self.config.vocab_size, self.device)
-        if self._penalties is not None:
-            for g in gens:
-                self._penalties.reset(g.row.slot, g.prompt_ids)
 
     # --- whole runs -----------------------------------------------------------------------------------------
     def run(self, gens: Sequence[Generation]) -> list[Generation]:

@@ -170,3 +170,18 @@ def decode_hidden(
         x = norm(t.ln_f, x)
     cache.advance(1)
     return x
+
+
+def decode_rows(model: GPT, cache: KVCache, slots: list[int], positions: list[int], tokens: list[int],
+                weights: native_decode.NativeWeights) -> torch.Tensor:
+    """Final-norm hidden states (R, C) of tokens[i] at positions[i] of cache row slots[i], written to `cache`, in
+    one call of the C++ step: running rows' new tokens and prompts' next parts together (a prompt's tokens are
+    rows of its slot at successive positions, each attending to those before it). The caller moves each slot's
+    length on. For a model `lean_step_exact` accepts whose rotary frequencies do not depend on the length."""
+    device = cache.lengths.device
+    slot_t, pos = torch.tensor(slots, device=device), torch.tensor(positions, device=device)
+    masks = cache.begin_rows(slot_t, pos, model.config.sliding_window)
+    pos = pos[:, None]  # (R, 1)
+    x = embed(model, torch.tensor(tokens, device=device)[:, None], pos)  # (R, 1, C)
+    rope = rope_tables(model.config, pos) if model.config.position == "rope" else None
+    return native_decode.step(model, x, rope, masks, cache, weights)[:, 0]

@@ -1,5 +1,9 @@
 // One decode step of any gptlab model (one new token per row) in one C++ call, over weights packed for this
 // library's `linear`: the loop of gptlab/generation/fast_decode.py's lean step without a Python round trip per op.
+// Rows may also be tokens at positions of their own in cache rows of their own (`rows`, `pos`): several rows of
+// one cache row at successive positions are a prompt's next tokens, each attending to those before it (a layer's
+// keys are all in the cache before any row attends), so prompts are prefilled in the same call as the running
+// rows' next tokens (`gptlab.generation.native_decode.step_rows`).
 // Norms, rotary embeddings, q/k norms, grouped-query attention over the KV cache, soft-caps and the MLP's
 // activation are plain loops over a few rows (written so that the compiler vectorizes them); the Linear products go
 // to the kernel over raw rows (`linear_part`). Its buffers are made once per call: no ATen op runs inside a step.
@@ -83,7 +87,7 @@ struct Step {
   float eps, scale, softcap;
   const at::Tensor &k_cache, &v_cache;  // (L, B, nkv, max_len, hs) of KV
   int64_t where, end;
-  const int64_t *rows, *pos;      // where < 0: row b writes at rows[b], pos[b]
+  const int64_t *rows, *pos;      // where < 0: row b is cache row rows[b]'s token at pos[b]; else row b's at where
   const bool *full, *window;      // (B or 1, end) masks, or null: every key
   int64_t full_rows, window_rows;
   const float *cos, *sin;         // (B or 1, rot / 2), or null
@@ -122,8 +126,9 @@ struct Step {
   }
 
   // where this token's head j of qkv (a key head or a value head: j >= nh) of row b goes in this layer's cache
+  int64_t slot_of(int64_t b) const { return where >= 0 ? b : rows[b]; }
   KV* cache_head(int64_t b, int64_t j, KV* kp, KV* vp) const {
-    const int64_t nh = s.nh, nkv = s.nkv, slot = where >= 0 ? b : rows[b], at_t = where >= 0 ? where : pos[b];
+    const int64_t nh = s.nh, nkv = s.nkv, slot = slot_of(b), at_t = where >= 0 ? where : pos[b];
     const bool key = j < nh + nkv;
     return (key ? kp : vp) + slot * k_cache.stride(1) + (key ? j - nh : j - nh - nkv) * k_cache.stride(2) +
            at_t * k_cache.stride(3);
@@ -166,7 +171,7 @@ struct Step {
     const int64_t sb = k_cache.stride(1), sh = k_cache.stride(2), st = k_cache.stride(3);
     float* p = me.p.data();
     const float* q = buf.qkv.data() + b * width + h * hs;
-    const KV *keys = kp + b * sb + g * sh, *vals = vp + b * sb + g * sh;
+    const KV *keys = kp + slot_of(b) * sb + g * sh, *vals = vp + slot_of(b) * sb + g * sh;
     const bool* m = mask ? mask + (mask_rows > 1 ? b : 0) * end : nullptr;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < end; ++t) {
@@ -342,6 +347,10 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
   if (where < 0) {
     rows_c = rows->reshape({-1}).contiguous(), pos_c = pos->reshape({-1}).contiguous();
     TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "decode_step: a row and position per row");
+    const int64_t *r = rows_c.data_ptr<int64_t>(), *p = pos_c.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(r[b] >= 0 && r[b] < k_cache.size(1) && p[b] >= 0 && p[b] < end,
+                  "decode_step: row ", b, " is cache row ", r[b], " at ", p[b], ": outside the cache or the step");
   }
   int64_t rope_rows = 0;
   if (cos.has_value() && cos->defined()) {
