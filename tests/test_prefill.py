@@ -144,6 +144,30 @@ def test_prompts_added_while_rows_decode_go_into_the_next_c_step(on_kernel, monk
         assert tokens_a == tokens_b and logprobs_a == pytest.approx(logprobs_b, abs=1e-5)
 
 
+def test_a_step_of_many_rows_prefills_by_the_plain_forward_where_pytorch_wins_there(on_kernel, monkeypatch):  # noqa: ANN001
+    """Where the dispatch measured PyTorch's products faster at its large-batch size, a step that would feed that
+    many rows leaves its prompts to the plain forward (as a prefill's forward keeps PyTorch's products there); a
+    step of fewer rows still takes them."""
+    from gptlab.kernels.dispatch import BATCH
+
+    model = _MODELS["rope"]
+    calls = []
+    real_rows, real_prefill = prefill_module.decode_rows, prefill_module.prefill_rows
+    monkeypatch.setattr(prefill_module, "decode_rows", lambda *a: calls.append("rows") or real_rows(*a))
+    monkeypatch.setattr(prefill_module, "prefill_rows", lambda *a: calls.append("plain") or real_prefill(*a))
+    monkeypatch.setattr(prefill_module, "chosen_ops", lambda kind, rows: None)  # PyTorch wins at many rows
+    engine = Engine(model, max_batch=3)
+    engine.add([engine.prepare(tokens(1, 4), GREEDY)])
+    engine.step()
+    for n, path in ((BATCH + 3, "plain"), (5, "rows")):
+        calls.clear()
+        g = engine.prepare(tokens(2, n), GREEDY)
+        engine.add([g])
+        engine.step()
+        assert calls[:1] == [path] and g.token_ids, n
+        engine.release(g)
+
+
 def test_with_the_prefix_cache_and_prompt_logprobs_rows_together_answer_as_alone():
     """Rows restored from the prefix cache (each holding a different kept length) and rows scoring their prompt,
     prefilled together in chunks, get the tokens and logprobs each gets alone without the cache."""

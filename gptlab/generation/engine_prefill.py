@@ -10,10 +10,13 @@ goes in that many tokens per step either way (chunked prefill).
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
 
 from gptlab.errors import GptlabError
 from gptlab.generation.accept import score_prompt
@@ -23,6 +26,8 @@ from gptlab.generation.prefix_cache import keep_row, restore_prompt
 from gptlab.generation.request import FINISH_ERROR, FINISH_LENGTH, Generation
 from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.sampling import TokenCounts
+from gptlab.kernels.dispatch import BATCH, chosen_ops, kind_of
+from gptlab.quantize import QuantizedLinear
 from gptlab.rope import LENGTH_DEPENDENT
 
 if TYPE_CHECKING:
@@ -119,12 +124,25 @@ class PromptPrefill:
                 and self.model.hooks is None and not any_steered(self.slots) and self._native is not False
                 and (scaling is None or scaling.kind not in LENGTH_DEPENDENT))
 
+    @functools.cached_property
+    def _linear_kinds(self: Engine) -> set[str]:
+        """The kinds of weight (the dispatch's: fp32, bf16, int8, int4) the model's Linears hold."""
+        return {m.mode if isinstance(m, QuantizedLinear) else kind_of(m.weight.dtype)
+                for m in self.model.modules() if isinstance(m, (nn.Linear, QuantizedLinear))}
+
+    def _many_rows_on_kernel(self: Engine) -> bool:
+        """Whether the dispatch keeps gptlab's kernels for products of many rows (its large-batch probe size) for
+        every kind of weight here, as a prefill's forward would (`PackedLinears.active(many_rows=True)`)."""
+        return all(chosen_ops(kind, BATCH) is not None for kind in self._linear_kinds)
+
     def _step_rows(self: Engine, running: list[Generation], prefilling: list[Generation]) -> bool:
         """The running rows' next tokens and the prefilling rows' next prompt parts in one C++ call (`decode_rows`);
-        False, having changed nothing, where that call cannot run (the separate forwards then do the same)."""
+        False where that call cannot run, before any row got a token (the separate forwards then do the step)."""
         parts = [g.row.pending[: self.prefill_chunk or len(g.row.pending)] for g in prefilling]
         if not self._rows_step_ready() or max(len(p) for p in parts) > ROWS_STEP_PART:
             return False
+        if len(running) + sum(len(p) for p in parts) >= BATCH and not self._many_rows_on_kernel():
+            return False  # PyTorch's products win at this many rows here: the plain forward prefills
         for g in running:
             if len(g.row.window) >= self.max_len:
                 self._slide(g)
@@ -144,8 +162,7 @@ class PromptPrefill:
             rows = torch.tensor([g.row.slot for g in running + prefilling], device=self.device)
             self.cache.lengths[rows] += torch.tensor([1] * len(running) + [len(p) for p in parts], device=self.device)
             ends = torch.tensor([len(running)] + [len(p) for p in parts]).cumsum(0).tolist()  # each part's rows
-            hidden = [h[a:b] for a, b in zip(ends, ends[1:], strict=False)]
-            done, done_logits = self._prompts_in(prefilling, parts, hidden)
+            done, done_logits = self._prompts_in(prefilling, parts, [h[a:b] for a, b in itertools.pairwise(ends)])
         for g in running:
             g.row.window.append(g.token_ids[-1])
         self._accept(running, logits)
