@@ -161,7 +161,7 @@ class PromptPrefill:
             logits = self.model.logits(h[: len(running)])
             rows = torch.tensor([g.row.slot for g in running + prefilling], device=self.device)
             self.cache.lengths[rows] += torch.tensor([1] * len(running) + [len(p) for p in parts], device=self.device)
-            ends = torch.tensor([len(running)] + [len(p) for p in parts]).cumsum(0).tolist()  # each part's rows
+            ends = list(itertools.accumulate([len(running)] + [len(p) for p in parts]))  # each part's rows
             done, done_logits = self._prompts_in(prefilling, parts, [h[a:b] for a, b in itertools.pairwise(ends)])
         for g in running:
             g.row.window.append(g.token_ids[-1])

@@ -7,11 +7,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "exp_fast.h"
 #include "linear_avx2.h"
 #include "simd.h"
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 
 namespace GPTLAB_NS {
@@ -33,45 +32,43 @@ struct Tanh {
     one_plus = u < 0.0f ? d : 2.0f - d, one_minus_sq = d * (2.0f - d);
   }
 };
-struct TanhScalar {
-  float one_plus, one_minus_sq;
-  explicit TanhScalar(float x) {
-    const float u = kBeta * (x + kKappa * x * x * x), a = std::fabs(u);
-    const float d = a > 44.0f ? 0.0f : 2.0f / (exp_fast(2.0f * a) + 1.0f);
-    one_plus = u < 0.0f ? d : 2.0f - d, one_minus_sq = d * (2.0f - d);
-  }
-};
-template <typename V> struct TanhOf { using type = Tanh; };
-template <> struct TanhOf<float> { using type = TanhScalar; };
 
 // the forward: y = 0.5 x (1 + tanh u)
-template <typename V>
-V gelu_of(V x) {
-  return 0.5f * x * typename TanhOf<V>::type(x).one_plus;
-}
+Vec gelu_of(Vec x) { return 0.5f * x * Tanh(x).one_plus; }
 // the backward: g (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) kBeta (1 + 3 kKappa x^2)), ATen's gelu_backward's formula
-template <typename V>
-V gelu_grad_of(V g, V x) {
-  const typename TanhOf<V>::type t(x);
+Vec gelu_grad_of(Vec g, Vec x) {
+  const Tanh t(x);
   return g * (0.5f * t.one_plus + 0.5f * x * (t.one_minus_sq * (kBeta * (1.0f + 3.0f * kKappa * x * x))));
+}
+
+// y[i] = f(in[i]...) over n values, a vector at a time over the threads; a share's last few values go through the
+// same vector code, zero-padded (no scalar twin of the formulas)
+template <typename T, typename F, typename... In>
+void map_lanes(T* y, int64_t n, const F& f, const In*... in) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) store(y + i, f(load(in + i)...));
+    if (i < end) {
+      const auto padded = [&](const T* p) {
+        T tail[kLanes] = {};
+        std::copy(p + i, p + end, tail);
+        return load(tail);
+      };
+      T out[kLanes];
+      store(out, f(padded(in)...));
+      std::copy(out, out + (end - i), y + i);
+    }
+  });
 }
 
 template <typename T>
 void forward(const T* x, T* y, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) store(y + i, gelu_of(load(x + i)));
-    for (; i < end; ++i) y[i] = T(gelu_of(static_cast<float>(x[i])));
-  });
+  map_lanes(y, n, [](Vec v) { return gelu_of(v); }, x);
 }
 
 template <typename T>
 void backward(const T* g, const T* x, T* gx, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) store(gx + i, gelu_grad_of(load(g + i), load(x + i)));
-    for (; i < end; ++i) gx[i] = T(gelu_grad_of(static_cast<float>(g[i]), static_cast<float>(x[i])));
-  });
+  map_lanes(gx, n, [](Vec d, Vec v) { return gelu_grad_of(d, v); }, g, x);
 }
 
 void check(const at::Tensor& x, const char* name) {

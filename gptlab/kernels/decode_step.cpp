@@ -3,7 +3,7 @@
 // Rows may also be tokens at positions of their own in cache rows of their own (`rows`, `pos`): several rows of
 // one cache row at successive positions are a prompt's next tokens, each attending to those before it (a layer's
 // keys are all in the cache before any row attends), so prompts are prefilled in the same call as the running
-// rows' next tokens (`gptlab.generation.native_decode.step_rows`).
+// rows' next tokens (`gptlab.generation.fast_decode.decode_rows`).
 // Norms, rotary embeddings, q/k norms, grouped-query attention over the KV cache, soft-caps and the MLP's
 // activation are plain loops over a few rows (written so that the compiler vectorizes them); the Linear products go
 // to the kernel over raw rows (`linear_part`). Its buffers are made once per call: no ATen op runs inside a step.
