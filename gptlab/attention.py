@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.config import GPTConfig
+from gptlab.heads import split_heads
 from gptlab.kv_cache import KVCache, Masks
 from gptlab.rope import apply_rope
 
@@ -78,23 +79,12 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, C = x.shape
         hs, cfg = self.head_size, self.config
-        q, k, v = self.c_attn(x).split([self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs], dim=-1)
-        hooks = self.hooks
-        q = tap(hooks, "hook_q", q.view(B, T, self.n_head, hs)).transpose(1, 2)  # (B, nh, T, hs)
-        k = tap(hooks, "hook_k", k.view(B, T, self.n_kv_head, hs)).transpose(1, 2)  # (B, nkv, T, hs)
-        v = tap(hooks, "hook_v", v.view(B, T, self.n_kv_head, hs)).transpose(1, 2)  # (B, nkv, T, hs)
-        out_dtype = q.dtype
-        if self.attention_dtype is not None and self.attention_dtype != out_dtype:
-            q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
-        if cfg.qk_norm_weight:
-            q, k = self.q_norm(q), self.k_norm(k)
-        elif cfg.qk_norm:
-            q, k = F.rms_norm(q, (hs,), eps=cfg.norm_eps), F.rms_norm(k, (hs,), eps=cfg.norm_eps)
-        if rope is not None:
-            q, k = apply_rope(q, *rope, cfg.rope_interleaved), apply_rope(k, *rope, cfg.rope_interleaved)
-            if hooks is not None:  # (B, T, heads, hs) as hook_q / hook_k
-                q = hooks("hook_rot_q", q.transpose(1, 2)).transpose(1, 2)
-                k = hooks("hook_rot_k", k.transpose(1, 2)).transpose(1, 2)
+        qkv, hooks = self.c_attn(x), self.hooks
+        heads = None if hooks is not None or cfg.qk_norm_weight else split_heads(
+            qkv, self.n_head, self.n_kv_head, rope, cfg.rope_interleaved, cfg.norm_eps if cfg.qk_norm else None,
+            self.attention_dtype or qkv.dtype)
+        q, k, v = heads if heads is not None else self._heads(qkv, rope)  # the kernel: training on a CPU
+        out_dtype = qkv.dtype
         if kv_cache is not None:  # store the new keys/values, then attend over everything cached so far
             k, v = kv_cache.append(self.layer, k, v)  # (B, nkv, T_k, hs)
             # attend in the wider of the two dtypes: a float32 cache under bf16 weights gives float32 attention
@@ -110,9 +100,33 @@ class CausalSelfAttention(nn.Module):
                 y, _ = self._manual_attention(q, k, v, mask, dropout_p, hooks)
             else:
                 y = sdpa(q, k, v, mask, self.scale, dropout_p)  # (B, nh, T, hs)
-        y = tap(hooks, "hook_z", y.to(out_dtype).transpose(1, 2))  # (B, T, nh, hs): each head's output
+        # (B, T, nh, hs): each head's output; cast and laid out in one copy
+        y = tap(hooks, "hook_z", y.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format))
         y = y.contiguous().view(B, T, self.n_head * hs)
         return self.resid_dropout(self.c_proj(y))
+
+    def _heads(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, nh, T, hs), k and v (B, nkv, T, hs) from the projection's output qkv (B, T, (nh + 2 nkv) hs): cut
+        into heads, cast to the attention's dtype, q and k normalized (QK-norm) and rotated (RoPE)."""
+        B, T, _ = qkv.shape
+        hs, cfg, hooks = self.head_size, self.config, self.hooks
+        q, k, v = qkv.split([self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs], dim=-1)
+        q = tap(hooks, "hook_q", q.view(B, T, self.n_head, hs)).transpose(1, 2)  # (B, nh, T, hs)
+        k = tap(hooks, "hook_k", k.view(B, T, self.n_kv_head, hs)).transpose(1, 2)  # (B, nkv, T, hs)
+        v = tap(hooks, "hook_v", v.view(B, T, self.n_kv_head, hs)).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.attention_dtype is not None and self.attention_dtype != q.dtype:
+            q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
+        if cfg.qk_norm_weight:
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif cfg.qk_norm:
+            q, k = F.rms_norm(q, (hs,), eps=cfg.norm_eps), F.rms_norm(k, (hs,), eps=cfg.norm_eps)
+        if rope is not None:
+            q, k = apply_rope(q, *rope, cfg.rope_interleaved), apply_rope(k, *rope, cfg.rope_interleaved)
+            if hooks is not None:  # (B, T, heads, hs) as hook_q / hook_k
+                q = hooks("hook_rot_q", q.transpose(1, 2)).transpose(1, 2)
+                k = hooks("hook_rot_k", k.transpose(1, 2)).transpose(1, 2)
+        return q, k, v
 
     def _manual_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,

@@ -460,6 +460,8 @@ def fake_build(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
     """cpp_extension's load replaced by one that writes a "library" (no compiler runs); returns its calls."""
     import torch.utils.cpp_extension as cpp
 
+    from gptlab.kernels import build
+
     calls = []
 
     def load(name: str, **kw) -> None:  # noqa: ANN003
@@ -470,6 +472,8 @@ def fake_build(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
 
     monkeypatch.setattr(cpp, "load", load)
     monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    monkeypatch.setattr(build, "_open", lambda library: calls.append(f"open {library.name}"))
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path / "cache"))
     return calls
 
 
@@ -480,7 +484,8 @@ def test_a_stale_build_lock_is_removed_and_the_library_checksummed(tmp_path, fak
     (tmp_path / "lib" / "lock").write_text("")  # left by a build killed with Ctrl-C
     load_library("lib", [], [], [])
     assert fake_build == ["lib"] and (tmp_path / "lib" / CHECKSUM).is_file()
-    load_library("lib", [], [], [])  # a good cached build is loaded as it is
+    load_library("lib", [], [], [])  # a good cached build is opened as it is, without cpp_extension's load
+    assert fake_build == ["lib", "open lib.so"]
     assert (tmp_path / "lib" / "lib.so").read_bytes() == b"library lib"
 
 
@@ -491,8 +496,27 @@ def test_a_library_cut_short_is_built_again(tmp_path, fake_build) -> None:  # no
     (tmp_path / "lib" / "lib.so").write_bytes(b"libr")  # truncated: a build killed while it linked
     (tmp_path / "lib" / "object.o").write_bytes(b"")
     load_library("lib", [], [], [])
+    assert fake_build == ["lib", "lib"]  # the recorded library no longer matches its checksum: not opened
     assert not (tmp_path / "lib" / "object.o").exists()  # the directory was made anew
     assert (tmp_path / "lib" / "lib.so").read_bytes() == b"library lib"
+
+
+def test_a_built_library_loads_without_importing_cpp_extension(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The first process that loads a built library records it; the next opens it without importing
+    torch.utils.cpp_extension (setuptools: ~0.15 s of every run's start-up)."""
+    import subprocess
+    import sys
+
+    from gptlab.kernels import widest_ops
+
+    if widest_ops() is None:
+        pytest.skip("no gptlab kernel build on this machine")
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))  # no record yet
+    script = ("import sys; from gptlab.kernels import widest_ops\n"
+              "assert widest_ops() is not None\nprint('torch.utils.cpp_extension' in sys.modules)")
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
+            for _ in range(2)]
+    assert runs == ["True", "False"]
 
 
 def test_the_build_lock_dies_with_its_holder(tmp_path) -> None:  # noqa: ANN001

@@ -6,7 +6,9 @@ where they are faster than PyTorch's kernels (`dispatch` measures which path run
 `decode_step.cpp`: the decode step of any gptlab model over those packed weights in one call
 (`gptlab.generation.native_decode`). `cross_entropy.cpp`: the training loss's softmax cross-entropy and its
 gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). `activations.cpp`: GELU's
-tanh form and its derivative for training (`gptlab.ops.gelu`). `dequantize_int4.cpp`: QLoRA's int4 base weight
+tanh form and its derivative for training (`gptlab.ops.gelu`). `split_heads.cpp`: an attention layer's q, k and v
+cut from its projection, cast, QK-normalized and rotated, and the gradient of that, in training
+(`gptlab.heads`). `dequantize_int4.cpp`: QLoRA's int4 base weight
 unpacked straight into fp32/bf16 blocks (`gptlab.qlora`). All are built into one library (`linear_avx2.h` is what
 they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels, `exp_fast.h` the
 vectorizable exp, `simd.h` whole vectors of fp32 lanes for the loss's and GELU's loops).
@@ -48,7 +50,7 @@ from gptlab.kernels.build import load_library
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "packing.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp",
-           HERE / "dequantize_int4.cpp", HERE / "activations.cpp"]
+           HERE / "dequantize_int4.cpp", HERE / "activations.cpp", HERE / "split_heads.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)
@@ -124,11 +126,22 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
         # (an opaque call in its graph) instead of failing there
         torch.library.register_fake(f"{library}::linear")(
             lambda x, packed, qparams, bias, N: x.new_empty((*x.shape[:-1], N)))
+        torch.library.register_fake(f"{library}::split_heads")(_split_heads_shapes)
+        torch.library.register_fake(f"{library}::split_heads_backward")(
+            lambda dq, dk, dv, qkv, *_: torch.empty_like(qkv))
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         warnings.warn(f"gptlab: building the {what} kernels failed, using PyTorch's ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)
         return None
     return getattr(torch.ops, library)
+
+
+def _split_heads_shapes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_head: int,
+                        interleaved: bool, norm: bool, eps: float, out_dtype: torch.dtype) -> list[torch.Tensor]:
+    """split_heads' outputs, shaped, without running it (fake tensors, torch.compile's tracing)."""
+    B, T, width = qkv.shape
+    hs = width // (n_head + 2 * n_kv_head)
+    return [qkv.new_empty((B, heads, T, hs), dtype=out_dtype) for heads in (n_head, n_kv_head, n_kv_head)]
 
 
 @functools.cache
