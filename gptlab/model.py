@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from gptlab.attention import CausalSelfAttention, Hook, tap
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import KVCache, document_masks, masks_for
+from gptlab.norms import LayerNorm, RMSNorm
 from gptlab.ops import assert_in_range_on_device, cross_entropy, gelu, upcasting_linear
 from gptlab.rope import rope_tables
 
@@ -41,9 +42,9 @@ def make_norm(config: GPTConfig) -> nn.Module:
     if config.norm_unit_offset:
         return UnitOffsetRMSNorm(config.n_embd, config.norm_eps)
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight,
-                        bias=config.has_bias("norm"))
+        return RMSNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight)
+    return LayerNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight,
+                     bias=config.has_bias("norm"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

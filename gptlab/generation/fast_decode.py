@@ -35,6 +35,7 @@ from gptlab.config import GPTConfig
 from gptlab.generation import native_decode
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
+from gptlab.norms import LayerNorm, RMSNorm
 from gptlab.rope import apply_rope, rope_tables
 
 # The GPTConfig fields this step reads, at any value; any other field must be at its default for `lean_step_exact`.
@@ -49,7 +50,7 @@ LEAN_SWITCHES = frozenset({
     "tie_embeddings", "logit_softcap", "attention", "dropout",  # the head's and training's: not the step's
     "init_std", "scale_residual_init", "name", "hf_architecture",
 })
-NORMS = (nn.LayerNorm, nn.RMSNorm, UnitOffsetRMSNorm, nn.Identity)
+NORMS = (nn.LayerNorm, nn.RMSNorm, LayerNorm, RMSNorm, UnitOffsetRMSNorm, nn.Identity)
 
 
 def unknown_switches(config: GPTConfig) -> list[str]:
@@ -83,9 +84,9 @@ def lean_step_exact(model: GPT) -> bool:
 def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A norm module's forward, as a function (what nn.LayerNorm / nn.RMSNorm call, without the module call)."""
     kind = type(module)
-    if kind is nn.LayerNorm:
+    if kind in (nn.LayerNorm, LayerNorm):
         return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
-    if kind is nn.RMSNorm:
+    if kind in (nn.RMSNorm, RMSNorm):
         return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
     return module(x)  # unit-offset RMSNorm (computes in fp32), Identity
 

@@ -8,7 +8,8 @@ where they are faster than PyTorch's kernels (`dispatch` measures which path run
 gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). `activations.cpp`: GELU's
 tanh form and its derivative for training (`gptlab.ops.gelu`). `split_heads.cpp`: an attention layer's q, k and v
 cut from its projection, cast, QK-normalized and rotated, and the gradient of that, in training
-(`gptlab.heads`). `dequantize_int4.cpp`: QLoRA's int4 base weight
+(`gptlab.heads`). `norms.cpp`: LayerNorm and RMSNorm forward and backward in training (`gptlab.norms`).
+`dequantize_int4.cpp`: QLoRA's int4 base weight
 unpacked straight into fp32/bf16 blocks (`gptlab.qlora`). All are built into one library (`linear_avx2.h` is what
 they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels, `exp_fast.h` the
 vectorizable exp, `simd.h` whole vectors of fp32 lanes for the loss's and GELU's loops).
@@ -50,7 +51,8 @@ from gptlab.kernels.build import load_library
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "packing.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp",
-           HERE / "dequantize_int4.cpp", HERE / "activations.cpp", HERE / "split_heads.cpp"]
+           HERE / "dequantize_int4.cpp", HERE / "activations.cpp", HERE / "split_heads.cpp",
+           HERE / "norms.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)
@@ -129,6 +131,11 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
         torch.library.register_fake(f"{library}::split_heads")(_split_heads_shapes)
         torch.library.register_fake(f"{library}::split_heads_backward")(
             lambda dq, dk, dv, qkv, *_: torch.empty_like(qkv))
+        torch.library.register_fake(f"{library}::softmax_xent")(
+            lambda logits, targets, grad: (logits.new_empty(logits.shape[0], dtype=torch.float32),
+                                           logits.new_empty(logits.shape if grad else (0,))))
+        torch.library.register_fake(f"{library}::norm_rows")(_norm_rows_shapes)
+        torch.library.register_fake(f"{library}::norm_rows_backward")(_norm_rows_backward_shapes)
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         warnings.warn(f"gptlab: building the {what} kernels failed, using PyTorch's ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)
@@ -142,6 +149,20 @@ def _split_heads_shapes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     B, T, width = qkv.shape
     hs = width // (n_head + 2 * n_kv_head)
     return [qkv.new_empty((B, heads, T, hs), dtype=out_dtype) for heads in (n_head, n_kv_head, n_kv_head)]
+
+
+def _norm_rows_shapes(x: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = x.numel() // x.shape[-1]
+    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+
+
+def _norm_rows_backward_shapes(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+                               rstd: torch.Tensor, rms: bool, weight_grad: bool, bias_grad: bool,
+                               param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def param(wanted: bool) -> torch.Tensor:
+        return x.new_empty(x.shape[-1] if wanted else 0, dtype=param_dtype if wanted else torch.float32)
+
+    return torch.empty_like(x), param(weight_grad), param(bias_grad)
 
 
 @functools.cache
@@ -194,5 +215,5 @@ def kernel_builds() -> dict[str, Any]:
 
 def widest_ops() -> Any | None:
     """The widest build this CPU runs (AVX-512, else AVX2), for the operators that have no per-shape dispatch
-    (cross-entropy, int4 dequantization); None where neither builds."""
+    (cross-entropy, the training heads and norms, int4 dequantization); None where neither builds."""
     return avx512_ops() or avx2_ops()

@@ -46,6 +46,49 @@ inline void store(at::BFloat16* p, Vec v) {  // rounded to the nearest bf16, tie
   const HVec h = __builtin_convertvector(u, HVec);
   std::memcpy(p, &h, sizeof h);
 }
+// a row of n values to fp32 and back (bf16 rounded to nearest, ties to even), as loops the compiler vectorizes
+// (any n: for rows whose length is no multiple of the lanes)
+inline void widen(const float* p, float* out, int64_t n) { std::memcpy(out, p, n * sizeof(float)); }
+inline void widen(const at::BFloat16* p, float* out, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(p);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(out + i, &u, sizeof u);
+  }
+}
+inline void narrow(const float* x, float* out, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
+inline void narrow(const float* x, at::BFloat16* out, int64_t n) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(out);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    bits[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+// f(float{}) or f(at::BFloat16{}): a generic lambda's argument names the element type
+template <typename F>
+void on_type(at::ScalarType type, const F& f) {
+  if (type == at::kFloat) f(float{});
+  else f(at::BFloat16{});
+}
+
+// the sum of a vector's lanes, halving it (a tree: a running sum over the lanes is one dependent chain)
+inline float lane_sum(Vec v) {
+  using V8 = float __attribute__((vector_size(32)));
+  using V4 = float __attribute__((vector_size(16)));
+#ifdef __AVX512F__
+  const V8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const V8 h8 = v;
+#endif
+  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
 inline float lane_max(Vec v) {
   float m = v[0];
   for (int j = 1; j < kLanes; ++j) m = v[j] > m ? v[j] : m;

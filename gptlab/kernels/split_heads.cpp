@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "linear_avx2.h"
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
@@ -18,6 +19,10 @@
 
 namespace GPTLAB_NS {
 namespace {
+
+using simd::narrow;
+using simd::on_type;
+using simd::widen;
 
 struct Heads {
   int64_t B, T, nh, nkv, hs, half;  // half: pairs rotated per head (0: no rotation)
@@ -29,27 +34,6 @@ struct Heads {
   int64_t first(int64_t i) const { return interleaved ? 2 * i : i; }
   int64_t second(int64_t i) const { return interleaved ? 2 * i + 1 : i + half; }
 };
-
-// a row of n values to fp32 and back (bf16 rounded to nearest, ties to even), as loops the compiler vectorizes
-inline void widen(const float* p, float* out, int64_t n) { std::memcpy(out, p, n * sizeof(float)); }
-inline void widen(const at::BFloat16* p, float* out, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(p);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(out + i, &u, sizeof u);
-  }
-}
-inline void narrow(const float* x, float* out, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
-inline void narrow(const float* x, at::BFloat16* out, int64_t n) {
-  uint16_t* bits = reinterpret_cast<uint16_t*>(out);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, x + i, sizeof u);
-    bits[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
-}
 
 // 1 / sqrt(mean(x^2) + eps) of one head's hs values, in fp32 as F.rms_norm computes an fp32 input's
 inline float inverse_rms(const float* x, const Heads& s) {
@@ -148,13 +132,6 @@ void backward(const Out* dq, const Out* dk, const Out* dv, const In* qkv, const 
       narrow(g, dqkv + row * s.width(), s.width());
     }
   });
-}
-
-// f(float{}) or f(at::BFloat16{}): a generic lambda's argument names the element type
-template <typename F>
-void on_type(at::ScalarType type, const F& f) {
-  if (type == at::kFloat) f(float{});
-  else f(at::BFloat16{});
 }
 
 bool float_or_bf16(const at::Tensor& x) {

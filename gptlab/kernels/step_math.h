@@ -17,6 +17,7 @@ namespace GPTLAB_NS::step_math {
 
 using GPTLAB_NS::exp_fast;
 using simd::kLanes;
+using simd::lane_sum;
 using simd::Vec;
 
 enum Norm { kLayerNorm = 0, kRMSNorm = 1, kUnitOffset = 2 };
@@ -65,19 +66,6 @@ inline void round_all(float* p, int64_t n, bool bf16) {
     for_lanes(0, n, [&](int64_t i, int64_t k) { store_n(p + i, round_to(load_n(p + i, k), true), k); });
 }
 
-// the sum of a vector's lanes, halving it (a tree: a running sum over the lanes is one dependent chain)
-inline float lane_sum(Vec v) {
-  using V8 = float __attribute__((vector_size(32)));
-  using V4 = float __attribute__((vector_size(16)));
-#ifdef __AVX512F__
-  const V8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  const V8 h8 = v;
-#endif
-  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
 // a norm's weight or bias (bf16 or fp32) read as fp32; empty where absent
 struct Param {
   const float* f = nullptr;
