@@ -12,9 +12,9 @@
   `F.pad` of the weight, which torch.compile fuses into autocast's cast of it.
 * `cross_entropy`: F.cross_entropy(logits.float(), targets, ignore_index=-1) without an fp32 copy of the whole
   (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words; in training one pass of
-  exp over the logits, whose softmax is also the gradient (backward only scales it). For LM-head-sized logits on a
-  CPU that pass is gptlab's C++ kernel (`gptlab.kernels`, cross_entropy.cpp): one read of each row instead of ~10
-  ATen ops per chunk of rows.
+  exp over the logits, whose softmax is also the gradient (backward only scales it). On an x86 CPU, in training
+  or for LM-head-sized logits, that pass is gptlab's C++ kernel (`gptlab.kernels`, cross_entropy.cpp): one read
+  of each row instead of ~10 ATen ops per chunk of rows.
 * `gelu`: F.gelu, except GELU's tanh form (GPT-2's) in training on an x86 CPU, forward and backward in gptlab's C++
   kernel (activations.cpp): ATen's runs its slow vectorized tanh, ~4.5x the time of its erf form.
 """
@@ -204,7 +204,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, grad):  # noqa: ANN001, ANN205
         valid = targets != -1
-        native = _native_softmax_xent(logits)
+        native = _native_softmax_xent(logits, grad)
         if native is not None:  # one pass per row in C++ (kernels/cross_entropy.cpp): the same sums, in fp32
             losses, softmax = native(logits, targets, grad)
         else:
@@ -255,12 +255,15 @@ def _chunked_softmax_xent(logits: torch.Tensor, targets: torch.Tensor, valid: to
     return torch.where(valid, lse - picked, 0.0), softmax
 
 
-def _native_softmax_xent(logits: torch.Tensor):  # noqa: ANN202 - the op, or None
-    """gptlab's C++ cross-entropy (`gptlab.kernels`, built once per machine) for LM-head-sized fp32/bf16 logits on
-    an x86 CPU, or None: for small logits (a character model's 65 words) the chunked ATen ops cost less than
-    loading the library, and under torch.compile inductor fuses those instead."""
+def _native_softmax_xent(logits: torch.Tensor, training: bool):  # noqa: ANN202 - the op, or None
+    """gptlab's C++ cross-entropy (`gptlab.kernels`, built once per machine) for fp32/bf16 logits on an x86 CPU, or
+    None. In training whatever their size: one op instead of ~12 (a character model's step is mostly such
+    per-op costs; its attention has loaded the library already, `gptlab.heads`). Outside training only for
+    LM-head-sized logits: for small ones the chunked ATen ops cost less than loading the library. Under
+    torch.compile inductor fuses those instead."""
     if (logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16)
-            or logits.numel() < _NATIVE_XENT_MIN or not logits.is_contiguous() or torch.compiler.is_compiling()):
+            or (logits.numel() < _NATIVE_XENT_MIN and not training) or not logits.is_contiguous()
+            or torch.compiler.is_compiling()):
         return None
     from gptlab.kernels import widest_ops
 

@@ -97,7 +97,7 @@ def test_native_cross_entropy_equals_torchs_in_fp64(native_xent: None, n: int, v
     targets = torch.randint(0, vocab, (n,), generator=g)
     targets[torch.rand(n, generator=g) < ignored] = -1
     targets[0] = vocab - 1
-    assert ops._native_softmax_xent(logits) is not None
+    assert ops._native_softmax_xent(logits, False) is not None
     ours = ops.cross_entropy(logits, targets, reduction=reduction)
     ref = logits.detach().double().requires_grad_()
     theirs = F.cross_entropy(ref, targets, ignore_index=-1, reduction=reduction)
@@ -126,8 +126,7 @@ def test_native_cross_entropy_matches_the_chunked_ops(native_xent: None, monkeyp
         return loss.detach(), torch.autograd.grad(loss, logits)[0]
 
     native = loss_and_grad()
-    monkeypatch.setattr(ops, "_NATIVE_XENT_MIN", 1 << 62)
-    assert ops._native_softmax_xent(logits) is None
+    monkeypatch.setattr(ops, "_native_softmax_xent", lambda logits, training: None)
     chunked = loss_and_grad()
     torch.testing.assert_close(native[0], chunked[0], rtol=1e-6, atol=0)
     if dtype == torch.float32:
@@ -136,6 +135,18 @@ def test_native_cross_entropy_matches_the_chunked_ops(native_xent: None, monkeyp
         differ = native[1] != chunked[1]
         assert differ.float().mean() < 1e-4
         torch.testing.assert_close(native[1][differ].float(), chunked[1][differ].float(), rtol=2**-7, atol=1e-9)
+
+
+def test_small_logits_take_the_kernel_in_training_only() -> None:
+    """A character model's 65-word logits: in training the kernel (one op for ~12; the library is loaded for the
+    attention already), outside it ATen's chunks (a small evaluation need not load the library)."""
+    from gptlab.kernels import widest_ops
+
+    if widest_ops() is None:
+        pytest.skip("no gptlab kernel build on this machine")
+    logits = torch.randn(2048, 65)
+    assert ops._native_softmax_xent(logits, True) is not None
+    assert ops._native_softmax_xent(logits, False) is None
 
 
 def test_native_cross_entropy_keeps_non_finite_rows_non_finite(native_xent: None) -> None:
