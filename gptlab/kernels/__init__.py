@@ -118,8 +118,8 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
     """torch.ops.<library>: the sources compiled with `flags` (their macros pick the library's name), or None after
     one warning where no compiler is present or the build fails."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        warnings.warn(f"gptlab: no C++ compiler found, so decoding on this CPU runs PyTorch's kernels (install g++ "
-                      f"to build gptlab's {what} kernels once)", stacklevel=3)
+        warnings.warn(f"gptlab: no C++ compiler found, so decoding and training on this CPU run PyTorch's kernels "
+                      f"(install g++ to build gptlab's {what} kernels once)", stacklevel=3)
         return None
     try:
         cflags = [*_COMMON_FLAGS, *flags]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,6 +91,9 @@ def load_library(name: str, sources: list[Path], cflags: list[str], ldflags: lis
         library, checksum = build_dir / f"{name}.so", build_dir / CHECKSUM
         if library.exists() and (not checksum.exists() or checksum.read_text().strip() != _digest(library)):
             shutil.rmtree(build_dir)  # a build cut short: make it again rather than load half a library
+        if not library.exists():  # a pause of a minute or so deserves a word, once per machine
+            print(f"gptlab: building its C++ kernels for this CPU ({name}), once per machine: about a minute",
+                  file=sys.stderr, flush=True)
         load(name=name, sources=[str(s) for s in sources], is_python_module=False, verbose=False,
              extra_cflags=cflags, extra_ldflags=ldflags)
         if library.exists() and not checksum.exists():
