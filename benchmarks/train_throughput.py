@@ -6,9 +6,16 @@ gptlab's GPT (as `gptlab train` runs it) and for transformers' GPT2LMHeadModel, 
     python benchmarks/train_throughput.py --compile            # gptlab's model under torch.compile too
     python benchmarks/train_throughput.py --nanogpt /tmp/nanogpt --compile --rounds 3   # + nanoGPT's model
     python benchmarks/train_throughput.py --skip-hf --profile 3   # + each contender's per-op breakdown
+    python benchmarks/train_throughput.py --skip-hf --preset smollm2-135m --aten-form   # a Llama shape, with and
+                                                               # without gptlab's training kernels
 
 Prints the median tokens/s over the timed steps and MFU against this machine's measured matmul peak
 (gptlab.hardware), then the ratio gptlab / transformers. Random tokens: throughput does not depend on the data.
+
+--preset NAME trains gptlab's model of that preset's shape instead of GPT-2's (the peers are GPT-2 models and only
+join at GPT-2's shape). --aten-form adds gptlab's same step with its C++ training kernels switched off (the
+attention's heads, the norms and the loss through ATen's ops, `gptlab.heads` / `gptlab.norms` / `gptlab.ops`) and
+prints what the kernels give.
 
 With --nanogpt PATH (a nanoGPT checkout), nanoGPT's model.py joins at the same shape (GPT-2 124M, its padded vocabulary
 50304, no dropout) in the forms it can run on a CPU: as its train.py runs it there (fp32: train.py uses autocast only
@@ -77,11 +84,12 @@ def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
     from gptlab.train.precision import Precision
 
     attention = {"auto": "auto", "float32": True, "bfloat16": False}[args.attention]
-    cfg = build_train_config({"model": "gpt2", "optimizer": "adamw", "dtype": args.dtype, "block_size": args.seq,
-                              "optimizer_impl": args.optimizer_impl, "attention_fp32": attention})
+    cfg = build_train_config({"model": args.preset, "optimizer": "adamw", "dtype": args.dtype,
+                              "block_size": args.seq, "optimizer_impl": args.optimizer_impl,
+                              "attention_fp32": attention})
     cfg = resolve_device_switches(cfg, "cpu")  # attention's dtype as `gptlab train` picks it here
     torch.manual_seed(0)
-    model = GPT(cfg.model_config(vocab_size=50257)).train()
+    model = GPT(cfg.model_config(vocab_size=vocab_size(args))).train()
     precision = Precision(model, cfg.dtype, "cpu", cfg.attention_fp32, distributed=args.autocast)
     optimizers = build_optimizers(model, optimizer_spec(cfg))
     net = torch.compile(precision.train_module) if args.compile else precision.train_module
@@ -94,6 +102,28 @@ def gptlab_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
 
     attention = " (fp32 attention)" if cfg.attention_fp32 and precision.mode != "float32" else ""
     return step, model.num_parameters(), f"{precision.mode}{attention}{' + compile' if args.compile else ''}"
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    from gptlab.config import GPTConfig
+
+    return 50257 if args.preset == "gpt2" else GPTConfig.preset(args.preset).vocab_size
+
+
+def aten_ops(step):  # noqa: ANN001, ANN201 - a zero-argument callable, and one
+    """`step` with gptlab's C++ training kernels switched off: every caller asks `gptlab.kernels.widest_ops()` for
+    them at each call, and gets None."""
+    import gptlab.kernels as kernels
+
+    def run() -> None:
+        real = kernels.widest_ops
+        kernels.widest_ops = lambda: None
+        try:
+            step()
+        finally:
+            kernels.widest_ops = real
+
+    return run
 
 
 def hf_step(args: argparse.Namespace, x: torch.Tensor):  # noqa: ANN201
@@ -161,6 +191,9 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="gptlab: attention's dtype under bf16 (auto: as `gptlab train` picks it on a CPU)")
     parser.add_argument("--optimizer-impl", default="torch", choices=["torch", "gptlab"])
+    parser.add_argument("--preset", default="gpt2", help="gptlab's model shape (peers join only at gpt2's)")
+    parser.add_argument("--aten-form", action="store_true",
+                        help="also gptlab's step with its C++ training kernels off (ATen's ops)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--nanogpt", help="a nanoGPT checkout: its model joins as a peer")
     parser.add_argument("--rounds", type=int, default=1, help="rounds, the contenders taking turns")
@@ -181,17 +214,24 @@ def main() -> None:
     if not args.default_malloc:  # as `gptlab train` does; process-wide, so transformers gets it too
         print(f"freed memory kept for reuse (glibc mallopt): {retain_freed_memory()}")
 
-    # both models have GPT-2 124M's matmuls (a tied head); MFU counts them as `gptlab train` does
-    flops = flops_per_token(GPTConfig.preset("gpt2", vocab_size=50257), args.seq)
+    # the models have GPT-2 124M's matmuls (a tied head), or the preset's; MFU counts them as `gptlab train` does
+    flops = flops_per_token(GPTConfig.preset(args.preset, vocab_size=vocab_size(args)), args.seq)
     peak = peak_flops("cpu", torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
-    x = torch.randint(0, 50257, (args.batch, args.seq + 1))
+    x = torch.randint(0, vocab_size(args), (args.batch, args.seq + 1))
     tokens = args.batch * args.seq
     runs = [("gptlab", lambda: gptlab_step(args, x))]
     if args.compile:
         runs.append(("gptlab", lambda: gptlab_step(argparse.Namespace(**{**vars(args), "compile": False}), x)))
-    if not args.skip_hf:
+    if args.aten_form:
+        def without_kernels() -> tuple:
+            step, n, mode = gptlab_step(args, x)
+            return aten_ops(step), n, f"{mode}, ATen ops"
+
+        runs.append(("gptlab", without_kernels))
+    peers_fit = args.preset == "gpt2"
+    if not args.skip_hf and peers_fit:
         runs.append(("transformers", lambda: hf_step(args, x)))
-    if args.nanogpt:
+    if args.nanogpt and peers_fit:
         bf16 = (args.peer_dtype or args.dtype) == "bfloat16"
         for form in ["own"] + (["autocast"] if bf16 else []) + (["compile"] if args.compile else []):
             runs.append(("nanoGPT", lambda form=form: nanogpt_step(args, x, form)))
@@ -219,6 +259,11 @@ def main() -> None:
         for name, mode, step in contenders:
             print(f"per-op self CPU time, {name} {mode} ({args.profile} steps):")
             op_breakdown(step, args.profile)
+    if args.aten_form:
+        own = {mode: statistics.median(v) for (name, mode), v in medians.items() if name == "gptlab"}
+        off = next(tps for mode, tps in own.items() if mode.endswith("ATen ops"))
+        on = max(tps for mode, tps in own.items() if not mode.endswith("ATen ops"))
+        print(f"ratio gptlab with its training kernels / with ATen's ops: {on / off:.2f}x")
     peers = {k: v for k, v in best.items() if k != "gptlab"}
     for name, tps in peers.items():
         print(f"ratio gptlab / {name} (best forms): {best['gptlab'] / tps:.2f}x")
