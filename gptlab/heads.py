@@ -45,13 +45,9 @@ def split_heads(qkv: torch.Tensor, n_head: int, n_kv_head: int, rope: tuple[torc
     ((1 or B, 1, T, rot / 2) fp32, `rope_tables`); v only cut and cast. Through the kernel where that pays: in
     training (qkv needs a gradient) on a CPU, fp32 or bf16, outside torch.compile (which fuses ATen's ops itself);
     None elsewhere, and the caller runs the ATen ops."""
-    if (qkv.device.type != "cpu" or not (qkv.requires_grad and torch.is_grad_enabled())
-            or qkv.dtype not in (torch.float32, torch.bfloat16) or out_dtype not in (torch.float32, torch.bfloat16)
-            or torch.compiler.is_compiling()):
-        return None
-    from gptlab.kernels import widest_ops
+    from gptlab.kernels import training_ops
 
-    ops = widest_ops()
+    ops = training_ops(qkv) if out_dtype in (torch.float32, torch.bfloat16) else None
     if ops is None:
         return None
     if rope is None:

@@ -37,17 +37,16 @@ class _NormRows(torch.autograd.Function):
 
 
 def _kernel(x: torch.Tensor, *params: torch.Tensor | None):  # noqa: ANN202 - the ops, or None
-    """gptlab's kernel library where it runs these rows: training on a CPU, fp32/bf16 (parameters fp32 or x's
-    dtype), contiguous, outside torch.compile."""
-    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous()
-            or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or not (x.requires_grad or any(p is not None and p.requires_grad for p in params))
-            or any(p is not None and (p.dtype not in (torch.float32, x.dtype) or p.device != x.device)
-                   for p in params)):
+    """gptlab's kernel library where it runs these rows: in training on a CPU (`training_ops`), contiguous rows, the
+    parameters fp32 or x's dtype."""
+    if not x.is_contiguous() or any(p is not None and p.dtype not in (torch.float32, x.dtype) for p in params):
         return None
-    from gptlab.kernels import widest_ops
+    from gptlab.kernels import training_ops
 
-    return widest_ops()
+    return training_ops(x, *params)
+
+
+_ATEN_FP32_WIDTH = 256  # fp32 LayerNorm rows this wide or wider keep ATen's kernel (see layer_norm)
 
 
 def layer_norm(x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None = None,
@@ -60,9 +59,6 @@ def layer_norm(x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch
     if ops is None:
         return F.layer_norm(x, normalized_shape, weight, bias, eps)
     return _NormRows.apply(x, weight, bias, eps, False, ops)
-
-
-_ATEN_FP32_WIDTH = 256
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None = None,

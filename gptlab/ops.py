@@ -312,13 +312,11 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """F.gelu; the tanh form in training (x needs a gradient) on an x86 CPU through gptlab's kernel, for tensors
     big enough to pay for the library (inference keeps ATen's bits, which the HF parity tests and the decode steps
     follow; torch.compile fuses ATen's)."""
-    if (approximate != "tanh" or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
-            or not (x.requires_grad and torch.is_grad_enabled()) or x.numel() < _NATIVE_GELU_MIN
-            or not x.is_contiguous() or torch.compiler.is_compiling()):
+    if approximate != "tanh" or x.numel() < _NATIVE_GELU_MIN or not x.is_contiguous():
         return F.gelu(x, approximate=approximate)
-    from gptlab.kernels import widest_ops
+    from gptlab.kernels import training_ops
 
-    ops = widest_ops()
+    ops = training_ops(x)
     return F.gelu(x, approximate=approximate) if ops is None else _GeluTanh.apply(x, ops)
 
 

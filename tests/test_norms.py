@@ -54,11 +54,15 @@ def test_every_builds_norm_is_the_maths_in_fp64(build_name: str, rows: int, c: i
     assert y.dtype == dtype
     torch.testing.assert_close(y.double(), want.detach(), **(low if bf16 else dict(rtol=1e-5, atol=1e-5)))
     ours = [dx] + ([dw] if w is not None else []) + ([db] if b is not None else [])
-    # the backward's sums cancel (a row of one value has dx = 0): within a few ulps of the largest term, for dx
-    # rstd |g w|
-    terms = float(rstd.max() * up.abs().max().float() * (1.0 if w is None else w.abs().max().float()))
-    for mine, theirs in zip(ours, grads, strict=True):
-        largest = max(float(theirs.abs().max()), terms if mine is dx else 0.0)
+    # the backward's sums cancel (a row of one value has dx = 0; the weight's gradient sums g xhat over rows of either
+    # sign): within a few ulps of the largest term summed, for dx rstd |g w|, for the weight's and bias's gradients
+    # the column sums of |g xhat| and |g|
+    xhat = _maths(refs[0].detach(), None, None, 1e-5, rms)
+    terms = [float(rstd.max() * up.abs().max().float() * (1.0 if w is None else w.abs().max().float()))]
+    terms += [float((up.double() * xhat).abs().sum(0).max())] if w is not None else []
+    terms += [float(up.double().abs().sum(0).max())] if b is not None else []
+    for mine, theirs, summed in zip(ours, grads, terms, strict=True):
+        largest = max(float(theirs.abs().max()), summed)
         tol = dict(rtol=2**-7, atol=2**-7 * largest) if mine.dtype == torch.bfloat16 or bf16 else \
             dict(rtol=1e-5, atol=1e-5 * largest)
         torch.testing.assert_close(mine.double(), theirs, **tol)

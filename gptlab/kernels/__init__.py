@@ -213,6 +213,18 @@ def kernel_builds() -> dict[str, Any]:
     return {name: ops for name, ops in builds.items() if ops is not None}
 
 
+def training_ops(*tensors: torch.Tensor | None) -> Any | None:
+    """`widest_ops()` where gptlab's training kernels (`gptlab.heads`, `gptlab.norms`, `gptlab.ops.gelu`) take these
+    tensors (None entries skipped): all on a CPU in fp32 or bf16, a gradient wanted of one of them, outside
+    torch.compile (which fuses ATen's ops itself); None elsewhere. Inference keeps ATen's ops and their bits."""
+    present = [t for t in tensors if t is not None]
+    if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or not any(t.requires_grad for t in present)
+            or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16) for t in present)):
+        return None
+    return widest_ops()
+
+
 def widest_ops() -> Any | None:
     """The widest build this CPU runs (AVX-512, else AVX2), for the operators that have no per-shape dispatch
     (cross-entropy, the training heads and norms, int4 dequantization); None where neither builds."""

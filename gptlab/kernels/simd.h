@@ -68,11 +68,19 @@ inline void narrow(const float* x, at::BFloat16* out, int64_t n) {
   }
 }
 
+// the element types `on_type` hands over
+inline bool float_or_bf16(at::ScalarType type) { return type == at::kFloat || type == at::kBFloat16; }
+
 // f(float{}) or f(at::BFloat16{}): a generic lambda's argument names the element type
 template <typename F>
 void on_type(at::ScalarType type, const F& f) {
   if (type == at::kFloat) f(float{});
   else f(at::BFloat16{});
+}
+// f(a, b) for two such types (an input's and an output's)
+template <typename F>
+void on_types(at::ScalarType a, at::ScalarType b, const F& f) {
+  on_type(a, [&](auto x) { on_type(b, [&](auto y) { f(x, y); }); });
 }
 
 // the sum of a vector's lanes, halving it (a tree: a running sum over the lanes is one dependent chain)

@@ -20,19 +20,19 @@
 namespace GPTLAB_NS {
 namespace {
 
+using simd::float_or_bf16;
 using simd::narrow;
-using simd::on_type;
+using simd::on_types;
 using simd::widen;
 
 struct Heads {
   int64_t B, T, nh, nkv, hs, half;  // half: pairs rotated per head (0: no rotation)
   int64_t table_rows;               // cos/sin rows: 1 (shared positions) or B (each row its own)
+  const float* cos;                 // (table_rows, T, half) each; null without rotation
+  const float* sin;
   bool interleaved, norm;
   double eps;
   int64_t width() const { return (nh + 2 * nkv) * hs; }
-  // the two dims of rotated pair i: (i, i + half) ("rotate half") or (2i, 2i + 1) (interleaved)
-  int64_t first(int64_t i) const { return interleaved ? 2 * i : i; }
-  int64_t second(int64_t i) const { return interleaved ? 2 * i + 1 : i + half; }
 };
 
 // 1 / sqrt(mean(x^2) + eps) of one head's hs values, in fp32 as F.rms_norm computes an fp32 input's
@@ -43,8 +43,8 @@ inline float inverse_rms(const float* x, const Heads& s) {
   return 1.0f / std::sqrt(sum / static_cast<float>(s.hs) + static_cast<float>(s.eps));
 }
 
-// each pair (a, b) of x turned by its angle: a' = a cos - b sin, b' = b cos + a sin; sign -1 turns back (the
-// rotation's transpose, for the gradient)
+// each pair (a, b) of x, dims (2i, 2i + 1) (interleaved) or (i, i + half) ("rotate half"), turned by its angle:
+// a' = a cos - b sin, b' = b cos + a sin; sign -1 turns back (the rotation's transpose, for the gradient)
 inline void rotate(float* x, const float* cos, const float* sin, const Heads& s, float sign) {
   if (s.interleaved) {
     for (int64_t i = 0; i < s.half; ++i) {
@@ -76,7 +76,7 @@ inline T* head_of(T* q, T* k, T* v, const Heads& s, int64_t b, int64_t h, int64_
 }
 
 template <typename In, typename Out>
-void forward(const In* qkv, const float* cos, const float* sin, Out* q, Out* k, Out* v, const Heads& s) {
+void forward(const In* qkv, Out* q, Out* k, Out* v, const Heads& s) {
   at::parallel_for(0, s.B * s.T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(s.width());
     float* x = buffer.data();
@@ -92,7 +92,7 @@ void forward(const In* qkv, const float* cos, const float* sin, Out* q, Out* k, 
 #pragma omp simd
             for (int64_t d = 0; d < s.hs; ++d) head[d] *= r;
           }
-          if (s.half) rotate(head, cos + table, sin + table, s, 1.0f);
+          if (s.half) rotate(head, s.cos + table, s.sin + table, s, 1.0f);
         }
         narrow(head, head_of(q, k, v, s, b, h, t), s.hs);
       }
@@ -103,8 +103,7 @@ void forward(const In* qkv, const float* cos, const float* sin, Out* q, Out* k, 
 // the gradient of `forward` at qkv: per q/k head, the rotation turned back on the gradient, then RMS norm's
 // backward r (g - y mean(g y)), with y = x r recomputed from qkv
 template <typename In, typename Out>
-void backward(const Out* dq, const Out* dk, const Out* dv, const In* qkv, const float* cos, const float* sin,
-              In* dqkv, const Heads& s) {
+void backward(const Out* dq, const Out* dk, const Out* dv, const In* qkv, In* dqkv, const Heads& s) {
   at::parallel_for(0, s.B * s.T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buffers(2 * s.width());
     float* g = buffers.data();
@@ -117,7 +116,7 @@ void backward(const Out* dq, const Out* dk, const Out* dv, const In* qkv, const 
         float* grad = g + h * s.hs;
         widen(head_of(dq, dk, dv, s, b, h, t), grad, s.hs);
         if (h >= s.nh + s.nkv) continue;
-        if (s.half) rotate(grad, cos + table, sin + table, s, -1.0f);
+        if (s.half) rotate(grad, s.cos + table, s.sin + table, s, -1.0f);
         if (s.norm) {
           const float* head = x + h * s.hs;
           const float r = inverse_rms(head, s);
@@ -134,18 +133,14 @@ void backward(const Out* dq, const Out* dk, const Out* dv, const In* qkv, const 
   });
 }
 
-bool float_or_bf16(const at::Tensor& x) {
-  return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
-}
-
 Heads heads_of(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
                int64_t n_kv_head, bool interleaved, bool norm, double eps) {
-  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 3 && qkv.is_contiguous() && float_or_bf16(qkv),
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 3 && qkv.is_contiguous() && float_or_bf16(qkv.scalar_type()),
               "split_heads: qkv must be a contiguous (B, T, width) fp32 or bf16 CPU tensor");
   TORCH_CHECK(n_head > 0 && n_kv_head > 0 && qkv.size(2) % (n_head + 2 * n_kv_head) == 0,
               "split_heads: the width is not (n_head + 2 n_kv_head) head sizes");
   Heads s{qkv.size(0), qkv.size(1), n_head, n_kv_head, qkv.size(2) / (n_head + 2 * n_kv_head), 0, 1,
-          interleaved, norm, eps};
+          nullptr, nullptr, interleaved, norm, eps};
   if (cos.numel() > 0) {  // tables (1 or B, T, half): the rotation's cos and sin per position and pair
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                     sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 3,
@@ -153,6 +148,7 @@ Heads heads_of(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
     TORCH_CHECK((cos.size(0) == 1 || cos.size(0) == s.B) && cos.size(1) == s.T && 2 * cos.size(2) <= s.hs,
                 "split_heads: cos and sin do not fit qkv's rows, positions and head size");
     s.table_rows = cos.size(0), s.half = cos.size(2);
+    s.cos = cos.data_ptr<float>(), s.sin = sin.data_ptr<float>();
   }
   return s;
 }
@@ -161,18 +157,14 @@ std::vector<at::Tensor> split_heads(const at::Tensor& qkv, const at::Tensor& cos
                                     int64_t n_head, int64_t n_kv_head, bool interleaved, bool norm, double eps,
                                     at::ScalarType out_dtype) {
   const Heads s = heads_of(qkv, cos, sin, n_head, n_kv_head, interleaved, norm, eps);
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "split_heads: fp32 or bf16 outputs");
+  TORCH_CHECK(float_or_bf16(out_dtype), "split_heads: fp32 or bf16 outputs");
   const auto options = qkv.options().dtype(out_dtype);
   at::Tensor q = at::empty({s.B, s.nh, s.T, s.hs}, options), k = at::empty({s.B, s.nkv, s.T, s.hs}, options),
              v = at::empty({s.B, s.nkv, s.T, s.hs}, options);
-  const float* c = s.half ? cos.data_ptr<float>() : nullptr;
-  const float* sn = s.half ? sin.data_ptr<float>() : nullptr;
-  on_type(qkv.scalar_type(), [&](auto in) {
-    on_type(out_dtype, [&](auto out) {
-      using In = decltype(in);
-      using Out = decltype(out);
-      forward(qkv.data_ptr<In>(), c, sn, q.data_ptr<Out>(), k.data_ptr<Out>(), v.data_ptr<Out>(), s);
-    });
+  on_types(qkv.scalar_type(), out_dtype, [&](auto in, auto out) {
+    using In = decltype(in);
+    using Out = decltype(out);
+    forward(qkv.data_ptr<In>(), q.data_ptr<Out>(), k.data_ptr<Out>(), v.data_ptr<Out>(), s);
   });
   return {q, k, v};
 }
@@ -182,7 +174,7 @@ at::Tensor split_heads_backward(const at::Tensor& dq, const at::Tensor& dk, cons
                                 int64_t n_kv_head, bool interleaved, bool norm, double eps) {
   const Heads s = heads_of(qkv, cos, sin, n_head, n_kv_head, interleaved, norm, eps);
   const at::ScalarType dtype = dq.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && dk.scalar_type() == dtype &&
+  TORCH_CHECK(float_or_bf16(dtype) && dk.scalar_type() == dtype &&
                   dv.scalar_type() == dtype,
               "split_heads_backward: the gradients must all be fp32 or all bf16");
   TORCH_CHECK(dq.sizes() == at::IntArrayRef({s.B, s.nh, s.T, s.hs}) &&
@@ -190,15 +182,10 @@ at::Tensor split_heads_backward(const at::Tensor& dq, const at::Tensor& dk, cons
               "split_heads_backward: gradients not shaped as split_heads' outputs");
   const at::Tensor gq = dq.contiguous(), gk = dk.contiguous(), gv = dv.contiguous();
   at::Tensor dqkv = at::empty_like(qkv);
-  const float* c = s.half ? cos.data_ptr<float>() : nullptr;
-  const float* sn = s.half ? sin.data_ptr<float>() : nullptr;
-  on_type(qkv.scalar_type(), [&](auto in) {
-    on_type(dtype, [&](auto out) {
-      using In = decltype(in);
-      using Out = decltype(out);
-      backward(gq.data_ptr<Out>(), gk.data_ptr<Out>(), gv.data_ptr<Out>(), qkv.data_ptr<In>(), c, sn,
-               dqkv.data_ptr<In>(), s);
-    });
+  on_types(qkv.scalar_type(), dtype, [&](auto in, auto out) {
+    using In = decltype(in);
+    using Out = decltype(out);
+    backward(gq.data_ptr<Out>(), gk.data_ptr<Out>(), gv.data_ptr<Out>(), qkv.data_ptr<In>(), dqkv.data_ptr<In>(), s);
   });
   return dqkv;
 }
