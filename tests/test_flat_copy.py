@@ -1,5 +1,7 @@
 """The bf16 working-copy step over flat buffers (gptlab.train.flat): the same weights as the step spelled out per
-parameter with torch's clipping, and a fixed number of ops however many parameters the model has."""
+parameter with torch's clipping, and a fixed number of ops however many parameters the model has; with AdamW and
+gptlab's kernels, the one-pass step (`FlatCopy.adamw_step`) within fp32 rounding of it (its kernel against torch's
+fused AdamW: tests/test_adamw_step.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from gptlab.cli import main
 from gptlab.config import GPTConfig
 from gptlab.data import global_batch
 from gptlab.model import GPT
+from gptlab.train import flat as flat_copy
 from gptlab.train.flat import global_norm
 from gptlab.train.optim import OptimizerSpec, build_optimizers, step_optimizers, takes_grad_scale
 from gptlab.train.precision import Precision
@@ -62,6 +65,20 @@ def per_parameter_steps(model: GPT, spec: OptimizerSpec, steps: int, clip: float
     return norms
 
 
+@pytest.fixture(params=["buffers", "one pass"])
+def adamw_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The working step's two forms for AdamW: over the flat buffers (the kernels' step switched off, as on a CPU
+    without them), and in one C++ pass where this CPU runs gptlab's kernels."""
+    if request.param == "buffers":
+        monkeypatch.setattr(flat_copy, "_adamw_ops", lambda masters, grads: None)
+    else:
+        from gptlab.kernels import widest_ops
+
+        if widest_ops() is None:
+            pytest.skip("gptlab's kernels do not run on this CPU")
+    return request.param
+
+
 def flat_steps(model: GPT, spec: OptimizerSpec, steps: int, clip: float) -> Precision:
     precision = Precision(model, "bfloat16", "cpu", attention_fp32=True, distributed=False)
     optimizers = build_optimizers(model, spec)
@@ -74,8 +91,9 @@ def flat_steps(model: GPT, spec: OptimizerSpec, steps: int, clip: float) -> Prec
 
 
 @pytest.mark.parametrize(("kind", "impl"), [("adamw", "torch"), ("adamw", "gptlab"), ("muon", "gptlab")])
-def test_flat_steps_are_the_per_parameter_steps_exactly(kind: str, impl: str) -> None:
+def test_flat_steps_are_the_per_parameter_steps_exactly(kind: str, impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without clipping the buffers change no number: the same casts and copies, fewer calls."""
+    monkeypatch.setattr(flat_copy, "_adamw_ops", lambda masters, grads: None)
     spec = OptimizerSpec(kind=kind, impl=impl, lr=1e-2, weight_decay=0.1)
     reference, flat = tiny(), tiny()
     per_parameter_steps(reference, spec, 4, clip=0.0)
@@ -86,12 +104,35 @@ def test_flat_steps_are_the_per_parameter_steps_exactly(kind: str, impl: str) ->
         assert torch.equal(w, m.to(torch.bfloat16))  # the working copy is the masters, cast
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+@pytest.mark.parametrize("impl", ["torch", "gptlab"])
+def test_one_pass_adamw_step_is_the_per_parameter_step_within_rounding(impl: str, clip: float) -> None:
+    """The kernels' AdamW step (`FlatCopy.adamw_step`, taken where this CPU runs them), clipped or not: the masters
+    within fp32 rounding of the step spelled out per parameter, and the working weights exactly the masters
+    rounded to bf16, as the copy back would leave them. (One step: over several, AdamW's normalized updates of
+    gradients that are rounding noise, such as a key bias's, let 1-ulp differences grow.)"""
+    from gptlab.kernels import widest_ops
+
+    if widest_ops() is None:
+        pytest.skip("gptlab's kernels do not run on this CPU")
+    spec = OptimizerSpec(kind="adamw", impl=impl, lr=1e-2, weight_decay=0.1)
+    reference, model = tiny(), tiny()
+    per_parameter_steps(reference, spec, 1, clip)
+    precision = flat_steps(model, spec, 1, clip)
+    for (name, r), m in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(m, r, rtol=1e-6, atol=1e-7, msg=name)
+    for w, m in zip(precision.working.parameters(), model.parameters(), strict=True):
+        assert torch.equal(w, m.to(torch.bfloat16))
+    assert all(w.grad is None for w in precision.working.parameters())
+
+
 @pytest.mark.parametrize(("kind", "impl"), [("adamw", "gptlab"), ("adamw", "torch"), ("muon", "gptlab")])
-def test_flat_clipping_matches_torchs(kind: str, impl: str) -> None:
+def test_flat_clipping_matches_torchs(kind: str, impl: str, adamw_path: str) -> None:
     """One clipped step against torch's clip_grad_norm_: the one difference is the global norm's rounding (all
-    gradients at once vs the norm of per-tensor norms), far below what a bf16 working copy resolves, and for the
-    fused AdamWs the gradients divided by the inverse coefficient as the update reads them rather than scaled by it
-    first (Muon: scaled first)."""
+    gradients at once vs the norm of per-tensor norms; the one-pass step: fp64 sums of squares), far below what a
+    bf16 working copy resolves, and for the fused AdamWs over the buffers the gradients divided by the inverse
+    coefficient as the update reads them rather than scaled by it first (Muon, and the one-pass step: scaled
+    first)."""
     spec = OptimizerSpec(kind=kind, impl=impl, lr=1e-2, weight_decay=0.1)
     reference, flat = tiny(), tiny()
     clip = 0.05
@@ -133,8 +174,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def step_ops(n_layer: int) -> Counter[str]:
-    """The ops of Precision.step (gradients to the masters, clip, fused AdamW, copy back) for a model this deep, in
-    its second step (the first also makes the optimizer's state)."""
+    """The ops of Precision.step (gradients to the masters, clip, fused AdamW, copy back; or the one-pass step) for
+    a model this deep, in its second step (the first also makes the optimizer's state)."""
     model = tiny(n_layer)
     precision = Precision(model, "bfloat16", "cpu", attention_fp32=True, distributed=False)
     optimizers = build_optimizers(model, OptimizerSpec(kind="adamw", impl="gptlab", lr=1e-2, weight_decay=0.1))
@@ -148,11 +189,15 @@ def step_ops(n_layer: int) -> Counter[str]:
     return counter.ops
 
 
-def test_step_ops_do_not_grow_with_the_parameters() -> None:
+def test_step_ops_do_not_grow_with_the_parameters(adamw_path: str) -> None:
     shallow, deep = step_ops(1), step_ops(4)
     assert shallow == deep  # no op per parameter: 4 layers add 24 tensors and not one op
-    assert shallow["aten.copy_"] <= 1 and shallow["aten.linalg_vector_norm"] == 2  # blocks' norms, their norm
-    assert shallow["aten.mul_"] == 0  # the fused AdamW applies the clipping as it reads the gradients
+    if adamw_path == "buffers":
+        assert shallow["aten.copy_"] <= 1 and shallow["aten.linalg_vector_norm"] == 2  # blocks' norms, their norm
+        assert shallow["aten.mul_"] == 0  # the fused AdamW applies the clipping as it reads the gradients
+    else:  # one sum of squares, one pass per param group (decayed matrices, the rest), nothing else
+        assert sorted(op.split(".")[-1] for op in shallow.elements()) == ["adamw_working", "adamw_working",
+                                                                           "sum_squares"]
 
 
 @pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 1 << 25])

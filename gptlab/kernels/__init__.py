@@ -9,8 +9,9 @@ gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logit
 tanh form and its derivative for training (`gptlab.ops.gelu`). `split_heads.cpp`: an attention layer's q, k and v
 cut from its projection, cast, QK-normalized and rotated, and the gradient of that, in training
 (`gptlab.heads`). `norms.cpp`: LayerNorm and RMSNorm forward and backward in training (`gptlab.norms`).
-`dequantize_int4.cpp`: QLoRA's int4 base weight
-unpacked straight into fp32/bf16 blocks (`gptlab.qlora`). All are built into one library (`linear_avx2.h` is what
+`adamw.cpp`: AdamW's step from bf16 working gradients into the fp32 masters and back into the working weights in
+one pass (`gptlab.train.flat`). `dequantize_int4.cpp`: QLoRA's int4 base weight unpacked straight into fp32/bf16
+blocks (`gptlab.qlora`). All are built into one library (`linear_avx2.h` is what
 they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels, `exp_fast.h` the
 vectorizable exp, `simd.h` whole vectors of fp32 lanes for the loss's and GELU's loops).
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "packing.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp",
            HERE / "dequantize_int4.cpp", HERE / "activations.cpp", HERE / "split_heads.cpp",
-           HERE / "norms.cpp"]
+           HERE / "norms.cpp", HERE / "adamw.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)

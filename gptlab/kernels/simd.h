@@ -7,6 +7,8 @@
 
 #include "linear_avx2.h"
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -95,6 +97,14 @@ inline float lane_sum(Vec v) {
 #endif
   const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+inline Vec sqrt(Vec v) {  // correctly rounded, as std::sqrt
+#ifdef __AVX512F__
+  return reinterpret_cast<Vec>(_mm512_sqrt_ps(reinterpret_cast<__m512>(v)));
+#else
+  return reinterpret_cast<Vec>(_mm256_sqrt_ps(reinterpret_cast<__m256>(v)));
+#endif
 }
 
 inline float lane_max(Vec v) {

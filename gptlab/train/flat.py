@@ -9,11 +9,21 @@ fp32 buffer, so each of the four is a single op over all parameters.
 The optimizers keep their Parameters (only `.data` moves into the buffer), so their state and the checkpoints are
 as before. A parameter whose gradient is None after backward (not on the loss's path this step) still has none
 on its master, as without the buffers: the optimizers skip it.
+
+Where every optimizer is a plain AdamW and gptlab's C++ kernels run on this CPU, `adamw_step` does all of it in
+one pass per parameter instead (kernels/adamw.cpp): the bf16 gradients are read as they are, the masters and
+their moments updated, and the masters written back rounded into the working weights. 28 bytes move per
+parameter instead of 48 (the cast into the buffer, the clipping's norm, the optimizer and the copy back):
+GPT-2 124M's step spends ~200 ms in these passes on a 2-core CPU, all at memory speed.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from gptlab.train.lean import FusedAdamW
 
 
 class FlatCopy:
@@ -58,6 +68,35 @@ class FlatCopy:
         self.master_grad.mul_(self.clip_coefficient(max_norm))
 
     @torch.no_grad()
+    def adamw_step(self, optimizers: list, max_norm: float, skip: torch.Tensor | None) -> bool:
+        """Clip (to a global 2-norm of `max_norm`, if > 0) and step `optimizers` from the working gradients, writing
+        the working weights too, in C++ (see the module docstring); False, having done nothing, where that does not
+        apply: an optimizer that is not a plain AdamW (`_plain_adamw`), a parameter without a gradient, no kernels
+        on this CPU. The update is AdamW's (that of torch's fused kernel within fp32 rounding) with the moments in
+        the optimizers' own state, so their state_dict and an exact resume are as after `step`. `skip` (0-dim bool):
+        where true nothing changes, decided in the kernel."""
+        grads = [w.grad for w in self.working]
+        ops = _adamw_ops(self.masters, grads)
+        if ops is None or not optimizers or not all(_plain_adamw(opt) for opt in optimizers):
+            return False
+        index = {id(m): i for i, m in enumerate(self.masters)}
+        scale = 1.0
+        if max_norm > 0:  # as clip_coefficient, from the bf16 gradients (each exact in fp32)
+            scale = min(max_norm / (math.sqrt(ops.sum_squares(grads)) + 1e-6), 1.0)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                at = [index[id(p)] for p in group["params"]]
+                states = [_adamw_state(opt, p) for p in group["params"]]
+                beta1, beta2 = group["betas"]
+                ops.adamw_working([self.masters[i] for i in at], [grads[i] for i in at],
+                                  [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                                  [self.working[i] for i in at], [st["step"] for st in states], float(group["lr"]),
+                                  beta1, beta2, group["weight_decay"], group["eps"], scale, skip)
+        for w in self.working:
+            w.grad = None
+        return True
+
+    @torch.no_grad()
     def sync(self) -> None:
         """The masters, cast, into the working weights: one copy over the buffer."""
         self.working_data.copy_(self.master_data)
@@ -70,6 +109,38 @@ def global_norm(flat: torch.Tensor, block: int = 4096) -> torch.Tensor:
     whole = flat.numel() // block * block
     blocks = torch.linalg.vector_norm(flat[:whole].view(-1, block), dim=1)
     return torch.linalg.vector_norm(torch.cat([blocks, flat[whole:]]))
+
+
+def _adamw_ops(masters: list[torch.Tensor], grads: list[torch.Tensor | None]):  # noqa: ANN202 - the ops or None
+    """gptlab's C++ kernels where `adamw_step` takes these tensors: fp32 masters and contiguous bf16 gradients for
+    every one of them, on a CPU; else None."""
+    if not masters or any(g is None or g.device.type != "cpu" or g.dtype != torch.bfloat16 or not g.is_contiguous()
+                          for g in grads):
+        return None
+    if any(m.dtype != torch.float32 for m in masters):
+        return None
+    from gptlab.kernels import widest_ops
+
+    return widest_ops()
+
+
+def _plain_adamw(opt: object) -> bool:
+    """AdamW as `adamw_step` computes it: gptlab's FusedAdamW, or torch's AdamW without amsgrad, maximize or a
+    differentiable or capturable step (their state is the same: step, exp_avg, exp_avg_sq)."""
+    if isinstance(opt, FusedAdamW):
+        return True
+    return type(opt) is torch.optim.AdamW and not any(
+        g.get(flag) for g in opt.param_groups for flag in ("amsgrad", "maximize", "differentiable", "capturable"))
+
+
+def _adamw_state(opt, p: torch.Tensor) -> dict:  # noqa: ANN001 - an AdamW
+    """p's state in `opt`, made as AdamW makes it on a parameter's first step where it has none yet."""
+    state = opt.state.setdefault(p, {})
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 def _flatten_into(params: list[torch.nn.Parameter]) -> torch.Tensor:

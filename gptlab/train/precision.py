@@ -9,8 +9,9 @@ The optimizer always owns fp32 master weights (the model passed in). Five modes:
              fp32 shards; no autocast, which would cast every gathered weight again. fp16 adds a GradScaler.
 - working:   (bf16 in a single CPU process) a bf16 copy of the model runs forward/backward; after backward its
              gradients are copied into the masters' .grad in fp32, and after the optimizer step the masters
-             are cast back into the copy, each one op over flat buffers (`flat.FlatCopy`). Faster on CPU than
-             autocast, which re-casts every weight in every forward and keeps the casts for backward.
+             are cast back into the copy, each one op over flat buffers (`flat.FlatCopy`); with AdamW, all of
+             that is one C++ pass per parameter (`FlatCopy.adamw_step`). Faster on CPU than autocast, which
+             re-casts every weight in every forward and keeps the casts for backward.
 - frozen:    (LoRA, any device) the frozen base is cast to bf16/fp16 in place (it never changes, so it needs
              no master) and the adapters stay fp32: they are their own masters and compute in fp32 on the
              side (`gptlab.lora.LoRALinear`), as peft does. No copy of the model, no autocast.
@@ -89,6 +90,8 @@ class Precision:
 
         `skip`: a 0-dim bool tensor on the device; where it is true the step changes no weight and no optimizer
         state, decided on the device (`step_optimizers`) so that the host need not wait for this step's loss."""
+        if self.working is not None and self.flat.adamw_step(optimizers, grad_clip, skip):
+            return  # the working weights are written by the same pass
         if self.working is not None:
             self.flat.grads_to_masters()
         if self.scaler is not None:
