@@ -16,9 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptlab.causal_attention import attention as causal_attention
 from gptlab.config import GPTConfig
 from gptlab.heads import split_heads
 from gptlab.kv_cache import KVCache, Masks
+from gptlab.linear import Linear
 from gptlab.rope import apply_rope
 
 Hook = Callable[[str, torch.Tensor], torch.Tensor]
@@ -35,9 +37,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     """F.scaled_dot_product_attention of queries (B, nh, T, hs) over keys and values (B, nkv, T_k, hs), `mask`
     None meaning causal (for T > 1). With one query per row (decoding) and grouped kv heads, each kv head's group
     of query heads is read as that many positions of it: the same numbers without `enable_gqa`, whose CPU path is
-    several times slower in bf16, and without repeating k and v."""
+    several times slower in bf16, and without repeating k and v. Causal attention in bf16 training on a CPU with
+    bf16 dot products takes gptlab's backward (`gptlab.causal_attention`)."""
     B, nh, T, hs = q.shape
     nkv = k.shape[1]
+    if mask is None and T > 1 and dropout_p == 0.0:  # in bf16 training on a CPU: gptlab's backward
+        y = causal_attention(q, k, v, scale)
+        if y is not None:
+            return y
     if T == 1 and nkv != nh and dropout_p == 0.0:
         y = F.scaled_dot_product_attention(q.view(B, nkv, nh // nkv, hs), k, v, attn_mask=mask, scale=scale)
         return y.reshape(B, nh, 1, hs)  # CUDA's kernels may hand back (B, nkv, g, hs) in another memory order
@@ -63,8 +70,8 @@ class CausalSelfAttention(nn.Module):
         self.scale = config.attn_scale if config.attn_scale is not None else 1.0 / math.sqrt(self.head_size)
         # q, k and v in one matmul: nh query heads then nkv key heads then nkv value heads
         qkv = (self.n_head + 2 * self.n_kv_head) * self.head_size
-        self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.has_bias("qkv"))
-        self.c_proj = nn.Linear(self.n_head * self.head_size, config.n_embd, bias=config.has_bias("attn_proj"))
+        self.c_attn = Linear(config.n_embd, qkv, bias=config.has_bias("qkv"))
+        self.c_proj = Linear(self.n_head * self.head_size, config.n_embd, bias=config.has_bias("attn_proj"))
         if config.qk_norm_weight:  # learned per-dim scales of the q and k norms (Qwen3)
             self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)

@@ -35,6 +35,7 @@ from torch import nn
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
+from gptlab.linear import Linear
 from gptlab.model import GPT
 from gptlab.ops import upcasting_linear, upcasts
 
@@ -209,14 +210,14 @@ class LoRALinear(nn.Linear):
         return delta
 
     def merged(self) -> nn.Linear:
-        """A plain nn.Linear computing the same function (the update folded into the weight, in its dtype; a
-        quantized base's weight dequantized, in fp32)."""
+        """A plain Linear (the model's own, `gptlab.linear.Linear`) computing the same function (the update
+        folded into the weight, in its dtype; a quantized base's weight dequantized, in fp32)."""
         quantized = self.base_layer is not None
         weight = self.base_layer.dequantize() if quantized else self.weight
         bias = self.base_layer.bias if quantized else self.bias
         dtype = weight.dtype
-        linear = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device=weight.device,
-                           dtype=dtype)
+        linear = Linear(self.in_features, self.out_features, bias=bias is not None, device=weight.device,
+                        dtype=dtype)
         with torch.no_grad():
             linear.weight.copy_((weight.float() + self.delta_weight()).to(dtype))
             if bias is not None:

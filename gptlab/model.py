@@ -19,9 +19,11 @@ from torch.utils.checkpoint import checkpoint
 
 from gptlab.attention import CausalSelfAttention, Hook, tap
 from gptlab.config import GPTConfig
+from gptlab.head_loss import TiedGradient, head_cross_entropy, tied_embedding, tied_gradient
 from gptlab.kv_cache import KVCache, document_masks, masks_for
+from gptlab.linear import Linear
 from gptlab.norms import LayerNorm, RMSNorm
-from gptlab.ops import assert_in_range_on_device, cross_entropy, gelu, upcasting_linear
+from gptlab.ops import assert_in_range_on_device, cross_entropy, gelu, reduce_losses, upcasting_linear
 from gptlab.rope import rope_tables
 
 
@@ -60,8 +62,8 @@ class MLP(nn.Module):
         hidden = config.hidden_size
         # a gated MLP's (SwiGLU, GeGLU) gate and up projections share one matmul: c_fc outputs [gate | up]
         fc_out = 2 * hidden if config.gated_mlp else hidden
-        self.c_fc = nn.Linear(config.n_embd, fc_out, bias=config.has_bias("mlp"))
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.has_bias("mlp"))
+        self.c_fc = Linear(config.n_embd, fc_out, bias=config.has_bias("mlp"))
+        self.c_proj = Linear(hidden, config.n_embd, bias=config.has_bias("mlp"))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,16 +246,23 @@ class GPT(nn.Module):
             on_device = assert_in_range_on_device(targets, -1, self.config.vocab_size, message)
             if not on_device and targets.device.type == "cpu":
                 self.check_targets(targets)
-        h = self.hidden_states(idx, kv_cache=kv_cache, check_ids=check_ids, documents=documents)
+        fusable = targets is not None and self.hooks is None and self.config.logit_softcap is None
+        tied = tied_gradient(self.transformer.wte, self.lm_head) if fusable else None
+        h = self.hidden_states(idx, kv_cache=kv_cache, check_ids=check_ids, documents=documents, tied=tied)
         loss = None
         if targets is None:
             logits = tap(self.hooks, "hook_logits", self.logits(h))
         else:  # the loss's LM head through fp32 where this CPU lacks bf16 matmuls (`linear`); generation's
             # (`logits`) stays the module's own forward, which packed inference weights replace
             head = self.lm_head  # a quantized head (not an nn.Linear) runs its own forward
-            raw = upcasting_linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else head(h)
-            logits = tap(self.hooks, "hook_logits", self.softcap_logits(raw))
-            loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+            fused = head_cross_entropy(h, head, targets, tied) if fusable else None  # one node on a CPU
+            if fused is not None:
+                logits, losses = fused
+                loss = reduce_losses(losses, targets.flatten(), reduction)
+            else:
+                raw = upcasting_linear(h, head.weight, head.bias) if isinstance(head, nn.Linear) else head(h)
+                logits = tap(self.hooks, "hook_logits", self.softcap_logits(raw))
+                loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return ModelOutput(logits, loss)
 
     def check_targets(self, targets: torch.Tensor) -> None:
@@ -284,9 +293,11 @@ class GPT(nn.Module):
         kv_cache: KVCache | None = None,
         check_ids: bool = True,
         documents: torch.Tensor | None = None,
+        tied: TiedGradient | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states (B, T, C); callers that need only some positions apply `logits` to those.
-        `check_ids=False`: idx is known to be in the vocabulary (see `forward`)."""
+        `check_ids=False`: idx is known to be in the vocabulary (see `forward`). `tied`: `forward`'s hand-off of a
+        tied head's gradient to the token lookup."""
         cfg = self.config
         idx = self._check_input(idx, kv_cache, check_ids)
         B, T = idx.shape
@@ -303,7 +314,7 @@ class GPT(nn.Module):
             pos, masks = kv_cache.begin(T, cfg.sliding_window)  # (1 or B, T); which cached keys each query sees
 
         hooks = self.hooks
-        x = self.transformer.wte(idx)  # (B, T, C)
+        x = self.transformer.wte(idx) if tied is None else tied_embedding(idx, self.transformer.wte.weight, tied)
         if cfg.scale_embeddings:  # by sqrt(C) in the activations' dtype, as Gemma rounds it
             x = x * torch.tensor(math.sqrt(cfg.n_embd), dtype=x.dtype)
         x = tap(hooks, "hook_embed", x)

@@ -117,34 +117,18 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
         x2 = x.reshape(-1, x.shape[-1])
-        n, a = weight.shape[0], _SplitLinear.aligned(weight.shape[0])
-        out = x2.new_empty(x2.shape[0], n)
-        for rows in (slice(0, a), slice(a, n)):  # with a bias, addmm as F.linear: one rounding of product + bias
-            if bias is None:
-                torch.mm(x2, weight[rows].T, out=out[:, rows])
-            else:
-                torch.addmm(bias[rows], x2, weight[rows].T, out=out[:, rows])
         ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, weight)
         ctx.has_bias = bias is not None
-        return out.view(*x.shape[:-1], n)
+        return split_product(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         x2, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = (g2 @ weight).view(*grad.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
-        gw = None
-        if ctx.needs_input_grad[1]:
-            a = _SplitLinear.aligned(weight.shape[0])
-            gw = torch.empty_like(weight)
-            for rows in (slice(0, a), slice(a, weight.shape[0])):
-                torch.mm(g2[:, rows].T, x2, out=gw[rows])
+        gw = split_weight_grad(g2, x2) if ctx.needs_input_grad[1] else None
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
-
-    @staticmethod
-    def aligned(rows: int) -> int:
-        return rows // 64 * 64
 
     @staticmethod
     def helps(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -155,6 +139,30 @@ class _SplitLinear(torch.autograd.Function):
 
 
 _SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _split_rows(n: int) -> tuple[slice, slice]:
+    """A wide weight's rows up to the last multiple of 64, and the few left."""
+    return slice(0, n // 64 * 64), slice(n // 64 * 64, n)
+
+
+def split_product(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 (M, C) @ weight.T (+ bias) as `_SplitLinear`'s two products, each into its own columns of the output."""
+    out = x2.new_empty(x2.shape[0], weight.shape[0])
+    for rows in _split_rows(weight.shape[0]):  # with a bias, addmm as F.linear: one rounding of product + bias
+        if bias is None:
+            torch.mm(x2, weight[rows].T, out=out[:, rows])
+        else:
+            torch.addmm(bias[rows], x2, weight[rows].T, out=out[:, rows])
+    return out
+
+
+def split_weight_grad(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """g2.T @ x2, the weight's gradient (V, C) of `split_product`, as two products into its rows."""
+    gw = g2.new_empty(g2.shape[1], x2.shape[1])
+    for rows in _split_rows(g2.shape[1]):
+        torch.mm(g2[:, rows].T, x2, out=gw[rows])
+    return gw
 
 
 def upcasting_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,6 +293,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
         # fewer bytes than the chunks below, which are for a CPU's memory
         return F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction=reduction)
     losses = _CrossEntropy.apply(logits, targets, logits.requires_grad and torch.is_grad_enabled())
+    return reduce_losses(losses, targets, reduction)
+
+
+def reduce_losses(losses: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-target losses (0 where the target is -1) as `cross_entropy`'s `reduction` asks: "none", "sum", or the
+    mean over the targets that are not -1."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if reduction == "none":
         return losses
     if reduction == "sum":

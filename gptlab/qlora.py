@@ -30,6 +30,7 @@ from torch import nn
 
 from gptlab.errors import GptlabError
 from gptlab.integer_weights import pack_nibbles, quantize_int4_low, quantize_int8, unpack_nibbles
+from gptlab.linear import plain_linear
 from gptlab.model import GPT
 from gptlab.ops import row_chunks, upcasting_linear
 from gptlab.quantize import DEFAULT_GROUP_SIZE, QuantizedLinear, check_options
@@ -199,7 +200,7 @@ def quantize_base(model: GPT, mode: str, group_size: int | None = None) -> GPT:
 def base_linears(model: GPT) -> list[tuple[str, nn.Linear]]:
     """The Linears QLoRA quantizes: those of the blocks, by their names in `model`."""
     return [(f"transformer.h.{i}.{name}", layer) for i, block in enumerate(model.iter_blocks())
-            for name, layer in block.named_modules() if type(layer) is nn.Linear]
+            for name, layer in block.named_modules() if plain_linear(layer)]
 
 
 def quantize_layer(model: GPT, name: str, mode: str, group_size: int | None = None) -> FrozenQuantizedLinear:

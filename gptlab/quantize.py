@@ -70,6 +70,7 @@ from gptlab.integer_weights import (
     unpack_nibbles,
 )
 from gptlab.kernels.dispatch import SMALL_BATCH, chosen_ops
+from gptlab.linear import plain_linear
 from gptlab.lora import has_lora
 
 log = logging.getLogger(__name__)
@@ -361,7 +362,7 @@ def quantize_model(model: nn.Module, mode: Mode, group_size: int | None = None) 
                           "the adapters merged, the default)")
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise GptlabError("the model is quantized already")
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    targets = [(name, m) for name, m in model.named_modules() if plain_linear(m)]
     if mode == "int4":
         for name, m in targets:
             if m.in_features % group_size:

@@ -27,6 +27,7 @@ from gptlab.generation import (
     sample_next,
 )
 from gptlab.generation.sampling import apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from gptlab.linear import plain_linear
 from gptlab.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -659,7 +660,7 @@ def test_generate_packs_a_model_once_and_again_only_what_changed(monkeypatch):
     monkeypatch.setattr(engine, "decode_path", lambda *args: None)  # its timing packs copies of its own
     prompt, n = [1, 2, 3], 20
     first = generate(model, torch.tensor([prompt]), n, temperature=0)[0, 3:].tolist()
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    linears = [m for m in model.modules() if plain_linear(m)]
     assert len(packed) == len(linears)
     assert generate(model, torch.tensor([prompt]), n, temperature=0)[0, 3:].tolist() == first
     assert len(packed) == len(linears)  # the second call packed nothing

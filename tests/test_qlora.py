@@ -17,6 +17,7 @@ from torch import nn
 
 from gptlab import qlora
 from gptlab.cli import main
+from gptlab.linear import plain_linear
 from gptlab.lora import LoRALinear, LoRASpec, add_lora, merge_lora
 from gptlab.qlora import FrozenQuantizedLinear, quantize_base
 from gptlab.quantize import QuantizedLinear
@@ -180,7 +181,7 @@ def test_the_merged_model_is_the_dequantized_base_plus_the_update() -> None:
         after = model(x)[0]
     for name, weight in want.items():
         merged = model.get_submodule(name)
-        assert type(merged) is nn.Linear and merged.weight.dtype == torch.float32
+        assert plain_linear(merged) and merged.weight.dtype == torch.float32
         torch.testing.assert_close(merged.weight, weight, atol=0, rtol=0)
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
 
@@ -244,7 +245,7 @@ def test_the_memory_estimate_counts_the_weights_a_lora_run_holds(mode: str | Non
     cfg = build_train_config({"init_from": "x", "lora_rank": 4, "dtype": dtype, "batch_size": 2, "grad_accum": 1,
                               **({"quantize": mode} if mode else {})})
     model = tiny_model().float().train()
-    linears = [(m.out_features, m.in_features) for m in model.modules() if type(m) is nn.Linear and m is not
+    linears = [(m.out_features, m.in_features) for m in model.modules() if plain_linear(m) and m is not
                model.lm_head]
     plain = sum(p.numel() for p in model.parameters())
     if mode:

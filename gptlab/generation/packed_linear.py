@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from gptlab.kernels import kernel_builds
 from gptlab.kernels.dispatch import BATCH, chosen_ops, kind_of
+from gptlab.linear import plain_linear
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +178,9 @@ def kernel_name(module: nn.Module) -> str:
 
 
 def packable(module: nn.Module) -> bool:
-    """Exactly nn.Linear: a subclass's forward may do more than the product (see the module docstring)."""
-    return type(module) is nn.Linear
+    """Exactly nn.Linear or gptlab's Linear: a subclass's forward may do more than the product (see the module
+    docstring)."""
+    return plain_linear(module)
 
 
 def _layout(model: nn.Module, batch_hint: int, path: str | None) -> tuple:

@@ -1,0 +1,303 @@
+// Causal attention's backward for training in bf16 on a CPU with bf16 dot products (`gptlab.causal_attention`):
+// the AVX-512 builds (AVX512-BF16's vdpbf16ps) and the AMX build (the tile unit's). PyTorch's CPU flash-attention
+// backward runs its products as many small GEMM calls and takes ~14 ms a layer at GPT-2's 4 x 12 heads x 256 x 64
+// on a 2-core AMX Xeon, ~10x its forward. Here each (batch, kv head) is one unit of work: its keys and values are
+// packed once as bf16 pairs (the dot-product instructions' layout), then for each query head of its group and each
+// block of 32 queries, over the keys up to the block's end (causal):
+//   S = Q K^T, P = exp(scale S - lse) (the forward's log-sum-exp), dP = dO V^T, dS = scale P (dP - rowsum(dO * O)),
+//   dV += P^T dO, dK += dS^T Q, dQ = dS K,
+// with S, dP and the sums in fp32, P and dS rounded to bf16 for the products that take them (as the forward's P is
+// for P V), dK and dV summed over the group's heads in fp32 and each gradient rounded once to bf16.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "linear_avx2.h"
+
+#if defined(GPTLAB_AVX512)
+
+#include "amx_tiles.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace GPTLAB_NS {
+namespace {
+
+constexpr int64_t kBlock = 32;  // queries per block; head sizes and sequence lengths are whole multiples of it
+
+using Pair = uint32_t;  // two bf16 values, the first in the low half: one step of a bf16 dot product
+
+inline uint16_t bf16_bits(float v) {  // rounded to nearest, ties to even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline float widen(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// C (M x N fp32, ldc apart) (+)= A (M x K bf16, lda apart) times B given as pairs: b[p * ldb + n] holds B's rows
+// 2p and 2p + 1 at column n. M and N are multiples of 16, K of 32.
+#if defined(GPTLAB_AMX)
+// C tile t (t = 2 i + j: 16 rows by i, 16 columns by j) loaded or zeroed, and stored (tile numbers are immediates)
+#define GPTLAB_C_TILE(t, i, j)                                                            \
+  if ((i) < MT && (j) < NT) {                                                             \
+    if (accumulate) _tile_loadd(t, c + 16 * (i) * ldc + 16 * (j), ldc * 4);               \
+    else _tile_zero(t);                                                                   \
+  }
+#define GPTLAB_C_STORE(t, i, j) \
+  if ((i) < MT && (j) < NT) _tile_stored(t, c + 16 * (i) * ldc + 16 * (j), ldc * 4);
+
+template <int MT, int NT>  // 16 rows by MT and 16 columns by NT: C tiles 0-3, A 4-5, B 6-7
+inline void tiles(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t K,
+                  bool accumulate) {
+  GPTLAB_C_TILE(0, 0, 0) GPTLAB_C_TILE(1, 0, 1) GPTLAB_C_TILE(2, 1, 0) GPTLAB_C_TILE(3, 1, 1)
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, a + k, lda * 2);
+    if constexpr (MT == 2) _tile_loadd(5, a + 16 * lda + k, lda * 2);
+    _tile_loadd(6, b + (k / 2) * ldb, ldb * 4);
+    if constexpr (NT == 2) _tile_loadd(7, b + (k / 2) * ldb + 16, ldb * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  GPTLAB_C_STORE(0, 0, 0) GPTLAB_C_STORE(1, 0, 1) GPTLAB_C_STORE(2, 1, 0) GPTLAB_C_STORE(3, 1, 1)
+}
+#undef GPTLAB_C_TILE
+#undef GPTLAB_C_STORE
+
+void gemm(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t M, int64_t N,
+          int64_t K, bool accumulate) {
+  for (int64_t m = 0; m < M; m += 32)
+    for (int64_t n = 0; n < N; n += 32) {
+      const bool two_m = m + 32 <= M, two_n = n + 32 <= N;
+      const uint16_t* am = a + m * lda;
+      float* cm = c + m * ldc + n;
+      if (two_m && two_n) tiles<2, 2>(am, lda, b + n, ldb, cm, ldc, K, accumulate);
+      else if (two_m) tiles<2, 1>(am, lda, b + n, ldb, cm, ldc, K, accumulate);
+      else if (two_n) tiles<1, 2>(am, lda, b + n, ldb, cm, ldc, K, accumulate);
+      else tiles<1, 1>(am, lda, b + n, ldb, cm, ldc, K, accumulate);
+    }
+}
+#else
+template <int R>  // R rows of C by 32 columns in registers
+inline void rows(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t K,
+                 bool accumulate) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * ldb), b1 = (__m512bh)_mm512_loadu_si512(b + p * ldb + 16);
+    for (int r = 0; r < R; ++r) {
+      Pair pair;
+      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
+}
+
+template <int R>  // R rows by 16 columns (an N that is an odd multiple of 16)
+inline void rows16(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t K,
+                   bool accumulate) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * ldb);
+    for (int r = 0; r < R; ++r) {
+      Pair pair;
+      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), b0);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * ldc, acc[r]);
+}
+
+void gemm(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t M, int64_t N,
+          int64_t K, bool accumulate) {
+  for (int64_t m = 0; m < M; m += 8)  // M is a multiple of 16
+    for (int64_t n = 0; n < N; n += 32) {
+      if (n + 32 <= N) rows<8>(a + m * lda, lda, b + n, ldb, c + m * ldc + n, ldc, K, accumulate);
+      else rows16<8>(a + m * lda, lda, b + n, ldb, c + m * ldc + n, ldc, K, accumulate);
+    }
+}
+#endif
+
+// rows x[r] (n rows of d values, ld apart) as pairs along the values: out[i * n + r] = (x[r][2i], x[r][2i + 1]):
+// the B operand of a product over d (S = Q K^T: B = K^T)
+void pairs_across(const uint16_t* x, int64_t ld, int64_t n, int64_t d, Pair* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const Pair* row = reinterpret_cast<const Pair*>(x + r * ld);
+    for (int64_t i = 0; i < d / 2; ++i) out[i * n + r] = row[i];
+  }
+}
+
+// rows x[r] (n rows of d values, ld apart; fp32 ones rounded to bf16) as pairs of rows: out[p * d + j] =
+// (x[2p][j], x[2p + 1][j]): the B operand of a product over the rows (dQ = dS K: B = K; dV^T = dO^T P: B = P)
+inline uint16_t bits(uint16_t v) { return v; }
+inline uint16_t bits(float v) { return bf16_bits(v); }
+
+template <typename T>
+void pairs_down(const T* x, int64_t ld, int64_t n, int64_t d, Pair* out) {
+  for (int64_t p = 0; p < n / 2; ++p) {
+    const T* r0 = x + 2 * p * ld;
+    const T* r1 = r0 + ld;
+    Pair* o = out + p * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) o[j] = static_cast<Pair>(bits(r0[j])) | (static_cast<Pair>(bits(r1[j])) << 16);
+  }
+}
+
+// rows x[r] (n rows of d values, ld apart) transposed: out[j * n + r] = x[r][j]
+void transposed(const uint16_t* x, int64_t ld, int64_t n, int64_t d, uint16_t* out) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < d; ++j) out[j * n + r] = x[r * ld + j];
+}
+
+struct View {  // a (B, H, T, D) tensor's data and strides, D contiguous
+  const uint16_t* data;
+  int64_t sb, sh, st;
+  const uint16_t* row(int64_t b, int64_t h, int64_t t) const { return data + b * sb + h * sh + t * st; }
+};
+
+View view_of(const at::Tensor& x) {
+  return {reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), x.stride(1), x.stride(2)};
+}
+
+// a thread's buffers, kept between calls (no page faults for fresh memory each call)
+struct Scratch {
+  std::vector<Pair> kt, vt, kd, pp, sp;
+  std::vector<float> dkt, dvt, S, dP, dq;
+  std::vector<uint16_t> qt, ot, ds;
+  void size(int64_t T, int64_t D) {
+    kt.resize(D / 2 * T), vt.resize(D / 2 * T), kd.resize(T / 2 * D);
+    pp.resize(kBlock / 2 * T), sp.resize(kBlock / 2 * T);
+    dkt.resize(D * T), dvt.resize(D * T), S.resize(kBlock * T), dP.resize(kBlock * T), dq.resize(kBlock * D);
+    qt.resize(D * T), ot.resize(D * T), ds.resize(kBlock * T);
+  }
+};
+
+// P and scale * P * (dP - delta) of one block of queries, in place of S and dP: rows i (query r0 + i) over `keys`
+// keys, zero past the query (causal)
+void softmax_grads(float* S, float* dP, int64_t keys, int64_t r0, const float* lse, int64_t lse_stride,
+                   const float* delta, float scale) {
+  using simd::Vec;
+  Vec lane;
+  for (int j = 0; j < simd::kLanes; ++j) lane[j] = static_cast<float>(j);
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float l = lse[(r0 + i) * lse_stride], t = static_cast<float>(r0 + i);
+    float* srow = S + i * keys;
+    float* grow = dP + i * keys;
+    for (int64_t c = 0; c < keys; c += simd::kLanes) {  // keys is a multiple of 32
+      const Vec seen = lane + static_cast<float>(c) <= t ? simd::splat(1.0f) : simd::splat(0.0f);
+      const Vec p = simd::exp_vec(simd::load(srow + c) * scale - l) * seen;
+      simd::store(srow + c, p);
+      simd::store(grow + c, p * (simd::load(grow + c) - delta[i]) * scale);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale) {
+  for (const at::Tensor* t : {&grad_out, &q, &k, &v, &out})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->stride(3) == 1,
+                "causal_attention_backward: bf16 CPU tensors (B, H, T, D) with D contiguous");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(2) == T && k.size(3) == D && Hkv > 0 &&
+                  H % Hkv == 0 && grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(),
+              "causal_attention_backward: queries (B, H, T, D), keys and values (B, Hkv, T, D) with Hkv dividing H");
+  TORCH_CHECK(T % kBlock == 0 && D % kBlock == 0, "causal_attention_backward: T and D must be multiples of 32");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({B, H, T}),
+              "causal_attention_backward: lse (B, H, T) fp32");
+  const View Q = view_of(q), K = view_of(k), V = view_of(v), O = view_of(out), dO = view_of(grad_out);
+  const float* L = lse.data_ptr<float>();
+  at::Tensor dq = at::empty({B, H, T, D}, q.options()), dk = at::empty({B, Hkv, T, D}, q.options());
+  at::Tensor dv = at::empty({B, Hkv, T, D}, q.options());
+  auto* dq_out = reinterpret_cast<uint16_t*>(dq.data_ptr<at::BFloat16>());
+  auto* dk_out = reinterpret_cast<uint16_t*>(dk.data_ptr<at::BFloat16>());
+  auto* dv_out = reinterpret_cast<uint16_t*>(dv.data_ptr<at::BFloat16>());
+  const float s = static_cast<float>(scale);
+  const int64_t group = H / Hkv;
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t first, int64_t last) {
+    thread_local Scratch w;
+    w.size(T, D);
+    float delta[kBlock];
+#if defined(GPTLAB_AMX)
+    amx_tiles::configure();
+#endif
+    for (int64_t unit = first; unit < last; ++unit) {
+      const int64_t b = unit / Hkv, hk = unit % Hkv;
+      pairs_across(K.row(b, hk, 0), K.st, T, D, w.kt.data());
+      pairs_across(V.row(b, hk, 0), V.st, T, D, w.vt.data());
+      pairs_down(K.row(b, hk, 0), K.st, T, D, w.kd.data());
+      std::fill(w.dkt.begin(), w.dkt.end(), 0.0f);  // dK^T and dV^T (D x T): the products' natural layout here
+      std::fill(w.dvt.begin(), w.dvt.end(), 0.0f);
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        transposed(Q.row(b, h, 0), Q.st, T, D, w.qt.data());  // Q^T, dO^T: the A operands of dK^T, dV^T
+        transposed(dO.row(b, h, 0), dO.st, T, D, w.ot.data());
+        const float* lse_h = L + b * lse.stride(0) + h * lse.stride(1);
+        for (int64_t r0 = 0; r0 < T; r0 += kBlock) {
+          const int64_t keys = r0 + kBlock;  // causal: the block's queries see keys [0, r0 + 32)
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const uint16_t* g = dO.row(b, h, r0 + i);
+            const uint16_t* o = O.row(b, h, r0 + i);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < D; ++j) sum += widen(g[j]) * widen(o[j]);
+            delta[i] = sum;
+          }
+          gemm(Q.row(b, h, r0), Q.st, w.kt.data(), T, w.S.data(), keys, kBlock, keys, D, false);    // Q K^T
+          gemm(dO.row(b, h, r0), dO.st, w.vt.data(), T, w.dP.data(), keys, kBlock, keys, D, false);  // dO V^T
+          softmax_grads(w.S.data(), w.dP.data(), keys, r0, lse_h, lse.stride(2), delta, s);          // P, dS
+          pairs_down(w.S.data(), keys, kBlock, keys, w.pp.data());
+          pairs_down(w.dP.data(), keys, kBlock, keys, w.sp.data());
+          gemm(w.ot.data() + r0, T, w.pp.data(), keys, w.dvt.data(), T, D, keys, kBlock, true);  // dV^T += dO^T P
+          gemm(w.qt.data() + r0, T, w.sp.data(), keys, w.dkt.data(), T, D, keys, kBlock, true);  // dK^T += Q^T dS
+          for (int64_t i = 0; i < kBlock; ++i) simd::narrow(w.dP.data() + i * keys,
+                                                            reinterpret_cast<at::BFloat16*>(w.ds.data()) + i * keys,
+                                                            keys);
+          gemm(w.ds.data(), keys, w.kd.data(), D, w.dq.data(), D, kBlock, D, keys, false);  // dQ = dS K
+          simd::narrow(w.dq.data(), reinterpret_cast<at::BFloat16*>(dq_out) + ((b * H + h) * T + r0) * D,
+                       kBlock * D);
+        }
+      }
+      uint16_t* dk_rows = dk_out + (b * Hkv + hk) * T * D;
+      uint16_t* dv_rows = dv_out + (b * Hkv + hk) * T * D;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < D; ++j) {
+          dk_rows[t * D + j] = bf16_bits(w.dkt[j * T + t]);
+          dv_rows[t * D + j] = bf16_bits(w.dvt[j * T + t]);
+        }
+    }
+#if defined(GPTLAB_AMX)
+    _tile_release();
+#endif
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace GPTLAB_NS
+
+GPTLAB_LIBRARY_FRAGMENT(GPTLAB_NS, m) {
+  m.def("causal_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "float scale) -> (Tensor, Tensor, Tensor)");
+  m.impl("causal_attention_backward",
+         torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(GPTLAB_NS::causal_attention_backward)));
+}
+
+#endif  // GPTLAB_AVX512
