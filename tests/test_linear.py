@@ -88,3 +88,15 @@ def test_the_models_linears_are_plain_for_quantization_and_packing() -> None:
 
     assert linear.plain_linear(linear.Linear(4, 4)) and linear.plain_linear(nn.Linear(4, 4))
     assert not linear.plain_linear(Adapted(4, 4))
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 100), cols=st.integers(1, 100), bf16=st.booleans())
+def test_every_builds_transpose_is_torchs(build_name: str, rows: int, cols: int, bf16: bool) -> None:
+    """The blocked transpose that lays a transposed product back: x.t().contiguous() exactly, for any shape (whole
+    blocks of 32 and the ragged edges)."""
+    from gptlab.kernels import kernel_builds
+
+    x = torch.randn(rows, cols).to(torch.bfloat16 if bf16 else torch.float32)
+    y = kernel_builds()[build_name].transpose_copy(x)
+    assert y.is_contiguous() and torch.equal(y, x.t().contiguous())

@@ -73,13 +73,13 @@ double sum_squares(const std::vector<at::Tensor>& tensors) {
         const T* x = tensors[k.tensor].data_ptr<T>();
         double total = 0.0;
         int64_t i = k.begin;
-        for (; i + 16 * kLanes <= k.end;) {  // fp32 lanes over blocks of 16 vectors, fp64 across blocks
-          Vec acc = splat(0.0f);
+        for (; i + 16 * kLanes <= k.end;) {  // fp32 lanes over blocks of 16 vectors (four chains), fp64 across
+          Vec acc[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
           for (int r = 0; r < 16; ++r, i += kLanes) {
             const Vec v = load(x + i);
-            acc += v * v;
+            acc[r % 4] += v * v;
           }
-          for (int j = 0; j < kLanes; ++j) total += acc[j];
+          total += simd::lane_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
         }
         for (; i < k.end; ++i) {
           const double v = static_cast<float>(x[i]);
