@@ -47,8 +47,9 @@ def plain_linear(module: nn.Module) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; in training on a CPU, each product in the orientation measured faster here (module docstring)."""
-    if not _oriented(x, weight):
+    """F.linear; in training on a CPU, each product in the orientation measured faster here (module docstring).
+    Products too small to matter keep F.linear (an autograd Function's Python costs ~50 us a call)."""
+    if x.numel() * weight.shape[0] < _MIN_PRODUCT or not _oriented(x, weight):
         return F.linear(x, weight, bias)
     return _OrientedLinear.apply(x, weight, bias)
 

@@ -26,7 +26,8 @@ def test_oriented_products_are_f_linear(transposed: bool, rows: int, k: int, n: 
     """In either orientation for every product (whatever this machine would choose), the output and the gradients
     of x, the weight (unless frozen, as under LoRA) and the bias against F.linear's autograd: fp32 within rounding
     of a reordered sum, bf16 within bf16's rounding."""
-    with mock.patch.object(linear, "transposed_is_faster", lambda a, b, role: transposed):
+    with (mock.patch.object(linear, "transposed_is_faster", lambda a, b, role: transposed),
+          mock.patch.object(linear, "_MIN_PRODUCT", 0)):
         _against_f_linear(rows, k, n, bias, frozen, bf16, seed)
 
 
@@ -42,6 +43,7 @@ def _against_f_linear(rows: int, k: int, n: int, bias: bool, frozen: bool, bf16:
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_(not frozen)
         bs = None if b is None else b.clone().requires_grad_()
         y = run(xs, ws, bs)
+        assert ("Oriented" in type(y.grad_fn).__name__) == (run is linear.linear)  # the Function ran
         y.backward(up)
         grads.append([y.detach(), xs.grad, ws.grad, None if bs is None else bs.grad])
     tol = dict(rtol=2e-2, atol=2e-2 * (k**0.5)) if bf16 else dict(rtol=1e-5, atol=1e-5 * k)
