@@ -58,7 +58,10 @@ def _against_f_linear(rows: int, k: int, n: int, bias: bool, frozen: bool, bf16:
 def test_a_choice_is_measured_once_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """Products big enough to matter are timed once; the choice lands in products.json and a later process (a
     fresh memo) reads it instead of timing again. Small products are never timed."""
+    import gptlab.hardware
+
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gptlab.hardware, "busy", lambda: False)  # a busy machine's probe is used, not kept
     monkeypatch.setattr(linear, "_chosen", {})
     monkeypatch.setattr(linear, "_MIN_PRODUCT", 1 << 12)
     timed = []

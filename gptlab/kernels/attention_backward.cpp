@@ -32,17 +32,7 @@ constexpr int64_t kBlock = 32;  // queries per block; head sizes and sequence le
 
 using Pair = uint32_t;  // two bf16 values, the first in the low half: one step of a bf16 dot product
 
-inline uint16_t bf16_bits(float v) {  // rounded to nearest, ties to even (finite values)
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-inline float widen(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
+using simd::bf16_bits;
 
 // C (M x N fp32, ldc apart) (+)= A (M x K bf16, lda apart) times B given as pairs: b[p * ldb + n] holds B's rows
 // 2p and 2p + 1 at column n. M and N are multiples of 16, K of 32.
@@ -160,12 +150,6 @@ void pairs_down(const T* x, int64_t ld, int64_t n, int64_t d, Pair* out) {
   }
 }
 
-// rows x[r] (n rows of d values, ld apart) transposed: out[j * n + r] = x[r][j]
-void transposed(const uint16_t* x, int64_t ld, int64_t n, int64_t d, uint16_t* out) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t j = 0; j < d; ++j) out[j * n + r] = x[r * ld + j];
-}
-
 struct View {  // a (B, H, T, D) tensor's data and strides, D contiguous
   const uint16_t* data;
   int64_t sb, sh, st;
@@ -247,8 +231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
       std::fill(w.dkt.begin(), w.dkt.end(), 0.0f);  // dK^T and dV^T (D x T): the products' natural layout here
       std::fill(w.dvt.begin(), w.dvt.end(), 0.0f);
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        transposed(Q.row(b, h, 0), Q.st, T, D, w.qt.data());  // Q^T, dO^T: the A operands of dK^T, dV^T
-        transposed(dO.row(b, h, 0), dO.st, T, D, w.ot.data());
+        simd::transpose(Q.row(b, h, 0), Q.st, T, D, w.qt.data(), T);  // Q^T, dO^T: the A operands of dK^T, dV^T
+        simd::transpose(dO.row(b, h, 0), dO.st, T, D, w.ot.data(), T);
         const float* lse_h = L + b * lse.stride(0) + h * lse.stride(1);
         for (int64_t r0 = 0; r0 < T; r0 += kBlock) {
           const int64_t keys = r0 + kBlock;  // causal: the block's queries see keys [0, r0 + 32)
@@ -257,7 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
             const uint16_t* o = O.row(b, h, r0 + i);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < D; ++j) sum += widen(g[j]) * widen(o[j]);
+            for (int64_t j = 0; j < D; ++j) sum += simd::from_bf16_bits(g[j]) * simd::from_bf16_bits(o[j]);
             delta[i] = sum;
           }
           gemm(Q.row(b, h, r0), Q.st, w.kt.data(), T, w.S.data(), keys, kBlock, keys, D, false);    // Q K^T

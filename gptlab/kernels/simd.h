@@ -1,6 +1,7 @@
 // Whole vector registers of fp32 lanes as GCC vectors, for loops the compiler leaves scalar when written over
 // arrays (bf16 conversions, NaN checks, the exp's integer steps): cross_entropy.cpp's softmax and
-// activations.cpp's GELU. One source for every build: 16 lanes in the AVX-512 builds, 8 in the AVX2 ones.
+// activations.cpp's GELU. One source for every build: 16 lanes in the AVX-512 builds, 8 in the AVX2 ones. Also what
+// the kernels share besides: bf16 to fp32 and back, one value or a row at a time, and a blocked transpose.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -48,25 +49,46 @@ inline void store(at::BFloat16* p, Vec v) {  // rounded to the nearest bf16, tie
   const HVec h = __builtin_convertvector(u, HVec);
   std::memcpy(p, &h, sizeof h);
 }
-// a row of n values to fp32 and back (bf16 rounded to nearest, ties to even), as loops the compiler vectorizes
-// (any n: for rows whose length is no multiple of the lanes)
+// one bf16 value's bits to fp32 (exactly) and one fp32 value to bf16's bits (rounded to nearest, ties to even;
+// finite values)
+inline float from_bf16_bits(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+// a row of n values to fp32 and back, as loops the compiler vectorizes (any n: for rows whose length is no multiple
+// of the lanes)
 inline void widen(const float* p, float* out, int64_t n) { std::memcpy(out, p, n * sizeof(float)); }
 inline void widen(const at::BFloat16* p, float* out, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(p);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(out + i, &u, sizeof u);
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = from_bf16_bits(bits[i]);
 }
 inline void narrow(const float* x, float* out, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
 inline void narrow(const float* x, at::BFloat16* out, int64_t n) {
   uint16_t* bits = reinterpret_cast<uint16_t*>(out);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, x + i, sizeof u);
-    bits[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  for (int64_t i = 0; i < n; ++i) bits[i] = bf16_bits(x[i]);
+}
+
+// x (rows of cols values, ld apart) transposed into out (cols rows of `rows` values, ldo apart), through 32 x 32
+// blocks that stay in the cache: each block's rows are read whole and its output rows written whole
+template <typename T>
+void transpose(const T* x, int64_t ld, int64_t rows, int64_t cols, T* out, int64_t ldo) {
+  constexpr int64_t kTile = 32;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t r1 = r0 + kTile < rows ? r0 + kTile : rows;
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t c1 = c0 + kTile < cols ? c0 + kTile : cols;
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) out[c * ldo + r] = x[r * ld + c];
+    }
   }
 }
 
