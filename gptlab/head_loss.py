@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab.ops import _native_softmax_xent, split_product, split_weight_grad, upcasts
+from gptlab.ops import _native_softmax_xent, logits_gradient, split_product, split_weight_grad, upcasts
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -52,10 +52,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
         if grad_logits is None and grad_losses.stride(0) == 0:  # one scale for every row: a mean or a sum
             scale = grad_losses[0].float()  # applied in fp32 (a bf16 1 / count would be off by up to 2^-9)
             g, h_scaled, after = probs, (h.float() * scale).to(h.dtype), scale
-        else:  # per-row scales, or the logits read elsewhere too: the gradient spelled out
-            g = probs.float().mul_(torch.where(valid, grad_losses.float(), 0.0)[:, None]) if grad_losses is not None \
-                else torch.zeros_like(probs, dtype=torch.float32)
-            g = (g if grad_logits is None else g.add_(grad_logits.float())).to(probs.dtype)
+        else:  # per-row scales, or the logits read elsewhere too: the gradient spelled out, as the unfused path's
+            g = grad_logits if grad_losses is None else logits_gradient(probs, valid, grad_losses)
+            if grad_losses is not None and grad_logits is not None:
+                g = g + grad_logits  # as autograd sums the two there
             h_scaled, after = h, None
         gh = gw = gb = None
         if ctx.needs_input_grad[0]:

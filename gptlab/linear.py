@@ -55,9 +55,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _oriented(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) and x.device.type == "cpu"
-            and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 2
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+    from gptlab.kernels import trains_on_cpu  # the training kernels' gate; the orientation needs no kernel built
+
+    return (x.dtype == weight.dtype and x.dim() >= 2 and not torch.is_autocast_enabled("cpu")
+            and trains_on_cpu(x, weight))
 
 
 class _OrientedLinear(torch.autograd.Function):

@@ -225,15 +225,22 @@ class _CrossEntropy(torch.autograd.Function):
         softmax, valid = ctx.saved_tensors
         if softmax is None:
             raise RuntimeError("cross_entropy was computed without its gradient (grad=False)")
-        if softmax.dtype != torch.float32 and grad.stride(0) == 0:  # one scale for every row (a sum or mean):
-            return softmax * grad[0], None, None  # computed in fp32, rounded once, as below; ignored rows are 0
-        scale = torch.where(valid, grad.float(), 0.0)[:, None]
-        if softmax.dtype == torch.float32:
-            return softmax * scale, None, None
-        out = torch.empty_like(softmax)  # scaled in fp32 chunk by chunk (mixed-dtype products run far slower)
-        for rows in row_chunks(out.shape[0], out.shape[1], out.device):
-            out[rows] = softmax[rows].float().mul_(scale[rows])
-        return out, None, None
+        return logits_gradient(softmax, valid, grad), None, None
+
+
+def logits_gradient(softmax: torch.Tensor, valid: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient from each row's softmax minus its one-hot (as `_CrossEntropy` keeps it) and the
+    per-row losses' incoming gradient `grad`, zero on rows whose target is ignored (not `valid`), in the logits'
+    dtype: each value computed in fp32 and rounded once."""
+    if softmax.dtype != torch.float32 and grad.stride(0) == 0:  # one scale for every row (a sum or mean):
+        return softmax * grad[0]  # computed in fp32, rounded once, as below; ignored rows are 0
+    scale = torch.where(valid, grad.float(), 0.0)[:, None]
+    if softmax.dtype == torch.float32:
+        return softmax * scale
+    out = torch.empty_like(softmax)  # scaled in fp32 chunk by chunk (mixed-dtype products run far slower)
+    for rows in row_chunks(out.shape[0], out.shape[1], out.device):
+        out[rows] = softmax[rows].float().mul_(scale[rows])
+    return out
 
 
 def _chunked_softmax_xent(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,

@@ -217,14 +217,17 @@ def kernel_builds() -> dict[str, Any]:
 
 def training_ops(*tensors: torch.Tensor | None) -> Any | None:
     """`widest_ops()` where gptlab's training kernels (`gptlab.heads`, `gptlab.norms`, `gptlab.ops.gelu`) take these
-    tensors (None entries skipped): all on a CPU in fp32 or bf16, a gradient wanted of one of them, outside
-    torch.compile (which fuses ATen's ops itself); None elsewhere. Inference keeps ATen's ops and their bits."""
+    tensors (`trains_on_cpu`); None elsewhere. Inference keeps ATen's ops and their bits."""
+    return widest_ops() if trains_on_cpu(*tensors) else None
+
+
+def trains_on_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether these tensors (None entries skipped) are in a training step on a CPU: all on a CPU in fp32 or bf16, a
+    gradient wanted of one of them, outside torch.compile (which fuses ATen's ops itself)."""
     present = [t for t in tensors if t is not None]
-    if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or not any(t.requires_grad for t in present)
-            or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16) for t in present)):
-        return None
-    return widest_ops()
+    return not (not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or not any(t.requires_grad for t in present)
+                or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16) for t in present))
 
 
 def widest_ops() -> Any | None:

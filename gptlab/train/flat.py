@@ -37,6 +37,7 @@ class FlatCopy:
         self.working_data = _flatten_into(self.working)
         self.master_grad = torch.zeros_like(self.master_data)
         self._grad_views = _views(self.master_grad, self.masters)
+        self._index = {id(m): i for i, m in enumerate(self.masters)}  # a master's place in the lists
 
     @torch.no_grad()
     def grads_to_masters(self) -> None:
@@ -79,13 +80,12 @@ class FlatCopy:
         ops = _adamw_ops(self.masters, grads)
         if ops is None or not optimizers or not all(_plain_adamw(opt) for opt in optimizers):
             return False
-        index = {id(m): i for i, m in enumerate(self.masters)}
         scale = 1.0
         if max_norm > 0:  # as clip_coefficient, from the bf16 gradients (each exact in fp32)
             scale = min(max_norm / (math.sqrt(ops.sum_squares(grads)) + 1e-6), 1.0)
         for opt in optimizers:
             for group in opt.param_groups:
-                at = [index[id(p)] for p in group["params"]]
+                at = [self._index[id(p)] for p in group["params"]]
                 states = [_adamw_state(opt, p) for p in group["params"]]
                 beta1, beta2 = group["betas"]
                 ops.adamw_working([self.masters[i] for i in at], [grads[i] for i in at],
