@@ -48,13 +48,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return _CausalAttention.apply(q, k, v, scale, ops)
 
 
+def serves(head_size: int, seq_len: int) -> bool:
+    """Whether bf16 training attention over sequences of `seq_len` with heads of `head_size` runs gptlab's backward
+    on this CPU (its kernels built, with bf16 dot products): the trainer's choice of attention's dtype asks."""
+    return head_size % 32 == 0 and seq_len % 32 == 0 and _bf16_dot_ops() is not None
+
+
+def _bf16_dot_ops() -> Any | None:
+    from gptlab.kernels import amx_ops, avx512_ops
+
+    return amx_ops() or avx512_ops()
+
+
 def _ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
     B, nh, T, hs = q.shape
     if (T % 32 or hs % 32 or k.shape != v.shape or k.shape[2] != T or nh % k.shape[1]
             or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (q, k, v))):
         return None
-    from gptlab.kernels import amx_ops, avx512_ops, training_ops
+    from gptlab.kernels import training_ops
 
     if training_ops(q, k, v) is None:  # a CPU, a gradient wanted, not compiling, the kernels built
         return None
-    return amx_ops() or avx512_ops()
+    return _bf16_dot_ops()

@@ -147,5 +147,27 @@ def test_it_serves_only_bf16_training_in_whole_blocks() -> None:
         assert causal_attention.attention(*qkv(), 0.2) is None
     q, k, v = qkv()
     y = causal_attention.attention(q, k, v, 0.2)
+    # what the trainer asks before choosing bf16 attention for narrow heads says the same as what runs
+    assert causal_attention.serves(32, 64) is (y is not None)
+    assert not causal_attention.serves(48, 64) and not causal_attention.serves(32, 48)
     if y is not None:  # where the kernels have bf16 dot products: PyTorch's forward, to the bit
         assert torch.equal(y, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2))
+
+
+def test_the_trainer_runs_narrow_heads_in_bf16_where_the_kernel_serves_them(tmp_path) -> None:  # noqa: ANN001
+    """A bf16 character model with 32-wide heads (the speedrun's): attention in bf16 where gptlab's backward serves
+    those heads on this CPU (1.4-1.7x fp32 flash attention there), else in fp32; a recipe's explicit choice stays."""
+    from helpers import make_data, write_recipe
+
+    from gptlab.train import Trainer
+    from gptlab.train.recipe import load_train_config
+
+    data = make_data(tmp_path / "data", chars=20_000)
+    for choice, want in (("auto", not causal_attention.serves(32, 64)), (True, True)):
+        recipe = write_recipe(tmp_path, name=f"{choice}.toml", n_embd=64, n_head=2, block_size=64,
+                              dtype="bfloat16", attention_fp32=choice, eval_interval=0)
+        trainer = Trainer(load_train_config(recipe), data, tmp_path / f"run-{choice}", quiet=True)
+        try:
+            assert trainer.cfg.attention_fp32 is want
+        finally:
+            trainer.release()

@@ -102,6 +102,10 @@ def test_cpu_attention_runs_in_bf16_from_head_size_64_and_a_resume_keeps_its_cho
     assert resolve_device_switches(gpt2, "cpu").attention_fp32 is False
     assert resolve_device_switches(char, "cpu").attention_fp32 is True
     assert resolve_device_switches(char, "cpu", head_size=BF16_ATTENTION_MIN_HEAD).attention_fp32 is False
+    # where gptlab's bf16 attention backward serves the narrow heads (the trainer asks causal_attention.serves)
+    assert resolve_device_switches(char, "cpu", narrow_heads_bf16=True).attention_fp32 is False
+    assert resolve_device_switches(char, "cpu", saved={"attention_fp32": True},
+                                   narrow_heads_bf16=True).attention_fp32 is True
     assert resolve_device_switches(gpt2, "cpu", head_size=BF16_ATTENTION_MIN_HEAD - 1).attention_fp32 is True
     assert resolve_device_switches(gpt2, "cpu", saved={"attention_fp32": True}).attention_fp32 is True
     assert resolve_device_switches(gpt2, "cuda", saved={}).attention_fp32 is False

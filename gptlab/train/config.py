@@ -259,24 +259,28 @@ def validate(cfg: TrainConfig) -> None:
     cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read
 
 
-# the narrowest head whose attention runs faster in bf16 than in fp32 on a CPU (flash attention forward + backward,
-# the fp32 path's casts included, measured by process time: 0.6-0.7x at head sizes 32 and 48, 1.3-1.7x at 64 and 128)
+# the narrowest head whose attention runs faster in bf16 than in fp32 on a CPU through PyTorch's flash attention
+# (forward + backward, the fp32 path's casts included, measured by process time: 0.6-0.7x at head sizes 32 and 48,
+# 1.3-1.7x at 64 and 128). gptlab's own bf16 backward (`gptlab.causal_attention`) is faster than fp32 flash at 32
+# too: 1.4x (AVX512-BF16) and 1.7x (AMX) at 32 x 2 heads x 64 x 32 on an AMX Xeon, forward included.
 BF16_ATTENTION_MIN_HEAD = 64
 
 
 def resolve_device_switches(cfg: TrainConfig, device_type: str, head_size: int | None = None,
-                            saved: dict[str, Any] | None = None) -> TrainConfig:
+                            saved: dict[str, Any] | None = None, narrow_heads_bf16: bool = False) -> TrainConfig:
     """The recipe with its "auto" switches decided for a device type ("cpu", "cuda", ...), as the run records
     them: attention in fp32 on a CPU for heads narrower than `BF16_ATTENTION_MIN_HEAD` (`head_size`: the model's,
-    init_from's, by default the recipe's preset's; a resumed run keeps its `saved` config's choice, so that it
-    resumes exactly); torch.compile on CUDA, and not on a CPU where `autotune` left it undecided (a short run, or
-    several processes)."""
+    init_from's, by default the recipe's preset's), unless `narrow_heads_bf16` (the caller found gptlab's bf16
+    attention backward serving this model's heads on this CPU); a resumed run keeps its `saved` config's choice,
+    so that it resumes exactly. torch.compile on CUDA, and not on a CPU where `autotune` left it undecided (a short
+    run, or several processes)."""
     on_gpu = device_type == "cuda"
     attention_fp32 = cfg.attention_fp32
     if attention_fp32 == "auto" and saved is not None and isinstance(saved.get("attention_fp32"), bool):
         attention_fp32 = saved["attention_fp32"]
     elif attention_fp32 == "auto":
-        attention_fp32 = not on_gpu and (head_size or cfg.model_config().head_size) < BF16_ATTENTION_MIN_HEAD
+        narrow = (head_size or cfg.model_config().head_size) < BF16_ATTENTION_MIN_HEAD and not narrow_heads_bf16
+        attention_fp32 = not on_gpu and narrow
     return dataclasses.replace(
         cfg, attention_fp32=attention_fp32,
         compile=on_gpu if cfg.compile == "auto" else cfg.compile)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gptlab import causal_attention
 from gptlab import checkpoint as ckpt
 from gptlab.data import check_split_fits, read_meta
 from gptlab.errors import GptlabError
@@ -129,9 +130,13 @@ class Trainer:
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         self.benchmarks = Benchmarks(cfg, self.data_dir, lm_eval_tasks, self.fsdp) if cfg.eval_tasks else None
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir, sharded=self.fsdp)
-        # attention's dtype follows the model's head size (init_from's model, not the recipe's preset)
-        cfg = self.cfg = resolve_device_switches(cfg, torch.device(device).type, self.model.config.head_size,
-                                                 saved)
+        # attention's dtype follows the model's head size (init_from's model, not the recipe's preset) and whether
+        # gptlab's bf16 attention backward serves it here
+        model_cfg, device_type = self.model.config, torch.device(device).type
+        narrow_bf16 = (device_type == "cpu" and cfg.dtype == "bfloat16" and cfg.attention_fp32 == "auto"
+                       and causal_attention.serves(model_cfg.head_size,
+                                                   sequence_length(self.data_dir, model_cfg.block_size)))
+        cfg = self.cfg = resolve_device_switches(cfg, device_type, model_cfg.head_size, saved, narrow_bf16)
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False,
