@@ -16,7 +16,8 @@ backward and adds its rows into it: one V x C gradient, made once.
 The logits are still returned (the model's output has them) and stay differentiable: a caller whose loss also
 reads them gets their gradient added in, through the plain path. Used where `ops.cross_entropy`'s C++ kernel runs
 in training (an x86 CPU, fp32 or bf16 logits, outside torch.compile), for a plain nn.Linear head computed in its
-own dtype; the model takes its unfused path elsewhere (hooks on the logits, a soft-cap, a quantized head).
+own dtype, soft-capped or not (the cap's derivative, 1 - tanh^2, kept from the forward, multiplies the logits'
+gradient once); the model takes its unfused path elsewhere (hooks on the logits, a quantized head).
 """
 
 from __future__ import annotations
@@ -36,19 +37,23 @@ class _HeadCrossEntropy(torch.autograd.Function):
     for backward in the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, xent, tied):  # noqa: ANN001, ANN205
+    def forward(ctx, h, weight, bias, targets, xent, tied, cap):  # noqa: ANN001, ANN205
         logits = split_product(h, weight, bias)
+        slope = None
+        if cap is not None:  # the model's soft-cap, its ops as the unfused path runs them (the same bits)
+            t = torch.tanh(logits / cap)
+            logits, slope = cap * t, 1 - t.square()  # d(capped) / d(raw) = 1 - tanh^2
         losses, probs = xent(logits, targets, True)
-        ctx.save_for_backward(h, weight, probs, targets != -1)
+        ctx.save_for_backward(h, weight, probs, targets != -1, slope)
         ctx.has_bias, ctx.tied = bias is not None, tied
         ctx.set_materialize_grads(False)
         return logits, losses
 
     @staticmethod
     def backward(ctx, grad_logits, grad_losses):  # noqa: ANN001, ANN205
-        h, weight, probs, valid = ctx.saved_tensors
+        h, weight, probs, valid, slope = ctx.saved_tensors
         if grad_losses is None and grad_logits is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         if grad_logits is None and grad_losses.stride(0) == 0:  # one scale for every row: a mean or a sum
             scale = grad_losses[0].float()  # applied in fp32 (a bf16 1 / count would be off by up to 2^-9)
             g, h_scaled, after = probs, (h.float() * scale).to(h.dtype), scale
@@ -57,6 +62,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
             if grad_losses is not None and grad_logits is not None:
                 g = g + grad_logits  # as autograd sums the two there
             h_scaled, after = h, None
+        if slope is not None:  # through the soft-cap: the raw logits' gradient
+            g = g * slope
         gh = gw = gb = None
         if ctx.needs_input_grad[0]:
             gh = g @ weight
@@ -67,7 +74,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             gb = g.sum(0) if after is None else g.sum(0).mul_(after)
         if ctx.tied is not None and gw is not None:  # handed on to the token lookup's node, which returns it
             ctx.tied.grad, gw = gw, None
-        return gh, gw, gb, None, None, None
+        return gh, gw, gb, None, None, None, None
 
 
 class TiedGradient:
@@ -125,16 +132,18 @@ def tied_embedding(idx: torch.Tensor, weight: torch.Tensor, tied: TiedGradient |
 
 
 def head_cross_entropy(h: torch.Tensor, head: nn.Module, targets: torch.Tensor,
-                       tied: TiedGradient | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       tied: TiedGradient | None = None, softcap: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(logits (B, T, V), per-token losses (B * T,)) of final hidden states h (B, T, C) through `head` against
     targets (B, T) in one autograd node (module docstring), or None where it does not apply. `tied`: the one the
-    token lookup of this forward went through (`tied_embedding`), for a head that shares its weight."""
+    token lookup of this forward went through (`tied_embedding`), for a head that shares its weight. `softcap`:
+    the logits are softcap * tanh(raw / softcap) (Gemma 2's, the speedrun's), as `GPT.softcap_logits` makes them."""
     xent = _xent(h, head)
     if xent is None:
         return None
     B, T, C = h.shape
     logits, losses = _HeadCrossEntropy.apply(h.reshape(B * T, C), head.weight, head.bias, targets.reshape(-1).long(),
-                                             xent, tied)
+                                             xent, tied, softcap)
     return logits.view(B, T, -1), losses
 
 

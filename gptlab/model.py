@@ -246,7 +246,7 @@ class GPT(nn.Module):
             on_device = assert_in_range_on_device(targets, -1, self.config.vocab_size, message)
             if not on_device and targets.device.type == "cpu":
                 self.check_targets(targets)
-        fusable = targets is not None and self.hooks is None and self.config.logit_softcap is None
+        fusable = targets is not None and self.hooks is None
         tied = tied_gradient(self.transformer.wte, self.lm_head) if fusable else None
         h = self.hidden_states(idx, kv_cache=kv_cache, check_ids=check_ids, documents=documents, tied=tied)
         loss = None
@@ -255,7 +255,8 @@ class GPT(nn.Module):
         else:  # the loss's LM head through fp32 where this CPU lacks bf16 matmuls (`linear`); generation's
             # (`logits`) stays the module's own forward, which packed inference weights replace
             head = self.lm_head  # a quantized head (not an nn.Linear) runs its own forward
-            fused = head_cross_entropy(h, head, targets, tied) if fusable else None  # one node on a CPU
+            fused = (head_cross_entropy(h, head, targets, tied, self.config.logit_softcap) if fusable
+                     else None)  # one node on a CPU
             if fused is not None:
                 logits, losses = fused
                 loss = reduce_losses(losses, targets.flatten(), reduction)
