@@ -55,9 +55,9 @@ def serves(head_size: int, seq_len: int) -> bool:
 
 
 def _bf16_dot_ops() -> Any | None:
-    from gptlab.kernels import amx_ops, avx512_ops
+    from gptlab.kernels import bf16_dot_ops
 
-    return amx_ops() or avx512_ops()
+    return bf16_dot_ops()
 
 
 def _ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:

@@ -11,9 +11,12 @@ cut from its projection, cast, QK-normalized and rotated, and the gradient of th
 (`gptlab.heads`). `norms.cpp`: LayerNorm and RMSNorm forward and backward in training (`gptlab.norms`).
 `adamw.cpp`: AdamW's step from bf16 working gradients into the fp32 masters and back into the working weights in
 one pass (`gptlab.train.flat`). `dequantize_int4.cpp`: QLoRA's int4 base weight unpacked straight into fp32/bf16
-blocks (`gptlab.qlora`). All are built into one library (`linear_avx2.h` is what
-they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels, `exp_fast.h` the
-vectorizable exp, `simd.h` whole vectors of fp32 lanes for the loss's and GELU's loops).
+blocks (`gptlab.qlora`). In the AVX-512 builds only: `attention_backward.cpp` (causal attention's backward in bf16
+training, `gptlab.causal_attention`) and `newton_schulz.cpp` (Muon's Newton-Schulz over a stack of small
+matrices, `gptlab.train.muon`), both on `bf16_products.h`'s products on bf16 dot products. All are built into one
+library (`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4
+micro-kernels, `exp_fast.h` the vectorizable exp, `simd.h` whole vectors of fp32 lanes for the loss's and GELU's
+loops).
 
 The sources are built up to four times, one library each (`kernel_builds()` lists those this machine runs):
 `avx2_ops()` (AVX2 + FMA, torch.ops.gptlab_avx2), `avxvnni_ops()` (the same with AVX-VNNI's 256-bit byte dot
@@ -54,7 +57,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "packing.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp",
            HERE / "dequantize_int4.cpp", HERE / "activations.cpp", HERE / "split_heads.cpp",
            HERE / "norms.cpp", HERE / "adamw.cpp", HERE / "attention_backward.cpp",
-           HERE / "transpose.cpp"]
+           HERE / "transpose.cpp", HERE / "newton_schulz.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)
@@ -228,6 +231,12 @@ def trains_on_cpu(*tensors: torch.Tensor | None) -> bool:
     return not (not torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or not any(t.requires_grad for t in present)
                 or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16) for t in present))
+
+
+def bf16_dot_ops() -> Any | None:
+    """The build whose training products run on the CPU's bf16 dot products (`attention_backward.cpp`,
+    `newton_schulz.cpp`): the AMX build's tiles, else the AVX-512 build's AVX512-BF16; None without either."""
+    return amx_ops() or avx512_ops()
 
 
 def widest_ops() -> Any | None:
