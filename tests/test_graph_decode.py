@@ -102,7 +102,9 @@ def test_the_compiled_fixed_shape_step_picks_the_same_tokens() -> None:
     assert _greedy(compiled, prompts, 10) == _greedy(Engine(model, 2, static_decode=False), prompts, 10)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+# int4 takes ~80 s of compiling on a 2-core CPU (the default suite's longest test) for the mechanism int8 covers:
+# it runs with `pytest -m slow`
+@pytest.mark.parametrize("mode", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
 def test_the_compiled_step_of_a_quantized_model_is_one_graph(mode: str) -> None:
     """Quantized layers choose their kernel and copy their weights on first use: the step runs once uncompiled
     first, so torch.compile traces it whole (through gptlab's C++ kernel too, where it runs them) instead of
