@@ -376,7 +376,7 @@ def main() -> None:
     RAISE_SERVERS = clients_raised()
     if not priority_available():
         print("note: not root, the clients and servers run at normal priority (expect more noise)")
-    elif not clients_raised():
+    elif not RAISE_SERVERS:
         print("note: the clients and servers run at normal priority, the clients' (expect more noise; for less run "
               "this in a session of its own at raised priority: setsid sh -c 'echo -20 > /proc/self/autogroup; exec "
               "python benchmarks/serve_load.py ...')")

@@ -62,11 +62,11 @@ def _bf16_dot_ops() -> Any | None:
 
 def _ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
     B, nh, T, hs = q.shape
-    if (T % 32 or hs % 32 or k.shape != v.shape or k.shape[2] != T or nh % k.shape[1]
+    if (k.shape != v.shape or k.shape[2] != T or nh % k.shape[1]
             or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (q, k, v))):
         return None
-    from gptlab.kernels import training_ops
+    from gptlab.kernels import trains_on_cpu
 
-    if training_ops(q, k, v) is None:  # a CPU, a gradient wanted, not compiling, the kernels built
+    if not trains_on_cpu(q, k, v) or not serves(hs, T):  # a CPU, a gradient wanted, not compiling; the kernels
         return None
     return _bf16_dot_ops()

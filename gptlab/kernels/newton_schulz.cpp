@@ -69,7 +69,7 @@ at::Tensor newton_schulz(const at::Tensor& x, int64_t steps, double a, double b,
       for (int64_t step = 0; step < steps; ++step) {
         pairs_across(w.x.data(), C, R, C, w.xt.data());
         gemm(w.x.data(), C, w.xt.data(), R, w.sums.data(), R, R, R, C, false);  // G = X X^T
-        for (int64_t i = 0; i < R * R; ++i) w.gram[i] = bf16_bits(w.sums[i]);
+        simd::narrow(w.sums.data(), reinterpret_cast<at::BFloat16*>(w.gram.data()), R * R);
         pairs_down(w.gram.data(), R, R, R, w.gram_pairs.data());
         gemm(w.gram.data(), R, w.gram_pairs.data(), R, w.sums.data(), R, R, R, R, false);  // G G
 #pragma omp simd

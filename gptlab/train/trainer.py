@@ -130,18 +130,17 @@ class Trainer:
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         self.benchmarks = Benchmarks(cfg, self.data_dir, lm_eval_tasks, self.fsdp) if cfg.eval_tasks else None
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir, sharded=self.fsdp)
+        self.train_data, self.seq_len = load_train_data(self.sources, self.model.config.block_size)
         # attention's dtype follows the model's head size (init_from's model, not the recipe's preset) and whether
-        # gptlab's bf16 attention backward serves it here
+        # gptlab's bf16 attention backward serves those heads at the rows' length here
         model_cfg, device_type = self.model.config, torch.device(device).type
         narrow_bf16 = (device_type == "cpu" and cfg.dtype == "bfloat16" and cfg.attention_fp32 == "auto"
-                       and causal_attention.serves(model_cfg.head_size,
-                                                   sequence_length(self.data_dir, model_cfg.block_size)))
+                       and causal_attention.serves(model_cfg.head_size, self.seq_len))
         cfg = self.cfg = resolve_device_switches(cfg, device_type, model_cfg.head_size, saved, narrow_bf16)
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False,
                               quiet=quiet or not self.procs.is_master)
-        self.train_data, self.seq_len = load_train_data(self.sources, self.model.config.block_size)
         check_split_fits(self.data_dir, "val", self.seq_len)
         self.val_data = TokenSplit.load(self.data_dir, "val")
         # the tokens of a step's windows (a preference pair is two; its rows run only to the batch's longest reply)
