@@ -2,8 +2,10 @@
 AVX2 + AVX-VNNI, AVX-512, AMX; a build that is absent here is skipped): each against float64 matmuls (int4: against
 llama.cpp's q8_0 rounding of the activations computed here from the maths), and the builds against each other on
 the same packed weights (one layout: int8/int4 to the bit, bf16/fp32 within fp32 rounding). The AMX build's tiles
-(products of TILE_ROWS rows or more) multiply x in bf16 by the weights widened to bf16: they are checked against
-that product.
+(products of TILE_ROWS rows or more) multiply x in bf16 by bf16 and int4 weights widened to bf16: they are checked
+against that product; int8 weights on its byte products keep the other builds' 16-bit fixed-point x, their integer
+sums exact to the end: checked against that from the maths, and against the other builds to the bit where those
+sum in one block.
 
 Tolerances: the kernel accumulates in fp32 and rounds once, so fp32 outputs are within ~1e-5 of float64 (relative
 to the largest output) and bf16 ones within one bf16 rounding (2**-8 relative)."""
@@ -22,17 +24,22 @@ from gptlab.kernels import avx512_ops, cpu_has_avx512, kernel_builds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BUILDS = ["avx2", "avxvnni", "avx512", "amx"]
-# the AMX build's tiles take products of this many rows of bf16 x or more, by the weight's kind (amx_tiles.h)
-TILE_ROWS = {"bfloat16": 8, "int8": 12, "int4": 24}
+# the AMX build's tiles take products of this many rows of x or more, by the weight's kind (amx_tiles.h)
+TILE_ROWS = {"bfloat16": 8, "int8": 6, "int4": 24}
 
 
-def tiles(ops, x: torch.Tensor, mode: str) -> bool:  # noqa: ANN001
-    """Whether `ops` runs the product of x with a `mode` weight on AMX tiles (the AMX build, enough rows of x in
-    bf16, or in fp32 for integer weights, whole tile steps of 32 inputs): then the weight is widened to bf16 and x
-    rounded to bf16 (amx_tiles.h)."""
+def on_tiles(ops, x: torch.Tensor, mode: str) -> bool:  # noqa: ANN001
+    """Whether `ops` runs the product of x with a `mode` weight on AMX tiles: the AMX build, enough rows of x (in
+    bf16, or in fp32 for integer weights), whole tile steps of 32 inputs."""
     x = x.reshape(-1, x.shape[-1])
     return (ops is kernel_builds().get("amx") and (x.dtype == torch.bfloat16 or mode != "bfloat16")
             and x.shape[0] >= TILE_ROWS[mode] and x.shape[1] % 32 == 0)
+
+
+def tiles(ops, x: torch.Tensor, mode: str) -> bool:  # noqa: ANN001
+    """Whether the product runs on the tiles' bf16 dot products: the weight widened to bf16 and x rounded to bf16
+    (bf16 and int4 weights; int8 ones keep the fixed-point numbers of the other kernels: amx_tiles.h)."""
+    return mode != "int8" and on_tiles(ops, x, mode)
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +238,16 @@ def test_builds_give_identical_integer_outputs(two, M: int, N: int, K: int, grou
     K = (K % 12 + 1) * group if mode == "int4" else K * 10
     W, x, b = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g)
     packed, qparams, _ = quantized(mode, W, group, two[0])
-    ys = [ops.linear(x, packed, qparams, b, N) for ops in two if not tiles(ops, x, mode)]
+    ys = [ops.linear(x, packed, qparams, b, N) for ops in two if not on_tiles(ops, x, mode)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])
+    for ops in two:  # the AMX build's int8 tiles: one rounding of the exact sum, the others' one per 512 inputs
+        if mode == "int8" and on_tiles(ops, x, mode):
+            y = ops.linear(x, packed, qparams, b, N)
+            if K <= 512:
+                assert torch.equal(y, ys[0])
+            else:
+                assert torch.allclose(y.float(), ys[0].float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5,
+                                      atol=1e-5 * ys[0].float().abs().max().item())
 
 
 def assert_tiles_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -249,12 +264,12 @@ def assert_tiles_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, 
 
 @settings(max_examples=40, deadline=None)
 @given(M=st.integers(0, 62), N=st.integers(1, 70), steps=st.integers(1, 8), group=st.sampled_from([32, 64]),
-       mode=st.sampled_from(["bfloat16", "int8", "int4"]), bias=st.booleans(), seed=st.integers(0, 2**16))
+       mode=st.sampled_from(["bfloat16", "int4"]), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_amx_tiles_multiply_the_weight_widened_to_bf16(builds, M: int, N: int, steps: int, group: int,  # noqa: ANN001
                                                        mode: str, bias: bool, seed: int) -> None:
     """The AMX build's tiles (TILE_ROWS rows of bf16 x or more; one or two A tiles, a partial last one
     zero-padded; odd panel counts; int4 groups of one or two tile steps): x times the weight widened to bf16 (bf16
-    as packed, int8 exact, int4 q * s + m rounded once), summed in fp32, rounded once to bf16."""
+    as packed, int4 q * s + m rounded once), summed in fp32, rounded once to bf16."""
     if "amx" not in builds:
         pytest.skip("no AMX build here (a CPU or OS without AMX tiles)")
     ops = builds["amx"]
@@ -269,14 +284,45 @@ def test_amx_tiles_multiply_the_weight_widened_to_bf16(builds, M: int, N: int, s
         packed, qparams, dense = quantized(mode, W, group, ops)
     y = ops.linear(x, packed, qparams, b, N)
     assert tiles(ops, x, mode) and y.dtype == torch.bfloat16 and y.shape == (M, N)
-    if mode == "int8":  # the int8 weight itself is exact in bf16; its row scale multiplies the fp32 sums
-        q, scale = quantize_int8(W)
-        wide = q.double()
-        ref = (x.double() @ wide.T) * scale.double() + (b.double() if bias else 0)
-        bound = K * 2**-24 * (x.double().abs() @ wide.abs().T) * scale.double() + 2**-8 * ref.abs()
-        assert bool(((y.double() - ref).abs() <= bound + 1e-30).all())
-    else:
-        assert_tiles_product(y, x, dense, b)
+    assert_tiles_product(y, x, dense, b)
+
+
+def int8_fixed_point_reference(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """x @ q.T as the int8 kernels compute it, from the maths, before the weight's row scales: each row of x in
+    16-bit fixed point (s = max|x| / 32767, xq = round(x * (32767 / max|x|)) in fp32, ties to even), the integer
+    dot products with q exact (int64), rounded once to fp32, times s in fp32."""
+    xf = x.float()
+    top = xf.abs().amax(1, keepdim=True)
+    full = torch.full_like(top, 32767.0)  # tensor by tensor: a true fp32 division, as C++'s
+    inv = torch.where(top > 0, full / top, torch.zeros_like(top))
+    s = torch.where(top > 0, top / full, torch.ones_like(top))
+    xq = (xf * inv).round().clamp(-32767, 32767).long()
+    return (xq @ q.long().T).float() * s
+
+
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(0, 40), N=st.integers(1, 70), steps=st.integers(1, 40), bias=st.booleans(),
+       spread=st.floats(0.0, 8.0), seed=st.integers(0, 2**16))
+def test_amx_int8_tiles_sum_the_fixed_point_products_exactly(builds, M: int, N: int, steps: int,  # noqa: ANN001
+                                                             bias: bool, spread: float, seed: int) -> None:
+    """The AMX build's int8 product (TILE_ROWS rows or more; partial row tiles, an odd panel count, K of whole and
+    half tile steps up to 1280, past one int32 block): x in 16-bit fixed point split into a signed high and an
+    unsigned low byte, each multiplied on the tiles, joined exactly: the integer sum of the maths rounded once,
+    then the row scales and bias in fp32 (two roundings). Rows of very different magnitudes (`spread`)."""
+    if "amx" not in builds:
+        pytest.skip("no AMX build here (a CPU or OS without AMX tiles)")
+    ops = builds["amx"]
+    g = torch.Generator().manual_seed(seed)
+    M, K = M + TILE_ROWS["int8"], steps * 32
+    W = torch.randn(N, K, generator=g)
+    x = torch.randn(M, K, generator=g) * torch.exp(spread * torch.randn(M, 1, generator=g))
+    b = torch.randn(N, generator=g) if bias else torch.zeros(N)
+    q, scale = quantize_int8(W)
+    y = ops.linear(x, ops.pack_int8(q), scale, b if bias else None, N)
+    assert on_tiles(ops, x, "int8") and y.dtype == torch.float32 and y.shape == (M, N)
+    t = int8_fixed_point_reference(x, q).double() * scale.double()
+    ref = t + b.double()
+    assert bool(((y.double() - ref).abs() <= 2**-23 * (t.abs() + b.double().abs()) + 1e-30).all())
 
 
 @pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])

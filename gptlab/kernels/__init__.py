@@ -25,7 +25,8 @@ with VNNI integer and BF16 dot products, torch.ops.gptlab_avx512: Zen 4, Sapphir
 `amx_ops()` (the AVX-512 build whose products of many rows run on AMX tiles, `amx_tiles.h`,
 torch.ops.gptlab_amx: Sapphire Rapids and later Xeons). All read the same packed weights, so a weight packed once
 runs on any; int8/int4 outputs are equal to the bit across the first three, bf16/fp32 ones within fp32 rounding;
-the AMX build's tiles multiply int8/int4 weights widened to bf16 by x in bf16 (see amx_tiles.h).
+the AMX build's tiles multiply int4 weights widened to bf16 by x in bf16, and int8 weights by the other builds'
+16-bit fixed-point x on their byte products, whose integer sums they keep exact to the end (see amx_tiles.h).
 Which build (or PyTorch) serves each kind of weight is measured once per machine by `gptlab.kernels.dispatch`.
 
 The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
@@ -65,7 +66,8 @@ AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AV
 # server with BF16 (Cooper Lake), Sapphire Rapids and later have all of them
 AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
 AVXVNNI_FLAGS = [*AVX2_FLAGS, "-mavxvnni"]
-AMX_FLAGS = [*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16"]  # the AVX-512 build plus the tile unit's bf16 products
+AMX_FLAGS = [*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # the AVX-512 build plus the tile unit
+AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})  # every AMX CPU so far has all three
 AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
                               "avx512_bf16"})
 
@@ -92,9 +94,9 @@ def cpu_has_avx512() -> bool:
 
 @functools.cache
 def cpu_has_amx() -> bool:
-    """Whether this process may run the AMX build: the AVX-512 build's flags, AMX-TILE and AMX-BF16, and Linux's
+    """Whether this process may run the AMX build: the AVX-512 build's flags, AMX-TILE, -BF16 and -INT8, and Linux's
     permission to use the tile data (asked for once; a kernel or hypervisor that refuses it means no)."""
-    if not (cpu_has_avx512() and {"amx_tile", "amx_bf16"} <= cpu_flags() and platform.system() == "Linux"):
+    if not (cpu_has_avx512() and AMX_CPU_FLAGS <= cpu_flags() and platform.system() == "Linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -202,7 +204,7 @@ def avx512_ops() -> Any | None:
 
 @functools.cache
 def amx_ops() -> Any | None:
-    """torch.ops.gptlab_amx: the AVX-512 build whose products of many rows (bf16 from 8, int8 from 12, int4 from 24)
+    """torch.ops.gptlab_amx: the AVX-512 build whose products of many rows (bf16 from 8, int8 from 6, int4 from 24)
     run on the tile unit (AMX: Sapphire Rapids and later Xeons; amx_tiles.h); None where the CPU or the OS does not
     offer AMX, or as `avx512_ops()`."""
     if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_amx():

@@ -1,14 +1,23 @@
-// The AMX build's products of many rows (Sapphire Rapids and later Xeons): the tile unit's bf16 dot products
-// (TDPBF16PS: a 16 x 16 block of fp32 sums from 16 rows of x by 32 inputs by 16 outputs per instruction) over the
-// packed panels, where the AVX-512 kernels' dot products would be the limit (a batch of decoding rows, a prefill).
+// The AMX build's products of many rows (Sapphire Rapids and later Xeons) on the tile unit, where the AVX-512
+// kernels' dot products would be the limit (a batch of decoding rows, a prefill).
 //
-// The bf16 panels are already the tile unit's B layout: a panel's 32 inputs k0.. are 16 column pairs of 16 outputs,
-// 64 bytes each (pack's (K / 2, 16, 2)). int8 and int4 panels are first widened to that layout in bf16, one panel
-// at a time into the thread's scratch: an int8 weight exactly (|q| <= 127 fits bf16's 8 significant bits), an int4
-// weight as q * s + m rounded once to bf16. x goes in bf16 (an fp32 x rounded once, for integer weights only), so a
-// product is the dequantized weight times x summed in fp32: the numbers of PyTorch's weight-only kernels on bf16
-// input, not those of the int8 and int4 kernels' fixed-point x (linear_avx2.cpp). Fewer rows than `min_rows` keep
-// those kernels: there the work is streaming the weights, which the AVX-512 loops do at memory speed.
+// bf16 and int4 weights: bf16 dot products (TDPBF16PS: a 16 x 16 block of fp32 sums from 16 rows of x by 32 inputs
+// by 16 outputs per instruction) over the packed panels. The bf16 panels are already the tile unit's B layout: a
+// panel's 32 inputs k0.. are 16 column pairs of 16 outputs, 64 bytes each (pack's (K / 2, 16, 2)). int4 panels are
+// first widened to it in bf16, one panel at a time into the thread's scratch, a weight as q * s + m rounded once
+// to bf16. x goes in bf16 (an fp32 x rounded once, for int4 weights), so a product is the dequantized weight times x
+// summed in fp32: the numbers of PyTorch's weight-only kernels on bf16 input.
+//
+// int8 weights: byte dot products (TDPBSSD / TDPBUSD: 16 rows by 64 inputs by 16 outputs, exact int32 sums) on
+// the int8 kernels' own numbers (int_tiles.h): each row of x in 16-bit fixed point, split into a signed high byte
+// and an unsigned low byte (xq = 256 hi + lo), each multiplied by the weight's integers on the tiles and joined in
+// int32 every 512 inputs, where the sum is still exact, then added to fp32 totals in the order the AVX-512 kernel
+// adds its own: the same bits as that kernel, for any number of rows. The panels' column pairs are regrouped into
+// the B tiles' quads (four inputs of an output in 32 bits) one block of 512 inputs at a time, a permutation of
+// 16-bit words: no widening, so the weights stream at close to memory speed.
+//
+// Fewer rows than `min_rows` keep the AVX-512 kernels: there the work is streaming the weights, which their loops
+// do at memory speed.
 #pragma once
 
 #include "linear_avx2.h"  // which build this is (GPTLAB_AMX)
@@ -27,15 +36,20 @@ namespace GPTLAB_NS::amx_tiles {
 
 constexpr int64_t kRows = 32;   // rows of x a call: two A tiles of 16
 constexpr int64_t kDepth = 32;  // inputs a tile step takes: 16 pairs, a 64-byte tile row
+// int8 on the byte dot products: the inputs a tile step takes (16 quads, a 64-byte tile row), and the most inputs
+// whose int32 sums stay exact (hi: 128 * 127 * K, lo: 255 * 127 * K < 2^31); wider products keep the AVX-512 kernels
+constexpr int64_t kQuadDepth = 64;
+constexpr int64_t kMaxInt8Depth = 65536;
 
 // the fewest rows whose product the tiles run faster than the AVX-512 kernels, by the packed weight's dtype (bf16,
-// int8 = kChar, int4 = kByte): widening a panel costs the same for any number of rows, so the integer weights need
-// more rows to repay it (measured on a 2-core Xeon with AMX at GPT-2's 3072 x 768 and 768 x 3072: int8 crosses at
-// 11-12 rows, int4 at 21-22; bf16 is 2.2x faster at 8); 0: never (fp32)
+// int8 = kChar, int4 = kByte), measured on a 2-core Xeon with AMX at GPT-2's shapes: widening an int4 panel costs
+// the same for any number of rows, so int4 needs more rows to repay it (crossing at 21-22); int8's regrouping is
+// a permutation beside the tiles' work, crossing at 5-6 rows over 48 products of GPT-2's (1.3x at 12 rows, 1.5x at
+// 16); bf16 is 2.2x faster at 8; 0: never (fp32)
 inline int64_t min_rows(at::ScalarType packed) {
   switch (packed) {
     case at::kBFloat16: return 8;
-    case at::kChar: return 12;
+    case at::kChar: return 6;
     case at::kByte: return 24;
     default: return 0;
   }
@@ -43,7 +57,8 @@ inline int64_t min_rows(at::ScalarType packed) {
 
 // whether the tile unit takes a product of M rows with K inputs (K a whole number of tile steps)
 inline bool applies(int64_t M, int64_t K, at::ScalarType packed) {
-  return min_rows(packed) > 0 && M >= min_rows(packed) && K % kDepth == 0;
+  return min_rows(packed) > 0 && M >= min_rows(packed) && K % kDepth == 0 &&
+         (packed != at::kChar || K <= kMaxInt8Depth);
 }
 
 // palette 1, eight tiles of 16 rows x 64 bytes: C 0-3 (16 x 16 fp32 sums: rows 0-15 / 16-31 by panel 0 / 1),
@@ -104,16 +119,6 @@ inline void store_bf16(at::BFloat16* out, __m512 lo, __m512 hi) {
   _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // lo's 16 values first
 }
 
-// an int8 panel (K / 2 pairs of 16 outputs, pack_int8's) in bf16, value for value
-inline void widen_int8(const int8_t* q, int64_t K, at::BFloat16* out) {
-  for (int64_t i = 0; i < K * kPanel; i += 32) {
-    const auto* at = reinterpret_cast<const __m128i*>(q + i);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
-    store_bf16(out + i, lo, hi);
-  }
-}
-
 // 32 nibble values (16 outputs' pairs, as bytes) times the pairs' scales plus offsets, rounded to bf16
 inline void widen_pairs(__m256i q, __m512 s0, __m512 m0, __m512 s1, __m512 m1, at::BFloat16* out) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
@@ -172,6 +177,144 @@ void run(const at::BFloat16* x, int64_t M, int64_t K, int64_t p0, int64_t p1, co
       if (rows > 16) tile<true>(x + m * K, K, b0, b1, K, c);
       else tile<false>(x + m * K, K, b0, b1, K, c);
       store(m, p, rows, span, c);
+    }
+  }
+  _tile_release();  // the thread's tile state is not saved at every switch from now on
+}
+
+// x for the byte products: each row's 16-bit fixed point xq = 256 * hi + lo, hi signed and lo unsigned, rows of
+// `ld` bytes (K rounded up to whole tile steps, zero-padded) in whole tiles of 16 rows, and the rows' scales
+struct Int8Input {
+  std::vector<int8_t> hi;
+  std::vector<uint8_t> lo;
+  std::vector<float> scale;
+  int64_t ld = 0;
+
+  Int8Input(const int16_t* xq, const float* xscale, int64_t M, int64_t K)
+      : ld((K + kQuadDepth - 1) / kQuadDepth * kQuadDepth) {
+    const int64_t rows = (M + 15) / 16 * 16;
+    hi.assign(rows * ld, 0);
+    lo.assign(rows * ld, 0);
+    scale.assign(rows, 0.0f);
+    std::copy(xscale, xscale + M, scale.begin());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; k += 32) {  // K a multiple of 32 (applies)
+        const __m512i v = _mm512_loadu_si512(xq + m * K + k);
+        // hi: an arithmetic shift, -128..127; lo: the low byte, 0..255 (a truncation)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi.data() + m * ld + k),
+                            _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo.data() + m * ld + k), _mm512_cvtepi16_epi8(v));
+      }
+  }
+};
+
+// two int8 panels' K inputs (pack_int8's column pairs, (K / 2, 16, 2)) as the B tiles' quads (4 inputs of 16
+// outputs, 64 bytes: a tile row), zero-padded to `ld` inputs: word 2r of a quad is output r's first pair, word
+// 2r + 1 its second. This streams the weight, the only part of the product that reads memory; done a tile step's
+// inputs at a time (`step`) between the tile unit's instructions, so that both work at once
+struct Regroup {
+  const int8_t *w0, *w1;  // the panels' pairs (w1 = w0: an odd last panel twice)
+  int8_t *q0, *q1;        // their quads
+  int64_t K, ld;
+
+  void step(int64_t s) const {
+    const __m512i regroup = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                             23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int64_t k0 = s * kQuadDepth, k1 = std::min(K, k0 + kQuadDepth);
+    for (int64_t k = k0; k < k1; k += 4) {  // 64 bytes: 4 inputs of 16 outputs
+      prefetch_ahead(w0 + k * kPanel, 64);
+      prefetch_ahead(w1 + k * kPanel, 64);
+      _mm512_store_si512(q0 + k * kPanel, _mm512_permutexvar_epi16(regroup, _mm512_loadu_si512(w0 + k * kPanel)));
+      _mm512_store_si512(q1 + k * kPanel, _mm512_permutexvar_epi16(regroup, _mm512_loadu_si512(w1 + k * kPanel)));
+    }
+    if (k1 < k0 + kQuadDepth && k0 < ld) {  // a last half step: zero weights
+      std::memset(q0 + k1 * kPanel, 0, (k0 + kQuadDepth - k1) * kPanel);
+      std::memset(q1 + k1 * kPanel, 0, (k0 + kQuadDepth - k1) * kPanel);
+    }
+  }
+};
+
+// the sums of 16 rows of x (hi, lo: ld bytes apart) by two panels' quads b0, b1 over `steps` tile steps, into
+// tiles 0-3 (hi by b0, hi by b1, lo by b0, lo by b1), issued, not waited for; `beside(s)` after each step's
+template <typename Beside>
+inline void issue_i8(const int8_t* hi, const uint8_t* lo, int64_t ld, const int8_t* b0, const int8_t* b1,
+                     int64_t steps, const Beside& beside) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, hi + s * kQuadDepth, ld);
+    _tile_loadd(5, lo + s * kQuadDepth, ld);
+    _tile_loadd(6, b0 + s * kQuadDepth * kPanel, 64);
+    _tile_loadd(7, b1 + s * kQuadDepth * kPanel, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbusd(2, 5, 6);
+    _tile_dpbusd(3, 5, 7);
+    beside(s);
+  }
+}
+
+// c (16 rows, 32 fp32 apart) = tiles 0-3's sums joined, 256 hi + lo: the exact integer sum of xq * q, rounded
+// once to fp32, times each row's scale
+inline void join_i8(const float* scale, float* c) {
+  alignas(64) int32_t t[4][16][kPanel];
+  _tile_stored(0, t[0], 64);  // (tile numbers are immediates)
+  _tile_stored(1, t[1], 64);
+  _tile_stored(2, t[2], 64);
+  _tile_stored(3, t[3], 64);
+  for (int r = 0; r < 16; ++r) {
+    const __m512 s = _mm512_set1_ps(scale[r]);
+    for (int j = 0; j < 2; ++j) {
+      const __m512i h = _mm512_load_si512(t[j][r]), l = _mm512_load_si512(t[2 + j][r]);
+      const auto exact = [](__m256i h8, __m256i l8) {  // 8 lanes in int64: |256 hi + lo| < 2^63
+        return _mm512_cvtepi64_ps(_mm512_add_epi64(_mm512_slli_epi64(_mm512_cvtepi32_epi64(h8), 8),
+                                                   _mm512_cvtepi32_epi64(l8)));
+      };
+      const __m256 lo8 = exact(_mm512_castsi512_si256(h), _mm512_castsi512_si256(l));
+      const __m256 hi8 = exact(_mm512_extracti64x4_epi64(h, 1), _mm512_extracti64x4_epi64(l, 1));
+      const __m512 sum = _mm512_insertf32x8(_mm512_castps256_ps512(lo8), hi8, 1);
+      _mm512_storeu_ps(c + r * 2 * kPanel + j * kPanel, _mm512_mul_ps(sum, s));
+    }
+  }
+}
+
+// the panels [p0, p1) of an int8 weight (pack_int8's, K <= kMaxInt8Depth inputs) times x (M rows) on the byte
+// products: `store(m, p, rows, span, c)` as run's, c the sums times each row's scale (the weight's row scales and
+// the bias still to come). Panels go two at a time, the next two regrouped while the tile unit works on these
+template <typename Store>
+void run_int8(const Int8Input& x, int64_t M, int64_t K, const int8_t* packed, int64_t p0, int64_t p1,
+              const Store& store) {
+  const int64_t ld = x.ld, rows = (M + 15) / 16 * 16, steps = ld / kQuadDepth, quads = ld * kPanel;
+  thread_local std::vector<int8_t> scratch;
+  scratch.resize(4 * quads + 64);
+  int8_t* base = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
+  int8_t* buf[2] = {base, base + 2 * quads};  // two panels' quads each: these and the next
+  alignas(64) float c[16 * 2 * kPanel];
+  // an odd last panel is paired with itself, its copy's sums dropped
+  const auto regroup = [&](int64_t p, int8_t* to) {
+    const int8_t* w = packed + p * K * kPanel;
+    return Regroup{w, p + 1 < p1 ? w + K * kPanel : w, to, to + quads, K, ld};
+  };
+  const auto nothing = [](int64_t) {};
+  configure();
+  const Regroup first = regroup(p0, buf[0]);
+  for (int64_t s = 0; s < steps; ++s) first.step(s);
+  for (int64_t p = p0, i = 0; p < p1; p += 2, i ^= 1) {
+    const int span = p + 1 < p1 ? 2 : 1;
+    const int8_t *b0 = buf[i], *b1 = buf[i] + quads;
+    for (int64_t m = 0; m < rows; m += 16) {
+      const int8_t* hi = x.hi.data() + m * ld;
+      const uint8_t* lo = x.lo.data() + m * ld;
+      if (m == 0 && p + 2 < p1) {  // the next two panels regrouped beside the first row block's tile steps
+        const Regroup next = regroup(p + 2, buf[i ^ 1]);
+        issue_i8(hi, lo, ld, b0, b1, steps, [&](int64_t s) { next.step(s); });
+      } else {
+        issue_i8(hi, lo, ld, b0, b1, steps, nothing);
+      }
+      join_i8(x.scale.data() + m, c);
+      store(m, p, std::min<int64_t>(16, M - m), span, c);
     }
   }
   _tile_release();  // the thread's tile state is not saved at every switch from now on

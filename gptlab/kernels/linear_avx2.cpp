@@ -83,7 +83,14 @@ struct Dense {
   const float* x;             // (M, K)
   const at::BFloat16* xb;     // x as it came in bf16 (M, K), or null
   int64_t M;
-  const W* tile_panel(int64_t p, at::BFloat16*) const { return data + p * K * kPanel; }
+#if defined(GPTLAB_AMX)
+  // the tiles' product for `tiles`, x in bf16 (bf16 panels only: kTiles)
+  template <typename Store>
+  void run_tiles(const void* tiles, int64_t M, int64_t p0, int64_t p1, const Store& store) const {
+    const auto panel = [this](int64_t p, at::BFloat16*) { return data + p * K * kPanel; };
+    GPTLAB_NS::amx_tiles::run(static_cast<const at::BFloat16*>(tiles), M, K, p0, p1, panel, store);
+  }
+#endif
   // two panels per call where AVX-512 BF16 dot products run (bf16 x against bf16 weights) on more than one row;
   // one row keeps tile1's four chains over one panel, which stream a matrix-vector product faster
   bool paired() const {
@@ -148,9 +155,12 @@ struct Int8 : OnePanel<kTile> {
   const int16_t* xq;    // (M, K)
   const float* xscale;  // (M,)
 #if defined(GPTLAB_AMX)
-  const at::BFloat16* tile_panel(int64_t p, at::BFloat16* scratch) const {
-    GPTLAB_NS::amx_tiles::widen_int8(data + p * K * kPanel, K, scratch);
-    return scratch;
+  // the tiles' byte products for `tiles`, x as an amx_tiles::Int8Input: `run`'s numbers, the integer sums kept
+  // exact to the end (`run` rounds them to fp32 once per 512 inputs: the same bits up to 512)
+  template <typename Store>
+  void run_tiles(const void* tiles, int64_t M, int64_t p0, int64_t p1, const Store& store) const {
+    GPTLAB_NS::amx_tiles::run_int8(*static_cast<const GPTLAB_NS::amx_tiles::Int8Input*>(tiles), M, K, data, p0, p1,
+                                   store);
   }
 #endif
   void run(int rows, int64_t m, int64_t p, int, float out[][kPanel]) const {
@@ -176,9 +186,14 @@ struct Int4 : OnePanel<GPTLAB_NS::int4_tiles::kRows> {
   const float* msum;  // (M, G): per group, the sum over its blocks of d * (sum of xq)
   static constexpr bool kTiles = true;
 #if defined(GPTLAB_AMX)
-  const at::BFloat16* tile_panel(int64_t p, at::BFloat16* scratch) const {
-    GPTLAB_NS::amx_tiles::widen_int4(data + p * (K / 2) * kPanel, qparams + p * G * 2 * kPanel, K, G, scratch);
-    return scratch;
+  // the tiles' product for `tiles`, x in bf16, each panel widened to bf16
+  template <typename Store>
+  void run_tiles(const void* tiles, int64_t M, int64_t p0, int64_t p1, const Store& store) const {
+    const auto panel = [this](int64_t p, at::BFloat16* scratch) {
+      GPTLAB_NS::amx_tiles::widen_int4(data + p * (K / 2) * kPanel, qparams + p * G * 2 * kPanel, K, G, scratch);
+      return static_cast<const at::BFloat16*>(scratch);
+    };
+    GPTLAB_NS::amx_tiles::run(static_cast<const at::BFloat16*>(tiles), M, K, p0, p1, panel, store);
   }
 #endif
   void run(int rows, int64_t m, int64_t p, int, float out[][kPanel]) const {
@@ -210,10 +225,11 @@ inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
 // y (M, N) = x (M, K) @ W.T, times the per-row scales `row_scale` (int8; null otherwise), plus bias. `part`: this
 // thread's share of the panels when the caller runs its own threads (the decode step's), else all of them over
-// torch's pool. `tiles`: x in bf16 padded to whole tiles where the AMX build's tile unit runs the product, else null
+// torch's pool. `tiles`: x for the AMX build's tile unit where it runs the product (the weight's run_tiles says
+// in what form), else null
 template <typename Weight, typename O, typename B>
 void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, const B* bias, int64_t N, O* y,
-                 GPTLAB_NS::Part part, const at::BFloat16* tiles) {
+                 GPTLAB_NS::Part part, const void* tiles) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   static_assert(Weight::kRows <= kOutRows, "a micro-kernel's output must fit `out`");
   // rows m.. of y at panels p.., from `rows` rows of sums `out` (row r's panel j at out + r * ld + 16 j)
@@ -232,11 +248,9 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
 #if defined(GPTLAB_AMX)
     if constexpr (Weight::kTiles) {
       if (tiles) {  // the tiles' sums come two panels wide whatever the span: rows 2 * 16 values apart
-        auto panel = [&](int64_t p, at::BFloat16* scratch) { return w.tile_panel(p, scratch); };
-        return GPTLAB_NS::amx_tiles::run(tiles, M, K, p0, p1, panel,
-                                         [&](int64_t m, int64_t p, int64_t rows, int span, const float* c) {
-                                           store(m, p, rows, span, c, 2 * kPanel);
-                                         });
+        return w.run_tiles(tiles, M, p0, p1, [&](int64_t m, int64_t p, int64_t rows, int span, const float* c) {
+          store(m, p, rows, span, c, 2 * kPanel);
+        });
       }
     }
 #endif
@@ -262,7 +276,7 @@ void linear_impl(int64_t M, int64_t K, const Weight& w, const float* row_scale, 
 // the output and bias dtypes (each bf16 or fp32) picked at run time
 template <typename Weight>
 void dispatch(int64_t M, int64_t K, const Weight& w, const float* row_scale, const at::Tensor& bias, int64_t N,
-              void* y, bool bf16_out, GPTLAB_NS::Part part, const at::BFloat16* tiles = nullptr) {
+              void* y, bool bf16_out, GPTLAB_NS::Part part, const void* tiles = nullptr) {
   auto* yb = static_cast<at::BFloat16*>(y);
   auto* yf = static_cast<float*>(y);
   if (!bias.defined()) {
@@ -313,14 +327,16 @@ void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, cons
              const c10::optional<at::Tensor>& qparams, const at::Tensor& b, int64_t N, void* y, bool bf16_out,
              GPTLAB_NS::Part part = {}) {
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
-  // the AMX build: x in bf16 in whole tiles of 16 rows, for the tile unit (bf16 x of whole tiles as it is, else a
-  // zero-padded copy). Integer weights take fp32 x rounded to bf16 (their other kernels round it coarser or as
-  // coarse: to 16-bit fixed point or 8-bit blocks); bf16 weights only x that came in bf16 (fp32 x keeps its fp32
-  // products)
+  // the AMX build: x for the tile unit. int8 weights: x in 16-bit fixed point as for the other kernels, split into
+  // bytes (amx_tiles::Int8Input). bf16 and int4 weights: x in bf16 in whole tiles of 16 rows (bf16 x of whole
+  // tiles as it is, else a zero-padded copy); int4 takes fp32 x rounded to bf16 (its other kernels round it as
+  // coarsely: to 8-bit blocks), bf16 weights only x that came in bf16 (fp32 x keeps its fp32 products)
   std::vector<at::BFloat16> padded;
   const at::BFloat16* xt = nullptr;
+  [[maybe_unused]] bool tiled = false;
 #if defined(GPTLAB_AMX)
-  if ((xb || int8 || int4) && GPTLAB_NS::amx_tiles::applies(M, K, packed.scalar_type())) {
+  tiled = (xb || int8 || int4) && GPTLAB_NS::amx_tiles::applies(M, K, packed.scalar_type());
+  if (tiled && !int8) {
     if (xb && M % 16 == 0) {
       xt = xb;
     } else {
@@ -331,11 +347,17 @@ void product(const float* xp, const at::BFloat16* xb, int64_t M, int64_t K, cons
   }
 #endif
   if (int8) {
-    std::vector<int16_t> xq(xt ? 0 : M * K);
+    std::vector<int16_t> xq(M * K);
     std::vector<float> xscale(M);
-    if (!xt) quantize_rows(xp, M, K, xq.data(), xscale.data());
-    dispatch(M, K, Int8{{}, packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()}, qparams->data_ptr<float>(), b,
-             N, y, bf16_out, part, xt);
+    quantize_rows(xp, M, K, xq.data(), xscale.data());
+    const Int8 w{{}, packed.data_ptr<int8_t>(), K, xq.data(), xscale.data()};
+#if defined(GPTLAB_AMX)
+    if (tiled) {
+      const GPTLAB_NS::amx_tiles::Int8Input bytes(xq.data(), xscale.data(), M, K);
+      return dispatch(M, K, w, qparams->data_ptr<float>(), b, N, y, bf16_out, part, &bytes);
+    }
+#endif
+    dispatch(M, K, w, qparams->data_ptr<float>(), b, N, y, bf16_out, part);
   } else if (int4) {
     const int64_t G = qparams->size(1);
     std::vector<int8_t> xq(xt ? 0 : M * K);

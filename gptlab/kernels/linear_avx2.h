@@ -19,8 +19,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
     defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #define GPTLAB_AVX512 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define GPTLAB_AMX 1  // the AVX-512 build with the tile unit's bf16 products for many rows (amx_tiles.h)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define GPTLAB_AMX 1  // the AVX-512 build with the tile unit's bf16 and byte products for many rows (amx_tiles.h)
 #define GPTLAB_NS gptlab_amx
 #else
 #define GPTLAB_NS gptlab_avx512
