@@ -10,11 +10,12 @@
 //
 // int8 weights: byte dot products (TDPBSSD / TDPBUSD: 16 rows by 64 inputs by 16 outputs, exact int32 sums) on
 // the int8 kernels' own numbers (int_tiles.h): each row of x in 16-bit fixed point, split into a signed high byte
-// and an unsigned low byte (xq = 256 hi + lo), each multiplied by the weight's integers on the tiles and joined in
-// int32 every 512 inputs, where the sum is still exact, then added to fp32 totals in the order the AVX-512 kernel
-// adds its own: the same bits as that kernel, for any number of rows. The panels' column pairs are regrouped into
-// the B tiles' quads (four inputs of an output in 32 bits) one block of 512 inputs at a time, a permutation of
-// 16-bit words: no widening, so the weights stream at close to memory speed.
+// and an unsigned low byte (xq = 256 hi + lo), each multiplied by the weight's integers on the tiles over the whole
+// row (exact in int32 up to kMaxInt8Depth inputs) and joined once in double: the exact integer sum, rounded once to
+// fp32 (the AVX-512 kernel rounds once per 512 inputs: the same bits up to 512). The panels' column pairs are
+// regrouped into the B tiles' quads (four inputs of an output in 32 bits), a permutation of 16-bit words, a tile
+// step at a time between the tile instructions of the panels before: no widening, and the weights stream while the
+// tile unit works.
 //
 // Fewer rows than `min_rows` keep the AVX-512 kernels: there the work is streaming the weights, which their loops
 // do at memory speed.
@@ -268,9 +269,8 @@ inline void join_i8(const float* scale, float* c) {
     const __m512 s = _mm512_set1_ps(scale[r]);
     for (int j = 0; j < 2; ++j) {
       const __m512i h = _mm512_load_si512(t[j][r]), l = _mm512_load_si512(t[2 + j][r]);
-      const auto exact = [](__m256i h8, __m256i l8) {  // 8 lanes in int64: |256 hi + lo| < 2^63
-        return _mm512_cvtepi64_ps(_mm512_add_epi64(_mm512_slli_epi64(_mm512_cvtepi32_epi64(h8), 8),
-                                                   _mm512_cvtepi32_epi64(l8)));
+      const auto exact = [](__m256i h8, __m256i l8) {  // 8 lanes in double: |256 hi + lo| < 2^40, exact
+        return _mm512_cvtpd_ps(_mm512_fmadd_pd(_mm512_cvtepi32_pd(h8), _mm512_set1_pd(256.0), _mm512_cvtepi32_pd(l8)));
       };
       const __m256 lo8 = exact(_mm512_castsi512_si256(h), _mm512_castsi512_si256(l));
       const __m256 hi8 = exact(_mm512_extracti64x4_epi64(h, 1), _mm512_extracti64x4_epi64(l, 1));
