@@ -325,6 +325,26 @@ def test_amx_int8_tiles_sum_the_fixed_point_products_exactly(builds, M: int, N: 
     assert bool(((y.double() - ref).abs() <= 2**-23 * (t.abs() + b.double().abs()) + 1e-30).all())
 
 
+def test_amx_int8_tiles_keep_nan_rows_and_zero_rows_apart(builds) -> None:  # noqa: ANN001
+    """On the AMX build's int8 tiles (40 rows, two threads) a row with an inf gives no finite output, a row of zeros
+    gives the bias, and every other row the bits the AVX-512 loops give it alone (K = 512: one block of exact sums
+    for both)."""
+    if "amx" not in builds:
+        pytest.skip("no AMX build here (a CPU or OS without AMX tiles)")
+    ops = builds["amx"]
+    g = torch.Generator().manual_seed(3)
+    W, x, b = torch.randn(33, 512, generator=g), torch.randn(40, 512, generator=g), torch.randn(33, generator=g)
+    x[5, 100], x[7] = float("inf"), 0.0
+    packed, qparams, _ = quantized("int8", W, 32, ops)
+    torch.set_num_threads(2)  # the one_thread fixture restores the count after
+    together = ops.linear(x, packed, qparams, b, 33)
+    assert on_tiles(ops, x, "int8") and not on_tiles(ops, x[:1], "int8")
+    assert not bool(together[5].isfinite().any()) and torch.equal(together[7], b)
+    alone = torch.cat([ops.linear(x[m:m + 1], packed, qparams, b, 33) for m in range(40)])
+    others = [m for m in range(40) if m != 5]
+    assert torch.equal(together[others], alone[others])
+
+
 @pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])
 def test_amx_tile_rows_do_not_depend_on_the_rows_beside_them_or_the_threads(builds, mode: str) -> None:  # noqa: ANN001
     """A row's tile sums are its own: 40 rows on two threads (each taking some of 7 panels, one of them paired with
