@@ -62,8 +62,10 @@ inline bool applies(int64_t M, int64_t K, at::ScalarType packed) {
          (packed != at::kChar || K <= kMaxInt8Depth);
 }
 
-// palette 1, eight tiles of 16 rows x 64 bytes: C 0-3 (16 x 16 fp32 sums: rows 0-15 / 16-31 by panel 0 / 1),
-// A 4-5 (16 rows of x by 32 bf16 inputs), B 6-7 (16 input pairs by 16 outputs of panel 0 / 1)
+// palette 1, eight tiles of 16 rows x 64 bytes. bf16 products: C 0-3 (16 x 16 fp32 sums: rows 0-15 / 16-31 by
+// panel 0 / 1), A 4-5 (16 rows of x by 32 bf16 inputs), B 6-7 (16 input pairs by 16 outputs of panel 0 / 1). Byte
+// products (issue_i8): C 0-3 int32 sums (hi / lo by panel 0 / 1), A 4-5 (x's high / low bytes, 64 inputs), B 6-7
+// (16 input quads by 16 outputs of panel 0 / 1)
 struct alignas(64) Config {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -210,13 +212,13 @@ struct Int8Input {
 };
 
 // two int8 panels' K inputs (pack_int8's column pairs, (K / 2, 16, 2)) as the B tiles' quads (4 inputs of 16
-// outputs, 64 bytes: a tile row), zero-padded to `ld` inputs: word 2r of a quad is output r's first pair, word
+// outputs, 64 bytes: a tile row), zero-padded to whole tile steps: word 2r of a quad is output r's first pair, word
 // 2r + 1 its second. This streams the weight, the only part of the product that reads memory; done a tile step's
 // inputs at a time (`step`) between the tile unit's instructions, so that both work at once
 struct Regroup {
   const int8_t *w0, *w1;  // the panels' pairs (w1 = w0: an odd last panel twice)
   int8_t *q0, *q1;        // their quads
-  int64_t K, ld;
+  int64_t K;
 
   void step(int64_t s) const {
     const __m512i regroup = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -228,7 +230,7 @@ struct Regroup {
       _mm512_store_si512(q0 + k * kPanel, _mm512_permutexvar_epi16(regroup, _mm512_loadu_si512(w0 + k * kPanel)));
       _mm512_store_si512(q1 + k * kPanel, _mm512_permutexvar_epi16(regroup, _mm512_loadu_si512(w1 + k * kPanel)));
     }
-    if (k1 < k0 + kQuadDepth && k0 < ld) {  // a last half step: zero weights
+    if (k1 < k0 + kQuadDepth) {  // a last half step (K % 64 = 32): zero weights up to the step's end
       std::memset(q0 + k1 * kPanel, 0, (k0 + kQuadDepth - k1) * kPanel);
       std::memset(q1 + k1 * kPanel, 0, (k0 + kQuadDepth - k1) * kPanel);
     }
@@ -295,7 +297,7 @@ void run_int8(const Int8Input& x, int64_t M, int64_t K, const int8_t* packed, in
   // an odd last panel is paired with itself, its copy's sums dropped
   const auto regroup = [&](int64_t p, int8_t* to) {
     const int8_t* w = packed + p * K * kPanel;
-    return Regroup{w, p + 1 < p1 ? w + K * kPanel : w, to, to + quads, K, ld};
+    return Regroup{w, p + 1 < p1 ? w + K * kPanel : w, to, to + quads, K};
   };
   const auto nothing = [](int64_t) {};
   configure();
