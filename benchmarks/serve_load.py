@@ -1,8 +1,9 @@
 """Load test for `gptlab serve`: N concurrent streaming clients for a fixed time against a real server process.
 
 Starts `gptlab serve` on 127.0.0.1 (a free port) in a subprocess, either on --checkpoint or on a freshly made
-random model (--preset, character vocabulary), waits for /health, then runs --clients threads that each send
-streamed /v1/completions requests back to back until --seconds have passed. Prints requests/s, generated
+random model (--preset, character vocabulary), waits for /health, then runs --clients clients (one event loop:
+`load_client`, light on the CPU it shares with the server) that each send streamed /v1/completions requests back
+to back until --seconds have passed. Prints requests/s, generated
 tokens/s, latency and time-to-first-token percentiles, and the error count (which should be 0). Everything is
 bounded: per-request timeouts, a deadline, and the server is stopped at the end.
 
@@ -41,19 +42,18 @@ priority (see benchmarks/timing.py): `setsid sh -c 'echo -20 > /proc/self/autogr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import IO
 
 import httpx
+from load_client import run_load
 from pyspy import Recording, summarize  # benchmarks/ is on sys.path when a benchmark runs as a script
 from timing import loadavg, priority_available, raise_priority, run_timed
 
@@ -81,33 +81,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int, temperature: float) -> dict:
-    """Send one streamed completion; latency, time to first token and generated tokens."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, usage_tokens, chunks, last, pause = None, None, 0, None, 0.0
-    with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("choices") and chunk["choices"][0]["text"]:
-                chunks += 1
-                now = time.perf_counter()
-                ttft = now - t0 if ttft is None else ttft
-                pause, last = max(pause, now - last) if last is not None else 0.0, now
-            if chunk.get("usage"):
-                usage_tokens = chunk["usage"]["completion_tokens"]
-    latency = time.perf_counter() - t0
-    return {"latency": latency, "ttft": ttft if ttft is not None else latency,
-            "tokens": usage_tokens if usage_tokens is not None else chunks, "pause": pause, "long": len(prompt) > 100}
-
-
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -131,35 +104,17 @@ def wait_for_server(server: subprocess.Popen, url: str, health: str, log: Path) 
 
 
 def load(url: str, args: argparse.Namespace) -> dict:
-    """--clients threads sending streamed completions back to back for --seconds; the summary of what they got."""
-    results, errors, lock = [], [], threading.Lock()
-    with httpx.Client(timeout=httpx.Timeout(10.0, read=300.0)) as warm:
-        one_request(warm, url, PROMPTS[0], 4, 0.0)  # first-request allocations out of the timing
-    stop_at = time.monotonic() + args.seconds
+    """--clients streaming clients sending completions back to back for --seconds (`load_client`: one event loop,
+    httptools' parser); the summary of what they got."""
 
-    def client(i: int) -> None:
-        with httpx.Client(timeout=httpx.Timeout(10.0, read=300.0)) as c:
-            n = 0
-            while time.monotonic() < stop_at:
-                prompt = PROMPTS[(i + n) % len(PROMPTS)]
-                if i == 0 and args.long_prompt:
-                    prompt = (prompt * (args.long_prompt // len(prompt) + 1))[: args.long_prompt]
-                try:
-                    r = one_request(c, url, prompt, args.max_tokens, args.temperature)
-                    with lock:
-                        results.append(r)
-                except Exception as e:  # noqa: BLE001 - counted and reported
-                    with lock:
-                        errors.append(repr(e))
-                n += 1
+    def prompt_for(i: int, n: int) -> str:
+        prompt = PROMPTS[(i + n) % len(PROMPTS)]
+        if i == 0 and args.long_prompt:
+            prompt = (prompt * (args.long_prompt // len(prompt) + 1))[: args.long_prompt]
+        return prompt
 
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=args.seconds + 360)
-    wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    results, errors, wall, client_cpu = run_load(url, args.clients, args.seconds, prompt_for, args.max_tokens,
+                                                 args.temperature)
     ttft = [r["ttft"] for r in results]
     lat = [r["latency"] for r in results]
     return {"requests": len(results), "wall": wall, "tokens": sum(r["tokens"] for r in results),
