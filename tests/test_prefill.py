@@ -211,21 +211,18 @@ def test_a_prefill_that_fails_fails_its_row_alone(monkeypatch):
         engine.add([engine.prepare([13, 4], GREEDY)])
 
 
-def test_the_scheduler_admits_waiting_requests_in_one_prefill():
-    """Requests waiting when the server's scheduler looks are prefilled by one `Engine.add`, and each answers
-    as alone."""
+def _schedule(engine: Engine, prompts: list[list[int]], loop=None) -> list:  # noqa: ANN001
+    """Jobs of `prompts` submitted together to a server's scheduler over `engine`, run until they finish; its
+    events go to `loop` (default: a loop that never runs, where they just queue)."""
     import asyncio
     import time
 
     from gptlab.serve.scheduler import Job, Scheduler
 
-    model = _MODELS["rope"]
-    engine = Engine(model, max_batch=4)
-    added, real_add = [], engine.add
-    engine.add = lambda gens: added.append(len(gens)) or real_add(gens)
-    loop = asyncio.new_event_loop()  # not running: the events just queue on it
+    own = loop is None
+    loop = asyncio.new_event_loop() if own else loop
     try:
-        jobs = [Job([engine.prepare(tokens(20 + i, 3 + 2 * i), GREEDY)], loop=loop) for i in range(3)]
+        jobs = [Job([engine.prepare(p, GREEDY)], loop=loop) for p in prompts]
         scheduler = Scheduler(engine)
         for job in jobs:
             scheduler.submit(job)
@@ -236,6 +233,36 @@ def test_the_scheduler_admits_waiting_requests_in_one_prefill():
         scheduler.stop()
     finally:
         loop.close()
+    return jobs
+
+
+def test_the_scheduler_admits_waiting_requests_in_one_prefill():
+    """Requests waiting when the server's scheduler looks are prefilled by one `Engine.add`, and each answers
+    as alone."""
+    model = _MODELS["rope"]
+    engine = Engine(model, max_batch=4)
+    added, real_add = [], engine.add
+    engine.add = lambda gens: added.append(len(gens)) or real_add(gens)
+    jobs = _schedule(engine, [tokens(20 + i, 3 + 2 * i) for i in range(3)])
     assert added == [3]
     for job in jobs:
         assert job.gens[0].token_ids == generate_batch(model, [job.gens[0].prompt_ids], GREEDY)[0].token_ids
+
+
+def test_first_tokens_a_prefill_sampled_go_out_before_the_next_step():
+    """Rows admitted while nothing else decodes sample their first token in the prefill; the scheduler hands
+    those to the event loop at once, not after the decode step that follows (a step's wait off time to first
+    token)."""
+    import asyncio
+
+    from gptlab.tokenizer import CharTokenizer
+
+    tok = CharTokenizer.from_text("".join(chr(0x100 + i) for i in range(256)))  # a character a token: text at once
+    engine = Engine(_MODELS["rope"], max_batch=4, tokenizer=tok)
+    order, real_step = [], engine.step
+    engine.step = lambda: order.append("step") or real_step()
+    loop = asyncio.new_event_loop()  # not running: what the scheduler hands over is recorded, not run
+    loop.call_soon_threadsafe = lambda fn, items: order.append(sorted(event[1] != "" for _, event in items))
+    _schedule(engine, [tokens(30 + i, 4) for i in range(3)], loop)
+    assert order[0] == [True, True, True]  # the three first tokens, before any step
+    assert order[1] == "step"

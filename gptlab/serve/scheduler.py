@@ -11,7 +11,8 @@ engine pins on a row of a decoding step (`Generation.error`) fails that row's re
 dropped; the other requests in the batch go on: a bad request never ends another one's generation.
 
 What a step produced reaches the event loop in one call per step (`Job.deliver` for every job it touched, by one
-`call_soon_threadsafe`), not one per row: each cross-thread call wakes the loop through a write to its pipe, 16 per
+`call_soon_threadsafe`; an admission whose prefill sampled first tokens hands them over at once, before the step
+that follows), not one per row: each cross-thread call wakes the loop through a write to its pipe, 16 per
 step at 16 rows. A handler takes every event that arrived since it last looked (`Job.next_events`), so a stream
 writes them in one send however far it fell behind. With `metrics`, each step also reports its rows' new tokens,
 their time to first token and per-token latency (`gptlab.serve.metrics.ServerMetrics`).
@@ -203,6 +204,7 @@ class Scheduler:
             if admitted:  # prefilled together (the engine isolates a row whose prefill fails)
                 new = [job.gens[i] for job, i in admitted]
                 self._run(new, lambda new=new: engine.add(new), "admit")
+                self._flush()  # first tokens a prefill sampled (rows that joined no running step) go out now
             if engine.running:
                 running = engine.running
                 self.max_rows_seen = max(self.max_rows_seen, len(running))
