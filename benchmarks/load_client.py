@@ -4,10 +4,14 @@ On a 2-core machine the load generator shares the cores with the server it measu
 spends is one the server's engine does not get. httpx's sync client in 16 threads took ~0.3 cores to read ~4,400
 streamed tokens/s (h11's pure-Python parsing, one thread switch per line, the GIL passed between 16 threads). Here
 the responses are parsed by httptools (C: the parser uvicorn uses, chunked transfer decoding included) on one uvloop
-event loop, and only a stream's `data:` lines are decoded as JSON: what `wrk` or `oha` would cost, while still
+event loop, and only a stream's `data:` lines are decoded as JSON: 0.10 cores at ~5,000 tokens/s, while still
 measuring what the clients get (time to first token, the longest pause, tokens from each stream's `usage`).
 
-    summary = run_load("http://127.0.0.1:8000", clients=16, seconds=20, prompts=["ROMEO:"], max_tokens=64)
+A request on a kept-alive connection that the server closed before answering any of it is sent again once on a new
+connection, as HTTP clients do (llama-server closes its connection after each stream, a close that can cross the
+next request); a new connection that fails, or an answer cut short, is an error.
+
+    results, errors, wall_s, cpu_s = run_load("http://127.0.0.1:8000", 16, 20.0, lambda i, n: "ROMEO:", 64, 0.8)
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Starts `gptlab serve` on 127.0.0.1 (a free port) in a subprocess, either on --checkpoint or on a freshly made
 random model (--preset, character vocabulary), waits for /health, then runs --clients clients (one event loop:
 `load_client`, light on the CPU it shares with the server) that each send streamed /v1/completions requests back
-to back until --seconds have passed. Prints requests/s, generated
-tokens/s, latency and time-to-first-token percentiles, and the error count (which should be 0). Everything is
-bounded: per-request timeouts, a deadline, and the server is stopped at the end.
+to back until --seconds have passed. Prints requests/s, generated tokens/s, latency and time-to-first-token
+percentiles, and the error count (which should be 0). Everything is bounded: per-request timeouts, a deadline, and
+the server is stopped at the end.
 
     python benchmarks/serve_load.py                          # 16 clients, 20 s, preset char-5min
     python benchmarks/serve_load.py --preset gpt2 --dtype bfloat16 --max-tokens 32
