@@ -5,6 +5,7 @@ again once, and an answer cut short or refused is an error, never a count."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import sys
 import threading
@@ -17,8 +18,12 @@ from gptlab.tokenizer import CharTokenizer
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httptools")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from load_client import run_load  # noqa: E402 - benchmarks/ is not a package
+# benchmarks/ is not a package, nor put on sys.path here (its scripts' names must not shadow anything else)
+_SPEC = importlib.util.spec_from_file_location("benchmarks_load_client",
+                                               Path(__file__).resolve().parents[1] / "benchmarks" / "load_client.py")
+load_client = sys.modules[_SPEC.name] = importlib.util.module_from_spec(_SPEC)  # (dataclasses look it up there)
+_SPEC.loader.exec_module(load_client)
+run_load = load_client.run_load
 
 
 def test_clients_count_every_streamed_token_of_a_real_server() -> None:
