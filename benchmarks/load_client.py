@@ -11,7 +11,7 @@ A request on a kept-alive connection that the server closed before answering any
 connection, as HTTP clients do (llama-server closes its connection after each stream, a close that can cross the
 next request); a new connection that fails, or an answer cut short, is an error.
 
-    results, errors, wall_s, cpu_s = run_load("http://127.0.0.1:8000", 16, 20.0, lambda i, n: "ROMEO:", 64, 0.8)
+    load = run_load("http://127.0.0.1:8000", 16, 20.0, lambda i, n: "ROMEO:", 64, 0.8)  # a `Load`
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
@@ -124,6 +125,7 @@ class _Client:
     conn: _Response | None = None
     results: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    resent: int = 0
 
     async def completion(self, prompt: str, max_tokens: int, temperature: float) -> dict:
         """One streamed /v1/completions (usage included): latency, time to first token, tokens, longest pause."""
@@ -150,6 +152,7 @@ class _Client:
                 # HTTP clients do; a fresh connection that fails, or any answer cut short, is an error
                 if not (reused and not conn.answered and attempt == 0):
                     raise
+                self.resent += 1
             except BaseException:
                 self.close()
                 raise
@@ -170,8 +173,18 @@ class _Client:
         self.conn = None
 
 
+class Load(NamedTuple):
+    """What the clients got."""
+
+    results: list[dict]  # one per answered request: latency, ttft, tokens, pause (seconds), long (its prompt's)
+    errors: list[str]  # one per failed request
+    wall_s: float
+    cpu_s: float  # this process's CPU time meanwhile
+    resent: int  # requests sent again on a new connection: their kept-alive one closed before answering
+
+
 async def _run(url: str, clients: int, seconds: float, prompt_for, max_tokens: int,  # noqa: ANN001
-               temperature: float) -> tuple[list[dict], list[str], float, float]:
+               temperature: float) -> Load:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     warm = _Client(host, port)
@@ -193,14 +206,14 @@ async def _run(url: str, clients: int, seconds: float, prompt_for, max_tokens: i
     t0, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(client(i, c) for i, c in enumerate(pool)))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return [r for c in pool for r in c.results], [e for c in pool for e in c.errors], wall, cpu
+    return Load([r for c in pool for r in c.results], [e for c in pool for e in c.errors], wall, cpu,
+                sum(c.resent for c in pool))
 
 
 def run_load(url: str, clients: int, seconds: float, prompt_for, max_tokens: int,  # noqa: ANN001
-             temperature: float) -> tuple[list[dict], list[str], float, float]:
+             temperature: float) -> Load:
     """`clients` streaming clients sending /v1/completions back to back for `seconds`; client i's n-th prompt is
-    prompt_for(i, n). Returns (one dict per answered request, the errors, the wall seconds, this process's CPU
-    seconds meanwhile)."""
+    prompt_for(i, n)."""
     try:
         import uvloop
 

@@ -113,8 +113,8 @@ def load(url: str, args: argparse.Namespace) -> dict:
             prompt = (prompt * (args.long_prompt // len(prompt) + 1))[: args.long_prompt]
         return prompt
 
-    results, errors, wall, client_cpu = run_load(url, args.clients, args.seconds, prompt_for, args.max_tokens,
-                                                 args.temperature)
+    results, errors, wall, client_cpu, resent = run_load(url, args.clients, args.seconds, prompt_for, args.max_tokens,
+                                                         args.temperature)
     ttft = [r["ttft"] for r in results]
     lat = [r["latency"] for r in results]
     return {"requests": len(results), "wall": wall, "tokens": sum(r["tokens"] for r in results),
@@ -123,7 +123,7 @@ def load(url: str, args: argparse.Namespace) -> dict:
             "ttft50": percentile(ttft, 0.5), "ttft99": percentile(ttft, 0.99),
             "pauses": [r["pause"] for r in results if not r["long"]], "errors": errors,
             "mean_tokens": statistics.mean(r["tokens"] for r in results) if results else 0.0,
-            "client_cores": client_cpu / wall}
+            "client_cores": client_cpu / wall, "resent": resent}
 
 
 def serve_gptlab(ckpt: str, port: int, args: argparse.Namespace, log: IO) -> subprocess.Popen:
@@ -284,7 +284,9 @@ def report(name: str, s: dict, args: argparse.Namespace) -> None:
           f"{s['cpu_ms_per_token']:.2f} CPU ms per token"
           + (f" ({s['main_cpu_ms_per_token']:.3f} on its main thread, the engine's loop)" if name == "gptlab" else "")
           + f", errors {len(s['errors'])}"
-          + (f" (first: {s['errors'][0]})" if s["errors"] else ""))
+          + (f" (first: {s['errors'][0]})" if s["errors"] else "")
+          # a request whose kept-alive connection the server closed before answering, sent once more on a new one
+          + (f", {s['resent']} sent again on a new connection" if s["resent"] else ""))
     if "steps_per_s" in s:
         print(f"  gptlab's decoding steps: {s['steps_per_s']:.1f} a second, {s['rows_per_step']:.2f} rows a step on "
               f"average (max batch {args.max_batch}); {s['admissions_per_step']:.2f} admissions (a prefill call "
@@ -372,7 +374,7 @@ def main() -> None:
         print(f"median {name}: {m['tokens_per_s']:.1f} tokens/s, {m['req_per_s']:.2f} req/s, first token p50 "
               f"{m['ttft50'] * 1000:.0f} ms p99 {m['ttft99'] * 1000:.0f} ms, {m['cpu_ms_per_token']:.2f} server CPU ms "
               f"per token, load generator {m['client_cores']:.2f} cores, errors "
-              f"{sum(len(s['errors']) for s in rounds[name])}")
+              f"{sum(len(s['errors']) for s in rounds[name])}, sent again {sum(s['resent'] for s in rounds[name])}")
     g = med["gptlab"]
     if offline:
         engine = statistics.median(offline)

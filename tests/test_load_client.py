@@ -32,10 +32,10 @@ def test_clients_count_every_streamed_token_of_a_real_server() -> None:
     tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz ")
     app = create_app(tiny_model(vocab_size=tok.vocab_size), tok, model_name="t", max_batch=4, ui=False)
     with ServerThread(app) as server:
-        results, errors, wall, cpu = run_load(server.url, 3, 1.0, lambda i, n: "ab c"[: 1 + (i + n) % 4], 7, 0.8)
-    assert errors == []
-    assert len(results) >= 3 and wall >= 1.0 and cpu >= 0
-    for r in results:
+        load = run_load(server.url, 3, 1.0, lambda i, n: "ab c"[: 1 + (i + n) % 4], 7, 0.8)
+    assert load.errors == [] and load.resent == 0  # uvicorn keeps its connections
+    assert len(load.results) >= 3 and load.wall_s >= 1.0 and load.cpu_s >= 0
+    for r in load.results:
         assert r["tokens"] == 7  # the usage's completion tokens: sampling ignores no stop here (no end token)
         assert 0 < r["ttft"] <= r["latency"] and r["pause"] <= r["latency"]
 
@@ -113,21 +113,23 @@ def test_a_server_closing_each_kept_alive_connection_costs_no_error(close: str) 
     else:
         server = _Scripted(lambda n, k: GOOD if k == 1 else None, close_after=lambda n: False)
     with server as url:
-        results, errors, _, _ = run_load(url, 2, 0.3, lambda i, n: "x", 5, 0.8)
-    assert errors == [] and len(results) >= 2
-    assert all(r["tokens"] == 5 for r in results)  # the usage's count, not the 2 text chunks
+        load = run_load(url, 2, 0.3, lambda i, n: "x", 5, 0.8)
+    assert load.errors == [] and len(load.results) >= 2
+    assert all(r["tokens"] == 5 for r in load.results)  # the usage's count, not the 2 text chunks
+    if close == "on the next request":  # each client's every request after its first met a closing connection
+        assert load.resent == len(load.results) - 2
 
 
 def test_a_new_connection_closed_unanswered_is_an_error() -> None:
     with _Scripted(lambda n, k: GOOD if n == 1 else None, close_after=lambda n: False) as url:
-        results, errors, _, _ = run_load(url, 1, 0.2, lambda i, n: "x", 5, 0.8)
+        results, errors, *_ = run_load(url, 1, 0.2, lambda i, n: "x", 5, 0.8)
     assert results == [] and errors and all("disconnected" in e for e in errors)
 
 
 def test_without_usage_the_chunks_with_text_are_counted() -> None:
     with _Scripted(lambda n, k: _stream([_text("a"), _text(""), _text("b"), _text("c")]),
                    close_after=lambda n: False) as url:
-        results, errors, _, _ = run_load(url, 1, 0.2, lambda i, n: "x", 5, 0.8)
+        results, errors, *_ = run_load(url, 1, 0.2, lambda i, n: "x", 5, 0.8)
     assert errors == [] and results and all(r["tokens"] == 3 for r in results)
 
 
@@ -140,5 +142,5 @@ def test_without_usage_the_chunks_with_text_are_counted() -> None:
 def test_an_answer_cut_short_refused_or_failed_is_an_error_never_a_count(bad: bytes, close: bool,
                                                                           message: str) -> None:
     with _Scripted(lambda n, k: GOOD if n == 1 else bad, close_after=lambda n: close and n > 1) as url:
-        results, errors, _, _ = run_load(url, 1, 0.2, lambda i, n: "x", 5, 0.8)
+        results, errors, *_ = run_load(url, 1, 0.2, lambda i, n: "x", 5, 0.8)
     assert results == [] and errors and all(message in e for e in errors)
