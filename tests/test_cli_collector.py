@@ -40,3 +40,26 @@ def test_freeze_at_exit_freezes_at_exit_only_and_registers_once() -> None:
 
 def test_torch_is_imported_with_its_objects_frozen_and_the_collector_back_on() -> None:
     assert run(IMPORT) == ["torch imported: True", "collector on: True", "frozen: True"]
+
+
+HEAP = """
+import gc, weakref
+from gptlab.cli.collector import freeze_heap
+
+class Node:
+    pass
+
+alive = [Node() for _ in range(1000)]
+cycle = Node()
+cycle.self = cycle  # garbage only the collector frees
+gone = weakref.ref(cycle)
+del cycle
+freeze_heap()
+print("garbage collected, not frozen:", gone() is None)
+print("alive frozen:", gc.get_freeze_count() >= 1000 and not any(o is alive for o in gc.get_objects()))
+print("collector on:", gc.isenabled())
+"""
+
+
+def test_freeze_heap_frees_the_garbage_then_freezes_what_is_alive() -> None:
+    assert run(HEAP) == ["garbage collected, not frozen: True", "alive frozen: True", "collector on: True"]

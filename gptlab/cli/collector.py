@@ -8,6 +8,10 @@ at exit: a noticeable share of a command that takes a few seconds in all (`gptla
   permanent generation (`gc.freeze`), which later collections skip; the collector runs as usual afterwards.
 * `freeze_at_exit`: the same freeze in an atexit handler, which the interpreter calls before its final
   collections; the process's memory goes back to the system when it exits all the same.
+* `freeze_heap`: a long-running command (`gptlab serve`), once it has loaded everything, collects once and freezes
+  what is alive: the model, the app and the libraries they imported (~200,000 objects). The collector's full passes
+  while it serves then skip them: each took 50-90 ms, the engine's steps waiting on the GIL meanwhile (a stall of
+  every stream at once); 1.6 ms after (GPT-2's blocks in int8, 16 clients).
 """
 
 from __future__ import annotations
@@ -31,3 +35,10 @@ def import_torch_quietly() -> None:
 def freeze_at_exit() -> None:
     """Have the interpreter's final collections skip every object still alive at exit; once per process."""
     atexit.register(gc.freeze)
+
+
+def freeze_heap() -> None:
+    """Collect once (no garbage is kept), then move every object alive to the permanent generation, which the
+    collector's passes skip from then on."""
+    gc.collect()
+    gc.freeze()
