@@ -12,7 +12,8 @@ at exit: a noticeable share of a command that takes a few seconds in all (`gptla
   what is alive: the model, the app and the libraries they imported (~200,000 objects). The collector's full passes
   while it serves then skip them: each took 50-90 ms, the engine's steps waiting on the GIL meanwhile (a stall of
   every stream at once); 1.6 ms after (GPT-2's blocks in int8, 16 clients). A frozen object dropped later is still
-  freed by its reference count; only a cycle among frozen objects would stay, and a server drops no such thing.
+  freed by its reference count; only a cycle among frozen objects would stay, and what a server drops while serving
+  (requests, their rows, prefix-cache blocks) is made after the freeze.
 """
 
 from __future__ import annotations
