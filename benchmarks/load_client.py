@@ -34,7 +34,7 @@ class _Response(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.closed = asyncio.get_running_loop().create_future()
+        self.lost = False  # the connection closed (by either side)
         self._begin(None)
 
     def _begin(self, on_line) -> None:  # noqa: ANN001 - on_line(bytes) for each body line, or None
@@ -61,9 +61,8 @@ class _Response(asyncio.Protocol):
             self._fail(RuntimeError(f"unparsable response: {e}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
         self._fail(RuntimeError("server disconnected without sending a complete response"))
-        if not self.closed.done():
-            self.closed.set_result(None)
 
     # httptools' callbacks
     def on_headers_complete(self) -> None:
@@ -135,7 +134,7 @@ class _Client:
                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
         stream = _Stream(time.perf_counter())
         for attempt in (0, 1):
-            reused = self.conn is not None and not self.conn.closed.done()
+            reused = self.conn is not None and not self.conn.lost
             if not reused:
                 self.close()
                 loop = asyncio.get_running_loop()
