@@ -160,6 +160,28 @@ def test_rope_matches_complex_rotation():
     assert torch.allclose(out[..., half:4], z.imag, atol=1e-6)
     assert torch.equal(out[..., 4:], x[..., 4:])
 
+def test_kept_rope_frequencies_follow_the_config_and_serve_training_after_inference():
+    """inv_frequencies keeps what it made for the next forward: a changed base or scaling gets its own, and
+    frequencies first made under inference_mode (a decoding step) work in a training forward after it."""
+    from gptlab.config import RopeScaling
+    from gptlab.rope import inv_frequencies, rope_tables
+
+    config = small(position="rope")
+    with torch.inference_mode():
+        first, _ = inv_frequencies(config, 0)
+    assert inv_frequencies(config, 0)[0] is first  # kept
+    config.rope_base = 500.0
+    assert torch.equal(inv_frequencies(config, 0)[0], 1.0 / 500.0 ** (torch.arange(0, 8, 2).float() / 8))
+    config.rope_scaling = RopeScaling(kind="linear", factor=4.0)
+    assert torch.equal(inv_frequencies(config, 0)[0], 1.0 / 500.0 ** (torch.arange(0, 8, 2).float() / 8) / 4)
+    config.rope_base = 700.0
+    with torch.inference_mode():
+        rope_tables(config, torch.arange(6)[None])
+    x = torch.randn(4, requires_grad=True)
+    (x * inv_frequencies(config, 0)[0]).sum().backward()  # a graph saves them: no inference tensor
+    assert torch.equal(x.grad, inv_frequencies(config, 0)[0])
+
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
