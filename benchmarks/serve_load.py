@@ -30,7 +30,10 @@ engine spent prefilling admitted rows and decoding (`gptlab_admissions_total`, `
 Beside the served figure: the engine's own tokens/s at the same batch without a server (`generate_batch` of
 max-batch prompts, the clients' prompts, max-tokens each at the same temperature, in a process of its own, once per
 round), and served / offline. Both prefill one prompt per max-tokens generated; offline prefills its max-batch
-prompts in one call, the server each admission's as it comes (the prompts waiting at a step together).
+prompts in one call, the server each admission's as it comes (the prompts waiting at a step together). With
+llama-server, where `llama-batched-bench` was built beside it, llama.cpp's engine alone too (its generation phase at
+the same batch and tokens after an 8-token prompt) and llama-server's served / offline: what the peer's own HTTP
+side costs it on the same machine.
 
     python benchmarks/serve_load.py --peer llama-server --llama-server LLAMA_CPP/build/bin/llama-server --rounds 3
 
@@ -212,6 +215,19 @@ print(statistics.median(rates))
     return float(done.stdout.split()[-1])
 
 
+def llama_offline_tokens_per_s(bench: Path, gguf: Path, context: int, args: argparse.Namespace) -> float:
+    """llama.cpp's own decoding tokens/s at the served batch, no server: `llama-batched-bench` (built beside
+    llama-server) with max-batch sequences of max-tokens new tokens after a prompt of 8, its generation phase
+    (S_TG), at raised priority as the servers."""
+    _, done = run_timed([str(bench), "--model", str(gguf), "--ctx-size", str(max(context, 8 + args.max_tokens)
+                                                                              * args.max_batch),
+                         "-npp", "8", "-ntg", str(args.max_tokens), "-npl", str(args.max_batch),
+                         "--threads", str(args.threads), "--threads-batch", str(args.threads)])
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in rows[0]]
+    return float(rows[-1][header.index("S_TG t/s")])
+
+
 def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
     """CPU time (user + system) process `pid` has used, every thread's or only `thread`'s (a thread id; the main
     thread's is `pid`), from /proc (Linux); nan elsewhere. Unlike tokens/s, CPU time per token is little moved by
@@ -355,8 +371,12 @@ def main() -> None:
         print(f"served {ckpt if args.checkpoint else 'random ' + args.preset} ({args.dtype}), {args.clients} "
               f"clients, {args.seconds:.0f} s, max_tokens {args.max_tokens}, temperature {args.temperature}, "
               f"max batch {args.max_batch}, {args.threads} threads")
+        # llama.cpp's engine alone, beside its server, where its batched bench was built with it
+        bench = Path(args.llama_server).with_name("llama-batched-bench") if "llama-server" in contenders else None
+        bench = bench if bench is not None and os.access(bench, os.X_OK) and not args.no_offline else None
         rounds: dict[str, list[dict]] = {name: [] for name in contenders}
         offline: list[float] = []
+        peer_offline: list[float] = []
         for r in range(args.rounds):
             print(f"round {r + 1} (load {loadavg()})")
             for name, start in contenders.items():
@@ -367,6 +387,9 @@ def main() -> None:
                 offline.append(offline_tokens_per_s(ckpt, args))
                 print(f"  gptlab's engine offline: {offline[-1]:.1f} tokens/s = {offline[-1] / args.max_batch:.1f} "
                       f"steps a second of {args.max_batch} rows")
+            if bench is not None:
+                peer_offline.append(llama_offline_tokens_per_s(bench, gguf, context, args))
+                print(f"  llama.cpp's engine offline (llama-batched-bench): {peer_offline[-1]:.1f} tokens/s")
 
     keys = ("tokens_per_s", "req_per_s", "ttft50", "ttft99", "cpu_ms_per_token", "client_cores")
     med = {name: {k: statistics.median(s[k] for s in runs) for k in keys} for name, runs in rounds.items()}
@@ -380,6 +403,11 @@ def main() -> None:
         engine = statistics.median(offline)
         print(f"gptlab's engine offline at batch {args.max_batch} (generate_batch, no server): median {engine:.1f} "
               f"tokens/s; served / offline {g['tokens_per_s'] / engine:.2f}x")
+    if peer_offline and med["llama-server"]["tokens_per_s"] > 0:
+        engine = statistics.median(peer_offline)
+        print(f"llama.cpp's engine offline at batch {args.max_batch} (llama-batched-bench's generation, no server): "
+              f"median {engine:.1f} tokens/s; llama-server's served / offline "
+              f"{med['llama-server']['tokens_per_s'] / engine:.2f}x")
     for peer in contenders.keys() - {"gptlab"}:
         p = med[peer]
         if p["tokens_per_s"] > 0:
