@@ -160,6 +160,7 @@ def test_rope_matches_complex_rotation():
     assert torch.allclose(out[..., half:4], z.imag, atol=1e-6)
     assert torch.equal(out[..., 4:], x[..., 4:])
 
+
 def test_kept_rope_frequencies_follow_the_config_and_serve_training_after_inference():
     """inv_frequencies keeps what it made for the next forward: a changed base or scaling gets its own, and
     frequencies first made under inference_mode (a decoding step) work in a training forward after it."""
@@ -180,7 +181,6 @@ def test_kept_rope_frequencies_follow_the_config_and_serve_training_after_infere
     x = torch.randn(4, requires_grad=True)
     (x * inv_frequencies(config, 0)[0]).sum().backward()  # a graph saves them: no inference tensor
     assert torch.equal(x.grad, inv_frequencies(config, 0)[0])
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
