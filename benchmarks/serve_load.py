@@ -219,9 +219,9 @@ def llama_offline_tokens_per_s(bench: Path, gguf: Path, context: int, args: argp
     """llama.cpp's own decoding tokens/s at the served batch, no server: `llama-batched-bench` (built beside
     llama-server) with max-batch sequences of max-tokens new tokens after a prompt of 8, its generation phase
     (S_TG), at raised priority as the servers."""
-    _, done = run_timed([str(bench), "--model", str(gguf), "--ctx-size", str(max(context, 8 + args.max_tokens)
-                                                                              * args.max_batch),
-                         "-npp", "8", "-ntg", str(args.max_tokens), "-npl", str(args.max_batch),
+    ctx = max(context, 8 + args.max_tokens) * args.max_batch  # room for every sequence
+    _, done = run_timed([str(bench), "--model", str(gguf), "--ctx-size", str(ctx), "-npp", "8",
+                         "-ntg", str(args.max_tokens), "-npl", str(args.max_batch),
                          "--threads", str(args.threads), "--threads-batch", str(args.threads)])
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("|")]
     header = [c.strip() for c in rows[0]]

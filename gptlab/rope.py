@@ -24,8 +24,8 @@ LENGTH_DEPENDENT = ("dynamic", "longrope")  # scalings whose frequencies change 
 
 def inv_frequencies(config: GPTConfig, seq_len: int) -> tuple[torch.Tensor, float]:
     """(inv_freq (rotary_dim / 2,), attention factor) for a forward whose last position is seq_len - 1. Kept for
-    the next forward of the same shape: a decoding step makes them again every token (5-10 small ops, ~0.1 ms of a
-    tiny model's batch step). The tensor is shared: callers must not change it in place."""
+    the next forward of the same shape: a decoding step made them again every token (5-10 small ops). The tensor
+    is shared: callers must not change it in place."""
     if torch.compiler.is_compiling():
         return _inv_frequencies(config, seq_len)
     key = (config.rotary_dim, config.rope_base, repr(config.rope_scaling), config.block_size, seq_len)
