@@ -139,9 +139,27 @@ def test_packed_linears_give_the_same_tokens_and_leave_the_model_alone(dtype):
     for pack in (True, False):
         engine = Engine(model, max_batch=2, pack_weights=pack)
         assert (engine._packed is not None) == (pack and helps)
-        runs[pack] = _greedy_run(model, pack, engine)[0]
-    assert runs[True] == runs[False]
+        runs[pack] = _greedy_run(model, pack, engine)
+    if dtype == torch.float32:
+        assert runs[True][0] == runs[False][0]
+    else:  # bf16 products round differently on each path (a packed kernel keeps fp32 sums): near-ties may go
+        for tokens, logprobs in runs.values():  # either way, so each run must be greedy within bf16's error
+            assert_greedy_within(model, [[1, 2, 3], [4, 5]], tokens, logprobs, tol=0.1)
     assert all("forward" not in m.__dict__ for m in model.modules())  # the plain Linear.forward is back
+
+
+def assert_greedy_within(model, prompts: list[list[int]], tokens: list[list[int]], logprobs: list[float],
+                         tol: float) -> None:
+    """Each generated token's logprob (as the run reported it) is the full forward's over the same context within
+    `tol`, and no other token's is higher by more than `tol`: greedy, up to near-ties of that size."""
+    given = iter(logprobs)
+    for prompt, out in zip(prompts, tokens, strict=True):
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([prompt + out]))
+        ref = torch.log_softmax(logits[0, len(prompt) - 1: -1].float(), dim=-1)  # (T, V): each new token's
+        for t, tok in enumerate(out):
+            assert next(given) == pytest.approx(float(ref[t, tok]), abs=tol)
+            assert float(ref[t].max() - ref[t, tok]) <= tol
 
 
 class LoRALinear(nn.Linear):

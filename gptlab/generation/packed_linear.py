@@ -50,14 +50,15 @@ from gptlab.linear import plain_linear
 log = logging.getLogger(__name__)
 
 
-def packing_helps(device: torch.device, dtype: torch.dtype, rows: int = 1) -> bool:
+def packing_helps(device: torch.device, dtype: torch.dtype, rows: int = 1, path: str | None = None) -> bool:
     """True where a re-laid-out weight is the faster path and works here: fp32, or bf16 with oneDNN or gptlab's
-    own kernel, on a CPU."""
-    if device.type != "cpu":
+    own kernel, on a CPU. A `path` naming a build of gptlab's kernels packs both dtypes whatever the dispatch
+    picked for their products alone (on an AVX2-only CPU oneDNN cannot pack bf16, but the build can)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if dtype == torch.float32:
+    if dtype == torch.float32 or (path is not None and path in kernel_builds()):
         return True
-    return dtype == torch.bfloat16 and (_bf16_packing_works() or chosen_ops("bfloat16", rows) is not None)
+    return _bf16_packing_works() or chosen_ops("bfloat16", rows) is not None
 
 
 @functools.cache
@@ -127,7 +128,7 @@ def _pack(module: nn.Linear, batch_hint: int, path: str | None = None) -> _Pack 
     the one the dispatch measured fastest for its dtype); None where packing does not help (or fails) for its
     dtype and device."""
     weight = module.weight
-    if not packing_helps(weight.device, weight.dtype, batch_hint):
+    if not packing_helps(weight.device, weight.dtype, batch_hint, path):
         return None
     with torch.no_grad():
         w = weight.detach()
