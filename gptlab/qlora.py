@@ -2,7 +2,8 @@
 own formats, `quantize`'s arithmetic, not NF4), LoRA adapters trained over them.
 
 What a quantized layer keeps, and nothing more: int4 as two weights a byte with an fp16 scale and an fp16 low end
-per group of inputs (w = q * scale + low, 0.625 bytes a weight at groups of 32; `quantize_int4` makes both fp16
+per group of inputs (w = q * scale + low, 0.625 bytes a weight at groups of 32; the min/max grid of
+`quantize_int4_low`, one pass as a model loads, where inference's `quantize_int4` refits each group; both fp16
 values, so fp16 holds them exactly: fp32 only for weights beyond fp16's range), int8 as a byte a weight with an
 fp32 scale per row. No fp32 copy of the base exists at any point: loading quantizes one layer as it is read
 (`loading.load_frozen_base`), and each call dequantizes its layer's weight into the compute dtype a block at a time
