@@ -28,8 +28,8 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
     Each group's grid is the one of least squared error among a few: the min/max grid (`quantize_int4_low`), and
     for each of `_GRID_SLACK`'s level counts, the weights rounded onto it and the scale and low end refitted to
-    them by least squares. About 0.8x the min/max grid's squared error on Gaussian weights, for about 10x its
-    time (0.75 s for 16.7M weights on 2 cores: minutes for a 7B model). The scale and the low end
+    them by least squares. About 0.83x the min/max grid's squared error on Gaussian weights, for about 7x its
+    time (0.4-0.5 s for 16.7M weights on 2 cores: a few minutes for a 7B model). The scale and the low end
     (zero - 8 * scale) are fp16 values wherever fp16 holds them (weights below 65504 in magnitude), so a kernel may
     store them in 2 bytes each without rounding (gptlab's does: it then reads 0.625 bytes a weight at group 32)."""
     n, k = w.shape
