@@ -60,22 +60,26 @@ def _fitted_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
     size = float(group_size)
     sw, sww = g.sum(dim=-1), g.square().sum(dim=-1)
 
-    def error(s: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def sums(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """per group: sum(q), sum(q^2), sum(q g)"""
+        return q.sum(dim=-1), q.square().sum(dim=-1), (q * g).sum(dim=-1)
+
+    def error(s: torch.Tensor, m: torch.Tensor, sq: torch.Tensor, sqq: torch.Tensor,
+              sqw: torch.Tensor) -> torch.Tensor:
         """sum((q s + m - g)^2) per group, from the sums"""
-        sq, sqq, sqw = q.sum(dim=-1), q.square().sum(dim=-1), (q * g).sum(dim=-1)
         e = s * s * sqq + 2 * s * m * sq + size * m * m - 2 * s * sqw - 2 * m * sw + sww
         return torch.where(s.isfinite() & m.isfinite() & (s > 0), e, torch.inf)
 
     best_s, best_low = scale0, low0
-    best = error(scale0, low0 - lo, q0.reshape(g.shape).float())
+    best = error(scale0, low0 - lo, *sums(q0.reshape(g.shape).float()))
     span = (hi - lo).clamp(min=_TINY)
     for slack in _GRID_SLACK:
         q = (g * ((15 + slack) / span)[..., None]).round_().clamp_(0, 15)
-        sq, sqq, sqw = q.sum(dim=-1), q.square().sum(dim=-1), (q * g).sum(dim=-1)
+        sq, sqq, sqw = sums(q)
         det = size * sqq - sq * sq  # 0 where every weight took one level: the min/max grid stays
         s = _fp16_nearest((size * sqw - sq * sw) / det)
         low = _fp16_nearest(lo + (sw - s * sq) / size)
-        e = torch.where(det > 0, error(s, low - lo, q), torch.inf)
+        e = torch.where(det > 0, error(s, low - lo, sq, sqq, sqw), torch.inf)
         better = e < best
         best = torch.where(better, e, best)
         best_s, best_low = torch.where(better, s, best_s), torch.where(better, low, best_low)
