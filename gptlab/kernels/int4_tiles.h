@@ -117,25 +117,30 @@ inline void tile(const int8_t* xq, int64_t ldx, const float* d, int64_t ldb, con
     for (int64_t i = 0; i < per_group; ++i, ++b) {
       const int64_t k0 = b * kBlock;
       const uint8_t* w = panel + k0 * kPanel / 2;
-      for (int h = 0; h < 2; ++h) {  // rows 0-7, then 8-15
-        __m256i acc[R];
+      // both halves of the panel (rows 0-7, then 8-15) against each broadcast of x: a broadcast made once per row
+      // and four bytes, and 2 R accumulators, the four weight registers and the broadcasts held in 16 registers
+      __m256i acc[R][2];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c)),
+                      v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble),
+                      lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const int8_t* x = xq + r * ldx + k0 + 8 * c;
-            acc[r] = dot8(acc[r], lo, _mm256_set1_epi32(quad(x)), hi, _mm256_set1_epi32(quad(x + 4)));
-          }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xq + r * ldx + k0 + 8 * c;
+          const __m256i xlo = _mm256_set1_epi32(quad(x)), xhi = _mm256_set1_epi32(quad(x + 4));
+          acc[r][0] = dot8(acc[r][0], lo0, xlo, hi0, xhi);
+          acc[r][1] = dot8(acc[r][1], lo1, xlo, hi1, xhi);
         }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          _mm256_storeu_ps(u[r] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d[r * ldb + b]),
-                                                          _mm256_loadu_ps(u[r] + 8 * h)));
       }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h)
+          _mm256_storeu_ps(u[r] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(d[r * ldb + b]),
+                                                          _mm256_loadu_ps(u[r] + 8 * h)));
     }
     for (int h = 0; h < 2; ++h) {
       const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + 8 * h))),

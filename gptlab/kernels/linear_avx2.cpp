@@ -148,7 +148,7 @@ struct Dense {
 #endif
 };
 
-struct Int8 : OnePanel<kTile> {
+struct Int8 : OnePanel<GPTLAB_NS::int_tiles::kRows> {
   static constexpr bool kTiles = true;
   const int8_t* data;
   int64_t K;
@@ -169,10 +169,14 @@ struct Int8 : OnePanel<kTile> {
     switch (rows) {
       case 1: return tile_i8<1>(xm, K, xscale + m, panel, K / 2, out);
       case 2: return tile_i8<2>(xm, K, xscale + m, panel, K / 2, out);
+#if defined(GPTLAB_AVX512)
       case 3: return tile_i8<3>(xm, K, xscale + m, panel, K / 2, out);
       case 4: return tile_i8<4>(xm, K, xscale + m, panel, K / 2, out);
       case 5: return tile_i8<5>(xm, K, xscale + m, panel, K / 2, out);
       default: return tile_i8<6>(xm, K, xscale + m, panel, K / 2, out);
+#else
+      default: return tile_i8<3>(xm, K, xscale + m, panel, K / 2, out);
+#endif
     }
   }
 };
@@ -214,7 +218,7 @@ struct Int4 : OnePanel<GPTLAB_NS::int4_tiles::kRows> {
       case 7: return tile<7>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
       default: return tile<8>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
 #else
-      default: return tile<4>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
+      default: return tile<GPTLAB_NS::int4_tiles::kRows>(xm, K, dm, B, sm, G, panel, qp, K, gs, out);
 #endif
     }
   }
