@@ -26,18 +26,27 @@ constexpr int kRows = 3;
 // int8: x in 16-bit fixed point (per row: x ~ xq * xscale, |xq| <= 32767) against the weights' integers.
 // A panel's column pair (k, k + 1) is laid out so that 8 rows' weights widen to (q[r][k], q[r][k + 1]) int16 pairs
 // in one register; _mm256_madd_epi16 multiplies them by the pair (xq[k], xq[k + 1]) and adds the two products into
-// an int32. Per 32 weights and row of x: 2 multiply-adds and 2 adds, plus 2 widenings shared by the rows, where
-// converting every weight to fp32 took 18 instructions.
+// an int32. Per 32 weights and row of x: 2 multiply-adds and 2 adds (AVX-VNNI: 2 vpdpwssd), plus 2 widenings shared
+// by the rows, where converting every weight to fp32 took 18 instructions.
 // 32 bytes per pair, rows 0-7 then 8-15. The int32 sums are exact for 256 pairs (2 * 32767 * 127 * 256 < 2^31),
 // then go to fp32 totals, scaled by xscale at the end; the weight's row scale comes in linear_impl.
 #if !defined(GPTLAB_AVX512)
+// acc + the pair products of w and x in each int32 lane: AVX-VNNI's vpdpwssd does both in one instruction (the
+// same exact sums)
+inline __m256i madd_add(__m256i acc, __m256i w, __m256i x) {
+#if defined(GPTLAB_AVXVNNI)
+  return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
 #define GPTLAB_QROW(r)                                                                        \
   if constexpr (R > r) {                                                                      \
     int32_t pair;                                                                             \
     std::memcpy(&pair, xq + r * ldx + 2 * j, sizeof pair);                                    \
     const __m256i xb = _mm256_set1_epi32(pair);                                               \
-    a##r##0 = _mm256_add_epi32(a##r##0, _mm256_madd_epi16(w0, xb));                           \
-    a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(w1, xb));                           \
+    a##r##0 = madd_add(a##r##0, w0, xb);                                                      \
+    a##r##1 = madd_add(a##r##1, w1, xb);                                                      \
   }
 #define GPTLAB_QROWS GPTLAB_QROW(0) GPTLAB_QROW(1) GPTLAB_QROW(2)
 // tot[r] += a * s + m * sum (here s = 1, m = 0)
