@@ -70,7 +70,9 @@ class Gptlab:
         return generate(self.model, idx, n, temperature=0)
 
     def kernels(self, batch: int) -> str:
-        report = Engine(self.model, batch).kernels()
+        # (a cache of a few positions: the report does not depend on its length, and a full-context one for 32
+        # rows of SmolLM2's shape took longer to zero than the timed run)
+        report = Engine(self.model, batch, max_len=8).kernels()
         return (f"decode step {report['decode step']}; " + ", ".join(f"{n} x{c}" for n, c in report["linears"].items())
                 + f"; {aten_ops_per_token(self.model, batch):.0f} ATen ops a decode step")
 
