@@ -135,6 +135,8 @@ def serve_gptlab(ckpt: str, port: int, args: argparse.Namespace, log: IO) -> sub
     cmd = [sys.executable, "-m", "gptlab.cli", "serve", ckpt, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-queue", str(4 * args.clients), *dtype_flags(args.dtype),
            "--prefill-chunk", str(args.prefill_chunk), "--stream-interval", str(args.stream_interval), "--no-ui"]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
                             preexec_fn=server_priority)
 
@@ -161,8 +163,9 @@ def serve_llama_server(gguf: Path, context: int, port: int, args: argparse.Names
                             preexec_fn=server_priority)
 
 
-def export_gguf(ckpt: str, directory: Path, dtype: str) -> tuple[Path, int]:
-    """The served checkpoint as a GGUF file for llama.cpp, and the model's context length."""
+def export_gguf(ckpt: str, directory: Path, dtype: str, args: argparse.Namespace) -> tuple[Path, int]:
+    """The served checkpoint as a GGUF file for llama.cpp, and the context length it serves (the model's, or
+    --max-model-len)."""
     from gptlab.loading import load_model
 
     out = directory / "model.gguf"
@@ -170,7 +173,7 @@ def export_gguf(ckpt: str, directory: Path, dtype: str) -> tuple[Path, int]:
                     {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}[dtype]], check=True,
                    stdout=subprocess.DEVNULL)
     model, _ = load_model(ckpt)
-    return out, model.config.block_size
+    return out, min(args.max_model_len or model.config.block_size, model.config.block_size)
 
 
 def clients_raised() -> bool:
@@ -325,6 +328,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--max-batch", type=int, help="gptlab's rows and llama-server's slots (default: --clients)")
+    ap.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                    help="each row's (slot's) context for both servers, as gptlab serve --max-model-len (default: "
+                    "the model's; SmolLM2's 8,192 positions in 64 rows need 22.5 GiB of fp32 KV cache)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
                     help="the weights (int8: gptlab's --quantize int8 against llama.cpp's q8_0)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each server")
@@ -363,10 +369,10 @@ def main() -> None:
             except ImportError as e:
                 print(f"skipping llama.cpp: {e} (pip install 'llama-cpp-python[server]', the `bench` extra)")
             else:
-                gguf, context = export_gguf(ckpt, Path(tmp), args.dtype)
+                gguf, context = export_gguf(ckpt, Path(tmp), args.dtype, args)
                 contenders["llama.cpp"] = lambda port, log: serve_llamacpp(gguf, context, port, args, log)
         elif args.peer == "llama-server":
-            gguf, context = export_gguf(ckpt, Path(tmp), args.dtype)
+            gguf, context = export_gguf(ckpt, Path(tmp), args.dtype, args)
             contenders["llama-server"] = lambda port, log: serve_llama_server(gguf, context, port, args, log)
         print(f"served {ckpt if args.checkpoint else 'random ' + args.preset} ({args.dtype}), {args.clients} "
               f"clients, {args.seconds:.0f} s, max_tokens {args.max_tokens}, temperature {args.temperature}, "

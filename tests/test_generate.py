@@ -109,6 +109,24 @@ def test_rows_join_and_leave_between_steps():
     assert short.token_ids == reference_greedy(model, [5, 6], 4)
 
 
+def test_a_kv_cache_that_leaves_too_little_memory_is_refused_before_it_is_allocated(monkeypatch):
+    """The cache may take at most 90% of the free memory (the engine's other buffers need the rest): one that
+    would fit only into all of it is refused in one line naming what to lower; a shorter row then fits."""
+    from gptlab.errors import GptlabError
+    from gptlab.generation import engine as engine_module
+    from gptlab.kv_cache import cache_bytes
+
+    model = tiny_model(block_size=64)
+    need = cache_bytes(model.config, 4, 64, torch.float32)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: int(need / 0.95))
+    with pytest.raises(GptlabError, match=r"KV cache in float32 \(64 positions a row\), more than 90% of the "
+                       r".* use a smaller batch or fewer positions a row \(max_len"):
+        Engine(model, max_batch=4, pack_weights=False)
+    assert Engine(model, max_batch=4, max_len=32, pack_weights=False).cache.k.shape[-2] == 32
+    with pytest.raises(ValueError, match="max_len must be >= 1"):
+        Engine(model, max_batch=4, max_len=-1, pack_weights=False)
+
+
 def test_bf16_model_runs_and_returns_fp32_sampling():
     model = tiny_model().to(torch.bfloat16)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_new_tokens=10)

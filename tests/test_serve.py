@@ -128,6 +128,24 @@ def test_max_tokens_is_capped_by_the_context(served, client):
     assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
 
 
+def test_a_served_context_shorter_than_the_models_bounds_prompts_and_completions(served):
+    """create_app(max_len=24) (`gptlab serve --max-model-len 24`) on a model of 64 positions: the KV cache holds 24
+    positions a row, a prompt of 24 tokens or more is refused naming 24, and max_tokens is capped at what the 24
+    leave; the tokens that fit are the model's own."""
+    _, model, tokenizer, _ = served
+    app = create_app(model, tokenizer, model_name=NAME, max_batch=2, max_queue=8, api_key=KEY, ui=False, max_len=24)
+    assert app.state.server.engine.cache.k.shape[-2] == 24
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+        prompt = "abcdefghij" * 2  # 20 of the 24 positions
+        out = client.completions.create(model=NAME, prompt=prompt, max_tokens=100, temperature=0)
+        assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+        assert out.choices[0].text == reference(model, tokenizer, prompt, 4)[0]
+        err = post(server, "/v1/completions", {"prompt": "x" * 24, "max_tokens": 1})
+        assert err.status_code == 400 and err.json()["error"]["code"] == "context_length_exceeded"
+        assert "maximum context length is 24 tokens" in err.json()["error"]["message"]
+
+
 def test_chat_plain_and_streamed(served, client):
     _, model, tok, _ = served
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]

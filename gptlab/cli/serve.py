@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: env GPTLAB_API_KEY, else none)")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="the context a request's prompt and completion share (default: the model's); each of the "
+                   "--max-batch rows keeps a KV cache of this many positions, so a long-context model at a large "
+                   "batch needs a shorter one to fit memory")
     p.add_argument("--max-queue", type=int, default=64,
                    help="generations allowed to wait for a row; more are answered 429 (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=256,
@@ -91,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = torch_dtype(args.dtype, device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=dtype, **quantize_options(args))
+    context = model.config.block_size
+    if args.max_model_len is not None and not 2 <= args.max_model_len <= context:
+        raise GptlabError(f"--max-model-len must be in 2..{context} (this model's context), got {args.max_model_len}")
     speculation = speculation_options(args, device, dtype)
     if tokenizer is None:
         raise GptlabError(f"{args.checkpoint} has no tokenizer: the server needs one to read prompts")
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
         prefill_chunk=args.prefill_chunk or None, max_body_bytes=int(args.max_body_mb * 2**20), ui=not args.no_ui,
         steering=steering, scheduler_thread=False, stream_interval=args.stream_interval / 1000, **prefix_cache,
-        **speculation,
+        **speculation, max_len=args.max_model_len,
     )
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch})", flush=True)
     serve_on_main_thread(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")),

@@ -69,12 +69,21 @@ if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
 
 
+# the share of the free memory a KV cache may take: the rest is for what the engine allocates beside it (packed
+# weights, a step's activations and logits, a prefill's). A SmolLM2-135M server of 64 rows x 8,192 positions in fp32
+# (22.5 GiB of cache, 22.9 GiB free) passed a check against all of it and was killed for memory when it filled
+CACHE_SHARE_OF_FREE_MEMORY = 0.9
+
+
 def check_cache_memory(config: Any, max_batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse a batch whose KV cache cannot fit, in one line, before trying to allocate it."""
     need, have = cache_bytes(config, max_batch, max_len, dtype), available_memory(device)
-    if have is not None and need > have:
-        raise GptlabError(f"max_batch {max_batch} needs {need / 2**30:.1f} GiB of KV cache ({max_len} positions a "
-                          f"row), {have / 2**30:.1f} GiB is free: use a smaller batch")
+    if have is not None and need > CACHE_SHARE_OF_FREE_MEMORY * have:
+        kind = str(dtype).removeprefix("torch.")
+        raise GptlabError(f"max_batch {max_batch} needs {need / 2**30:.1f} GiB of KV cache in {kind} "
+                          f"({max_len} positions a row), more than {CACHE_SHARE_OF_FREE_MEMORY:.0%} of the "
+                          f"{have / 2**30:.1f} GiB free: use a smaller batch or fewer positions a row (max_len; "
+                          f"`gptlab serve --max-model-len`)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -101,6 +110,8 @@ class Engine(PromptPrefill):
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"max_len must be >= 1 (or None: the model's block_size), got {max_len}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -115,9 +126,12 @@ class Engine(PromptPrefill):
         # (the Linears on the path whose whole decode step was timed fastest for this model and batch; the KV cache
         # stored as that step reads it fastest, attended in the default dtype: `step_cache_dtype`)
         attend_dtype = cache_dtype or default_cache_dtype(self.device, self.dtype)
-        check_cache_memory(self.config, max_batch, self.max_len, attend_dtype, self.device)  # (before any timing)
+        # (before any timing: the narrower of the caches a step may choose; then the one chosen)
+        narrowest = min(attend_dtype, native_decode.cache_dtype(model), key=lambda d: d.itemsize)
+        check_cache_memory(self.config, max_batch, self.max_len, cache_dtype or narrowest, self.device)
         path = decode_path(model, max_batch, cache_dtype) if pack_weights and not compile_decode else None
         cache_dtype = cache_dtype or (step_cache_dtype(model, path) if path else attend_dtype)
+        check_cache_memory(self.config, max_batch, self.max_len, cache_dtype, self.device)
         self.cache = KVCache(self.config, max_batch, self.max_len, device=self.device, dtype=cache_dtype,
                              attend_dtype=attend_dtype)
         self.slots: list[Generation | None] = [None] * max_batch

@@ -19,8 +19,8 @@ Behaviour worth knowing:
 * Every middleware is pure ASGI (`access`, `limits`, `metrics`): none touches a streamed chunk.
 * A prompt longer than prefill_chunk tokens is prefilled that many tokens per step, interleaved with the
   running rows' decoding steps, so a long prompt delays the others by one chunk at a time, not a whole prefill.
-* max_tokens is capped so that prompt + completion fit the context (block_size); finish_reason is then
-  "length". Without max_tokens, chat completions run to the end of the context (completions default to 16).
+* max_tokens is capped so that prompt + completion fit the context (block_size, or `max_len`); finish_reason is
+  then "length". Without max_tokens, chat completions run to the end of the context (completions default to 16).
 * The tokenizer's end-of-text token ends a completion (finish_reason "stop") unless ignore_eos is set.
 * `steering` (gptlab's extra field) adds named directions to the residual stream, per row; refused (400) unless
   the server was started with directions (`steering`).
@@ -89,6 +89,7 @@ def create_app(
     steering: Mapping[str, Direction] | None = None,
     scheduler_thread: bool = True,
     stream_interval: float = 0.0,
+    max_len: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model`; its scheduler thread starts and stops with the app's lifespan.
     `prefill_chunk`: prompt tokens prefilled per step (None: whole prompts), see `gptlab.generation.Engine`.
@@ -102,9 +103,10 @@ def create_app(
     `app.state.server.scheduler.run()` on its own thread (the app's shutdown ends it), as `gptlab serve` does on its
     main thread (`gptlab.serve.scheduler`). `stream_interval`: seconds a stream waits after each write but the
     first, so that the tokens of the steps meanwhile go out in one write (`gptlab.serve.streaming`; 0: each write
-    as soon as a step produced something)."""
+    as soon as a step produced something). `max_len`: the served context, prompt and completion, in tokens (at
+    most and by default the model's block_size): each of the max_batch rows' KV cache holds this many positions."""
     server = ServedModel(model, tokenizer, model_name, max_batch, max_queue, prefill_chunk, prefix_cache_mb,
-                         speculate, draft_tokens, steering, stream_interval)
+                         speculate, draft_tokens, steering, stream_interval, max_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -52,17 +52,18 @@ class ServedModel:
         draft_tokens: int = DRAFT_TOKENS,
         steering: Mapping[str, Direction] | None = None,
         stream_interval: float = 0.0,
+        max_len: int | None = None,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.stream_interval = stream_interval  # seconds a stream waits after each write (`streaming`)
         self.steering = SteeringDirections(model, steering)  # the directions requests may name (None: refused)
         # one for the server's life: compiled, and its turn end found, on the first chat request, then kept
         self.chat_template = chat_template_for(tokenizer)
-        self.block_size = model.config.block_size
         # prompts' beginnings (a system prompt, a conversation so far) prefilled once, reused by later requests
         self.engine = Engine(model, max_batch=max_batch, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
                              prefix_cache=PrefixCache.of_megabytes(prefix_cache_mb), speculate=speculate,
-                             draft_tokens=draft_tokens)
+                             draft_tokens=draft_tokens, max_len=max_len)
+        self.context_length = self.engine.max_len  # tokens a request's prompt and completion share
         engine = self.engine
         self.metrics = ServerMetrics(queue_length=lambda: self.scheduler.waiting,
                                      running_rows=lambda: len(engine.running),
@@ -72,10 +73,10 @@ class ServedModel:
 
     def check_prompt_chars(self, chars: int, param: str = "prompt") -> None:
         """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens."""
-        if chars > prompt_char_limit(self.block_size):
+        if chars > prompt_char_limit(self.context_length):
             raise ApiError(
                 400,
-                f"This model's maximum context length is {self.block_size} tokens; the {param} has {chars} "
+                f"This model's maximum context length is {self.context_length} tokens; the {param} has {chars} "
                 "characters, more than that many tokens can hold.",
                 param=param,
                 code="context_length_exceeded",
@@ -128,7 +129,7 @@ class ServedModel:
         gens = []
         for ids in prompts:
             ids = self._check_prompt(ids)
-            room = self.block_size - len(ids)
+            room = self.context_length - len(ids)
             try:
                 params = SamplingParams.from_fields(
                     fields,
@@ -161,10 +162,10 @@ class ServedModel:
             raise ApiError(400, str(e), param="prompt") from e
         if any(not 0 <= t < self.engine.config.vocab_size for t in ids):
             raise ApiError(400, "prompt token ids must be in [0, vocab_size)", param="prompt")
-        if len(ids) >= self.block_size:
+        if len(ids) >= self.context_length:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {self.block_size} tokens; the prompt has {len(ids)} "
+                f"This model's maximum context length is {self.context_length} tokens; the prompt has {len(ids)} "
                 "tokens, leaving no room for a completion.",
                 param="prompt",
                 code="context_length_exceeded",

@@ -83,7 +83,7 @@ class PatchRequest(BaseModel):
 
 
 def _bounded(server: ServedModel) -> int:
-    return min(MAX_TOKENS, server.block_size)
+    return min(MAX_TOKENS, server.context_length)
 
 
 def _attention(server: ServedModel, req: AttentionRequest) -> dict[str, Any]:
