@@ -226,7 +226,11 @@ def llama_offline_tokens_per_s(bench: Path, gguf: Path, context: int, args: argp
     _, done = run_timed([str(bench), "--model", str(gguf), "--ctx-size", str(ctx), "-npp", "8",
                          "-ntg", str(args.max_tokens), "-npl", str(args.max_batch),
                          "--threads", str(args.threads), "--threads-batch", str(args.threads)])
-    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("|")]
+    # the table's header, its |---| rule, then a row per batch size: a run that failed after the header has none
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("|") and not line.startswith("|-")]
+    if len(rows) < 2:
+        tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"no result row (exit {done.returncode}: {tail[0][:200]})")
     header = [c.strip() for c in rows[0]]
     return float(rows[-1][header.index("S_TG t/s")])
 
