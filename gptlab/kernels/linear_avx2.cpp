@@ -24,8 +24,9 @@
 //   error up to 1/254 of the block's largest value) and multiplied by byte dot products, exact in int32 per block.
 // * `linear(x, packed, qparams, bias, N)` (declared in linear_avx2.h, with `linear_part` for decode_step.cpp's
 //   step): y = x @ W.T + bias for x (M, K) in bf16 or fp32, out in x's dtype. A micro-kernel (dense_tiles.h,
-//   int_tiles.h, int4_tiles.h) takes up to 6 rows of x (int4: 8 on AVX-512, 4 on AVX2) and one panel, whose
-//   weights it unpacks once for all of them; AVX-512's bf16-by-bf16 one takes 8 rows and two panels, so each x
+//   int_tiles.h, int4_tiles.h) takes up to 6 rows of x (int8 on AVX2: 3; int4: 8 on AVX-512, 4 on AVX2: as many
+//   as keep its accumulators in registers) and one panel, whose weights it unpacks once for all of them;
+//   AVX-512's bf16-by-bf16 one takes 8 rows and two panels, so each x
 //   broadcast serves two dot products, and prefetches the next two panels. Threads (torch's pool,
 //   at::parallel_for, or the step's team) split the panels; rows go in blocks of 96 so a block of x stays in L2.
 //   The result is rounded once: for bf16 the numbers of a native bf16 matmul (fp32 accumulation), for int8 those
