@@ -55,7 +55,9 @@ def duty_cycle(stop: Callable[[], bool], busy_s: float, idle_s: float) -> None:
         time.sleep(idle_s)
 
 
-def _duty_process(done: multiprocessing.synchronize.Event, busy_s: float, idle_s: float) -> None:
+def _duty_process(ready: multiprocessing.synchronize.Event, done: multiprocessing.synchronize.Event, busy_s: float,
+                  idle_s: float) -> None:
+    ready.set()
     duty_cycle(done.is_set, busy_s, idle_s)
 
 
@@ -111,10 +113,13 @@ def on_thread(steps: Callable[[int], float], n: int) -> float:
 
 def with_process(steps: Callable[[int], float], n: int, busy_s: float, idle_s: float) -> float:
     ctx = multiprocessing.get_context("spawn")
-    done = ctx.Event()
-    competitor = ctx.Process(target=_duty_process, args=(done, busy_s, idle_s), daemon=True)
+    ready, done = ctx.Event(), ctx.Event()
+    competitor = ctx.Process(target=_duty_process, args=(ready, done, busy_s, idle_s), daemon=True)
     competitor.start()
-    time.sleep(0.5)  # spawned and running
+    # a spawned child imports this module, and so torch: ~1-2 s of a core, which a fixed wait here timed as the
+    # competitor's cost (the step looked 2.4x slower)
+    if not ready.wait(timeout=120):
+        raise RuntimeError("the competitor process did not start")
     try:
         return steps(n)
     finally:

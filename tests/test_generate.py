@@ -26,7 +26,7 @@ from gptlab.generation import (
     generate_stream,
     sample_next,
 )
-from gptlab.generation.sampling import apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from gptlab.generation.sampling import apply_min_p, apply_penalties, apply_top_k, apply_top_p, inverse_cdf
 from gptlab.linear import plain_linear
 from gptlab.tokenizer import CharTokenizer
 
@@ -325,6 +325,55 @@ def test_sampler_draws_from_the_filtered_distribution():
     params = [SamplingParams(temperature=0.5)] * 4000  # p^2 renormalized
     freq = torch.bincount(torch.tensor(sample_next(logits, params, gens)), minlength=4) / 4000
     assert torch.allclose(freq, probs**2 / (probs**2).sum(), atol=0.03)
+    # rows on torch's global generator draw their uniforms together, from the same distribution
+    torch.manual_seed(0)
+    freq = torch.bincount(torch.tensor(sample_next(logits, params, [None] * 4000)), minlength=4) / 4000
+    assert torch.allclose(freq, probs**2 / (probs**2).sum(), atol=0.03)
+    # a vocabulary of many blocks: the tokens far apart, one at a block's edge, the rest at -inf
+    wide = torch.full((4000, 1300), float("-inf"))
+    tokens = torch.tensor([255, 256, 700, 1299])
+    wide[:, tokens] = probs.log()
+    drawn = torch.tensor(sample_next(wide, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000))
+    assert torch.isin(drawn, tokens).all()
+    assert torch.allclose(torch.stack([(drawn == t).float().mean() for t in tokens]), probs, atol=0.03)
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(1, 1200), rows=st.integers(1, 5), zeros=st.floats(0, 0.95), seed=st.integers(0, 2**31),
+       edge=st.sampled_from([None, 0.0, 1 - 2**-53]))
+def test_inverse_cdf_finds_where_each_uniform_falls(vocab, rows, zeros, seed, edge):
+    """Against one fp64 scan over the whole row: the token whose cumulative weight brackets u times the total,
+    whatever the vocabulary's width against the blocks; never a token of weight 0, even at u's extremes."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(rows, vocab, generator=g) * (torch.rand(rows, vocab, generator=g) >= zeros)
+    weights[torch.arange(rows), torch.randint(vocab, (rows,), generator=g)] = 0.5  # some positive weight a row
+    u = torch.rand(rows, dtype=torch.float64, generator=g) if edge is None else torch.full((rows,), edge,
+                                                                                          dtype=torch.float64)
+    got = inverse_cdf(weights, u)
+    assert (weights.gather(1, got[:, None]) > 0).all()
+    cdf = weights.double().cumsum(-1)
+    for i in range(rows):
+        j, target = int(got[i]), float(u[i]) * float(cdf[i, -1])
+        assert (cdf[i, j - 1] if j else 0.0) <= target + 1e-12 and (target < cdf[i, j] + 1e-12 or edge)
+
+
+def test_a_seeded_row_draws_the_same_beside_shared_and_greedy_rows():
+    """A batch mixing rows on the global generator, seeded rows and greedy rows: each seeded row's tokens are the
+    ones it draws alone, a greedy row's is its argmax, and the shared rows still sample."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    hot, cold = SamplingParams(temperature=1.0), SamplingParams(temperature=0)
+    params = [hot, hot, cold, hot, cold, hot]
+    seeds = [None, 11, None, None, 5, 12]
+    gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+    alone = {i: sample_next(logits[i : i + 1], [params[i]], [torch.Generator().manual_seed(seeds[i])])[0]
+             for i in (1, 5)}
+    draws = [sample_next(logits, params, gens) for _ in range(20)]
+    first = draws[0]
+    assert first[1] == alone[1] and first[5] == alone[5]
+    assert first[2] == logits[2].argmax() and first[4] == logits[4].argmax()
+    assert len({d[0] for d in draws}) > 1 and len({d[3] for d in draws}) > 1  # the shared rows are not frozen
+    assert torch.equal(gens[4].get_state(), torch.Generator().manual_seed(5).get_state())  # a greedy row's: untouched
 
 
 def test_same_seed_same_text_and_other_seeds_differ():

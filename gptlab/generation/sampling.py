@@ -96,8 +96,8 @@ def sample_next(
     arithmetic runs in fp32 whatever the logits' dtype. A row with a grammar (structured outputs) samples only
     among the tokens it allows: the mask comes first, so every other control works within it.
 
-    Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token j with probability
-    p_j, and lets each row draw its noise from its own generator, followed by one batched argmax.
+    Each row draws one uniform from its own generator (`row_uniforms`) and takes the token where it falls in the
+    row's cumulative distribution (`inverse_cdf`), batched over the rows.
     """
     logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
     dev = logits.device
@@ -112,17 +112,60 @@ def sample_next(
         return logits.argmax(dim=-1).tolist()
 
     probs = filtered_probs(logits, params)
-    noise = torch.empty_like(probs)
-    for i, (sp, g) in enumerate(zip(params, generators, strict=True)):
-        if sp.greedy:  # decided by argmax below; don't touch any random stream
-            noise[i] = 1.0
-        else:
-            noise[i].exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = inverse_cdf(probs, row_uniforms(params, generators, dev))
     greedy = torch.tensor([sp.greedy for sp in params], device=dev)
     if greedy.any():
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)  # temperature 0 rows in a mixed batch
     return sampled.tolist()
+
+
+def row_uniforms(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) (fp64) per row: a row with a generator of its own (a seeded request) draws it from
+    that generator, so its tokens are the ones it would get alone; the rows on torch's global generator draw
+    theirs in one call; a greedy row's is 0 and its stream is left untouched (argmax decides it)."""
+    shared = [i for i, (sp, g) in enumerate(zip(params, generators, strict=True)) if g is None and not sp.greedy]
+    if len(shared) == len(params):
+        return torch.rand(len(params), dtype=torch.float64, device=device)
+    u = torch.zeros(len(params), dtype=torch.float64, device=device)
+    if shared:
+        u[shared] = torch.rand(len(shared), dtype=torch.float64, device=device)
+    for i, (sp, g) in enumerate(zip(params, generators, strict=True)):
+        if g is not None and not sp.greedy:
+            u[i] = torch.rand((), dtype=torch.float64, generator=g, device=device)
+    return u
+
+
+_BLOCK = 256  # tokens per block of inverse_cdf's first scan
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i of `weights` (n, V) (non-negative, with some positive) and its uniform u[i] in [0, 1): the token j
+    whose cumulative weight brackets u[i] times the row's total, so token j with probability weight_j / total.
+
+    The sums run in fp64; over a vocabulary wider than _BLOCK, in two short scans: over the blocks' totals, then
+    inside the one block that holds the target. (The exponential race, argmax(p / E) over Exp(1) noise, drew V
+    random numbers a row: 17 ms a step at 16 rows of GPT-2's 50,257 tokens on a Zen 3 core, and torch's fp64
+    cumsum over the whole vocabulary took 5 ms.)"""
+    n, V = weights.shape
+    if V <= _BLOCK:
+        cdf = weights.to(torch.float64).cumsum(-1)
+        return _bracket(cdf, u.reshape(n, 1) * cdf[:, -1:])[:, 0]
+    blocks = torch.nn.functional.pad(weights, (0, (-V) % _BLOCK)).view(n, -1, _BLOCK)  # (n, nb, B)
+    ends = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (n, nb) the weight up to each block's end
+    target = u.reshape(n, 1) * ends[:, -1:]  # (n, 1)
+    b = _bracket(ends, target)  # (n, 1) the block that holds the target
+    before = torch.where(b > 0, ends.gather(1, (b - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, b[:, :, None].expand(n, 1, _BLOCK))[:, 0].to(torch.float64).cumsum(-1)  # (n, B)
+    return (b * _BLOCK + _bracket(inside, target - before))[:, 0]
+
+
+def _bracket(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row of `cdf` (n, m), ascending, the first index whose value exceeds target (n, 1): where the target
+    falls. A target rounded to the row's total or past it gets the last index of positive weight (where the total
+    is first reached), never one of weight 0."""
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())
+    return torch.minimum(torch.searchsorted(cdf, target, right=True), last)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from gptlab.errors import GptlabError
 from gptlab.generation.params import SamplingParams
-from gptlab.generation.sampling import apply_logit_bias, filtered_probs
+from gptlab.generation.sampling import apply_logit_bias, filtered_probs, inverse_cdf
 from gptlab.model import GPT
 
 if TYPE_CHECKING:
@@ -60,9 +60,9 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
 
 
 def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A token drawn with probability proportional to `weights` (V,) (the exponential race, as sample_next)."""
-    noise = torch.empty_like(weights).exponential_(generator=generator)
-    return int((weights / noise).argmax())
+    """A token drawn with probability proportional to `weights` (V,), as sample_next draws one."""
+    u = torch.rand(1, dtype=torch.float64, generator=generator, device=weights.device)
+    return int(inverse_cdf(weights[None], u)[0])
 
 
 def accept(
