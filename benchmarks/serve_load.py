@@ -1,11 +1,11 @@
 """Load test for `gptlab serve`: N concurrent streaming clients for a fixed time against a real server process.
 
 Starts `gptlab serve` on 127.0.0.1 (a free port) in a subprocess, either on --checkpoint or on a freshly made
-random model (--preset, character vocabulary), waits for /health, then runs --clients clients (one event loop:
-`load_client`, light on the CPU it shares with the server) that each send streamed /v1/completions requests back
-to back until --seconds have passed. Prints requests/s, generated tokens/s, latency and time-to-first-token
-percentiles, and the error count (which should be 0). Everything is bounded: per-request timeouts, a deadline, and
-the server is stopped at the end.
+random model (--preset; a character vocabulary, or GPT-2's with --tokenizer gpt2), waits for /health, then runs
+--clients clients (one event loop: `load_client`, light on the CPU it shares with the server) that each send
+streamed /v1/completions requests back to back until --seconds have passed. Prints requests/s, generated tokens/s,
+latency and time-to-first-token percentiles, and the error count (which should be 0). Everything is bounded:
+per-request timeouts, a deadline, and the server is stopped at the end.
 
     python benchmarks/serve_load.py                          # 16 clients, 20 s, preset char-5min
     python benchmarks/serve_load.py --preset gpt2 --dtype bfloat16 --max-tokens 32
@@ -65,14 +65,16 @@ PROMPTS = ["ROMEO:\n", "JULIET:\nO ", "First Citizen:\nWe are ", "KING HENRY:\n"
 VOCAB = "".join(sorted(set("".join(PROMPTS) + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'-\n")))
 
 
-def make_checkpoint(preset: str, directory: Path) -> Path:
+def make_checkpoint(preset: str, directory: Path, tokenizer: str = "char") -> Path:
+    """A random `preset` model saved with a character vocabulary (a few dozen tokens: sampling costs next to
+    nothing) or GPT-2's 50,257 tokens (a real model's: the head and sampling cost what they cost a user)."""
     import torch
 
     from gptlab import GPT, GPTConfig
     from gptlab.checkpoint import save_model
-    from gptlab.tokenizer import CharTokenizer
+    from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
-    tok = CharTokenizer.from_text(VOCAB)
+    tok = GPT2Tokenizer() if tokenizer == "gpt2" else CharTokenizer.from_text(VOCAB)
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(preset, vocab_size=max(tok.vocab_size, 65)))
     return save_model(directory / preset, model, tok)
@@ -327,6 +329,9 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="serve this run / checkpoint / HF dir instead of a random model")
     ap.add_argument("--preset", help="random model to serve when no --checkpoint (default char-5min; with --peer "
                     "pocket-swiglu, a Llama-shaped model GGUF can hold)")
+    ap.add_argument("--tokenizer", choices=["char", "gpt2"], default="char",
+                    help="the random model's vocabulary: characters (default) or GPT-2's 50,257 BPE tokens, a real "
+                    "model's head and sampling (TIKTOKEN_CACHE_DIR offline)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -365,7 +370,7 @@ def main() -> None:
               "python benchmarks/serve_load.py ...')")
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = args.checkpoint or str(make_checkpoint(args.preset, Path(tmp)))
+        ckpt = args.checkpoint or str(make_checkpoint(args.preset, Path(tmp), args.tokenizer))
         contenders = {"gptlab": lambda port, log: serve_gptlab(ckpt, port, args, log)}
         if args.peer == "llamacpp":
             try:
@@ -378,7 +383,8 @@ def main() -> None:
         elif args.peer == "llama-server":
             gguf, context = export_gguf(ckpt, Path(tmp), args.dtype, args)
             contenders["llama-server"] = lambda port, log: serve_llama_server(gguf, context, port, args, log)
-        print(f"served {ckpt if args.checkpoint else 'random ' + args.preset} ({args.dtype}), {args.clients} "
+        vocab = " (GPT-2's vocabulary)" if args.tokenizer == "gpt2" else ""
+        print(f"served {ckpt if args.checkpoint else 'random ' + args.preset + vocab} ({args.dtype}), {args.clients} "
               f"clients, {args.seconds:.0f} s, max_tokens {args.max_tokens}, temperature {args.temperature}, "
               f"max batch {args.max_batch}, {args.threads} threads")
         # llama.cpp's engine alone, beside its server, where its batched bench was built with it

@@ -353,8 +353,9 @@ def test_inverse_cdf_finds_where_each_uniform_falls(vocab, rows, zeros, seed, ed
     assert (weights.gather(1, got[:, None]) > 0).all()
     cdf = weights.double().cumsum(-1)
     for i in range(rows):
-        j, target = int(got[i]), float(u[i]) * float(cdf[i, -1])
-        assert (cdf[i, j - 1] if j else 0.0) <= target + 1e-12 and (target < cdf[i, j] + 1e-12 or edge)
+        j, total = int(got[i]), float(cdf[i, -1])
+        target, tol = float(u[i]) * total, 1e-6 * total  # blocks' sums are fp32: an edge may move by ~1e-7
+        assert (cdf[i, j - 1] if j else 0.0) <= target + tol and (target < cdf[i, j] + tol or edge)
 
 
 def test_a_seeded_row_draws_the_same_beside_shared_and_greedy_rows():
