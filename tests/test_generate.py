@@ -275,6 +275,24 @@ def test_top_p_keeps_exactly_the_nucleus():
     assert torch.isfinite(per_row).sum(-1).tolist() == [2, 4]
 
 
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.sampled_from([10, 300, 5000]), peak=st.floats(0.5, 12.0), p=st.floats(0.05, 1.2),
+       seed=st.integers(0, 2**31))
+def test_top_p_among_the_likely_tokens_keeps_what_sorting_all_keeps(vocab, peak, p, seed):
+    """Against the nucleus read off the whole vocabulary sorted: flat rows (whose nucleus lies beyond the first
+    candidates, or needs the whole sort) and peaked ones (within the first 256), per-row p's, one row at p >= 1 (no
+    ties: which of two equally likely tokens a nucleus takes is arbitrary)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, vocab, generator=g) * torch.tensor([[0.1], [peak], [peak / 2]])
+    ps = torch.tensor([p, min(p, 0.99), 1.0])
+    probs = logits.softmax(-1)
+    likely, order = probs.sort(-1, descending=True)
+    keep = (likely.cumsum(-1) - likely < ps[:, None]) | (ps[:, None] >= 1)
+    keep[:, 0] = True
+    expected = torch.zeros_like(keep).scatter_(-1, order, keep)
+    assert torch.equal(torch.isfinite(apply_top_p(logits, ps)), expected)
+
+
 def test_min_p_keeps_tokens_above_a_fraction_of_the_top():
     logits = _logits([0.15, 0.5, 0.1, 0.25])
     assert _kept(apply_min_p(logits, 0.25)) == [0, 1, 3]  # threshold 0.125
