@@ -165,13 +165,17 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if V <= _BLOCK:
         cdf = weights.to(torch.float64).cumsum(-1)
         return _bracket(cdf, u.reshape(n, 1) * cdf[:, -1:])[:, 0]
-    blocks = torch.nn.functional.pad(weights, (0, (-V) % _BLOCK)).view(n, -1, _BLOCK)  # (n, nb, B)
-    ends = blocks.sum(-1).to(torch.float64).cumsum(-1)  # (n, nb) the weight up to each block's end (an fp32 sum
-    # of fp32 values costs a sixth of an fp64 one)
+    whole = V - V % _BLOCK  # the tokens in whole blocks; the rest make a last, shorter block
+    sums = weights[:, :whole].reshape(n, -1, _BLOCK).sum(-1)  # (n, nb) each block's weight (a view: no copy)
+    if whole < V:
+        sums = torch.cat([sums, weights[:, whole:].sum(-1, keepdim=True)], dim=1)
+    ends = sums.to(torch.float64).cumsum(-1)  # (n, nb) the weight up to each block's end (an fp32 sum of fp32
+    # values costs a sixth of an fp64 one)
     target = u.reshape(n, 1) * ends[:, -1:]  # (n, 1)
     b = _bracket(ends, target)  # (n, 1) the block that holds the target
     before = torch.where(b > 0, ends.gather(1, (b - 1).clamp(min=0)), 0.0)
-    inside = blocks.gather(1, b[:, :, None].expand(n, 1, _BLOCK))[:, 0].to(torch.float64).cumsum(-1)  # (n, B)
+    ids = b * _BLOCK + torch.arange(_BLOCK, device=weights.device)  # (n, B) its tokens, past V in the last block
+    inside = weights.gather(1, ids.clamp(max=V - 1)).to(torch.float64).masked_fill_(ids >= V, 0.0).cumsum(-1)
     return (b * _BLOCK + _bracket(inside, target - before))[:, 0]
 
 
