@@ -376,6 +376,17 @@ def test_inverse_cdf_finds_where_each_uniform_falls(vocab, rows, zeros, seed, ed
         assert (cdf[i, j - 1] if j else 0.0) <= target + tol and (target < cdf[i, j] + tol or edge)
 
 
+@pytest.mark.parametrize("vocab", [10, 300, 50257])
+def test_inverse_cdf_stays_in_the_vocabulary_when_weights_are_not_finite(vocab):
+    """A penalty can overflow a row's logits (repetition_penalty 5e-324: a 500 from the server once): the row's
+    token must still be one of the vocabulary's, and an infinite weight wins."""
+    weights = torch.rand(3, vocab)
+    weights[0, 3], weights[1, 5], weights[2] = float("nan"), float("inf"), float("nan")
+    for u in (0.0, 0.5, 1 - 2**-53):
+        got = inverse_cdf(weights, torch.full((3,), u, dtype=torch.float64))
+        assert ((got >= 0) & (got < vocab)).all() and got[1] == 5
+
+
 def test_a_seeded_row_draws_the_same_beside_shared_and_greedy_rows():
     """A batch mixing rows on the global generator, seeded rows and greedy rows: each seeded row's tokens are the
     ones it draws alone, a greedy row's is its argmax, and the shared rows still sample."""

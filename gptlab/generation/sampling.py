@@ -176,14 +176,15 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     before = torch.where(b > 0, ends.gather(1, (b - 1).clamp(min=0)), 0.0)
     ids = b * _BLOCK + torch.arange(_BLOCK, device=weights.device)  # (n, B) its tokens, past V in the last block
     inside = weights.gather(1, ids.clamp(max=V - 1)).to(torch.float64).masked_fill_(ids >= V, 0.0).cumsum(-1)
-    return (b * _BLOCK + _bracket(inside, target - before))[:, 0]
+    return (b * _BLOCK + _bracket(inside, target - before))[:, 0].clamp_(max=V - 1)  # (a row of NaNs: its last)
 
 
 def _bracket(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per row of `cdf` (n, m), ascending, the first index whose value exceeds target (n, 1): where the target
     falls. A target rounded to the row's total or past it gets the last index of positive weight (where the total
-    is first reached), never one of weight 0."""
-    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())
+    is first reached), never one of weight 0; a row whose sums are not finite (a penalty that overflowed its logits)
+    gets an index in range all the same."""
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous()).clamp_(max=cdf.shape[-1] - 1)
     return torch.minimum(torch.searchsorted(cdf, target, right=True), last)
 
 
