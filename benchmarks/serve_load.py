@@ -202,7 +202,9 @@ def offline_tokens_per_s(ckpt: str, args: argparse.Namespace) -> float:
     code = f"""
 import statistics, time
 from gptlab.generation import SamplingParams, generate_batch
+from gptlab.hardware import retain_freed_memory
 from gptlab.loading import load_model
+retain_freed_memory()  # as gptlab sample (and, bounded, gptlab serve) do
 quantize = "int8" if {args.dtype!r} == "int8" else None
 dtype = None if quantize else getattr(__import__("torch"), {args.dtype!r})
 model, tok = load_model({ckpt!r}, dtype=dtype, quantize=quantize)

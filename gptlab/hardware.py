@@ -138,16 +138,20 @@ def available_memory(device: str | torch.device = "cpu") -> int | None:
     return None
 
 
-def retain_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory for reuse (no mmap for big blocks, no trimming of the heap).
+def retain_freed_memory(trim_above: int | None = None) -> bool:
+    """Make glibc's malloc keep freed memory for reuse (no mmap for big blocks; the heap trimmed only past
+    `trim_above` bytes of free memory at its top, never when None).
 
     PyTorch's CPU tensors come straight from malloc. By default glibc serves blocks over 32 MB (and often
-    smaller ones) with a fresh mmap and unmaps them on free, so a training step that makes and drops a few
-    (B*T, vocab) logits tensors touches new pages every time: hundreds of thousands of page faults a step for
-    GPT-2 124M, a good share of its time (tests/test_train.py counts them). The cost: memory a process freed
-    stays reserved by it, which a training process reuses on its next step anyway (a long-lived server, whose
-    sizes vary, is left as it is). Process-wide; `gptlab train/eval/sample` call it. Returns whether it applied
-    (False off glibc Linux, e.g. macOS or musl).
+    smaller ones) with a fresh mmap and unmaps them on free, and trims the heap's top once twice the last such
+    block is free, so a step that makes and drops a few (B*T, vocab) logits tensors touches new pages every time:
+    hundreds of thousands of page faults a step for GPT-2 124M's training, a good share of its time
+    (tests/test_train.py counts them); a served decoding step at 64 rows of GPT-2's vocabulary spent 4 ms
+    dividing its logits by the temperature and 5.3 ms in their softmax, 0.9 and 1.9 ms with the memory kept. The
+    cost: memory a process freed stays reserved by it, which a training process reuses on its next step anyway;
+    a long-lived server, whose sizes vary, passes `trim_above` to hand back what it stops needing.
+    Process-wide; `gptlab train/eval/sample/serve` call it. Returns whether it applied (False off glibc Linux,
+    e.g. macOS or musl).
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -156,7 +160,8 @@ def retain_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # glibc's <malloc.h> parameter numbers
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    trim = 2**31 - 1 if trim_above is None else min(trim_above, 2**31 - 1)
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, trim))
 
 
 def cache_dir() -> Path:

@@ -686,6 +686,38 @@ def test_retained_freed_memory_stops_the_page_faults_of_big_tensors() -> None:
     assert after < 1000
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_bounded_retention_reuses_step_sized_blocks_and_bursts() -> None:
+    """`gptlab serve`'s form (retain_freed_memory(trim_above=...)): logits-sized blocks made and dropped each step
+    do not fault in new pages, and bursts over the bound, freed, do not pile up (the heap reuses the memory, and
+    trims it where no live block sits above it: one may stay reserved, pinned)."""
+    code = (
+        "import os, resource, torch\n"
+        "from gptlab.hardware import retain_freed_memory\n"
+        "fd = os.open('/proc/self/statm', os.O_RDONLY)\n"
+        "def rss(): return int(os.pread(fd, 64, 0).split()[1]) * 4096\n"
+        "applied = retain_freed_memory(trim_above=64 << 20)\n"
+        "for _ in range(10): torch.ones(64, 50257) / torch.ones(64, 50257)\n"
+        "f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "for _ in range(10): torch.ones(64, 50257) / torch.ones(64, 50257)\n"
+        "faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0\n"
+        "burst = torch.ones(2**26); del burst; first = rss()\n"
+        "for _ in range(5): burst = torch.ones(2**26); del burst; keep = [bytearray(100) for _ in range(50)]\n"
+        "print(applied, faults, (rss() - first) >> 20)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "True"
+    assert int(out[1]) < 1000  # 30 blocks of 12.9 MB: ~94,000 faults if each came from a fresh mmap
+    assert int(out[2]) < 320  # five more 256 MB bursts, small blocks between them: at most one stays reserved
+
+
+def test_serve_keeps_freed_memory_up_to_its_bound() -> None:
+    from gptlab.cli import build_parser
+    from gptlab.cli.serve import RETAIN_FREED_UP_TO
+
+    assert build_parser().parse_args(["serve", "some-run"]).retain_memory == RETAIN_FREED_UP_TO
+
+
 def test_the_mfu_probe_leaves_torch_random_stream_alone() -> None:
     """Whether a run probes the machine or finds the result cached, its dropout masks must be the same."""
     from gptlab.hardware import _probe

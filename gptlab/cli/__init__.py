@@ -54,12 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
-        if getattr(args, "retain_memory", False):  # not serve: long-lived, with ever-changing sizes
-            import_torch_quietly()  # commands that need torch: less start-up (and shutdown: freeze_at_exit)
-            freeze_at_exit()
+        retain = getattr(args, "retain_memory", False)  # True, or serve's bound (long-lived, sizes that vary)
+        if retain:
+            if retain is True:
+                import_torch_quietly()  # commands that need torch: less start-up (and shutdown: freeze_at_exit)
+                freeze_at_exit()
             from gptlab.hardware import retain_freed_memory
 
-            retain_freed_memory()  # big tensors made and freed every step reuse memory instead of page-faulting
+            # big tensors made and freed every step reuse memory instead of page-faulting
+            retain_freed_memory(None if retain is True else retain)
         return int(args.run(args) or 0)
     except (GptlabError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         print(f"error: {one_line(e, limit=None)}", file=sys.stderr)
