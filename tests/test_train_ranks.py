@@ -135,6 +135,9 @@ def _two_processes(rank: int, store: str, expected: dict[str, list[torch.Tensor]
             got = _steps(_optimizers(params, rank, 2)[impl], params)
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a, b), impl
+        # both ranks done with every collective before either tears gloo down: a rank that destroyed its group
+        # while the other's last all_gather was in flight aborted ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
