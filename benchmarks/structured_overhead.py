@@ -29,7 +29,7 @@ from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs a
 
 from gptlab import GPT, GPTConfig
 from gptlab.generation import SamplingParams, generate_batch
-from gptlab.hardware import cpu_name
+from gptlab.hardware import cpu_name, retain_freed_memory
 from gptlab.tokenizer import GPT2Tokenizer
 
 ITEM = {"type": "object", "properties": {"name": {"type": "string"}, "id": {"type": "integer"}},
@@ -153,6 +153,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--libraries", action="store_true", help="also time each grammar library's masks")
     args = p.parse_args()
+    retain_freed_memory()  # as gptlab sample (and, bounded, gptlab serve) do: no page faults for each step's masks
     engine_overhead(args)
     if args.libraries:
         library_masks()

@@ -255,3 +255,27 @@ def test_server_refuses_a_bad_response_format_naming_it(served, response_format)
             {"role": "user", "content": "a"}]})):
         r = _post(served, route, {**body, "response_format": response_format})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_grammar_masks_set_forbidden_logits_to_minus_infinity_and_leave_the_rest(monkeypatch) -> None:
+    """apply_grammars against masked_fill: allowed logits unchanged to the bit, forbidden ones -inf (a +inf one
+    too, not NaN), rows without a grammar untouched, the caller's logits not written."""
+    import gptlab.generation.grammar as grammar
+    from gptlab.generation.sampling import apply_grammars
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 300, generator=g) * 5
+    logits[0, 7] = float("inf")
+    before = logits.clone()
+    allowed = torch.rand(2, 300, generator=g) > 0.6
+    allowed[1, 11], allowed[0, 7], allowed[0, 8] = True, False, True
+    logits[0, 8] = float("inf")  # an allowed +inf stays +inf
+    before = logits.clone()
+    monkeypatch.setattr(grammar, "allowed_tokens", lambda grammars, vocab: allowed)
+    rule = object()
+    for grammars, rows in (([rule, None, rule], [0, 2]), ([rule, rule], [0, 1])):
+        x = before[: len(grammars)]
+        got = apply_grammars(x, grammars)
+        expected = x.clone()
+        expected[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+        assert torch.equal(got, expected) and torch.equal(x, before[: len(grammars)])
