@@ -279,3 +279,33 @@ def test_grammar_masks_set_forbidden_logits_to_minus_infinity_and_leave_the_rest
         expected = x.clone()
         expected[rows] = x[rows].masked_fill(~allowed, float("-inf"))
         assert torch.equal(got, expected) and torch.equal(x, before[: len(grammars)])
+
+
+def test_a_mask_on_the_probabilities_samples_as_the_mask_on_the_logits(monkeypatch) -> None:
+    """Without filters the grammar's mask waits for the probabilities; with a filter (here top-k over the whole
+    vocabulary, which removes nothing) it goes on the logits first. Given the same uniforms both pick the same
+    allowed tokens but where rounding moves an edge; a row whose allowed tokens all underflow in the unmasked
+    softmax still gets an allowed token."""
+    import gptlab.generation.grammar as grammar
+    from gptlab.generation.sampling import sample_next
+
+    g = torch.Generator().manual_seed(1)
+    n, V = 400, 700
+    logits = torch.randn(n, V, generator=g) * 4
+    allowed = (torch.rand(n, V, generator=g) > 0.7).to(torch.uint8)
+    allowed[:, 5] = 1
+    logits[0, 5], logits[0, 6] = -200.0, 200.0  # row 0: the allowed tokens underflow beside a forbidden winner
+    allowed[0, 6] = 0
+    allowed[0, 7:] = 0
+    allowed[0, :5] = 0
+    monkeypatch.setattr(grammar, "allowed_tokens", lambda grammars, vocab: allowed)
+    rules = [object()] * n
+    draws = {}
+    for name, extra in (("late", {}), ("early", {"top_k": V})):
+        params = [SamplingParams(temperature=0.9, **extra)] * n
+        gens = [torch.Generator().manual_seed(i) for i in range(n)]
+        draws[name] = torch.tensor(sample_next(logits, params, gens, grammars=rules))
+    for got in draws.values():
+        assert (allowed.gather(1, got[:, None]) == 1).all()
+    assert draws["late"][0] == draws["early"][0] == 5
+    assert (draws["late"] == draws["early"]).float().mean() > 0.99

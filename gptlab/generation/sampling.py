@@ -114,7 +114,12 @@ def sample_next(
     """
     logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
     dev = logits.device
-    if any(g is not None for g in grammars):
+    constrained = any(g is not None for g in grammars)
+    # with no filter and no greedy row, the mask can wait for the probabilities: softmax(x - inf where forbidden)
+    # is softmax(x) times the mask, renormalized (inverse_cdf takes weights of any total), and the logit bias and
+    # penalties below act token by token, so they commute with it; one multiply instead of building -inf logits
+    mask_late = constrained and not any(sp.greedy or sp.top_k > 0 or sp.top_p < 1 or sp.min_p > 0 for sp in params)
+    if constrained and not mask_late:
         logits = apply_grammars(logits, grammars)
     if any(sp.logit_bias for sp in params):
         logits = apply_logit_bias(logits, params)
@@ -125,6 +130,8 @@ def sample_next(
         return logits.argmax(dim=-1).tolist()
 
     probs = filtered_probs(logits, params)
+    if mask_late and not mask_probabilities(probs, grammars):  # every allowed token of a row underflowed to 0
+        probs = filtered_probs(apply_grammars(logits, grammars), params)
     sampled = inverse_cdf(probs, row_uniforms(params, generators, dev))
     greedy = torch.tensor([sp.greedy for sp in params], device=dev)
     if greedy.any():
@@ -265,6 +272,22 @@ def apply_grammars(logits: torch.Tensor, grammars: Sequence[RowGrammar | None]) 
     logits = logits.clone()
     logits[index] = (logits[index] + bias).nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     return logits
+
+
+def mask_probabilities(probs: torch.Tensor, grammars: Sequence[RowGrammar | None]) -> bool:
+    """Each constrained row's probabilities (n, V), written in place, with the tokens its grammar forbids at 0 (not
+    renormalized); False where a row has no probability left (its allowed tokens all underflowed in the softmax:
+    the caller then masks the logits first)."""
+    from gptlab.generation.grammar import allowed_tokens
+
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    allowed = allowed_tokens([grammars[i] for i in rows], probs.shape[-1]).to(probs.device, torch.float32)
+    if len(rows) == len(grammars):
+        probs.mul_(allowed)
+        return bool((probs.sum(-1) > 0).all())
+    index = torch.tensor(rows, device=probs.device)
+    probs[index] = probs[index] * allowed
+    return bool((probs[index].sum(-1) > 0).all())
 
 
 class TokenCounts:
