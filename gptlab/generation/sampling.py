@@ -107,7 +107,8 @@ def sample_next(
 ) -> list[int]:
     """One next token per row of `logits` (n, V), each row under its own params and generator; the sampling
     arithmetic runs in fp32 whatever the logits' dtype. A row with a grammar (structured outputs) samples only
-    among the tokens it allows: the mask comes first, so every other control works within it.
+    among the tokens it allows: every other control works within its mask (on the logits before any filter, or,
+    where no row filters or is greedy, on the probabilities: the same distribution).
 
     Each row draws one uniform from its own generator (`row_uniforms`) and takes the token where it falls in the
     row's cumulative distribution (`inverse_cdf`), batched over the rows.
@@ -119,8 +120,9 @@ def sample_next(
     # is softmax(x) times the mask, renormalized (inverse_cdf takes weights of any total), and the logit bias and
     # penalties below act token by token, so they commute with it; one multiply instead of building -inf logits
     mask_late = constrained and not any(sp.greedy or sp.top_k > 0 or sp.top_p < 1 or sp.min_p > 0 for sp in params)
+    masks = grammar_masks(grammars, logits.shape[-1], dev) if constrained else None
     if constrained and not mask_late:
-        logits = apply_grammars(logits, grammars)
+        logits = apply_grammars(logits, grammars, masks)
     if any(sp.logit_bias for sp in params):
         logits = apply_logit_bias(logits, params)
     if any(sp.penalized for sp in params):
@@ -130,8 +132,8 @@ def sample_next(
         return logits.argmax(dim=-1).tolist()
 
     probs = filtered_probs(logits, params)
-    if mask_late and not mask_probabilities(probs, grammars):  # every allowed token of a row underflowed to 0
-        probs = filtered_probs(apply_grammars(logits, grammars), params)
+    if mask_late and not mask_probabilities(probs, masks):  # every allowed token of a row underflowed to 0
+        probs = filtered_probs(apply_grammars(logits, grammars, masks), params)
     sampled = inverse_cdf(probs, row_uniforms(params, generators, dev))
     greedy = torch.tensor([sp.greedy for sp in params], device=dev)
     if greedy.any():
@@ -254,38 +256,46 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return logits
 
 
-def apply_grammars(logits: torch.Tensor, grammars: Sequence[RowGrammar | None]) -> torch.Tensor:
-    """Each constrained row's logits (n, V) with the tokens its grammar forbids at -inf; rows without a grammar
-    are left alone (a batch mixes both)."""
+GrammarMasks = tuple[torch.Tensor | None, torch.Tensor]  # (the constrained rows' index, None: every row; their masks)
+
+
+def grammar_masks(grammars: Sequence[RowGrammar | None], vocab_size: int, device: torch.device) -> GrammarMasks:
+    """The constrained rows (None: every row is) and their (rows, vocab_size) fp32 masks: 1 where the row's grammar
+    allows the token next, else 0 (one llguidance call for the batch)."""
     from gptlab.generation.grammar import allowed_tokens  # llguidance: loaded by the first constrained row
 
     rows = [i for i, g in enumerate(grammars) if g is not None]
-    allowed = allowed_tokens([grammars[i] for i in rows], logits.shape[-1]).to(logits.device)
+    allowed = allowed_tokens([grammars[i] for i in rows], vocab_size).to(device, torch.float32)
+    return (None if len(rows) == len(grammars) else torch.tensor(rows, device=device)), allowed
+
+
+def apply_grammars(logits: torch.Tensor, grammars: Sequence[RowGrammar | None],
+                   masks: GrammarMasks | None = None) -> torch.Tensor:
+    """Each constrained row's logits (n, V) with the tokens its grammar forbids at -inf; rows without a grammar
+    are left alone (a batch mixes both). `masks`: grammar_masks' for these rows, where the caller has them."""
+    index, allowed = masks or grammar_masks(grammars, logits.shape[-1], logits.device)
     # 0 where allowed, -inf where not: (allowed - 1) * 3e38 is -3e38 or 0, and times 10 overflows to exactly -inf.
-    # Three passes over fp32, where a masked_fill or where over the bool mask took 4x as long (~2 ns an element)
-    bias = allowed.to(torch.float32).sub_(1).mul_(3e38).mul_(10)
-    # (a new tensor: the caller's logits, which logprobs read, stay as they are; a forbidden +inf logit of a broken
-    # model, +inf - inf, is NaN: made -inf as well)
-    if len(rows) == len(grammars):
-        return (logits + bias).nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    index = torch.tensor(rows, device=logits.device)
+    # Three passes over fp32, where a masked_fill or where over a bool mask took 4x as long (~2 ns an element)
+    bias = allowed.sub(1).mul_(3e38).mul_(10)
+
+    def masked(x: torch.Tensor) -> torch.Tensor:  # (a forbidden +inf logit of a broken model, +inf - inf, is NaN)
+        return (x + bias).nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
+    if index is None:  # (a new tensor: the caller's logits, which logprobs read, stay as they are)
+        return masked(logits)
     logits = logits.clone()
-    logits[index] = (logits[index] + bias).nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    logits[index] = masked(logits[index])
     return logits
 
 
-def mask_probabilities(probs: torch.Tensor, grammars: Sequence[RowGrammar | None]) -> bool:
+def mask_probabilities(probs: torch.Tensor, masks: GrammarMasks) -> bool:
     """Each constrained row's probabilities (n, V), written in place, with the tokens its grammar forbids at 0 (not
     renormalized); False where a row has no probability left (its allowed tokens all underflowed in the softmax:
     the caller then masks the logits first)."""
-    from gptlab.generation.grammar import allowed_tokens
-
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    allowed = allowed_tokens([grammars[i] for i in rows], probs.shape[-1]).to(probs.device, torch.float32)
-    if len(rows) == len(grammars):
+    index, allowed = masks
+    if index is None:
         probs.mul_(allowed)
         return bool((probs.sum(-1) > 0).all())
-    index = torch.tensor(rows, device=probs.device)
     probs[index] = probs[index] * allowed
     return bool((probs[index].sum(-1) > 0).all())
 
