@@ -7,7 +7,11 @@
    keys and separators all take their turn), unconstrained rows ignore end-of-text: both decode the same number of
    tokens. Tokens/s = rows x new tokens / wall time of `generate_batch` (prefill included). The two alternate over
    `--rounds`; the median round counts, and the overhead (1 - constrained / unconstrained) is printed.
-2. `--libraries`: the per-token mask cost of each grammar library installed (llguidance, which gptlab uses;
+2. `--sampler`: `sample_next` alone over 16 rows of GPT-2-wide logits, walking one JSON document per row: free
+   rows, constrained rows whose logits favour the document's next token (a model that follows its schema: the
+   free draw is allowed, no mask is computed) and constrained rows with random logits (about half the draws are
+   forbidden and drawn again under a mask, as the random model's are): milliseconds per step, medians.
+3. `--libraries`: the per-token mask cost of each grammar library installed (llguidance, which gptlab uses;
    xgrammar and outlines-core if present: `pip install xgrammar outlines-core`), on the same schema and GPT-2
    vocabulary, walking one 40-token JSON document: median and mean microseconds per mask, and the schema's compile
    time. Each library fills a (1, ceil(V / 32)) int32 bitmask, the format all three write.
@@ -144,17 +148,53 @@ def library_masks() -> None:
         print("outlines-core: not installed")
 
 
+def sampler_cost(rounds: int) -> None:
+    """sample_next's cost per step with and without grammars (see the module docstring)."""
+    from gptlab.generation.grammar import row_grammar
+    from gptlab.generation.params import json_grammar
+    from gptlab.generation.sampling import sample_next
+
+    tok, rows = GPT2Tokenizer(), 16
+    path = tok.encode(DOCUMENT)
+    constraint = ("json_schema", json_grammar(json.dumps({"type": "array", "items": ITEM})))
+    params, gens = [SamplingParams(temperature=1.0)] * rows, [None] * rows
+    noise = torch.randn(len(path), rows, tok.vocab_size, generator=torch.Generator().manual_seed(0))
+    following = noise.clone()
+    following[torch.arange(len(path)), :, torch.tensor(path)] = 30.0  # the document's token holds ~all the mass
+    cases = {"free rows": (noise, False), "constrained, following the schema": (following, True),
+             "constrained, random logits": (noise, True)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (logits, constrained) in cases.items():
+            grammars = [row_grammar(constraint, tok, frozenset({tok.eot_id})) for _ in range(rows)] \
+                if constrained else [None] * rows
+            t0 = time.perf_counter()
+            for step, token in enumerate(path):
+                sample_next(logits[step], params, gens, grammars=grammars)
+                for g in grammars:  # every row walks the document, whatever it drew
+                    if g is not None:
+                        g.advance(token)
+            times[name].append(1e3 * (time.perf_counter() - t0) / len(path))
+    free = statistics.median(times["free rows"])
+    for name, t in times.items():
+        print(f"sample_next, {rows} rows, {name:>34}: {statistics.median(t):6.3f} ms a step "
+              f"(+{statistics.median(t) - free:.3f} ms)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--new", type=int, default=64, help="new tokens per row (default 64)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 16], help="batch sizes (none: skip this part)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--libraries", action="store_true", help="also time each grammar library's masks")
+    p.add_argument("--sampler", action="store_true", help="also time sample_next alone, with and without grammars")
     args = p.parse_args()
     retain_freed_memory()  # as gptlab sample (and, bounded, gptlab serve) do: no page faults for each step's masks
     engine_overhead(args)
+    if args.sampler:
+        sampler_cost(args.rounds)
     if args.libraries:
         library_masks()
 

@@ -7,10 +7,12 @@ xgrammar and outlines-core by `benchmarks/structured_overhead.py --libraries`; t
 * `grammar_vocabulary(tokenizer)`: llguidance's view of a gptlab tokenizer (every token's bytes), built once per
   tokenizer. Its end-of-sequence token is one past the tokenizer's vocabulary, a token no model writes: which of a
   row's own stop tokens may end it is decided here, from the grammar's accepting state, for every tokenizer alike.
-* `RowGrammar`: one row's matcher: the tokens it consumed, whether the JSON is complete (`accepting`) and whether
-  nothing may follow (`done`, the row then ends with finish reason "stop").
+* `RowGrammar`: one row's matcher: the tokens it consumed, whether the JSON is complete (`accepting`), whether
+  nothing may follow (`done`, the row then ends with finish reason "stop"), and whether one token may come next
+  (`allows`).
 * `allowed_tokens(grammars, vocab_size)`: the (rows, vocab) 0/1 mask of a batch's constrained rows, computed by
-  llguidance's thread pool in one call; `sampling.sample_next` applies it before any other logit control.
+  llguidance's thread pool in one call. `sampling.sample_next` asks it for the rows that filter their logits, and
+  for the others only where the token they drew unmasked is one their grammar forbids.
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ class RowGrammar:
     def done(self) -> bool:
         """Nothing may follow: the output is complete."""
         return self.matcher.is_stopped()
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next: what `allowed_tokens` says of it, for one token (a few microseconds,
+        where a mask walks the whole vocabulary)."""
+        if token in self.stop_ids:
+            return self.accepting
+        return token < self.vocab_size and self.matcher.validate_tokens([token]) == 1
 
     def advance(self, token: int) -> bool:
         """Consume the row's new token (one the mask allowed); True when the output is then complete."""
