@@ -373,3 +373,21 @@ def test_a_grammar_allows_one_token_exactly_where_its_mask_does(schema, seed) ->
         token = int(choices[torch.randint(len(choices), (), generator=rng)])
         if token == TOK.eot_id or g.advance(token):
             break
+
+
+def test_rows_of_one_schema_share_its_compiled_start_but_not_their_state() -> None:
+    """row_grammar keeps each recent grammar's checked start and gives every row a copy: two rows of one schema
+    advance independently, a later row starts fresh, and a schema that fails its check fails every time."""
+    first = row_grammar(_constraint(JSON_OBJECT), TOK, frozenset({TOK.eot_id}))
+    second = row_grammar(_constraint(JSON_OBJECT), TOK, frozenset({TOK.eot_id}))
+    assert first.matcher is not second.matcher
+    first.advance(ord("{"))
+    assert torch.nonzero(allowed_tokens([second], 257)[0]).flatten().tolist() == [ord("{")]
+    assert torch.nonzero(allowed_tokens([first], 257)[0]).flatten().tolist() == [ord('"'), ord("}")]
+    assert first.advance(ord("}")) and not second.done
+    third = row_grammar(_constraint(JSON_OBJECT), TOK, frozenset({TOK.eot_id}))
+    assert torch.nonzero(allowed_tokens([third], 257)[0]).flatten().tolist() == [ord("{")]
+    digits_only = CharTokenizer(list("0123456789"))  # a vocabulary that cannot open an object
+    for _ in range(2):
+        with pytest.raises(InvalidSamplingParam, match="cannot be written"):
+            row_grammar(_constraint(JSON_OBJECT), digits_only, frozenset())

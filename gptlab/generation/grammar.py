@@ -10,9 +10,9 @@ xgrammar and outlines-core by `benchmarks/structured_overhead.py --libraries`; t
 * `RowGrammar`: one row's matcher: the tokens it consumed, whether the JSON is complete (`accepting`), whether
   nothing may follow (`done`, the row then ends with finish reason "stop"), and whether one token may come next
   (`allows`).
-* `allowed_tokens(grammars, vocab_size)`: the (rows, vocab) 0/1 mask of a batch's constrained rows, computed by
-  llguidance's thread pool in one call. `sampling.sample_next` asks it for the rows that filter their logits, and
-  for the others only where the token they drew unmasked is one their grammar forbids.
+* `allowed_tokens(grammars, vocab_size)`: the (rows, vocab) 0/1 mask of a batch's constrained rows, each row's
+  bits written by llguidance into one array. `sampling.sample_next` asks it for the rows that filter their
+  logits, and for the others only where the token they drew unmasked is one their grammar forbids.
 """
 
 from __future__ import annotations
@@ -75,14 +75,6 @@ def grammar_vocabulary(tokenizer: TextTokenizer) -> Any:
     return llg.LLTokenizer(llg.TokenizerWrapper(_TokenizerView(tokenizer)))
 
 
-@functools.lru_cache(maxsize=1)
-def _executor() -> Any:
-    """llguidance's pool, as many threads as torch's (the masks and the step take turns on the same cores).
-    Its default, 80% of the CPUs, is one thread on two cores: 16 rows' masks of GPT-2's vocabulary took 1.0-1.3
-    ms a step against 0.43 with two."""
-    return _llguidance().LLExecutor(num_threads=max(1, torch.get_num_threads()))
-
-
 class RowGrammar:
     """One row's grammar state: a matcher that consumed the row's tokens so far, and the row's stop tokens (allowed
     only where the grammar accepts)."""
@@ -117,26 +109,33 @@ class RowGrammar:
 def row_grammar(constraint: tuple[str, str], tokenizer: TextTokenizer | None, stop_ids: frozenset[int]) -> RowGrammar:
     """A row's grammar for `SamplingParams.constraint()`: (the field it came from, llguidance grammar text, checked
     by SamplingParams); InvalidSamplingParam naming that field when this tokenizer cannot write any text the
-    grammar allows."""
+    grammar allows. A copy (a microsecond) of the checked start kept for each recent grammar and tokenizer:
+    clients send the same schema again and again, and compiling it and checking its first mask took ~0.6 ms."""
     field, grammar_text = constraint
     if tokenizer is None:
         raise ValueError(f"{field} needs a tokenizer: the grammar reads tokens as text")
-    llg = _llguidance()
-    vocab = grammar_vocabulary(tokenizer)
-    matcher = llg.LLMatcher(vocab, grammar_text, log_level=0)
+    start = _checked_start(grammar_vocabulary(tokenizer), grammar_text, field, stop_ids, tokenizer.vocab_size)
+    return RowGrammar(start.deep_copy(), stop_ids, tokenizer.vocab_size, field)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_start(vocab: Any, grammar_text: str, field: str, stop_ids: frozenset[int], vocab_size: int) -> Any:
+    """A matcher of `grammar_text` over `vocab` that has consumed nothing, checked: the grammar compiles, some
+    token (or, where it accepts the empty output, a stop token) can start it, and its first mask stays within
+    llguidance's limits. Only the matchers that pass are kept (an error is raised again each time)."""
+    matcher = _llguidance().LLMatcher(vocab, grammar_text, log_level=0)
     if matcher.is_error():
         why = f"is not a {field.replace('json_', '')} gptlab can enforce: {matcher_error(matcher)}"
         raise InvalidSamplingParam(field, schema_start(grammar_text), why)
-    grammar = RowGrammar(matcher, stop_ids, tokenizer.vocab_size, field)
     try:
-        allowed_tokens([grammar], tokenizer.vocab_size)
+        allowed_tokens([RowGrammar(matcher, stop_ids, vocab_size, field)], vocab_size)
     except GrammarDeadEnd:
         why = "cannot be written in this model's vocabulary: no token starts an output it allows"
         raise InvalidSamplingParam(field, schema_start(grammar_text), why) from None
     if matcher.is_error():  # the first mask already went past llguidance's limits (a row of too many items)
         why = f"is too large for gptlab's grammar engine: {matcher_error(matcher)}"
         raise InvalidSamplingParam(field, schema_start(grammar_text), why)
-    return grammar
+    return matcher
 
 
 def allowed_tokens(grammars: Sequence[RowGrammar], vocab_size: int) -> torch.Tensor:
@@ -144,13 +143,14 @@ def allowed_tokens(grammars: Sequence[RowGrammar], vocab_size: int) -> torch.Ten
     turns into fp32 in a third of a bool mask's time): its own tokens, and its stop tokens where the JSON is
     complete. Tokens past the tokenizer's vocabulary (a padded model's) never are.
 
-    Batched throughout (one llguidance call, one unpacking, one check): a per-row pass over a 50k vocabulary cost
-    more than the masks themselves."""
+    Batched after llguidance (one array of bits, one unpacking, one check): a per-row pass over a 50k vocabulary
+    cost more than the masks themselves."""
     n, end = len(grammars), grammars[0].vocab_size
     words = (end + 1 + 31) // 32  # llguidance's vocabulary: the tokenizer's + the virtual end token (`end`)
     bits = np.zeros((n, words), dtype=np.uint32)
-    _executor().unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], bits.ctypes.data,
-                                        words * 4, n)
+    for i, g in enumerate(grammars):  # one after the other: llguidance's pool (LLExecutor, 2 threads) took 2-4x
+        # as long at 4-64 rows of GPT-2's vocabulary on 2 cores (a mask is ~5-20 us; handing rows out cost more)
+        g.matcher.unsafe_compute_mask_ptr(bits.ctypes.data + i * words * 4, words * 4)
     bits[:, end // 32] &= np.uint32(~(1 << (end % 32)) & 0xFFFFFFFF)  # never the virtual end: stops are ours
     unpacked = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little"))
     known = min(vocab_size, end)
