@@ -392,3 +392,17 @@ def test_rows_of_one_schema_share_its_compiled_start_but_not_their_state() -> No
     for _ in range(2):
         with pytest.raises(InvalidSamplingParam, match="cannot be written"):
             row_grammar(_constraint(JSON_OBJECT), digits_only, frozenset())
+
+
+@pytest.mark.parametrize("repetition_penalty", [5e-324, 1e-30, 1e30, 1e308])
+@pytest.mark.parametrize("extra", [{"temperature": 0.8}, {"temperature": 0.8, "top_k": 5}, {"temperature": 0}])
+def test_a_penalty_that_overflows_the_logits_still_keeps_the_row_in_its_grammar(model, repetition_penalty,
+                                                                                extra) -> None:
+    """A penalty that overflows a row's logits to +-inf makes its softmax NaN, and a draw from NaN weights any
+    token: a constrained row then takes its most likely allowed token, so what ends with "stop" validates."""
+    params = SamplingParams(max_new_tokens=40, seed=3, json_schema=SCHEMA, repetition_penalty=repetition_penalty,
+                            **extra)
+    gens = generate_batch(model, [list(b'{"name"'), list(b"x")], params, tokenizer=TOK)
+    for g in gens:
+        assert g.finish_reason in ("stop", "length"), g.finish_reason
+        assert g.finish_reason == "length" or _valid(g.text, SCHEMA), g.text

@@ -124,15 +124,18 @@ def sample_next(
     dev = logits.device
     constrained = any(g is not None for g in grammars)
     filtered = any(sp.top_k > 0 or sp.top_p < 1 or sp.min_p > 0 for sp in params)
-    if constrained and filtered:
-        logits = apply_grammars(logits, grammars)
+    masks = grammar_masks(grammars, logits.shape[-1], dev) if constrained and filtered else None
+    if masks is not None:
+        logits = apply_grammars(logits, grammars, masks)
     if any(sp.logit_bias for sp in params):
         logits = apply_logit_bias(logits, params)
     if any(sp.penalized for sp in params):
         rep, freq, pres = (_column(params, name, dev) for name in PENALTIES)
         logits = apply_penalties(logits, counts, seen, rep, freq, pres)
     tokens, probs = _draw(logits, params, generators)
-    if constrained and not filtered:
+    if masks is not None:
+        return _within(tokens, logits, masks)
+    if constrained:
         redo = [i for i, g in enumerate(grammars) if g is not None and not g.allows(tokens[i])]
         if redo:
             for i, token in zip(redo, _draw_allowed(logits, probs, redo, params, generators, grammars), strict=True):
@@ -160,15 +163,34 @@ def _draw_allowed(logits: torch.Tensor, probs: torch.Tensor | None, rows: list[i
     """Unfiltered constrained rows' tokens drawn again among those their grammars allow: `rows` of the batch's
     fp32 logits (n, V) and of the probabilities of their first draw (written here). The mask multiplies the
     probabilities where no row is greedy and each keeps some probability; else it goes on the logits (allowed
-    tokens that all underflowed in the unmasked softmax still get theirs)."""
+    tokens that all underflowed in the unmasked softmax still get theirs); `_within` has the last word."""
     whole = len(rows) == logits.shape[0]  # (every row: no copies)
     params, generators, grammars = ([seq[i] for i in rows] for seq in (params, generators, grammars))
     masks = grammar_masks(grammars, logits.shape[-1], logits.device)
+    logits = logits if whole else logits[rows]
     if probs is not None and not any(sp.greedy for sp in params):
         probs = probs if whole else probs[rows]
         if mask_probabilities(probs, masks):
-            return inverse_cdf(probs, row_uniforms(params, generators, logits.device)).tolist()
-    return _draw(apply_grammars(logits if whole else logits[rows], grammars, masks), params, generators)[0]
+            return _within(inverse_cdf(probs, row_uniforms(params, generators, logits.device)).tolist(), logits, masks)
+    return _within(_draw(apply_grammars(logits, grammars, masks), params, generators)[0], logits, masks)
+
+
+def _within(tokens: list[int], logits: torch.Tensor, masks: GrammarMasks) -> list[int]:
+    """`tokens`, each constrained row's (`masks`' rows of the batch's `logits`) replaced by its most likely allowed
+    token where it is one the row's grammar forbids: what weights that are not finite draw (a penalty or a bias
+    that overflowed the logits, whose softmax is NaN). A constrained row never leaves its grammar."""
+    index, allowed = masks
+    rows = torch.arange(len(tokens), device=logits.device) if index is None else index
+    drawn = torch.tensor(tokens, device=logits.device)[rows]
+    forbidden = allowed.gather(1, drawn[:, None])[:, 0] == 0
+    if not bool(forbidden.any()):
+        return tokens
+    finite = logits[rows].nan_to_num(nan=-3e38, posinf=3e38, neginf=-3e38)  # NaN least likely, yet allowed
+    best = torch.where(allowed > 0, finite, float("-inf")).argmax(dim=-1)
+    for row, bad, token in zip(rows.tolist(), forbidden.tolist(), best.tolist(), strict=True):
+        if bad:
+            tokens[row] = token
+    return tokens
 
 
 def row_uniforms(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
