@@ -7,13 +7,13 @@
    keys and separators all take their turn), unconstrained rows ignore end-of-text: both decode the same number of
    tokens. Tokens/s = rows x new tokens / wall time of `generate_batch` (prefill included). The two alternate over
    `--rounds`; the median round counts, and the overhead (1 - constrained / unconstrained) is printed, with the
-   share of constrained draws the grammar allowed as drawn (no mask computed: a random model's, about half).
+   share of constrained draws the grammar allowed as drawn (no mask computed: a random model's, 68-81% here).
    `--train-steps N` first trains the model N steps on arrays of such records: a model that has learnt the format,
-   as one asked for JSON would have (100 steps: ~90 s here, ~85-90% of its draws kept).
+   as one asked for JSON would have (100 steps: ~75-90 s here, 92-97% of its draws kept).
 2. `--sampler`: `sample_next` alone over 16 rows of GPT-2-wide logits, walking one JSON document per row: free
    rows, constrained rows whose logits favour the document's next token (a model that follows its schema: the
-   free draw is allowed, no mask is computed) and constrained rows with random logits (about half the draws are
-   forbidden and drawn again under a mask, as the random model's are): milliseconds per step, medians.
+   free draw is allowed, no mask is computed) and constrained rows with random logits (nearly every draw is
+   forbidden and drawn again under a mask: the worst case): milliseconds per step, medians.
 3. `--libraries`: the per-token mask cost of each grammar library installed (llguidance, which gptlab uses;
    xgrammar and outlines-core if present: `pip install xgrammar outlines-core`), on the same schema and GPT-2
    vocabulary, walking one 40-token JSON document: median and mean microseconds per mask, and the schema's compile
@@ -250,7 +250,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="*", default=[1, 16], help="batch sizes (none: skip this part)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--train-steps", type=int, default=0, metavar="N",
-                   help="first train the model N steps on JSON records (100: ~90 s on 2 cores; default 0: random)")
+                   help="first train the model N steps on JSON records (100: ~75-90 s on 2 cores; default 0: random)")
     p.add_argument("--libraries", action="store_true", help="also time each grammar library's masks")
     p.add_argument("--sampler", action="store_true", help="also time sample_next alone, with and without grammars")
     args = p.parse_args()

@@ -138,8 +138,7 @@ def sample_next(
     if constrained:
         redo = [i for i, g in enumerate(grammars) if g is not None and not g.allows(tokens[i])]
         if redo:
-            for i, token in zip(redo, _draw_allowed(logits, probs, redo, params, generators, grammars), strict=True):
-                tokens[i] = token
+            return _draw_allowed(tokens, logits, probs, redo, params, generators, grammars)
     return tokens
 
 
@@ -157,22 +156,28 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     return sampled.tolist(), probs
 
 
-def _draw_allowed(logits: torch.Tensor, probs: torch.Tensor | None, rows: list[int],
+def _draw_allowed(tokens: list[int], logits: torch.Tensor, probs: torch.Tensor | None, rows: list[int],
                   params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
                   grammars: Sequence[RowGrammar | None]) -> list[int]:
-    """Unfiltered constrained rows' tokens drawn again among those their grammars allow: `rows` of the batch's
-    fp32 logits (n, V) and of the probabilities of their first draw (written here). The mask multiplies the
-    probabilities where no row is greedy and each keeps some probability; else it goes on the logits (allowed
-    tokens that all underflowed in the unmasked softmax still get theirs); `_within` has the last word."""
+    """`tokens` with the unfiltered constrained `rows` drawn again among the tokens their grammars allow, from the
+    batch's fp32 logits (n, V) and the probabilities of the first draw (the rows' copies written here). The mask
+    multiplies the probabilities where no row is greedy and each keeps some probability; else it goes on the
+    logits (allowed tokens that all underflowed in the unmasked softmax still get theirs); `_within` has the last
+    word."""
     whole = len(rows) == logits.shape[0]  # (every row: no copies)
     params, generators, grammars = ([seq[i] for i in rows] for seq in (params, generators, grammars))
-    masks = grammar_masks(grammars, logits.shape[-1], logits.device)
-    logits = logits if whole else logits[rows]
+    index, allowed = grammar_masks(grammars, logits.shape[-1], logits.device)  # (index None: every one of `rows`)
+    drawn = None
     if probs is not None and not any(sp.greedy for sp in params):
         probs = probs if whole else probs[rows]
-        if mask_probabilities(probs, masks):
-            return _within(inverse_cdf(probs, row_uniforms(params, generators, logits.device)).tolist(), logits, masks)
-    return _within(_draw(apply_grammars(logits, grammars, masks), params, generators)[0], logits, masks)
+        if mask_probabilities(probs, allowed):
+            drawn = inverse_cdf(probs, row_uniforms(params, generators, logits.device)).tolist()
+    if drawn is None:
+        drawn = _draw(apply_grammars(logits if whole else logits[rows], grammars, (index, allowed)), params,
+                      generators)[0]
+    for i, token in zip(rows, drawn, strict=True):
+        tokens[i] = token
+    return _within(tokens, logits, (None if whole else torch.tensor(rows, device=logits.device), allowed))
 
 
 def _within(tokens: list[int], logits: torch.Tensor, masks: GrammarMasks) -> list[int]:
@@ -341,16 +346,12 @@ def apply_grammars(logits: torch.Tensor, grammars: Sequence[RowGrammar | None],
     return logits
 
 
-def mask_probabilities(probs: torch.Tensor, masks: GrammarMasks) -> bool:
-    """Each constrained row's probabilities (n, V), written in place, with the tokens its grammar forbids at 0 (not
-    renormalized); False where a row has no probability left (its allowed tokens all underflowed in the softmax:
-    the caller then masks the logits first)."""
-    index, allowed = masks
-    if index is None:
-        probs.mul_(allowed)
-        return bool((probs.sum(-1) > 0).all())
-    probs[index] = probs[index] * allowed
-    return bool((probs[index].sum(-1) > 0).all())
+def mask_probabilities(probs: torch.Tensor, allowed: torch.Tensor) -> bool:
+    """Constrained rows' probabilities (n, V), written in place, with the tokens their `allowed` fp32 masks
+    forbid at 0 (not renormalized); False where a row has no probability left (its allowed tokens all
+    underflowed in the softmax: the caller then masks the logits first)."""
+    probs.mul_(allowed)
+    return bool((probs.sum(-1) > 0).all())
 
 
 class TokenCounts:
