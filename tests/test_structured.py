@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from helpers import ByteTokenizer, tiny_model
@@ -295,16 +296,20 @@ class _Allowed:
 
 
 def _patch_masks(monkeypatch, mask: torch.Tensor) -> list[int]:
-    """allowed_tokens answering from `mask` for _Allowed grammars; returns the list of batch sizes asked for."""
+    """allowed_bits answering from `mask` for _Allowed grammars; returns the list of batch sizes asked for."""
     import gptlab.generation.grammar as grammar
 
     asked: list[int] = []
 
     def fake(grammars, vocab):  # noqa: ANN001, ANN202
         asked.append(len(grammars))
-        return mask[[g.row for g in grammars]].to(torch.uint8)
+        rows = mask[[g.row for g in grammars]].numpy()
+        words = (vocab + 31) // 32
+        packed = np.zeros((len(grammars), words * 4), dtype=np.uint8)
+        packed[:, : (vocab + 7) // 8] = np.packbits(rows, axis=1, bitorder="little")
+        return packed.view(np.uint32)
 
-    monkeypatch.setattr(grammar, "allowed_tokens", fake)
+    monkeypatch.setattr(grammar, "allowed_bits", fake)
     return asked
 
 

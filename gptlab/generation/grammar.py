@@ -138,36 +138,46 @@ def _checked_start(vocab: Any, grammar_text: str, field: str, stop_ids: frozense
     return matcher
 
 
-def allowed_tokens(grammars: Sequence[RowGrammar], vocab_size: int) -> torch.Tensor:
-    """The (len(grammars), vocab_size) mask of the tokens each grammar allows next (1, else 0: uint8, which torch
-    turns into fp32 in a third of a bool mask's time): its own tokens, and its stop tokens where the JSON is
-    complete. Tokens past the tokenizer's vocabulary (a padded model's) never are.
+def allowed_bits(grammars: Sequence[RowGrammar], vocab_size: int) -> np.ndarray:
+    """The (len(grammars), words) uint32 bitmask of the tokens each grammar allows next, token t at bit t % 32 of
+    word t // 32 (little-endian, as llguidance writes it; words cover vocab_size): its own tokens, and its stop
+    tokens where the JSON is complete. Tokens past the tokenizer's vocabulary (a padded model's) never are.
 
-    Batched after llguidance (one array of bits, one unpacking, one check): a per-row pass over a 50k vocabulary
-    cost more than the masks themselves."""
+    Batched after llguidance (one array of bits, one check): a per-row pass over a 50k vocabulary cost more than the
+    masks themselves."""
     n, end = len(grammars), grammars[0].vocab_size
-    words = (end + 1 + 31) // 32  # llguidance's vocabulary: the tokenizer's + the virtual end token (`end`)
+    words = (max(vocab_size, end + 1) + 31) // 32  # llguidance's vocabulary: the tokenizer's + the virtual end token
+    llg_words = (end + 1 + 31) // 32
     bits = np.zeros((n, words), dtype=np.uint32)
     for i, g in enumerate(grammars):  # one after the other: llguidance's pool (LLExecutor, 2 threads) took 2-4x
         # as long at 4-64 rows of GPT-2's vocabulary on 2 cores (a mask is ~5-20 us; handing rows out cost more)
-        g.matcher.unsafe_compute_mask_ptr(bits.ctypes.data + i * words * 4, words * 4)
-    bits[:, end // 32] &= np.uint32(~(1 << (end % 32)) & 0xFFFFFFFF)  # never the virtual end: stops are ours
-    unpacked = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little"))
-    known = min(vocab_size, end)
-    if known == vocab_size:
-        allowed = unpacked[:, :vocab_size]  # (a fresh array: written below as it is)
-    else:
-        allowed = torch.zeros(n, vocab_size, dtype=torch.uint8)
-        allowed[:, :known] = unpacked[:, :known]
-    stops = [(i, t) for i, g in enumerate(grammars) for t in g.stop_ids if t < vocab_size]
-    accepting = {i: grammars[i].accepting for i in {i for i, _ in stops}}
-    if stops:
-        rows, ids = zip(*stops, strict=True)
-        allowed[list(rows), list(ids)] = torch.tensor([accepting[i] for i in rows], dtype=torch.uint8)
+        g.matcher.unsafe_compute_mask_ptr(bits.ctypes.data + i * words * 4, llg_words * 4)
+    known = min(vocab_size, end)  # never the virtual end (stops are ours), nor a token past the vocabulary
+    bits[:, known // 32] &= np.uint32((1 << (known % 32)) - 1)
+    bits[:, known // 32 + 1 :] = 0
+    accepting = {}
+    for i, g in enumerate(grammars):
+        for t in g.stop_ids:
+            if t < vocab_size:
+                accepting.setdefault(i, g.accepting)
+                if accepting[i]:
+                    bits[i, t // 32] |= np.uint32(1 << (t % 32))
+                else:
+                    bits[i, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
     # a dead end: no bit set in the row's words (32x less to read than the mask), and no stop token allowed
-    live = bits.any(axis=1) if known == end else allowed.any(dim=1).numpy()
-    dead = [i for i in range(n) if not live[i] and not accepting.get(i, False)]
+    dead = [i for i in np.flatnonzero(~bits.any(axis=1)).tolist() if not accepting.get(i, False)]
     if dead:
         g = grammars[dead[0]]
         raise GrammarDeadEnd(f"no token of the vocabulary continues the row's JSON ({matcher_error(g.matcher)})")
-    return allowed
+    return bits
+
+
+def allowed_tokens(grammars: Sequence[RowGrammar], vocab_size: int) -> torch.Tensor:
+    """The (len(grammars), vocab_size) mask of the tokens each grammar allows next (1, else 0: uint8, which torch
+    turns into fp32 in a third of a bool mask's time): `allowed_bits`, unpacked."""
+    return unpack_bits(allowed_bits(grammars, vocab_size), vocab_size)
+
+
+def unpack_bits(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """`allowed_bits`' rows as (n, vocab_size) uint8 masks: 1 where the token is allowed, else 0."""
+    return torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size])

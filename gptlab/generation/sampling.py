@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from gptlab.generation.params import SamplingParams
@@ -109,7 +110,8 @@ def sample_next(
     arithmetic runs in fp32 whatever the logits' dtype.
 
     Each row draws one uniform from its own generator (`row_uniforms`) and takes the token where it falls in the
-    row's cumulative distribution (`inverse_cdf`), batched over the rows.
+    row's cumulative distribution (`inverse_cdf`), batched over the rows: on a CPU with gptlab's kernels and no row
+    filtering, in one C++ op (`native_sampler`) that reads each row once, greedy rows' argmax included.
 
     A row with a grammar (structured outputs) samples only among the tokens it allows. Where some row filters
     (top-k, top-p, min-p), which act within the mask, every constrained row masks its logits first. Else its
@@ -123,7 +125,7 @@ def sample_next(
     logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
     dev = logits.device
     constrained = any(g is not None for g in grammars)
-    filtered = any(sp.top_k > 0 or sp.top_p < 1 or sp.min_p > 0 for sp in params)
+    filtered = any(_filters(sp) for sp in params)
     masks = grammar_masks(grammars, logits.shape[-1], dev) if constrained and filtered else None
     if masks is not None:
         logits = apply_grammars(logits, grammars, masks)
@@ -144,36 +146,85 @@ def sample_next(
 
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
           generators: Sequence[torch.Generator | None]) -> tuple[list[int], torch.Tensor | None]:
-    """Each row's token from its fp32 `logits` (n, V), and the probabilities the rows were drawn from (None where
-    every row is greedy: no softmax, no sort, the common fast path)."""
-    if all(sp.greedy for sp in params):
+    """Each row's token from its fp32 `logits` (n, V), and the probabilities the rows were drawn from where the ATen
+    path drew them (None from gptlab's kernel, which keeps none, or where every row is greedy)."""
+    u = row_uniforms(params, generators, logits.device)
+    sampler = None if any(_filters(sp) for sp in params) else native_sampler(logits)
+    if sampler is None:
+        return _aten_draw(logits, params, u)
+    drawn = sampler(logits.contiguous(), torch.arange(len(params)), _scales(params), u, _NO_MASK)
+    bad = (drawn < 0).nonzero()[:, 0].tolist()  # non-finite logits: the ATen path's rules
+    if bad:
+        drawn[bad] = torch.tensor(_aten_draw(logits[bad], [params[i] for i in bad], u[bad])[0])
+    return drawn.tolist(), None
+
+
+def _aten_draw(logits: torch.Tensor, params: Sequence[SamplingParams],
+               u: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+    """`_draw` in ATen ops, from the rows' uniforms `u`."""
+    if all(sp.greedy for sp in params):  # no softmax, no sort
         return logits.argmax(dim=-1).tolist(), None
     probs = filtered_probs(logits, params)
-    sampled = inverse_cdf(probs, row_uniforms(params, generators, logits.device))
+    sampled = inverse_cdf(probs, u)
     greedy = torch.tensor([sp.greedy for sp in params], device=logits.device)
     if greedy.any():
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)  # temperature 0 rows in a mixed batch
     return sampled.tolist(), probs
 
 
+def native_sampler(logits: torch.Tensor):  # noqa: ANN201 - the op, or None
+    """gptlab's C++ sampler (`kernels/sampling.cpp`: the draw below, rows read once, in one op instead of ~17) for
+    CPU logits on a machine whose kernels built, else None: the ATen path."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from gptlab.kernels import widest_ops
+
+    ops = widest_ops()
+    return None if ops is None else ops.sample_rows
+
+
+_NO_MASK = torch.empty(0, dtype=torch.int32)
+
+
+def _filters(sp: SamplingParams) -> bool:
+    return sp.top_k > 0 or sp.top_p < 1 or sp.min_p > 0
+
+
+def _scales(params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's 1 / temperature for the kernel; 0 for a greedy row (its argmax)."""
+    return torch.tensor([0.0 if sp.greedy else 1.0 / (sp.temperature or 1.0) for sp in params], dtype=torch.float32)
+
+
 def _draw_allowed(tokens: list[int], logits: torch.Tensor, probs: torch.Tensor | None, rows: list[int],
                   params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
                   grammars: Sequence[RowGrammar | None]) -> list[int]:
     """`tokens` with the unfiltered constrained `rows` drawn again among the tokens their grammars allow, from the
-    batch's fp32 logits (n, V) and the probabilities of the first draw (the rows' copies written here). The mask
+    batch's fp32 logits (n, V) and the probabilities of the first draw (the rows' copies written here). gptlab's
+    kernel draws them from the logits and the grammars' bits, where it runs. Else the mask
     multiplies the probabilities where no row is greedy and each keeps some probability; else it goes on the
     logits (allowed tokens that all underflowed in the unmasked softmax still get theirs); `_within` has the last
     word."""
+    from gptlab.generation.grammar import allowed_bits, unpack_bits
+
     whole = len(rows) == logits.shape[0]  # (every row: no copies)
     params, generators, grammars = ([seq[i] for i in rows] for seq in (params, generators, grammars))
-    index, allowed = grammar_masks(grammars, logits.shape[-1], logits.device)  # (index None: every one of `rows`)
+    bits = allowed_bits(grammars, logits.shape[-1])
+    sampler = native_sampler(logits)
+    if sampler is not None:
+        drawn = sampler(logits.contiguous(), torch.tensor(rows), _scales(params),
+                        row_uniforms(params, generators, logits.device), torch.from_numpy(bits.view(np.int32)))
+        if bool((drawn >= 0).all()):  # (else a row's allowed logits are not finite: the ATen path's rules)
+            for i, token in zip(rows, drawn.tolist(), strict=True):
+                tokens[i] = token
+            return tokens
+    allowed = unpack_bits(bits, logits.shape[-1]).to(logits.device, torch.float32)
     drawn = None
     if probs is not None and not any(sp.greedy for sp in params):
         probs = probs if whole else probs[rows]
         if mask_probabilities(probs, allowed):
             drawn = inverse_cdf(probs, row_uniforms(params, generators, logits.device)).tolist()
     if drawn is None:
-        drawn = _draw(apply_grammars(logits if whole else logits[rows], grammars, (index, allowed)), params,
+        drawn = _draw(apply_grammars(logits if whole else logits[rows], grammars, (None, allowed)), params,
                       generators)[0]
     for i, token in zip(rows, drawn, strict=True):
         tokens[i] = token

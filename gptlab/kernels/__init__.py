@@ -58,7 +58,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "packing.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp",
            HERE / "dequantize_int4.cpp", HERE / "activations.cpp", HERE / "split_heads.cpp",
            HERE / "norms.cpp", HERE / "adamw.cpp", HERE / "attention_backward.cpp",
-           HERE / "transpose.cpp", HERE / "newton_schulz.cpp"]
+           HERE / "transpose.cpp", HERE / "newton_schulz.cpp", HERE / "sampling.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AVX2 CPU has it)
