@@ -44,6 +44,13 @@ inline IVec allowed_lanes(const uint32_t* bits, int64_t t) {
 
 inline bool allowed(const uint32_t* bits, int64_t t) { return bits == nullptr || ((bits[t >> 5] >> (t & 31)) & 1u); }
 
+// whether the mask forbids all kLanes tokens from t (a multiple of kLanes): a grammar between values allows a few
+// tokens of 50k, and such a row's lanes are skipped, not computed and blended away
+inline bool none_allowed(const uint32_t* bits, int64_t t) {
+  constexpr uint32_t kAll = kLanes == 32 ? ~0u : (1u << kLanes) - 1;
+  return bits != nullptr && ((bits[t >> 5] >> (t & 31)) & kAll) == 0;
+}
+
 // the largest allowed logit; `finite` false where an allowed one is NaN or +inf, or none is allowed
 template <typename T>
 float allowed_max(const T* row, int64_t V, const uint32_t* bits, bool& finite) {
@@ -51,6 +58,7 @@ float allowed_max(const T* row, int64_t V, const uint32_t* bits, bool& finite) {
   IVec bad = {};
   int64_t i = 0;
   for (; i + kLanes <= V; i += kLanes) {
+    if (none_allowed(bits, i)) continue;
     const IVec on = allowed_lanes(bits, i);
     const Vec x = load(row + i);
     bad |= on & ((x != x) | (x == kInf));
@@ -89,6 +97,10 @@ void block_weights(const T* row, int64_t V, float scale, float top, const uint32
     Vec lanes = {};
     int64_t i = b;
     for (; i + kLanes <= end; i += kLanes) {
+      if (none_allowed(bits, i)) {
+        store(e + i, splat(0.0f));
+        continue;
+      }
       const IVec on = allowed_lanes(bits, i);
       const Vec x = on != 0 ? exp_vec((load(row + i) - top) * scale) : splat(0.0f);
       store(e + i, x);
