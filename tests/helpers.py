@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,6 +143,15 @@ def one_line_error(rc: int, err: str, notes: int = 0) -> str:
 
 
 # --- models and tokenizers ----------------------------------------------------------------------------------------
+def packed_mask(allowed: torch.Tensor) -> np.ndarray:
+    """(n, V) bool -> (n, ceil(V / 32)) uint32 bits, token t at bit t % 32 of word t // 32: llguidance's layout, as
+    `gptlab.generation.grammar.allowed_bits` returns it."""
+    n, V = allowed.shape
+    packed = np.zeros((n, (V + 31) // 32 * 4), dtype=np.uint8)
+    packed[:, : (V + 7) // 8] = np.packbits(allowed.numpy(), axis=1, bitorder="little")
+    return packed.view(np.uint32)
+
+
 def attention_patterns(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(logits, each layer's attention weights (B, nh, T, T_k)): every layer's pattern hooked, so every layer
     runs the manual attention path."""

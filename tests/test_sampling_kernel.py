@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import packed_mask
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,11 +29,8 @@ def ops(build_name: str):  # noqa: ANN201
 
 
 def pack(allowed: torch.Tensor) -> torch.Tensor:
-    """(n, V) bool -> (n, ceil(V / 32)) int32 bits, token t at bit t % 32 of word t // 32 (llguidance's layout)."""
-    n, V = allowed.shape
-    packed = np.zeros((n, (V + 31) // 32 * 4), dtype=np.uint8)
-    packed[:, : (V + 7) // 8] = np.packbits(allowed.numpy(), axis=1, bitorder="little")
-    return torch.from_numpy(packed.view(np.int32))
+    """(n, V) bool -> the kernel's (n, ceil(V / 32)) int32 bits."""
+    return torch.from_numpy(packed_mask(allowed).view(np.int32))
 
 
 @settings(max_examples=60, deadline=None)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from helpers import ByteTokenizer, tiny_model
+from helpers import ByteTokenizer, packed_mask, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -303,11 +302,7 @@ def _patch_masks(monkeypatch, mask: torch.Tensor) -> list[int]:
 
     def fake(grammars, vocab):  # noqa: ANN001, ANN202
         asked.append(len(grammars))
-        rows = mask[[g.row for g in grammars]].numpy()
-        words = (vocab + 31) // 32
-        packed = np.zeros((len(grammars), words * 4), dtype=np.uint8)
-        packed[:, : (vocab + 7) // 8] = np.packbits(rows, axis=1, bitorder="little")
-        return packed.view(np.uint32)
+        return packed_mask(mask[[g.row for g in grammars]])
 
     monkeypatch.setattr(grammar, "allowed_bits", fake)
     return asked

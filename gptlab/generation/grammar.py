@@ -155,15 +155,14 @@ def allowed_bits(grammars: Sequence[RowGrammar], vocab_size: int) -> np.ndarray:
     known = min(vocab_size, end)  # never the virtual end (stops are ours), nor a token past the vocabulary
     bits[:, known // 32] &= np.uint32((1 << (known % 32)) - 1)
     bits[:, known // 32 + 1 :] = 0
-    accepting = {}
+    accepting = {}  # rows with stop tokens in the vocabulary: whether their JSON is complete (asked once a row)
     for i, g in enumerate(grammars):
-        for t in g.stop_ids:
-            if t < vocab_size:
-                accepting.setdefault(i, g.accepting)
-                if accepting[i]:
-                    bits[i, t // 32] |= np.uint32(1 << (t % 32))
-                else:
-                    bits[i, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+        stops = [t for t in g.stop_ids if t < vocab_size]
+        if stops:
+            accepting[i] = g.accepting
+        for t in stops:
+            bit = np.uint32(1 << (t % 32))
+            bits[i, t // 32] = bits[i, t // 32] | bit if accepting[i] else bits[i, t // 32] & ~bit
     # a dead end: no bit set in the row's words (32x less to read than the mask), and no stop token allowed
     dead = [i for i in np.flatnonzero(~bits.any(axis=1)).tolist() if not accepting.get(i, False)]
     if dead:
