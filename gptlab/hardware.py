@@ -168,27 +168,67 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPTLAB_CACHE_DIR") or Path.home() / ".cache" / "gptlab")
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo; else what `platform` says)."""
+# Arm's CPU part numbers (/proc/cpuinfo's "CPU part" under implementer 0x41) for the cores servers and boards carry;
+# another part is named by its numbers, which still tell it apart in the caches.
+_ARM_PARTS = {0xD08: "Cortex-A72", 0xD0B: "Cortex-A76", 0xD0C: "Neoverse N1", 0xD40: "Neoverse V1",
+              0xD41: "Cortex-A78", 0xD49: "Neoverse N2", 0xD4F: "Neoverse V2", 0xD8E: "Neoverse N3",
+              0xD84: "Neoverse V3"}
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of Linux's /proc/cpuinfo (empty elsewhere)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        return {}
+
+
+def parse_cpuinfo(text: str) -> dict[str, str]:
+    """Fields of /proc/cpuinfo's first processor block: x86 writes "model name" and "flags", arm64 "CPU
+    implementer", "CPU part", "CPU variant", "CPU revision" and "Features"."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields and not line.strip():
+                break  # the end of the first processor's block
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_name(cpuinfo: dict[str, str] | None = None) -> str:
+    """The CPU's model name: x86's "model name", an arm64 core by its implementer and part ("Neoverse N1 r3p1"),
+    macOS's brand string ("Apple M2"), else what `platform` says."""
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    if "model name" in info:
+        return info["model name"]
+    if "CPU part" in info:
+        try:
+            implementer, part = int(info.get("CPU implementer", "0"), 16), int(info["CPU part"], 16)
+            variant, revision = int(info.get("CPU variant", "0"), 16), int(info.get("CPU revision", "0"))
+        except ValueError:
+            return f"arm64 {info['CPU part']}"
+        core = _ARM_PARTS.get(part) if implementer == 0x41 else None
+        return f"{core or f'arm64 implementer {implementer:#x} part {part:#x}'} r{variant}p{revision}"
+    if cpuinfo is None and sys.platform == "darwin":
+        import subprocess
+
+        try:
+            brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                   timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            brand = ""
+        if brand:
+            return brand
     return platform.processor() or platform.machine()
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (/proc/cpuinfo; empty elsewhere). The OS lists a vector unit
-    only where it saves its registers, so a listed flag can be used."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+def cpu_flags(cpuinfo: dict[str, str] | None = None) -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them ("flags" on x86, "Features" on arm64; empty elsewhere). The OS
+    lists a vector unit only where it saves its registers, so a listed flag can be used."""
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    return frozenset((info.get("flags") or info.get("Features") or "").split())
 
 
 def cpu_id() -> str:

@@ -111,3 +111,48 @@ def test_cpu_attention_runs_in_bf16_from_head_size_64_and_a_resume_keeps_its_cho
     assert resolve_device_switches(gpt2, "cuda", saved={}).attention_fp32 is False
     with pytest.raises(Exception, match="attention_fp32"):
         build_train_config({"model": "tiny", "attention_fp32": "sometimes"})
+
+
+_X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 avx avx2 fma
+
+processor\t: 1
+model name\t: another
+flags\t\t: fpu
+"""
+
+_ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics asimddp
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x3
+CPU part\t: 0x{part}
+CPU revision\t: 1
+
+processor\t: 1
+Features\t: fp
+"""
+
+
+def test_the_cpu_is_named_and_its_flags_read_on_x86_and_on_arm64() -> None:
+    x86 = hardware.parse_cpuinfo(_X86_CPUINFO)
+    assert hardware.cpu_name(x86) == "AMD EPYC 7B13"
+    assert hardware.cpu_flags(x86) == {"fpu", "sse2", "avx", "avx2", "fma"}  # the first processor's, not the last's
+    n1, v1 = (hardware.parse_cpuinfo(_ARM_CPUINFO.format(part=part)) for part in ("d0c", "d40"))
+    assert hardware.cpu_name(n1) == "Neoverse N1 r3p1" and hardware.cpu_name(v1) == "Neoverse V1 r3p1"
+    assert "asimddp" in hardware.cpu_flags(n1) and "avx2" not in hardware.cpu_flags(n1)
+    unknown = hardware.parse_cpuinfo(_ARM_CPUINFO.format(part="abc").replace("0x41", "0x61"))
+    assert hardware.cpu_name(unknown) == "arm64 implementer 0x61 part 0xabc r3p1"
+    assert hardware.cpu_name({}) and hardware.cpu_flags({}) == frozenset()
+
+
+def test_two_arm_cores_have_different_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = []
+    for part in ("d0c", "d40"):
+        info = hardware.parse_cpuinfo(_ARM_CPUINFO.format(part=part))
+        monkeypatch.setattr(hardware, "_cpuinfo", lambda info=info: info)
+        ids.append(hardware.cpu_id())
+    assert ids[0] != ids[1] and ids[0].startswith("Neoverse N1")

@@ -3,6 +3,7 @@ depend on how they are split, overrides and one-line CLI errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -151,12 +153,25 @@ def test_non_finite_loss_stops_with_the_step_named(tmp_path: Path, data: Path, c
 
 
 # --- exact resume and signals -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _killed_on_failure(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """A failing test must not leave its training child running (a 1,000,000-step run would outlive pytest)."""
+    try:
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+
+
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     deadline = time.time() + timeout
-    while not predicate():
-        assert proc.poll() is None, f"run ended early: {proc.communicate()}"
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.005)
+    with _killed_on_failure(proc):
+        while not predicate():
+            assert proc.poll() is None, f"run ended early: {proc.communicate()}"
+            assert time.time() < deadline, "timed out"
+            time.sleep(0.005)
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path: Path, data: Path) -> None:
@@ -198,7 +213,8 @@ def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path: Path, data:
     proc = cli_subprocess("train", str(recipe), "--data", str(data), "--out", str(run))
     _wait_for(lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size > 0, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    with _killed_on_failure(proc):
+        out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     (ckpt,) = list_step_checkpoints(run)
     assert "SIGTERM" in err and f"--out {run}" in err and err.strip().endswith("--resume")
