@@ -136,6 +136,8 @@ class GPTConfig:
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
     embedding_norm: bool = False  # normalize the token embeddings before the first block
     scale_embeddings: bool = False  # multiply the token embeddings by sqrt(n_embd) (Gemma)
+    # move each token's embedding toward the previous token's by a learned share per channel (`gptlab.token_shift`)
+    token_shift: bool = False
     # --- biases: `bias` sets every Linear's and LayerNorm's; the fields after it override one part (None: as bias)
     bias: bool = True  # biases in every Linear and LayerNorm (GPT-2, NeoX) or none (Llama)
     qkv_bias: bool | None = None  # on the q, k, v projection (Qwen2: True with bias False)
@@ -332,6 +334,7 @@ class GPTConfig:
         extras = [text for on, text in [
             (not self.norm_weight, "parameter-free norms"), (self.norm_unit_offset, "(1 + w) norms"),
             (self.embedding_norm, "normalized embeddings"), (self.scale_embeddings, "scaled embeddings"),
+            (self.token_shift, "token shift"),
             (self.rope_interleaved, "interleaved rope"), (self.shared_norm, "one norm per block"),
             (self.qk_norm, "qk-norm"), (self.attn_softcap is not None, "attention soft-cap"),
             (self.logit_softcap is not None, "logit soft-cap"),

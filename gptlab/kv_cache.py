@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from gptlab.config import GPTConfig
+from gptlab.token_shift import previous_in_sequence
 
 
 class Masks(NamedTuple):
@@ -87,6 +88,9 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, nkv, max_len, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # a token-shift model's shifted vectors at every position (`gptlab.token_shift`), as keys are kept
+        shifted = shifted_shape(config, batch_size, self.max_len)
+        self.shifted = None if shifted is None else torch.zeros(shifted, device=device, dtype=dtype)
         self._where: int | tuple[torch.Tensor, torch.Tensor] = 0  # set by begin(): where this step writes
         self._end = 0  # set by begin(): keys 0..end-1 are attended over in this step
 
@@ -106,6 +110,7 @@ class KVCache:
         view.max_len, view.attend_dtype = self.max_len, self.attend_dtype
         view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
         view.lengths = self.lengths[start:stop]  # a view: advance()'s in-place `+=` updates this cache too
+        view.shifted = None if self.shifted is None else self.shifted[:, start:stop]
         view._where, view._end = 0, 0
         return view
 
@@ -119,9 +124,14 @@ class KVCache:
         held = int(part.lengths.max())
         shape = (self.k.shape[0], len(slots), self.k.shape[2], max_len, self.k.shape[4])
         part.k, part.v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        part.shifted = None
+        if self.shifted is not None:
+            part.shifted = self.shifted.new_zeros(self.shifted.shape[0], len(slots), max_len, self.shifted.shape[3])
         if held:
             part.k[:, :, :, :held] = self.k[:, slots, :, :held]
             part.v[:, :, :, :held] = self.v[:, slots, :, :held]
+            if part.shifted is not None:
+                part.shifted[:, :, :held] = self.shifted[:, slots, :held]
         part._where, part._end = 0, 0
         return part
 
@@ -129,6 +139,8 @@ class KVCache:
         """Write positions start..stop-1 of `part` (made by `gather(slots, ...)`) back into rows `slots`."""
         self.k[:, slots, :, start:stop] = part.k[:, :, :, start:stop]
         self.v[:, slots, :, start:stop] = part.v[:, :, :, start:stop]
+        if self.shifted is not None:
+            self.shifted[:, slots, start:stop] = part.shifted[:, :, start:stop]
 
     # --- one cached forward: begin, append per layer, advance ----------------------------------------------------
     def begin(self, T: int, sliding_window: int | None = None, keys: int | None = None) -> tuple[torch.Tensor, Masks]:
@@ -190,6 +202,24 @@ class KVCache:
         k, v = k_buf[:, :, : self._end], v_buf[:, :, : self._end]
         return k.to(self.attend_dtype), v.to(self.attend_dtype)  # (no copy where they are the same)
 
+    def previous(self, point: int, h: torch.Tensor) -> torch.Tensor:
+        """Keep shift point `point`'s new vectors h (B, T, C) at the positions `begin` planned, and return the
+        vectors at the positions before them (B, T, C): a row's own from earlier steps or this one, zeros at
+        position 0. For a `token_shift` model (`gptlab.token_shift`)."""
+        if self.shifted is None:
+            raise ValueError("this KV cache keeps no shifted vectors: it was made for a config without token_shift")
+        buf, T = self.shifted[point], h.shape[1]  # (B, max_len, C)
+        if isinstance(self._where, int):  # every row writes at the same positions
+            start = self._where
+            buf[:, start : start + T] = h
+            if start:
+                return buf[:, start - 1 : start + T - 1].to(h.dtype)
+            return previous_in_sequence(h)
+        rows, pos = self._where  # (B, 1), (B, T)
+        buf[rows, pos] = h.to(buf.dtype)
+        previous = buf[rows, (pos - 1).clamp(min=0)].to(h.dtype)  # (B, T, C)
+        return previous * (pos > 0).unsqueeze(-1).to(h.dtype)
+
     def advance(self, T: int) -> None:
         """Every row now holds T more tokens (after the forward's last layer)."""
         self.lengths += T
@@ -200,9 +230,18 @@ def cache_shape(config: GPTConfig, batch_size: int, max_len: int) -> tuple[int, 
     return (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_size)
 
 
+def shifted_shape(config: GPTConfig, batch_size: int, max_len: int) -> tuple[int, int, int, int] | None:
+    """The shape of a KVCache's shifted vectors, (shift points, B, max_len, C): the embeddings' and each layer's
+    MLP input; None for a model without token shift."""
+    return (config.n_layer + 1, batch_size, max_len, config.n_embd) if config.token_shift else None
+
+
 def cache_bytes(config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype) -> int:
-    """What a KVCache of this shape allocates: keys and values of every layer."""
-    return 2 * math.prod(cache_shape(config, batch_size, max_len)) * torch.empty((), dtype=dtype).element_size()
+    """What a KVCache of this shape allocates: keys and values of every layer (and a token-shift model's shifted
+    vectors)."""
+    shifted = shifted_shape(config, batch_size, max_len)
+    elements = 2 * math.prod(cache_shape(config, batch_size, max_len)) + (0 if shifted is None else math.prod(shifted))
+    return elements * torch.empty((), dtype=dtype).element_size()
 
 
 def default_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

@@ -25,6 +25,7 @@ from gptlab.linear import Linear
 from gptlab.norms import LayerNorm, RMSNorm
 from gptlab.ops import assert_in_range_on_device, cross_entropy, gelu, reduce_losses, upcasting_linear
 from gptlab.rope import rope_tables
+from gptlab.token_shift import Shifts, TokenShift
 
 
 class UnitOffsetRMSNorm(nn.Module):
@@ -113,14 +114,17 @@ class Block(nn.Module):
             self.ln_attn_out = make_norm(config)
             self.ln_mlp_out = make_norm(config)
         self.mlp = MLP(config)
+        self.layer = layer
+        if config.token_shift:  # the MLP's input mixed with the previous position's (`gptlab.token_shift`)
+            self.mlp_shift = TokenShift(config.n_embd)
 
-    def forward(self, x, rope, masks, kv_cache):  # noqa: ANN001, ANN201 - internal, see GPT.forward
+    def forward(self, x, rope, masks, kv_cache, shifts=None):  # noqa: ANN001, ANN201 - internal, see GPT.forward
         hooks = self.hooks
         x = tap(hooks, "hook_resid_pre", x)
         if self.layout == "parallel":  # x + attn(norm1(x)) + mlp(norm2(x)): GPT-NeoX; one norm for both: GPT-J
             h = self.ln_1(x)
             a = self.attn(h, rope, masks, kv_cache)
-            m = self.mlp(h if self.shared_norm else self.ln_2(x))
+            m = self._mlp(h if self.shared_norm else self.ln_2(x), shifts)
             x = x + tap(hooks, "hook_attn_out", a) + tap(hooks, "hook_mlp_out", m)
             return tap(hooks, "hook_resid_post", x)
         post = self.layout == "post"  # post: norm(x + f(x)), the original transformer; else x + f(norm(x))
@@ -129,11 +133,16 @@ class Block(nn.Module):
             a = self.ln_attn_out(a)
         x = x + tap(hooks, "hook_attn_out", a)
         x = tap(hooks, "hook_resid_mid", self.ln_1(x) if post else x)
-        m = self.mlp(x if post else self.ln_2(x))
+        m = self._mlp(x if post else self.ln_2(x), shifts)
         if self.layout == "sandwich":
             m = self.ln_mlp_out(m)
         x = x + tap(hooks, "hook_mlp_out", m)
         return tap(hooks, "hook_resid_post", self.ln_2(x) if post else x)
+
+    def _mlp(self, h: torch.Tensor, shifts: Shifts | None) -> torch.Tensor:
+        if shifts is not None:
+            h = self.mlp_shift(h, shifts.previous(self.layer + 1, h))
+        return self.mlp(h)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,6 +188,8 @@ class GPT(nn.Module):
             self.transformer["wpe"] = embedding(config.block_size, config.n_embd, init)
         if config.embedding_norm:
             self.transformer["ln_emb"] = make_norm(config)
+        if config.token_shift:
+            self.transformer["shift"] = TokenShift(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -213,6 +224,8 @@ class GPT(nn.Module):
                 yield module.weight, normal(std)
             elif isinstance(module, UnitOffsetRMSNorm):
                 yield module.weight, zeros
+            elif isinstance(module, TokenShift):  # the plain embedding at first
+                yield module.mix, zeros
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
                 yield module.weight, ones
                 if getattr(module, "bias", None) is not None:
@@ -318,6 +331,10 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) if tied is None else tied_embedding(idx, self.transformer.wte.weight, tied)
         if cfg.scale_embeddings:  # by sqrt(C) in the activations' dtype, as Gemma rounds it
             x = x * torch.tensor(math.sqrt(cfg.n_embd), dtype=x.dtype)
+        # token shift: where each point finds the previous position's vectors (positions restart in packed documents)
+        shifts = Shifts(None if documents is None else pos, kv_cache) if cfg.token_shift else None
+        if shifts is not None:
+            x = self.transformer.shift(x, shifts.previous(0, x))
         x = tap(hooks, "hook_embed", x)
         if cfg.position == "learned":
             x = x + tap(hooks, "hook_pos_embed", self.transformer.wpe(pos))
@@ -329,9 +346,9 @@ class GPT(nn.Module):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
             if recompute:  # keep only each block's input; backward runs its forward again (same dropout masks)
-                x = checkpoint(block, x, rope, masks, kv_cache, use_reentrant=False)
+                x = checkpoint(block, x, rope, masks, kv_cache, shifts, use_reentrant=False)
             else:
-                x = block(x, rope, masks, kv_cache)
+                x = block(x, rope, masks, kv_cache, shifts)
         x = tap(hooks, "ln_final.hook_normalized", self.transformer.ln_f(x))
         if kv_cache is not None:
             kv_cache.advance(T)
@@ -410,7 +427,8 @@ class GPT(nn.Module):
 
 def parameter_component(name: str) -> str:
     """The component a parameter belongs to, from its name: "embeddings" (token and position tables, and a tied
-    head, which is the token table), "head" (an untied LM head), "attention", "mlp", or "norms"."""
+    head, which is the token table), "head" (an untied LM head), "attention", "mlp", or "norms" (with the other
+    vectors outside those: token shift's mixes)."""
     if name.startswith(("transformer.wte", "transformer.wpe")):
         return "embeddings"
     if name.startswith("lm_head"):

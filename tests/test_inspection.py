@@ -114,6 +114,7 @@ TRACE_CONFIGS = {
                            sliding_window=5, global_layer_every=2, attn_softcap=50.0, logit_softcap=30.0),
     "post-norm": dict(block="post", norm="layernorm", mlp="relu2", n_kv_head=1),
     "pocket": dict(embedding_norm=True, norm_weight=False, qk_norm=True, n_kv_head=2),
+    "token-shift": dict(norm="layernorm", token_shift=True, logit_softcap=15.0),
 }
 
 

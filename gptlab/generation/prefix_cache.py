@@ -78,6 +78,11 @@ class _Block:
     key: tuple[int, tuple[int, ...]]  # (parent block's id, 0 for the first block; its tokens)
     k: torch.Tensor  # (n_layer, n_kv_head, block_tokens, head_size)
     v: torch.Tensor
+    shifted: torch.Tensor | None  # a token-shift model's shifted vectors (points, block_tokens, C), else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + (0 if self.shifted is None else self.shifted.nbytes)
 
 
 class PrefixCache:
@@ -119,6 +124,8 @@ class PrefixCache:
         for i, block in enumerate(chain):  # straight into the row: a concatenation first would copy it all twice
             kv.k[:, row, :, i * size : (i + 1) * size].copy_(block.k)
             kv.v[:, row, :, i * size : (i + 1) * size].copy_(block.v)
+            if block.shifted is not None:
+                kv.shifted[:, row, i * size : (i + 1) * size].copy_(block.shifted)
         self._touch(chain)
         self._hit_tokens += n
         return n
@@ -128,7 +135,8 @@ class PrefixCache:
         """Keep every whole block of `tokens`, which row `row` of `kv` holds from position 0 (blocks kept already
         are only marked as used)."""
         n_layer, _, n_kv_head, _, head_size = kv.k.shape
-        block_bytes = 2 * n_layer * n_kv_head * self.block_tokens * head_size * kv.k.element_size()
+        per_token = 2 * n_layer * n_kv_head * head_size + (0 if kv.shifted is None else kv.shifted[:, 0, 0].numel())
+        block_bytes = per_token * self.block_tokens * kv.k.element_size()
         if block_bytes > self.budget_bytes or not self._usable(model, kv, len(tokens)):
             return
         chain = self._chain(tokens, create=True, kv=kv, row=row)
@@ -174,10 +182,11 @@ class PrefixCache:
                 if not create:
                     break
                 assert kv is not None
+                shifted = None if kv.shifted is None else kv.shifted[:, row, start : start + size].clone()
                 block = _Block(next(self._ids), key, kv.k[:, row, :, start : start + size].clone(),
-                               kv.v[:, row, :, start : start + size].clone())
+                               kv.v[:, row, :, start : start + size].clone(), shifted)
                 self._blocks[key] = block
-                self._bytes += block.k.nbytes + block.v.nbytes
+                self._bytes += block.nbytes
             chain.append(block)
             parent = block.id
         return chain
@@ -192,10 +201,10 @@ class PrefixCache:
         if not self._blocks:
             return
         first = next(iter(self._blocks.values()))
-        capacity = self.budget_bytes // (first.k.nbytes + first.v.nbytes)
+        capacity = self.budget_bytes // first.nbytes
         while len(self._blocks) > capacity:
             _, block = self._blocks.popitem(last=False)
-            self._bytes -= block.k.nbytes + block.v.nbytes
+            self._bytes -= block.nbytes
             self._evicted += 1
 
 

@@ -128,7 +128,10 @@ def _attention_rows(config: GPTConfig, count: _Counter, p: str, layer: int, toke
 def _mlp_rows(config: GPTConfig, count: _Counter, p: str, tokens: int) -> list[TraceRow]:
     gated = config.gated_mlp
     act = {"swiglu": "silu(gate) * up", "geglu": "gelu(gate) * up", "relu2": "relu(h)^2"}.get(config.mlp, "gelu")
+    shift = [TraceRow(f"{p}.mlp_shift", "token shift: h + mix * (previous position's h - h)", BTC, BTC,
+                      count(f"{p}.mlp_shift"))] if config.token_shift else []
     return [
+        *shift,
         TraceRow(f"{p}.mlp.c_fc", "[gate | up] projection" if gated else "up projection", BTC,
                  ("B", "T", "2H" if gated else "H"), count(f"{p}.mlp.c_fc"),
                  _linear_flops(count, f"{p}.mlp.c_fc", tokens)),
@@ -176,6 +179,9 @@ def trace(config: GPTConfig, seq_len: int | None = None, batch: int = 1) -> list
     rows = [TraceRow("transformer.wte", "token embedding lookup", ("B", "T"), BTC, count("transformer.wte"))]
     if config.scale_embeddings:
         rows.append(TraceRow("", "scale by sqrt(C)", BTC, BTC))
+    if config.token_shift:
+        rows.append(TraceRow("transformer.shift", "token shift: x + mix * (previous token's x - x)", BTC, BTC,
+                             count("transformer.shift")))
     if config.position == "learned":
         rows += [TraceRow("transformer.wpe", "position embedding lookup", ("T",), ("1", "T", "C"),
                           count("transformer.wpe")),
