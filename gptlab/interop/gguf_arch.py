@@ -63,6 +63,7 @@ _GGUF_TERMS = {
     "position": "another position scheme (position_embd vs rope.dimension_count)",
     "mlp": "another feed-forward (ffn_gate and its activation)", "block": "another block layout",
     "sliding_window": "attention.sliding_window", "rope_scaling": "rope.scaling.*",
+    "token_shift": "a previous-position mix of the embeddings and MLP inputs (no such tensor)",
 }
 
 
