@@ -99,9 +99,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "shakespeare-char": dict(_GPT2, n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, vocab_size=65,
                              bias=False),
     # The CPU speedrun shape (shared/notes/cpu-training-findings.md found width 96 on an AMX CPU; without AMX,
-    # width 64 for 300 steps reaches the same loss in about 0.8x the time): 102,848 parameters at vocab 65.
+    # width 64 for 300 steps reaches the same loss in about 0.8x the time): 102,976 parameters at vocab 65.
     # Logits soft-capped at 15: about -0.02 whole-split val at 225-250 steps (4 seeds), so ~13% fewer steps.
-    # Token shift: about -0.05 at 180 steps (1.820 against 1.869, 2 seeds), the same loss in ~25% fewer steps.
+    # Token shift (embeddings and MLP inputs): the same loss on about half the tokens (32 x 120 rows against 48 x
+    # 180); of the embeddings alone, about -0.05 at 48 x 180 (1.820 against 1.869, 2 seeds).
     "speedrun-char": dict(norm="layernorm", bias=False, position="rope", qk_norm=True, mlp="gelu",
                           gelu_approximate="none", block="pre", n_layer=2, n_head=2, n_embd=64, block_size=64,
                           vocab_size=65, tie_embeddings=True, logit_softcap=15.0, token_shift=True),

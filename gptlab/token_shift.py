@@ -5,8 +5,9 @@
 A model with `token_shift` does this at two kinds of points: the token embeddings, and each block's MLP input
 (after its norm). The MLP then reads the previous position's features beside the current one's without attention
 having to carry them (RWKV's token shift; modded-nanogpt's "smear" of the embeddings). On the CPU speedrun's 2-layer
-character model it reaches the same whole-split validation loss in ~40% fewer steps. A position with no previous
-one (a sequence's first, or a packed document's) mixes with zeros.
+character model it reaches the same whole-split validation loss on about half the tokens (32 x 120 rows against
+48 x 180: `configs/speedrun_cpu.toml`). A position with no previous one (a sequence's first, or a packed document's)
+mixes with zeros.
 
 In a cached forward the previous position may be in an earlier step: the KV cache keeps each point's vectors at
 every position, as it keeps keys (`KVCache.previous`), so rewinding a row (speculative decoding) or restoring a
