@@ -136,7 +136,8 @@ class GPTConfig:
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
     embedding_norm: bool = False  # normalize the token embeddings before the first block
     scale_embeddings: bool = False  # multiply the token embeddings by sqrt(n_embd) (Gemma)
-    # move each token's embedding toward the previous token's by a learned share per channel (`gptlab.token_shift`)
+    # move the token embeddings and each MLP's input toward the previous position's, by a learned share per channel
+    # (`gptlab.token_shift`)
     token_shift: bool = False
     # --- biases: `bias` sets every Linear's and LayerNorm's; the fields after it override one part (None: as bias)
     bias: bool = True  # biases in every Linear and LayerNorm (GPT-2, NeoX) or none (Llama)

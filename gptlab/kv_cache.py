@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from gptlab.config import GPTConfig
-from gptlab.token_shift import previous_in_sequence
+from gptlab.token_shift import previous_in_sequence, zeros_at_starts
 
 
 class Masks(NamedTuple):
@@ -217,8 +217,7 @@ class KVCache:
             return previous_in_sequence(h)
         rows, pos = self._where  # (B, 1), (B, T)
         buf[rows, pos] = h.to(buf.dtype)
-        previous = buf[rows, (pos - 1).clamp(min=0)].to(h.dtype)  # (B, T, C)
-        return previous * (pos > 0).unsqueeze(-1).to(h.dtype)
+        return zeros_at_starts(buf[rows, (pos - 1).clamp(min=0)].to(h.dtype), pos)  # (B, T, C)
 
     def advance(self, T: int) -> None:
         """Every row now holds T more tokens (after the forward's last layer)."""

@@ -38,7 +38,12 @@ def previous_in_sequence(h: torch.Tensor, pos: torch.Tensor | None = None) -> to
     """Each position's predecessor within the sequence h (B, T, C): zeros at position 0 and, given positions pos
     (B, T) that restart at 0 (packed documents), at every restart."""
     previous = nn.functional.pad(h[:, :-1], (0, 0, 1, 0))
-    return previous if pos is None else previous * (pos > 0).unsqueeze(-1).to(h.dtype)
+    return previous if pos is None else zeros_at_starts(previous, pos)
+
+
+def zeros_at_starts(previous: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """previous (B, T, C) with zeros where positions pos (B, T) are 0: those have no predecessor."""
+    return previous * (pos > 0).unsqueeze(-1).to(previous.dtype)
 
 
 class Shifts:
