@@ -1,16 +1,24 @@
-"""Causal attention in bf16 training on a CPU: PyTorch's flash-attention forward, gptlab's backward.
+"""Causal attention in training on a CPU through gptlab's kernels, where they are faster than PyTorch's.
 
-PyTorch's CPU flash-attention backward runs its products as many small GEMM calls: ~14 ms a layer at GPT-2's 4 x 12
-heads x 256 x 64 on a 2-core AMX Xeon, ~10x its own forward. gptlab's (`gptlab.kernels`,
-attention_backward.cpp) packs each kv head's keys and values once and runs the products on the CPU's bf16 dot
-products: 3.4 ms there on the tile unit (AMX), 7.4 ms with AVX512-BF16. The forward is the op F.scaled_dot_product
-_attention runs here (the same output, and its log-sum-exp for the backward), so only the gradients differ, within
-bf16 rounding (tests/test_causal_attention.py: both against the maths in fp64, no further from it than PyTorch's).
+bf16: PyTorch's flash-attention forward, gptlab's backward. PyTorch's CPU flash-attention backward runs its products
+as many small GEMM calls: ~14 ms a layer at GPT-2's 4 x 12 heads x 256 x 64 on a 2-core AMX Xeon, ~10x its own
+forward. gptlab's (`gptlab.kernels`, attention_backward.cpp) packs each kv head's keys and values once and runs the
+products on the CPU's bf16 dot products: 3.4 ms there on the tile unit (AMX), 7.4 ms with AVX512-BF16. The forward
+is the op F.scaled_dot_product_attention runs here (the same output, and its log-sum-exp for the backward), so only
+the gradients differ, within bf16 rounding. It serves sequence lengths and head sizes in multiples of 32 on a CPU
+whose gptlab kernels have bf16 dot products (AVX512-BF16 or AMX).
 
-It serves plain causal attention (no mask, no dropout) over a whole sequence (as many keys as queries), with
-sequence length and head size multiples of 32, grouped kv heads included, in training (a gradient wanted) on a
-CPU whose gptlab kernels have bf16 dot products (AVX512-BF16 or AMX), outside torch.compile. Elsewhere
-`attention` returns None and F.scaled_dot_product_attention runs.
+fp32, short sequences: forward and backward both gptlab's (attention_fp32.cpp, every build): each (batch, head)'s
+keys and values stay in the L1 cache and each query row is done in registers, where PyTorch's flash attention
+spends a small model's attention in calls of a few thousand multiply-adds. On a 2-core Zen 3 (AVX2), forward and
+backward together: 1.9-2.5x PyTorch's at 32 x 2 heads x 64 x 32 (the CPU speedrun's), 1.1-1.6x at 128 positions
+(heads of 48 and 64), 0.86-0.96x at 256 and 0.85-0.9x at 512: it serves up to `FP32_MAX_LEN` positions, heads in
+multiples of 16 (every build's vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not measured on
+an AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
+
+Both serve plain causal attention (no mask, no dropout) over a whole sequence (as many keys as queries), grouped kv
+heads included, in training (a gradient wanted) outside torch.compile; tests/test_causal_attention.py holds them
+against the maths in fp64. Elsewhere `attention` returns None and F.scaled_dot_product_attention runs.
 """
 
 from __future__ import annotations
@@ -21,31 +29,61 @@ import torch
 
 
 class _CausalAttention(torch.autograd.Function):
+    """Causal attention through the kernels `ops`: fp32 (`fp32`: gptlab's forward and backward) or bf16 (PyTorch's
+    flash forward, gptlab's backward). Both backwards take the forward's output and log-sum-exp."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale, ops):  # noqa: ANN001, ANN205
-        group = q.shape[1] // k.shape[1]
-        keys, values = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, True,
-                                                                               scale=scale)[:2]
+    def forward(ctx, q, k, v, scale, ops, fp32):  # noqa: ANN001, ANN205
+        if fp32:
+            out, lse = ops.causal_attention_fp32(q, k, v, scale)  # out: (B, nh, T, hs), laid out (B, T, nh, hs)
+        else:
+            group = q.shape[1] // k.shape[1]
+            keys, values = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, True,
+                                                                                   scale=scale)[:2]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.ops = scale, ops
+        ctx.scale = scale
+        ctx.backward_op = ops.causal_attention_fp32_backward if fp32 else ops.causal_attention_backward
         return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
         grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        dq, dk, dv = ctx.ops.causal_attention_backward(grad, q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = ctx.backward_op(grad, q, k, v, out, lse, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+# where the fp32 kernel serves (module docstring): the longest sequence and the widest head measured faster than
+# PyTorch's flash attention (a 2-core Zen 3: 1.1-1.3x at 128 x 64, 0.86-0.96x at 256 x 64)
+FP32_MAX_LEN = 128
+FP32_MAX_HEAD = 128
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs) through gptlab's backward where it applies
+    """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs) through gptlab's kernels where they apply
     (module docstring), else None."""
-    ops = _ops(q, k, v)
-    if ops is None:
+    if not _plain_causal(q, k, v):
         return None
-    return _CausalAttention.apply(q, k, v, scale, ops)
+    fp32 = q.dtype == torch.float32
+    ops = _fp32_ops(q, k, v) if fp32 else _bf16_ops(q, k, v)
+    return None if ops is None else _CausalAttention.apply(q, k, v, scale, ops, fp32)
+
+
+def _plain_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Keys and values of one shape, as many positions as queries, kv heads dividing the query heads, one dtype,
+    each row's head dimension contiguous."""
+    return (k.shape == v.shape and k.shape[2] == q.shape[2] and q.shape[1] % k.shape[1] == 0
+            and all(t.dtype == q.dtype and t.stride(-1) == 1 for t in (k, v)) and q.stride(-1) == 1)
+
+
+def _fp32_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
+    hs, T = q.shape[3], q.shape[2]
+    if hs % 16 or hs > FP32_MAX_HEAD or T > FP32_MAX_LEN:
+        return None
+    from gptlab.kernels import training_ops
+
+    return training_ops(q, k, v)  # a CPU, a gradient wanted, not compiling: every build has the kernel
 
 
 def serves(head_size: int, seq_len: int) -> bool:
@@ -60,10 +98,9 @@ def _bf16_dot_ops() -> Any | None:
     return bf16_dot_ops()
 
 
-def _ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
-    B, nh, T, hs = q.shape
-    if (k.shape != v.shape or k.shape[2] != T or nh % k.shape[1]
-            or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (q, k, v))):
+def _bf16_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
+    hs, T = q.shape[3], q.shape[2]
+    if q.dtype != torch.bfloat16:
         return None
     from gptlab.kernels import trains_on_cpu
 

@@ -162,6 +162,20 @@ def attention_patterns(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, lis
     return logits, [cache[name] for name in names]
 
 
+def causal_attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float,
+                          ) -> tuple[torch.Tensor, ...]:
+    """Causal softmax attention in fp64 from the maths, kv heads repeated over their group: the output, its
+    log-sum-exp and the gradients of q, k and v for the output's gradient `grad`."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    scores = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
+    T = q.shape[2]
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    out = scores.softmax(-1) @ v.repeat_interleave(group, 1)
+    out.backward(grad.double())
+    return out.detach(), scores.logsumexp(-1).detach(), q.grad, k.grad, v.grad
+
+
 def tiny_model(
     position: str = "rope", block_size: int = 64, vocab_size: int = 256, seed: int = 0, **kw
 ) -> GPT:

@@ -1,4 +1,5 @@
-"""`gptlab.causal_attention`: causal attention's backward in bf16 training on a CPU (kernels/attention_backward.cpp).
+"""`gptlab.causal_attention`'s bf16 path: causal attention's backward in bf16 training on a CPU
+(kernels/attention_backward.cpp).
 Every build with bf16 dot products this machine runs against the maths in fp64, no further from it than PyTorch's
 own flash-attention backward; the forward is PyTorch's to the bit; a model's loss and gradients through it against
 the same model through F.scaled_dot_product_attention."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import causal_attention_fp64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,17 +39,6 @@ def _with_backward(build_name: str):  # noqa: ANN202 - the build's ops
     return ops
 
 
-def _maths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float):  # noqa: ANN202
-    """Causal softmax attention and its gradients in fp64, kv heads repeated over their group."""
-    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    scores = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
-    T = q.shape[2]
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    (scores.softmax(-1) @ v.repeat_interleave(group, 1)).backward(grad.double())
-    return q.grad, k.grad, v.grad
-
-
 def _relative(a: torch.Tensor, want: torch.Tensor) -> float:
     return float((a.double() - want).norm() / want.norm())
 
@@ -74,7 +65,8 @@ def test_every_builds_backward_is_the_maths_in_fp64(build_name: str, batch: int,
     theirs = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, keys, values, out, lse,
                                                                                  0.0, True, scale=scale)
     theirs = (theirs[0], *(t.view(batch, kv_heads, group, T, head_size).sum(2) for t in theirs[1:]))
-    for name, mine, torchs, want in zip("qkv", ours, theirs, _maths(q, k, v, grad, scale), strict=True):
+    want_grads = causal_attention_fp64(q, k, v, grad, scale)[2:]
+    for name, mine, torchs, want in zip("qkv", ours, theirs, want_grads, strict=True):
         assert mine.dtype == torch.bfloat16 and mine.shape == want.shape, name
         assert _relative(mine, want) < 8e-3, name
         assert _relative(mine, want) <= 1.25 * _relative(torchs, want) + 1e-3, name
@@ -126,7 +118,7 @@ def test_a_models_loss_and_gradients_match_torchs_attention(n_kv_head: int, monk
 
     ours = loss_and_grads(_model(n_kv_head))
     assert len(calls) == 2  # both layers took the kernel
-    monkeypatch.setattr(causal_attention, "_ops", lambda q, k, v: None)
+    monkeypatch.setattr(causal_attention, "_bf16_ops", lambda q, k, v: None)
     theirs = loss_and_grads(_model(n_kv_head))
     assert len(calls) == 2
     assert torch.equal(ours[0], theirs[0])
@@ -134,12 +126,12 @@ def test_a_models_loss_and_gradients_match_torchs_attention(n_kv_head: int, monk
         assert float((a - b).norm()) <= 0.02 * float(b.norm()) + 1e-4, name
 
 
-def test_it_serves_only_bf16_training_in_whole_blocks() -> None:
-    """fp32, no gradient, a length or head size off the blocks of 32: None (F.scaled_dot_product_attention runs)."""
+def test_bf16_is_served_only_in_training_in_whole_blocks() -> None:
+    """bf16 with no gradient, a length or head size off the blocks of 32: None (F.scaled_dot_product_attention
+    runs). (fp32: tests/test_attention_fp32.py.)"""
     def qkv(T: int = 64, D: int = 32, dtype: torch.dtype = torch.bfloat16, grad: bool = True) -> list:
         return [torch.randn(1, 2, T, D, dtype=dtype, requires_grad=grad) for _ in range(3)]
 
-    assert causal_attention.attention(*qkv(dtype=torch.float32), 0.2) is None
     assert causal_attention.attention(*qkv(grad=False), 0.2) is None
     assert causal_attention.attention(*qkv(T=48), 0.2) is None
     assert causal_attention.attention(*qkv(D=48), 0.2) is None

@@ -11,10 +11,11 @@ cut from its projection, cast, QK-normalized and rotated, and the gradient of th
 (`gptlab.heads`). `norms.cpp`: LayerNorm and RMSNorm forward and backward in training (`gptlab.norms`).
 `adamw.cpp`: AdamW's step from bf16 working gradients into the fp32 masters and back into the working weights in
 one pass (`gptlab.train.flat`). `dequantize_int4.cpp`: QLoRA's int4 base weight unpacked straight into fp32/bf16
-blocks (`gptlab.qlora`). In the AVX-512 builds only: `attention_backward.cpp` (causal attention's backward in bf16
-training, `gptlab.causal_attention`) and `newton_schulz.cpp` (Muon's Newton-Schulz over a stack of small
-matrices, `gptlab.train.muon`), both on `bf16_products.h`'s products on bf16 dot products. All are built into one
-library (`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4
+blocks (`gptlab.qlora`). `attention_fp32.cpp`: causal attention of short sequences in fp32 training, forward and
+backward (`gptlab.causal_attention`). In the AVX-512 builds only: `attention_backward.cpp` (causal attention's
+backward in bf16 training, `gptlab.causal_attention`) and `newton_schulz.cpp` (Muon's Newton-Schulz over a stack
+of small matrices, `gptlab.train.muon`), both on `bf16_products.h`'s products on bf16 dot products. All are built
+into one library (`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4
 micro-kernels, `exp_fast.h` the vectorizable exp, `simd.h` whole vectors of fp32 lanes for the loss's and GELU's
 loops).
 
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear_avx2.cpp", HERE / "packing.cpp", HERE / "decode_step.cpp", HERE / "cross_entropy.cpp",
            HERE / "dequantize_int4.cpp", HERE / "activations.cpp", HERE / "split_heads.cpp",
-           HERE / "norms.cpp", HERE / "adamw.cpp", HERE / "attention_backward.cpp",
+           HERE / "norms.cpp", HERE / "adamw.cpp", HERE / "attention_backward.cpp", HERE / "attention_fp32.cpp",
            HERE / "transpose.cpp", HERE / "newton_schulz.cpp", HERE / "sampling.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
@@ -143,6 +144,11 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
                                            logits.new_empty(logits.shape if grad else (0,))))
         torch.library.register_fake(f"{library}::norm_rows")(_norm_rows_shapes)
         torch.library.register_fake(f"{library}::norm_rows_backward")(_norm_rows_backward_shapes)
+        torch.library.register_fake(f"{library}::causal_attention_fp32")(_attention_fp32_shapes)
+        torch.library.register_fake(f"{library}::causal_attention_fp32_backward")(
+            lambda grad, q, k, v, *_: (torch.empty_like(q, memory_format=torch.contiguous_format),
+                                       torch.empty_like(k, memory_format=torch.contiguous_format),
+                                       torch.empty_like(v, memory_format=torch.contiguous_format)))
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         warnings.warn(f"gptlab: building the {what} kernels failed, using PyTorch's ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)
@@ -156,6 +162,13 @@ def _split_heads_shapes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     B, T, width = qkv.shape
     hs = width // (n_head + 2 * n_kv_head)
     return [qkv.new_empty((B, heads, T, hs), dtype=out_dtype) for heads in (n_head, n_kv_head, n_kv_head)]
+
+
+def _attention_fp32_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_attention_fp32's output, (B, H, T, D) over (B, T, H, D) memory, and its log-sum-exp (B, H, T)."""
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D).permute(0, 2, 1, 3), q.new_empty(B, H, T)
 
 
 def _norm_rows_shapes(x: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
