@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from gptlab import GPT, GPTConfig, KVCache
 from gptlab.errors import GptlabError
-from gptlab.generation import Engine, PrefixCache, SamplingParams, generate_batch
-from gptlab.generation.fast_decode import lean_step_exact
+from gptlab.generation import Engine, PrefixCache, SamplingParams, generate_batch, native_decode
+from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.interop.gguf_arch import gguf_architecture
 from gptlab.interop.hf import export_family
 from gptlab.kv_cache import cache_bytes, masks_for
@@ -168,6 +168,28 @@ def test_rows_at_different_lengths_and_gathered_rows(lengths: tuple[int, int], s
         assert torch.equal(cache.shifted[:, 0, : ends[0]], part.shifted[:, 1, : ends[0]])
 
 
+@pytest.mark.parametrize("block", ["pre", "parallel", "sandwich", "post"])
+def test_the_lean_step_is_the_plain_forward(block: str) -> None:
+    """The lean decode step (`fast_decode`, Python: the C++ step has no token shift and declines such a model)
+    over rows of one length and of several: hidden states equal to the plain cached forward's, to the bit, and
+    the same shifted vectors kept."""
+    model = shifted_model(1, block=block)
+    assert lean_step_exact(model)
+    assert native_decode.weights(model, KVCache(model.config, 1, 8)) is None
+    for lengths in ([5], [7, 2, 12]):
+        caches, out = [], []
+        for step in (lambda c, idx: model.hidden_states(idx, kv_cache=c),
+                     lambda c, idx: decode_hidden(model, idx, c, native=False)):
+            cache = KVCache(model.config, len(lengths), 32)
+            with torch.no_grad():
+                model.hidden_states(tokens(0, (len(lengths), max(lengths))), kv_cache=cache)
+                cache.lengths.copy_(torch.tensor(lengths))  # rows of different lengths: their own predecessors
+                out.append(torch.cat([step(cache, tokens(i + 1, (len(lengths), 1))) for i in range(4)], dim=1))
+            caches.append(cache)
+        assert torch.equal(out[0], out[1]), lengths
+        assert torch.equal(caches[0].shifted, caches[1].shifted), lengths
+
+
 def greedy_by_whole_forwards(model: GPT, prompt: list[int], n: int) -> list[int]:
     context = list(prompt)
     with torch.no_grad():
@@ -180,7 +202,7 @@ def greedy_by_whole_forwards(model: GPT, prompt: list[int], n: int) -> list[int]
 def test_the_engine_decodes_as_whole_forwards(prefill_chunk: int | None) -> None:
     """Prompts of different lengths in one batch, whole or chunked prefill, past the context (the row slides)."""
     engine = Engine(MODEL, max_batch=2, prefill_chunk=prefill_chunk)
-    assert engine.kernels()["decode step"] == "plain" and not lean_step_exact(MODEL)
+    assert engine.kernels()["decode step"] == "lean" and lean_step_exact(MODEL)
     prompts = [tokens(3, (3,)).tolist(), tokens(4, (11,)).tolist()]
     params = SamplingParams(temperature=0, max_new_tokens=20)
     for prompt, gen in zip(prompts, engine.run([engine.prepare(p, params) for p in prompts]), strict=True):

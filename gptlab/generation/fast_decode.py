@@ -6,11 +6,13 @@ and small ops: module calls, dropout, checks of the token ids, q/k/v transposes,
 of 30 layers pays it 30 times). This step reads the model's config once and runs, for T = 1 in a flat loop, only
 the ops the config asks for:
 
-    x = embed(token) (+ wpe[pos]);  rope = cos/sin at the rows' positions
+    x = embed(token) (token shift) (+ wpe[pos]);  rope = cos/sin at the rows' positions
     per layer (pre-norm; parallel and sandwich alike):
         q, k, v = split(c_attn(norm_1(x)));  q/k norm;  rotate q, k;  cache k, v
-        x += c_proj(attention(q, keys, values));  x += mlp(norm_2(x))
+        x += c_proj(attention(q, keys, values));  x += mlp(norm_2(x) (token shift))
     norm_f(x)
+
+(token shift: a vector mixed with the previous position's, which the KV cache keeps: `KVCache.previous`.)
 
 The Linear layers are called as modules, so whatever forward they have (packed weights, LoRA, a quantized Linear)
 runs unchanged; the KV cache's own `begin` / `append` / `advance` place keys and masks. Where every Linear runs on
@@ -37,6 +39,7 @@ from gptlab.kv_cache import KVCache
 from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
 from gptlab.norms import LayerNorm, RMSNorm
 from gptlab.rope import apply_rope, rope_tables
+from gptlab.token_shift import TokenShift
 
 # The GPTConfig fields this step reads, at any value; any other field must be at its default for `lean_step_exact`.
 LEAN_SWITCHES = frozenset({
@@ -47,6 +50,7 @@ LEAN_SWITCHES = frozenset({
     "mlp", "gelu_approximate", "mlp_hidden", "mlp_ratio", "mlp_multiple",
     "block", "shared_norm",
     "qk_norm", "qk_norm_weight", "attn_scale", "attn_softcap", "sliding_window", "global_layer_every",
+    "token_shift",
     "tie_embeddings", "logit_softcap", "attention", "dropout",  # the head's and training's: not the step's
     "init_std", "scale_residual_init", "name", "hf_architecture",
 })
@@ -70,6 +74,8 @@ def lean_step_exact(model: GPT) -> bool:
         return False
     t = model.transformer
     norms = [t.ln_f, *([t.ln_emb] if cfg.embedding_norm else [])]
+    if cfg.token_shift and any(type(s) is not TokenShift for s in [t.shift, *(b.mlp_shift for b in t.h)]):
+        return False
     for b in t.h:
         if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
             return False
@@ -91,9 +97,12 @@ def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)  # unit-offset RMSNorm (computes in fp32), Identity
 
 
-def _mlp(m: MLP, x: torch.Tensor) -> torch.Tensor:
-    """MLP.forward without its dropout."""
-    return m.c_proj(m.activate(m.c_fc(x)))
+def _mlp(b: Block, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Block._mlp without the MLP's dropout: a token-shift model's input mixed with the previous position's first."""
+    if b.attn.config.token_shift:
+        h = b.mlp_shift(h, cache.previous(b.layer + 1, h))
+    m = b.mlp
+    return m.c_proj(m.activate(m.c_fc(h)))
 
 
 def _attention(a: CausalSelfAttention, x: torch.Tensor, rope, masks, cache: KVCache) -> torch.Tensor:  # noqa: ANN001
@@ -124,23 +133,27 @@ def _block(b: Block, x: torch.Tensor, rope, masks, cache: KVCache) -> torch.Tens
     """Block.forward for one token per row, without dropout or the attention weights."""
     if b.layout == "pre":
         x = x + _attention(b.attn, norm(b.ln_1, x), rope, masks, cache)
-        return x + _mlp(b.mlp, norm(b.ln_2, x))
+        return x + _mlp(b, norm(b.ln_2, x), cache)
     if b.layout == "parallel":
         h = norm(b.ln_1, x)
-        return x + _attention(b.attn, h, rope, masks, cache) + _mlp(b.mlp, h if b.shared_norm else norm(b.ln_2, x))
+        m = _mlp(b, h if b.shared_norm else norm(b.ln_2, x), cache)
+        return x + _attention(b.attn, h, rope, masks, cache) + m
     if b.layout == "sandwich":
         x = x + norm(b.ln_attn_out, _attention(b.attn, norm(b.ln_1, x), rope, masks, cache))
-        return x + norm(b.ln_mlp_out, _mlp(b.mlp, norm(b.ln_2, x)))
+        return x + norm(b.ln_mlp_out, _mlp(b, norm(b.ln_2, x), cache))
     x = norm(b.ln_1, x + _attention(b.attn, x, rope, masks, cache))  # post
-    return norm(b.ln_2, x + _mlp(b.mlp, x))
+    return norm(b.ln_2, x + _mlp(b, x, cache))
 
 
-def embed(model: GPT, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The first block's input (B, T, C) for tokens idx at positions pos, as `GPT.hidden_states` makes it."""
+def embed(model: GPT, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The first block's input (B, T, C) for tokens idx at positions pos, as `GPT.hidden_states` makes it (a
+    token-shift model's embeddings mixed with the previous position's, kept in `cache`)."""
     cfg, t = model.config, model.transformer
     x = t.wte(idx)
     if cfg.scale_embeddings:
         x = x * torch.tensor(math.sqrt(cfg.n_embd), dtype=x.dtype)
+    if cfg.token_shift:
+        x = t.shift(x, cache.previous(0, x))
     if cfg.position == "learned":
         x = x + t.wpe(pos)
     if cfg.embedding_norm:
@@ -160,7 +173,7 @@ def decode_hidden(
     device and its shapes are fixed: what `gptlab.generation.graph_decode` captures."""
     cfg, t = model.config, model.transformer
     pos, masks = cache.begin(1, cfg.sliding_window, keys)  # (1 or B, 1); masks when rows differ or a window cuts
-    x = embed(model, idx, pos)  # (B, 1, C)
+    x = embed(model, idx, pos, cache)  # (B, 1, C)
     rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
     weights = native_decode.weights(model, cache) if native is True else native or None
     if weights is not None:
@@ -183,6 +196,6 @@ def decode_rows(model: GPT, cache: KVCache, slots: list[int], positions: list[in
     slot_t, pos = torch.tensor(slots, device=device), torch.tensor(positions, device=device)
     masks = cache.begin_rows(slot_t, pos, model.config.sliding_window)
     pos = pos[:, None]  # (R, 1)
-    x = embed(model, torch.tensor(tokens, device=device)[:, None], pos)  # (R, 1, C)
+    x = embed(model, torch.tensor(tokens, device=device)[:, None], pos, cache)  # (R, 1, C)
     rope = rope_tables(model.config, pos) if model.config.position == "rope" else None
     return native_decode.step(model, x, rope, masks, cache, weights)[:, 0]

@@ -78,6 +78,8 @@ def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
     if not kernel_builds() or cache.k.dtype not in (torch.float32, cache_dtype(model)):
         return None
     cfg, rows = model.config, cache.batch_size
+    if cfg.token_shift:  # decode_step.cpp has no token shift: such a model's blocks run the Python lean step
+        return None
     eps = cfg.norm_eps
     out: list[torch.Tensor | None] = []
     builds = set()
