@@ -11,8 +11,8 @@ whose gptlab kernels have bf16 dot products (AVX512-BF16 or AMX).
 fp32, short sequences: forward and backward both gptlab's (attention_fp32.cpp, every build): each (batch, head)'s
 keys and values stay in the L1 cache and each query row is done in registers, where PyTorch's flash attention
 spends a small model's attention in calls of a few thousand multiply-adds. On a 2-core Zen 3 (AVX2), forward and
-backward together: 1.9-2.5x PyTorch's at 32 x 2 heads x 64 x 32 (the CPU speedrun's), 1.1-1.6x at 128 positions
-(heads of 48 and 64), 0.86-0.96x at 256 and 0.85-0.9x at 512: it serves up to `FP32_MAX_LEN` positions, heads in
+backward together: 2.2x PyTorch's at 32 x 2 heads x 64 x 32 (the CPU speedrun's), 1.1-1.3x at 128 positions
+(heads of 48 and 64), 0.87-0.96x at 256 and 0.85-0.87x at 512: it serves up to `FP32_MAX_LEN` positions, heads in
 multiples of 16 (every build's vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not measured on
 an AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
 
@@ -55,7 +55,7 @@ class _CausalAttention(torch.autograd.Function):
 
 
 # where the fp32 kernel serves (module docstring): the longest sequence and the widest head measured faster than
-# PyTorch's flash attention (a 2-core Zen 3: 1.1-1.3x at 128 x 64, 0.86-0.96x at 256 x 64)
+# PyTorch's flash attention (a 2-core Zen 3: 1.1-1.3x at 128 x 64, 0.87-0.96x at 256 x 64)
 FP32_MAX_LEN = 128
 FP32_MAX_HEAD = 128
 
