@@ -11,10 +11,11 @@ whose gptlab kernels have bf16 dot products (AVX512-BF16 or AMX).
 fp32, short sequences: forward and backward both gptlab's (attention_fp32.cpp, every build): each (batch, head)'s
 keys and values stay in the L1 cache and each query row is done in registers, where PyTorch's flash attention
 spends a small model's attention in calls of a few thousand multiply-adds. On a 2-core Zen 3 (AVX2), forward and
-backward together: 2.2x PyTorch's at 32 x 2 heads x 64 x 32 (the CPU speedrun's), 1.1-1.3x at 128 positions
-(heads of 48 and 64), 0.87-0.96x at 256 and 0.85-0.87x at 512: it serves up to `FP32_MAX_LEN` positions, heads in
-multiples of 16 (every build's vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not measured on
-an AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
+backward through autograd (`benchmarks/train_attention.py --dtype float32`, raised priority, medians): 1.14-1.15x
+PyTorch's at 32 x 2 heads x 64 x 32 (the CPU speedrun's), 1.15x at 16 x 2 x 64 x 64, 1.19x at 24 x 2 x 96 x 32,
+1.02x at 64 x 2 x 32 x 32, but 0.73-0.97x at 128 positions: it serves up to `FP32_MAX_LEN` positions, heads in
+multiples of 16 (every build's vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not measured on an
+AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
 
 Both serve plain causal attention (no mask, no dropout) over a whole sequence (as many keys as queries), grouped kv
 heads included, in training (a gradient wanted) outside torch.compile; tests/test_causal_attention.py holds them
@@ -30,7 +31,7 @@ import torch
 
 class _CausalAttention(torch.autograd.Function):
     """Causal attention through the kernels `ops`: fp32 (`fp32`: gptlab's forward and backward) or bf16 (PyTorch's
-    flash forward, gptlab's backward). Both backwards take the forward's output and log-sum-exp."""
+    flash forward, gptlab's backward), whose backwards take the forward's log-sum-exp (and bf16's its output)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, ops, fp32):  # noqa: ANN001, ANN205
@@ -41,22 +42,21 @@ class _CausalAttention(torch.autograd.Function):
             keys, values = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, True,
                                                                                    scale=scale)[:2]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, *([] if fp32 else [out]), lse)  # (fp32's sums rows of P dP instead of dO O)
         ctx.scale = scale
         ctx.backward_op = ops.causal_attention_fp32_backward if fp32 else ops.causal_attention_backward
         return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        q, k, v, out, lse = ctx.saved_tensors
         grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        dq, dk, dv = ctx.backward_op(grad, q, k, v, out, lse, ctx.scale)
+        dq, dk, dv = ctx.backward_op(grad, *ctx.saved_tensors, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
 # where the fp32 kernel serves (module docstring): the longest sequence and the widest head measured faster than
-# PyTorch's flash attention (a 2-core Zen 3: 1.1-1.3x at 128 x 64, 0.87-0.96x at 256 x 64)
-FP32_MAX_LEN = 128
+# PyTorch's flash attention (a 2-core Zen 3: 1.19x at 96 positions, 0.73-0.97x at 128)
+FP32_MAX_LEN = 96
 FP32_MAX_HEAD = 128
 
 
