@@ -65,15 +65,13 @@ struct Scratch {
 void softmax_grads(float* S, float* dP, int64_t keys, int64_t r0, const float* lse, int64_t lse_stride,
                    const float* delta, float scale) {
   using simd::Vec;
-  Vec lane;
-  for (int j = 0; j < simd::kLanes; ++j) lane[j] = static_cast<float>(j);
+  const Vec lanes = simd::lane_index();
   for (int64_t i = 0; i < kBlock; ++i) {
-    const float l = lse[(r0 + i) * lse_stride], t = static_cast<float>(r0 + i);
+    const float l = lse[(r0 + i) * lse_stride];
     float* srow = S + i * keys;
     float* grow = dP + i * keys;
     for (int64_t c = 0; c < keys; c += simd::kLanes) {  // keys is a multiple of 32
-      const Vec seen = lane + static_cast<float>(c) <= t ? simd::splat(1.0f) : simd::splat(0.0f);
-      const Vec p = simd::exp_vec(simd::load(srow + c) * scale - l) * seen;
+      const Vec p = simd::exp_vec(simd::load(srow + c) * scale - l) * simd::causal_lanes(lanes, c, r0 + i);
       simd::store(srow + c, p);
       simd::store(grow + c, p * (simd::load(grow + c) - delta[i]) * scale);
     }

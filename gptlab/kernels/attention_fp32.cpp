@@ -104,17 +104,6 @@ void transpose_padded(const float* x, int64_t st, int64_t T, int64_t D, float* o
   for (int64_t d = 0; d < D; ++d) std::fill(out + d * ldt + T, out + (d + 1) * ldt, 0.0f);
 }
 
-Vec lane_index() {
-  Vec lane;
-  for (int j = 0; j < kLanes; ++j) lane[j] = static_cast<float>(j);
-  return lane;
-}
-
-// 1 in the lanes of keys at or before query t, else 0, for the key vector starting at c
-inline Vec seen(Vec lanes, int64_t c, int64_t t) {
-  return lanes + static_cast<float>(c) <= static_cast<float>(t) ? splat(1.0f) : splat(0.0f);
-}
-
 struct Scratch {  // a thread's buffers, kept between calls
   std::vector<float> kt, vt, s, dp, pt, dst;
   void size(int64_t Tp, int64_t D, int64_t T, int64_t group, bool backward) {
@@ -146,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_fp32(const at::Tensor& q, co
   float* o_data = out.data_ptr<float>();
   float* l_data = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const Vec lanes = lane_index();
+  const Vec lanes = simd::lane_index();
   const float minus_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
@@ -162,15 +151,14 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_fp32(const at::Tensor& q, co
         Vec mx = splat(minus_inf);
         for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
           const Vec x = load(w.s.data() + c) * sc;
-          const Vec m = seen(lanes, c, t);
-          const Vec masked = m > 0.0f ? x : splat(minus_inf);
+          const Vec masked = simd::causal_lanes(lanes, c, t) > 0.0f ? x : splat(minus_inf);
           store(w.s.data() + c, masked);
           mx = masked > mx ? masked : mx;
         }
         const float m = simd::lane_max(mx);
         Vec sum = {};
         for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
-          const Vec p = simd::exp_vec(load(w.s.data() + c) - m) * seen(lanes, c, t);
+          const Vec p = simd::exp_vec(load(w.s.data() + c) - m);  // (exp_vec of a masked -inf: 0)
           store(w.s.data() + c, p);
           sum += p;
         }
@@ -203,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fp32_backward(
   float* dk_data = dk.data_ptr<float>();
   float* dv_data = dv.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const Vec lanes = lane_index();
+  const Vec lanes = simd::lane_index();
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t first, int64_t last) {
     thread_local Scratch w;
@@ -229,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fp32_backward(
           const float l = lse_h[t];
           Vec dots = {};
           for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
-            const Vec p = simd::exp_vec(load(w.s.data() + c) * sc - l) * seen(lanes, c, t);
+            const Vec p = simd::exp_vec(load(w.s.data() + c) * sc - l) * simd::causal_lanes(lanes, c, t);
             store(w.s.data() + c, p);
             dots += p * load(w.dp.data() + c);
           }

@@ -135,6 +135,19 @@ inline float lane_max(Vec v) {
   return m;
 }
 
+// the lanes' own indices, 0 to kLanes - 1
+inline Vec lane_index() {
+  Vec lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = static_cast<float>(j);
+  return lane;
+}
+
+// causal attention's mask of the key vector starting at key c for query t: 1 in the lanes of keys at or before t,
+// else 0 (`lanes`: lane_index())
+inline Vec causal_lanes(Vec lanes, int64_t c, int64_t t) {
+  return lanes + static_cast<float>(c) <= static_cast<float>(t) ? splat(1.0f) : splat(0.0f);
+}
+
 // exp_fast (exp_fast.h) on kLanes lanes at once: the same steps, so the same values
 inline Vec exp_vec(Vec x) {
   const IVec underflows = x < -87.0f;
