@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 from helpers import GPT2_SKIP_REASON, corpus_text, tiktoken_has_gpt2
 
+# One scratch folder for the session, removed when it ends (a test run leaves nothing in /tmp but pytest's own
+# tmp_path folders, which pytest rotates).
+_SCRATCH = tempfile.mkdtemp(prefix="gptlab-tests-")
+atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
 # probes (MFU, which kernel runs a Linear) measure under whatever else the test machine runs: not the user's cache
-os.environ.setdefault("GPTLAB_CACHE_DIR", tempfile.mkdtemp(prefix="gptlab-test-cache-"))
+os.environ.setdefault("GPTLAB_CACHE_DIR", os.path.join(_SCRATCH, "cache"))
+# torchrun's --log-dir (it reads PET_* variables): without one, every torchrun makes a torchelastic_* folder in /tmp
+# and never removes it
+os.environ.setdefault("PET_LOG_DIR", os.path.join(_SCRATCH, "torchrun"))
 # helpers points TIKTOKEN_CACHE_DIR at shared/data/tiktoken_cache where that exists. No test uses the network:
 # where tiktoken's gpt2 files are not cached, the tests that need them skip, and a load that slips through fails
 # at once instead of downloading.
