@@ -230,6 +230,27 @@ def test_eval_cli_errors_are_one_line(args: list[str], message: str, ckpt_dir: P
     assert message in one_line_error(rc, capsys.readouterr().err)
 
 
+def test_the_builtin_task_index_is_built_once_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Indexing lm-eval's built-in tasks takes ~10 s; every later check of a name (and run) reuses the index."""
+    from gptlab.evaluation import harness
+
+    built = []
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        built.append(kwargs)
+        return TaskManager(*args, include_defaults=False, **kwargs)  # the index of no folder: quick
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", counting)
+    harness._builtin_tasks.cache_clear()
+    try:
+        for _ in range(3):
+            with pytest.raises(GptlabError, match="unknown lm-eval task"):
+                harness._task_manager(["no_such_task"], None)
+        assert built == [{}]
+    finally:
+        harness._builtin_tasks.cache_clear()  # the other tests get lm-eval's real index
+
+
 def test_eval_cli_without_lm_eval(ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed

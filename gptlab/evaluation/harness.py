@@ -26,6 +26,7 @@ registered, and `gptlab eval MODEL --tasks ...` calls `run_tasks`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -251,7 +252,8 @@ register_model("gptlab")(GptlabLM)
 # ------------------------------------------------------------------------------------------------------------
 def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
     """lm-eval's task index. Indexing the ~15k built-in tasks takes ~10 s, so when every task named is found
-    under include_path, only that is indexed. Unknown names are a GptlabError naming them."""
+    under include_path, only that is indexed, and the built-in index alone is built once per process. Unknown
+    names are a GptlabError naming them."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
@@ -260,13 +262,21 @@ def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
         local = TaskManager(include_path=str(include_path), include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
             return local
-    manager = TaskManager(include_path=str(include_path) if include_path is not None else None)
+    manager = TaskManager(include_path=str(include_path)) if include_path is not None else _builtin_tasks()
     unknown = [t for t in tasks if t not in manager.all_tasks and not Path(t).is_file()]
     if unknown:
         where = f" or in {include_path}" if include_path is not None else ""
         raise GptlabError(f"unknown lm-eval task(s): {', '.join(unknown)} (not among lm-eval's tasks{where}; "
                           "`lm-eval ls tasks` lists them)")
     return manager
+
+
+@functools.cache
+def _builtin_tasks() -> Any:
+    """lm-eval's index of its built-in tasks (read-only once built, so one serves every call)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
 
 
 def run_tasks(
