@@ -118,10 +118,20 @@ def test_a_damaged_run_file_is_one_line_naming_it(good_run: Path, tmp_path: Path
 
 # --- caches: measured again, silently -----------------------------------------------------------------------------
 def _hardware(cache: Path) -> None:
-    from gptlab.hardware import peak_flops
+    from gptlab import hardware
 
-    flops = peak_flops("cpu")
+    flops = hardware.peak_flops("cpu")
     assert math.isfinite(flops) and flops > 0
+
+
+PROBES: list[object] = []
+
+
+def _quick_probe(device: object, dtype: object, n: int, seconds: float) -> float:
+    """hardware's matmul probe as a constant, counted: what is tested is the cache around it (a real probe, a
+    quarter of a second of matmuls, ran once per damage)."""
+    PROBES.append(device)
+    return 1e11
 
 
 CACHES: list[tuple[str, Callable[[Path], None]]] = [("hardware.json", _hardware)]
@@ -130,8 +140,12 @@ CACHES: list[tuple[str, Callable[[Path], None]]] = [("hardware.json", _hardware)
 @pytest.mark.parametrize(("name", "measure"), CACHES, ids=lambda x: getattr(x, "__name__", x))
 def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          name: str, measure: Callable[[Path], None]) -> None:
+    from gptlab import hardware
+
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
-    measure(tmp_path)
+    measure(tmp_path)  # the real probe, once
+    monkeypatch.setattr(hardware, "_probe", _quick_probe)
+    PROBES.clear()
     good = json.loads((tmp_path / name).read_text())
     damages = [(how, None) for how in WHOLE] + [(label, {k: value for k in good}) for label, value in VALUES.items()]
     for how, content in damages:
@@ -143,7 +157,11 @@ def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path: Path, monkeyp
             damage_whole(path, how)
         else:
             path.write_text(json.dumps(content))
+        before = len(PROBES)
         measure(tmp_path)  # no exception, a sound measurement
+        value = None if content is None else next(iter(content.values()))
+        usable = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+        assert len(PROBES) == before + (not usable), f"{how}: measured again only where the value is unusable"
         if how != "directory":
             assert isinstance(json.loads(path.read_text()), dict), how  # rewritten as a JSON object
 
