@@ -455,3 +455,34 @@ def llama_cpp_greedy(llm: object, prompt: list[int], n: int) -> list[int]:
         if len(tokens) == n:
             break
     return tokens
+
+
+# --- decode steps -------------------------------------------------------------------------------------------------
+def within_step_rounding(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, fp32_tol: float = 1e-5) -> bool:
+    """Whether two decode steps' outputs agree within the C++ step's rounding of the lean one's (its fp32 sums in
+    another order; a bf16 model's odd bf16 rounding), relative to the largest value."""
+    tol = 2**-7 if dtype == torch.bfloat16 else fp32_tol
+    return bool((a.float() - b.float()).abs().max() <= tol * a.float().abs().max())
+
+
+def decode_rows_beside(model, held: dict[int, int], fed: dict[int, int], seqs: dict[int, list[int]],  # noqa: ANN001
+                       max_len: int = 24):  # noqa: ANN201
+    """One C++ step call (`decode_rows`) that feeds cache row r its tokens seqs[r][held[r] : held[r] + fed[r]]
+    after prefilling the held[r] before them: (the cache, the hidden states (rows, C) in the order fed). Under
+    the model's packed Linears."""
+    from gptlab.generation import native_decode
+    from gptlab.generation.fast_decode import decode_rows
+    from gptlab.generation.packed_linear import PackedLinears
+    from gptlab.generation.prefill import prefill_rows
+    from gptlab.kv_cache import KVCache
+
+    cache = KVCache(model.config, max(held) + 1, max_len, dtype=native_decode.cache_dtype(model),
+                    attend_dtype=torch.float32)
+    with torch.inference_mode(), PackedLinears(model).active():
+        for r, n in held.items():
+            if n:
+                prefill_rows(model, cache, [r], [seqs[r][:n]])
+        weights = native_decode.weights(model, cache)
+        assert weights is not None  # the C++ step runs
+        rows = [(r, held[r] + i, seqs[r][held[r] + i]) for r in fed for i in range(fed[r])]
+        return cache, decode_rows(model, cache, *(list(col) for col in zip(*rows, strict=True)), weights)

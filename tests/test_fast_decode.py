@@ -14,18 +14,17 @@ import pytest
 import torch
 import torch.nn as nn
 from families import ALL_FAMILIES, gpt2_like, model_of
+from helpers import decode_rows_beside, within_step_rounding
 
 import gptlab.generation.engine as engine_module
 from gptlab.generation import Engine, generate, native_decode
 from gptlab.generation.fast_decode import (
     LEAN_SWITCHES,
     decode_hidden,
-    decode_rows,
     lean_step_exact,
     unknown_switches,
 )
 from gptlab.generation.packed_linear import PackedLinears, forget_packed, kernel_packed
-from gptlab.generation.prefill import prefill_rows
 from gptlab.kv_cache import KVCache
 from gptlab.lora import LoRASpec, add_lora
 from gptlab.quantize import QuantizedLinear, quantize_model
@@ -72,9 +71,7 @@ def lean(m: nn.Module, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
     return decode_hidden(m, idx, cache, native=False)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, fp32_tol: float = 1e-5) -> bool:
-    tol = 2**-7 if dtype == torch.bfloat16 else fp32_tol
-    return bool((a.float() - b.float()).abs().max() <= tol * a.float().abs().max())
+_close = within_step_rounding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,15 +112,8 @@ def test_native_step_prefills_prompt_parts_beside_decoding_rows(on_kernel, famil
     held = {3: 9, 0: 4, 2: 0}  # cache row -> tokens it holds; then the tokens each is fed
     fed = {3: 1, 0: 6, 2: 11}
     seqs = {r: torch.randint(0, model.config.vocab_size, (held[r] + fed[r],), generator=gen).tolist() for r in held}
-    cache = KVCache(model.config, 4, 24, dtype=native_decode.cache_dtype(model), attend_dtype=torch.float32)
+    cache, hidden = decode_rows_beside(model, held, fed, seqs)
     with torch.inference_mode(), PackedLinears(model).active():
-        for r, n in held.items():
-            if n:
-                prefill_rows(model, cache, [r], [seqs[r][:n]])
-        weights = native_decode.weights(model, cache)
-        assert weights is not None  # the C++ step runs
-        rows = [(r, held[r] + i, seqs[r][held[r] + i]) for r in fed for i in range(fed[r])]
-        hidden = decode_rows(model, cache, *(list(col) for col in zip(*rows, strict=True)), weights)
         start = 0
         for r in fed:  # against one forward over the row's whole sequence, attending in fp32 as the engine's do
             alone = KVCache(model.config, 1, 24, dtype=cache.k.dtype, attend_dtype=torch.float32)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import decode_rows_beside, within_step_rounding
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from gptlab import GPT, GPTConfig, KVCache
 from gptlab.errors import GptlabError
 from gptlab.generation import Engine, PrefixCache, SamplingParams, generate_batch, native_decode
 from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
+from gptlab.generation.packed_linear import PackedLinears
 from gptlab.interop.gguf_arch import gguf_architecture
 from gptlab.interop.hf import export_family
 from gptlab.kv_cache import cache_bytes, masks_for
@@ -170,12 +172,10 @@ def test_rows_at_different_lengths_and_gathered_rows(lengths: tuple[int, int], s
 
 @pytest.mark.parametrize("block", ["pre", "parallel", "sandwich", "post"])
 def test_the_lean_step_is_the_plain_forward(block: str) -> None:
-    """The lean decode step (`fast_decode`, Python: the C++ step has no token shift and declines such a model)
-    over rows of one length and of several: hidden states equal to the plain cached forward's, to the bit, and
-    the same shifted vectors kept."""
+    """The lean decode step (`fast_decode`, Python) over rows of one length and of several: hidden states equal to
+    the plain cached forward's, to the bit, and the same shifted vectors kept."""
     model = shifted_model(1, block=block)
     assert lean_step_exact(model)
-    assert native_decode.weights(model, KVCache(model.config, 1, 8)) is None
     for lengths in ([5], [7, 2, 12]):
         caches, out = [], []
         for step in (lambda c, idx: model.hidden_states(idx, kv_cache=c),
@@ -190,6 +190,49 @@ def test_the_lean_step_is_the_plain_forward(block: str) -> None:
         assert torch.equal(caches[0].shifted, caches[1].shifted), lengths
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", ["pre", "parallel", "sandwich", "post"])
+def test_the_cpp_step_is_the_lean_one(on_kernel, block: str, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """The C++ step (`native_decode`) over the same packed weights: rows of one length and of several, the hidden
+    states and the shifted vectors it keeps within its rounding of the lean step's."""
+    model = shifted_model(2, block=block).to(dtype)
+    stored = native_decode.cache_dtype(model)
+    with PackedLinears(model).active():
+        assert native_decode.weights(model, KVCache(model.config, 1, 8, dtype=stored)) is not None  # it runs
+        for lengths in ([5], [7, 0, 12]):
+            caches, out = [], []
+            for native in (False, True):
+                cache = KVCache(model.config, len(lengths), 32, dtype=stored, attend_dtype=torch.float32)
+                with torch.inference_mode():
+                    model.hidden_states(tokens(0, (len(lengths), max(lengths))), kv_cache=cache)
+                    cache.lengths.copy_(torch.tensor(lengths))  # rows of different lengths (one empty: position 0)
+                    out.append(torch.cat([decode_hidden(model, tokens(i + 1, (len(lengths), 1)), cache, native=native)
+                                          for i in range(4)], dim=1))
+                caches.append(cache)
+            assert within_step_rounding(out[0], out[1], dtype), lengths
+            assert within_step_rounding(caches[0].shifted, caches[1].shifted, dtype), lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_step_prefills_prompt_parts_beside_decoding_rows(on_kernel, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """`decode_rows`: a prompt's tokens are rows of one call at successive positions, each mixed with the one
+    before it in the same call; the hidden states are those of one forward over each row's whole sequence, and
+    every position's shifted vectors are kept."""
+    model = shifted_model(3).to(dtype)
+    held, fed = {3: 9, 0: 4, 2: 0}, {3: 1, 0: 6, 2: 11}  # cache row -> tokens it holds; then the tokens it is fed
+    seqs = {r: tokens(10 + r, (held[r] + fed[r],)).tolist() for r in held}
+    cache, hidden = decode_rows_beside(model, held, fed, seqs)
+    with torch.inference_mode(), PackedLinears(model).active():
+        start = 0
+        for r in fed:
+            alone = KVCache(model.config, 1, 24, dtype=cache.k.dtype, attend_dtype=torch.float32)
+            whole = model.hidden_states(torch.tensor([seqs[r]]), kv_cache=alone)
+            assert within_step_rounding(whole[0, held[r]:], hidden[start : start + fed[r]], dtype), r
+            n = held[r] + fed[r]
+            assert within_step_rounding(alone.shifted[:, 0, :n], cache.shifted[:, r, :n], dtype), r
+            start += fed[r]
+
+
 def greedy_by_whole_forwards(model: GPT, prompt: list[int], n: int) -> list[int]:
     context = list(prompt)
     with torch.no_grad():
@@ -198,11 +241,18 @@ def greedy_by_whole_forwards(model: GPT, prompt: list[int], n: int) -> list[int]
     return context[len(prompt) :]
 
 
+@pytest.mark.parametrize("kernel", ["torch", None])
 @pytest.mark.parametrize("prefill_chunk", [None, 2])
-def test_the_engine_decodes_as_whole_forwards(prefill_chunk: int | None) -> None:
-    """Prompts of different lengths in one batch, whole or chunked prefill, past the context (the row slides)."""
+def test_the_engine_decodes_as_whole_forwards(prefill_chunk: int | None, kernel: str | None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts of different lengths in one batch, whole or chunked prefill, past the context (the row slides): on
+    the lean step (Linears on PyTorch's paths) and on the step the dispatch picks (the C++ one where gptlab's
+    kernels build)."""
+    if kernel is not None:
+        monkeypatch.setenv("GPTLAB_KERNEL", kernel)
     engine = Engine(MODEL, max_batch=2, prefill_chunk=prefill_chunk)
-    assert engine.kernels()["decode step"] == "lean" and lean_step_exact(MODEL)
+    assert engine.kernels()["decode step"] in (["lean"] if kernel else ["lean", "native C++"])
+    assert lean_step_exact(MODEL)
     prompts = [tokens(3, (3,)).tolist(), tokens(4, (11,)).tolist()]
     params = SamplingParams(temperature=0, max_new_tokens=20)
     for prompt, gen in zip(prompts, engine.run([engine.prepare(p, params) for p in prompts]), strict=True):

@@ -2,10 +2,10 @@
 whose every Linear runs on gptlab's own kernel: plain Linears inside `PackedLinears.active()`, and int8/int4
 `QuantizedLinear`s where that kernel is their forward.
 
-`weights(model)` gathers, per layer, the norms' parameters and each Linear's (packed, qparams, bias) in the
-order the C++ step reads them, with the build whose kernels the Linears were packed for (`NativeWeights`), or
-returns None when the step cannot run this model exactly (a Linear on another kernel or wrapped by an adapter, a
-norm with an epsilon other than the config's); `step` then runs every block in that build.
+`weights(model)` gathers, per layer, the norms' parameters, each Linear's (packed, qparams, bias) and a token-shift
+model's mix in the order the C++ step reads them, with the build whose kernels the Linears were packed for
+(`NativeWeights`), or returns None when the step cannot run this model exactly (a Linear on another kernel or
+wrapped by an adapter, a norm with an epsilon other than the config's); `step` then runs every block in that build.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gptlab.quantize import QuantizedLinear
 
 LAYOUTS = {"pre": 0, "parallel": 1, "sandwich": 2, "post": 3}
 MLPS = {"gelu": 0, "swiglu": 1, "geglu": 2, "relu2": 3}
-PER_LAYER = 22  # decode_step.cpp's kPerLayer; the final norm's weight and bias follow the layers
+PER_LAYER = 23  # decode_step.cpp's kPerLayer; the final norm's weight and bias follow the layers
 
 
 def _norm_kind(cfg: GPTConfig) -> int:
@@ -78,8 +78,6 @@ def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
     if not kernel_builds() or cache.k.dtype not in (torch.float32, cache_dtype(model)):
         return None
     cfg, rows = model.config, cache.batch_size
-    if cfg.token_shift:  # decode_step.cpp has no token shift: such a model's blocks run the Python lean step
-        return None
     eps = cfg.norm_eps
     out: list[torch.Tensor | None] = []
     builds = set()
@@ -95,6 +93,7 @@ def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
         (ln_1, ln_2, attn_out, mlp_out, q_norm, k_norm), (qkv, proj, fc, down) = norms, (t for _, t in linears)
         out += [*ln_1, *qkv, *proj, *ln_2, *fc, *down, *attn_out, *mlp_out]
         out += [q_norm[0], k_norm[0]]  # the q/k norms have a weight only
+        out.append(parts["mlp_shift"]._parameters["mix"] if cfg.token_shift else None)  # the MLP input's
     final = model.transformer.ln_f
     final = _norm(None if isinstance(final, nn.Identity) else final, eps)
     if final is None or len(builds) != 1:  # none, or Linears packed for two builds: the per-Linear forwards
@@ -123,5 +122,5 @@ def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | 
     return weights.ops.decode_step(
         x, weights.tensors, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
         masks.window, cos, sin, _shape(model), cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0,
-        not isinstance(model.transformer.ln_f, nn.Identity))
+        not isinstance(model.transformer.ln_f, nn.Identity), cache.shifted)
 
