@@ -49,6 +49,26 @@ def test_greedy_output_is_the_targets(draft, prompt, new, draft_tokens):
         assert stats.accepted == stats.proposed > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_the_cpp_step_verifies_the_guesses(on_kernel, draft, dtype, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001
+    """With the model's Linears on gptlab's kernels, the verify forward (and a draft model's catch-up) is one call of
+    the C++ step (its rows the row's next positions, `decode_rows`), and the greedy output is the target's own."""
+    import gptlab.generation.engine_prefill as engine_prefill
+
+    model = TARGET.to(dtype) if dtype == torch.float32 else tiny_model().to(dtype)
+    speculate = DRAFTS[draft] if dtype == torch.float32 or isinstance(DRAFTS[draft], str) else model
+    calls = []
+    real = engine_prefill.decode_rows
+    monkeypatch.setattr(engine_prefill, "decode_rows", lambda *a: calls.append(len(a[2])) or real(*a))
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    (plain,) = generate_batch(model, [prompt], params)
+    gen, stats = speculative_run(model, prompt, params, speculate)
+    assert gen.token_ids == plain.token_ids
+    assert stats.forwards > 0 and sum(n > 1 for n in calls) >= stats.forwards  # each verify: the last token, guesses
+
+
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_greedy_past_the_context_slides_as_the_target_does(draft):
     """A RoPE row that outgrows its cache slides its window: speculation makes room or steps aside."""

@@ -283,12 +283,15 @@ class Engine(PromptPrefill):
         idx = torch.tensor([tokens], device=self.device)
         with steering_rows(self.model, self.slots, first=slot):
             lean = len(tokens) == 1 and self._lean_step_exact and not self.model.training and self.model.hooks is None
-            with self._kernels(head_only=lean and bool(self._native)):
+            rows = not lean and self._rows_call_serves(len(tokens))  # several tokens in the C++ step's one call
+            with self._kernels(head_only=(lean or rows) and bool(self._native)):
                 if lean:
-                    h = decode_hidden(self.model, idx, view, native=self._native_weights())
+                    h = decode_hidden(self.model, idx, view, native=self._native_weights())[0]
+                elif rows and (weights := self._native_weights()) is not None:
+                    h = self._feed_row(slot, tokens, weights)
                 else:
-                    h = self.model.hidden_states(idx, kv_cache=view)
-                return self.model.logits(h[0])
+                    h = self.model.hidden_states(idx, kv_cache=view)[0]
+                return self.model.logits(h)
 
     def record(self, g: Generation, logits: torch.Tensor, tokens: list[int]) -> int:
         """Give row g its new tokens in order, each sampled from its row of `logits` (for logprobs), until it

@@ -32,6 +32,7 @@ from gptlab.rope import LENGTH_DEPENDENT
 
 if TYPE_CHECKING:
     from gptlab.generation.engine import Engine
+    from gptlab.generation.native_decode import NativeWeights
 
 # prompt parts up to this many tokens go into the decode step's C++ call; longer ones take a forward of their own,
 # whose attention (flash attention over whole blocks) outruns the step's row-by-row one on long parts
@@ -123,6 +124,20 @@ class PromptPrefill:
         return (self._lean_step_exact and self._static is None and not self.model.training
                 and self.model.hooks is None and not any_steered(self.slots) and self._native is not False
                 and (scaling is None or scaling.kind not in LENGTH_DEPENDENT))
+
+    def _rows_call_serves(self: Engine, n: int) -> bool:
+        """Whether n tokens fed to one row go through the decode step's C++ call (`decode_rows`, as a prompt's
+        parts do) rather than a forward of their own: speculative decoding's verify and a draft's catch-up."""
+        return 1 < n <= ROWS_STEP_PART and self._rows_step_ready() and (n < BATCH or self._many_rows_on_kernel())
+
+    def _feed_row(self: Engine, slot: int, tokens: list[int], weights: NativeWeights) -> torch.Tensor:
+        """Hidden states (T, C) of `tokens` fed to row `slot` after what it holds, in one C++ call; the row's
+        length moved on."""
+        start = int(self.cache.lengths[slot])
+        h = decode_rows(self.model, self.cache, [slot] * len(tokens), list(range(start, start + len(tokens))),
+                        tokens, weights)
+        self.cache.lengths[slot] += len(tokens)
+        return h
 
     @functools.cached_property
     def _linear_kinds(self: Engine) -> set[str]:
