@@ -23,13 +23,11 @@
 //
 // Per layer, `weights` holds kPerLayer tensors (None where absent): ln_1 weight, bias; c_attn (packed, qparams,
 // bias); attn c_proj (3); ln_2 weight, bias; c_fc (3); mlp c_proj (3); ln_attn_out weight, bias; ln_mlp_out weight,
-// bias (sandwich blocks); q_norm weight, k_norm weight; the MLP input's token-shift mix. `shape`: n_head, n_kv_head, head_size, hidden, layout,
-// shared_norm, norm kind, mlp kind, gelu tanh, qk norm, rope interleaved, rotary dim, then one sliding flag per layer.
+// bias (sandwich blocks); q_norm weight, k_norm weight; the MLP input's token-shift mix. `shape`: n_head,
+// n_kv_head, head_size, hidden, layout, shared_norm, norm kind, mlp kind, gelu tanh, qk norm, rope interleaved,
+// rotary dim, then one sliding flag per layer.
 // After the layers' tensors come the final norm's weight and bias, applied where `final_norm` is set.
-// A token-shift model (gptlab/token_shift.py) passes its cache's kept vectors, `shifted` (L + 1, rows, max_len, C):
-// each MLP input is mixed with the previous position's (an earlier row of this call, a prompt's previous token;
-// else the kept vector; zeros at position 0), and kept at its own position for later steps. The embeddings' shift
-// is done before the call.
+// A token-shift model passes its cache's kept vectors, `shifted` (L + 1, rows, max_len, C): token_shift.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,6 +35,7 @@
 #include "linear_avx2.h"
 #include "step_math.h"
 #include "team.h"
+#include "token_shift.h"
 
 #include <omp.h>
 
@@ -82,15 +81,6 @@ struct Local {
       : x(B * C), h(B * C), p(end), shifted(B * C), previous(C), xb(B * widest) {}
 };
 
-// where a token-shift model's kept vectors are: point p's, cache row r's at position t at base + p * point + r * row
-// + t * position; `before[b]`: the row of this call that holds row b's previous position, or -1
-template <typename KV>
-struct Shifted {
-  KV* base = nullptr;
-  int64_t point = 0, row = 0, position = 0;
-  const float* mix = nullptr;  // (L, C): each layer's mix, rounded to the model's dtype as the lean step uses it
-  const int64_t* before = nullptr;
-};
 
 // KV: the cache's element type, float or (a bf16 model's, which it holds exactly) at::BFloat16
 template <typename KV>
@@ -108,7 +98,7 @@ struct Step {
   const float *cos, *sin;         // (B or 1, rot / 2), or null
   int64_t rope_rows;
   Buffers& buf;
-  Shifted<KV> shifted;            // base null: no token shift
+  const GPTLAB_NS::token_shift::Shifted<KV>& shifted;  // base null: no token shift
 
   c10::optional<at::Tensor> at(int64_t layer, int64_t i) const { return w.get(kPerLayer * layer + i); }
 
@@ -270,29 +260,14 @@ struct Step {
     });
   }
 
-  // the MLP's input h (B, C) mixed with each row's previous position's (token shift; h itself without it): each
-  // thread mixes its own copy, thread 0 keeps h in the cache (the positions written are not those read, which are
-  // earlier rows' of this call or earlier steps')
+  // the MLP's input h (B, C) mixed with each row's previous position's (token shift; h itself without it)
   const float* shift(const Team& t, Local& me, int64_t layer, const float* h) const {
     if (shifted.base == nullptr) return h;
-    KV* point = shifted.base + (layer + 1) * shifted.point;
-    const float* mix = shifted.mix + layer * C;
-    float *out = me.shifted.data(), *kept = me.previous.data();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t at_t = where >= 0 ? where : pos[b], before = shifted.before[b];
-      const float* previous = kept;
-      if (before >= 0) previous = h + before * C;
-      else if (at_t == 0) std::fill_n(kept, C, 0.0f);
-      else for (int64_t c = 0; c < C; ++c)
-        kept[c] = static_cast<float>(point[slot_of(b) * shifted.row + (at_t - 1) * shifted.position + c]);
-      lerp_row(h + b * C, previous, mix, out + b * C, C, bf16);
-    }
-    if (t.part.index == 0)
-      for (int64_t b = 0; b < B; ++b) {
-        KV* keep = point + slot_of(b) * shifted.row + (where >= 0 ? where : pos[b]) * shifted.position;
-        for (int64_t c = 0; c < C; ++c) keep[c] = static_cast<KV>(h[b * C + c]);
-      }
-    return out;
+    GPTLAB_NS::token_shift::mix_rows(
+        shifted, layer, h, B, C, [&](int64_t b) { return slot_of(b); },
+        [&](int64_t b) { return where >= 0 ? where : pos[b]; }, t.part.index == 0, bf16, me.shifted.data(),
+        me.previous.data());
+    return me.shifted.data();
   }
 
   void add(float* x, const float* y) const {
@@ -412,36 +387,18 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
     check(2, C, width), check(5, s.nh * s.hs, C), check(10, C, fc), check(13, s.hidden, C);
   }
   const bool shifts = shifted.has_value() && shifted->defined();
-  std::vector<float> mixes(shifts ? L * C : 0);
-  std::vector<int64_t> before(shifts ? B : 0, -1);
-  if (shifts) {  // the kept vectors, each layer's mix, and each row's previous position among this call's rows
-    TORCH_CHECK(shifted->scalar_type() == k_cache.scalar_type() && shifted->dim() == 4 && shifted->size(0) == L + 1 &&
-                shifted->size(1) == k_cache.size(1) && shifted->size(2) == k_cache.size(3) &&
-                shifted->size(3) == C && shifted->stride(3) == 1, "decode_step: shifted (L + 1, rows, max_len, C) "
-                "in the cache's dtype");
-    for (int64_t l = 0; l < L; ++l) {
-      const auto mix = weights.get(kPerLayer * l + 22);
-      TORCH_CHECK(mix.has_value() && mix->numel() == C, "decode_step: layer ", l, " lacks its token-shift mix");
-      const auto rounded = mix->to(x.scalar_type()).to(at::kFloat).contiguous();
-      std::copy_n(rounded.data_ptr<float>(), C, mixes.begin() + l * C);
-    }
-    if (where < 0) {
-      const int64_t *r = rows_c.data_ptr<int64_t>(), *p = pos_c.data_ptr<int64_t>();
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t e = 0; e < B; ++e)
-          if (r[e] == r[b] && p[e] == p[b] - 1) before[b] = e;
-    }
-  }
   Buffers buffers(B, C, width, s.nh * s.hs, fc, s.hidden);
   const auto xc = x.contiguous();
   auto out = at::empty({B, 1, C}, x.options());
   const int64_t widest = std::max({C, s.nh * s.hs, s.hidden});
   const auto go = [&](auto kv) {  // the step over this cache's element type
     using KV = decltype(kv);
-    Shifted<KV> kept;
+    GPTLAB_NS::token_shift::Shifted<KV> kept;
     if (shifts)
-      kept = {static_cast<KV*>(shifted->data_ptr()), shifted->stride(0), shifted->stride(1), shifted->stride(2),
-              mixes.data(), before.data()};
+      kept = GPTLAB_NS::token_shift::plan<KV>(*shifted, k_cache, L, B, C, x.scalar_type(),
+                                              [&](int64_t l) { return weights.get(kPerLayer * l + 22); },
+                                              where < 0 ? rows_c.data_ptr<int64_t>() : nullptr,
+                                              where < 0 ? pos_c.data_ptr<int64_t>() : nullptr);
     const Step<KV> step{s, weights, B, C, L, bf16, static_cast<float>(eps), static_cast<float>(scale),
                         static_cast<float>(softcap), k_cache, v_cache, where, end,
                         where < 0 ? rows_c.data_ptr<int64_t>() : nullptr,
