@@ -56,8 +56,8 @@ def test_the_cpp_step_verifies_the_guesses(on_kernel, draft, dtype, monkeypatch:
     the C++ step (its rows the row's next positions, `decode_rows`), and the greedy output is the target's own."""
     import gptlab.generation.engine_prefill as engine_prefill
 
-    model = TARGET.to(dtype) if dtype == torch.float32 else tiny_model().to(dtype)
-    speculate = DRAFTS[draft] if dtype == torch.float32 or isinstance(DRAFTS[draft], str) else model
+    model = tiny_model().to(dtype)  # TARGET and DRAFTS' models, in this dtype
+    speculate = {"itself": model, "other model": tiny_model(seed=1).to(dtype), "ngram": "ngram"}[draft]
     calls = []
     real = engine_prefill.decode_rows
     monkeypatch.setattr(engine_prefill, "decode_rows", lambda *a: calls.append(len(a[2])) or real(*a))

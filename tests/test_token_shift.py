@@ -170,6 +170,18 @@ def test_rows_at_different_lengths_and_gathered_rows(lengths: tuple[int, int], s
         assert torch.equal(cache.shifted[:, 0, : ends[0]], part.shifted[:, 1, : ends[0]])
 
 
+def _four_steps(model: GPT, step, lengths: list[int], stored: torch.dtype = torch.float32,  # noqa: ANN001
+                attend: torch.dtype | None = None) -> tuple[torch.Tensor, KVCache]:
+    """The hidden states of 4 decode steps `step(cache, idx)` over rows whose caches hold `lengths` tokens (rows of
+    different lengths: each its own predecessors), and the cache after them."""
+    cache = KVCache(model.config, len(lengths), 32, dtype=stored, attend_dtype=attend)
+    with torch.inference_mode():
+        model.hidden_states(tokens(0, (len(lengths), max(lengths))), kv_cache=cache)
+        cache.lengths.copy_(torch.tensor(lengths))
+        out = torch.cat([step(cache, tokens(i + 1, (len(lengths), 1))) for i in range(4)], dim=1)
+    return out, cache
+
+
 @pytest.mark.parametrize("block", ["pre", "parallel", "sandwich", "post"])
 def test_the_lean_step_is_the_plain_forward(block: str) -> None:
     """The lean decode step (`fast_decode`, Python) over rows of one length and of several: hidden states equal to
@@ -177,17 +189,10 @@ def test_the_lean_step_is_the_plain_forward(block: str) -> None:
     model = shifted_model(1, block=block)
     assert lean_step_exact(model)
     for lengths in ([5], [7, 2, 12]):
-        caches, out = [], []
-        for step in (lambda c, idx: model.hidden_states(idx, kv_cache=c),
-                     lambda c, idx: decode_hidden(model, idx, c, native=False)):
-            cache = KVCache(model.config, len(lengths), 32)
-            with torch.no_grad():
-                model.hidden_states(tokens(0, (len(lengths), max(lengths))), kv_cache=cache)
-                cache.lengths.copy_(torch.tensor(lengths))  # rows of different lengths: their own predecessors
-                out.append(torch.cat([step(cache, tokens(i + 1, (len(lengths), 1))) for i in range(4)], dim=1))
-            caches.append(cache)
-        assert torch.equal(out[0], out[1]), lengths
-        assert torch.equal(caches[0].shifted, caches[1].shifted), lengths
+        want, plain = _four_steps(model, lambda c, idx: model.hidden_states(idx, kv_cache=c), lengths)
+        got, lean = _four_steps(model, lambda c, idx: decode_hidden(model, idx, c, native=False), lengths)
+        assert torch.equal(want, got), lengths
+        assert torch.equal(plain.shifted, lean.shifted), lengths
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -199,18 +204,12 @@ def test_the_cpp_step_is_the_lean_one(on_kernel, block: str, dtype: torch.dtype)
     stored = native_decode.cache_dtype(model)
     with PackedLinears(model).active():
         assert native_decode.weights(model, KVCache(model.config, 1, 8, dtype=stored)) is not None  # it runs
-        for lengths in ([5], [7, 0, 12]):
-            caches, out = [], []
-            for native in (False, True):
-                cache = KVCache(model.config, len(lengths), 32, dtype=stored, attend_dtype=torch.float32)
-                with torch.inference_mode():
-                    model.hidden_states(tokens(0, (len(lengths), max(lengths))), kv_cache=cache)
-                    cache.lengths.copy_(torch.tensor(lengths))  # rows of different lengths (one empty: position 0)
-                    out.append(torch.cat([decode_hidden(model, tokens(i + 1, (len(lengths), 1)), cache, native=native)
-                                          for i in range(4)], dim=1))
-                caches.append(cache)
-            assert within_step_rounding(out[0], out[1], dtype), lengths
-            assert within_step_rounding(caches[0].shifted, caches[1].shifted, dtype), lengths
+        for lengths in ([5], [7, 0, 12]):  # (one row empty: its first token at position 0)
+            want, lean = _four_steps(model, lambda c, idx: decode_hidden(model, idx, c, native=False), lengths,
+                                     stored, torch.float32)
+            got, cpp = _four_steps(model, lambda c, idx: decode_hidden(model, idx, c), lengths, stored, torch.float32)
+            assert within_step_rounding(want, got, dtype), lengths
+            assert within_step_rounding(lean.shifted, cpp.shifted, dtype), lengths
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -73,14 +73,13 @@ struct Buffers {
 };
 
 // what each thread keeps to itself: the residual stream (in fp32), a norm's output, a product's input as bf16
-// values (a bf16 model's) and the attention's scores
+// values (a bf16 model's), the attention's scores, and a token-shift model's mixed MLP inputs and a kept vector
 struct Local {
   std::vector<float> x, h, p, shifted, previous;
   std::vector<at::BFloat16> xb;
-  Local(int64_t B, int64_t C, int64_t end, int64_t widest)
-      : x(B * C), h(B * C), p(end), shifted(B * C), previous(C), xb(B * widest) {}
+  Local(int64_t B, int64_t C, int64_t end, int64_t widest, bool shifts)
+      : x(B * C), h(B * C), p(end), shifted(shifts ? B * C : 0), previous(shifts ? C : 0), xb(B * widest) {}
 };
-
 
 // KV: the cache's element type, float or (a bf16 model's, which it holds exactly) at::BFloat16
 template <typename KV>
@@ -131,10 +130,12 @@ struct Step {
     project(t, me, x, K, i, N, y, [](int64_t, int64_t, int64_t) {});
   }
 
-  // where this token's head j of qkv (a key head or a value head: j >= nh) of row b goes in this layer's cache
+  // row b's cache row and its token's position there
   int64_t slot_of(int64_t b) const { return where >= 0 ? b : rows[b]; }
+  int64_t position_of(int64_t b) const { return where >= 0 ? where : pos[b]; }
+  // where this token's head j of qkv (a key head or a value head: j >= nh) of row b goes in this layer's cache
   KV* cache_head(int64_t b, int64_t j, KV* kp, KV* vp) const {
-    const int64_t nh = s.nh, nkv = s.nkv, slot = slot_of(b), at_t = where >= 0 ? where : pos[b];
+    const int64_t nh = s.nh, nkv = s.nkv, slot = slot_of(b), at_t = position_of(b);
     const bool key = j < nh + nkv;
     return (key ? kp : vp) + slot * k_cache.stride(1) + (key ? j - nh : j - nh - nkv) * k_cache.stride(2) +
            at_t * k_cache.stride(3);
@@ -265,7 +266,7 @@ struct Step {
     if (shifted.base == nullptr) return h;
     GPTLAB_NS::token_shift::mix_rows(
         shifted, layer, h, B, C, [&](int64_t b) { return slot_of(b); },
-        [&](int64_t b) { return where >= 0 ? where : pos[b]; }, t.part.index == 0, bf16, me.shifted.data(),
+        [&](int64_t b) { return position_of(b); }, t.part.index == 0, bf16, me.shifted.data(),
         me.previous.data());
     return me.shifted.data();
   }
@@ -326,7 +327,7 @@ void run(const Step<KV>& step, const at::Tensor& x, at::Tensor& out, int64_t wid
       barrier.emplace(team);
     }
     const Team t{{omp_get_thread_num(), team}, &*barrier};
-    Local me(B, C, step.end, widest);
+    Local me(B, C, step.end, widest, step.shifted.base != nullptr);
     if (bf16) std::copy_n(x.data_ptr<at::BFloat16>(), B * C, me.x.begin());
     else std::copy_n(x.data_ptr<float>(), B * C, me.x.begin());
     for (int64_t l = 0; l < L; ++l) step.layer(t, me, l, shape[12 + l] != 0);
