@@ -105,7 +105,9 @@ class KVCache:
         """Rows start..stop-1 as a cache of their own that shares this one's storage (no copy).
 
         A forward through it reads and writes those rows only, e.g. to prefill a new request's row while other
-        rows are mid-generation."""
+        rows are mid-generation. All the rows: the cache itself (a batch-1 step's every call sliced it)."""
+        if start == 0 and stop >= self.batch_size:
+            return self
         view = object.__new__(KVCache)
         view.max_len, view.attend_dtype = self.max_len, self.attend_dtype
         view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]

@@ -134,6 +134,28 @@ def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, tor
     return cos, sin
 
 
+def rope_at(config: GPTConfig, pos: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_tables(config, pos)` for positions below `end`, looked up in a table of every position kept per
+    config (a decode step made the angles, their cos and sin again every token: ~8 small ops). On a CPU, where
+    the frequencies do not depend on the length; elsewhere it computes them as rope_tables does."""
+    scaling = config.rope_scaling
+    if pos.device.type != "cpu" or (scaling is not None and scaling.kind in LENGTH_DEPENDENT):
+        return rope_tables(config, pos)
+    size = 1 << max(config.block_size, end - 1, 1).bit_length()  # room past the block size: a power of two
+    key = ("table", config.rotary_dim, config.rope_base, repr(scaling), config.block_size)
+    found = _TABLES.get(key)
+    if found is None or found[0].shape[0] < end:
+        if len(_TABLES) >= 16:
+            _TABLES.clear()
+        with torch.inference_mode(False):
+            cos, sin = rope_tables(config, torch.arange(size)[None])  # (1, 1, size, rot / 2)
+        found = _TABLES[key] = (cos[0, 0], sin[0, 0])
+    return found[0][pos][:, None], found[1][pos][:, None]  # (1 or B, 1, T, rot / 2)
+
+
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate the first rotary_dim dims of each head of x (B, n, T, hs); the rest pass through (partial rotary)."""
     half = cos.shape[-1]

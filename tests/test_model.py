@@ -183,6 +183,27 @@ def test_kept_rope_frequencies_follow_the_config_and_serve_training_after_infere
     assert torch.equal(x.grad, inv_frequencies(config, 0)[0])
 
 
+@pytest.mark.parametrize("scaling", [None, "linear", "dynamic"])
+def test_rope_looked_up_in_the_kept_table_is_the_computed_rope(scaling: str | None) -> None:
+    """rope_at (a decode step's cos and sin, looked up in a kept table of every position) gives rope_tables' values
+    for positions shared by the rows or each row's own, past the block size (the table grows), after the config's
+    base changed (a table of its own), and under a length-dependent scaling (computed, as rope_tables does)."""
+    from gptlab.config import RopeScaling
+    from gptlab.rope import rope_at, rope_tables
+
+    config = small(position="rope")
+    if scaling is not None:
+        extra = {"original_context": 8} if scaling == "dynamic" else {}
+        config.rope_scaling = RopeScaling(kind=scaling, factor=2.0, **extra)
+    for base in (10000.0, 500.0):
+        config.rope_base = base
+        for pos in (torch.arange(5, 8)[None], torch.tensor([[3], [0], [40]]), torch.tensor([[3 * config.block_size]])):
+            end = int(pos.max()) + 1
+            for got, want in zip(rope_at(config, pos, end), rope_tables(config, pos), strict=True):
+                assert got.shape == want.shape
+                assert torch.allclose(got, want, rtol=0, atol=1e-6)  # (cos computed in another layout: an ulp)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
 def test_rope_is_the_pairwise_formula_bit_for_bit(dtype, rotary_fraction):

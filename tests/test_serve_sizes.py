@@ -95,11 +95,8 @@ CHAT_CASES = [
 def test_every_size_a_chat_request_can_grow_is_bounded_with_a_4xx_naming_it(server, case: str, fields: dict,
                                                                            param: str | None) -> None:
     body = {"messages": ASK, "max_tokens": 4, **fields}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
-    if fields.get("stream"):  # the answer began (200) before the grammar went past its limits: an error event
-        assert r.status_code == 200, r.text[:500]
-        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        r = httpx.Response(400, json=events[-1])
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)  # (streamed too: refused
+    # before the answer begins, its grammar walked through its forced start when the row is made)
     if param is None:
         assert r.status_code == 200, r.text[:500]
         return

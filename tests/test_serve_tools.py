@@ -160,6 +160,23 @@ def test_a_grammar_is_checked_as_a_schema_is() -> None:
         SamplingParams(grammar='start: "a"', json_schema={"type": "object"})
 
 
+def test_a_schema_too_wide_past_the_calls_forced_start_is_refused_before_any_prefill() -> None:
+    """The grammar of a call of a 1,000-property function passes its first mask, then goes past llguidance's limits
+    a few tokens into the forced `<tool_call>{"name": "f", "arguments": {`: refused when the row is made (before its
+    prompt, holding the tools' schemas, is prefilled), naming the field. One of 100 properties is accepted."""
+    tok = templated_byte_tokenizer("qwen_tools")
+    syntax = tool_syntax(chat_template_for(tok))
+
+    def grammar(properties: int) -> tuple[str, str]:
+        schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(properties)}}
+        return "tools", tool_grammar(syntax, [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                                     "required")
+
+    row_grammar(grammar(100), tok, frozenset())
+    with pytest.raises(InvalidSamplingParam, match="tools is too large for gptlab's grammar engine"):
+        row_grammar(grammar(1000), tok, frozenset())
+
+
 def test_the_python_api_calls_as_the_server_does(templated) -> None:
     server, tok, _ = templated
     model = tiny_model(vocab_size=257, block_size=2048)  # the served model's weights (same seed)

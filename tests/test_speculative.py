@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from gptlab.errors import GptlabError
 from gptlab.generation import Engine, SamplingParams, generate, generate_batch
-from gptlab.generation.speculative import NgramDrafter, accept
+from gptlab.generation.speculative import MAX_NGRAM, NgramDrafter, accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -105,6 +105,24 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     context = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert drafter.propose(None, context, 2)[0] == [7, 8]  # "2 3" last seen before "7 8"
     assert drafter.propose(None, [1, 2, 3, 4], 3)[0] == []  # nothing repeats
+    # the longest repeated ending wins over a later shorter one: "1 2 3 4" before "7 9", not "2 3 4" before "8 1"
+    assert drafter.propose(None, [1, 2, 3, 4, 7, 9, 2, 3, 4, 8, 1, 2, 3, 4], 2)[0] == [7, 9]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 6))
+def test_prompt_lookup_follows_the_longest_repeated_ending(context: list[int], k: int) -> None:
+    """Against a search of every earlier position: the tokens after the latest of the longest earlier matches of
+    the context's ending (up to MAX_NGRAM tokens)."""
+    best, at = 0, None
+    for e in range(len(context) - 1):  # an earlier match ending at e
+        n = 0
+        while n < min(MAX_NGRAM, e + 1) and context[e - n] == context[len(context) - 1 - n]:
+            n += 1
+        if n and n >= best:
+            best, at = n, e
+    want = [] if at is None else context[at + 1 : at + 1 + k]
+    assert NgramDrafter().propose(None, context, k)[0] == want
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -249,12 +249,16 @@ class Engine(PromptPrefill):
         if static:
             hi = self._static.rows_for(hi)
         idle = [i for i in range(hi) if self.slots[i] is None]
-        tokens = torch.zeros(hi, 1, dtype=torch.long)
-        tokens[[g.row.slot for g in running], 0] = torch.tensor([g.token_ids[-1] for g in running])
+        slots = [g.row.slot for g in running]
+        if slots == list(range(hi)):  # every row of the step a running row, in slot order (as at batch 1)
+            tokens, rows = torch.tensor([[g.token_ids[-1]] for g in running]), slice(None)
+        else:
+            tokens = torch.zeros(hi, 1, dtype=torch.long)
+            tokens[slots, 0] = torch.tensor([g.token_ids[-1] for g in running])
+            rows = torch.tensor(slots, device=self.device)
         view = self.cache.rows(0, hi)
         if idle:
             view.lengths[idle] = 0  # idle rows compute a throwaway token at position 0
-        rows = torch.tensor([g.row.slot for g in running], device=self.device)
         # (the C++ step, gathered before, reads its packs itself)
         with self._kernels(head_only=bool(self._native)), steering_rows(self.model, self.slots[:hi]):
             if static:  # the rows' lengths after this step, known here: the cache holds each row's window

@@ -38,7 +38,7 @@ from gptlab.generation import native_decode
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
 from gptlab.norms import LayerNorm, RMSNorm
-from gptlab.rope import apply_rope, rope_tables
+from gptlab.rope import apply_rope, rope_at
 from gptlab.token_shift import TokenShift
 
 # The GPTConfig fields this step reads, at any value; any other field must be at its default for `lean_step_exact`.
@@ -174,7 +174,7 @@ def decode_hidden(
     cfg, t = model.config, model.transformer
     pos, masks = cache.begin(1, cfg.sliding_window, keys)  # (1 or B, 1); masks when rows differ or a window cuts
     x = embed(model, idx, pos, cache)  # (B, 1, C)
-    rope = rope_tables(cfg, pos) if cfg.position == "rope" else None
+    rope = rope_at(cfg, pos, cache.step_target()[1]) if cfg.position == "rope" else None
     weights = native_decode.weights(model, cache) if native is True else native or None
     if weights is not None:
         x = native_decode.step(model, x, rope, masks, cache, weights)  # the final norm included
@@ -197,5 +197,5 @@ def decode_rows(model: GPT, cache: KVCache, slots: list[int], positions: list[in
     masks = cache.begin_rows(slot_t, pos, model.config.sliding_window)
     pos = pos[:, None]  # (R, 1)
     x = embed(model, torch.tensor(tokens, device=device)[:, None], pos, cache)  # (R, 1, C)
-    rope = rope_tables(model.config, pos) if model.config.position == "rope" else None
+    rope = rope_at(model.config, pos, cache.step_target()[1]) if model.config.position == "rope" else None
     return native_decode.step(model, x, rope, masks, cache, weights)[:, 0]

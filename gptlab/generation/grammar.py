@@ -135,7 +135,34 @@ def _checked_start(vocab: Any, grammar_text: str, field: str, stop_ids: frozense
     if matcher.is_error():  # the first mask already went past llguidance's limits (a row of too many items)
         why = f"is too large for gptlab's grammar engine: {matcher_error(matcher)}"
         raise InvalidSamplingParam(field, schema_start(grammar_text), why)
+    _check_forced_start(matcher, grammar_text, field, stop_ids, vocab_size)
     return matcher
+
+
+def _check_forced_start(matcher: Any, grammar_text: str, field: str, stop_ids: frozenset[int],
+                        vocab_size: int) -> None:
+    """Walk a copy of the matcher through the tokens its grammar forces from the start (a tool call's
+    `<tool_call>{"name": "f", "arguments": {`), masking where each run ends: a grammar that goes past llguidance's
+    limits there is refused now, not after the row's prompt (the tools' schemas, tens of thousands of tokens) was
+    prefilled. A few milliseconds, once per grammar (the start is kept)."""
+    walker = matcher.deep_copy()
+    for _ in range(FORCED_RUNS):
+        forced = walker.compute_ff_tokens()
+        if not forced or walker.is_stopped():
+            return
+        walker.consume_tokens(forced)
+        try:
+            if not walker.is_error() and not walker.is_stopped():
+                allowed_tokens([RowGrammar(walker, stop_ids, vocab_size, field)], vocab_size)
+        except GrammarDeadEnd:
+            why = "cannot be written in this model's vocabulary: no token continues its forced start"
+            raise InvalidSamplingParam(field, schema_start(grammar_text), why) from None
+        if walker.is_error():
+            why = f"is too large for gptlab's grammar engine: {matcher_error(walker)}"
+            raise InvalidSamplingParam(field, schema_start(grammar_text), why)
+
+
+FORCED_RUNS = 8  # forced runs walked at most (one usually: it ends where the output may branch)
 
 
 def allowed_bits(grammars: Sequence[RowGrammar], vocab_size: int) -> np.ndarray:

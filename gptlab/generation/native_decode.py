@@ -48,6 +48,7 @@ class NativeWeights:
 
     tensors: list[torch.Tensor | None]
     ops: Any
+    shape: list[int]  # decode_step's `shape` (`_shape`), made once with the list
 
 
 def _linear(lin: nn.Module, rows: int) -> tuple[Any, list[torch.Tensor | None]] | None:
@@ -98,7 +99,7 @@ def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
     final = _norm(None if isinstance(final, nn.Identity) else final, eps)
     if final is None or len(builds) != 1:  # none, or Linears packed for two builds: the per-Linear forwards
         return None
-    return NativeWeights(out + final, builds.pop())
+    return NativeWeights(out + final, builds.pop(), _shape(model))
 
 
 def cache_dtype(model: GPT) -> torch.dtype:
@@ -118,9 +119,9 @@ def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | 
     rows, pos = (None, None) if isinstance(where, int) else where
     cos = sin = None
     if rope is not None:  # (1 or B, 1, 1, rot / 2) fp32, rounded to the model's dtype as apply_rope does
-        cos, sin = (t.to(x.dtype).float().flatten(1) for t in rope)
+        cos, sin = (t.flatten(1) if x.dtype == torch.float32 else t.to(x.dtype).float().flatten(1) for t in rope)
     return weights.ops.decode_step(
         x, weights.tensors, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
-        masks.window, cos, sin, _shape(model), cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0,
+        masks.window, cos, sin, weights.shape, cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0,
         not isinstance(model.transformer.ln_f, nn.Identity), cache.shifted)
 

@@ -5,8 +5,8 @@ forward (k + 1 positions, the cost of about one decode step while decoding is me
 longest run of guesses its own sampling accepts, plus one token of its own: 1 to k + 1 tokens per forward.
 
 * Drafters: `ModelDrafter` (a smaller model with the same vocabulary, decoding in its own engine; `--draft`)
-  and `NgramDrafter` (prompt lookup: the tokens that followed the latest earlier occurrence of the context's last
-  few tokens; no model, good where the output repeats its input, e.g. editing).
+  and `NgramDrafter` (prompt lookup: the tokens that followed the earlier occurrence of the context's longest
+  repeated ending; no model, good where the output repeats its input, e.g. editing).
 * `accept`: the rule of Leviathan et al. (2023) / Chen et al. (2023). A greedy row keeps guesses while they are
   the target's argmax, so its output is the target's own. A sampled row keeps guess d (drafted with probability
   q(d)) with probability min(1, p(d) / q(d)) under the target's distribution p (after temperature and filters,
@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from gptlab.errors import GptlabError
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 DRAFT_TOKENS = 4  # guesses per forward: more pay off only when most are accepted
 NGRAM = "ngram"
-MAX_NGRAM = 3  # prompt lookup matches the context's last 3 tokens, else 2, else 1
+MAX_NGRAM = 32  # prompt lookup matches up to the context's last 32 tokens
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -103,17 +104,28 @@ def accept(
 # Drafters
 # ---------------------------------------------------------------------------------------------------------
 class NgramDrafter:
-    """Prompt lookup: the tokens after the latest earlier occurrence of the context's last n tokens (n from
-    MAX_NGRAM down to 1)."""
+    """Prompt lookup: the tokens after the earlier occurrence of the context's longest repeated ending (up to
+    MAX_NGRAM tokens; the latest of equally long ones, the most local repetition). The longest, not a fixed n: the
+    last 3 tokens of a character vocabulary, or a common word, occur all over a text, and the place whose longer
+    ending matches is the one the output is copying (a passage copied character by character: 98% of 4-token
+    guesses held, against 74% for the latest match of the last 3)."""
 
     def propose(self, g: Generation, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        end = len(context)
-        for n in range(min(MAX_NGRAM, end - 1), 0, -1):
-            tail = context[end - n :]
-            for start in range(end - n - 1, -1, -1):  # the latest match first: the most local repetition
-                if context[start : start + n] == tail:
-                    return context[start + n : start + n + k], None
-        return [], None
+        ids, end = np.asarray(context), len(context)
+        if end < 2:
+            return [], None
+        ends = np.flatnonzero(ids[:-1] == ids[-1])  # where earlier matches of length 1 end
+        n = 1
+        while ends.size and n < MAX_NGRAM:  # lengthen the matches while some still match
+            reach = ends[ends >= n]
+            longer = reach[ids[reach - n] == ids[end - 1 - n]]
+            if not longer.size:
+                break
+            ends, n = longer, n + 1
+        if not ends.size:
+            return [], None
+        start = int(ends[-1]) + 1
+        return context[start : start + k], None
 
     def rollback(self, held: int) -> None:
         """(Nothing is cached.)"""
