@@ -10,6 +10,8 @@ value after four steps). The packed kernel against torch's own bf16 linear diffe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -21,6 +23,7 @@ from gptlab.generation import Engine, generate, native_decode
 from gptlab.generation.fast_decode import (
     LEAN_SWITCHES,
     decode_hidden,
+    decode_logits,
     lean_step_exact,
     unknown_switches,
 )
@@ -139,6 +142,50 @@ def test_quantized_native_step_equals_the_lean_one(on_kernel, family: str, mode:
     assert _close(want, _steps(model, decode_hidden, [7, 2, 4]), dtype, fp32_tol=2**-11)
 
 
+@pytest.mark.parametrize(("family", "weights"), [(f, d) for f in [*ALL_FAMILIES, "shifted", "normed"]
+                                                 for d in ("float32", "bfloat16")]
+                         + [(f, m) for f in ("gpt2", "llama", "gemma2") for m in ("int8", "int4")])
+def test_the_cpp_steps_own_embedding_and_head_give_the_models_bits(on_kernel, family: str, weights: str) -> None:  # noqa: ANN001
+    """The C++ step embeds the tokens itself (wte, Gemma's scale, token shift's first point, wpe, an embedding norm)
+    and runs the LM head on its build: the same bits as the model's embedding before the call and its head's own
+    forward after it, for rows of several lengths, every row's logits or some rows' (the engine's running ones).
+    An embedding norm is the C++ step's own (its sums in another order than ATen's): within its rounding."""
+    dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
+    if family in ("shifted", "normed"):  # GPT-2's shape with token shift, or with an embedding norm (BLOOM's)
+        model = gpt2_like(**{"token_shift" if family == "shifted" else "embedding_norm": True}).to(dtype)
+        with torch.no_grad():  # away from their identity values: the test could fail
+            nn.init.uniform_(model.transformer.shift.mix if family == "shifted" else model.transformer.ln_emb.weight,
+                             0.2, 0.8)
+    else:
+        model = model_of(family, dtype)
+    same = (lambda a, b: _close(a, b, dtype)) if family == "normed" else torch.equal
+    if weights in ("int8", "int4"):
+        model = quantize_model(model, weights, 32 if weights == "int4" else None)
+    torch.manual_seed(2)
+    lengths, vocab = [7, 2, 12], model.config.vocab_size
+    prompt = torch.randint(0, vocab, (len(lengths), max(lengths)))
+    with torch.inference_mode(), PackedLinears(model).active():
+        caches = []
+        for _ in range(3):
+            cache = KVCache(model.config, len(lengths), 32, attend_dtype=torch.float32)
+            model.hidden_states(prompt, kv_cache=cache)
+            cache.lengths.copy_(torch.tensor(lengths))
+            caches.append(cache)
+        own = native_decode.weights(model, caches[0])
+        assert own is not None and own.front is not None and own.head is not None  # both ends in the call
+        outside = dataclasses.replace(own, front=None, head=None)
+        for step in range(3):
+            idx = torch.randint(0, vocab, (len(lengths), 1))
+            rows = [2, 0] if step == 1 else None
+            got = decode_logits(model, idx, caches[0], own, rows)
+            h = decode_hidden(model, idx, caches[1], outside)
+            assert same(got, model.logits(h[:, -1] if rows is None else h[rows, -1])), step
+            assert same(decode_hidden(model, idx, caches[2], dataclasses.replace(own, head=None)), h), step
+        assert same(caches[0].k, caches[1].k)
+        if caches[0].shifted is not None:  # the embeddings' kept vectors too
+            assert torch.equal(caches[0].shifted, caches[1].shifted)
+
+
 _THREAD_CASES = ([(f, d) for f in ALL_FAMILIES for d in ("float32", "bfloat16")]
                  + [(f, m) for f in ("gpt2", "llama", "gemma2") for m in ("int8", "int4")])
 
@@ -240,7 +287,7 @@ def test_lean_step_keeps_a_lora_layers_own_forward(family: str) -> None:
 def _greedy_with_and_without_the_lean_step(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     idx = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
     calls = []
-    monkeypatch.setattr(engine_module, "decode_hidden", lambda *a, **kw: calls.append(1) or decode_hidden(*a, **kw))
+    monkeypatch.setattr(engine_module, "decode_logits", lambda *a, **kw: calls.append(1) or decode_logits(*a, **kw))
     fast = generate(model, idx, 24, temperature=0)
     assert len(calls) == 23  # every step after the prefill took the lean path
     monkeypatch.setattr(engine_module, "lean_step_exact", lambda m: False)

@@ -60,7 +60,7 @@ def test_the_cpp_step_verifies_the_guesses(on_kernel, draft, dtype, monkeypatch:
     speculate = {"itself": model, "other model": tiny_model(seed=1).to(dtype), "ngram": "ngram"}[draft]
     calls = []
     real = engine_prefill.decode_rows
-    monkeypatch.setattr(engine_prefill, "decode_rows", lambda *a: calls.append(len(a[2])) or real(*a))
+    monkeypatch.setattr(engine_prefill, "decode_rows", lambda *a, **kw: calls.append(len(a[2])) or real(*a, **kw))
     params = SamplingParams(temperature=0, max_new_tokens=40)
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     (plain,) = generate_batch(model, [prompt], params)

@@ -43,7 +43,7 @@ from gptlab.errors import GptlabError
 from gptlab.generation import native_decode
 from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows
 from gptlab.generation.engine_prefill import PromptPrefill
-from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
+from gptlab.generation.fast_decode import decode_logits, lean_step_exact
 from gptlab.generation.graph_decode import StaticDecode, usable
 from gptlab.generation.packed_linear import kernel_name, pack_where_it_helps
 from gptlab.generation.params import SamplingParams
@@ -266,10 +266,10 @@ class Engine(PromptPrefill):
                               + [len(g.prompt_ids) - len(g.row.pending) + 1 for g in prefilling])
                 logits = self._static(tokens, longest)[rows]
             elif self._lean_step_exact and not self.model.training and not hooked:
-                h = decode_hidden(self.model, tokens.to(self.device), view, native=self._native_weights())
+                logits = decode_logits(self.model, tokens.to(self.device), view, self._native_weights(),
+                                       None if isinstance(rows, slice) else slots)
             else:
                 h = self.model.hidden_states(tokens.to(self.device), kv_cache=view)
-            if not static:
                 logits = self.model.logits(h[rows, -1])
         if idle:
             view.lengths[idle] = 0
@@ -290,12 +290,10 @@ class Engine(PromptPrefill):
             rows = not lean and self._rows_call_serves(len(tokens))  # several tokens in the C++ step's one call
             with self._kernels(head_only=(lean or rows) and bool(self._native)):
                 if lean:
-                    h = decode_hidden(self.model, idx, view, native=self._native_weights())[0]
-                elif rows and (weights := self._native_weights()) is not None:
-                    h = self._feed_row(slot, tokens, weights)
-                else:
-                    h = self.model.hidden_states(idx, kv_cache=view)[0]
-                return self.model.logits(h)
+                    return decode_logits(self.model, idx, view, self._native_weights())
+                if rows and (weights := self._native_weights()) is not None:
+                    return self._feed_row(slot, tokens, weights)
+                return self.model.logits(self.model.hidden_states(idx, kv_cache=view)[0])
 
     def record(self, g: Generation, logits: torch.Tensor, tokens: list[int]) -> int:
         """Give row g its new tokens in order, each sampled from its row of `logits` (for logprobs), until it

@@ -131,13 +131,13 @@ class PromptPrefill:
         return 1 < n <= ROWS_STEP_PART and self._rows_step_ready() and (n < BATCH or self._many_rows_on_kernel())
 
     def _feed_row(self: Engine, slot: int, tokens: list[int], weights: NativeWeights) -> torch.Tensor:
-        """Hidden states (T, C) of `tokens` fed to row `slot` after what it holds, in one C++ call; the row's
-        length moved on."""
+        """The logits (T, V) after each of `tokens` fed to row `slot` after what it holds, in one C++ call; the
+        row's length moved on."""
         start = int(self.cache.lengths[slot])
-        h = decode_rows(self.model, self.cache, [slot] * len(tokens), list(range(start, start + len(tokens))),
-                        tokens, weights)
+        logits = decode_rows(self.model, self.cache, [slot] * len(tokens), list(range(start, start + len(tokens))),
+                             tokens, weights, logits=True)
         self.cache.lengths[slot] += len(tokens)
-        return h
+        return logits
 
     @functools.cached_property
     def _linear_kinds(self: Engine) -> set[str]:

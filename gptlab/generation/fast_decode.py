@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from gptlab.attention import CausalSelfAttention, sdpa
 from gptlab.config import GPTConfig
 from gptlab.generation import native_decode
+from gptlab.kernels.dispatch import BATCH
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
 from gptlab.norms import LayerNorm, RMSNorm
@@ -171,14 +172,36 @@ def decode_hidden(
     step's weights, gathered once by the caller: `native_decode.weights`; None or False: the Python step).
     With `keys` (a bound on the rows' lengths + 1, see `KVCache.begin`) the step reads nothing back from the
     device and its shapes are fixed: what `gptlab.generation.graph_decode` captures."""
+    return _one_token(model, idx, cache, native, keys)
+
+
+def decode_logits(model: GPT, idx: torch.Tensor, cache: KVCache, native: native_decode.NativeWeights | None,
+                  rows: list[int] | None = None) -> torch.Tensor:
+    """The logits (R, V) after the new token of rows `rows` (None: every row) of a `decode_hidden` step: what
+    `model.logits(decode_hidden(...)[rows, -1])` gives, the LM head inside the C++ call where it runs on the
+    step's build (and fewer rows than the dispatch's large-batch size ask for it: there PyTorch's product may be the
+    one chosen)."""
+    n = idx.shape[0] if rows is None else len(rows)
+    if native is None or native.head is None or n >= BATCH:
+        h = _one_token(model, idx, cache, native, None)
+        return model.logits(h[:, -1] if rows is None else h[rows, -1])
+    head_rows = None if rows is None else torch.tensor(rows)
+    return model.softcap_logits(_one_token(model, idx, cache, native, None, head_rows))
+
+
+def _one_token(model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | native_decode.NativeWeights | None,
+               keys: int | None, head_rows: torch.Tensor | None | bool = False) -> torch.Tensor:
+    """decode_hidden's step; with head_rows (a tensor of rows, or None: all) the C++ step's logits instead."""
     cfg, t = model.config, model.transformer
     pos, masks = cache.begin(1, cfg.sliding_window, keys)  # (1 or B, 1); masks when rows differ or a window cuts
-    x = embed(model, idx, pos, cache)  # (B, 1, C)
     rope = rope_at(cfg, pos, cache.step_target()[1]) if cfg.position == "rope" else None
     weights = native_decode.weights(model, cache) if native is True else native or None
-    if weights is not None:
-        x = native_decode.step(model, x, rope, masks, cache, weights)  # the final norm included
+    if weights is not None:  # the tokens embedded in the call, where it can (else x (B, 1, C))
+        x = idx if weights.front is not None else embed(model, idx, pos, cache)
+        x = native_decode.step(model, x, rope, masks, cache, weights, None if head_rows is False else head_rows,
+                               logits=head_rows is not False)  # the final norm included
     else:
+        x = embed(model, idx, pos, cache)  # (B, 1, C)
         for block in t.h:
             x = _block(block, x, rope, masks, cache)
         x = norm(t.ln_f, x)
@@ -187,15 +210,20 @@ def decode_hidden(
 
 
 def decode_rows(model: GPT, cache: KVCache, slots: list[int], positions: list[int], tokens: list[int],
-                weights: native_decode.NativeWeights) -> torch.Tensor:
+                weights: native_decode.NativeWeights, logits: bool = False) -> torch.Tensor:
     """Final-norm hidden states (R, C) of tokens[i] at positions[i] of cache row slots[i], written to `cache`, in
     one call of the C++ step: running rows' new tokens and prompts' next parts together (a prompt's tokens are
     rows of its slot at successive positions, each attending to those before it). The caller moves each slot's
-    length on. For a model `lean_step_exact` accepts whose rotary frequencies do not depend on the length."""
+    length on. For a model `lean_step_exact` accepts whose rotary frequencies do not depend on the length. With
+    `logits` (where `weights.head`): every row's logits (R, V) instead."""
     device = cache.lengths.device
     slot_t, pos = torch.tensor(slots, device=device), torch.tensor(positions, device=device)
     masks = cache.begin_rows(slot_t, pos, model.config.sliding_window)
     pos = pos[:, None]  # (R, 1)
-    x = embed(model, torch.tensor(tokens, device=device)[:, None], pos, cache)  # (R, 1, C)
+    ids = torch.tensor(tokens, device=device)[:, None]
+    x = ids if weights.front is not None else embed(model, ids, pos, cache)  # (R, 1) or (R, 1, C)
     rope = rope_at(model.config, pos, cache.step_target()[1]) if model.config.position == "rope" else None
-    return native_decode.step(model, x, rope, masks, cache, weights)[:, 0]
+    if logits and weights.head is not None:
+        return model.softcap_logits(native_decode.step(model, x, rope, masks, cache, weights, logits=True))
+    h = native_decode.step(model, x, rope, masks, cache, weights)[:, 0]
+    return model.logits(h) if logits else h

@@ -10,6 +10,7 @@ wrapped by an adapter, a norm with an epsilon other than the config's); `step` t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +45,18 @@ def _shape(model: GPT) -> list[int]:
 @dataclass(frozen=True)
 class NativeWeights:
     """The C++ step's tensors in its order, and the build (torch.ops namespace) the Linears were packed for: the
-    layouts fit every build, but each build's kernels run best on the batch sizes it was chosen for."""
+    layouts fit every build, but each build's kernels run best on the batch sizes it was chosen for. `front`: what
+    the step embeds tokens with (wte, wpe, ln_emb's weight and bias, the embeddings' token-shift mix; None: the
+    model's own embedding runs first, e.g. a replaced nn.Embedding); `head`: the LM head's (packed, qparams, bias)
+    on the same build (None: the head's own forward)."""
 
     tensors: list[torch.Tensor | None]
     ops: Any
     shape: list[int]  # decode_step's `shape` (`_shape`), made once with the list
+    front: list[torch.Tensor | None] | None = None
+    embed_scale: float = 0.0  # Gemma's sqrt(C) in the model's dtype; 0: none
+    embed_norm: bool = False
+    head: list[torch.Tensor | None] | None = None
 
 
 def _linear(lin: nn.Module, rows: int) -> tuple[Any, list[torch.Tensor | None]] | None:
@@ -99,7 +107,26 @@ def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
     final = _norm(None if isinstance(final, nn.Identity) else final, eps)
     if final is None or len(builds) != 1:  # none, or Linears packed for two builds: the per-Linear forwards
         return None
-    return NativeWeights(out + final, builds.pop(), _shape(model))
+    ops = builds.pop()
+    head = _linear(model.lm_head, rows)
+    return NativeWeights(out + final, ops, _shape(model), *_front(model),
+                         head=head[1] if head is not None and head[0] is ops else None)
+
+
+def _front(model: GPT) -> tuple[list[torch.Tensor | None] | None, float, bool]:
+    """(front, embed_scale, embed_norm) for NativeWeights: the tensors the step embeds tokens with, where the
+    embeddings are plain nn.Embedding tables in the model's dtype (else front None: `fast_decode.embed` runs)."""
+    cfg, t = model.config, model.transformer
+    tables = [t.wte] + ([t.wpe] if cfg.position == "learned" else [])
+    dtype = t.wte.weight.dtype
+    if any(type(e) is not nn.Embedding or e.weight.dtype != dtype or not e.weight.is_contiguous() for e in tables):
+        return None, 0.0, False
+    norm = _norm(t.ln_emb, cfg.norm_eps) if cfg.embedding_norm else [None, None]
+    if norm is None or dtype not in (torch.float32, torch.bfloat16):
+        return None, 0.0, False
+    scale = float(torch.tensor(math.sqrt(cfg.n_embd), dtype=dtype)) if cfg.scale_embeddings else 0.0
+    mix = t.shift._parameters["mix"] if cfg.token_shift else None
+    return [t.wte.weight, tables[1].weight if len(tables) > 1 else None, *norm, mix], scale, cfg.embedding_norm
 
 
 def cache_dtype(model: GPT) -> torch.dtype:
@@ -111,17 +138,24 @@ def cache_dtype(model: GPT) -> torch.dtype:
 
 
 def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, masks: Masks,
-         cache: KVCache, weights: NativeWeights) -> torch.Tensor:
-    """x (B, 1, C) through every block and the final norm, this token's keys and values written to `cache`
-    (fp32, or bf16 for a bf16 model): the loop of the lean step in one C++ call."""
+         cache: KVCache, weights: NativeWeights, head_rows: torch.Tensor | None = None,
+         logits: bool = False) -> torch.Tensor:
+    """x through every block and the final norm, this token's keys and values written to `cache` (fp32, or bf16
+    for a bf16 model): the loop of the lean step in one C++ call. x: the first block's input (B, 1, C), or where
+    `weights.front` the tokens (B, 1) the step embeds itself. Returns the hidden states (B, 1, C), or with `logits`
+    (and `weights.head`) the LM head's raw output (H, V) of rows `head_rows` (H: all B; the soft-cap is the
+    caller's)."""
     cfg, a = model.config, model.transformer.h[0].attn
     where, end = cache.step_target()
     rows, pos = (None, None) if isinstance(where, int) else where
     cos = sin = None
+    dtype = model.transformer.wte.weight.dtype if weights.front is not None else x.dtype
     if rope is not None:  # (1 or B, 1, 1, rot / 2) fp32, rounded to the model's dtype as apply_rope does
-        cos, sin = (t.flatten(1) if x.dtype == torch.float32 else t.to(x.dtype).float().flatten(1) for t in rope)
+        cos, sin = (t.flatten(1) if dtype == torch.float32 else t.to(dtype).float().flatten(1) for t in rope)
+    tokens, x = (x, None) if weights.front is not None else (None, x)
     return weights.ops.decode_step(
         x, weights.tensors, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
         masks.window, cos, sin, weights.shape, cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0,
-        not isinstance(model.transformer.ln_f, nn.Identity), cache.shifted)
+        not isinstance(model.transformer.ln_f, nn.Identity), cache.shifted, tokens, weights.front or [],
+        weights.embed_scale, weights.embed_norm, weights.head if logits else [], head_rows, cfg.vocab_size)
 

@@ -19,6 +19,7 @@ model and batch decide in no time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -128,7 +129,7 @@ def time_steps(model: GPT, rows: int, paths: tuple[str, ...],
             gathered = native_decode.weights(model, caches[builds[0]])
         if gathered is None:
             return {}
-        native = {b: native_decode.NativeWeights(gathered.tensors, kernel_builds()[b], gathered.shape) for b in builds}
+        native = {b: dataclasses.replace(gathered, ops=kernel_builds()[b], head=None) for b in builds}  # heads: below
         packs.update({b: PackedLinears(model.lm_head, rows, path=b) for b in builds})  # the C++ step leaves it out
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(ROUNDS):

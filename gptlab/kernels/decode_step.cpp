@@ -28,11 +28,17 @@
 // rotary dim, then one sliding flag per layer.
 // After the layers' tensors come the final norm's weight and bias, applied where `final_norm` is set.
 // A token-shift model passes its cache's kept vectors, `shifted` (L + 1, rows, max_len, C): token_shift.h.
+// The first block's input is `x`, or the step embeds `tokens` itself (the Python around a batch-1 step cost more
+// than a small model's blocks): `front` holds wte, wpe, ln_emb's weight and bias and the embeddings' token-shift
+// mix (None where absent), `embed_scale` Gemma's sqrt(C) in the model's dtype (0: none). With `head` (the LM head's
+// packed, qparams, bias) it returns the logits (vocab wide, in the model's dtype) of rows `head_rows` (all: None),
+// not the hidden states.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "linear_avx2.h"
+#include "step_ends.h"
 #include "step_math.h"
 #include "team.h"
 #include "token_shift.h"
@@ -98,6 +104,7 @@ struct Step {
   int64_t rope_rows;
   Buffers& buf;
   const GPTLAB_NS::token_shift::Shifted<KV>& shifted;  // base null: no token shift
+  const GPTLAB_NS::step_ends::Front& front;  // tokens null: the input x was given
 
   c10::optional<at::Tensor> at(int64_t layer, int64_t i) const { return w.get(kPerLayer * layer + i); }
 
@@ -265,10 +272,23 @@ struct Step {
   const float* shift(const Team& t, Local& me, int64_t layer, const float* h) const {
     if (shifted.base == nullptr) return h;
     GPTLAB_NS::token_shift::mix_rows(
-        shifted, layer, h, B, C, [&](int64_t b) { return slot_of(b); },
+        shifted, layer + 1, h, B, C, [&](int64_t b) { return slot_of(b); },
         [&](int64_t b) { return position_of(b); }, t.part.index == 0, bf16, me.shifted.data(),
         me.previous.data());
     return me.shifted.data();
+  }
+
+  // the first block's input into x from the tokens (step_ends.h), token shift's point 0 as the layers' points
+  void embed(const Team& t, Local& me, float* x) const {
+    GPTLAB_NS::step_ends::embed(front, B, C, s.norm, eps, bf16, [&](int64_t b) { return position_of(b); },
+                                [&](float* h) {
+                                  if (shifted.base == nullptr) return;
+                                  GPTLAB_NS::token_shift::mix_rows(
+                                      shifted, 0, h, B, C, [&](int64_t b) { return slot_of(b); },
+                                      [&](int64_t b) { return position_of(b); }, t.part.index == 0, bf16,
+                                      me.shifted.data(), me.previous.data());
+                                  std::copy_n(me.shifted.data(), B * C, h);
+                                }, x);
   }
 
   void add(float* x, const float* y) const {
@@ -310,10 +330,11 @@ const bool* mask_data(const c10::optional<at::Tensor>& mask, int64_t end, int64_
   return mask->data_ptr<bool>();
 }
 
-// every thread's part of the step: the layers, then (thread 0) the final norm and x into out
+// every thread's part of the step: the layers, then the final norm, and x (thread 0) or the logits (every thread
+// its share of the head's panels) into out
 template <typename KV>
 void run(const Step<KV>& step, const at::Tensor& x, at::Tensor& out, int64_t widest, at::IntArrayRef shape,
-         bool final_norm) {
+         bool final_norm, const GPTLAB_NS::step_ends::Head* head) {
   const int64_t B = step.B, C = step.C, L = step.L;
   const bool bf16 = step.bf16;
   const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
@@ -328,39 +349,54 @@ void run(const Step<KV>& step, const at::Tensor& x, at::Tensor& out, int64_t wid
     }
     const Team t{{omp_get_thread_num(), team}, &*barrier};
     Local me(B, C, step.end, widest, step.shifted.base != nullptr);
-    if (bf16) std::copy_n(x.data_ptr<at::BFloat16>(), B * C, me.x.begin());
+    if (step.front.tokens != nullptr) step.embed(t, me, me.x.data());
+    else if (bf16) std::copy_n(x.data_ptr<at::BFloat16>(), B * C, me.x.begin());
     else std::copy_n(x.data_ptr<float>(), B * C, me.x.begin());
     for (int64_t l = 0; l < L; ++l) step.layer(t, me, l, shape[12 + l] != 0);
-    if (t.part.index == 0) {
+    if (head != nullptr || t.part.index == 0) {
       if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
         norm_rows(me.x.data(), me.x.data(), B, C, step.s.norm, step.w.get(kPerLayer * L),
                   step.w.get(kPerLayer * L + 1), step.eps, bf16);
-      if (bf16) std::copy_n(me.x.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
-      else std::copy_n(me.x.begin(), B * C, out.data_ptr<float>());
+    }
+    if (head == nullptr) {
+      if (t.part.index == 0) {
+        if (bf16) std::copy_n(me.x.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
+        else std::copy_n(me.x.begin(), B * C, out.data_ptr<float>());
+      }
+    } else {
+      GPTLAB_NS::step_ends::logits(*head, t, me.x.data(), C, bf16, me.h.data(), me.xb.data(), out);
     }
   }
 }
 
-// x (B, 1, C) in the model's dtype: the first block's input; returns x after the last block and the final norm
-at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Tensor& k_cache,
+// x (B, 1, C) in the model's dtype, the first block's input, or `tokens` (B) the step embeds (`front`); returns x
+// after the last block and the final norm, or with `head` the logits (H, vocab) of rows head_rows (H: all B)
+at::Tensor decode_step(const c10::optional<at::Tensor>& x, const Weights& weights, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, int64_t where, const c10::optional<at::Tensor>& rows,
                        const c10::optional<at::Tensor>& pos, int64_t end, const c10::optional<at::Tensor>& full,
                        const c10::optional<at::Tensor>& window, const c10::optional<at::Tensor>& cos,
                        const c10::optional<at::Tensor>& sin, at::IntArrayRef shape, double eps, double scale,
-                       double softcap, bool final_norm, const c10::optional<at::Tensor>& shifted) {
+                       double softcap, bool final_norm, const c10::optional<at::Tensor>& shifted,
+                       const c10::optional<at::Tensor>& tokens, const Weights& front, double embed_scale,
+                       bool embed_norm, const Weights& head, const c10::optional<at::Tensor>& head_rows,
+                       int64_t vocab) {
   TORCH_CHECK(shape.size() >= 12, "decode_step: shape holds 12 sizes and a sliding flag per layer");
   const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], shape[8], shape[9],
                 shape[10], shape[11]};
-  const int64_t L = static_cast<int64_t>(shape.size()) - 12, B = x.size(0), C = x.size(2);
+  const bool embeds = tokens.has_value() && tokens->defined();
+  TORCH_CHECK(embeds || (x.has_value() && x->defined()), "decode_step: x or tokens");
+  const auto dtype = embeds ? front.get(0)->scalar_type() : x->scalar_type();
+  const int64_t L = static_cast<int64_t>(shape.size()) - 12, B = embeds ? tokens->numel() : x->size(0);
+  const int64_t C = embeds ? front.get(0)->size(1) : x->size(2);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * L + 2, "decode_step: ", kPerLayer,
               " tensors a layer and the final norm's two");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "decode_step: bf16 or fp32");
-  const bool bf16 = x.scalar_type() == at::kBFloat16, bf16_cache = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "decode_step: bf16 or fp32");
+  const bool bf16 = dtype == at::kBFloat16, bf16_cache = k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK((k_cache.scalar_type() == at::kFloat || (bf16 && bf16_cache)) &&
               v_cache.scalar_type() == k_cache.scalar_type() && k_cache.dim() == 5 && k_cache.stride(4) == 1 &&
               v_cache.strides() == k_cache.strides(), "decode_step: an fp32 cache, or a bf16 one for a bf16 model");
   TORCH_CHECK(s.nkv > 0 && s.nh % s.nkv == 0 && end > 0 && end <= k_cache.size(3), "decode_step: bad sizes");
-  at::Tensor rows_c, pos_c, cos_c, sin_c;
+  at::Tensor rows_c, pos_c, cos_c, sin_c, tokens_c, head_rows_c;
   if (where < 0) {
     rows_c = rows->reshape({-1}).contiguous(), pos_c = pos->reshape({-1}).contiguous();
     TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "decode_step: a row and position per row");
@@ -388,25 +424,33 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
     check(2, C, width), check(5, s.nh * s.hs, C), check(10, C, fc), check(13, s.hidden, C);
   }
   const bool shifts = shifted.has_value() && shifted->defined();
+  const int64_t* token_ids =
+      embeds ? GPTLAB_NS::step_ends::checked_tokens(*tokens, front, C, bf16, end, shifts, tokens_c) : nullptr;
+  const GPTLAB_NS::step_ends::Front embedding{front, token_ids, static_cast<float>(embed_scale), embed_norm};
+  const bool logits = !head.empty();
+  auto the_head = GPTLAB_NS::step_ends::checked_head(head, head_rows, B, C, vocab, head_rows_c);
   Buffers buffers(B, C, width, s.nh * s.hs, fc, s.hidden);
-  const auto xc = x.contiguous();
-  auto out = at::empty({B, 1, C}, x.options());
+  const at::Tensor xc = embeds ? at::Tensor() : x->contiguous();
+  const auto options = at::TensorOptions().dtype(dtype);
+  auto out = logits ? at::empty({the_head.H, vocab}, options) : at::empty({B, 1, C}, options);
+  auto wide = logits && bf16 ? at::empty({the_head.H, vocab}, options.dtype(at::kFloat)) : at::Tensor();
+  if (wide.defined()) the_head.wide = wide.data_ptr<float>();
   const int64_t widest = std::max({C, s.nh * s.hs, s.hidden});
   const auto go = [&](auto kv) {  // the step over this cache's element type
     using KV = decltype(kv);
     GPTLAB_NS::token_shift::Shifted<KV> kept;
     if (shifts)
-      kept = GPTLAB_NS::token_shift::plan<KV>(*shifted, k_cache, L, B, C, x.scalar_type(),
-                                              [&](int64_t l) { return weights.get(kPerLayer * l + 22); },
-                                              where < 0 ? rows_c.data_ptr<int64_t>() : nullptr,
-                                              where < 0 ? pos_c.data_ptr<int64_t>() : nullptr);
+      kept = GPTLAB_NS::token_shift::plan<KV>(
+          *shifted, k_cache, L, B, C, dtype, embeds,
+          [&](int64_t p) { return p == 0 ? front.get(4) : weights.get(kPerLayer * (p - 1) + 22); },
+          where < 0 ? rows_c.data_ptr<int64_t>() : nullptr, where < 0 ? pos_c.data_ptr<int64_t>() : nullptr);
     const Step<KV> step{s, weights, B, C, L, bf16, static_cast<float>(eps), static_cast<float>(scale),
                         static_cast<float>(softcap), k_cache, v_cache, where, end,
                         where < 0 ? rows_c.data_ptr<int64_t>() : nullptr,
                         where < 0 ? pos_c.data_ptr<int64_t>() : nullptr, full_p, window_p, full_rows, window_rows,
                         rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr,
-                        rope_rows, buffers, kept};
-    run(step, xc, out, widest, shape, final_norm);
+                        rope_rows, buffers, kept, embedding};
+    run(step, xc, out, widest, shape, final_norm, logits ? &the_head : nullptr);
   };
   if (bf16_cache) go(at::BFloat16{});
   else go(float{});
@@ -416,7 +460,9 @@ at::Tensor decode_step(const at::Tensor& x, const Weights& weights, const at::Te
 }  // namespace
 
 GPTLAB_LIBRARY_FRAGMENT(GPTLAB_NS, m) {
-  m.def("decode_step(Tensor x, Tensor?[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
+  m.def("decode_step(Tensor? x, Tensor?[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
         "Tensor? pos, int end, Tensor? full, Tensor? window, Tensor? cos, Tensor? sin, int[] shape, float eps, "
-        "float scale, float softcap, bool final_norm, Tensor? shifted) -> Tensor", &decode_step);
+        "float scale, float softcap, bool final_norm, Tensor? shifted, Tensor? tokens, Tensor?[] front, "
+        "float embed_scale, bool embed_norm, Tensor?[] head, Tensor? head_rows, int vocab) -> Tensor",
+        &decode_step);
 }
