@@ -22,6 +22,7 @@ import gptlab.generation.engine as engine_module
 from gptlab.generation import Engine, generate, native_decode
 from gptlab.generation.fast_decode import (
     LEAN_SWITCHES,
+    decode_greedy,
     decode_hidden,
     decode_logits,
     lean_step_exact,
@@ -184,6 +185,40 @@ def test_the_cpp_steps_own_embedding_and_head_give_the_models_bits(on_kernel, fa
         assert same(caches[0].k, caches[1].k)
         if caches[0].shifted is not None:  # the embeddings' kept vectors too
             assert torch.equal(caches[0].shifted, caches[1].shifted)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", [*ALL_FAMILIES, "shifted"])
+def test_greedy_steps_in_one_call_pick_what_single_steps_pick(on_kernel, family: str, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """`decode_greedy` (a draft model's guesses: steps of the C++ step in one call, each fed the argmax of the one
+    before) picks what one step at a time picks from the head's raw logits (fp32: the same bits, so the same argmax;
+    bf16: a token whose rounded logit is the row's largest, the call comparing them before rounding), and leaves
+    the cache as those steps do. A sliding window's masks: it declines (None)."""
+    model = gpt2_like(token_shift=True).to(dtype) if family == "shifted" else model_of(family, dtype)
+    torch.manual_seed(4)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 9))
+    with torch.inference_mode(), PackedLinears(model).active():
+        caches = []
+        for _ in range(2):
+            cache = KVCache(model.config, 1, 32, attend_dtype=torch.float32)
+            model.hidden_states(prompt, kv_cache=cache)
+            caches.append(cache)
+        own = native_decode.weights(model, caches[0])
+        picks = decode_greedy(model, 5, caches[0], own, 6)
+        if model.config.sliding_window is not None:
+            assert picks is None and int(caches[0].lengths[0]) == 9  # nothing fed
+            return
+        assert len(picks) == 6
+        token = 5
+        for pick in picks:  # one step at a time, the head's own forward on the C++ step's hidden states
+            raw = model.lm_head(decode_hidden(model, torch.tensor([[token]]), caches[1], own)[0, -1]).float()
+            assert raw[pick] == raw.max() and (dtype == torch.bfloat16 or pick == int(raw.argmax()))
+            token = pick
+        assert torch.equal(caches[0].lengths, caches[1].lengths)
+        n = int(caches[0].lengths[0])
+        assert torch.equal(caches[0].k[..., :n, :], caches[1].k[..., :n, :])
+        if caches[0].shifted is not None:
+            assert torch.equal(caches[0].shifted[:, :, :n], caches[1].shifted[:, :, :n])
 
 
 _THREAD_CASES = ([(f, d) for f in ALL_FAMILIES for d in ("float32", "bfloat16")]

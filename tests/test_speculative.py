@@ -53,8 +53,15 @@ def test_greedy_output_is_the_targets(draft, prompt, new, draft_tokens):
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_the_cpp_step_verifies_the_guesses(on_kernel, draft, dtype, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001
     """With the model's Linears on gptlab's kernels, the verify forward (and a draft model's catch-up) is one call of
-    the C++ step (its rows the row's next positions, `decode_rows`), and the greedy output is the target's own."""
+    the C++ step (its rows the row's next positions, `decode_rows`), a draft model's greedy guesses another
+    (`Engine.greedy_row`), and the greedy output is the target's own."""
+    import gptlab.generation.engine as engine_module
     import gptlab.generation.engine_prefill as engine_prefill
+
+    drafted = []
+    greedy_row = engine_module.Engine.greedy_row
+    monkeypatch.setattr(engine_module.Engine, "greedy_row",
+                        lambda self, *a: drafted.append(r := greedy_row(self, *a)) or r)
 
     model = tiny_model().to(dtype)  # TARGET and DRAFTS' models, in this dtype
     speculate = {"itself": model, "other model": tiny_model(seed=1).to(dtype), "ngram": "ngram"}[draft]
@@ -67,6 +74,8 @@ def test_the_cpp_step_verifies_the_guesses(on_kernel, draft, dtype, monkeypatch:
     gen, stats = speculative_run(model, prompt, params, speculate)
     assert gen.token_ids == plain.token_ids
     assert stats.forwards > 0 and sum(n > 1 for n in calls) >= stats.forwards  # each verify: the last token, guesses
+    if draft != "ngram":  # each check's guesses in one call
+        assert len(drafted) >= stats.forwards and None not in drafted
 
 
 @pytest.mark.parametrize("draft", DRAFTS)

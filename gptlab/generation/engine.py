@@ -43,7 +43,7 @@ from gptlab.errors import GptlabError
 from gptlab.generation import native_decode
 from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows
 from gptlab.generation.engine_prefill import PromptPrefill
-from gptlab.generation.fast_decode import decode_logits, lean_step_exact
+from gptlab.generation.fast_decode import decode_greedy, decode_logits, lean_step_exact
 from gptlab.generation.graph_decode import StaticDecode, usable
 from gptlab.generation.packed_linear import kernel_name, pack_where_it_helps
 from gptlab.generation.params import SamplingParams
@@ -294,6 +294,18 @@ class Engine(PromptPrefill):
                 if rows and (weights := self._native_weights()) is not None:
                     return self._feed_row(slot, tokens, weights)
                 return self.model.logits(self.model.hidden_states(idx, kv_cache=view)[0])
+
+    @torch.inference_mode()
+    def greedy_row(self, token: int, steps: int) -> list[int] | None:
+        """A one-row engine's next `steps` greedy tokens after feeding `token` (each the argmax after the one before,
+        fed in turn), in one C++ call (`decode_greedy`: a draft model's guesses); None where that call cannot run
+        (the caller then steps one token at a time)."""
+        if (self.cache.batch_size != 1 or not self._lean_step_exact or self.model.training
+                or self.model.hooks is not None or any_steered(self.slots)):
+            return None
+        with self._kernels(head_only=bool(self._native)):
+            weights = self._native_weights()
+            return None if weights is None else decode_greedy(self.model, token, self.cache, weights, steps)
 
     def record(self, g: Generation, logits: torch.Tensor, tokens: list[int]) -> int:
         """Give row g its new tokens in order, each sampled from its row of `logits` (for logprobs), until it

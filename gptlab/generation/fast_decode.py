@@ -36,7 +36,7 @@ from gptlab.attention import CausalSelfAttention, sdpa
 from gptlab.config import GPTConfig
 from gptlab.generation import native_decode
 from gptlab.kernels.dispatch import BATCH
-from gptlab.kv_cache import KVCache
+from gptlab.kv_cache import KVCache, Masks
 from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
 from gptlab.norms import LayerNorm, RMSNorm
 from gptlab.rope import apply_rope, rope_at
@@ -187,6 +187,24 @@ def decode_logits(model: GPT, idx: torch.Tensor, cache: KVCache, native: native_
         return model.logits(h[:, -1] if rows is None else h[rows, -1])
     head_rows = None if rows is None else torch.tensor(rows)
     return model.softcap_logits(_one_token(model, idx, cache, native, None, head_rows))
+
+
+def decode_greedy(model: GPT, token: int, cache: KVCache, native: native_decode.NativeWeights,
+                  steps: int) -> list[int] | None:
+    """`steps` tokens after feeding `token` to a one-row cache, each the argmax of the LM head's raw output (the
+    soft-cap keeps the order) after the one before, fed in turn, in one C++ call (a draft model's guesses: `steps`
+    decode steps and no Python between them); the cache holds the fed tokens after it. None where that call cannot
+    run: no head on the step's build, a token embedded outside it, a sliding window (masks), no room."""
+    cfg = model.config
+    if (native.head is None or native.front is None or cfg.sliding_window is not None or cache.batch_size != 1
+            or int(cache.lengths[0]) + steps > cache.max_len):
+        return None
+    pos, _ = cache.begin(steps)  # (1, steps): the steps' positions; no masks, each step attends to what it holds
+    rope = rope_at(cfg, pos, cache.step_target()[1]) if cfg.position == "rope" else None
+    picks = native_decode.step(model, torch.tensor([[token]]), rope, Masks(None, None), cache, native,
+                               logits=True, greedy_steps=steps)
+    cache.advance(steps)
+    return picks[0].tolist()
 
 
 def _one_token(model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | native_decode.NativeWeights | None,

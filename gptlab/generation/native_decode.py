@@ -139,23 +139,28 @@ def cache_dtype(model: GPT) -> torch.dtype:
 
 def step(model: GPT, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, masks: Masks,
          cache: KVCache, weights: NativeWeights, head_rows: torch.Tensor | None = None,
-         logits: bool = False) -> torch.Tensor:
+         logits: bool = False, greedy_steps: int = 0) -> torch.Tensor:
     """x through every block and the final norm, this token's keys and values written to `cache` (fp32, or bf16
     for a bf16 model): the loop of the lean step in one C++ call. x: the first block's input (B, 1, C), or where
     `weights.front` the tokens (B, 1) the step embeds itself. Returns the hidden states (B, 1, C), or with `logits`
     (and `weights.head`) the LM head's raw output (H, V) of rows `head_rows` (H: all B; the soft-cap is the
-    caller's)."""
+    caller's); with `greedy_steps` (rows at one position, the tokens embedded, rope (steps, rot / 2)) the argmax
+    tokens (B, steps) of that many steps, each fed the one before's (`fast_decode.decode_greedy`)."""
     cfg, a = model.config, model.transformer.h[0].attn
     where, end = cache.step_target()
+    end -= max(greedy_steps - 1, 0)  # (planned for all the greedy steps: the first step's keys)
     rows, pos = (None, None) if isinstance(where, int) else where
     cos = sin = None
     dtype = model.transformer.wte.weight.dtype if weights.front is not None else x.dtype
     if rope is not None:  # (1 or B, 1, 1, rot / 2) fp32, rounded to the model's dtype as apply_rope does
-        cos, sin = (t.flatten(1) if dtype == torch.float32 else t.to(dtype).float().flatten(1) for t in rope)
+        rot = rope[0].shape[-1]  # (a row per row, or per greedy step)
+        cos, sin = (t.reshape(-1, rot) if dtype == torch.float32 else t.to(dtype).float().reshape(-1, rot)
+                    for t in rope)
     tokens, x = (x, None) if weights.front is not None else (None, x)
     return weights.ops.decode_step(
         x, weights.tensors, cache.k, cache.v, where if isinstance(where, int) else -1, rows, pos, end, masks.full,
         masks.window, cos, sin, weights.shape, cfg.norm_eps, a.scale, cfg.attn_softcap or 0.0,
         not isinstance(model.transformer.ln_f, nn.Identity), cache.shifted, tokens, weights.front or [],
-        weights.embed_scale, weights.embed_norm, weights.head if logits else [], head_rows, cfg.vocab_size)
+        weights.embed_scale, weights.embed_norm, weights.head if logits else [], head_rows, cfg.vocab_size,
+        greedy_steps)
 

@@ -145,7 +145,15 @@ class ModelDrafter:
             self.owner, cache.lengths[0] = g, 0
         if len(context) + k > self.engine.max_len:  # past the draft's context: the target decodes alone
             return [], None
-        logits = self.engine.forward_row(0, context[int(cache.lengths[0]) :])[-1]
+        tail = context[int(cache.lengths[0]) :]  # what the draft has not seen: usually the target's last token
+        if g.params.greedy and not g.params.logit_bias and tail:
+            if len(tail) > 1:
+                self.engine.forward_row(0, tail[:-1])
+                tail = tail[-1:]
+            picks = self.engine.greedy_row(tail[0], k)  # the last token and k - 1 guesses fed in one C++ call
+            if picks is not None:
+                return picks, None  # (a greedy guess is certain: q is one-hot, as prompt lookup's)
+        logits = self.engine.forward_row(0, tail)[-1]
         tokens, probs = [], []
         for i in range(k):
             token, q = draw(logits, g.params, g.generator)

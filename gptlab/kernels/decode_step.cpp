@@ -28,16 +28,14 @@
 // rotary dim, then one sliding flag per layer.
 // After the layers' tensors come the final norm's weight and bias, applied where `final_norm` is set.
 // A token-shift model passes its cache's kept vectors, `shifted` (L + 1, rows, max_len, C): token_shift.h.
-// The first block's input is `x`, or the step embeds `tokens` itself (the Python around a batch-1 step cost more
-// than a small model's blocks): `front` holds wte, wpe, ln_emb's weight and bias and the embeddings' token-shift
-// mix (None where absent), `embed_scale` Gemma's sqrt(C) in the model's dtype (0: none). With `head` (the LM head's
-// packed, qparams, bias) it returns the logits (vocab wide, in the model's dtype) of rows `head_rows` (all: None),
-// not the hidden states.
+// The first block's input is `x`, or the step embeds `tokens` itself (`front`); with `head` it returns logits, and
+// with `greedy_steps` the argmax tokens of that many steps, each fed the one before's: step_ends.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "linear_avx2.h"
+#include "step_args.h"
 #include "step_ends.h"
 #include "step_math.h"
 #include "team.h"
@@ -56,6 +54,7 @@
 namespace {
 
 using namespace GPTLAB_NS::step_math;
+using namespace GPTLAB_NS::step_args;
 
 using GPTLAB_NS::Team;
 namespace simd = GPTLAB_NS::simd;
@@ -104,7 +103,7 @@ struct Step {
   int64_t rope_rows;
   Buffers& buf;
   const GPTLAB_NS::token_shift::Shifted<KV>& shifted;  // base null: no token shift
-  const GPTLAB_NS::step_ends::Front& front;  // tokens null: the input x was given
+  GPTLAB_NS::step_ends::Front front;  // tokens null: the input x was given
 
   c10::optional<at::Tensor> at(int64_t layer, int64_t i) const { return w.get(kPerLayer * layer + i); }
 
@@ -322,24 +321,17 @@ struct Step {
   }
 };
 
-const bool* mask_data(const c10::optional<at::Tensor>& mask, int64_t end, int64_t& rows) {
-  if (!mask.has_value() || !mask->defined()) return nullptr;
-  TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->size(-1) == end,
-              "decode_step: masks must be contiguous bool (B or 1, 1, 1, end)");
-  rows = mask->size(0);
-  return mask->data_ptr<bool>();
-}
-
 // every thread's part of the step: the layers, then the final norm, and x (thread 0) or the logits (every thread
 // its share of the head's panels) into out
 template <typename KV>
-void run(const Step<KV>& step, const at::Tensor& x, at::Tensor& out, int64_t widest, at::IntArrayRef shape,
-         bool final_norm, const GPTLAB_NS::step_ends::Head* head) {
-  const int64_t B = step.B, C = step.C, L = step.L;
-  const bool bf16 = step.bf16;
+void run(const Step<KV>& first, const at::Tensor& x, at::Tensor& out, int64_t widest, at::IntArrayRef shape,
+         bool final_norm, const GPTLAB_NS::step_ends::Head* head, GPTLAB_NS::step_ends::Greedy* greedy) {
+  const int64_t B = first.B, C = first.C, L = first.L, steps = greedy ? greedy->steps : 1;
+  const bool bf16 = first.bf16;
   const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
   int team = 1;
   std::optional<GPTLAB_NS::SpinBarrier> barrier;
+  if (greedy) greedy->ready(threads);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp single
@@ -348,23 +340,30 @@ void run(const Step<KV>& step, const at::Tensor& x, at::Tensor& out, int64_t wid
       barrier.emplace(team);
     }
     const Team t{{omp_get_thread_num(), team}, &*barrier};
-    Local me(B, C, step.end, widest, step.shifted.base != nullptr);
-    if (step.front.tokens != nullptr) step.embed(t, me, me.x.data());
-    else if (bf16) std::copy_n(x.data_ptr<at::BFloat16>(), B * C, me.x.begin());
-    else std::copy_n(x.data_ptr<float>(), B * C, me.x.begin());
-    for (int64_t l = 0; l < L; ++l) step.layer(t, me, l, shape[12 + l] != 0);
-    if (head != nullptr || t.part.index == 0) {
-      if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
-        norm_rows(me.x.data(), me.x.data(), B, C, step.s.norm, step.w.get(kPerLayer * L),
-                  step.w.get(kPerLayer * L + 1), step.eps, bf16);
-    }
-    if (head == nullptr) {
-      if (t.part.index == 0) {
-        if (bf16) std::copy_n(me.x.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
-        else std::copy_n(me.x.begin(), B * C, out.data_ptr<float>());
+    Local me(B, C, first.end + steps - 1, widest, first.shifted.base != nullptr);
+    std::vector<int64_t> picked(greedy ? B : 0);  // greedy steps: the tokens the last step picked
+    for (int64_t i = 0; i < steps; ++i) {
+      Step<KV> step = first;  // greedy steps: step i feeds step i - 1's picks, one position on
+      if (i > 0) step.where += i, step.end += i, step.front.tokens = picked.data();
+      if (greedy && step.cos) step.cos += i * (step.s.rot / 2), step.sin += i * (step.s.rot / 2);
+      if (step.front.tokens != nullptr) step.embed(t, me, me.x.data());
+      else if (bf16) std::copy_n(x.data_ptr<at::BFloat16>(), B * C, me.x.begin());
+      else std::copy_n(x.data_ptr<float>(), B * C, me.x.begin());
+      for (int64_t l = 0; l < L; ++l) step.layer(t, me, l, shape[12 + l] != 0);
+      if (head != nullptr || t.part.index == 0) {
+        if (final_norm)  // ln_f (a post-norm model ends in its last block's norm)
+          norm_rows(me.x.data(), me.x.data(), B, C, step.s.norm, step.w.get(kPerLayer * L),
+                    step.w.get(kPerLayer * L + 1), step.eps, bf16);
       }
-    } else {
-      GPTLAB_NS::step_ends::logits(*head, t, me.x.data(), C, bf16, me.h.data(), me.xb.data(), out);
+      if (head == nullptr) {
+        if (t.part.index == 0) {
+          if (bf16) std::copy_n(me.x.begin(), B * C, out.data_ptr<at::BFloat16>());  // values already bf16: exact
+          else std::copy_n(me.x.begin(), B * C, out.data_ptr<float>());
+        }
+      } else {
+        GPTLAB_NS::step_ends::logits(*head, t, me.x.data(), C, bf16, me.h.data(), me.xb.data(), out);
+        if (greedy) greedy->pick(*head, t, bf16 ? head->wide : out.data_ptr<float>(), i, picked.data());
+      }
     }
   }
 }
@@ -379,12 +378,12 @@ at::Tensor decode_step(const c10::optional<at::Tensor>& x, const Weights& weight
                        double softcap, bool final_norm, const c10::optional<at::Tensor>& shifted,
                        const c10::optional<at::Tensor>& tokens, const Weights& front, double embed_scale,
                        bool embed_norm, const Weights& head, const c10::optional<at::Tensor>& head_rows,
-                       int64_t vocab) {
+                       int64_t vocab, int64_t greedy_steps) {
   TORCH_CHECK(shape.size() >= 12, "decode_step: shape holds 12 sizes and a sliding flag per layer");
   const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], shape[8], shape[9],
                 shape[10], shape[11]};
-  const bool embeds = tokens.has_value() && tokens->defined();
-  TORCH_CHECK(embeds || (x.has_value() && x->defined()), "decode_step: x or tokens");
+  const bool embeds = given(tokens);
+  TORCH_CHECK(embeds || given(x), "decode_step: x or tokens");
   const auto dtype = embeds ? front.get(0)->scalar_type() : x->scalar_type();
   const int64_t L = static_cast<int64_t>(shape.size()) - 12, B = embeds ? tokens->numel() : x->size(0);
   const int64_t C = embeds ? front.get(0)->size(1) : x->size(2);
@@ -395,22 +394,15 @@ at::Tensor decode_step(const c10::optional<at::Tensor>& x, const Weights& weight
   TORCH_CHECK((k_cache.scalar_type() == at::kFloat || (bf16 && bf16_cache)) &&
               v_cache.scalar_type() == k_cache.scalar_type() && k_cache.dim() == 5 && k_cache.stride(4) == 1 &&
               v_cache.strides() == k_cache.strides(), "decode_step: an fp32 cache, or a bf16 one for a bf16 model");
-  TORCH_CHECK(s.nkv > 0 && s.nh % s.nkv == 0 && end > 0 && end <= k_cache.size(3), "decode_step: bad sizes");
+  const int64_t last = end + std::max<int64_t>(greedy_steps, 1) - 1;  // the last step's keys (greedy steps: on)
+  TORCH_CHECK(s.nkv > 0 && s.nh % s.nkv == 0 && end > 0 && last <= k_cache.size(3), "decode_step: bad sizes");
   at::Tensor rows_c, pos_c, cos_c, sin_c, tokens_c, head_rows_c;
-  if (where < 0) {
-    rows_c = rows->reshape({-1}).contiguous(), pos_c = pos->reshape({-1}).contiguous();
-    TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "decode_step: a row and position per row");
-    const int64_t *r = rows_c.data_ptr<int64_t>(), *p = pos_c.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(r[b] >= 0 && r[b] < k_cache.size(1) && p[b] >= 0 && p[b] < end,
-                  "decode_step: row ", b, " is cache row ", r[b], " at ", p[b], ": outside the cache or the step");
-  }
-  int64_t rope_rows = 0;
-  if (cos.has_value() && cos->defined()) {
-    cos_c = cos->to(at::kFloat).contiguous(), sin_c = sin->to(at::kFloat).contiguous();
-    rope_rows = cos_c.size(0);
-    TORCH_CHECK(cos_c.numel() == rope_rows * (s.rot / 2), "decode_step: cos/sin (B or 1, rot / 2)");
-  }
+  if (where < 0) checked_rows(rows, pos, B, k_cache.size(1), end, rows_c, pos_c);
+  const int64_t rope_rows = checked_rope(cos, sin, s.rot, cos_c, sin_c);
+  TORCH_CHECK(greedy_steps == 0 || (where >= 0 && embeds && !head.empty() && !given(full) && !given(window) &&
+                                    !given(head_rows) && (rope_rows == 0 || rope_rows == greedy_steps)),
+              "decode_step: greedy steps are rows at one position, embedded, through the head, without masks, "
+              "with a cos/sin row each");
   int64_t full_rows = 0, window_rows = 0;
   const bool* full_p = mask_data(full, end, full_rows);
   const bool* window_p = mask_data(window, end, window_rows);
@@ -423,9 +415,9 @@ at::Tensor decode_step(const c10::optional<at::Tensor>& x, const Weights& weight
     };
     check(2, C, width), check(5, s.nh * s.hs, C), check(10, C, fc), check(13, s.hidden, C);
   }
-  const bool shifts = shifted.has_value() && shifted->defined();
+  const bool shifts = given(shifted);
   const int64_t* token_ids =
-      embeds ? GPTLAB_NS::step_ends::checked_tokens(*tokens, front, C, bf16, end, shifts, tokens_c) : nullptr;
+      embeds ? GPTLAB_NS::step_ends::checked_tokens(*tokens, front, C, bf16, last, shifts, tokens_c) : nullptr;
   const GPTLAB_NS::step_ends::Front embedding{front, token_ids, static_cast<float>(embed_scale), embed_norm};
   const bool logits = !head.empty();
   auto the_head = GPTLAB_NS::step_ends::checked_head(head, head_rows, B, C, vocab, head_rows_c);
@@ -436,6 +428,8 @@ at::Tensor decode_step(const c10::optional<at::Tensor>& x, const Weights& weight
   auto wide = logits && bf16 ? at::empty({the_head.H, vocab}, options.dtype(at::kFloat)) : at::Tensor();
   if (wide.defined()) the_head.wide = wide.data_ptr<float>();
   const int64_t widest = std::max({C, s.nh * s.hs, s.hidden});
+  auto picks = greedy_steps ? at::empty({B, greedy_steps}, at::kLong) : at::Tensor();
+  GPTLAB_NS::step_ends::Greedy greedy{greedy_steps, B, picks.defined() ? picks.data_ptr<int64_t>() : nullptr};
   const auto go = [&](auto kv) {  // the step over this cache's element type
     using KV = decltype(kv);
     GPTLAB_NS::token_shift::Shifted<KV> kept;
@@ -449,12 +443,12 @@ at::Tensor decode_step(const c10::optional<at::Tensor>& x, const Weights& weight
                         where < 0 ? rows_c.data_ptr<int64_t>() : nullptr,
                         where < 0 ? pos_c.data_ptr<int64_t>() : nullptr, full_p, window_p, full_rows, window_rows,
                         rope_rows ? cos_c.data_ptr<float>() : nullptr, rope_rows ? sin_c.data_ptr<float>() : nullptr,
-                        rope_rows, buffers, kept, embedding};
-    run(step, xc, out, widest, shape, final_norm, logits ? &the_head : nullptr);
+                        greedy_steps ? 1 : rope_rows, buffers, kept, embedding};  // (greedy: a row a step)
+    run(step, xc, out, widest, shape, final_norm, logits ? &the_head : nullptr, greedy_steps ? &greedy : nullptr);
   };
   if (bf16_cache) go(at::BFloat16{});
   else go(float{});
-  return out;
+  return greedy_steps ? picks : out;
 }
 
 }  // namespace
@@ -463,6 +457,7 @@ GPTLAB_LIBRARY_FRAGMENT(GPTLAB_NS, m) {
   m.def("decode_step(Tensor? x, Tensor?[] weights, Tensor k_cache, Tensor v_cache, int where, Tensor? rows, "
         "Tensor? pos, int end, Tensor? full, Tensor? window, Tensor? cos, Tensor? sin, int[] shape, float eps, "
         "float scale, float softcap, bool final_norm, Tensor? shifted, Tensor? tokens, Tensor?[] front, "
-        "float embed_scale, bool embed_norm, Tensor?[] head, Tensor? head_rows, int vocab) -> Tensor",
+        "float embed_scale, bool embed_norm, Tensor?[] head, Tensor? head_rows, int vocab, int greedy_steps) "
+        "-> Tensor",
         &decode_step);
 }

@@ -1,6 +1,10 @@
 // The two ends of decode_step.cpp's step, around its blocks: the tokens embedded as gptlab/generation/fast_decode.py's
-// `embed` does it, and the LM head's logits of some rows. In the call, because for a small model the Python around
-// one step (an embedding lookup, a token-shift mix, the head's forward: ~20 small ops) cost more than its blocks.
+// `embed` does it (`front`: wte, wpe, ln_emb's weight and bias, the embeddings' token-shift mix; `embed_scale`
+// Gemma's sqrt(C) in the model's dtype), and the LM head's logits (`head`: its packed, qparams, bias) of rows
+// `head_rows` (None: all), in the model's dtype. In the call, because for a small model the Python around one step
+// (an embedding lookup, a token-shift mix, the head's forward: ~20 small ops) cost more than its blocks. And greedy
+// steps (`greedy_steps`, rows at one position): that many steps in one call, each fed the argmax of the one before,
+// returning those tokens (B, steps): a draft model's guesses, without Python between them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace GPTLAB_NS::step_ends {
 
@@ -125,5 +130,37 @@ inline void logits(const Head& head, const Team& t, const float* x, int64_t C, b
       for (int64_t c = n0; c < n1; ++c) o[r * V + c] = static_cast<at::BFloat16>(y[r * V + c]);
   }
 }
+
+// greedy steps in one call (a draft model's guesses): each step's pick is the argmax of its raw logits (the soft-cap
+// keeps their order), found over each thread's columns and then over the threads' bests in column order (ties to
+// the lowest token, as torch.argmax), and fed to the next step; the picks (B, steps) into `tokens`
+struct Greedy {
+  int64_t steps, B;
+  int64_t* tokens;
+  std::vector<float> best;
+  std::vector<int64_t> at;
+  void ready(int threads) { best.assign(threads * B, 0.0f), at.assign(threads * B, -1); }
+  // step i's picks from the logits y (B, V) in fp32, into `picked` (each thread's own copy)
+  void pick(const Head& head, const Team& t, const float* y, int64_t i, int64_t* picked) {
+    const int64_t V = head.V, panels = (V + kPanel - 1) / kPanel, me = t.part.index;
+    const int64_t n0 = t.begin(panels) * kPanel, n1 = std::min(V, t.end(panels) * kPanel);
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t top = -1;
+      for (int64_t c = n0; c < n1; ++c)
+        if (top < 0 || y[b * V + c] > y[b * V + top]) top = c;
+      at[me * B + b] = top, best[me * B + b] = top < 0 ? 0.0f : y[b * V + top];
+    }
+    t.sync();
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t top = -1;
+      for (int64_t j = 0; j < t.part.of; ++j) {
+        const int64_t c = at[j * B + b];
+        if (c >= 0 && (top < 0 || best[j * B + b] > y[b * V + top])) top = c;
+      }
+      picked[b] = std::max<int64_t>(top, 0);  // (NaN logits everywhere: token 0; a guess is only checked)
+      if (me == 0) tokens[b * steps + i] = picked[b];
+    }
+  }
+};
 
 }  // namespace GPTLAB_NS::step_ends
