@@ -142,7 +142,7 @@ def rope_at(config: GPTConfig, pos: torch.Tensor, end: int) -> tuple[torch.Tenso
     if pos.device.type != "cpu" or (scaling is not None and scaling.kind in LENGTH_DEPENDENT):
         return rope_tables(config, pos)
     size = 1 << max(config.block_size, end - 1, 1).bit_length()  # room past the block size: a power of two
-    key = ("table", config.rotary_dim, config.rope_base, repr(scaling), config.block_size)
+    key = (config.rotary_dim, config.rope_base, repr(scaling), config.block_size)
     found = _TABLES.get(key)
     if found is None or found[0].shape[0] < end:
         if len(_TABLES) >= 16:

@@ -186,7 +186,7 @@ def decode_logits(model: GPT, idx: torch.Tensor, cache: KVCache, native: native_
         h = _one_token(model, idx, cache, native, None)
         return model.logits(h[:, -1] if rows is None else h[rows, -1])
     head_rows = None if rows is None else torch.tensor(rows)
-    return model.softcap_logits(_one_token(model, idx, cache, native, None, head_rows))
+    return model.softcap_logits(_one_token(model, idx, cache, native, None, logits=True, head_rows=head_rows))
 
 
 def decode_greedy(model: GPT, token: int, cache: KVCache, native: native_decode.NativeWeights,
@@ -208,16 +208,16 @@ def decode_greedy(model: GPT, token: int, cache: KVCache, native: native_decode.
 
 
 def _one_token(model: GPT, idx: torch.Tensor, cache: KVCache, native: bool | native_decode.NativeWeights | None,
-               keys: int | None, head_rows: torch.Tensor | None | bool = False) -> torch.Tensor:
-    """decode_hidden's step; with head_rows (a tensor of rows, or None: all) the C++ step's logits instead."""
+               keys: int | None, logits: bool = False, head_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_hidden's step; with `logits` (the C++ step, with a head) its raw logits of rows `head_rows` (None:
+    all) instead."""
     cfg, t = model.config, model.transformer
     pos, masks = cache.begin(1, cfg.sliding_window, keys)  # (1 or B, 1); masks when rows differ or a window cuts
     rope = rope_at(cfg, pos, cache.step_target()[1]) if cfg.position == "rope" else None
     weights = native_decode.weights(model, cache) if native is True else native or None
     if weights is not None:  # the tokens embedded in the call, where it can (else x (B, 1, C))
         x = idx if weights.front is not None else embed(model, idx, pos, cache)
-        x = native_decode.step(model, x, rope, masks, cache, weights, None if head_rows is False else head_rows,
-                               logits=head_rows is not False)  # the final norm included
+        x = native_decode.step(model, x, rope, masks, cache, weights, head_rows, logits)  # the final norm included
     else:
         x = embed(model, idx, pos, cache)  # (B, 1, C)
         for block in t.h:

@@ -269,11 +269,14 @@ struct Step {
 
   // the MLP's input h (B, C) mixed with each row's previous position's (token shift; h itself without it)
   const float* shift(const Team& t, Local& me, int64_t layer, const float* h) const {
-    if (shifted.base == nullptr) return h;
+    return shifted.base == nullptr ? h : mixed(t, me, layer + 1, h);
+  }
+
+  // shift point p's inputs h (B, C) mixed with the previous positions' (token_shift.h), in this thread's buffer
+  const float* mixed(const Team& t, Local& me, int64_t p, const float* h) const {
     GPTLAB_NS::token_shift::mix_rows(
-        shifted, layer + 1, h, B, C, [&](int64_t b) { return slot_of(b); },
-        [&](int64_t b) { return position_of(b); }, t.part.index == 0, bf16, me.shifted.data(),
-        me.previous.data());
+        shifted, p, h, B, C, [&](int64_t b) { return slot_of(b); }, [&](int64_t b) { return position_of(b); },
+        t.part.index == 0, bf16, me.shifted.data(), me.previous.data());
     return me.shifted.data();
   }
 
@@ -281,12 +284,7 @@ struct Step {
   void embed(const Team& t, Local& me, float* x) const {
     GPTLAB_NS::step_ends::embed(front, B, C, s.norm, eps, bf16, [&](int64_t b) { return position_of(b); },
                                 [&](float* h) {
-                                  if (shifted.base == nullptr) return;
-                                  GPTLAB_NS::token_shift::mix_rows(
-                                      shifted, 0, h, B, C, [&](int64_t b) { return slot_of(b); },
-                                      [&](int64_t b) { return position_of(b); }, t.part.index == 0, bf16,
-                                      me.shifted.data(), me.previous.data());
-                                  std::copy_n(me.shifted.data(), B * C, h);
+                                  if (shifted.base != nullptr) std::copy_n(mixed(t, me, 0, h), B * C, h);
                                 }, x);
   }
 
