@@ -80,12 +80,27 @@ def test_the_cpp_step_verifies_the_guesses(on_kernel, draft, dtype, monkeypatch:
 
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_greedy_past_the_context_slides_as_the_target_does(draft):
-    """A RoPE row that outgrows its cache slides its window: speculation makes room or steps aside."""
+    """A RoPE row that outgrows its cache slides its window: speculation makes room, and goes on after the slide
+    (a draft model then reads the target's new window)."""
     params = SamplingParams(temperature=0, max_new_tokens=90)
     prompt = [5, 6, 7, 8, 9, 5, 6, 7]
     (plain,) = generate_batch(TARGET, [prompt], params)  # (block_size 64: slides)
-    gen, _ = speculative_run(TARGET, prompt, params, DRAFTS[draft], max_len=64)
+    gen, stats = speculative_run(TARGET, prompt, params, DRAFTS[draft], max_len=64)
     assert gen.token_ids == plain.token_ids
+    if draft == "itself":  # every guess right: all but the tokens of the steps around the slide came from checks
+        assert stats.accepted == stats.proposed and stats.accepted + stats.forwards >= 80
+
+
+def test_a_draft_of_a_shorter_context_reads_its_latest_half():
+    """A draft whose block_size is shorter than the target's window keeps guessing from the context's latest
+    tokens, and the greedy output is still the target's own."""
+    short = tiny_model(block_size=24)
+    params = SamplingParams(temperature=0, max_new_tokens=50)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    (plain,) = generate_batch(TARGET, [prompt], params)
+    gen, stats = speculative_run(TARGET, prompt, params, short, max_len=64)
+    assert gen.token_ids == plain.token_ids
+    assert stats.forwards * 4 >= stats.proposed > 40  # guesses made all along, past the draft's 24 positions
 
 
 def test_learned_positions_end_where_the_target_does():

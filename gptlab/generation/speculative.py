@@ -132,20 +132,32 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """A draft model's guesses, sampled under the row's own params from its own engine's one row; that row holds
-    a prefix of the context of the generation it last drafted for (another generation starts it again)."""
+    """A draft model's guesses, sampled under the row's own params from its own engine's one row. That row reads
+    what the target's row reads: the target's window (its cache's tokens; the whole context until a slide) and the
+    newest token, so that the draft guesses from the target's own context; a draft of a shorter context reads its
+    latest half. It holds a prefix of that from the last call, started again for another generation or where
+    the target's window slid."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.owner: Generation | None = None
+        self.window_start = self.start = 0  # where the target's window and the draft's row begin in the context
+
+    def _follow(self, g: Generation, context: list[int], k: int) -> bool:
+        """The draft's row set to a prefix of what it reads for g; False where k guesses do not fit in it."""
+        window_start = len(context) - 1 - len(g.row.window)  # (the newest token is not in the target's window yet)
+        if self.owner is not g or window_start != self.window_start:
+            self.owner, self.window_start, self.start = g, window_start, window_start
+            self.engine.cache.lengths[0] = 0
+        max_len = self.engine.max_len
+        if len(context) - self.start + k > max_len:  # past the draft's own context: its latest half
+            self.start, self.engine.cache.lengths[0] = len(context) - max_len // 2, 0
+        return len(context) - self.start + k <= max_len
 
     def propose(self, g: Generation, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        cache = self.engine.cache
-        if self.owner is not g:
-            self.owner, cache.lengths[0] = g, 0
-        if len(context) + k > self.engine.max_len:  # past the draft's context: the target decodes alone
+        if not self._follow(g, context, k):  # more guesses than half the draft's context: the target decodes alone
             return [], None
-        tail = context[int(cache.lengths[0]) :]  # what the draft has not seen: usually the target's last token
+        tail = context[self.start + int(self.engine.cache.lengths[0]) :]  # unseen: usually the target's last token
         if g.params.greedy and not g.params.logit_bias and tail:
             if len(tail) > 1:
                 self.engine.forward_row(0, tail[:-1])
@@ -166,7 +178,7 @@ class ModelDrafter:
     def rollback(self, held: int) -> None:
         """The context's first `held` tokens are the row's: forget guesses past them."""
         lengths = self.engine.cache.lengths
-        lengths[0] = min(int(lengths[0]), held)
+        lengths[0] = min(int(lengths[0]), held - self.start)
 
 
 # ---------------------------------------------------------------------------------------------------------
