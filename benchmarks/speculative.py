@@ -3,8 +3,9 @@ identical output).
 
 Two character-level models are trained by `gptlab train` on tiny Shakespeare (configs/speedrun_cpu.toml's recipe,
 same data, same steps): the target (--target-layers, default 12) and a draft of --draft-layers (default 2), both of
-width --width. Each prompt (lines of the play) is continued greedily by --new-tokens tokens three ways in turn: the
-target alone, with the draft (`speculate=draft`), and with prompt lookup (`speculate="ngram"`), over --rounds;
+width --width. Each prompt (lines of the play) is continued greedily by --new-tokens tokens four ways in turn: the
+target alone, with the draft (`speculate=draft`), with the draft quantized (--draft-quantize, default int8: what
+`gptlab sample --draft-quantize` loads), and with prompt lookup (`speculate="ngram"`), over --rounds;
 every output must equal the target's own. The prompts also include an editing task: a passage, then an instruction
 line, then its first words again (prompt lookup's case: the continuation repeats the input). Tokens/s per setting
 (median round) and the ratios to the target alone, measured interleaved in this one process, are printed.
@@ -60,6 +61,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--draft-quantize", choices=("int8", "int4"), default="int8",
+                   help="the quantized draft's weights (the plain draft keeps the checkpoint's fp32)")
     args = p.parse_args()
 
     import torch
@@ -70,12 +73,15 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     target, tok = load_model(train(args.work, args.text, args.target_layers, args.width, args.steps))
-    draft, _ = load_model(train(args.work, args.text, args.draft_layers, args.width, args.steps))
+    draft_run = train(args.work, args.text, args.draft_layers, args.width, args.steps)
+    draft, _ = load_model(draft_run)
+    quantized, _ = load_model(draft_run, quantize=args.draft_quantize)
     print(f"CPU: {cpu_name()} ({cpu_flags()}); threads {torch.get_num_threads()}; target {args.target_layers} layers, "
           f"draft {args.draft_layers}, width {args.width}, {args.steps} steps; greedy, {args.new_tokens} new tokens, "
           f"{args.draft_tokens} guesses per check")
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eot=True)
-    settings = {"target alone": None, "draft model": draft, "prompt lookup": "ngram"}
+    settings = {"target alone": None, "draft model": draft, f"draft {args.draft_quantize}": quantized,
+                "prompt lookup": "ngram"}
     engines = {name: Engine(target, 1, tokenizer=tok, speculate=spec, draft_tokens=args.draft_tokens)
                for name, spec in settings.items()}
     rates: dict[str, dict[int, list[float]]] = {name: {i: [] for i in range(len(PROMPTS))} for name in settings}
@@ -96,7 +102,7 @@ def main() -> None:
         accepted = f"; {stats.accepted / max(1, stats.proposed):.0%} of guesses accepted" if stats else ""
         print(f"{name:>13}: tokens/s per prompt "
               + " ".join(f"{statistics.median(rates[name][i]):.0f}" for i in range(len(PROMPTS))) + accepted)
-    for name in ("draft model", "prompt lookup"):
+    for name in list(settings)[1:]:
         ratios = [statistics.median(rates[name][i]) / statistics.median(rates["target alone"][i])
                   for i in range(len(PROMPTS))]
         print(f"{name} / target alone: " + " ".join(f"{x:.2f}x" for x in ratios)

@@ -64,7 +64,8 @@ def test_the_cpp_step_verifies_the_guesses(on_kernel, draft, dtype, monkeypatch:
                         lambda self, *a: drafted.append(r := greedy_row(self, *a)) or r)
 
     model = tiny_model().to(dtype)  # TARGET and DRAFTS' models, in this dtype
-    speculate = {"itself": model, "other model": tiny_model(seed=1).to(dtype), "ngram": "ngram"}[draft]
+    # (prompt lookup after any match: this random model's output repeats no 3 tokens)
+    speculate = {"itself": model, "other model": tiny_model(seed=1).to(dtype), "ngram": NgramDrafter(1)}[draft]
     calls = []
     real = engine_prefill.decode_rows
     monkeypatch.setattr(engine_prefill, "decode_rows", lambda *a, **kw: calls.append(len(a[2])) or real(*a, **kw))
@@ -125,19 +126,21 @@ def test_generate_takes_a_drafter_and_logprobs_match_plain_decoding():
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
-    drafter = NgramDrafter()
+    drafter = NgramDrafter(min_match=1)
     context = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert drafter.propose(None, context, 2)[0] == [7, 8]  # "2 3" last seen before "7 8"
+    assert NgramDrafter().propose(None, context, 2)[0] == []  # by default, a match of 3 tokens or more
+    assert NgramDrafter().propose(None, [*context, 9, 1], 2)[0] == [2, 3]  # "3 9 1"
     assert drafter.propose(None, [1, 2, 3, 4], 3)[0] == []  # nothing repeats
     # the longest repeated ending wins over a later shorter one: "1 2 3 4" before "7 9", not "2 3 4" before "8 1"
     assert drafter.propose(None, [1, 2, 3, 4, 7, 9, 2, 3, 4, 8, 1, 2, 3, 4], 2)[0] == [7, 9]
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 6))
-def test_prompt_lookup_follows_the_longest_repeated_ending(context: list[int], k: int) -> None:
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 6), st.integers(1, 5))
+def test_prompt_lookup_follows_the_longest_repeated_ending(context: list[int], k: int, min_match: int) -> None:
     """Against a search of every earlier position: the tokens after the latest of the longest earlier matches of
-    the context's ending (up to MAX_NGRAM tokens)."""
+    the context's ending (up to MAX_NGRAM tokens), where that is min_match tokens or more."""
     best, at = 0, None
     for e in range(len(context) - 1):  # an earlier match ending at e
         n = 0
@@ -145,8 +148,8 @@ def test_prompt_lookup_follows_the_longest_repeated_ending(context: list[int], k
             n += 1
         if n and n >= best:
             best, at = n, e
-    want = [] if at is None else context[at + 1 : at + 1 + k]
-    assert NgramDrafter().propose(None, context, k)[0] == want
+    want = [] if at is None or best < min_match else context[at + 1 : at + 1 + k]
+    assert NgramDrafter(min_match).propose(None, context, k)[0] == want
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,6 +257,8 @@ def test_bad_drafts_are_refused():
         Engine(TARGET, 1, speculate="bigram")
     with pytest.raises(GptlabError, match="at least 1"):
         Engine(TARGET, 1, speculate="ngram", draft_tokens=0)
+    with pytest.raises(GptlabError, match="min_match must be at least 1, got 0"):
+        NgramDrafter(min_match=0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,18 +278,36 @@ def char_models(tmp_path_factory):
     return save_model(root / "target", target, tok), save_model(root / "draft", draft, tok), target, tok
 
 
-@pytest.mark.parametrize("flags", [["--draft", "{draft}"], ["--speculate", "ngram", "--draft-tokens", "2"]])
-def test_sample_with_a_drafter_prints_the_targets_greedy_text(char_models, capsys, flags):
+@pytest.mark.parametrize(("flags", "draft_quantized"), [
+    (["--draft", "{draft}"], False),
+    (["--draft", "{draft}", "--draft-quantize", "int8"], True),
+    (["--draft", "{draft}", "--quantize", "int8"], True),  # the draft quantized as the model, by default
+    (["--draft", "{draft}", "--quantize", "int8", "--draft-quantize", "none"], False),
+    (["--speculate", "ngram", "--draft-tokens", "2"], None),
+])
+def test_sample_with_a_drafter_prints_the_targets_greedy_text(char_models, capsys, flags, draft_quantized,
+                                                               monkeypatch):
     from gptlab.cli import main
+    from gptlab.generation.speculative import Speculator
+    from gptlab.loading import load_model
+    from gptlab.quantize import QuantizedLinear
 
     target_path, draft_path, model, tok = char_models
     prompt = "Hello Hello Hello"
+    flags = [f.format(draft=draft_path) for f in flags]
+    if "--quantize" in flags:  # the output is the quantized model's own
+        model, _ = load_model(target_path, quantize="int8")
     (ref,) = generate_batch(model, [tok.encode(prompt)], SamplingParams(temperature=0, max_new_tokens=30),
                             tokenizer=tok)
-    flags = [f.format(draft=draft_path) for f in flags]
+    drafts = []
+    real = Speculator.__init__
+    monkeypatch.setattr(Speculator, "__init__", lambda self, engine, speculate, *a: drafts.append(speculate)
+                        or real(self, engine, speculate, *a))
     assert main(["sample", str(target_path), "--prompt", prompt, "--max-new-tokens", "30", "--temperature", "0",
                  *flags]) == 0
     assert capsys.readouterr().out == prompt + ref.text + "\n---------------\n"
+    if draft_quantized is not None:
+        assert any(isinstance(m, QuantizedLinear) for m in drafts[0].modules()) == draft_quantized
 
 
 def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, tmp_path):
@@ -297,6 +320,8 @@ def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, t
     assert "vocabulary has 40 tokens" in capsys.readouterr().err
     assert main(["sample", str(target_path), "--speculate", "ngram", "--draft-tokens", "0"]) == 2
     assert "--draft-tokens must be at least 1" in capsys.readouterr().err
+    assert main(["sample", str(target_path), "--speculate", "ngram", "--draft-quantize", "int8"]) == 2
+    assert "--draft-quantize needs --draft" in capsys.readouterr().err
 
 
 def test_server_with_a_draft_answers_as_the_target_alone(char_models):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gptlab import GPT, GPTConfig, KVCache
 from gptlab.errors import GptlabError
-from gptlab.generation import Engine, PrefixCache, SamplingParams, generate_batch, native_decode
+from gptlab.generation import Engine, NgramDrafter, PrefixCache, SamplingParams, generate_batch, native_decode
 from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.generation.packed_linear import PackedLinears
 from gptlab.interop.gguf_arch import gguf_architecture
@@ -278,7 +278,8 @@ def test_speculative_decoding_rolls_the_shifted_vectors_back(draft: str) -> None
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     (plain,) = generate_batch(MODEL, [prompt], params)
     other = shifted_model(seed=1)
-    engine = Engine(MODEL, 1, max_len=40, speculate="ngram" if draft == "ngram" else other, draft_tokens=3)
+    # (prompt lookup after any match: the model's output repeats no 3 tokens)
+    engine = Engine(MODEL, 1, max_len=40, speculate=NgramDrafter(1) if draft == "ngram" else other, draft_tokens=3)
     (gen,) = engine.run([engine.prepare(prompt, params)])
     assert gen.token_ids == plain.token_ids == greedy_by_whole_forwards(MODEL, prompt, 24)
     assert engine.speculator.stats.proposed > engine.speculator.stats.accepted  # some guesses were rejected

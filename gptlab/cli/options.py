@@ -71,19 +71,27 @@ def add_speculation(p: argparse.ArgumentParser) -> None:
                          "input, e.g. edits)")
     p.add_argument("--draft-tokens", type=int, metavar="K",
                    help="with --draft or --speculate: tokens guessed per check (default 4)")
+    p.add_argument("--draft-quantize", choices=("int8", "int4", "none"),
+                   help="with --draft: quantize the draft's Linear weights (default: as --quantize does the model's; "
+                        "none: keep them in the model's dtype). The draft reads all its weights for every guess: "
+                        "int8 makes guessing cheaper, and the model checks every guess all the same")
 
 
 def speculation_options(args: argparse.Namespace, device: Any, dtype: Any) -> dict[str, Any]:
     """The engine's `speculate` and `draft_tokens` from the flags: the draft model loaded (on the model's device,
-    in its dtype), or "ngram"; nothing without either flag."""
+    in its dtype, quantized as --draft-quantize, by default as the model), or "ngram"; nothing without either flag."""
     tokens = {} if args.draft_tokens is None else {"draft_tokens": args.draft_tokens}
     if args.draft_tokens is not None and args.draft_tokens < 1:
         raise GptlabError(f"--draft-tokens must be at least 1, got {args.draft_tokens}")
+    if args.draft_quantize and not args.draft:
+        raise GptlabError("--draft-quantize needs --draft (the draft model it quantizes)")
     if args.speculate:
         return {"speculate": args.speculate, **tokens}
     if not args.draft:
         return {}
     from gptlab.loading import load_model
 
-    draft, _ = load_model(args.draft, device=device, dtype=dtype)
+    quantize = args.quantize if args.draft_quantize is None else args.draft_quantize
+    quantized = {"quantize": quantize, "group_size": args.group_size} if quantize not in (None, "none") else {}
+    draft, _ = load_model(args.draft, device=device, dtype=dtype, **quantized)
     return {"speculate": draft, **tokens}

@@ -8,7 +8,7 @@ One module per job, each importing only those below it:
     detokenize     token ids -> streamed text (whole characters, stop strings held back)
     packed_linear  CPU-friendly weight layouts for the engine's forwards
     rows           Generation, PromptTooLongError: one prompt checked, and its row's state as it decodes
-    speculative    speculative decoding: drafters (a draft model, prompt lookup) and the accept/reject rule
+    speculative    speculative decoding: drafters (a draft model, prompt lookup: NgramDrafter), the accept/reject rule
     engine         Engine: continuous batching over one preallocated KV cache
     api            generate, generate_batch, generate_stream, stream_deltas
     chat           ChatSession: a conversation kept to the context, its replies streamed (`gptlab chat`)
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from gptlab.generation.prefix_cache import PrefixCache, PrefixCacheStats
     from gptlab.generation.request import Generation, PromptTooLongError
     from gptlab.generation.sampling import TokenLogprob, sample_next
+    from gptlab.generation.speculative import NgramDrafter
     from gptlab.generation.tool_calls import generate_tool_reply
     from gptlab.kv_cache import cache_length, default_cache_dtype
 
@@ -56,12 +57,13 @@ _LAZY = {
     "PrefixCache": "gptlab.generation.prefix_cache",
     "PrefixCacheStats": "gptlab.generation.prefix_cache",
     "generate_tool_reply": "gptlab.generation.tool_calls",
+    "NgramDrafter": "gptlab.generation.speculative",
 }
 __all__ = [  # = _LAZY's names, spelled out so that tools see what is exported
     "SamplingParams", "InvalidSamplingParam", "MAX_LOGPROBS", "TokenLogprob", "sample_next", "TextState", "Engine",
     "Generation", "PromptTooLongError", "cache_length", "default_cache_dtype", "generate", "generate_batch",
     "generate_stream", "stream_deltas", "ChatSession", "MessageTooLongError", "PrefixCache", "PrefixCacheStats",
-    "generate_tool_reply",
+    "generate_tool_reply", "NgramDrafter",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

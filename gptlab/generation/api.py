@@ -23,6 +23,7 @@ import torch
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.request import Generation, prompt_token_ids
+from gptlab.generation.speculative import Speculate
 from gptlab.hooks import eval_mode
 from gptlab.kv_cache import cache_length
 from gptlab.model import GPT
@@ -42,7 +43,7 @@ def _check_arguments(params: Any, tokenizer: Any) -> None:
 
 
 def _engine(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: TextTokenizer,
-            speculate: GPT | str | None = None) -> Engine:
+            speculate: Speculate | None = None) -> Engine:
     _check_arguments(params, tokenizer)
     return Engine(
         model,
@@ -61,12 +62,13 @@ def generate_batch(
     *,
     tokenizer: TextTokenizer | None = None,
     truncate_prompt: bool = False,
-    speculate: GPT | str | None = None,
+    speculate: Speculate | None = None,
     steering: Sequence[SteeringVector] = (),
 ) -> list[Generation]:
     """Continue each prompt (token ids; lengths may differ) in one batch: one finished `Generation` each.
     With a tokenizer, each one's `text` is decoded (and `params.stop` strings end rows). `speculate`: a draft
-    model or "ngram" (prompt lookup) for speculative decoding of a row decoding alone (`speculative`).
+    model, "ngram" or an `NgramDrafter` (prompt lookup) for speculative decoding of a row decoding alone
+    (`speculative`).
     `steering`: vectors added to every row's residual stream (`gptlab.steering`) at every step."""
     params = params or SamplingParams()
     if not isinstance(prompts, (list, tuple)):
@@ -107,7 +109,7 @@ def generate_stream(
     *,
     truncate_prompt: bool = False,
     result: list[Generation] | None = None,
-    speculate: GPT | str | None = None,
+    speculate: Speculate | None = None,
     steering: Sequence[SteeringVector] = (),
 ) -> Iterator[str]:
     """Yield the text of one continuation as it is generated, in deltas of whole characters.
@@ -146,7 +148,7 @@ def generate(
     *,
     pad_id: int | None = None,
     truncate_prompt: bool = False,
-    speculate: GPT | str | None = None,
+    speculate: Speculate | None = None,
     steering: Sequence[SteeringVector] = (),
     **controls: Any,
 ) -> torch.Tensor:
@@ -158,8 +160,9 @@ def generate(
     stop tokens every row gets max_new_tokens (unless learned positions run out); rows that stop early keep
     their stop token and are right-padded with `pad_id` (default: the first stop token id, else 0) up to the
     longest row. A prompt of block_size tokens or more raises `PromptTooLongError` (a ValueError) unless
-    truncate_prompt=True. `speculate`: a draft model or "ngram" (prompt lookup): speculative decoding of a
-    single row, with greedy output identical to the model's alone and sampling from its distribution.
+    truncate_prompt=True. `speculate`: a draft model, "ngram" or an NgramDrafter (prompt lookup): speculative
+    decoding of a single row, with greedy output identical to the model's alone and sampling from its
+    distribution.
     `steering`: `SteeringVector`s added to the residual stream at every step (`gptlab.steering`).
     """
     _check_idx(idx, pad_id)

@@ -56,7 +56,7 @@ from gptlab.generation.request import (
 )
 from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.sampling import TokenCounts
-from gptlab.generation.speculative import DRAFT_TOKENS, Speculator
+from gptlab.generation.speculative import DRAFT_TOKENS, Speculate, Speculator
 from gptlab.generation.step_choice import decode_path, step_cache_dtype
 from gptlab.hardware import available_memory
 from gptlab.kernels.dispatch import BATCH
@@ -105,7 +105,7 @@ class Engine(PromptPrefill):
         static_decode: bool | None = None,
         compile_decode: bool = False,
         prefix_cache: PrefixCache | None = None,
-        speculate: GPT | str | None = None,
+        speculate: Speculate | None = None,
         draft_tokens: int = DRAFT_TOKENS,
     ) -> None:
         if max_batch < 1:
