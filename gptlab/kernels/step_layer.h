@@ -196,7 +196,9 @@ struct Step {
     }
     const bool* mask = sliding ? window : full;
     const int64_t mask_rows = sliding ? window_rows : full_rows;
-    for (int64_t i = t.begin(B * nh); i < t.end(B * nh); ++i) attend(me, i / nh, i % nh, kp, vp, mask, mask_rows);
+    // head by head, each over every row: rows of one cache row (a prompt's part, a verify's guesses) then read a
+    // head's keys and values from memory once, the other rows from this core's cache
+    for (int64_t i = t.begin(B * nh); i < t.end(B * nh); ++i) attend(me, i % B, i / B, kp, vp, mask, mask_rows);
     t.sync();
     project(t, me, buf.y.data(), nh * s.hs, kPerLayer * layer + 5, C, out);
   }
