@@ -67,6 +67,7 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16*, const float* 
                  float out[][kPanel]) {
   GPTLAB_ACCUMULATORS
   for (int64_t k = 0; k < K; ++k) {
+    prefetch_ahead(panel + k * kPanel, 64);
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     GPTLAB_ROWS(k)
   }
@@ -80,6 +81,7 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16*, const at::BFl
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
     const at::BFloat16* p = panel + k * kPanel;
+    prefetch_ahead(p, 64);
     {
       const __m256 w0 = bf16_low(p), w1 = bf16_low(p + kPanel);
       GPTLAB_ROWS(k)
@@ -101,6 +103,7 @@ inline void tile1(const float* x, const at::BFloat16* xb, const float* panel, in
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
     const float* p = panel + k * kPanel;
+    prefetch_ahead(p, 4 * kPanel * 4);
     a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p), _mm256_broadcast_ss(x + k), a0);
     b0 = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), _mm256_broadcast_ss(x + k), b0);
     a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p + 16), _mm256_broadcast_ss(x + k + 1), a1);
@@ -124,6 +127,7 @@ inline void tile1(const float* x, const at::BFloat16* xb, const at::BFloat16* pa
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
     const at::BFloat16* p = panel + k * kPanel;
+    prefetch_ahead(p, 4 * kPanel * 2);
     a0 = _mm256_fmadd_ps(bf16_low(p), _mm256_broadcast_ss(x + k), a0);
     b0 = _mm256_fmadd_ps(bf16_low(p + 16), _mm256_broadcast_ss(x + k), b0);
     a1 = _mm256_fmadd_ps(bf16_high(p), _mm256_broadcast_ss(x + k + 1), a1);

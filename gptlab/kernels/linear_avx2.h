@@ -40,8 +40,11 @@ namespace GPTLAB_NS {
 constexpr int64_t kPanel = 16;  // output rows per panel: two 8-float AVX2 registers, one 16-float AVX-512 one
 constexpr int kTile = 6;        // x rows per micro-kernel call
 
-// Software prefetch of the weights GPTLAB_PF bytes ahead of [p, p + bytes) in the AVX-512 batch-1 loops (0: none):
-// 1 KiB measured 0-10% faster than none on a busy 2-core Zen 4 (within its noise; 512 B no better)
+// Software prefetch of the weights GPTLAB_PF bytes ahead of [p, p + bytes) in the AVX-512 batch-1 loops and the
+// AVX2 dense and integer tiles (0: none): 1 KiB measured 0-10% faster than none on a busy 2-core Zen 4 (within its
+// noise; 512 B no better); on a Zen 3 (AVX2) a 12-layer width-256 model's products 14-20% faster at 2-8 rows of
+// fp32, ~10% at 5 rows of bf16 and ~7% at one (fp32's one row: no change), the hardware's own prefetch falling
+// behind once each weight feeds several rows' FMAs
 #ifndef GPTLAB_PF
 #define GPTLAB_PF 1024
 #endif
