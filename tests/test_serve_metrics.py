@@ -117,6 +117,20 @@ def test_live_values_and_the_prefix_cache_are_read_when_scraped():
     assert page[("gptlab_prefix_cache_hit_tokens_total", ())] == 30
     assert page[("gptlab_prefix_cache_hit_rate", ())] == 0.75
     assert page[("gptlab_prefix_cache_bytes", ())] == 4096 and page[("gptlab_queue_length", ())] == 0
+    assert not any(name.startswith("gptlab_speculative") for name, _ in page)  # no speculation: none written
+
+
+def test_speculation_counts_are_read_when_scraped():
+    spec = SimpleNamespace(proposed=0, accepted=0, forwards=0)
+    metrics = ServerMetrics(lambda: 0, lambda: 0, lambda: None, lambda: spec)
+    page = samples(metrics.render().decode())
+    assert page[("gptlab_speculative_acceptance_rate", ())] == 0.0  # no guess yet: 0, not a division by zero
+    spec.proposed, spec.accepted, spec.forwards = 40, 26, 10
+    page = samples(metrics.render().decode())
+    assert page[("gptlab_speculative_guesses_total", ())] == 40
+    assert page[("gptlab_speculative_accepted_total", ())] == 26
+    assert page[("gptlab_speculative_checks_total", ())] == 10
+    assert page[("gptlab_speculative_acceptance_rate", ())] == 0.65
 
 
 def test_one_steps_events_reach_the_loop_in_one_call():

@@ -326,6 +326,8 @@ def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, t
 
 def test_server_with_a_draft_answers_as_the_target_alone(char_models):
     openai = pytest.importorskip("openai")
+    import httpx
+
     from gptlab.serve import ServerThread, create_app
 
     target_path, _, model, tok = char_models
@@ -340,6 +342,10 @@ def test_server_with_a_draft_answers_as_the_target_alone(char_models):
         streamed = client.completions.create(model="gptlab", prompt=prompt, max_tokens=25, temperature=0,
                                              stream=True)
         text = "".join(c.choices[0].text for c in streamed)
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
     assert done.choices[0].text == text == ref.text
     assert done.usage.completion_tokens == len(ref.token_ids)
-    assert app.state.server.engine.speculator.stats.forwards > 0
+    stats = app.state.server.engine.speculator.stats
+    assert stats.forwards > 0
+    assert f"gptlab_speculative_checks_total {float(stats.forwards)}" in metrics  # what /metrics says
+    assert f"gptlab_speculative_guesses_total {float(stats.proposed)}" in metrics

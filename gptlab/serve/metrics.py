@@ -17,6 +17,10 @@
 * The prefix cache, where the engine has one (`engine.prefix_cache.stats()`, read when scraped):
   `gptlab_prefix_cache_query_tokens_total`, `gptlab_prefix_cache_hit_tokens_total`, `gptlab_prefix_cache_hit_rate`
   (hit / query tokens), `gptlab_prefix_cache_bytes`. Without one, none of these is written.
+* Speculative decoding, where the engine speculates (`engine.speculator.stats`, read when scraped):
+  `gptlab_speculative_guesses_total` (guessed tokens checked), `gptlab_speculative_accepted_total` (those the model
+  kept), `gptlab_speculative_checks_total` (verify forwards), `gptlab_speculative_acceptance_rate` (accepted /
+  guesses: what to watch when choosing a draft or --draft-tokens). Without speculation, none of these is written.
 
 Each app has its own registry (tests make many apps in one process). prometheus_client's metrics are safe to update
 from the scheduler thread while the event loop reads them.
@@ -42,9 +46,9 @@ class ServerMetrics:
     """The registry of one server and the metrics the scheduler and the middleware feed."""
 
     def __init__(self, queue_length: Callable[[], int], running_rows: Callable[[], int],
-                 prefix_cache: Callable[[], Any]) -> None:
+                 prefix_cache: Callable[[], Any], speculation: Callable[[], Any] = lambda: None) -> None:
         """The callables are read at each scrape: waiting generations, running rows, the engine's prefix cache
-        (None: no cache)."""
+        (None: no cache), its speculation's counts (`SpeculationStats`; None: no speculation)."""
         self.registry = CollectorRegistry()
         self.requests = Counter("gptlab_requests", "HTTP requests answered, by route and status code",
                                 ["route", "status"], registry=self.registry)
@@ -65,7 +69,7 @@ class ServerMetrics:
         self.engine_seconds = Counter("gptlab_engine_seconds", "the scheduler thread's time in the engine, by phase "
                                       "(admit: prefilling admitted rows; decode: decoding steps)", ["phase"],
                                       registry=self.registry)
-        self.registry.register(_Live(queue_length, running_rows, prefix_cache))
+        self.registry.register(_Live(queue_length, running_rows, prefix_cache, speculation))
 
     def tokens(self, n: int, seconds: float, *, first: bool) -> None:
         """A row published `n` new tokens `seconds` after its previous ones (or, if `first`, after submission)."""
@@ -88,15 +92,17 @@ class ServerMetrics:
 
 
 class _Live(Collector):
-    """Values read when scraped: the queue, the running rows, the prefix cache's counts."""
+    """Values read when scraped: the queue, the running rows, the prefix cache's and speculation's counts."""
 
     def __init__(self, queue_length: Callable[[], int], running_rows: Callable[[], int],
-                 prefix_cache: Callable[[], Any]) -> None:
+                 prefix_cache: Callable[[], Any], speculation: Callable[[], Any]) -> None:
         self.queue_length, self.running_rows, self.prefix_cache = queue_length, running_rows, prefix_cache
+        self.speculation = speculation
 
     def collect(self) -> Iterator[Any]:
         yield GaugeMetricFamily("gptlab_queue_length", "generations waiting for a row", value=self.queue_length())
         yield GaugeMetricFamily("gptlab_running_rows", "rows of the batch generating now", value=self.running_rows())
+        yield from self._speculation()
         cache = self.prefix_cache()
         if cache is None:
             return
@@ -110,6 +116,18 @@ class _Live(Collector):
                                 value=hit / query if query else 0.0)
         yield GaugeMetricFamily("gptlab_prefix_cache_bytes", "bytes of keys and values the cache holds",
                                 value=stats.bytes)
+
+    def _speculation(self) -> Iterator[Any]:
+        stats = self.speculation()
+        if stats is None:
+            return
+        guesses, accepted = stats.proposed, stats.accepted
+        yield CounterMetricFamily("gptlab_speculative_guesses", "guessed tokens the model checked", value=guesses)
+        yield CounterMetricFamily("gptlab_speculative_accepted", "guessed tokens the model kept", value=accepted)
+        yield CounterMetricFamily("gptlab_speculative_checks", "verify forwards (one per check of a row's guesses)",
+                                  value=stats.forwards)
+        yield GaugeMetricFamily("gptlab_speculative_acceptance_rate", "accepted / guesses (0 before any guess)",
+                                value=accepted / guesses if guesses else 0.0)
 
 
 class RequestMetrics:

@@ -67,7 +67,8 @@ class ServedModel:
         engine = self.engine
         self.metrics = ServerMetrics(queue_length=lambda: self.scheduler.waiting,
                                      running_rows=lambda: len(engine.running),
-                                     prefix_cache=lambda: getattr(engine, "prefix_cache", None))
+                                     prefix_cache=lambda: getattr(engine, "prefix_cache", None),
+                                     speculation=lambda: engine.speculator.stats if engine.speculator else None)
         self.scheduler = Scheduler(engine, max_queue=max_queue, metrics=self.metrics)
         self.created = int(time.time())
 
