@@ -207,7 +207,8 @@ class SpeculationStats:
 
 
 class Speculator:
-    """An engine's speculative step: a drafter (a draft model's, or "ngram") and the guesses per forward."""
+    """An engine's speculative step: a drafter (a draft model's, or prompt lookup's: "ngram" or an NgramDrafter)
+    and the guesses per forward."""
 
     def __init__(self, engine: Engine, speculate: Speculate, draft_tokens: int = DRAFT_TOKENS) -> None:
         if draft_tokens < 1:

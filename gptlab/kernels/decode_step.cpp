@@ -30,6 +30,7 @@
 // A token-shift model passes its cache's kept vectors, `shifted` (L + 1, rows, max_len, C): token_shift.h.
 // The first block's input is `x`, or the step embeds `tokens` itself (`front`); with `head` it returns logits, and
 // with `greedy_steps` the argmax tokens of that many steps, each fed the one before's: step_ends.h.
+// A layer's work, every thread's part of it (Step), is in step_layer.h; this file holds the op and its team.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
