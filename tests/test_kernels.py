@@ -12,7 +12,9 @@ to the largest output) and bf16 ones within one bf16 rounding (2**-8 relative)."
 
 from __future__ import annotations
 
+import collections
 import itertools
+import time
 
 import pytest
 import torch
@@ -501,6 +503,31 @@ def test_probe_times_every_candidate(builds, kind: str, monkeypatch) -> None:  #
     monkeypatch.setattr(dispatch, "_working_set", lambda: 2**20)  # a small probe for the test
     times = dispatch.probe(kind, tuple(builds), rounds=1, calls=1, rows=3)
     assert set(times) == {"torch", *builds} and all(t > 0 for t in times.values())
+
+
+def test_a_candidate_far_behind_after_the_first_round_sits_out_the_others(monkeypatch) -> None:  # noqa: ANN001
+    """A path SURE_LOSS times slower than the leader in the first round cannot be chosen: it is not timed again
+    (its passes were most of a probe's time), and its time stays its first round's."""
+    from gptlab.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"near": "near", "far": "far"})
+    monkeypatch.setattr(dispatch, "_working_set", lambda: 1)  # one copy of each shape
+    seconds = {"torch": 0.01, "near": 0.01, "far": 0.05}  # (sleeps: level ones stay level under load)
+    calls = collections.Counter()
+
+    def product(name: str):  # noqa: ANN202 - a () -> None
+        def run() -> None:
+            calls[name] += 1
+            time.sleep(seconds[name])
+        return run
+
+    monkeypatch.setattr(dispatch, "_torch_product", lambda kind, weight, x: product("torch"))
+    monkeypatch.setattr(dispatch, "_build_product", lambda ops, kind, weight, x: product(ops))
+    times = dispatch.probe("float32", ("near", "far"), rounds=3, calls=2)
+    shapes = len(dispatch._SHAPES)
+    assert calls["torch"] == calls["near"] == 3 * 2 * shapes  # every round
+    assert calls["far"] == 2 * shapes  # the first round only
+    assert times["far"] >= dispatch.SURE_LOSS * min(times["torch"], times["near"])
 
 
 @pytest.mark.parametrize(("sizes", "want_mib"), [

@@ -5,12 +5,13 @@ For each kind of weight (bf16, fp32, int8, int4) the candidates are gptlab's own
 (`gptlab.kernels.kernel_builds`: AVX2, AVX-VNNI, AVX-512, AMX) and PyTorch's path for that kind (oneDNN's packed bf16
 product where it works, else `F.linear`; MKL on a transposed fp32 weight; `_weight_int8pack_mm`;
 `_weight_int4pack_mm_for_cpu`).
-A short probe (a fraction of a second a kind, on first use) times each on decoding-shaped products (768 x 2304
-and 3072 x 768, over weights larger than the CPU's cache; batch 1, and batch 32 for engines of 8 rows or more) at
-the process's thread count, candidates taking turns, and the fastest wins (a gptlab build within `BUILD_MARGIN` of
-PyTorch's path counts as faster: it also runs the one-call decode step). The result is cached per CPU model, thread
-count, torch version and kernel source in ~/.cache/gptlab/kernels.json (GPTLAB_CACHE_DIR moves it), so later runs
-decide in no time; a probe taken while other work keeps the cores busy is used but not saved (`busy`).
+A short probe on first use times each on decoding-shaped products (768 x 2304 and 3072 x 768, over weights larger
+than the CPU's cache; batch 1, and batch 32 for engines of 8 rows or more) at the process's thread count,
+candidates taking turns, and the fastest wins (a gptlab build within `BUILD_MARGIN` of PyTorch's path counts as
+faster: it also runs the one-call decode step). On a 2-core Zen 3 it takes 0.3-2 s a kind and batch, 6 s for all
+eight. The result is cached per CPU model, thread count, torch version and kernel source in
+~/.cache/gptlab/kernels.json (GPTLAB_CACHE_DIR moves it), so later runs decide in no time; a probe taken while other
+work keeps the cores busy is used but not saved (`busy`).
 Measured on an AMD Zen 4 (AVX-512): the old rule "AVX-512 CPUs keep oneDNN and PyTorch's
 weight-only kernels" lost 1.3-2.5x at batch 1; at batch 32 oneDNN's bf16 product still wins there
 (benchmarks/kernel_throughput.py prints each path's speed on any machine).
@@ -45,6 +46,8 @@ SMALL_BATCH, BATCH = 8, 32  # inputs of fewer rows than SMALL_BATCH are probed a
 # that level make a faster step on the build, and a path clearly faster on the products alone stays faster whole
 # (benchmarks/generate_throughput.py measures both).
 BUILD_MARGIN = 1.1
+# a candidate this many times slower than the leader after the probe's first round cannot win (above BUILD_MARGIN)
+SURE_LOSS = 1.5
 
 
 def kind_of(dtype: torch.dtype | str) -> str:
@@ -99,7 +102,9 @@ def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, call
     `rows` rows) once over weights several times the size of the CPU's last-level cache (decoding streams its
     weights from memory; a probe whose weights stay in cache measures another machine). The fastest of `rounds` x
     `calls` passes, candidates taking turns: on a shared machine another process's time slice lands in some
-    passes, never in a kernel's favour, so the minimum is what each path can do."""
+    passes, never in a kernel's favour, so the minimum is what each path can do. A candidate whose fastest pass of
+    the first round takes `SURE_LOSS` times the leader's or more sits out the other rounds (its time stays that
+    pass's): it cannot win, and the slowest candidate's passes were most of a probe's time."""
     builds = kernel_builds()
     names = tuple(builds) if names is None else names
     gen = torch.Generator().manual_seed(0)  # not the global one: a seeded run's draws stay as they are
@@ -109,18 +114,23 @@ def probe(kind: str, names: tuple[str, ...] | None = None, rounds: int = 4, call
     for n, k in _SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.02
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16 if kind != "float32" else torch.float32)
+        weight = _quantized(kind, w)
         for _ in range(copies):  # each copy laid out anew: its own memory
-            runs[TORCH].append(_torch_product(kind, w, x))
+            runs[TORCH].append(_torch_product(kind, weight, x))
             for name in names:
-                runs[name].append(_build_product(builds[name], kind, w, x))
+                runs[name].append(_build_product(builds[name], kind, weight, x))
     best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, products in runs.items():
+    running = list(runs)
+    for round_ in range(rounds):
+        for name in running:
             for _ in range(calls):
                 t0 = time.perf_counter()
-                for product in products:
+                for product in runs[name]:
                     product()
                 best[name] = min(best[name], time.perf_counter() - t0)
+        if round_ == 0:
+            lead = min(best.values())
+            running = [name for name in running if best[name] < SURE_LOSS * lead]
     return best
 
 
@@ -149,13 +159,22 @@ def _int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, scale, zero
 
 
-def _torch_product(kind: str, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN202 - a () -> Tensor
-    """PyTorch's path for `kind` as gptlab runs it (generation.packed_linear, quantize)."""
+def _quantized(kind: str, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """w as every candidate takes it before laying it out its own way: (w,) for the float kinds, int8's (q, scale),
+    int4's (q, scale, zero). Made once per shape, not per copy: quantizing each copy anew took most of a probe."""
+    if kind == "int8":
+        scale = w.abs().amax(1).clamp(min=1e-8) / 127
+        return (w / scale[:, None]).round().to(torch.int8), scale
+    return _int4(w) if kind == "int4" else (w,)
+
+
+def _torch_product(kind: str, weight: tuple[torch.Tensor, ...], x: torch.Tensor):  # noqa: ANN202 - () -> Tensor
+    """PyTorch's path for `kind` as gptlab runs it (generation.packed_linear, quantize), on a copy of its own."""
     if kind == "float32":
-        wt = w.t().contiguous()
+        wt = weight[0].t().contiguous()
         return lambda: x @ wt
     if kind == "bfloat16":
-        wb = w.bfloat16()
+        wb = weight[0].bfloat16()
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(wb, 1)
             torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -163,24 +182,21 @@ def _torch_product(kind: str, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN202
         except (AttributeError, RuntimeError, NotImplementedError):
             return lambda: F.linear(x, wb)
     if kind == "int8":
-        scale = w.abs().amax(1).clamp(min=1e-8) / 127
-        q = (w / scale[:, None]).round().to(torch.int8)
-        s = scale.bfloat16()
+        q, s = weight[0].clone(), weight[1].bfloat16()
         return lambda: torch.ops.aten._weight_int8pack_mm(x, q, s)
-    q, scale, zero = _int4(w)
+    q, scale, zero = weight
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     pairs = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()
     return lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, _GROUP, pairs)
 
 
-def _build_product(ops: Any, kind: str, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN202 - a () -> Tensor
-    n = w.shape[0]
+def _build_product(ops: Any, kind: str, weight: tuple[torch.Tensor, ...], x: torch.Tensor):  # noqa: ANN202
+    n = weight[0].shape[0]
     if kind in ("float32", "bfloat16"):
-        packed = ops.pack(w.to(x.dtype))
+        packed = ops.pack(weight[0].to(x.dtype))
         return lambda: ops.linear(x, packed, None, None, n)
     if kind == "int8":
-        scale = w.abs().amax(1).clamp(min=1e-8) / 127
-        packed = ops.pack_int8((w / scale[:, None]).round().to(torch.int8))
+        packed, scale = ops.pack_int8(weight[0]), weight[1]
         return lambda: ops.linear(x, packed, scale, None, n)
-    packed, qparams = ops.pack_int4(*_int4(w))
+    packed, qparams = ops.pack_int4(*weight)
     return lambda: ops.linear(x, packed, qparams, None, n)
