@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -568,6 +571,51 @@ def fake_build(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
     monkeypatch.setattr(build, "_open", lambda library: calls.append(f"open {library.name}"))
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path / "cache"))
     return calls
+
+
+def test_the_sources_are_dealt_to_unity_files_once_each_and_not_rewritten(tmp_path) -> None:  # noqa: ANN001
+    """A build compiles a unity file per core, each including some of the sources: every source in exactly one, the
+    files about as large as whole sources allow, and a second build of the same sources leaves them untouched (a
+    rewritten file would make ninja compile it again)."""
+    from gptlab.kernels import SOURCES
+    from gptlab.kernels.build import unity_sources
+
+    made = unity_sources(SOURCES, tmp_path, 2)
+    included = [Path(line.split('"')[1]) for unity in made for line in unity.read_text().splitlines()]
+    assert len(made) == 2 and sorted(included) == sorted(s.resolve() for s in SOURCES)
+    sizes = [sum(Path(line.split('"')[1]).stat().st_size for line in unity.read_text().splitlines()) for unity in made]
+    assert max(sizes) - min(sizes) <= max(s.stat().st_size for s in SOURCES)
+    for unity in made:
+        os.utime(unity, ns=(10**9, 10**9))
+    assert unity_sources(SOURCES, tmp_path, 2) == made
+    assert all(unity.stat().st_mtime_ns == 10**9 for unity in made)
+    assert len(unity_sources(SOURCES, tmp_path / "many", 64)) == len(SOURCES)  # at most one a source
+    assert len(unity_sources(SOURCES, tmp_path / "one", 1)) == 1
+
+
+@pytest.mark.slow  # four compiler passes over every source: ~40 s
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_builds_sources_compile_as_one_unity_file(build: str, tmp_path) -> None:  # noqa: ANN001
+    """Every build's sources compile together in one translation unit, whichever CPU runs the test: the code under
+    an AVX-512 or AMX guard too, which only such a CPU builds (names at namespace scope must differ between
+    sources)."""
+    import shutil
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    import gptlab.kernels as kernels
+    from gptlab.kernels.build import unity_sources
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    flags = {"avx2": kernels.AVX2_FLAGS, "avxvnni": kernels.AVXVNNI_FLAGS, "avx512": kernels.AVX512_FLAGS,
+             "amx": kernels.AMX_FLAGS}[build]
+    (unity,) = unity_sources(kernels.SOURCES, tmp_path, 1)
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    done = subprocess.run(["c++", "-std=c++20", "-fsyntax-only", "-fPIC", "-DTORCH_EXTENSION_NAME=gptlab_unity",
+                           *kernels._COMMON_FLAGS, *flags, *includes, str(unity)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_a_stale_build_lock_is_removed_and_the_library_checksummed(tmp_path, fake_build) -> None:  # noqa: ANN001

@@ -30,10 +30,11 @@ the AMX build's tiles multiply int4 weights widened to bf16 by x in bf16, and in
 16-bit fixed-point x on their byte products, whose integer sums they keep exact to the end (see amx_tiles.h).
 Which build (or PyTorch) serves each kind of weight is measured once per machine by `gptlab.kernels.dispatch`.
 
-The build (`torch.utils.cpp_extension.load`: a C++ compiler, ~30 s on 2 cores) runs once per machine and torch
-version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`) and loaded from there
-next time. Where no compiler is present or the build fails, `avx2_ops()` / `avx512_ops()` return None after one
-warning, and callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns the kernels off (for comparisons).
+The build (`torch.utils.cpp_extension.load` of a unity file per core: a C++ compiler, ~22 s on 2 cores) runs once
+per machine and torch version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`)
+and loaded from there next time. Where no compiler is present or the build fails, `avx2_ops()` / `avx512_ops()`
+return None after one warning, and callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns the kernels
+off (for comparisons).
 """
 
 from __future__ import annotations

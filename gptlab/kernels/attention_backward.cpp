@@ -29,7 +29,7 @@
 namespace GPTLAB_NS {
 namespace {
 
-constexpr int64_t kBlock = 32;  // queries per block; head sizes and sequence lengths are whole multiples of it
+constexpr int64_t kQueryBlock = 32;  // queries per block; head sizes and sequence lengths are whole multiples of it
 
 using bf16_products::gemm;
 using bf16_products::Pair;
@@ -37,26 +37,26 @@ using bf16_products::pairs_across;
 using bf16_products::pairs_down;
 using simd::bf16_bits;
 
-struct View {  // a (B, H, T, D) tensor's data and strides, D contiguous
+struct Bf16View {  // a (B, H, T, D) tensor's data and strides, D contiguous
   const uint16_t* data;
   int64_t sb, sh, st;
   const uint16_t* row(int64_t b, int64_t h, int64_t t) const { return data + b * sb + h * sh + t * st; }
 };
 
-View view_of(const at::Tensor& x) {
+Bf16View bf16_view(const at::Tensor& x) {
   return {reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), x.stride(1), x.stride(2)};
 }
 
 // a thread's buffers, kept between calls (no page faults for fresh memory each call)
-struct Scratch {
+struct BackwardScratch {
   std::vector<Pair> kt, vt, kd, pp, sp;
   std::vector<float> dkt, dvt, S, dP, dq;
   std::vector<uint16_t> qt, ot, ds;
   void size(int64_t T, int64_t D) {
     kt.resize(D / 2 * T), vt.resize(D / 2 * T), kd.resize(T / 2 * D);
-    pp.resize(kBlock / 2 * T), sp.resize(kBlock / 2 * T);
-    dkt.resize(D * T), dvt.resize(D * T), S.resize(kBlock * T), dP.resize(kBlock * T), dq.resize(kBlock * D);
-    qt.resize(D * T), ot.resize(D * T), ds.resize(kBlock * T);
+    pp.resize(kQueryBlock / 2 * T), sp.resize(kQueryBlock / 2 * T);
+    dkt.resize(D * T), dvt.resize(D * T), S.resize(kQueryBlock * T), dP.resize(kQueryBlock * T), dq.resize(kQueryBlock * D);
+    qt.resize(D * T), ot.resize(D * T), ds.resize(kQueryBlock * T);
   }
 };
 
@@ -66,7 +66,7 @@ void softmax_grads(float* S, float* dP, int64_t keys, int64_t r0, const float* l
                    const float* delta, float scale) {
   using simd::Vec;
   const Vec lanes = simd::lane_index();
-  for (int64_t i = 0; i < kBlock; ++i) {
+  for (int64_t i = 0; i < kQueryBlock; ++i) {
     const float l = lse[(r0 + i) * lse_stride];
     float* srow = S + i * keys;
     float* grow = dP + i * keys;
@@ -88,10 +88,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(2) == T && k.size(3) == D && Hkv > 0 &&
                   H % Hkv == 0 && grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(),
               "causal_attention_backward: queries (B, H, T, D), keys and values (B, Hkv, T, D) with Hkv dividing H");
-  TORCH_CHECK(T % kBlock == 0 && D % kBlock == 0, "causal_attention_backward: T and D must be multiples of 32");
+  TORCH_CHECK(T % kQueryBlock == 0 && D % kQueryBlock == 0, "causal_attention_backward: T and D must be multiples of 32");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({B, H, T}),
               "causal_attention_backward: lse (B, H, T) fp32");
-  const View Q = view_of(q), K = view_of(k), V = view_of(v), O = view_of(out), dO = view_of(grad_out);
+  const Bf16View Q = bf16_view(q), K = bf16_view(k), V = bf16_view(v), O = bf16_view(out), dO = bf16_view(grad_out);
   const float* L = lse.data_ptr<float>();
   at::Tensor dq = at::empty({B, H, T, D}, q.options()), dk = at::empty({B, Hkv, T, D}, q.options());
   at::Tensor dv = at::empty({B, Hkv, T, D}, q.options());
@@ -102,9 +102,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   const int64_t group = H / Hkv;
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t first, int64_t last) {
-    thread_local Scratch w;
+    thread_local BackwardScratch w;
     w.size(T, D);
-    float delta[kBlock];
+    float delta[kQueryBlock];
 #if defined(GPTLAB_AMX)
     amx_tiles::configure();
 #endif
@@ -119,9 +119,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
         simd::transpose(Q.row(b, h, 0), Q.st, T, D, w.qt.data(), T);  // Q^T, dO^T: the A operands of dK^T, dV^T
         simd::transpose(dO.row(b, h, 0), dO.st, T, D, w.ot.data(), T);
         const float* lse_h = L + b * lse.stride(0) + h * lse.stride(1);
-        for (int64_t r0 = 0; r0 < T; r0 += kBlock) {
-          const int64_t keys = r0 + kBlock;  // causal: the block's queries see keys [0, r0 + 32)
-          for (int64_t i = 0; i < kBlock; ++i) {
+        for (int64_t r0 = 0; r0 < T; r0 += kQueryBlock) {
+          const int64_t keys = r0 + kQueryBlock;  // causal: the block's queries see keys [0, r0 + 32)
+          for (int64_t i = 0; i < kQueryBlock; ++i) {
             const uint16_t* g = dO.row(b, h, r0 + i);
             const uint16_t* o = O.row(b, h, r0 + i);
             float sum = 0.0f;
@@ -129,19 +129,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
             for (int64_t j = 0; j < D; ++j) sum += simd::from_bf16_bits(g[j]) * simd::from_bf16_bits(o[j]);
             delta[i] = sum;
           }
-          gemm(Q.row(b, h, r0), Q.st, w.kt.data(), T, w.S.data(), keys, kBlock, keys, D, false);    // Q K^T
-          gemm(dO.row(b, h, r0), dO.st, w.vt.data(), T, w.dP.data(), keys, kBlock, keys, D, false);  // dO V^T
+          gemm(Q.row(b, h, r0), Q.st, w.kt.data(), T, w.S.data(), keys, kQueryBlock, keys, D, false);    // Q K^T
+          gemm(dO.row(b, h, r0), dO.st, w.vt.data(), T, w.dP.data(), keys, kQueryBlock, keys, D, false);  // dO V^T
           softmax_grads(w.S.data(), w.dP.data(), keys, r0, lse_h, lse.stride(2), delta, s);          // P, dS
-          pairs_down(w.S.data(), keys, kBlock, keys, w.pp.data());
-          pairs_down(w.dP.data(), keys, kBlock, keys, w.sp.data());
-          gemm(w.ot.data() + r0, T, w.pp.data(), keys, w.dvt.data(), T, D, keys, kBlock, true);  // dV^T += dO^T P
-          gemm(w.qt.data() + r0, T, w.sp.data(), keys, w.dkt.data(), T, D, keys, kBlock, true);  // dK^T += Q^T dS
-          for (int64_t i = 0; i < kBlock; ++i) simd::narrow(w.dP.data() + i * keys,
+          pairs_down(w.S.data(), keys, kQueryBlock, keys, w.pp.data());
+          pairs_down(w.dP.data(), keys, kQueryBlock, keys, w.sp.data());
+          gemm(w.ot.data() + r0, T, w.pp.data(), keys, w.dvt.data(), T, D, keys, kQueryBlock, true);  // dV^T += dO^T P
+          gemm(w.qt.data() + r0, T, w.sp.data(), keys, w.dkt.data(), T, D, keys, kQueryBlock, true);  // dK^T += Q^T dS
+          for (int64_t i = 0; i < kQueryBlock; ++i) simd::narrow(w.dP.data() + i * keys,
                                                             reinterpret_cast<at::BFloat16*>(w.ds.data()) + i * keys,
                                                             keys);
-          gemm(w.ds.data(), keys, w.kd.data(), D, w.dq.data(), D, kBlock, D, keys, false);  // dQ = dS K
+          gemm(w.ds.data(), keys, w.kd.data(), D, w.dq.data(), D, kQueryBlock, D, keys, false);  // dQ = dS K
           simd::narrow(w.dq.data(), reinterpret_cast<at::BFloat16*>(dq_out) + ((b * H + h) * T + r0) * D,
-                       kBlock * D);
+                       kQueryBlock * D);
         }
       }
       uint16_t* dk_rows = dk_out + (b * Hkv + hk) * T * D;

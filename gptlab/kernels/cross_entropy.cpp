@@ -27,7 +27,6 @@ namespace GPTLAB_NS {
 namespace {
 
 using namespace simd;
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 template <typename T>
 float row_max(const T* row, int64_t V, bool& finite) {

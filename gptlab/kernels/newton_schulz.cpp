@@ -35,7 +35,7 @@ using simd::from_bf16_bits;
 
 inline int64_t whole_blocks(int64_t n) { return (n + 31) / 32 * 32; }
 
-struct Scratch {  // a thread's buffers for one R x C matrix (R <= C, both multiples of 32), kept between calls
+struct NewtonSchulzScratch {  // a thread's buffers for one R x C matrix (R <= C, both multiples of 32), kept between calls
   std::vector<uint16_t> x, gram, update;  // X (R x C), G (R x R), U (R x R): bf16 rows
   std::vector<Pair> xt, gram_pairs, x_pairs;  // X^T as pairs along C, G and X as pairs of rows
   std::vector<float> sums;  // a product's fp32 sums (R x C at most)
@@ -57,7 +57,7 @@ at::Tensor newton_schulz(const at::Tensor& x, int64_t steps, double a, double b,
   const float fa = static_cast<float>(a), fb = static_cast<float>(b), fc = static_cast<float>(c);
 
   at::parallel_for(0, S, 1, [&](int64_t first, int64_t last) {
-    thread_local Scratch w;
+    thread_local NewtonSchulzScratch w;
     w.size(R, C);
 #if defined(GPTLAB_AMX)
     amx_tiles::configure();

@@ -1,7 +1,7 @@
 // One token per row of a decoding step's logits, drawn from softmax(logits / temperature), optionally among the tokens
 // a bitmask allows (structured outputs): `sample_rows(logits, rows, scale, u, bits)`. The same draw as
 // gptlab/generation/sampling.py's ATen path (`filtered_probs` without filters, then `inverse_cdf`): the token where
-// u, times the row's total weight, falls in its running sums over blocks of kBlock tokens. That path costs ~17 ATen
+// u, times the row's total weight, falls in its running sums over blocks of kSumBlock tokens. That path costs ~17 ATen
 // ops and several passes over the (rows, V) probabilities (softmax, block sums, and for a masked row a gather, a
 // product by the mask, a check): 0.7 ms a step at 16 rows of GPT-2's 50,257 tokens on a Zen 3 core, a tenth of a
 // small model's decode step; here each row is read once and its weights kept in a per-thread row that stays in the
@@ -30,8 +30,7 @@ namespace GPTLAB_NS {
 namespace {
 
 using namespace simd;
-constexpr int64_t kBlock = 256;  // tokens per block of the running sums (sampling.py's _BLOCK): a multiple of kLanes
-constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int64_t kSumBlock = 256;  // tokens per block of the running sums (sampling.py's _BLOCK): a multiple of kLanes
 
 // which of the kLanes tokens from t (a multiple of kLanes) the mask allows: all lanes set (-1) or clear (0)
 inline IVec allowed_lanes(const uint32_t* bits, int64_t t) {
@@ -92,8 +91,8 @@ int64_t first_of(const T* row, int64_t V, float top, const uint32_t* bits) {
 template <typename T>
 void block_weights(const T* row, int64_t V, float scale, float top, const uint32_t* bits, float* e, double* ends) {
   double total = 0.0;
-  for (int64_t b = 0, k = 0; b < V; b += kBlock, ++k) {
-    const int64_t end = std::min(b + kBlock, V);
+  for (int64_t b = 0, k = 0; b < V; b += kSumBlock, ++k) {
+    const int64_t end = std::min(b + kSumBlock, V);
     Vec lanes = {};
     int64_t i = b;
     for (; i + kLanes <= end; i += kLanes) {
@@ -115,14 +114,14 @@ void block_weights(const T* row, int64_t V, float scale, float top, const uint32
 // the token whose running weight first exceeds u times the total; a target rounded to the total or past it takes the
 // last token of positive weight (never one of weight 0)
 int64_t bracket(const float* e, const double* ends, int64_t V, double u) {
-  const int64_t blocks = (V + kBlock - 1) / kBlock;
+  const int64_t blocks = (V + kSumBlock - 1) / kSumBlock;
   const double target = u * ends[blocks - 1];
   int64_t k = 0;
   while (k < blocks && !(ends[k] > target)) ++k;
   if (k < blocks) {
     double before = k > 0 ? ends[k - 1] : 0.0;
-    const int64_t end = std::min((k + 1) * kBlock, V);
-    for (int64_t i = k * kBlock; i < end; ++i)
+    const int64_t end = std::min((k + 1) * kSumBlock, V);
+    for (int64_t i = k * kSumBlock; i < end; ++i)
       if (e[i] > 0.0f && (before += e[i]) > target) return i;
   }
   for (int64_t i = V - 1; i >= 0; --i)  // rounded past the end: the last token of positive weight
@@ -158,7 +157,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& rows, const a
     const T* x = static_cast<const T*>(logits.data_ptr());
     at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> e(V);
-      std::vector<double> ends((V + kBlock - 1) / kBlock);
+      std::vector<double> ends((V + kSumBlock - 1) / kSumBlock);
       for (int64_t i = begin; i < end; ++i) {
         const T* row = x + row_ids[i] * V;
         const uint32_t* b = mask == nullptr ? nullptr : mask + i * words;

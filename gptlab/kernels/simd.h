@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace GPTLAB_NS::simd {
 
@@ -26,6 +27,7 @@ using Vec = float __attribute__((vector_size(4 * kLanes)));
 using IVec = int32_t __attribute__((vector_size(4 * kLanes)));
 using UVec = uint32_t __attribute__((vector_size(4 * kLanes)));
 using HVec = uint16_t __attribute__((vector_size(2 * kLanes)));
+constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline Vec splat(float v) { return Vec{} + v; }
 inline Vec load(const float* p) {
