@@ -267,19 +267,29 @@ def _probe(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> 
 
 def cached_measurement(file_name: str, key: str, read: Callable[[Any], T | None], measure: Callable[[], T],
                        stored: Callable[[T], Any] = lambda value: value,
-                       keep: Callable[[T], bool] = lambda value: True) -> T:
+                       keep: Callable[[T], bool] = lambda value: True,
+                       is_busy: Callable[[], bool] | None = None) -> T:
     """A measurement of this machine, kept under `key` in the cache folder's JSON file `file_name`: the kept entry
     where `read` makes a value of it (a missing or damaged entry reads as None and is measured again), else
     `measure()`, written back as `stored(value)` unless `keep(value)` says not (a read-only home: measured again
-    next time)."""
+    next time).
+
+    A timing passes `is_busy` (`busy`): one taken while the machine was busy is kept as provisional (marked under
+    PROVISIONAL + key): later runs use it while the machine stays busy, and the first to find it quiet measures
+    again. Dropping such a timing instead made every run on a loaded machine measure anew."""
     path = cache_dir() / file_name
     cached = read_json_or_empty(path)
     value = read(cached.get(key))
-    if value is not None:
+    mark = PROVISIONAL + key
+    if value is not None and not (is_busy is not None and cached.get(mark) is True and not is_busy()):
         return value
     value = measure()
     if keep(value):
         cached[key] = stored(value)
+        if is_busy is not None and is_busy():
+            cached[mark] = True
+        else:
+            cached.pop(mark, None)
         try:
             atomic_write_json(path, cached)
         except (OSError, GptlabError):
@@ -287,10 +297,13 @@ def cached_measurement(file_name: str, key: str, read: Callable[[Any], T | None]
     return value
 
 
+PROVISIONAL = "provisional|"  # a cached timing's mark: taken while the machine was busy
+
+
 def busy() -> bool:
     """Whether other work keeps this machine's cores busy (a load average above their count). A probe taken then
     measures the contention as much as what it times (one spike made a kernel build look 20x slower than it is),
-    so its result is used but not kept for later runs."""
+    so its result is kept only until a run finds the machine quiet (`cached_measurement`)."""
     try:
         return os.getloadavg()[0] > (os.cpu_count() or 1)
     except OSError:  # no load average (Windows)

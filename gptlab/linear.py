@@ -133,7 +133,7 @@ def _measured(key: str, a: torch.Tensor, b: torch.Tensor) -> bool:
         return transposed < 0.9 * written  # a clear margin: on a tie the product stays as written
 
     return cached_measurement("products.json", f"{cpu_id()}|torch={torch.__version__}|{_VERSION}|{key}", read,
-                              measure, keep=lambda _: not busy())
+                              measure, is_busy=busy)
 
 
 def _seconds(run, calls: int = 3) -> float:  # noqa: ANN001 - a () -> Tensor

@@ -99,12 +99,20 @@ def test_the_choice_is_cached_per_shape_and_a_damaged_entry_is_measured_again(cl
     assert autotune.choose(_cfg(), runs, {"vocab_size": 65}).dtype == "bfloat16" and len(runs.made) == 3 * measured
 
 
-def test_a_busy_machine_measures_but_does_not_keep_the_choice(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autotune, "busy", lambda: True)
+def test_a_choice_measured_on_a_busy_machine_is_kept_until_a_run_finds_it_quiet(
+        clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {"busy": True}
+    monkeypatch.setattr(autotune, "busy", lambda: state["busy"])
     runs = ScriptedRuns(clock, {"float32": 50.0, "bfloat16": 30.0})
+    measured = 2 * autotune.ROUNDS
     autotune.choose(_cfg(), runs, {})
-    autotune.choose(_cfg(), runs, {})
-    assert len(runs.made) == 4 * autotune.ROUNDS
+    autotune.choose(_cfg(), runs, {})  # still busy: the provisional choice serves
+    assert len(runs.made) == measured
+    state["busy"] = False
+    autotune.choose(_cfg(), runs, {})  # quiet: measured again, and kept for good
+    assert len(runs.made) == 2 * measured
+    for state["busy"] in (False, True):
+        assert autotune.choose(_cfg(), runs, {}).dtype == "bfloat16" and len(runs.made) == 2 * measured
 
 
 @pytest.mark.parametrize(("compiled_ms", "want"), [(20.0, True), (29.0, False)])

@@ -13,8 +13,8 @@ and the LM head), on each build this CPU runs and on PyTorch's path (the lean st
 fastest (`decode_path`). The builds share one packed layout, so they are timed on one copy of the weights;
 PyTorch's path needs a second, so it is left out where that copy would not fit in a quarter of the free memory.
 The answer is cached with the dispatch's in kernels.json per CPU, thread count, torch, kernel source,
-model shape, dtype and batch (a timing taken on a busy machine is used but not kept), so later engines of the same
-model and batch decide in no time.
+model shape, dtype and batch (a timing taken on a busy machine: only until a run finds it quiet), so later engines of
+the same model and batch decide in no time.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _room_for_a_second_pack(model: GPT) -> bool:
 
 def _measured(model: GPT, dtype: torch.dtype, rows: int, paths: tuple[str, ...],
               cache_dtype: torch.dtype | None) -> dict[str, float]:
-    """Milliseconds per step on each path, from kernels.json or timed (and saved unless the machine was busy); {}
+    """Milliseconds per step on each path, from kernels.json or timed (and saved: provisionally on a busy machine); {}
     where the C++ step cannot run this model. Kept per model shape and switches and weights' dtype (what a step's
     time depends on, not the weights) and batch."""
     key = "|".join(["decode step", cpu_id(), f"threads={torch.get_num_threads()}", torch.__version__,
@@ -102,7 +102,7 @@ def _measured(model: GPT, dtype: torch.dtype, rows: int, paths: tuple[str, ...],
 
     if key not in _TIMED:  # a timing not kept (a busy machine) still serves this process's later engines
         _TIMED[key] = cached_measurement(CACHE_FILE, key, read, lambda: time_steps(model, rows, paths, cache_dtype),
-                                         stored=lambda t: {"ms per step": t}, keep=lambda t: not busy())
+                                         stored=lambda t: {"ms per step": t}, is_busy=busy)
     return _TIMED[key]
 
 

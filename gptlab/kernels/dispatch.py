@@ -11,7 +11,7 @@ candidates taking turns, and the fastest wins (a gptlab build within `BUILD_MARG
 faster: it also runs the one-call decode step). On a 2-core Zen 3 it takes 0.3-2 s a kind and batch, 6 s for all
 eight. The result is cached per CPU model, thread count, torch version and kernel source in
 ~/.cache/gptlab/kernels.json (GPTLAB_CACHE_DIR moves it), so later runs decide in no time; a probe taken while other
-work keeps the cores busy is used but not saved (`busy`).
+work keeps the cores busy is kept only until a run finds the machine quiet (`busy`), and that run probes again.
 Measured on an AMD Zen 4 (AVX-512): the old rule "AVX-512 CPUs keep oneDNN and PyTorch's
 weight-only kernels" lost 1.3-2.5x at batch 1; at batch 32 oneDNN's bf16 product still wins there
 (benchmarks/kernel_throughput.py prints each path's speed on any machine).
@@ -90,9 +90,9 @@ def _measured(kind: str, names: tuple[str, ...], rows: int, threads: int) -> str
         build = min(names, key=times.get)
         return (build if times[build] <= BUILD_MARGIN * times[TORCH] else TORCH), times
 
-    # a choice probed on a busy machine is used by this process; a later one, on a quieter machine, measures again
+    # a choice probed on a busy machine serves runs while it stays busy; the first run on a quiet one measures again
     choice, _ = cached_measurement(CACHE_FILE, key, read, measure,
-                                   stored=lambda c: {"choice": c[0], "seconds": c[1]}, keep=lambda c: not busy())
+                                   stored=lambda c: {"choice": c[0], "seconds": c[1]}, is_busy=busy)
     return choice
 
 

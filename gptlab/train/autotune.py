@@ -12,9 +12,9 @@ or its max_time), and chosen only when its measured step is faster by `COMPILE_M
 
 Each decision is printed with its figures and kept in the cache folder (`train_choices.json`, per CPU, thread
 count, torch version and the step's shapes), so later runs of the same shapes start at once; a choice measured
-while other work kept the cores busy is used but not kept. A resumed run keeps its checkpoint's choice, and
-several processes (torchrun) or a GPU keep the fixed rules of `setup.resolve_dtype` and
-`config.resolve_device_switches`.
+while other work kept the cores busy is kept only until a run finds the machine quiet, and that run measures again.
+A resumed run keeps its checkpoint's choice, and several processes (torchrun) or a GPU keep the fixed rules of
+`setup.resolve_dtype` and `config.resolve_device_switches`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def choose(cfg: TrainConfig, make_probe: MakeProbe, shapes: dict[str, Any]) -> C
         return dataclasses.replace(choice, why=f"{choice.why} (cached in {cache_dir() / CACHE_FILE})")
 
     return cached_measurement(CACHE_FILE, _cache_key(cfg, shapes), read, lambda: _measure(cfg, make_probe),
-                              stored=dataclasses.asdict, keep=lambda c: bool(c.ms_per_step) and not busy())
+                              stored=dataclasses.asdict, keep=lambda c: bool(c.ms_per_step), is_busy=busy)
 
 
 def _measure(cfg: TrainConfig, make_probe: MakeProbe) -> Choice:
