@@ -14,6 +14,7 @@
 #include "exp_fast.h"
 #include "linear_avx2.h"
 #include "simd.h"
+#include "token_mask.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,28 +28,6 @@ namespace GPTLAB_NS {
 namespace {
 
 using namespace simd;
-
-template <typename T>
-float row_max(const T* row, int64_t V, bool& finite) {
-  Vec lanes = splat(-kInf);
-  IVec bad = {};
-  int64_t i = 0;
-  for (; i + kLanes <= V; i += kLanes) {
-    const Vec x = load(row + i);
-    lanes = x > lanes ? x : lanes;
-    bad |= (x != x) | (x == kInf);
-  }
-  float top = lane_max(lanes);
-  bool any_bad = false;
-  for (int j = 0; j < kLanes; ++j) any_bad |= bad[j] != 0;
-  for (; i < V; ++i) {
-    const float x = static_cast<float>(row[i]);
-    top = x > top ? x : top;
-    any_bad |= x != x || x == kInf;
-  }
-  finite = !any_bad && top > -kInf;
-  return top;
-}
 
 // e[i] = exp(row[i] - top); returns their sum, in blocks whose fp32 lane sums are added in double (as accurate as
 // ATen's cascade sum: a running fp32 sum over 50,257 terms drifts by ~1e-6 of the total)
@@ -96,7 +75,7 @@ void xent_rows(const T* logits, const int64_t* targets, int64_t N, int64_t V, fl
         continue;
       }
       bool finite = true;
-      const float top = row_max(row, V, finite);
+      const float top = token_mask::allowed_max(row, V, nullptr, finite);
       if (!finite) {
         losses[r] = nan;
         if (g != nullptr) std::fill_n(g, V, T(nan));
