@@ -69,7 +69,7 @@ def unity_sources(sources: list[Path], directory: Path, count: int) -> list[Path
     made = []
     for i, group in enumerate(groups):
         unity = directory / f"unity_{i}.cpp"
-        text = "".join(f'#include "{source.resolve()}"\n' for source in sorted(group))
+        text = "".join(f'#include "{source.resolve().as_posix()}"\n' for source in sorted(group))
         if not unity.is_file() or unity.read_text() != text:
             unity.write_text(text)
         made.append(unity)
