@@ -265,6 +265,9 @@ def _probe(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> 
     return best
 
 
+PROVISIONAL = "provisional|"  # a cached timing's mark: taken while the machine was busy
+
+
 def cached_measurement(file_name: str, key: str, read: Callable[[Any], T | None], measure: Callable[[], T],
                        stored: Callable[[T], Any] = lambda value: value,
                        keep: Callable[[T], bool] = lambda value: True,
@@ -295,9 +298,6 @@ def cached_measurement(file_name: str, key: str, read: Callable[[Any], T | None]
         except (OSError, GptlabError):
             pass
     return value
-
-
-PROVISIONAL = "provisional|"  # a cached timing's mark: taken while the machine was busy
 
 
 def busy() -> bool:
