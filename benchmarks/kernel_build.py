@@ -14,7 +14,6 @@ does not depend on what else the machine runs, so the CPU seconds are the steadi
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import tempfile
 from timing import cpu_flags, loadavg, run_timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 import gptlab.kernels as kernels
+from gptlab.hardware import usable_cores
 
 FLAGS = {"avx2": kernels.AVX2_FLAGS, "avxvnni": kernels.AVXVNNI_FLAGS, "avx512": kernels.AVX512_FLAGS,
          "amx": kernels.AMX_FLAGS}
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     builds = args.builds or [b for b in FLAGS if RUNS[b]()]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     forms = {"unity": cores, "per source": len(kernels.SOURCES)}
     print(f"CPU flags: {cpu_flags()}; {cores} cores; {len(kernels.SOURCES)} sources; builds: {' '.join(builds)}")
     times: dict[tuple[str, str], list[tuple[float, float]]] = {(b, f): [] for b in builds for f in forms}

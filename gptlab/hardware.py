@@ -114,6 +114,11 @@ def max_threads() -> int:
     return 4 * (os.cpu_count() or 1)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def set_threads(n: int, flag: str = "threads") -> None:
     """torch's intra-op thread count, checked against this machine (`max_threads`)."""
     if not 1 <= n <= max_threads():

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_text
-from gptlab.hardware import cache_dir
+from gptlab.hardware import cache_dir, usable_cores
 
 try:
     import fcntl
@@ -121,8 +120,7 @@ def load_library(name: str, sources: list[Path], cflags: list[str], ldflags: lis
         if not library.exists():  # a pause of a minute or so deserves a word, once per machine
             print(f"gptlab: building its C++ kernels for this CPU ({name}), once per machine: under a minute",
                   file=sys.stderr, flush=True)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        units = unity_sources(sources, build_dir / "unity", cores)
+        units = unity_sources(sources, build_dir / "unity", usable_cores())
         load(name=name, sources=[str(s) for s in units], is_python_module=False, verbose=False,
              extra_cflags=cflags, extra_ldflags=ldflags)
         if library.exists() and not checksum.exists():
