@@ -100,7 +100,7 @@ def _measured(model: GPT, dtype: torch.dtype, rows: int, paths: tuple[str, ...],
         ok = times == {} or (isinstance(times, dict) and all(isinstance(times.get(p), float) for p in paths))
         return times if ok else None
 
-    if key not in _TIMED:  # a timing not kept (a busy machine) still serves this process's later engines
+    if key not in _TIMED:  # this process's later engines take it from here (also where the cache folder is read-only)
         _TIMED[key] = cached_measurement(CACHE_FILE, key, read, lambda: time_steps(model, rows, paths, cache_dtype),
                                          stored=lambda t: {"ms per step": t}, is_busy=busy)
     return _TIMED[key]
