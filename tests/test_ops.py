@@ -161,15 +161,19 @@ def test_native_cross_entropy_keeps_non_finite_rows_non_finite(native_xent: None
     torch.testing.assert_close(ours[2:], theirs[2:])
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 6), vocab=st.integers(1, 2100), seed=st.integers(0, 10_000), bf16=st.booleans())
+@given(n=st.integers(1, 6), vocab=st.integers(1, 2100), seed=st.integers(0, 10_000), bf16=st.booleans(),
+       pad=st.sampled_from([0, 1, 63]))
 def test_every_builds_cross_entropy_is_the_maths_in_fp64(build_name: str, n: int, vocab: int, seed: int,
-                                                         bf16: bool) -> None:
+                                                         bf16: bool, pad: int) -> None:
     """Each build's kernel (8 lanes a vector in the AVX2 builds, 16 in the AVX-512 ones; any width, so every
-    remainder) against log-sum-exp and softmax minus the one-hot in fp64, an ignored row included."""
+    remainder) against log-sum-exp and softmax minus the one-hot in fp64, an ignored row included; the logits'
+    rows contiguous or `pad` elements apart (`ops.split_product`'s aligned rows), the gradient contiguous."""
     from gptlab.kernels import kernel_builds
 
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(n, vocab, generator=g) * 4).to(torch.bfloat16 if bf16 else torch.float32)
+    stored = (torch.randn(n, vocab + pad, generator=g) * 4).to(torch.bfloat16 if bf16 else torch.float32)
+    stored[:, vocab:] = float("nan")  # the padding is never read
+    logits = stored[:, :vocab]
     targets = torch.randint(0, vocab, (n,), generator=g)
     targets[n // 2] = -1
     losses, grad = kernel_builds()[build_name].softmax_xent(logits, targets, True)
@@ -178,7 +182,7 @@ def test_every_builds_cross_entropy_is_the_maths_in_fp64(build_name: str, n: int
     want_grad = ref.softmax(-1) - F.one_hot(targets.clamp(min=0), vocab).double()
     want[ignored], want_grad[ignored] = 0.0, 0.0
     torch.testing.assert_close(losses.double(), want, rtol=1e-6, atol=1e-5)
-    assert grad.dtype == logits.dtype
+    assert grad.dtype == logits.dtype and grad.is_contiguous()
     # bf16: the stored value rounded once; fp32: the target's entry p - 1 carries p's error, a few ulps of 1
     tol = dict(rtol=2**-8, atol=1e-9) if bf16 else dict(rtol=1e-5, atol=2**-21)
     torch.testing.assert_close(grad.double(), want_grad, **tol)
@@ -274,7 +278,8 @@ def test_upcast_linear_is_an_fp32_matmul_rounded_once(no_native_bf16: None, bias
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_split_head_equals_f_linear_with_its_gradients(bias: bool, rows: int, dtype: torch.dtype) -> None:
     """A wide weight of an odd width on a CPU runs as two products split at a multiple of 64 rows: the same
-    output and gradients as F.linear in the same dtype (each element is the same dot product), contiguous."""
+    output and gradients as F.linear in the same dtype (each element is the same dot product); the output's rows
+    contiguous and padded apart to a multiple of 64 elements (aligned GEMM stores), the gradients contiguous."""
     torch.manual_seed(0)
     x = torch.randn(2, 40, 48).to(dtype).requires_grad_()
     w = torch.randn(rows, 48).to(dtype).requires_grad_()
@@ -288,7 +293,9 @@ def test_a_split_head_equals_f_linear_with_its_gradients(bias: bool, rows: int, 
         expected = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
     else:
         expected = F.linear(x, w, b)
-    assert out.shape == (2, 40, rows) and out.dtype == dtype and out.is_contiguous()
+    assert out.shape == (2, 40, rows) and out.dtype == dtype
+    split = ops._SplitLinear.helps(x, w) and not ops.upcasts(x, w)  # (bf16 without bf16 products: in fp32 chunks)
+    assert ops.rows_contiguous(out.view(-1, rows)) and out.stride(1) == (-(-rows // 64) * 64 if split else rows)
     exact = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(out, expected, **exact)
     reference = F.linear(x.double(), w.double(), None if b is None else b.double())  # and against fp64

@@ -1,4 +1,4 @@
-// Softmax cross-entropy of (N, V) logits (fp32 or bf16) against (N,) targets (-1: ignored), row by row in one
+// Softmax cross-entropy of (N, V) logits (fp32 or bf16; each row contiguous, rows maybe padded apart) against (N,) targets (-1: ignored), row by row in one
 // parallel loop: `softmax_xent(logits, targets, grad)` returns each row's loss (fp32: log-sum-exp minus the target's
 // logit, 0 where ignored) and, with `grad`, d(loss_i)/d(logits_i) = softmax_i - onehot_i in the logits' dtype (zeros
 // on an ignored row; an empty tensor without `grad`). gptlab/ops.py's `_CrossEntropy` does the same over row chunks in ~10 ATen ops per chunk (a
@@ -61,12 +61,13 @@ void scale_row(const float* e, int64_t V, float inv, T* g) {
 }
 
 template <typename T>
-void xent_rows(const T* logits, const int64_t* targets, int64_t N, int64_t V, float* losses, T* grad) {
+void xent_rows(const T* logits, int64_t stride, const int64_t* targets, int64_t N, int64_t V, float* losses,
+               T* grad) {
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e(V);
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int64_t r = begin; r < end; ++r) {
-      const T* row = logits + r * V;
+      const T* row = logits + r * stride;
       T* g = grad == nullptr ? nullptr : grad + r * V;
       const int64_t t = targets[r];
       if (t < 0) {  // ignored: no loss, no gradient
@@ -92,8 +93,10 @@ void xent_rows(const T* logits, const int64_t* targets, int64_t N, int64_t V, fl
 }
 
 std::tuple<at::Tensor, at::Tensor> softmax_xent(const at::Tensor& logits, const at::Tensor& targets, bool grad) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
-              "softmax_xent: logits must be a contiguous 2-D CPU tensor");
+  // rows padded apart (ops.split_product's aligned logits) are read in place; the gradient is contiguous
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && (logits.size(1) <= 1 || logits.stride(1) == 1) &&
+                  (logits.size(0) <= 1 || logits.stride(0) >= logits.size(1)),
+              "softmax_xent: logits must be a 2-D CPU tensor of contiguous rows");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "softmax_xent: logits must be float32 or bfloat16");
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0) && targets.scalar_type() == at::kLong,
@@ -106,11 +109,12 @@ std::tuple<at::Tensor, at::Tensor> softmax_xent(const at::Tensor& logits, const 
               "softmax_xent: a target is outside the vocabulary");
   at::Tensor losses = at::empty({N}, logits.options().dtype(at::kFloat));
   at::Tensor g = at::empty(grad ? logits.sizes() : at::IntArrayRef{0}, logits.options());
+  const int64_t stride = N <= 1 ? V : logits.stride(0);
   if (logits.scalar_type() == at::kFloat)
-    xent_rows(logits.data_ptr<float>(), t.data_ptr<int64_t>(), N, V, losses.data_ptr<float>(),
+    xent_rows(logits.data_ptr<float>(), stride, t.data_ptr<int64_t>(), N, V, losses.data_ptr<float>(),
               grad ? g.data_ptr<float>() : nullptr);
   else
-    xent_rows(logits.data_ptr<at::BFloat16>(), t.data_ptr<int64_t>(), N, V, losses.data_ptr<float>(),
+    xent_rows(logits.data_ptr<at::BFloat16>(), stride, t.data_ptr<int64_t>(), N, V, losses.data_ptr<float>(),
               grad ? g.data_ptr<at::BFloat16>() : nullptr);
   return {losses, g};
 }
