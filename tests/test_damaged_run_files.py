@@ -4,7 +4,8 @@ NaN, huge, nested 100,000 deep, a directory in the file's place; every key remov
 one key added).
 
 A run's files (RUN_FILES: a row per file and the readers that read it: `gptlab plot`, `--resume`, `sample` /
-`eval` through `load_model`, `upload`'s model card) answer in one line naming the file, or read fine. A cache
+`eval` through `load_model`, `eval`'s default data, `upload`'s model card) answer in one line naming the file, or
+read fine. A cache
 (CACHES: hardware.json's measured FLOP/s, kernels.json's probe choices) is measured again and rewritten, silently.
 A new file kind is one row.
 """
@@ -51,11 +52,18 @@ def _card(run: Path) -> None:
     read_run(run)
 
 
+def _eval_data(run: Path) -> None:
+    from gptlab.checkpoint import recorded_data_dir
+
+    recorded_data_dir(run)  # what `gptlab eval RUN` scores without --data
+    recorded_data_dir(run / STEP)
+
+
 STEP = "checkpoints/step-0000002"
 # (file in the run directory, what reads it)
 RUN_FILES: list[tuple[str, Callable[[Path], None]]] = [
     ("metrics.jsonl", _plot), ("metrics.jsonl", _resume), ("metrics.jsonl", _card),
-    ("config.resolved.json", _plot), ("config.resolved.json", _card),
+    ("config.resolved.json", _plot), ("config.resolved.json", _card), ("config.resolved.json", _eval_data),
     (f"{STEP}/state.json", _resume), (f"{STEP}/state.json", _load), ("checkpoints/best/state.json", _load),
 ]  # a checkpoint's config.json and tokenizer_meta.json: test_damaged_files' FILES
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +86,28 @@ def test_eval_cli_errors_are_one_line(setup, tmp_path: Path, capsys) -> None:
     assert main(["eval", str(ckpt), "--data", str(tmp_path / "nodata")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+
+
+def test_eval_of_a_run_without_data_scores_the_data_it_trained_on(setup, tmp_path: Path, capsys) -> None:
+    """`gptlab eval RUN` (or a checkpoint inside it) without --data or --tasks scores the data directory the run's
+    config.resolved.json records, as --data would, and says so; where there is none to score, one line naming why."""
+    data_dir, ckpt, _, (expected, _) = setup
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, run / "checkpoints" / "step-0000001")
+    (run / "config.resolved.json").write_text(json.dumps({"train": {}, "data": str(data_dir)}))
+    for target in (run, run / "checkpoints" / "step-0000001"):
+        assert main(["eval", str(target), "--json"]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["val_loss"] == pytest.approx(expected, abs=1e-5)
+        assert str(data_dir) in captured.err and "--data" in captured.err
+    (run / "config.resolved.json").write_text(json.dumps({"data": str(tmp_path / "gone")}))
+    assert main(["eval", str(run)]) == 2
+    assert main(["eval", str(ckpt)]) == 2  # a checkpoint outside any run
+    assert main(["eval", str(run), "--data", str(data_dir), "--tasks", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+    assert str(tmp_path / "gone") in err[0] and str(ckpt) in err[1] and "not both" in err[2]
 
 
 def test_a_failing_evaluation_gives_the_model_back_in_training_mode() -> None:

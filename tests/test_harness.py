@@ -217,8 +217,8 @@ def test_eval_cli_prints_a_table_and_json(ckpt_dir: Path, tasks_dir: Path, capsy
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tasks", "tiny_mc", "--data", "somewhere"], "exactly one of --data"),
-    ([], "exactly one of --data"),
+    (["--tasks", "tiny_mc", "--data", "somewhere"], "not both"),
+    ([], "not a gptlab run that records its data directory"),  # a checkpoint outside a run: nothing to default to
     (["--tasks", "tiny_mc,no_such_task"], "unknown lm-eval task(s): no_such_task"),
 ])
 def test_eval_cli_errors_are_one_line(args: list[str], message: str, ckpt_dir: Path, tasks_dir: Path,

@@ -102,6 +102,7 @@ def test_short_run_loss_falls_and_writes_metrics_and_checkpoints(tmp_path: Path,
     assert (
         resolved["model"]["vocab_size"] == json.loads((data / "meta.json").read_text())["vocab_size"]
         and resolved["train"]["max_steps"] == 40
+        and resolved["data"] == str(data.absolute())  # what `gptlab eval RUN` scores from any folder
     )
     assert not any("_orig_mod" in k for k in load_file(step_dir / "model.safetensors"))
 

@@ -44,11 +44,13 @@ from gptlab.checkpoint.layout import (
     LORA_FORMAT,
     MODEL_FILE,
     OPTIMIZER_FILE,
+    RESOLVED_CONFIG,
     STATE_FILE,
     STEP_NAME,
     TOKENIZER_FILES,
     has_weights,
     list_step_checkpoints,
+    recorded_data_dir,
     step_dir_name,
     unwrap_model,
 )
@@ -82,10 +84,10 @@ from gptlab.checkpoint.writing import (
 
 __all__ = [
     "BEST_NAME", "CHECKPOINTS_DIR", "CONFIG_FILE", "LORA_CONFIG", "LORA_FILE", "LORA_FORMAT", "MODEL_FILE",
-    "OPTIMIZER_FILE", "STATE_FILE", "STEP_NAME", "TOKENIZER_FILES", "assign_weights", "check_plain_shapes",
-    "has_weights", "list_step_checkpoints", "load_adapter_tensors", "load_gptlab_model", "load_training_checkpoint",
-    "load_weights", "model_state_dict", "optimizer_from_flat", "optimizer_to_flat", "plain_shapes",
-    "prune_checkpoints", "read_config", "read_lora_config", "read_tensors", "read_training_state", "stream_tensors",
-    "save_checkpoint", "save_model", "save_tensors", "step_dir_name", "unwrap_model", "weights_sha256", "whole",
-    "with_tied_head", "write_model",
+    "OPTIMIZER_FILE", "RESOLVED_CONFIG", "STATE_FILE", "STEP_NAME", "TOKENIZER_FILES", "assign_weights",
+    "check_plain_shapes", "has_weights", "list_step_checkpoints", "load_adapter_tensors", "load_gptlab_model",
+    "load_training_checkpoint", "load_weights", "model_state_dict", "optimizer_from_flat", "optimizer_to_flat",
+    "plain_shapes", "prune_checkpoints", "read_config", "read_lora_config", "read_tensors", "read_training_state",
+    "recorded_data_dir", "save_checkpoint", "save_model", "save_tensors", "step_dir_name", "stream_tensors",
+    "unwrap_model", "weights_sha256", "whole", "with_tied_head", "write_model",
 ]

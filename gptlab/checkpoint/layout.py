@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from gptlab.fileio import read_json_object
+
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"
@@ -28,6 +30,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool}
 STEP_NAME = re.compile(r"step-\d+")  # a step checkpoint (a copy moved aside, e.g. damaged-step-N, is not)
+RESOLVED_CONFIG = "config.resolved.json"  # a run's recipe as it ran: its settings, model config and data directory
 
 
 def has_weights(directory: Path) -> bool:
@@ -46,6 +49,18 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
         return []
     steps = [p for p in root.iterdir() if STEP_NAME.fullmatch(p.name) and has_weights(p)]
     return sorted(steps, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def recorded_data_dir(path: str | Path) -> Path | None:
+    """The data directory a run trained on (`gptlab train --data`, as its config.resolved.json records it), for a
+    run directory or a checkpoint inside one (RUN/checkpoints/NAME); None where no such file records one. A
+    damaged file is a GptlabError naming it."""
+    path = Path(path)
+    run = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else path
+    if not (run / RESOLVED_CONFIG).exists():
+        return None
+    data = read_json_object(run / RESOLVED_CONFIG).get("data")
+    return Path(data) if isinstance(data, str) and data else None
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""`gptlab eval RUN_OR_CHECKPOINT --data DATA_DIR [--split val] [--json]`: loss, perplexity, bits per byte.
+"""`gptlab eval RUN_OR_CHECKPOINT [--data DATA_DIR] [--split val] [--json]`: loss, perplexity, bits per byte (of a
+run's own data directory without --data).
 `gptlab eval RUN_OR_CHECKPOINT --tasks T1,T2 [--include-path DIR] [--limit N] [--num-fewshot N] [--json]`: lm-eval
 tasks (`gptlab.evaluation.harness`), one line per task and metric."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
@@ -17,13 +19,15 @@ NO_LM_EVAL = "lm-eval is not installed: pip install 'gptlab[eval]'"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval", help="score a model on a validation split or on lm-eval tasks",
-        description="With --data: loss, perplexity and bits per byte over a whole split (non-overlapping windows of "
+        description="With --data (by default the data a gptlab run trained on): loss, perplexity and bits per "
+        "byte over a whole split (non-overlapping windows of "
         "block_size, every target token scored once). With --tasks: lm-evaluation-harness tasks, scored as "
         "lm-eval's hf backend scores them.",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="a run (its best checkpoint), a checkpoint or "
                    "a Hugging Face directory")
-    p.add_argument("--data", metavar="DATA_DIR", help="a directory written by `gptlab prepare`")
+    p.add_argument("--data", metavar="DATA_DIR", help="a directory written by `gptlab prepare` (default, without "
+                   "--tasks: the one a gptlab run trained on)")
     p.add_argument("--tasks", metavar="T1,T2", help="lm-eval task (or group) names, comma-separated (needs "
                    "gptlab[eval])")
     p.add_argument("--split", default="val", choices=["train", "val"], help="with --data")
@@ -42,8 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.data is None) == (args.tasks is None):
-        raise GptlabError("give exactly one of --data DATA_DIR (a prepared split) or --tasks T1,T2 (lm-eval tasks)")
+    if args.data is not None and args.tasks is not None:
+        raise GptlabError("give one of --data DATA_DIR (a prepared split) or --tasks T1,T2 (lm-eval tasks), not both")
+    if args.data is None and args.tasks is None:
+        args.data = _run_data(args.checkpoint)
     for flag, value in (("--block-size", args.block_size), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             raise GptlabError(f"{flag} must be at least 1, got {value}")
@@ -70,6 +76,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.split} loss {out[f'{args.split}_loss']:.4f}  perplexity {out['perplexity']:.3f}  bits/byte "
           f"{bpb_text}  ({out['tokens']:,} tokens, block_size {out['block_size']})")
     return 0
+
+
+def _run_data(checkpoint: str) -> str:
+    """Without --data or --tasks: the data directory the run trained on, where it records one that still exists."""
+    from gptlab.checkpoint import recorded_data_dir
+
+    ask = "give --data DATA_DIR (a prepared split) or --tasks T1,T2 (lm-eval tasks)"
+    try:
+        data = recorded_data_dir(checkpoint)
+    except GptlabError as e:
+        raise GptlabError(f"{e}; {ask}") from None
+    if data is None:
+        raise GptlabError(f"{ask}: {checkpoint} is not a gptlab run that records its data directory")
+    if not data.is_dir():
+        raise GptlabError(f"{ask}: the data directory {checkpoint} trained on, {data}, is not there any more")
+    print(f"note: scoring {data}, the data the run trained on (--data DATA_DIR for another)", file=sys.stderr)
+    return str(data)
 
 
 def _run_tasks(args: argparse.Namespace) -> int:

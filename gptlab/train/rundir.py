@@ -78,14 +78,11 @@ class RunLock:
         self.fd = -1
 
 
-RESOLVED_CONFIG = "config.resolved.json"
-
-
 def prepare_run_dir(run_dir: Path, resolved: dict, step: int, quiet: bool = False) -> None:
     """config.resolved.json (`resolved`: the recipe as it runs), and for a run resumed at `step` metrics.jsonl
     without the rows past its checkpoint (they will be written again)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run_dir / RESOLVED_CONFIG, resolved)
+    atomic_write_json(run_dir / ckpt.RESOLVED_CONFIG, resolved)
     trim_metrics(run_dir / METRICS_FILE, step, quiet)
 
 

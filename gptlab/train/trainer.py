@@ -395,7 +395,8 @@ class Trainer:
 
     def _resolved(self) -> dict[str, Any]:
         """config.resolved.json: the recipe as it runs (also what the trackers record)."""
-        return {"train": self.cfg.to_dict(), "model": self.model.config.to_dict(), "data": str(self.data_dir),
+        return {"train": self.cfg.to_dict(), "model": self.model.config.to_dict(),
+                "data": str(self.data_dir.absolute()),  # (`gptlab eval RUN` scores it, from any folder)
                 "world_size": self.procs.world, "device": self.device}
 
     def _prepare_run_dir(self) -> None:
