@@ -9,9 +9,9 @@
   this); it runs the rows up to the last multiple of 64 as one product and the few left as another, each into
   its own columns of an output whose rows are padded to a multiple of 64 elements (the logits are a view of it:
   written at an odd row stride, GPT-2's head forward took 1.3x as long on a Zen 3): the same numbers, no copy, at
-  the aligned width's speed. The same holds for a
-  GPU's tensor cores (a padded vocabulary trains GPT-2 faster: README, "On a GPU"); there the padding is
-  `F.pad` of the weight, which torch.compile fuses into autocast's cast of it.
+  the aligned width's speed. The same holds for a GPU's tensor cores (a padded vocabulary trains GPT-2 faster:
+  README, "On a GPU"); there the padding is `F.pad` of the weight, which torch.compile fuses into autocast's cast
+  of it.
 * `cross_entropy`: F.cross_entropy(logits.float(), targets, ignore_index=-1) without an fp32 copy of the whole
   (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words; in training one pass of
   exp over the logits, whose softmax is also the gradient (backward only scales it). On an x86 CPU, in training

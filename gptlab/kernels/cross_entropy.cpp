@@ -1,7 +1,8 @@
-// Softmax cross-entropy of (N, V) logits (fp32 or bf16; each row contiguous, rows maybe padded apart) against (N,) targets (-1: ignored), row by row in one
-// parallel loop: `softmax_xent(logits, targets, grad)` returns each row's loss (fp32: log-sum-exp minus the target's
-// logit, 0 where ignored) and, with `grad`, d(loss_i)/d(logits_i) = softmax_i - onehot_i in the logits' dtype (zeros
-// on an ignored row; an empty tensor without `grad`). gptlab/ops.py's `_CrossEntropy` does the same over row chunks in ~10 ATen ops per chunk (a
+// Softmax cross-entropy of (N, V) logits (fp32 or bf16; each row contiguous, the rows maybe padded apart) against (N,)
+// targets (-1: ignored), row by row in one parallel loop: `softmax_xent(logits, targets, grad)` returns each row's
+// loss (fp32: log-sum-exp minus the target's logit, 0 where ignored) and, with `grad`, d(loss_i)/d(logits_i) =
+// softmax_i - onehot_i in the logits' dtype, contiguous (zeros on an ignored row; an empty tensor without `grad`).
+// gptlab/ops.py's `_CrossEntropy` does the same over row chunks in ~10 ATen ops per chunk (a
 // cast, max, subtract, exp, sum, scale, scatter, cast back: ~1,000 op calls per step over GPT-2's 50,257-wide rows);
 // here each row is read once from memory and its exponentials kept in a per-thread fp32 row that stays in the
 // cache, a vector register of lanes at a time (`Vec`). In fp32 throughout: the exponentials by `exp_fast` (~1e-7
