@@ -8,10 +8,10 @@
   CPU's matmuls at such an odd output width run markedly slower (nanoGPT pads its vocabulary to 50,304 for
   this); it runs the rows up to the last multiple of 64 as one product and the few left as another, each into
   its own columns of an output whose rows are padded to a multiple of 64 elements (the logits are a view of it:
-  written at an odd row stride, GPT-2's head forward took 1.3x as long on a Zen 3): the same numbers, no copy, at
-  the aligned width's speed. The same holds for a GPU's tensor cores (a padded vocabulary trains GPT-2 faster:
-  README, "On a GPU"); there the padding is `F.pad` of the weight, which torch.compile fuses into autocast's cast
-  of it.
+  written at an odd row stride, GPT-2's head forward took 1.3x as long on a Zen 3; `padded_width`): the same
+  numbers, no copy, at the aligned width's speed. The same holds for a GPU's tensor cores (a padded vocabulary
+  trains GPT-2 faster: README, "On a GPU"); there the padding is `F.pad` of the weight, which torch.compile fuses
+  into autocast's cast of it.
 * `cross_entropy`: F.cross_entropy(logits.float(), targets, ignore_index=-1) without an fp32 copy of the whole
   (N, vocab) logits or a saved log-softmax: 400 MB each at 2,048 tokens x 49,152 words; in training one pass of
   exp over the logits, whose softmax is also the gradient (backward only scales it). On an x86 CPU, in training
@@ -148,12 +148,21 @@ def _split_rows(n: int) -> tuple[slice, slice]:
     return slice(0, n // 64 * 64), slice(n // 64 * 64, n)
 
 
+def padded_width(n: int, itemsize: int) -> int:
+    """The elements a row of n values takes in an LM head's logits on a CPU: n rounded up to a multiple of 64, so
+    that every row of the GEMM's output starts aligned (at GPT-2's 50,257, MKL's fp32 head forward took 590-610 ms
+    against 450 at 1,024 x 768 on a Zen 3), and 64 more where the rows would then lie a whole number of 4 KiB pages
+    apart, which puts them in the same cache sets (SmolLM2's 49,152 fp32 logits at 1,024 x 576, alternating: the
+    head's forward 358-365 ms against 337-346 at rows of 49,216, its weight gradient 343-346 against 306-314)."""
+    width = -(-n // 64) * 64
+    return width + 64 if width * itemsize % 4096 == 0 else width
+
+
 def split_product(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2 (M, C) @ weight.T (+ bias) as `_SplitLinear`'s two products, each into its own columns of the output: an
-    (M, V) view of rows padded to a multiple of 64 elements, so that every row of the GEMM's output starts aligned
-    (at GPT-2's row of 50,257, MKL's fp32 product took 590-610 ms against 450 at 1,024 x 768 on a Zen 3)."""
+    (M, V) view of rows `padded_width` apart."""
     n = weight.shape[0]
-    out = x2.new_empty(x2.shape[0], -(-n // 64) * 64)[:, :n]
+    out = x2.new_empty(x2.shape[0], padded_width(n, x2.element_size()))[:, :n]
     for rows in _split_rows(weight.shape[0]):  # with a bias, addmm as F.linear: one rounding of product + bias
         if bias is None:
             torch.mm(x2, weight[rows].T, out=out[:, rows])

@@ -162,12 +162,13 @@ def test_native_cross_entropy_keeps_non_finite_rows_non_finite(native_xent: None
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 6), vocab=st.integers(1, 2100), seed=st.integers(0, 10_000), bf16=st.booleans(),
-       pad=st.sampled_from([0, 1, 63]))
+       pad=st.sampled_from([0, 1, 63, 200]))
 def test_every_builds_cross_entropy_is_the_maths_in_fp64(build_name: str, n: int, vocab: int, seed: int,
                                                          bf16: bool, pad: int) -> None:
     """Each build's kernel (8 lanes a vector in the AVX2 builds, 16 in the AVX-512 ones; any width, so every
     remainder) against log-sum-exp and softmax minus the one-hot in fp64, an ignored row included; the logits'
-    rows contiguous or `pad` elements apart (`ops.split_product`'s aligned rows), the gradient contiguous."""
+    rows contiguous or `pad` elements apart (`ops.split_product`'s padded rows), the gradient's rows as far apart
+    as theirs, or contiguous where the logits are a few columns of much wider rows."""
     from gptlab.kernels import kernel_builds
 
     g = torch.Generator().manual_seed(seed)
@@ -182,7 +183,8 @@ def test_every_builds_cross_entropy_is_the_maths_in_fp64(build_name: str, n: int
     want_grad = ref.softmax(-1) - F.one_hot(targets.clamp(min=0), vocab).double()
     want[ignored], want_grad[ignored] = 0.0, 0.0
     torch.testing.assert_close(losses.double(), want, rtol=1e-6, atol=1e-5)
-    assert grad.dtype == logits.dtype and grad.is_contiguous()
+    assert grad.dtype == logits.dtype and grad.stride(1) == 1
+    assert n == 1 or grad.stride(0) == (vocab + pad if pad < 128 else vocab)
     # bf16: the stored value rounded once; fp32: the target's entry p - 1 carries p's error, a few ulps of 1
     tol = dict(rtol=2**-8, atol=1e-9) if bf16 else dict(rtol=1e-5, atol=2**-21)
     torch.testing.assert_close(grad.double(), want_grad, **tol)
@@ -273,6 +275,14 @@ def test_upcast_linear_is_an_fp32_matmul_rounded_once(no_native_bf16: None, bias
         torch.testing.assert_close(a.float(), e.float(), rtol=1e-2, atol=1e-2)  # bf16 roundings of fp32 results
 
 
+def test_padded_rows_start_aligned_and_are_never_whole_pages_apart() -> None:
+    """An LM head's logits rows: a multiple of 64 elements, and not a multiple of 4 KiB apart (cache sets)."""
+    for n, itemsize, want in ((50257, 4, 50304), (4097, 4, 4160), (32000, 4, 32000), (151936, 4, 151936),
+                              (49152, 4, 49216), (49152, 2, 49216), (32768, 2, 32832), (64, 4, 64), (1, 4, 64)):
+        width = ops.padded_width(n, itemsize)
+        assert width == want and width % 64 == 0 and width >= n and width * itemsize % 4096 != 0, (n, itemsize)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [4097, 4160, 50257])  # odd widths (split at 4096 / 50240) and an aligned one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -295,7 +305,8 @@ def test_a_split_head_equals_f_linear_with_its_gradients(bias: bool, rows: int, 
         expected = F.linear(x, w, b)
     assert out.shape == (2, 40, rows) and out.dtype == dtype
     split = ops._SplitLinear.helps(x, w) and not ops.upcasts(x, w)  # (bf16 without bf16 products: in fp32 chunks)
-    assert ops.rows_contiguous(out.view(-1, rows)) and out.stride(1) == (-(-rows // 64) * 64 if split else rows)
+    width = ops.padded_width(rows, out.element_size()) if split else rows
+    assert ops.rows_contiguous(out.view(-1, rows)) and out.stride(1) == width
     exact = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(out, expected, **exact)
     reference = F.linear(x.double(), w.double(), None if b is None else b.double())  # and against fp64

@@ -1,7 +1,8 @@
 // Softmax cross-entropy of (N, V) logits (fp32 or bf16; each row contiguous, the rows maybe padded apart) against (N,)
 // targets (-1: ignored), row by row in one parallel loop: `softmax_xent(logits, targets, grad)` returns each row's
 // loss (fp32: log-sum-exp minus the target's logit, 0 where ignored) and, with `grad`, d(loss_i)/d(logits_i) =
-// softmax_i - onehot_i in the logits' dtype, contiguous (zeros on an ignored row; an empty tensor without `grad`).
+// softmax_i - onehot_i in the logits' dtype, its rows as far apart as the logits' (zeros on an ignored row; an empty
+// tensor without `grad`).
 // gptlab/ops.py's `_CrossEntropy` does the same over row chunks in ~10 ATen ops per chunk (a
 // cast, max, subtract, exp, sum, scale, scatter, cast back: ~1,000 op calls per step over GPT-2's 50,257-wide rows);
 // here each row is read once from memory and its exponentials kept in a per-thread fp32 row that stays in the
@@ -63,13 +64,13 @@ void scale_row(const float* e, int64_t V, float inv, T* g) {
 
 template <typename T>
 void xent_rows(const T* logits, int64_t stride, const int64_t* targets, int64_t N, int64_t V, float* losses,
-               T* grad) {
+               T* grad, int64_t grad_stride) {
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e(V);
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int64_t r = begin; r < end; ++r) {
       const T* row = logits + r * stride;
-      T* g = grad == nullptr ? nullptr : grad + r * V;
+      T* g = grad == nullptr ? nullptr : grad + r * grad_stride;
       const int64_t t = targets[r];
       if (t < 0) {  // ignored: no loss, no gradient
         losses[r] = 0.0f;
@@ -94,7 +95,8 @@ void xent_rows(const T* logits, int64_t stride, const int64_t* targets, int64_t 
 }
 
 std::tuple<at::Tensor, at::Tensor> softmax_xent(const at::Tensor& logits, const at::Tensor& targets, bool grad) {
-  // rows padded apart (ops.split_product's aligned logits) are read in place; the gradient is contiguous
+  // rows padded apart (ops.split_product's logits) are read in place, and the gradient's rows are laid out alike
+  // (its products in the head's backward read it faster so), unless the logits are a few columns of wider rows
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && (logits.size(1) <= 1 || logits.stride(1) == 1) &&
                   (logits.size(0) <= 1 || logits.stride(0) >= logits.size(1)),
               "softmax_xent: logits must be a 2-D CPU tensor of contiguous rows");
@@ -109,14 +111,15 @@ std::tuple<at::Tensor, at::Tensor> softmax_xent(const at::Tensor& logits, const 
   TORCH_CHECK(std::all_of(ids, ids + N, [V](int64_t id) { return id < V; }),
               "softmax_xent: a target is outside the vocabulary");
   at::Tensor losses = at::empty({N}, logits.options().dtype(at::kFloat));
-  at::Tensor g = at::empty(grad ? logits.sizes() : at::IntArrayRef{0}, logits.options());
-  const int64_t stride = N <= 1 ? V : logits.stride(0);
+  const int64_t stride = N <= 1 ? V : logits.stride(0), grad_stride = stride - V < 128 ? stride : V;
+  at::Tensor g = grad ? at::empty_strided({N, V}, {grad_stride, 1}, logits.options())
+                      : at::empty({0}, logits.options());
   if (logits.scalar_type() == at::kFloat)
     xent_rows(logits.data_ptr<float>(), stride, t.data_ptr<int64_t>(), N, V, losses.data_ptr<float>(),
-              grad ? g.data_ptr<float>() : nullptr);
+              grad ? g.data_ptr<float>() : nullptr, grad_stride);
   else
     xent_rows(logits.data_ptr<at::BFloat16>(), stride, t.data_ptr<int64_t>(), N, V, losses.data_ptr<float>(),
-              grad ? g.data_ptr<at::BFloat16>() : nullptr);
+              grad ? g.data_ptr<at::BFloat16>() : nullptr, grad_stride);
   return {losses, g};
 }
 
