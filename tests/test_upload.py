@@ -27,8 +27,9 @@ def _run(tmp_path: Path) -> Path:
     rows = [{"step": 10, "train_loss": 3.1, "tokens_seen": 2560}, {"step": 20, "train_loss": 2.5, "val_loss": 2.61,
                                                                       "tokens_seen": 5120}]
     (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 3')
-    (tmp_path / "run" / "config.resolved.json").write_text(json.dumps({"data": "data/shakespeare_char",
-                                                                        "model": "tiny", "max_steps": 20}))
+    (tmp_path / "run" / "config.resolved.json").write_text(json.dumps({  # as the trainer writes it
+        "train": {"model": "tiny", "max_steps": 20, "lr": 0.001}, "model": model.config.to_dict(),
+        "data": "/home/someone/data/shakespeare_char", "world_size": 1, "device": "cpu"}))
     return tmp_path / "run" / "checkpoints" / "step-20"
 
 
@@ -70,7 +71,9 @@ def test_upload_calls_huggingface_hub_with_a_model_card(tmp_path: Path, monkeypa
     assert token == "hf_x" and repo == repo2 == "alice/tiny" and kw["private"] is True and kw["exist_ok"] is True
     assert "model.safetensors" in files and ".gptlab" not in files
     # the card says what was trained on what (the recipe) and the run's metrics (the torn row skipped)
-    assert "data: `data/shakespeare_char`" in card and "| steps | 20 |" in card
+    assert "data: `shakespeare_char`" in card and "| steps | 20 |" in card
+    assert "model: `tiny`" in card and "max_steps: `20`" in card and "lr: `0.001`" in card  # the recipe's settings
+    assert "/home/someone" not in card and "vocab_size" not in card  # not the local path, nor the model's config
     assert "| best val loss | 2.6100 |" in card and "| last train loss | 2.5000 |" in card
     assert "LlamaForCausalLM" in card
 

@@ -33,6 +33,18 @@ def read_run(run_dir: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]
     return rows, read_json_or_empty(run_dir / RECIPE_FILE)
 
 
+def recipe_settings(recipe: dict[str, Any]) -> dict[str, Any]:
+    """A card's view of config.resolved.json ({"train": the recipe's settings, "model": the model's config, "data":
+    the data directory, ...}): the settings, with the data directory by its name (its path is the trainer's
+    machine's, nothing to publish)."""
+    train = recipe.get("train")
+    settings = dict(train) if isinstance(train, dict) else {}
+    data = recipe.get("data")
+    if isinstance(data, str) and data:
+        settings["data"] = Path(data).name or data
+    return settings
+
+
 def model_card(repo_id: str, cfg: GPTConfig, architecture: str, n_params: int, rows: list[dict[str, Any]],
                recipe: dict[str, Any]) -> str:
     """README.md for the Hub: what the model is, what it was trained on and how, and the run's metrics."""
@@ -40,12 +52,13 @@ def model_card(repo_id: str, cfg: GPTConfig, architecture: str, n_params: int, r
              f"A {architecture} ({n_params:,} parameters: {cfg.n_layer} layers, {cfg.n_head} heads, width "
              f"{cfg.n_embd}, context {cfg.block_size}, vocabulary {cfg.vocab_size}) trained with gptlab and "
              "saved in Hugging Face's format (`AutoModelForCausalLM.from_pretrained`).", ""]
-    if recipe:
+    settings = recipe_settings(recipe)
+    if settings:
         lines += ["## Training", ""]
         for key in ("data", "model", "init_from", "objective", "max_steps", "batch_size", "optimizer", "lr",
                     "schedule", "seed"):
-            if recipe.get(key) is not None:
-                lines.append(f"- {key}: `{recipe[key]}`")
+            if settings.get(key) is not None:
+                lines.append(f"- {key}: `{settings[key]}`")
         lines.append("")
     if rows:
         last = rows[-1]
