@@ -24,8 +24,8 @@ def _run(tmp_path: Path) -> Path:
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size))
     save_model(tmp_path / "run" / "checkpoints" / "step-20", model, tok)
-    rows = [{"step": 10, "train_loss": 3.1, "tokens_seen": 2560}, {"step": 20, "train_loss": 2.5, "val_loss": 2.61,
-                                                                      "tokens_seen": 5120}]
+    rows = [{"step": 10, "train_loss": 3.1, "lr": 1e-3}, {"step": 20, "train_loss": 2.5, "lr": 1e-3},
+            {"step": 20, "val_loss": 2.61}]  # as the trainer logs them: the val row apart, last
     (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 3')
     (tmp_path / "run" / "config.resolved.json").write_text(json.dumps({  # as the trainer writes it
         "train": {"model": "tiny", "max_steps": 20, "lr": 0.001}, "model": model.config.to_dict(),

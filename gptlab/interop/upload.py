@@ -60,14 +60,12 @@ def model_card(repo_id: str, cfg: GPTConfig, architecture: str, n_params: int, r
             if settings.get(key) is not None:
                 lines.append(f"- {key}: `{settings[key]}`")
         lines.append("")
-    if rows:
-        last = rows[-1]
+    if rows:  # (a run logs train rows every log_interval and val rows apart: the last row may hold either)
         vals = [row["val_loss"] for row in rows if isinstance(row.get("val_loss"), (int, float))]
-        lines += ["## Metrics", "", "| metric | value |", "|---|---|", f"| steps | {last.get('step', '?')} |"]
-        if "tokens_seen" in last:
-            lines.append(f"| tokens seen | {last['tokens_seen']:,} |")
-        if isinstance(last.get("train_loss"), (int, float)):
-            lines.append(f"| last train loss | {last['train_loss']:.4f} |")
+        trains = [row["train_loss"] for row in rows if isinstance(row.get("train_loss"), (int, float))]
+        lines += ["## Metrics", "", "| metric | value |", "|---|---|", f"| steps | {rows[-1].get('step', '?')} |"]
+        if trains:
+            lines.append(f"| last train loss | {trains[-1]:.4f} |")
         if vals:
             lines += [f"| last val loss | {vals[-1]:.4f} |", f"| best val loss | {min(vals):.4f} |"]
         lines.append("")
