@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gptlab.checkpoint.layout import RESOLVED_CONFIG
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import parse_json, read_json_or_empty, read_utf8
 
 CARD_FILE = "README.md"
 METRICS_FILE = "metrics.jsonl"  # the run's log rows (train/runlog.py writes it; read here as plain JSON lines)
-RECIPE_FILE = "config.resolved.json"  # the run's recipe as it ran
 
 
 def read_run(run_dir: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -30,7 +30,7 @@ def read_run(run_dir: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]
                 continue
             if isinstance(row, dict):
                 rows.append(row)
-    return rows, read_json_or_empty(run_dir / RECIPE_FILE)
+    return rows, read_json_or_empty(run_dir / RESOLVED_CONFIG)
 
 
 def recipe_settings(recipe: dict[str, Any]) -> dict[str, Any]:

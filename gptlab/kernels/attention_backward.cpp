@@ -55,7 +55,8 @@ struct BackwardScratch {
   void size(int64_t T, int64_t D) {
     kt.resize(D / 2 * T), vt.resize(D / 2 * T), kd.resize(T / 2 * D);
     pp.resize(kQueryBlock / 2 * T), sp.resize(kQueryBlock / 2 * T);
-    dkt.resize(D * T), dvt.resize(D * T), S.resize(kQueryBlock * T), dP.resize(kQueryBlock * T), dq.resize(kQueryBlock * D);
+    dkt.resize(D * T), dvt.resize(D * T), S.resize(kQueryBlock * T), dP.resize(kQueryBlock * T);
+    dq.resize(kQueryBlock * D);
     qt.resize(D * T), ot.resize(D * T), ds.resize(kQueryBlock * T);
   }
 };
@@ -88,7 +89,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(2) == T && k.size(3) == D && Hkv > 0 &&
                   H % Hkv == 0 && grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(),
               "causal_attention_backward: queries (B, H, T, D), keys and values (B, Hkv, T, D) with Hkv dividing H");
-  TORCH_CHECK(T % kQueryBlock == 0 && D % kQueryBlock == 0, "causal_attention_backward: T and D must be multiples of 32");
+  TORCH_CHECK(T % kQueryBlock == 0 && D % kQueryBlock == 0,
+              "causal_attention_backward: T and D must be multiples of 32");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({B, H, T}),
               "causal_attention_backward: lse (B, H, T) fp32");
   const Bf16View Q = bf16_view(q), K = bf16_view(k), V = bf16_view(v), O = bf16_view(out), dO = bf16_view(grad_out);
@@ -129,16 +131,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
             for (int64_t j = 0; j < D; ++j) sum += simd::from_bf16_bits(g[j]) * simd::from_bf16_bits(o[j]);
             delta[i] = sum;
           }
-          gemm(Q.row(b, h, r0), Q.st, w.kt.data(), T, w.S.data(), keys, kQueryBlock, keys, D, false);    // Q K^T
+          gemm(Q.row(b, h, r0), Q.st, w.kt.data(), T, w.S.data(), keys, kQueryBlock, keys, D, false);     // Q K^T
           gemm(dO.row(b, h, r0), dO.st, w.vt.data(), T, w.dP.data(), keys, kQueryBlock, keys, D, false);  // dO V^T
-          softmax_grads(w.S.data(), w.dP.data(), keys, r0, lse_h, lse.stride(2), delta, s);          // P, dS
+          softmax_grads(w.S.data(), w.dP.data(), keys, r0, lse_h, lse.stride(2), delta, s);               // P, dS
           pairs_down(w.S.data(), keys, kQueryBlock, keys, w.pp.data());
           pairs_down(w.dP.data(), keys, kQueryBlock, keys, w.sp.data());
           gemm(w.ot.data() + r0, T, w.pp.data(), keys, w.dvt.data(), T, D, keys, kQueryBlock, true);  // dV^T += dO^T P
           gemm(w.qt.data() + r0, T, w.sp.data(), keys, w.dkt.data(), T, D, keys, kQueryBlock, true);  // dK^T += Q^T dS
-          for (int64_t i = 0; i < kQueryBlock; ++i) simd::narrow(w.dP.data() + i * keys,
-                                                            reinterpret_cast<at::BFloat16*>(w.ds.data()) + i * keys,
-                                                            keys);
+          for (int64_t i = 0; i < kQueryBlock; ++i)
+            simd::narrow(w.dP.data() + i * keys, reinterpret_cast<at::BFloat16*>(w.ds.data()) + i * keys, keys);
           gemm(w.ds.data(), keys, w.kd.data(), D, w.dq.data(), D, kQueryBlock, D, keys, false);  // dQ = dS K
           simd::narrow(w.dq.data(), reinterpret_cast<at::BFloat16*>(dq_out) + ((b * H + h) * T + r0) * D,
                        kQueryBlock * D);

@@ -60,10 +60,11 @@ def unity_sources(sources: list[Path], directory: Path, count: int) -> list[Path
     fewest bytes so far: about as much to compile in each. Rewritten only where their text changes."""
     groups: list[list[Path]] = [[] for _ in range(max(1, min(count, len(sources))))]
     size = [0] * len(groups)
-    for source in sorted(sources, key=lambda s: (-s.stat().st_size, s.name)):
+    bytes_of = {source: source.stat().st_size for source in sources}
+    for source in sorted(sources, key=lambda s: (-bytes_of[s], s.name)):
         i = size.index(min(size))
         groups[i].append(source)
-        size[i] += source.stat().st_size
+        size[i] += bytes_of[source]
     directory.mkdir(parents=True, exist_ok=True)
     made = []
     for i, group in enumerate(groups):

@@ -35,7 +35,8 @@ using simd::from_bf16_bits;
 
 inline int64_t whole_blocks(int64_t n) { return (n + 31) / 32 * 32; }
 
-struct NewtonSchulzScratch {  // a thread's buffers for one R x C matrix (R <= C, both multiples of 32), kept between calls
+// a thread's buffers for one R x C matrix (R <= C, both multiples of 32), kept between calls
+struct NewtonSchulzScratch {
   std::vector<uint16_t> x, gram, update;  // X (R x C), G (R x R), U (R x R): bf16 rows
   std::vector<Pair> xt, gram_pairs, x_pairs;  // X^T as pairs along C, G and X as pairs of rows
   std::vector<float> sums;  // a product's fp32 sums (R x C at most)
