@@ -149,30 +149,65 @@ def newton_schulz_stacks(shapes: list[tuple[int, int]]) -> list[tuple[list[int],
 
 
 def newton_schulz(g: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float) -> torch.Tensor:
-    """Approximately orthogonalize every matrix of a (batch, rows, cols) stack, in bf16 like torch.optim.Muon.
+    """Approximately orthogonalize every matrix of a (batch, rows, cols) stack; the result in bf16, like
+    torch.optim.Muon's.
 
-    On a CPU without bf16 matmul units (AVX2 only: torch's bf16 matmuls run 10-20x slower than fp32 there) each
-    product is computed in fp32 and rounded to bf16 once, which is what a bf16 matmul computes (fp32
-    accumulation, one rounding), at fp32 speed. A stack of small matrices on a CPU with bf16 dot products runs
-    the whole iteration in one call of gptlab's kernel (`_native_ops`), with those same roundings."""
+    Where the device multiplies bf16 natively the iteration runs in bf16 as torch's does (a stack of small
+    matrices on a CPU with bf16 dot products: the whole iteration in one call of gptlab's kernel, `_native_ops`,
+    with the same roundings). On a CPU without bf16 matmul units (AVX2 only: torch's bf16 matmuls run 10-20x
+    slower than fp32 there) it runs in fp32 (`newton_schulz_fp32`): nearer the exact iteration than bf16's, and
+    faster."""
     a, b, c = coefficients
-    x = g.bfloat16()
+    work = torch.float32 if g.device.type == "cpu" and not native_low_precision_matmul(torch.bfloat16) else None
+    x = g.bfloat16() if work is None else g.float()
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    if work is not None:
+        x = newton_schulz_fp32(x, steps, coefficients).bfloat16()
+        return x.mT if tall else x
     ops = _native_ops(x)
     if ops is not None:  # the whole iteration in one C++ call, the same roundings
         x = ops.newton_schulz(x.contiguous(), steps, a, b, c)
         return x.mT if tall else x
-    work = torch.float32 if x.device.type == "cpu" and not native_low_precision_matmul(torch.bfloat16) else x.dtype
-    x = x.to(work)
     for _ in range(steps):
-        gram = (x @ x.mT).bfloat16().to(work)
-        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c).bfloat16().to(work)
-        x = torch.baddbmm(x, update, x, beta=a).bfloat16().to(work)
-    x = x.bfloat16()
+        gram = x @ x.mT
+        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, update, x, beta=a)
     return x.mT if tall else x
+
+
+def newton_schulz_fp32(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float],
+                       form: str = "auto") -> torch.Tensor:
+    """`steps` Newton-Schulz steps X <- a X + (b A + c A^2) X, A = X X^T, over a (batch, r, c) stack of wide (r <= c),
+    normalized fp32 matrices.
+
+    form "gram" runs the iteration on r x r matrices only: every X_k is P_k X_0 with P_k a polynomial in A_0, so
+    with M_k = a I + b A_k + c A_k^2 (which commutes with A_k), X_k+1 = M_k X_k and A_k+1 = M_k A_k M_k, and
+    X_steps = (M_steps-1 ... M_0) X_0. Two products with the long side (A_0, and the last) instead of two per
+    step: (4 steps - 3) r^3 + 2 r^2 c multiply-adds against steps (2 r^2 c + r^3), fewer where c > 1.5 r, as
+    Muon's matrices mostly are (an MLP's 1 x 4, the fused qkv's 1 x 3). In fp32 the squared condition number of
+    A costs nothing that matters: the small singular values, which A's rounding hides, are those the iteration
+    only scales by about a^steps, and the result is rounded to bf16 anyway. (In bf16 it would: kept to fp32.)
+    "standard" is the iteration as written; "auto" takes the one with fewer multiply-adds."""
+    a, b, c = coefficients
+    r, cols = x.shape[-2:]
+    if form == "auto":
+        form = "gram" if steps > 1 and 2 * cols > 3 * r else "standard"
+    if form == "standard":
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x
+    gram, product = x @ x.mT, None  # A_k, and M_k-1 ... M_0
+    for k in range(steps):
+        m = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        m.diagonal(dim1=-2, dim2=-1).add_(a)
+        product = m if product is None else m @ product
+        if k + 1 < steps:
+            gram = m @ gram @ m
+    return x if product is None else product @ x
 
 
 # the largest matrix (rows x cols) whose Newton-Schulz the C++ kernel runs faster than ATen's bf16 products in
