@@ -17,8 +17,9 @@
   exp over the logits, whose softmax is also the gradient (backward only scales it). On an x86 CPU, in training
   or for LM-head-sized logits, that pass is gptlab's C++ kernel (`gptlab.kernels`, cross_entropy.cpp): one read
   of each row instead of ~10 ATen ops per chunk of rows.
-* `gelu`: F.gelu, except GELU's tanh form (GPT-2's) in training on an x86 CPU, forward and backward in gptlab's C++
-  kernel (activations.cpp): ATen's runs its slow vectorized tanh, ~4.5x the time of its erf form.
+* `gelu`: F.gelu, except in training on an x86 CPU: either form, erf or tanh (GPT-2's), and its slope in one pass of
+  gptlab's C++ kernel (activations.cpp), autograd keeping the slope, so that the backward is one product: ATen's
+  backward evaluates the erf form's two exps again, and its tanh form runs a slow vectorized tanh.
 """
 
 from __future__ import annotations
@@ -334,37 +335,38 @@ def reduce_losses(losses: torch.Tensor, targets: torch.Tensor, reduction: str) -
     return losses.sum() / (targets != -1).sum()
 
 
-class _GeluTanh(torch.autograd.Function):
-    """F.gelu(x, approximate="tanh") through the C++ kernel `ops` (forward and backward: ATen's formulas, tanh from
-    an exp; within fp32 rounding of ATen's values)."""
+class _Gelu(torch.autograd.Function):
+    """F.gelu(x, approximate) through the C++ kernel `ops`: the forward computes the slope dy/dx with the value and
+    keeps it in x's place, the backward multiplies by it (within fp32 rounding of ATen's values; a bf16 slope is
+    rounded once more before that product)."""
 
     @staticmethod
-    def forward(ctx, x, ops):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(x)
-        ctx.ops = ops
-        return ops.gelu_tanh(x)
+    def forward(ctx, x, approximate, ops):  # noqa: ANN001, ANN205
+        y, slope = ops.gelu_with_slope(x, approximate == "tanh")
+        ctx.save_for_backward(slope)
+        return y
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        (x,) = ctx.saved_tensors
-        return ctx.ops.gelu_tanh_backward(grad, x), None  # (the kernel makes grad contiguous where it is not)
+        (slope,) = ctx.saved_tensors
+        return grad * slope, None, None
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """F.gelu; the tanh form in training (x needs a gradient) on an x86 CPU through gptlab's kernel, for tensors
-    big enough to pay for the library (inference keeps ATen's bits, which the HF parity tests and the decode steps
-    follow; torch.compile fuses ATen's)."""
-    if approximate != "tanh" or x.numel() < _NATIVE_GELU_MIN or not x.is_contiguous():
+    """F.gelu; in training (x needs a gradient) on an x86 CPU through gptlab's kernel, whose gain is the backward's
+    (inference, scoring passes included, keeps ATen's bits, which the HF parity tests and the decode steps follow;
+    torch.compile fuses ATen's)."""
+    if (x.numel() < _NATIVE_GELU_MIN or not x.is_contiguous() or not torch.is_grad_enabled()
+            or not x.requires_grad):
         return F.gelu(x, approximate=approximate)
     from gptlab.kernels import training_ops
 
     ops = training_ops(x)
-    return F.gelu(x, approximate=approximate) if ops is None else _GeluTanh.apply(x, ops)
+    return F.gelu(x, approximate=approximate) if ops is None else _Gelu.apply(x, approximate, ops)
 
 
-# elements (1,024 tokens of a 1,024-wide MLP): below it ATen's call takes under a millisecond, and a small model's
-# first steps need not load (or, on a fresh machine, build) the library for it
-_NATIVE_GELU_MIN = 1 << 20
+# elements below which ATen's forward and backward (~10 us at 16k elements) cost less than the Function's overhead
+_NATIVE_GELU_MIN = 1 << 14
 
 
 def assert_in_range_on_device(t: torch.Tensor, low: int, high: int, message: str) -> bool:

@@ -1,8 +1,13 @@
-// GELU's tanh form (GPT-2's "gelu_new": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))) and its derivative, for
-// training on a CPU (`gptlab.ops.gelu`). ATen's runs its vectorized tanh: ~4.5x the time of its erf form on an
-// AVX-512 Xeon, ~80 ms of a GPT-2 124M step at 4 x 256 tokens. Here tanh comes from one exp over simd.h's vectors
-// (within ~1e-7 relative of std::exp's), in fp32 and rounded once to a bf16 input's dtype, with ATen's formulas:
-// ATen's values within fp32 rounding, and nearer the exact ones in the negative tail.
+// GELU, its exact (erf) form and its tanh form (GPT-2's "gelu_new": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))),
+// with its slope dy/dx in the same pass, for training on a CPU (`gptlab.ops.gelu`): autograd keeps the slope instead
+// of x, and the backward is one product, g * slope. ATen's backward evaluates the function's pieces again (two exps
+// for the erf form's); its tanh form runs its vectorized tanh, ~4.5x the time of the erf form on an AVX-512 Xeon.
+// Here every form comes from one exp over simd.h's vectors (within ~1e-7 relative of std::exp's), in fp32 and
+// rounded once to the input's dtype:
+// - erf form: Phi(x) = 1/2 erfc(-x / sqrt 2), erfc by Abramowitz & Stegun 7.1.26 (ATen's vectorized erf: |error| <=
+//   1.5e-7), whose e^(-x^2 / 2) is also the density's; y = x Phi(x), slope = Phi(x) + x phi(x);
+// - tanh form: ATen's formulas, written so that the negative tail keeps its relative accuracy (ATen's 1 + tanh
+//   loses it there).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 
 namespace GPTLAB_NS {
 namespace {
@@ -33,75 +39,72 @@ struct Tanh {
   }
 };
 
-// the forward: y = 0.5 x (1 + tanh u)
-Vec gelu_of(Vec x) { return 0.5f * x * Tanh(x).one_plus; }
-// the backward: g (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) kBeta (1 + 3 kKappa x^2)), ATen's gelu_backward's formula
-Vec gelu_grad_of(Vec g, Vec x) {
+// a form's value and slope at x
+struct GeluSlope {
+  Vec y, slope;
+};
+
+GeluSlope gelu_tanh_of(Vec x) {
   const Tanh t(x);
-  return g * (0.5f * t.one_plus + 0.5f * x * (t.one_minus_sq * (kBeta * (1.0f + 3.0f * kKappa * x * x))));
+  const Vec du = kBeta * (1.0f + 3.0f * kKappa * x * x);  // u'(x)
+  return {0.5f * x * t.one_plus, 0.5f * t.one_plus + 0.5f * x * (t.one_minus_sq * du)};
 }
 
-// y[i] = f(in[i]...) over n values, a vector at a time over the threads; a share's last few values go through the
-// same vector code, zero-padded (no scalar twin of the formulas)
-template <typename T, typename F, typename... In>
-void map_lanes(T* y, int64_t n, const F& f, const In*... in) {
+GeluSlope gelu_erf_of(Vec x) {
+  constexpr float kInvSqrt2 = 0.7071067811865476f, kInvSqrt2Pi = 0.3989422804014327f;
+  const Vec z = (x < 0.0f ? -x : x) * kInvSqrt2;
+  const Vec t = 1.0f / (1.0f + 0.3275911f * z);
+  const Vec e = exp_vec(-z * z);  // e^(-x^2 / 2)
+  const Vec poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+  const Vec half_erfc = 0.5f * e * poly;
+  const Vec cdf = x < 0.0f ? half_erfc : 1.0f - half_erfc;
+  return {x * cdf, cdf + x * (kInvSqrt2Pi * e)};
+}
+
+// y[i], slope[i] = f(x[i]) over n values, a vector at a time over the threads; a share's last few values go through
+// the same vector code, zero-padded (no scalar twin of the formulas)
+template <typename T, typename F>
+void map_lanes(const T* x, T* y, T* slope, int64_t n, const F& f) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) store(y + i, f(load(in + i)...));
+    for (; i + kLanes <= end; i += kLanes) {
+      const GeluSlope r = f(load(x + i));
+      store(y + i, r.y), store(slope + i, r.slope);
+    }
     if (i < end) {
-      const auto padded = [&](const T* p) {
-        T tail[kLanes] = {};
-        std::copy(p + i, p + end, tail);
-        return load(tail);
-      };
-      T out[kLanes];
-      store(out, f(padded(in)...));
-      std::copy(out, out + (end - i), y + i);
+      T tail[kLanes] = {}, out_y[kLanes], out_slope[kLanes];
+      std::copy(x + i, x + end, tail);
+      const GeluSlope r = f(load(tail));
+      store(out_y, r.y), store(out_slope, r.slope);
+      std::copy(out_y, out_y + (end - i), y + i);
+      std::copy(out_slope, out_slope + (end - i), slope + i);
     }
   });
 }
 
 template <typename T>
-void forward(const T* x, T* y, int64_t n) {
-  map_lanes(y, n, [](Vec v) { return gelu_of(v); }, x);
+void gelu_rows(const T* x, T* y, T* slope, int64_t n, bool tanh_form) {
+  // (lambdas, not the functions' pointers: a type of their own, so that each loop inlines its formulas)
+  if (tanh_form) map_lanes(x, y, slope, n, [](Vec v) { return gelu_tanh_of(v); });
+  else map_lanes(x, y, slope, n, [](Vec v) { return gelu_erf_of(v); });
 }
 
-template <typename T>
-void backward(const T* g, const T* x, T* gx, int64_t n) {
-  map_lanes(gx, n, [](Vec d, Vec v) { return gelu_grad_of(d, v); }, g, x);
-}
-
-void check(const at::Tensor& x, const char* name) {
+std::tuple<at::Tensor, at::Tensor> gelu_with_slope(const at::Tensor& x, bool tanh_form) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              name, ": a contiguous fp32 or bf16 CPU tensor");
-}
-
-at::Tensor gelu_tanh(const at::Tensor& x) {
-  check(x, "gelu_tanh");
-  at::Tensor y = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat) forward(x.data_ptr<float>(), y.data_ptr<float>(), x.numel());
-  else forward(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), x.numel());
-  return y;
-}
-
-at::Tensor gelu_tanh_backward(const at::Tensor& grad, const at::Tensor& x) {
-  check(x, "gelu_tanh_backward");
-  TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(),
-              "gelu_tanh_backward: a gradient of x's shape and dtype");
-  const at::Tensor g = grad.contiguous();
-  at::Tensor gx = at::empty_like(x);
+              "gelu_with_slope: a contiguous fp32 or bf16 CPU tensor");
+  at::Tensor y = at::empty_like(x), slope = at::empty_like(x);
   if (x.scalar_type() == at::kFloat)
-    backward(g.data_ptr<float>(), x.data_ptr<float>(), gx.data_ptr<float>(), x.numel());
+    gelu_rows(x.data_ptr<float>(), y.data_ptr<float>(), slope.data_ptr<float>(), x.numel(), tanh_form);
   else
-    backward(g.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), gx.data_ptr<at::BFloat16>(), x.numel());
-  return gx;
+    gelu_rows(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), slope.data_ptr<at::BFloat16>(), x.numel(),
+              tanh_form);
+  return {y, slope};
 }
 
 }  // namespace
 }  // namespace GPTLAB_NS
 
 GPTLAB_LIBRARY_FRAGMENT(GPTLAB_NS, m) {
-  m.def("gelu_tanh(Tensor x) -> Tensor", &GPTLAB_NS::gelu_tanh);
-  m.def("gelu_tanh_backward(Tensor grad, Tensor x) -> Tensor", &GPTLAB_NS::gelu_tanh_backward);
+  m.def("gelu_with_slope(Tensor x, bool tanh_form) -> (Tensor, Tensor)", &GPTLAB_NS::gelu_with_slope);
 }
