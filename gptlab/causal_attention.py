@@ -83,7 +83,7 @@ def _fp32_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
         return None
     from gptlab.kernels import training_ops
 
-    return training_ops(q, k, v)  # a CPU, a gradient wanted, not compiling: every build has the kernel
+    return training_ops(q, k, v)  # a CPU, a gradient wanted or scoring, not compiling: every build has the kernel
 
 
 def serves(head_size: int, seq_len: int) -> bool:
@@ -102,8 +102,9 @@ def _bf16_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
     hs, T = q.shape[3], q.shape[2]
     if q.dtype != torch.bfloat16:
         return None
-    from gptlab.kernels import trains_on_cpu
+    from gptlab.kernels import takes_training_kernels
 
-    if not trains_on_cpu(q, k, v) or not serves(hs, T):  # a CPU, a gradient wanted, not compiling; the kernels
+    # a CPU, a gradient wanted (or a scoring pass), not compiling; `serves`: the kernels built, with bf16 dot products
+    if not takes_training_kernels(q, k, v) or not serves(hs, T):
         return None
     return _bf16_dot_ops()

@@ -55,10 +55,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _oriented(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from gptlab.kernels import trains_on_cpu  # the training kernels' gate; the orientation needs no kernel built
+    from gptlab.kernels import takes_training_kernels  # the kernels' gate; the orientation needs no kernel built
 
     return (x.dtype == weight.dtype and x.dim() >= 2 and not torch.is_autocast_enabled("cpu")
-            and trains_on_cpu(x, weight))
+            and takes_training_kernels(x, weight))
 
 
 class _OrientedLinear(torch.autograd.Function):

@@ -61,6 +61,30 @@ def test_evaluate_loss_matches_manual_computation(setup) -> None:
     assert prefix.loss == pytest.approx(manual_loss(model, val[:101], 16)[0], abs=1e-5)
 
 
+def test_scoring_passes_take_the_training_kernels(setup, monkeypatch) -> None:
+    """evaluate_loss's forwards run as a scoring pass (`gptlab.kernels.scoring`): the training kernels (norms, the
+    heads' split with RoPE, the short attention) serve them without a gradient, the loss ATen's within fp32
+    rounding; outside it a forward without a gradient keeps ATen's ops."""
+    from gptlab import kernels
+
+    if kernels.widest_ops() is None:
+        pytest.skip("no gptlab kernel build on this machine")
+    data_dir, _, model, (expected, _) = setup
+    val = load_split(data_dir, "val")
+    served = []
+    real = kernels.training_ops
+    monkeypatch.setattr(kernels, "training_ops", lambda *t: served.append(real(*t) is not None) or real(*t))
+    with torch.no_grad():
+        model(torch.zeros(2, 16, dtype=torch.long))
+    assert served and not any(served)  # inference: ATen's
+    served.clear()
+    with_kernels = evaluate_loss(model, val, 16, batch_size=64).loss
+    assert served and all(served)
+    monkeypatch.setattr(kernels, "widest_ops", lambda: None)  # no build: ATen's ops
+    without = evaluate_loss(model, val, 16, batch_size=64).loss
+    assert with_kernels == pytest.approx(without, rel=1e-6) and with_kernels == pytest.approx(expected, abs=1e-5)
+
+
 def test_eval_cli_json_matches_manual(setup, capsys) -> None:
     data_dir, ckpt, _, (expected, count) = setup
     assert main(["eval", str(ckpt), "--data", str(data_dir), "--json"]) == 0

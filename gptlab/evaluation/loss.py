@@ -10,6 +10,9 @@ by window as it was trained: each window's first block_size + 1 tokens, counting
 Under torchrun each process scores a share of the windows (`window_share`) and one all-reduce sums the losses and
 the counts, so evaluation gets faster with more GPUs instead of repeating the whole split on each; the losses stay
 on the device until then (one host read per evaluation, not one per forward).
+
+The forwards are a scoring pass (`gptlab.kernels.scoring`): on a CPU the training kernels serve them (fused norms,
+the heads' split with RoPE, short attention), the loss within fp32 rounding of ATen's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
 from gptlab.hardware import available_memory
 from gptlab.hooks import eval_mode
+from gptlab.kernels import scoring
 from gptlab.tokenizer import optional_tokenizer
 
 
@@ -94,7 +98,7 @@ def evaluate_loss(
     # share ran out runs one-token forwards that score nothing
     passes = max(len(_batches(window_share(n_windows, r, world), n_full, batch_size)) for r in range(world))
     parts, count = [], 0
-    with eval_mode(model), autocast or contextlib.nullcontext():
+    with eval_mode(model), autocast or contextlib.nullcontext(), scoring():
         for windows in batches:
             x, y, counted = rows(windows)
             _, loss = model(x.to(device), y.to(device), reduction="sum")

@@ -39,6 +39,8 @@ off (for comparisons).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -47,6 +49,7 @@ import os
 import platform
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,17 +239,35 @@ def kernel_builds() -> dict[str, Any]:
 
 def training_ops(*tensors: torch.Tensor | None) -> Any | None:
     """`widest_ops()` where gptlab's training kernels (`gptlab.heads`, `gptlab.norms`, `gptlab.ops.gelu`) take these
-    tensors (`trains_on_cpu`); None elsewhere. Inference keeps ATen's ops and their bits."""
-    return widest_ops() if trains_on_cpu(*tensors) else None
+    tensors (`takes_training_kernels`); None elsewhere. Inference keeps ATen's ops and their bits."""
+    return widest_ops() if takes_training_kernels(*tensors) else None
 
 
-def trains_on_cpu(*tensors: torch.Tensor | None) -> bool:
-    """Whether these tensors (None entries skipped) are in a training step on a CPU: all on a CPU in fp32 or bf16, a
-    gradient wanted of one of them, outside torch.compile (which fuses ATen's ops itself)."""
+def takes_training_kernels(*tensors: torch.Tensor | None) -> bool:
+    """Whether these tensors (None entries skipped) go through the training kernels: all on a CPU in fp32 or bf16,
+    outside torch.compile (which fuses ATen's ops itself), in a training step (a gradient wanted of one of them)
+    or a scoring pass (`scoring`)."""
     present = [t for t in tensors if t is not None]
-    return not (not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or not any(t.requires_grad for t in present)
-                or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16) for t in present))
+    if torch.compiler.is_compiling() or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16)
+                                            for t in present):
+        return False
+    return _SCORING.get() or (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+
+
+_SCORING = contextvars.ContextVar("gptlab_scoring", default=False)
+
+
+@contextlib.contextmanager
+def scoring() -> Iterator[None]:
+    """Forward passes inside take the training kernels without a gradient: a split's loss (`evaluate_loss`), whose
+    values are ATen's within fp32 rounding either way. The fused heads, norms and short attention save ~15% of
+    the CPU speedrun's final evaluation. Elsewhere inference keeps ATen's bits, which the HF parity tests and the
+    decode steps follow."""
+    token = _SCORING.set(True)
+    try:
+        yield
+    finally:
+        _SCORING.reset(token)
 
 
 def bf16_dot_ops() -> Any | None:
