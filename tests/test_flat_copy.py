@@ -132,15 +132,20 @@ def test_flat_clipping_matches_torchs(kind: str, impl: str, adamw_path: str) -> 
     gradients at once vs the norm of per-tensor norms; the one-pass step: fp64 sums of squares), far below what a
     bf16 working copy resolves, and for the fused AdamWs over the buffers the gradients divided by the inverse
     coefficient as the update reads them rather than scaled by it first (Muon, and the one-pass step: scaled
-    first)."""
+    first). Muon's matrices: a first step's update is Newton-Schulz of the gradient, whose scale it normalizes
+    away; the iteration (fp32 where bf16 products are emulated) magnifies that rounding in a small matrix's small
+    singular directions, so that its bf16 update may round a step or two apart."""
     spec = OptimizerSpec(kind=kind, impl=impl, lr=1e-2, weight_decay=0.1)
     reference, flat = tiny(), tiny()
     clip = 0.05
     (norm,) = per_parameter_steps(reference, spec, 1, clip)
     assert norm > 10 * clip  # the step clips: the clipping path is what is compared
     flat_steps(flat, spec, 1, clip)
+    muon_matrices = {name for name, _ in reference.parameter_groups_by_kind()["matrix"]} if kind == "muon" else set()
     for (name, r), f in zip(reference.named_parameters(), flat.parameters(), strict=True):
-        torch.testing.assert_close(f, r, rtol=1e-6, atol=1e-7, msg=name)
+        # (lr times sqrt(rows / cols) <= 2 times the update's bf16 steps near 1, twice)
+        atol = spec.muon_lr * 2 * 2 ** -7 if name in muon_matrices else 1e-7
+        torch.testing.assert_close(f, r, rtol=1e-6, atol=atol, msg=name)
 
 
 def test_a_grad_scale_goes_only_to_optimizers_that_divide_by_it() -> None:
