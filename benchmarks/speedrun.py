@@ -7,7 +7,8 @@ beside nanoGPT's README CPU recipe on the same machine, and the start-up of samp
     python benchmarks/speedrun.py --nanogpt /tmp/nanogpt   # + nanoGPT's recipe, interleaved, and the ratios
 
 Each run is a fresh `gptlab train` process (start-up, imports, training, the final whole-split evaluation and the
-checkpoint all count), timed from outside, in its own session with raised priority (benchmarks/timing.py). Data is
+checkpoint all count), timed from outside, in its own session with raised priority and Python's bytecode cache
+(benchmarks/timing.py), after one untimed step (a first run builds the kernels and writes that cache). Data is
 prepared once from shared/data/tinyshakespeare.txt (character level, first 90% train).
 
 With --nanogpt PATH (a nanoGPT checkout, copied to a temporary directory and prepared with its own prepare.py on
@@ -103,6 +104,8 @@ def main() -> None:
             nanogpt = nanogpt_peer.copy_checkout(args.nanogpt, Path(tmp))
             nanogpt_peer.prepare_char_data(nanogpt, SHAKESPEARE)
         seeds = args.seeds or [None] * args.runs
+        # one untimed step first: what a first run alone does (build the kernels, write the bytecode cache)
+        run_once(Path(args.recipe), data_dir, Path(tmp) / "warm-up", [*extra, "--max-steps", "1"])
         results, peer = [], []
         for i, seed in enumerate(seeds):
             seed_args = ["--seed", str(seed)] if seed is not None else []

@@ -29,12 +29,17 @@ def priority_available() -> bool:
 
 def run_timed(cmd: list[str], cwd: Path | str | None = None, env: dict | None = None,
               priority: bool = True) -> tuple[float, subprocess.CompletedProcess]:
-    """Wall seconds of one process run to its end (output captured), and its result; raises on a non-zero exit."""
+    """Wall seconds of one process run to its end (output captured), and its result; raises on a non-zero exit.
+
+    The process runs with Python's default bytecode cache, as a user's does (a wheel's install compiles it, an
+    editable checkout writes it on first import): a machine that sets PYTHONDONTWRITEBYTECODE (this project's
+    sandboxes do) makes every process compile the imported sources again, ~0.07 s of `gptlab train`'s start-up.
+    Time a first run apart (it writes the cache)."""
     global _warned
     if priority and not priority_available() and not _warned:
         print("note: not root, timed processes run at normal priority (expect more noise)")
         _warned = True
-    env = {**os.environ, **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "2")
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, start_new_session=True,
