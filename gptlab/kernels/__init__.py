@@ -5,8 +5,8 @@ weights re-laid out once, for `gptlab.generation.packed_linear` and `gptlab.quan
 where they are faster than PyTorch's kernels (`dispatch` measures which path runs each kind of weight here).
 `decode_step.cpp`: the decode step of any gptlab model over those packed weights in one call
 (`gptlab.generation.native_decode`). `cross_entropy.cpp`: the training loss's softmax cross-entropy and its
-gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). `activations.cpp`: GELU's
-tanh form and its derivative for training (`gptlab.ops.gelu`). `split_heads.cpp`: an attention layer's q, k and v
+gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). `activations.cpp`: GELU
+(erf and tanh forms) with its slope in one pass for training (`gptlab.ops.gelu`). `split_heads.cpp`: an attention layer's q, k and v
 cut from its projection, cast, QK-normalized and rotated, and the gradient of that, in training
 (`gptlab.heads`). `norms.cpp`: LayerNorm and RMSNorm forward and backward in training (`gptlab.norms`).
 `adamw.cpp`: AdamW's step from bf16 working gradients into the fp32 masters and back into the working weights in
