@@ -4,6 +4,7 @@ depend on how they are split, overrides and one-line CLI errors."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -403,6 +404,31 @@ def test_newton_schulz_zero_padding_is_exact_and_large_matrices_stack_by_shape()
         assert not together[j, m.shape[0] :].any() and not together[j, :, m.shape[1] :].any()
     big = [(768, 2304), (768, 768), (3072, 768), (768, 3072), (768, 768)]
     assert newton_schulz_stacks(big) == [([0], (768, 2304)), ([1, 4], (768, 768)), ([2, 3], (768, 3072))]
+
+
+def test_muon_keeps_a_small_stacks_buffers_and_their_padding_stays_zero() -> None:
+    """BatchedMuon writes each step's updates into the views of a kept, zero-padded stack: over steps of matrices
+    of several shapes (tall ones transposed in), the padding is still zero and the updates are those of fresh
+    buffers (a new optimizer on the same state)."""
+    torch.manual_seed(0)
+    shapes = [(48, 16), (16, 16), (64, 16), (16, 64)]
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    kept = BatchedMuon(ps, lr=0.03, momentum=0.85)
+    for step in range(3):
+        fresh = BatchedMuon(qs, lr=0.03, momentum=0.85)  # new buffers, the state carried over
+        if step:  # (a copy: the state's tensors would be shared otherwise)
+            fresh.load_state_dict(copy.deepcopy(kept.state_dict()))
+        for p, q in zip(ps, qs, strict=True):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        kept.step()
+        fresh.step()
+        assert all(torch.equal(p, q) for p, q in zip(ps, qs, strict=True))
+    ((layout),) = kept._layouts.values()
+    for j, (rows, cols) in enumerate(shapes):
+        for stack in (layout.wide, layout.out):
+            assert not stack[j, min(rows, cols) :].any() and not stack[j, :, max(rows, cols) :].any()
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,21 @@ class BatchedMuon(LeanOptimizer):
         super().__init__(params, defaults)
         if any(p.ndim != 2 for group in self.param_groups for p in group["params"]):
             raise ValueError("Muon only takes 2-D weight matrices")
+        self._layouts: dict[tuple, StackLayout] = {}  # small stacks' buffers, kept from step to step
+
+    def _layout(self, idx: list[int], shapes: list[torch.Size], shape: tuple[int, int],
+                like: torch.Tensor) -> StackLayout:
+        """The buffers of the stack of matrices `idx`: kept for a stack of up to KEEP_MAX_ELEMENTS (a small
+        model's, whose step is mostly the per-matrix calls these views save), made again each step for a larger
+        one (whose buffers would hold another copy of the weights between steps)."""
+        key = (tuple(idx), tuple(tuple(shapes[i]) for i in idx), shape, like.dtype, like.device)
+        layout = self._layouts.get(key)
+        if layout is None:
+            out_dtype = like.dtype if self.world == 1 else torch.bfloat16  # (bf16 updates travel between processes)
+            layout = StackLayout([shapes[i] for i in idx], shape, like, out_dtype)
+            if layout.wide.numel() <= KEEP_MAX_ELEMENTS:
+                self._layouts[key] = layout
+        return layout
 
     @torch.no_grad()
     def step(self) -> None:
@@ -79,7 +94,6 @@ class BatchedMuon(LeanOptimizer):
             else:
                 for b, new in zip(bufs, torch._foreach_add(torch._foreach_mul(bufs, mu), grads), strict=True):
                     torch.where(skip, b, new, out=b)
-            updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
             shapes = [p.shape for p in params]
             stacks = newton_schulz_stacks(shapes)  # the stacks of one process, so the padding is the same
             owners = matrix_owners(_stack_costs(stacks, len(params)), self.world)
@@ -87,23 +101,19 @@ class BatchedMuon(LeanOptimizer):
             # over each stack rather than a copy and a select per matrix
             zero_skipped = skip is not None and not group["weight_decay"]
             owned = {}
-            for idx, (rows_max, cols_max) in stacks:
+            for idx, shape in stacks:
                 idx = [i for i in idx if owners[i] == self.rank]
                 if not idx:
                     continue
-                wide = updates[idx[0]].new_zeros(len(idx), rows_max, cols_max)  # zero padding changes nothing
-                for j, i in enumerate(idx):
-                    u = updates[i].mT if updates[i].size(0) > updates[i].size(1) else updates[i]
-                    wide[j, : u.size(0), : u.size(1)] = u
-                ortho = newton_schulz(wide, group["ns_steps"], group["ns_coefficients"], group["eps"])
-                if zero_skipped:
-                    ortho = torch.where(skip, 0.0, ortho)
-                if self.world == 1:  # the updates' cast to the weights' dtype (exact), once over the stack
-                    ortho = ortho.to(params[0].dtype)
-                for j, i in enumerate(idx):
-                    rows, cols = shapes[i]
-                    o = ortho[j, : min(rows, cols), : max(rows, cols)]
-                    owned[i] = o.mT if rows > cols else o
+                # the stack's updates written straight into its padded input: g + momentum * B (Nesterov) or B
+                layout = self._layout(idx, shapes, shape, params[0])
+                torch._foreach_copy_(layout.inputs, [grads[i] if group["nesterov"] else bufs[i] for i in idx])
+                if group["nesterov"]:
+                    torch._foreach_add_(layout.inputs, [bufs[i] for i in idx], alpha=mu)
+                ortho = newton_schulz(layout.wide, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                # the updates' cast to the weights' dtype (exact; bf16 kept to share them between processes)
+                layout.out.copy_(torch.where(skip, 0.0, ortho) if zero_skipped else ortho)
+                owned.update(zip(idx, layout.outputs, strict=True))
             shared = share_updates(owned, owners, shapes, self.world, params[0].device)
             if skip is None or zero_skipped:
                 _apply_updates(params, [o.to(p.dtype) for p, o in zip(params, shared, strict=True)], group)
@@ -112,6 +122,30 @@ class BatchedMuon(LeanOptimizer):
                     new = p.clone()
                     _apply_updates([new], [o.to(p.dtype)], group)
                     torch.where(skip, p, new, out=p)
+
+
+class StackLayout:
+    """A stack's zero-padded Newton-Schulz input (`wide`, fp32 or the weights' dtype) and its output in the
+    weights' dtype (`out`), with each matrix's view into both, oriented as the matrix (a tall one's transposed:
+    Newton-Schulz runs on the wide orientation). Only the views are ever written, so the padding stays zero."""
+
+    def __init__(self, shapes: list[torch.Size], shape: tuple[int, int], like: torch.Tensor,
+                 out_dtype: torch.dtype) -> None:
+        self.wide = like.new_zeros(len(shapes), *shape)
+        self.out = like.new_zeros(len(shapes), *shape, dtype=out_dtype)
+        self.inputs, self.outputs = self._views(self.wide, shapes), self._views(self.out, shapes)
+
+    @staticmethod
+    def _views(stack: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        views = []
+        for j, (rows, cols) in enumerate(shapes):
+            v = stack[j, : min(rows, cols), : max(rows, cols)]
+            views.append(v.mT if rows > cols else v)
+        return views
+
+
+# elements of a stack whose buffers BatchedMuon keeps between steps (16 MB in fp32): a small model's matrices
+KEEP_MAX_ELEMENTS = 1 << 22
 
 
 def _apply_updates(params: list[torch.Tensor], updates: list[torch.Tensor], group: dict) -> None:
