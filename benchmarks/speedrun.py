@@ -105,7 +105,8 @@ def main() -> None:
             nanogpt_peer.prepare_char_data(nanogpt, SHAKESPEARE)
         seeds = args.seeds or [None] * args.runs
         # one untimed step first: what a first run alone does (build the kernels, write the bytecode cache)
-        run_once(Path(args.recipe), data_dir, Path(tmp) / "warm-up", [*extra, "--max-steps", "1"])
+        run_once(Path(args.recipe), data_dir, Path(tmp) / "warm-up", [*extra, "--max-steps", "1",
+                                                                     "--warmup-steps", "0"])
         results, peer = [], []
         for i, seed in enumerate(seeds):
             seed_args = ["--seed", str(seed)] if seed is not None else []

@@ -6,9 +6,10 @@ where they are faster than PyTorch's kernels (`dispatch` measures which path run
 `decode_step.cpp`: the decode step of any gptlab model over those packed weights in one call
 (`gptlab.generation.native_decode`). `cross_entropy.cpp`: the training loss's softmax cross-entropy and its
 gradient in one pass per row (`gptlab.ops.cross_entropy` over LM-head-wide logits). `activations.cpp`: GELU
-(erf and tanh forms) with its slope in one pass for training (`gptlab.ops.gelu`). `split_heads.cpp`: an attention layer's q, k and v
-cut from its projection, cast, QK-normalized and rotated, and the gradient of that, in training
-(`gptlab.heads`). `norms.cpp`: LayerNorm and RMSNorm forward and backward in training (`gptlab.norms`).
+(erf and tanh forms) with its slope in one pass for training (`gptlab.ops.gelu`). `split_heads.cpp`: an
+attention layer's q, k and v cut from its projection, cast, QK-normalized and rotated, and the gradient of
+that, in training (`gptlab.heads`). `norms.cpp`: LayerNorm and RMSNorm forward and backward in training
+(`gptlab.norms`).
 `adamw.cpp`: AdamW's step from bf16 working gradients into the fp32 masters and back into the working weights in
 one pass (`gptlab.train.flat`). `dequantize_int4.cpp`: QLoRA's int4 base weight unpacked straight into fp32/bf16
 blocks (`gptlab.qlora`). `attention_fp32.cpp`: causal attention of short sequences in fp32 training, forward and
@@ -136,28 +137,34 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
     try:
         cflags = [*_COMMON_FLAGS, *flags]
         load_library(_build_name(library, cflags), SOURCES, cflags, ["-fopenmp"])
-        # the output's shape and dtype without running it: torch.compile then traces a model through `linear`
-        # (an opaque call in its graph) instead of failing there
-        torch.library.register_fake(f"{library}::linear")(
-            lambda x, packed, qparams, bias, N: x.new_empty((*x.shape[:-1], N)))
-        torch.library.register_fake(f"{library}::split_heads")(_split_heads_shapes)
-        torch.library.register_fake(f"{library}::split_heads_backward")(
-            lambda dq, dk, dv, qkv, *_: torch.empty_like(qkv))
-        torch.library.register_fake(f"{library}::softmax_xent")(
-            lambda logits, targets, grad: (logits.new_empty(logits.shape[0], dtype=torch.float32),
-                                           logits.new_empty(logits.shape if grad else (0,))))
-        torch.library.register_fake(f"{library}::norm_rows")(_norm_rows_shapes)
-        torch.library.register_fake(f"{library}::norm_rows_backward")(_norm_rows_backward_shapes)
-        torch.library.register_fake(f"{library}::causal_attention_fp32")(_attention_fp32_shapes)
-        torch.library.register_fake(f"{library}::causal_attention_fp32_backward")(
-            lambda grad, q, k, v, *_: (torch.empty_like(q, memory_format=torch.contiguous_format),
-                                       torch.empty_like(k, memory_format=torch.contiguous_format),
-                                       torch.empty_like(v, memory_format=torch.contiguous_format)))
+        # the output's shape and dtype without running it (Meta kernels, which fake tensors run): torch.compile then
+        # traces a model through `linear` (an opaque call in its graph) instead of failing there. Registered through
+        # a Library rather than torch.library.register_fake, which looks up each caller's source (~10 ms of
+        # start-up through inspect.getmodule over every module loaded)
+        meta = _META_LIBRARIES.setdefault(library, torch.library.Library(library, "IMPL"))
+        for name, shapes in (
+            ("linear", lambda x, packed, qparams, bias, N: x.new_empty((*x.shape[:-1], N))),
+            ("split_heads", _split_heads_shapes),
+            ("split_heads_backward", lambda dq, dk, dv, qkv, *_: torch.empty_like(qkv)),
+            ("softmax_xent", lambda logits, targets, grad: (logits.new_empty(logits.shape[0], dtype=torch.float32),
+                                                            logits.new_empty(logits.shape if grad else (0,)))),
+            ("norm_rows", _norm_rows_shapes),
+            ("norm_rows_backward", _norm_rows_backward_shapes),
+            ("causal_attention_fp32", _attention_fp32_shapes),
+            ("causal_attention_fp32_backward",
+             lambda grad, q, k, v, *_: (torch.empty_like(q, memory_format=torch.contiguous_format),
+                                        torch.empty_like(k, memory_format=torch.contiguous_format),
+                                        torch.empty_like(v, memory_format=torch.contiguous_format))),
+        ):
+            meta.impl(name, shapes, "Meta")
     except Exception as e:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         warnings.warn(f"gptlab: building the {what} kernels failed, using PyTorch's ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)
         return None
     return getattr(torch.ops, library)
+
+
+_META_LIBRARIES: dict[str, torch.library.Library] = {}  # kept alive: a Library's registrations end with it
 
 
 def _split_heads_shapes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_head: int,
