@@ -365,7 +365,8 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return F.gelu(x, approximate=approximate) if ops is None else _Gelu.apply(x, approximate, ops)
 
 
-# elements below which ATen's forward and backward (~10 us at 16k elements) cost less than the Function's overhead
+# elements below which a call's cost is mostly its overhead either way (through autograd, forward and backward of
+# 4k elements: 0.09 ms through the kernel, 0.12 through ATen's; 16k: 0.12 and 0.13 ms)
 _NATIVE_GELU_MIN = 1 << 14
 
 

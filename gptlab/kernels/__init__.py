@@ -141,7 +141,7 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
         # traces a model through `linear` (an opaque call in its graph) instead of failing there. Registered through
         # a Library rather than torch.library.register_fake, which looks up each caller's source (~10 ms of
         # start-up through inspect.getmodule over every module loaded)
-        meta = _META_LIBRARIES.setdefault(library, torch.library.Library(library, "IMPL"))
+        meta = _META_LIBRARIES[library] = torch.library.Library(library, "IMPL")  # (once: the builds are cached)
         for name, shapes in (
             ("linear", lambda x, packed, qparams, bias, N: x.new_empty((*x.shape[:-1], N))),
             ("split_heads", _split_heads_shapes),

@@ -1,5 +1,5 @@
-// GELU, its exact (erf) form and its tanh form (GPT-2's "gelu_new": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))),
-// with its slope dy/dx in the same pass, for training on a CPU (`gptlab.ops.gelu`): autograd keeps the slope instead
+// GELU in its exact (erf) form and its tanh form (GPT-2's "gelu_new": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715
+// x^3)))), with its slope dy/dx in the same pass, for training on a CPU (`gptlab.ops.gelu`): autograd keeps the slope instead
 // of x, and the backward is one product, g * slope. ATen's backward evaluates the function's pieces again (two exps
 // for the erf form's); its tanh form runs its vectorized tanh, ~4.5x the time of the erf form on an AVX-512 Xeon.
 // Here every form comes from one exp over simd.h's vectors (within ~1e-7 relative of std::exp's), in fp32 and
@@ -55,7 +55,8 @@ GeluSlope gelu_erf_of(Vec x) {
   const Vec z = (x < 0.0f ? -x : x) * kInvSqrt2;
   const Vec t = 1.0f / (1.0f + 0.3275911f * z);
   const Vec e = exp_vec(-z * z);  // e^(-x^2 / 2)
-  const Vec poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+  const Vec poly =
+      t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
   const Vec half_erfc = 0.5f * e * poly;
   const Vec cdf = x < 0.0f ? half_erfc : 1.0f - half_erfc;
   return {x * cdf, cdf + x * (kInvSqrt2Pi * e)};

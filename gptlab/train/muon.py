@@ -125,9 +125,10 @@ class BatchedMuon(LeanOptimizer):
 
 
 class StackLayout:
-    """A stack's zero-padded Newton-Schulz input (`wide`, fp32 or the weights' dtype) and its output in the
-    weights' dtype (`out`), with each matrix's view into both, oriented as the matrix (a tall one's transposed:
-    Newton-Schulz runs on the wide orientation). Only the views are ever written, so the padding stays zero."""
+    """A stack's zero-padded Newton-Schulz input (`wide`, in the weights' dtype) and its output (`out`: the weights'
+    dtype, bf16 where the updates travel between processes), with each matrix's view into both, oriented as the
+    matrix (a tall one's transposed: Newton-Schulz runs on the wide orientation). Only the views are ever written,
+    so the padding stays zero."""
 
     def __init__(self, shapes: list[torch.Size], shape: tuple[int, int], like: torch.Tensor,
                  out_dtype: torch.dtype) -> None:
@@ -223,7 +224,8 @@ def newton_schulz_fp32(x: torch.Tensor, steps: int, coefficients: tuple[float, f
     step: (4 steps - 3) r^3 + 2 r^2 c multiply-adds against steps (2 r^2 c + r^3), fewer where c > 1.5 r, as
     Muon's matrices mostly are (an MLP's 1 x 4, the fused qkv's 1 x 3). In fp32 the squared condition number of
     A costs nothing that matters: the small singular values, which A's rounding hides, are those the iteration
-    only scales by about a^steps, and the result is rounded to bf16 anyway. (In bf16 it would: kept to fp32.)
+    only scales by about a^steps, and the result is rounded to bf16 anyway (in bf16 they would be lost: this runs
+    in fp32 only).
     "standard" is the iteration as written; "auto" takes the one with fewer multiply-adds."""
     a, b, c = coefficients
     r, cols = x.shape[-2:]
