@@ -19,7 +19,7 @@ from gptlab.errors import GptlabError
 from gptlab.fileio import parse_json, read_json_object, read_utf8
 
 METRICS_FILE = "metrics.jsonl"  # as gptlab.train.runlog writes it (train sits beside this layer: no import)
-RESOLVED_CONFIG = "config.resolved.json"
+RESOLVED_CONFIG = "config.resolved.json"  # checkpoint.layout's name; not imported: that module imports torch
 X_AXES = ("step", "tokens", "time")
 
 

@@ -193,13 +193,13 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients: tuple[float, float,
     slower than fp32 there) it runs in fp32 (`newton_schulz_fp32`): nearer the exact iteration than bf16's, and
     faster."""
     a, b, c = coefficients
-    work = torch.float32 if g.device.type == "cpu" and not native_low_precision_matmul(torch.bfloat16) else None
-    x = g.bfloat16() if work is None else g.float()
+    in_fp32 = g.device.type == "cpu" and not native_low_precision_matmul(torch.bfloat16)
+    x = g.float() if in_fp32 else g.bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
-    if work is not None:
+    if in_fp32:
         x = newton_schulz_fp32(x, steps, coefficients).bfloat16()
         return x.mT if tall else x
     ops = _native_ops(x)
