@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace GPTLAB_NS::simd {
 
@@ -29,7 +30,8 @@ using UVec = uint32_t __attribute__((vector_size(4 * kLanes)));
 using HVec = uint16_t __attribute__((vector_size(2 * kLanes)));
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-inline Vec splat(float v) { return Vec{} + v; }
+// v in every lane (v - 0 is v exactly, so the compiler emits one broadcast; 0 + v would be an add first: -0 + 0 = +0)
+inline Vec splat(float v) { return v - Vec{}; }
 inline Vec load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
@@ -79,8 +81,37 @@ inline void narrow(const float* x, at::BFloat16* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) bits[i] = bf16_bits(x[i]);
 }
 
+// an 8 x 8 block of floats (rows ld apart) transposed into out (rows ldo apart) in registers: pairs of rows
+// interleaved, then pairs of pairs, then the 128-bit halves swapped (AVX's unpack, shuffle and permute)
+inline void transpose8x8(const float* x, int64_t ld, float* out, int64_t ldo) {
+  using V8 = float __attribute__((vector_size(32)));
+  V8 r[8], t[8], u[8];  // (unrolled: each array stays in registers)
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) std::memcpy(&r[i], x + i * ld, sizeof(V8));
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      u[i + 2 * h] = __builtin_shufflevector(t[i + h], t[i + 2 + h], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[i + 2 * h + 1] = __builtin_shufflevector(t[i + h], t[i + 2 + h], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {  // u[c] holds columns c and c + 4 of rows 0-3, u[c + 4] of rows 4-7
+    const V8 lo = __builtin_shufflevector(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    const V8 hi = __builtin_shufflevector(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    std::memcpy(out + c * ldo, &lo, sizeof(V8));
+    std::memcpy(out + (c + 4) * ldo, &hi, sizeof(V8));
+  }
+}
+
 // x (rows of cols values, ld apart) transposed into out (cols rows of `rows` values, ldo apart), through 32 x 32
-// blocks that stay in the cache: each block's rows are read whole and its output rows written whole
+// blocks that stay in the cache: each block's rows are read whole and its output rows written whole; floats in
+// whole 8 x 8 blocks through registers
 template <typename T>
 void transpose(const T* x, int64_t ld, int64_t rows, int64_t cols, T* out, int64_t ldo) {
   constexpr int64_t kTile = 32;
@@ -88,8 +119,14 @@ void transpose(const T* x, int64_t ld, int64_t rows, int64_t cols, T* out, int64
     const int64_t r1 = r0 + kTile < rows ? r0 + kTile : rows;
     for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
       const int64_t c1 = c0 + kTile < cols ? c0 + kTile : cols;
-      for (int64_t c = c0; c < c1; ++c)
-        for (int64_t r = r0; r < r1; ++r) out[c * ldo + r] = x[r * ld + c];
+      int64_t r8 = r0, c8 = c0;  // the whole 8 x 8 blocks end at (r8, c8)
+      if constexpr (std::is_same_v<T, float>) {
+        r8 = r0 + (r1 - r0) / 8 * 8, c8 = c0 + (c1 - c0) / 8 * 8;
+        for (int64_t r = r0; r < r8; r += 8)
+          for (int64_t c = c0; c < c8; c += 8) transpose8x8(x + r * ld + c, ld, out + c * ldo + r, ldo);
+      }
+      for (int64_t c = c0; c < c1; ++c)  // the rest: columns past c8 of every row, rows past r8 of every column
+        for (int64_t r = c < c8 ? r8 : r0; r < r1; ++r) out[c * ldo + r] = x[r * ld + c];
     }
   }
 }
