@@ -8,14 +8,16 @@ is the op F.scaled_dot_product_attention runs here (the same output, and its log
 the gradients differ, within bf16 rounding. It serves sequence lengths and head sizes in multiples of 32 on a CPU
 whose gptlab kernels have bf16 dot products (AVX512-BF16 or AMX).
 
-fp32, short sequences: forward and backward both gptlab's (attention_fp32.cpp, every build): each (batch, head)'s
-keys and values stay in the L1 cache and each query row is done in registers, where PyTorch's flash attention
-spends a small model's attention in calls of a few thousand multiply-adds. On a 2-core Zen 3 (AVX2), forward and
-backward through autograd (`benchmarks/train_attention.py --dtype float32`, raised priority, medians): 1.14-1.15x
-PyTorch's at 32 x 2 heads x 64 x 32 (the CPU speedrun's), 1.15x at 16 x 2 x 64 x 64, 1.19x at 24 x 2 x 96 x 32,
-1.02x at 64 x 2 x 32 x 32, but 0.73-0.97x at 128 positions: it serves up to `FP32_MAX_LEN` positions, heads in
-multiples of 16 (every build's vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not measured on an
-AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
+fp32, sequences up to `FP32_MAX_LEN`: forward and backward both gptlab's (attention_fp32.cpp, every build): each
+(batch, head)'s keys and values stay in the cache and every product runs on one register tile over a block of
+query (or key) rows, where PyTorch's flash attention spends a short sequence's attention in calls of a few thousand
+multiply-adds. On a 2-core Zen 3 (AVX2), forward and backward through autograd (`benchmarks/train_attention.py
+--dtype float32`, raised priority, interleaved, best of 5-7): 1.55x PyTorch's at 32 x 2 heads x 64 x 32 (the CPU
+speedrun's), 1.56-1.65x at 16 x 2 x 96 x 32, 8 x 2 x 128 x 32 and 4 x 2 x 256 x 32, 1.70x at GPT-2's 4 x 12 x 256 x
+64 and 1.80x at 8 x 12 x 512 x 64, but 1.08x at 1 x 12 x 1,024 x 64, where the T x T probabilities and their
+gradients (kept for the backward's key blocks) no longer fit the cache: it serves up to `FP32_MAX_LEN` positions,
+heads in multiples of 16 (every build's vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not
+measured on an AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
 
 Both serve plain causal attention (no mask, no dropout) over a whole sequence (as many keys as queries), grouped kv
 heads included, in training (a gradient wanted) outside torch.compile; tests/test_causal_attention.py holds them
@@ -54,9 +56,10 @@ class _CausalAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-# where the fp32 kernel serves (module docstring): the longest sequence and the widest head measured faster than
-# PyTorch's flash attention (a 2-core Zen 3: 1.19x at 96 positions, 0.73-0.97x at 128)
-FP32_MAX_LEN = 96
+# where the fp32 kernel serves (module docstring): the longest sequence measured clearly faster than PyTorch's flash
+# attention (a 2-core Zen 3: 1.80x at 512 positions, 1.08x at 1,024, whose T x T backward buffers are 4 MB each a
+# thread), and the widest head measured
+FP32_MAX_LEN = 512
 FP32_MAX_HEAD = 128
 
 

@@ -1,14 +1,16 @@
-// Causal attention of short sequences in fp32 training on a CPU, forward and backward (`gptlab.causal_attention`).
-// PyTorch's CPU flash attention splits its work into blocks of 128 queries and 512 keys and runs their products as
-// GEMM calls: at a small model's shapes (the CPU speedrun's 32 x 2 heads x 64 positions x 32) each call is a few
-// thousand multiply-adds (a layer's forward and backward: ~1.6 ms on a 2-core Zen 3, ~1.4 ms here). Here each
-// (batch, head) is one unit of work whose keys and values (transposed once, D x T) stay in the L1 cache, and each
-// query row is done whole in registers (every build: 8 lanes in AVX2, 16 in AVX-512):
-//   forward:  s = scale q K^T over the keys up to the query (causal), p = exp(s - max), l = sum p,
-//             o = (p V) / l, lse = max + log l (the backward's);
-//   backward: p = exp(scale q K^T - lse), dp = dO V^T, ds = scale p (dp - sum_j p_j dp_j) (= dO . O),
-//             dQ = ds K query row by query row, P and dS kept transposed; then key row by key row
-//             dK = dS^T Q, dV = P^T dO (summed over a kv head's group of query heads), in registers.
+// Causal attention in fp32 training on a CPU, forward and backward (`gptlab.causal_attention`), for sequences whose
+// T x T scores fit the cache. PyTorch's CPU flash attention splits its work into blocks of 128 queries and 512 keys
+// and runs their products as GEMM calls: at a small model's shapes (the CPU speedrun's 32 x 2 heads x 64 positions
+// x 32) each call is a few thousand multiply-adds. Here each (batch, head) is one unit of work whose keys and values
+// (K^T and V^T transposed once, D x T) stay in the cache, and every product runs on one register tile (`tile`): a
+// block of kRows query (or key) rows by 2 vectors, kRows broadcasts and 2 loads feeding 2 kRows multiply-adds a step
+// (every build: 8 lanes in AVX2, 16 in AVX-512):
+//   forward, a block of queries at a time:  S = scale Q K^T over the keys up to the block's last query (causal),
+//             P = exp(S - rowmax), l = rowsum P, O = (P V) / l, lse = rowmax + log l (the backward's);
+//   backward, a kv head at a time, each of its query heads in turn: P = exp(scale Q K^T - lse), dP = dO V^T,
+//             dS = scale P (dP - rowsum(P dP)) (= dO . O), dQ = dS K, a block of queries at a time, P and dS kept
+//             (T x T); then a block of keys at a time dK = dS^T Q, dV = P^T dO (the tile's weights read down P's and
+//             dS's columns), summed over the kv head's group of query heads.
 // All in fp32, summed in another order than ATen's: within fp32 rounding of the maths (tests/test_attention_fp32.py
 // holds both against it in fp64). The output is written as (B, T, H, D) and handed back as its (B, H, T, D) view,
 // the layout the attention's output projection reads: no copy between them.
@@ -20,10 +22,12 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace GPTLAB_NS {
@@ -35,8 +39,6 @@ using simd::splat;
 using simd::store;
 using simd::Vec;
 
-constexpr int kMaxVecs = 8;  // vectors a register block holds (of keys, or of a row's D)
-
 struct View {  // a (B, H, T, D) fp32 tensor's data and strides, D contiguous
   const float* data;
   int64_t sb, sh, st;
@@ -45,57 +47,57 @@ struct View {  // a (B, H, T, D) fp32 tensor's data and strides, D contiguous
 
 View view_of(const at::Tensor& x) { return {x.data_ptr<float>(), x.stride(0), x.stride(1), x.stride(2)}; }
 
-// out[0, N vectors) = sum_j w[j] * rows[j][d0, d0 + N vectors) over j < n (rows ld apart), with Add out += that:
-// N accumulators, one broadcast of w[j] a step. Up to 4 vectors, even and odd j are summed apart: twice the
-// independent sums, where a short row's latency, not its work, was the limit (8 sums cover the multiply-add's
-// latency on two units). Every product here is one: a query's scores (w its q, rows K^T's), p V and dS K for a
-// query, dS^T Q and P^T dO for a key.
-template <int N, bool Add>
-inline void weighted_block(const float* w, const float* rows, int64_t ld, int64_t n, int64_t d0, float* out) {
-  constexpr bool kSplit = N <= 4;
-  Vec acc[N] = {}, odd[kSplit ? N : 1] = {};
-  if (Add) {
+// query (or key) rows a register tile holds: kRows x 2 accumulators, 2 vectors and a broadcast fit AVX2's 16
+// registers (6 rows) and AVX-512's 32 (8)
+constexpr int kRows = kLanes == 16 ? 8 : 6;
+
+// out[r][d0, d0 + N vectors) = sum_j w[r * wr + j * wj] * rows[j][d0, d0 + N vectors) over j < n (rows ld apart,
+// out's rows out_r apart), for r < R; with Add out += that. Each step loads N vectors of a row and R weights and does
+// R x N multiply-adds: the register tile every product of the attention runs on (a block of queries' scores over
+// K^T's rows, P V and dS K over key rows; dS^T Q and P^T dO over query rows, the weights read down a column).
+template <int R, int N, bool Add>
+void tile(const float* w, int64_t wr, int64_t wj, const float* rows, int64_t ld, int64_t n, int64_t d0, float* out,
+          int64_t out_r) {
+  Vec acc[R][N];
 #pragma GCC unroll 8
-    for (int u = 0; u < N; ++u) acc[u] = load(out + d0 + u * kLanes);
-  }
-  int64_t j = 0;
-  if (kSplit) {
-    for (; j + 2 <= n; j += 2) {
-      const Vec w0 = splat(w[j]), w1 = splat(w[j + 1]);
-      const float* r = rows + j * ld + d0;
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int u = 0; u < N; ++u) acc[r][u] = Add ? load(out + r * out_r + d0 + u * kLanes) : Vec{};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = rows + j * ld + d0;
+    const float* wj_ = w + j * wj;
+    Vec x[N];
+#pragma GCC unroll 2
+    for (int u = 0; u < N; ++u) x[u] = load(row + u * kLanes);
 #pragma GCC unroll 8
-      for (int u = 0; u < N; ++u) {
-        acc[u] += w0 * load(r + u * kLanes);
-        odd[kSplit ? u : 0] += w1 * load(r + ld + u * kLanes);
-      }
+    for (int r = 0; r < R; ++r) {
+      const Vec s = splat(wj_[r * wr]);
+#pragma GCC unroll 2
+      for (int u = 0; u < N; ++u) acc[r][u] += s * x[u];
     }
   }
-  for (; j < n; ++j) {
-    const Vec wj = splat(w[j]);
-    const float* r = rows + j * ld + d0;
 #pragma GCC unroll 8
-    for (int u = 0; u < N; ++u) acc[u] += wj * load(r + u * kLanes);
-  }
-#pragma GCC unroll 8
-  for (int u = 0; u < N; ++u) store(out + d0 + u * kLanes, kSplit ? acc[u] + odd[kSplit ? u : 0] : acc[u]);
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int u = 0; u < N; ++u) store(out + r * out_r + d0 + u * kLanes, acc[r][u]);
 }
 
-template <bool Add>
-void weighted_any(const float* w, const float* rows, int64_t ld, int64_t n, int64_t vecs, float* out) {
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+
+template <int N, bool Add, int... R>
+constexpr std::array<TileFn, kRows> tiles_of(std::integer_sequence<int, R...>) {
+  return {tile<R + 1, N, Add>...};
+}
+
+// out (nr <= kRows rows, out_r apart; vecs vectors each) = sum_j w[r * wr + j * wj] * rows[j] over j < n, or += that
+void rows_product(const float* w, int64_t wr, int64_t wj, const float* rows, int64_t ld, int64_t n, int64_t vecs,
+                  float* out, int64_t out_r, int nr, bool add) {
+  static constexpr auto seq = std::make_integer_sequence<int, kRows>{};
+  static constexpr std::array<TileFn, kRows> pair[2] = {tiles_of<2, false>(seq), tiles_of<2, true>(seq)};
+  static constexpr std::array<TileFn, kRows> single[2] = {tiles_of<1, false>(seq), tiles_of<1, true>(seq)};
   int64_t v = 0;
-  for (; v + kMaxVecs <= vecs; v += kMaxVecs) weighted_block<kMaxVecs, Add>(w, rows, ld, n, v * kLanes, out);
-  using Fn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
-  static constexpr Fn tail[kMaxVecs] = {nullptr, weighted_block<1, Add>, weighted_block<2, Add>,
-                                        weighted_block<3, Add>, weighted_block<4, Add>, weighted_block<5, Add>,
-                                        weighted_block<6, Add>, weighted_block<7, Add>};
-  if (vecs > v) tail[vecs - v](w, rows, ld, n, v * kLanes, out);
-}
-
-// out (vecs vectors) = sum_j w[j] * rows[j] over j < n (rows ld apart), or out += that
-void weighted_rows(const float* w, const float* rows, int64_t ld, int64_t n, int64_t vecs, float* out,
-                   bool add = false) {
-  if (add) weighted_any<true>(w, rows, ld, n, vecs, out);
-  else weighted_any<false>(w, rows, ld, n, vecs, out);
+  for (; v + 2 <= vecs; v += 2) pair[add][nr - 1](w, wr, wj, rows, ld, n, v * kLanes, out, out_r);
+  if (v < vecs) single[add][nr - 1](w, wr, wj, rows, ld, n, v * kLanes, out, out_r);
 }
 
 // (T x D, st apart) into (D x ldt), the key columns past T zero (whole vectors of keys are read)
@@ -105,10 +107,10 @@ void transpose_padded(const float* x, int64_t st, int64_t T, int64_t D, float* o
 }
 
 struct Scratch {  // a thread's buffers, kept between calls
-  std::vector<float> kt, vt, s, dp, pt, dst;
-  void size(int64_t Tp, int64_t D, int64_t T, int64_t group, bool backward) {
-    kt.resize(D * Tp), s.resize(Tp);
-    if (backward) vt.resize(D * Tp), dp.resize(Tp), pt.resize(group * T * T), dst.resize(group * T * T);
+  std::vector<float> kt, vt, p, ds;
+  void size(int64_t Tp, int64_t D, int64_t T, bool backward) {
+    kt.resize(D * Tp), p.resize((backward ? T : kRows) * Tp);
+    if (backward) vt.resize(D * Tp), ds.resize(T * Tp);
   }
 };
 
@@ -140,34 +142,43 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_fp32(const at::Tensor& q, co
 
   at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
     thread_local Scratch w;
-    w.size(Tp, D, T, group, false);
+    w.size(Tp, D, T, false);
     for (int64_t unit = first; unit < last; ++unit) {
       const int64_t b = unit / H, h = unit % H, hk = h / group;
       transpose_padded(K.row(b, hk, 0), K.st, T, D, w.kt.data(), Tp);
-      const float* values = V.row(b, hk, 0);
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t nv = t / kLanes + 1;  // key vectors up to the query's (causal)
-        weighted_rows(Q.row(b, h, t), w.kt.data(), Tp, D, nv, w.s.data());  // q K^T
-        Vec mx = splat(minus_inf);
-        for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
-          const Vec x = load(w.s.data() + c) * sc;
-          const Vec masked = simd::causal_lanes(lanes, c, t) > 0.0f ? x : splat(minus_inf);
-          store(w.s.data() + c, masked);
-          mx = masked > mx ? masked : mx;
+      for (int64_t i0 = 0; i0 < T; i0 += kRows) {  // a block of queries: its scores, their softmax, P V
+        const int nr = static_cast<int>(std::min<int64_t>(kRows, T - i0));
+        const int64_t keys = i0 + nr, nv = (keys - 1) / kLanes + 1;  // keys up to the block's last query (causal)
+        rows_product(Q.row(b, h, i0), Q.st, 1, w.kt.data(), Tp, D, nv, w.p.data(), Tp, nr, false);  // q K^T
+        // each row's softmax over the block's keys, row by row in each pass so that one row's reduction across
+        // lanes overlaps the next row's work
+        float m[kRows], l[kRows];
+        for (int r = 0; r < nr; ++r) {
+          float* s = w.p.data() + r * Tp;
+          Vec mx = splat(minus_inf);
+          for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
+            const Vec x = load(s + c) * sc;
+            const Vec masked = simd::causal_lanes(lanes, c, i0 + r) > 0.0f ? x : splat(minus_inf);
+            store(s + c, masked);
+            mx = masked > mx ? masked : mx;
+          }
+          m[r] = simd::lane_max(mx);
         }
-        const float m = simd::lane_max(mx);
-        Vec sum = {};
-        for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
-          const Vec p = simd::exp_vec(load(w.s.data() + c) - m);  // (exp_vec of a masked -inf: 0)
-          store(w.s.data() + c, p);
-          sum += p;
+        for (int r = 0; r < nr; ++r) {
+          float* s = w.p.data() + r * Tp;
+          Vec sum = {};
+          for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
+            const Vec p = simd::exp_vec(load(s + c) - m[r]);  // (exp_vec of a masked -inf: 0)
+            store(s + c, p);
+            sum += p;
+          }
+          l[r] = simd::lane_sum(sum);
         }
-        const float l = simd::lane_sum(sum);
-        l_data[(b * H + h) * T + t] = m + std::log(l);
-        float* o = o_data + ((b * T + t) * H + h) * D;
-        weighted_rows(w.s.data(), values, V.st, t + 1, D / kLanes, o);
-        const Vec inv = splat(1.0f / l);
-        for (int64_t d = 0; d < D; d += kLanes) store(o + d, load(o + d) * inv);
+        for (int r = 0; r < nr; ++r) l_data[(b * H + h) * T + i0 + r] = m[r] + std::log(l[r]);
+        float* o = o_data + ((b * T + i0) * H + h) * D;
+        rows_product(w.p.data(), Tp, 1, V.row(b, hk, 0), V.st, keys, D / kLanes, o, H * D, nr, false);  // P V
+        for (int r = 0; r < nr; ++r)
+          for (int64_t d = 0; d < D; d += kLanes) store(o + r * H * D + d, load(o + r * H * D + d) / l[r]);
       }
     }
   });
@@ -195,51 +206,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fp32_backward(
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t first, int64_t last) {
     thread_local Scratch w;
-    w.size(Tp, D, T, group, true);
+    w.size(Tp, D, T, true);
     for (int64_t unit = first; unit < last; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
       const float* keys = K.row(b, hk, 0);
       transpose_padded(keys, K.st, T, D, w.kt.data(), Tp);
       transpose_padded(V.row(b, hk, 0), V.st, T, D, w.vt.data(), Tp);
-      // each query row: P and dS over its keys, dQ; P and dS kept transposed (key j's row: its queries i >= j)
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = hk * group + g;
-        const float* lse_h = L + (b * H + h) * T;
-        float* pt = w.pt.data() + g * T * T;
-        float* dst = w.dst.data() + g * T * T;
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t nv = t / kLanes + 1;
-          const float* gt = dO.row(b, h, t);
-          weighted_rows(Q.row(b, h, t), w.kt.data(), Tp, D, nv, w.s.data());  // q K^T
-          weighted_rows(gt, w.vt.data(), Tp, D, nv, w.dp.data());  // dO V^T
-          // delta = rowsum(dO * O) = sum_j p_j dp_j: from the same dp, so a row whose gradient is zero (one key, or
-          // equal dp) gets exactly zero
-          const float l = lse_h[t];
-          Vec dots = {};
-          for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
-            const Vec p = simd::exp_vec(load(w.s.data() + c) * sc - l) * simd::causal_lanes(lanes, c, t);
-            store(w.s.data() + c, p);
-            dots += p * load(w.dp.data() + c);
-          }
-          const float delta = simd::lane_sum(dots);
-          for (int64_t c = 0; c < nv * kLanes; c += kLanes)
-            store(w.dp.data() + c, load(w.s.data() + c) * (load(w.dp.data() + c) - delta) * sc);
-          float* dq_row = dq_data + ((b * H + h) * T + t) * D;
-          weighted_rows(w.dp.data(), keys, K.st, t + 1, D / kLanes, dq_row);  // dQ = dS K
-          for (int64_t j = 0; j <= t; ++j) pt[j * T + t] = w.s[j], dst[j * T + t] = w.dp[j];
-        }
-      }
-      // each key row: dK = dS^T Q, dV = P^T dO over the queries at or after it, summed over the group's heads
       float* dk_rows = dk_data + (b * Hkv + hk) * T * D;
       float* dv_rows = dv_data + (b * Hkv + hk) * T * D;
-      for (int64_t j = 0; j < T; ++j)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = hk * group + g;
-          const float* p_col = w.pt.data() + g * T * T + j * T + j;
-          const float* ds_col = w.dst.data() + g * T * T + j * T + j;
-          weighted_rows(ds_col, Q.row(b, h, j), Q.st, T - j, D / kLanes, dk_rows + j * D, g > 0);
-          weighted_rows(p_col, dO.row(b, h, j), dO.st, T - j, D / kLanes, dv_rows + j * D, g > 0);
+      for (int64_t g = 0; g < group; ++g) {  // the kv head's query heads, one after another
+        const int64_t h = hk * group + g;
+        const float* lse_h = L + (b * H + h) * T;
+        // blocks of query rows: P and dS (T x Tp, zero past each row's keys), dQ = dS K
+        for (int64_t i0 = 0; i0 < T; i0 += kRows) {
+          const int nr = static_cast<int>(std::min<int64_t>(kRows, T - i0));
+          const int64_t n_keys = i0 + nr, nv = (n_keys - 1) / kLanes + 1;
+          float* p_rows = w.p.data() + i0 * Tp;
+          float* ds_rows = w.ds.data() + i0 * Tp;
+          rows_product(Q.row(b, h, i0), Q.st, 1, w.kt.data(), Tp, D, nv, p_rows, Tp, nr, false);  // q K^T
+          rows_product(dO.row(b, h, i0), dO.st, 1, w.vt.data(), Tp, D, nv, ds_rows, Tp, nr, false);  // dO V^T
+          // P, then dS = P (dP - delta) sc, each pass row by row (one row's sum across lanes overlaps the next's work)
+          // with delta = rowsum(dO * O) = sum_j p_j dp_j: from the same dp, so a row whose gradient is zero (one key,
+          // or equal dp) gets exactly zero
+          float delta[kRows];
+          for (int r = 0; r < nr; ++r) {
+            float* p = p_rows + r * Tp;
+            const float* dp = ds_rows + r * Tp;
+            const float l = lse_h[i0 + r];
+            Vec dots = {};
+            for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
+              const Vec pc = simd::exp_vec(load(p + c) * sc - l) * simd::causal_lanes(lanes, c, i0 + r);
+              store(p + c, pc);
+              dots += pc * load(dp + c);
+            }
+            delta[r] = simd::lane_sum(dots);
+          }
+          for (int r = 0; r < nr; ++r) {
+            float* p = p_rows + r * Tp;
+            float* ds = ds_rows + r * Tp;
+            for (int64_t c = 0; c < nv * kLanes; c += kLanes)
+              store(ds + c, load(p + c) * (load(ds + c) - delta[r]) * sc);
+            std::fill(p + nv * kLanes, p + Tp, 0.0f);  // the key blocks below read down these columns
+            std::fill(ds + nv * kLanes, ds + Tp, 0.0f);
+          }
+          rows_product(ds_rows, Tp, 1, keys, K.st, n_keys, D / kLanes, dq_data + ((b * H + h) * T + i0) * D, D, nr,
+                       false);  // dQ = dS K
         }
+        // blocks of key rows j: dK = dS^T Q, dV = P^T dO over the queries at or after j (the weights read down
+        // dS's and P's columns), summed over the group's heads
+        for (int64_t j0 = 0; j0 < T; j0 += kRows) {
+          const int nr = static_cast<int>(std::min<int64_t>(kRows, T - j0));
+          rows_product(w.ds.data() + j0 * Tp + j0, 1, Tp, Q.row(b, h, j0), Q.st, T - j0, D / kLanes, dk_rows + j0 * D,
+                       D, nr, g > 0);
+          rows_product(w.p.data() + j0 * Tp + j0, 1, Tp, dO.row(b, h, j0), dO.st, T - j0, D / kLanes,
+                       dv_rows + j0 * D, D, nr, g > 0);
+        }
+      }
     }
   });
   return {dq, dk, dv};
