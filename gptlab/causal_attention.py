@@ -13,8 +13,8 @@ fp32, sequences up to `FP32_MAX_LEN`: forward and backward both gptlab's (attent
 query (or key) rows, where PyTorch's flash attention spends a short sequence's attention in calls of a few thousand
 multiply-adds. On a 2-core Zen 3 (AVX2), forward and backward through autograd (`benchmarks/train_attention.py
 --dtype float32`, raised priority, interleaved, best of 5-7): 1.55x PyTorch's at 32 x 2 heads x 64 x 32 (the CPU
-speedrun's), 1.56-1.65x at 16 x 2 x 96 x 32, 8 x 2 x 128 x 32 and 4 x 2 x 256 x 32, 1.70x at GPT-2's 4 x 12 x 256 x
-64 and 1.80x at 8 x 12 x 512 x 64, but 1.08x at 1 x 12 x 1,024 x 64, where the T x T probabilities and their
+speedrun's), 1.56-1.65x at 16 x 2 x 96 x 32, 8 x 2 x 128 x 32 and 4 x 2 x 256 x 32, 1.83x at GPT-2's 4 x 12 x 256 x
+64 and 1.93x at 8 x 12 x 512 x 64, but 1.10x at 1 x 12 x 1,024 x 64, where the T x T probabilities and their
 gradients (kept for the backward's key blocks) no longer fit the cache: it serves up to `FP32_MAX_LEN` positions,
 heads in multiples of 16 (every build's vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not
 measured on an AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
@@ -57,7 +57,7 @@ class _CausalAttention(torch.autograd.Function):
 
 
 # where the fp32 kernel serves (module docstring): the longest sequence measured clearly faster than PyTorch's flash
-# attention (a 2-core Zen 3: 1.80x at 512 positions, 1.08x at 1,024, whose T x T backward buffers are 4 MB each a
+# attention (a 2-core Zen 3: 1.93x at 512 positions, 1.10x at 1,024, whose T x T backward buffers are 4 MB each a
 # thread), and the widest head measured
 FP32_MAX_LEN = 512
 FP32_MAX_HEAD = 128
