@@ -15,8 +15,9 @@ multiply-adds. On a 2-core Zen 3 (AVX2), forward and backward through autograd (
 --dtype float32`, raised priority, interleaved, best of 5-7): 1.55x PyTorch's at 32 x 2 heads x 64 x 32 (the CPU
 speedrun's), 1.56-1.65x at 16 x 2 x 96 x 32, 8 x 2 x 128 x 32 and 4 x 2 x 256 x 32, 1.83x at GPT-2's 4 x 12 x 256 x
 64 and 1.93x at 8 x 12 x 512 x 64, but 1.10x at 1 x 12 x 1,024 x 64, where the T x T probabilities and their
-gradients (kept for the backward's key blocks) no longer fit the cache: it serves up to `FP32_MAX_LEN` positions,
-heads in multiples of 16 (every build's vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not
+gradients (kept for the backward's key blocks) no longer fit the cache: it serves up to `FP32_MAX_LEN` positions
+(past `FP32_SHORT_LEN` only with a (batch, kv head) for every 3 threads), heads in multiples of 16 (every build's
+vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not
 measured on an AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
 
 Both serve plain causal attention (no mask, no dropout) over a whole sequence (as many keys as queries), grouped kv
@@ -61,6 +62,12 @@ class _CausalAttention(torch.autograd.Function):
 # thread), and the widest head measured
 FP32_MAX_LEN = 512
 FP32_MAX_HEAD = 128
+# The backward's unit of work is one (batch, kv head), the forward's one (batch, head); PyTorch's flash attention
+# splits the queries too. Past FP32_SHORT_LEN positions (the limit measured before the register tiles) the kernel
+# serves where its units keep the threads busy: a unit on one thread did the work of ~3 of PyTorch's (1 x 1 x 512 x
+# 64 on the Zen 3: 1.93 ms on one thread against 2.92 ms on two), so at least one unit per 3 threads.
+FP32_SHORT_LEN = 96
+FP32_THREADS_PER_UNIT = 3
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -83,6 +90,8 @@ def _plain_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _fp32_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
     hs, T = q.shape[3], q.shape[2]
     if hs % 16 or hs > FP32_MAX_HEAD or T > FP32_MAX_LEN:
+        return None
+    if T > FP32_SHORT_LEN and q.shape[0] * k.shape[1] * FP32_THREADS_PER_UNIT < torch.get_num_threads():
         return None
     from gptlab.kernels import training_ops
 
