@@ -1,10 +1,10 @@
 // Causal attention in fp32 training on a CPU, forward and backward (`gptlab.causal_attention`), for sequences whose
 // T x T scores fit the cache. PyTorch's CPU flash attention splits its work into blocks of 128 queries and 512 keys
 // and runs their products as GEMM calls: at a small model's shapes (the CPU speedrun's 32 x 2 heads x 64 positions
-// x 32) each call is a few thousand multiply-adds. Here each (batch, head) is one unit of work whose keys and values
-// (K^T and V^T transposed once, D x T) stay in the cache, and every product runs on one register tile (`tile`): a
-// block of kRows query (or key) rows by 2 vectors, kRows broadcasts and 2 loads feeding 2 kRows multiply-adds a step
-// (every build: 8 lanes in AVX2, 16 in AVX-512):
+// x 32) each call is a few thousand multiply-adds. Here each (batch, head) is one unit of work whose keys (K^T,
+// transposed once, D x T) and values (V^T too in the backward) stay in the cache, and every product runs on one
+// register tile (`tile`): a block of kRows query (or key) rows by 2 vectors, kRows broadcasts and 2 loads feeding
+// 2 kRows multiply-adds a step (every build: 8 lanes in AVX2, 16 in AVX-512):
 //   forward, a block of queries at a time:  S = scale Q K^T over the keys up to the block's last query (causal),
 //             P = exp(S - rowmax), l = rowsum P, O = (P V) / l, lse = rowmax + log l (the backward's);
 //   backward, a kv head at a time, each of its query heads in turn: P = exp(scale Q K^T - lse), dP = dO V^T,
@@ -111,11 +111,15 @@ void transpose_padded(const float* x, int64_t st, int64_t T, int64_t D, float* o
 // 1.24x PyTorch's, GPT-2's 4 x 12 x 256 x 64 forward and backward from 12.1 to 11.1-11.6 ms)
 int64_t buffer_row(int64_t T) { return (T + kLanes - 1) / kLanes * kLanes + kLanes; }
 
-struct Scratch {  // a thread's buffers, kept between calls
+struct Scratch {  // a thread's buffers, kept between calls; they only grow (a forward between two backwards does
+                  // not shrink P for the next backward to fill again)
   std::vector<float> kt, vt, p, ds;
   void size(int64_t ld, int64_t D, int64_t T, bool backward) {  // rows of ld floats
-    kt.resize(D * ld), p.resize((backward ? T : kRows) * ld);
-    if (backward) vt.resize(D * ld), ds.resize(T * ld);
+    at_least(kt, D * ld), at_least(p, (backward ? T : kRows) * ld);
+    if (backward) at_least(vt, D * ld), at_least(ds, T * ld);
+  }
+  static void at_least(std::vector<float>& buffer, int64_t n) {
+    if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
   }
 };
 
