@@ -147,22 +147,25 @@ def test_it_serves_fp32_training_of_short_sequences_only() -> None:
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("n_kv_head", [4, 2])
-def test_a_models_loss_and_gradients_match_torchs_attention(n_kv_head: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("n_kv_head", "T"), [(4, 64), (2, 64), (2, 200)])
+def test_a_models_loss_and_gradients_match_torchs_attention(n_kv_head: int, T: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp32 model (RoPE, QK-norm, grouped kv heads) trained through the kernel against the same model through
-    F.scaled_dot_product_attention: loss and every gradient within fp32 rounding."""
+    F.scaled_dot_product_attention: loss and every gradient within fp32 rounding (a short sequence, and one past
+    FP32_SHORT_LEN, served here whatever the thread count)."""
     from gptlab.kernels import widest_ops
 
     if widest_ops() is None:
         pytest.skip("gptlab's kernels do not run here")
-    rows = torch.randint(0, 300, (3, 65), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(causal_attention, "FP32_THREADS_PER_UNIT", 1 << 20)
+    rows = torch.randint(0, 300, (3, T + 1), generator=torch.Generator().manual_seed(1))
     calls = []
     real = causal_attention._CausalAttention.apply
     monkeypatch.setattr(causal_attention._CausalAttention, "apply", lambda *a: calls.append(1) or real(*a))
 
     def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
         torch.manual_seed(0)
-        model = GPT(GPTConfig.preset("tiny", n_layer=2, n_embd=128, n_head=4, n_kv_head=n_kv_head, block_size=64,
+        model = GPT(GPTConfig.preset("tiny", n_layer=2, n_embd=128, n_head=4, n_kv_head=n_kv_head, block_size=T,
                                      vocab_size=300, qk_norm=True))
         _, loss = model(rows[:, :-1], rows[:, 1:])
         loss.backward()
