@@ -17,12 +17,14 @@ speedrun's), 1.56-1.65x at 16 x 2 x 96 x 32, 8 x 2 x 128 x 32 and 4 x 2 x 256 x 
 64 and 1.93x at 8 x 12 x 512 x 64, but 1.10x at 1 x 12 x 1,024 x 64, where the T x T probabilities and their
 gradients (kept for the backward's key blocks) no longer fit the cache: it serves up to `FP32_MAX_LEN` positions
 (past `FP32_SHORT_LEN` only with a (batch, kv head) for every 3 threads), heads in multiples of 16 (every build's
-vector) up to `FP32_MAX_HEAD`. Within fp32 rounding of the maths. Not
-measured on an AVX-512 CPU, where the same source runs 16 lanes wide and PyTorch's flash attention too.
+vector) up to `FP32_MAX_HEAD`. A scoring pass, which needs no backward, takes it up to `FP32_FORWARD_MAX_LEN`
+positions. Within fp32 rounding of the maths. Not measured on an AVX-512 CPU, where the same source runs 16 lanes
+wide and PyTorch's flash attention too.
 
 Both serve plain causal attention (no mask, no dropout) over a whole sequence (as many keys as queries), grouped kv
-heads included, in training (a gradient wanted) outside torch.compile; tests/test_causal_attention.py holds them
-against the maths in fp64. Elsewhere `attention` returns None and F.scaled_dot_product_attention runs.
+heads included, in training (a gradient wanted) or a scoring pass, outside torch.compile;
+tests/test_causal_attention.py holds them against the maths in fp64. Elsewhere `attention` returns None and
+F.scaled_dot_product_attention runs.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ FP32_MAX_HEAD = 128
 # 64 on the Zen 3: 1.93 ms on one thread against 2.92 ms on two), so at least one unit per 3 threads.
 FP32_SHORT_LEN = 96
 FP32_THREADS_PER_UNIT = 3
+# a forward alone (a scoring pass: no backward, so no T x T buffers) serves longer sequences: 1.24x PyTorch's flash
+# forward at 1 x 12 x 1,024 x 64 on the Zen 3, 1.03x at 2,048 (`evaluate_loss` of GPT-2 over 8,192 tokens in windows
+# of 1,024, alternating: 14.52-14.61 s through PyTorch's, 14.06-14.14 s)
+FP32_FORWARD_MAX_LEN = 1024
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -89,7 +95,8 @@ def _plain_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _fp32_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
     hs, T = q.shape[3], q.shape[2]
-    if hs % 16 or hs > FP32_MAX_HEAD or T > FP32_MAX_LEN:
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if hs % 16 or hs > FP32_MAX_HEAD or T > (FP32_MAX_LEN if backward else FP32_FORWARD_MAX_LEN):
         return None
     if T > FP32_SHORT_LEN and q.shape[0] * k.shape[1] * FP32_THREADS_PER_UNIT < torch.get_num_threads():
         return None

@@ -119,7 +119,7 @@ def _qkv(T: int = 64, D: int = 32, grad: bool = True) -> list[torch.Tensor]:
 def test_it_serves_fp32_training_of_short_sequences_only() -> None:
     """No gradient, a sequence past FP32_MAX_LEN, a head off the multiples of 16 or past FP32_MAX_HEAD, keys of
     another length than the queries, a sequence past FP32_SHORT_LEN with fewer units than a third of the threads: None
-    (F.scaled_dot_product_attention runs). Where it serves: the maths."""
+    (F.scaled_dot_product_attention runs); a scoring pass up to FP32_FORWARD_MAX_LEN. Where it serves: the maths."""
     from gptlab.kernels import widest_ops
 
     if widest_ops() is None:
@@ -132,6 +132,15 @@ def test_it_serves_fp32_training_of_short_sequences_only() -> None:
     assert causal_attention.attention(*_qkv(D=causal_attention.FP32_MAX_HEAD + 16), 0.2) is None
     q, k, v = _qkv()
     assert causal_attention.attention(q, k[:, :, :32], v[:, :, :32], 0.2) is None
+    from gptlab.kernels import scoring
+
+    with torch.no_grad(), scoring():  # a forward alone serves longer sequences: no T x T buffers to keep
+        long = _qkv(T=causal_attention.FP32_MAX_LEN + 1, grad=False)
+        y = causal_attention.attention(*long, 0.2)
+        assert y is not None
+        torch.testing.assert_close(y, F.scaled_dot_product_attention(*long, is_causal=True, scale=0.2),
+                                   rtol=1e-5, atol=1e-6)
+        assert causal_attention.attention(*_qkv(T=causal_attention.FP32_FORWARD_MAX_LEN + 1, grad=False), 0.2) is None
     threads = torch.get_num_threads()
     try:  # past FP32_SHORT_LEN, too few (batch, kv head) units for the threads: PyTorch's, which splits the queries
         torch.set_num_threads(2 * 2 * causal_attention.FP32_THREADS_PER_UNIT + 1)  # _qkv: 2 x 2 units
