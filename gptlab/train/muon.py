@@ -206,10 +206,7 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients: tuple[float, float,
     if ops is not None:  # the whole iteration in one C++ call, the same roundings
         x = ops.newton_schulz(x.contiguous(), steps, a, b, c)
         return x.mT if tall else x
-    for _ in range(steps):
-        gram = x @ x.mT
-        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, update, x, beta=a)
+    x = newton_schulz_steps(x, steps, coefficients)
     return x.mT if tall else x
 
 
@@ -232,10 +229,7 @@ def newton_schulz_fp32(x: torch.Tensor, steps: int, coefficients: tuple[float, f
     if form == "auto":
         form = "gram" if steps > 1 and 2 * cols > 3 * r else "standard"
     if form == "standard":
-        for _ in range(steps):
-            gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        return x
+        return newton_schulz_steps(x, steps, coefficients)
     gram, product = x @ x.mT, None  # A_k, and M_k-1 ... M_0
     for k in range(steps):
         m = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -244,6 +238,15 @@ def newton_schulz_fp32(x: torch.Tensor, steps: int, coefficients: tuple[float, f
         if k + 1 < steps:
             gram = m @ gram @ m
     return x if product is None else product @ x
+
+
+def newton_schulz_steps(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
+    """The iteration as written, in x's dtype: `steps` times X <- a X + (b A + c A^2) X with A = X X^T."""
+    a, b, c = coefficients
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
 
 
 # the largest matrix (rows x cols) whose Newton-Schulz the C++ kernel runs faster than ATen's bf16 products in
