@@ -94,13 +94,13 @@ def _plain_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _fp32_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any | None:
+    from gptlab.kernels import gradient_wanted, training_ops
+
     hs, T = q.shape[3], q.shape[2]
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if hs % 16 or hs > FP32_MAX_HEAD or T > (FP32_MAX_LEN if backward else FP32_FORWARD_MAX_LEN):
+    if hs % 16 or hs > FP32_MAX_HEAD or T > (FP32_MAX_LEN if gradient_wanted(q, k, v) else FP32_FORWARD_MAX_LEN):
         return None
     if T > FP32_SHORT_LEN and q.shape[0] * k.shape[1] * FP32_THREADS_PER_UNIT < torch.get_num_threads():
         return None
-    from gptlab.kernels import training_ops
 
     return training_ops(q, k, v)  # a CPU, a gradient wanted or scoring, not compiling: every build has the kernel
 

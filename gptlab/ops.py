@@ -356,12 +356,11 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """F.gelu; in training (x needs a gradient) on an x86 CPU through gptlab's kernel, whose gain is the backward's
     (inference, scoring passes included, keeps ATen's bits, which the HF parity tests and the decode steps follow;
     torch.compile fuses ATen's)."""
-    if (x.numel() < _NATIVE_GELU_MIN or not x.is_contiguous() or not torch.is_grad_enabled()
-            or not x.requires_grad):
+    if x.numel() < _NATIVE_GELU_MIN or not x.is_contiguous():
         return F.gelu(x, approximate=approximate)
-    from gptlab.kernels import training_ops
+    from gptlab.kernels import gradient_wanted, training_ops
 
-    ops = training_ops(x)
+    ops = training_ops(x) if gradient_wanted(x) else None
     return F.gelu(x, approximate=approximate) if ops is None else _Gelu.apply(x, approximate, ops)
 
 

@@ -258,7 +258,13 @@ def takes_training_kernels(*tensors: torch.Tensor | None) -> bool:
     if torch.compiler.is_compiling() or any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16)
                                             for t in present):
         return False
-    return _SCORING.get() or (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+    return _SCORING.get() or gradient_wanted(*present)
+
+
+def gradient_wanted(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will want a gradient through an op on these tensors: grad mode on and one of them needing
+    one (a training step's forward, not a scoring pass's)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 _SCORING = contextvars.ContextVar("gptlab_scoring", default=False)
