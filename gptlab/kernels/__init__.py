@@ -12,13 +12,13 @@ that, in training (`gptlab.heads`). `norms.cpp`: LayerNorm and RMSNorm forward a
 (`gptlab.norms`).
 `adamw.cpp`: AdamW's step from bf16 working gradients into the fp32 masters and back into the working weights in
 one pass (`gptlab.train.flat`). `dequantize_int4.cpp`: QLoRA's int4 base weight unpacked straight into fp32/bf16
-blocks (`gptlab.qlora`). `attention_fp32.cpp`: causal attention of short sequences in fp32 training, forward and
-backward (`gptlab.causal_attention`). In the AVX-512 builds only: `attention_backward.cpp` (causal attention's
-backward in bf16 training, `gptlab.causal_attention`) and `newton_schulz.cpp` (Muon's Newton-Schulz over a stack
-of small matrices, `gptlab.train.muon`), both on `bf16_products.h`'s products on bf16 dot products. All are built
-into one library (`linear_avx2.h` is what they share; `dense_tiles.h` and `int_tiles.h` hold the bf16/fp32 and int8/int4
-micro-kernels, `exp_fast.h` the vectorizable exp, `simd.h` whole vectors of fp32 lanes for the loss's and GELU's
-loops).
+blocks (`gptlab.qlora`). `attention_fp32.cpp`: causal attention in fp32 training and scoring passes, forward and
+backward on register tiles (`gptlab.causal_attention`). In the AVX-512 builds only: `attention_backward.cpp`
+(causal attention's backward in bf16 training, `gptlab.causal_attention`) and `newton_schulz.cpp` (Muon's
+Newton-Schulz over a stack of small matrices, `gptlab.train.muon`), both on `bf16_products.h`'s products on bf16
+dot products. All are built into one library (`linear_avx2.h` is what they share; `dense_tiles.h` and
+`int_tiles.h` hold the bf16/fp32 and int8/int4 micro-kernels, `exp_fast.h` the vectorizable exp, `simd.h` whole
+vectors of fp32 lanes for the loss's and GELU's loops).
 
 The sources are built up to four times, one library each (`kernel_builds()` lists those this machine runs):
 `avx2_ops()` (AVX2 + FMA, torch.ops.gptlab_avx2), `avxvnni_ops()` (the same with AVX-VNNI's 256-bit byte dot
