@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -72,16 +73,21 @@ def one_thread():  # noqa: ANN201
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=["avx2", "avxvnni", "avx512", "amx"])
-def build_name(request: pytest.FixtureRequest) -> str:
+@pytest.fixture(scope="module",
+                params=["avx2", "avxvnni", "avx512", "amx", pytest.param("lanes16", marks=pytest.mark.slow)])
+def build_name(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each of gptlab's kernel builds this machine runs (built once per machine, cached); a skip saying why where
-    a build is not there."""
-    from gptlab.kernels import kernel_builds
+    a build is not there. "lanes16" (slow: `pytest -m slow -k lanes16`) is the AVX2 build with AVX-512's 16 lanes in
+    its vector loops: the 16-lane logic tested where the AVX-512 build cannot run."""
+    from gptlab.kernels import LANES16_ENV, kernel_builds
 
-    if request.param not in kernel_builds():
-        pytest.skip(f"gptlab's {request.param} kernels do not run here (the CPU lacks them, no C++ compiler, or the "
-                    "build failed: see the warning)")
-    return request.param
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "lanes16":
+            mp.setenv(LANES16_ENV, "1")  # (for the module's tests: kernel_builds() lists the build while it is set)
+        if request.param not in kernel_builds():
+            pytest.skip(f"gptlab's {request.param} kernels do not run here (the CPU lacks them, no C++ compiler, or "
+                        "the build failed: see the warning)")
+        yield request.param
 
 
 @pytest.fixture

@@ -599,8 +599,8 @@ def test_the_sources_are_dealt_to_unity_files_once_each_and_not_rewritten(tmp_pa
     assert len(unity_sources(SOURCES, tmp_path / "one", 1)) == 1
 
 
-@pytest.mark.slow  # four compiler passes over every source: ~40 s
-@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.slow  # five compiler passes over every source: ~50 s
+@pytest.mark.parametrize("build", [*BUILDS, "lanes16"])
 def test_every_builds_sources_compile_as_one_unity_file(build: str, tmp_path) -> None:  # noqa: ANN001
     """Every build's sources compile together in one translation unit, whichever CPU runs the test: the code under
     an AVX-512 or AMX guard too, which only such a CPU builds (names at namespace scope must differ between
@@ -616,7 +616,7 @@ def test_every_builds_sources_compile_as_one_unity_file(build: str, tmp_path) ->
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
     flags = {"avx2": kernels.AVX2_FLAGS, "avxvnni": kernels.AVXVNNI_FLAGS, "avx512": kernels.AVX512_FLAGS,
-             "amx": kernels.AMX_FLAGS}[build]
+             "amx": kernels.AMX_FLAGS, "lanes16": kernels.LANES16_FLAGS}[build]
     (unity,) = unity_sources(kernels.SOURCES, tmp_path, 1)
     includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
     done = subprocess.run(["c++", "-std=c++20", "-fsyntax-only", "-fPIC", "-DTORCH_EXTENSION_NAME=gptlab_unity",

@@ -30,6 +30,10 @@ runs on any; int8/int4 outputs are equal to the bit across the first three, bf16
 the AMX build's tiles multiply int4 weights widened to bf16 by x in bf16, and int8 weights by the other builds'
 16-bit fixed-point x on their byte products, whose integer sums they keep exact to the end (see amx_tiles.h).
 Which build (or PyTorch) serves each kind of weight is measured once per machine by `gptlab.kernels.dispatch`.
+For kernel work on a machine without AVX-512, `GPTLAB_KERNEL_LANES16=1` adds a fifth, `lanes16_ops()`: the AVX2
+build whose vector loops (`simd.h`) have AVX-512's 16 lanes, each vector two AVX2 registers. It is slower than
+either and serves nothing by choice; it lets the kernel tests (`pytest -m slow -k lanes16`) run the 16-lane loops'
+tiling and tails on any AVX2 CPU, where the AVX-512 build cannot run.
 
 The build (`torch.utils.cpp_extension.load` of a unity file per core: a C++ compiler, ~22 s on 2 cores) runs once
 per machine and torch version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`)
@@ -72,6 +76,8 @@ AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AV
 # server with BF16 (Cooper Lake), Sapphire Rapids and later have all of them
 AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
 AVXVNNI_FLAGS = [*AVX2_FLAGS, "-mavxvnni"]
+LANES16_FLAGS = [*AVX2_FLAGS, "-DGPTLAB_LANES16"]
+LANES16_ENV = "GPTLAB_KERNEL_LANES16"
 AMX_FLAGS = [*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # the AVX-512 build plus the tile unit
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})  # every AMX CPU so far has all three
 AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
@@ -236,11 +242,21 @@ def amx_ops() -> Any | None:
     return _build("gptlab_amx", "AMX", AMX_FLAGS)
 
 
+@functools.cache
+def lanes16_ops() -> Any | None:
+    """torch.ops.gptlab_lanes16: the AVX2 build with AVX-512's 16 lanes in `simd.h`'s vector loops (two registers
+    a vector), for testing those loops on AVX2 CPUs; None as `avx2_ops()`."""
+    if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx2():
+        return None
+    return _build("gptlab_lanes16", "16-lane AVX2", LANES16_FLAGS)
+
+
 def kernel_builds() -> dict[str, Any]:
-    """Every build of the kernels this machine can execute, by name ("avx2", "avxvnni", "avx512", "amx"), each
-    built on first use. A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one
-    layout)."""
-    builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops(), "amx": amx_ops()}
+    """Every build of the kernels this machine can execute, by name ("avx2", "avxvnni", "avx512", "amx"; and
+    "lanes16" under GPTLAB_KERNEL_LANES16=1), each built on first use. A weight packed by any build's
+    `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout)."""
+    builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops(), "amx": amx_ops(),
+              "lanes16": lanes16_ops() if os.environ.get(LANES16_ENV) else None}
     return {name: ops for name, ops in builds.items() if ops is not None}
 
 

@@ -25,6 +25,8 @@
 #else
 #define GPTLAB_NS gptlab_avx512
 #endif
+#elif defined(GPTLAB_LANES16)
+#define GPTLAB_NS gptlab_lanes16  // the AVX2 build with 16-lane generic vectors (simd.h), for tests only
 #elif defined(__AVXVNNI__)
 #define GPTLAB_AVXVNNI 1  // the AVX2 build with AVX-VNNI's 256-bit byte dot products (int4's vpdpbusd)
 #define GPTLAB_NS gptlab_avxvnni
