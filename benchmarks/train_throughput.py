@@ -11,6 +11,8 @@ gptlab's GPT (as `gptlab train` runs it) and for transformers' GPT2LMHeadModel, 
 
 Prints the median tokens/s over the timed steps and MFU against this machine's measured matmul peak
 (gptlab.hardware), then the ratio gptlab / transformers. Random tokens: throughput does not depend on the data.
+In fp32 on an x86 CPU the medians also say what share of the CPU's FMA peak (`fma_peak.py`: nothing but fused
+multiply-adds in registers) the step's matmuls ran at: the ceiling that bounds any ratio to a peer.
 
 --preset NAME trains gptlab's model of that preset's shape instead of GPT-2's (the peers are GPT-2 models and only
 join at GPT-2's shape). --aten-form adds gptlab's same step with its C++ training kernels switched off (the
@@ -32,6 +34,7 @@ import statistics
 import time
 
 import torch
+from fma_peak import fma_peak
 from timing import loadavg  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 
@@ -217,6 +220,10 @@ def main() -> None:
     # the models have GPT-2 124M's matmuls (a tied head), or the preset's; MFU counts them as `gptlab train` does
     flops = flops_per_token(GPTConfig.preset(args.preset, vocab_size=vocab_size(args)), args.seq)
     peak = peak_flops("cpu", torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    fma = fma_peak(torch.get_num_threads()) if args.dtype == "float32" else None
+    if fma:
+        print(f"fp32 FMA peak {fma / 1e12:.3f} TFLOP/s on {torch.get_num_threads()} threads; the matmul peak MFU is "
+              f"counted against, {peak / 1e12:.3f} TFLOP/s, is {100 * peak / fma:.1f}% of it")
     x = torch.randint(0, vocab_size(args), (args.batch, args.seq + 1))
     tokens = args.batch * args.seq
     runs = [("gptlab", lambda: gptlab_step(args, x))]
@@ -254,7 +261,8 @@ def main() -> None:
     for (name, mode), tps_list in medians.items():
         tps = statistics.median(tps_list)
         best[name] = max(best.get(name, 0.0), tps)
-        print(f"median {name:13s} {mode:26s} {tps:8.1f} tokens/s  MFU {100 * flops * tps / peak:.1f}%")
+        of_fma = f" ({100 * flops * tps / fma:.1f}% of the FMA peak)" if fma else ""
+        print(f"median {name:13s} {mode:26s} {tps:8.1f} tokens/s  MFU {100 * flops * tps / peak:.1f}%{of_fma}")
     if args.profile:
         for name, mode, step in contenders:
             print(f"per-op self CPU time, {name} {mode} ({args.profile} steps):")
