@@ -29,15 +29,22 @@ class Clock:
         return self.now
 
 
+# the eager candidates of a recipe whose dtype and attention dtype are "auto", in the order they are timed
+EAGER = ["float32", "bfloat16", "bfloat16+fp32 attention"]
+
+
 class ScriptedRuns:
-    """make_probe for `choose`: each run's step advances the fake clock by its candidate's milliseconds."""
+    """make_probe for `choose`: each run's step advances the fake clock by its candidate's milliseconds (bf16 with
+    fp32 attention, unless given, 1 ms slower than bf16)."""
 
     def __init__(self, clock: Clock, ms: dict[str, float], fail_compile: bool = False) -> None:
-        self.clock, self.ms, self.fail_compile, self.made = clock, ms, fail_compile, []
+        self.clock, self.fail_compile, self.made = clock, fail_compile, []
+        self.ms = {**({"bfloat16+fp32 attention": ms["bfloat16"] + 1} if "bfloat16" in ms else {}), **ms}
 
     @contextlib.contextmanager
     def __call__(self, cfg: TrainConfig):  # noqa: ANN204
-        name = cfg.dtype + ("+compile" if cfg.compile else "")
+        fp32_attention = cfg.dtype == "bfloat16" and cfg.attention_fp32 is True
+        name = cfg.dtype + (autotune.FP32_ATTENTION if fp32_attention else "") + ("+compile" if cfg.compile else "")
         self.made.append(name)
         if cfg.compile and self.fail_compile:
             raise RuntimeError("inductor cannot")
@@ -70,8 +77,10 @@ def test_the_faster_dtype_is_chosen_and_reported(clock: Clock, fp32_ms: float, b
     runs = ScriptedRuns(clock, {"float32": fp32_ms, "bfloat16": bf16_ms})
     choice = autotune.choose(_cfg(), runs, {"vocab_size": 65})
     assert (choice.dtype, choice.compile) == (want, False)
-    assert choice.ms_per_step == pytest.approx({"float32": fp32_ms, "bfloat16": bf16_ms})
-    assert runs.made == ["float32", "bfloat16"] * autotune.ROUNDS  # a run of 100 steps is short: no compile tried
+    assert choice.ms_per_step == pytest.approx({"float32": fp32_ms, "bfloat16": bf16_ms,
+                                                "bfloat16+fp32 attention": bf16_ms + 1})
+    assert runs.made == EAGER * autotune.ROUNDS  # a run of 100 steps is short: no compile tried
+    assert choice.attention_fp32 is (False if want == "bfloat16" else None)
     assert f"float32 {fp32_ms:.1f} ms/step" in choice.describe() and "does not pay back" in choice.describe()
 
 
@@ -88,7 +97,7 @@ def test_the_choice_is_cached_per_shape_and_a_damaged_entry_is_measured_again(cl
     first = autotune.choose(_cfg(), runs, {"vocab_size": 65})
     again = autotune.choose(_cfg(seed=7, max_steps=200), runs, {"vocab_size": 65})  # the seed and length: same key
     measured = len(runs.made)
-    assert measured == 2 * autotune.ROUNDS and again.dtype == first.dtype and "cached in" in again.why
+    assert measured == 3 * autotune.ROUNDS and again.dtype == first.dtype and "cached in" in again.why
     autotune.choose(_cfg(batch_size=16), runs, {"vocab_size": 65})  # another shape: measured
     assert len(runs.made) == 2 * measured
     path = autotune.cache_dir() / autotune.CACHE_FILE
@@ -97,6 +106,12 @@ def test_the_choice_is_cached_per_shape_and_a_damaged_entry_is_measured_again(cl
         entry["ms_per_step"] = {"float32": "fast"}
     path.write_text(json.dumps(cached))
     assert autotune.choose(_cfg(), runs, {"vocab_size": 65}).dtype == "bfloat16" and len(runs.made) == 3 * measured
+    for entry in cached.values():  # an entry from before the attention's dtype was measured: measured again
+        entry["ms_per_step"] = {"float32": 50.0}
+        del entry["attention_fp32"]
+    path.write_text(json.dumps(cached))
+    assert autotune.choose(_cfg(), runs, {"vocab_size": 65}).attention_fp32 is False
+    assert len(runs.made) == 4 * measured
 
 
 def test_a_choice_measured_on_a_busy_machine_is_kept_until_a_run_finds_it_quiet(
@@ -104,7 +119,7 @@ def test_a_choice_measured_on_a_busy_machine_is_kept_until_a_run_finds_it_quiet(
     state = {"busy": True}
     monkeypatch.setattr(autotune, "busy", lambda: state["busy"])
     runs = ScriptedRuns(clock, {"float32": 50.0, "bfloat16": 30.0})
-    measured = 2 * autotune.ROUNDS
+    measured = 3 * autotune.ROUNDS
     autotune.choose(_cfg(), runs, {})
     autotune.choose(_cfg(), runs, {})  # still busy: the provisional choice serves
     assert len(runs.made) == measured
@@ -121,7 +136,35 @@ def test_a_long_run_compiles_only_where_the_compiled_step_is_faster(clock: Clock
     runs = ScriptedRuns(clock, {"float32": 50.0, "bfloat16": 30.0, "bfloat16+compile": compiled_ms})
     choice = autotune.choose(_cfg(max_steps=100_000), runs, {})
     assert (choice.dtype, choice.compile) == ("bfloat16", want)
-    assert runs.made == ["float32", "bfloat16"] * autotune.ROUNDS + ["bfloat16+compile"]  # at the faster dtype
+    assert runs.made == EAGER * autotune.ROUNDS + ["bfloat16+compile"]  # at the faster dtype
+
+
+def test_bf16s_attention_dtype_is_measured_with_it_and_set_in_the_recipe(clock: Clock) -> None:
+    runs = ScriptedRuns(clock, {"float32": 50.0, "bfloat16": 30.0, "bfloat16+fp32 attention": 25.0,
+                                "bfloat16+fp32 attention+compile": 20.0})
+    choice = autotune.choose(_cfg(max_steps=100_000), runs, {})
+    assert (choice.dtype, choice.attention_fp32, choice.compile) == ("bfloat16", True, True)
+    assert runs.made == EAGER * autotune.ROUNDS + ["bfloat16+fp32 attention+compile"]  # compiled as it won
+    assert "dtype bfloat16 (attention in fp32), compiled" in choice.describe()
+    cfg = autotune.resolve_auto_switches(_cfg(), "cpu", 1, None, runs, {}, True)
+    assert (cfg.dtype, cfg.attention_fp32) == ("bfloat16", True)
+
+
+@pytest.mark.parametrize("attention_fp32", [True, False])
+def test_a_recipes_own_attention_dtype_is_kept_and_not_measured(clock: Clock, attention_fp32: bool) -> None:
+    runs = ScriptedRuns(clock, {"float32": 50.0, "bfloat16": 30.0, "bfloat16+fp32 attention": 30.0})
+    choice = autotune.choose(_cfg(attention_fp32=attention_fp32), runs, {})
+    assert (choice.dtype, choice.attention_fp32) == ("bfloat16", None)
+    bf16 = "bfloat16+fp32 attention" if attention_fp32 else "bfloat16"
+    assert runs.made == ["float32", bf16] * autotune.ROUNDS
+    cfg = autotune.resolve_auto_switches(_cfg(attention_fp32=attention_fp32), "cpu", 1, None, runs, {}, True)
+    assert cfg.attention_fp32 is attention_fp32
+
+
+def test_where_fp32_wins_the_attention_is_left_to_the_rule(clock: Clock) -> None:
+    runs = ScriptedRuns(clock, {"float32": 20.0, "bfloat16": 30.0})
+    cfg = autotune.resolve_auto_switches(_cfg(), "cpu", 1, None, runs, {}, True)
+    assert (cfg.dtype, cfg.attention_fp32) == ("float32", "auto")
 
 
 def test_an_explicit_dtype_times_only_the_compile_question(clock: Clock) -> None:
@@ -171,3 +214,31 @@ def test_a_real_run_records_the_measured_dtype_and_resumes_with_it(tmp_path: Pat
     assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--resume", "--quiet"]) == 0
     state = json.loads((list_step_checkpoints(run)[-1] / "state.json").read_text())
     assert (state["step"], state["config"]["dtype"]) == (6, chosen)
+
+
+def test_a_real_run_on_a_cpu_taken_for_native_bf16_records_its_measured_attention_dtype(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The three candidates run as real probes (bf16 emulated here, which only makes them slower), and the run
+    trains, and records, the dtype and the attention's dtype that won."""
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "native_low_precision_matmul", lambda dtype: True)
+    measured = []
+    real = autotune._ms_per_step
+
+    def timed(make_probe, cfg, warmup=2):  # noqa: ANN001, ANN202 - records what each probe trained
+        measured.append((cfg.dtype, cfg.attention_fp32))
+        return real(make_probe, cfg, warmup)
+
+    monkeypatch.setattr(autotune, "_ms_per_step", timed)
+    data, run = make_data(tmp_path / "data", chars=20_000), tmp_path / "run"
+    recipe = write_recipe(tmp_path, dtype="auto", max_steps=2, warmup_steps=1, eval_interval=0, threads=1)
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(run)]) == 0
+    assert measured == [("float32", "auto"), ("bfloat16", False), ("bfloat16", True)] * autotune.ROUNDS
+    out = capsys.readouterr().out.split("auto: ", 1)[1].splitlines()[0]
+    config = json.loads((list_step_checkpoints(run)[-1] / "state.json").read_text())["config"]
+    if config["dtype"] == "bfloat16":
+        assert isinstance(config["attention_fp32"], bool)
+        assert f"(attention in {'fp32' if config['attention_fp32'] else 'bf16'})" in out
+    else:
+        assert config["dtype"] == "float32" and "attention in" not in out
+    assert "bfloat16+fp32 attention" in out

@@ -5,6 +5,9 @@ faster in bf16, but a small model's step is mostly casts, norms and the optimize
 up. So where the CPU multiplies bf16 natively, a few optimizer steps of the run itself (its model, batch,
 sequence length, objective and adapters, built by the caller's `make_probe`) are timed in fp32 and in bf16, and
 the faster one trains. Without native bf16 (AVX2-only CPUs) bf16 is emulated and always slower: fp32, unmeasured.
+With `attention_fp32 = "auto"` the bf16 step is timed twice, its attention in bf16 and in fp32 (which of PyTorch's
+and gptlab's attention kernels serve each, and how fast, depends on the head size, the sequence length and the
+CPU), and the fastest of the three candidates trains.
 
 torch.compile costs a compile before its first step (tens of seconds to minutes). It is tried only for a run
 whose eager steps would take longer than `COMPILE_PAYBACK_SECONDS` (its max_steps at the measured step time,
@@ -51,17 +54,25 @@ class ProbeRun(Protocol):
 MakeProbe = Callable[[TrainConfig], AbstractContextManager[ProbeRun]]  # a run of a recipe, let go of on exit
 
 
+FP32_ATTENTION = "+fp32 attention"  # a candidate's name: bf16 with its attention in fp32
+
+
 @dataclasses.dataclass
 class Choice:
     dtype: str
     compile: bool
-    ms_per_step: dict[str, float]  # candidate ("float32", "bfloat16", "bfloat16+compile") -> its fastest step, ms
+    # candidate ("float32", "bfloat16", "bfloat16+fp32 attention", "bfloat16+compile") -> its fastest step, ms
+    ms_per_step: dict[str, float]
     why: str  # what decided it, for the log
+    attention_fp32: bool | None  # bf16's attention in fp32, where measured here; None: the recipe's rule decides
 
     def describe(self) -> str:
         figures = ", ".join(f"{name} {ms:.1f} ms/step" for name, ms in self.ms_per_step.items())
         measured = f" (measured here: {figures})" if figures else ""
-        return f"dtype {self.dtype}, {'compiled' if self.compile else 'not compiled'}{measured}; {self.why}"
+        attention = "" if self.attention_fp32 is None else (
+            f" (attention in {'fp32' if self.attention_fp32 else 'bf16'})")
+        return (f"dtype {self.dtype}{attention}, {'compiled' if self.compile else 'not compiled'}{measured}; "
+                f"{self.why}")
 
 
 def wants_measurement(cfg: TrainConfig, device: str, world: int) -> bool:
@@ -95,36 +106,60 @@ def choose(cfg: TrainConfig, make_probe: MakeProbe, shapes: dict[str, Any]) -> C
                               stored=dataclasses.asdict, keep=lambda c: bool(c.ms_per_step), is_busy=busy)
 
 
+def _candidates(cfg: TrainConfig) -> dict[str, TrainConfig]:
+    """The eager recipes timed against each other, by name: fp32 and bf16, and bf16 with its attention in fp32
+    where the recipe leaves the attention's dtype to "auto"."""
+    eager = dataclasses.replace(cfg, compile=False)
+    if cfg.attention_fp32 != "auto":
+        return {dtype: dataclasses.replace(eager, dtype=dtype) for dtype in ("float32", "bfloat16")}
+    return {"float32": dataclasses.replace(eager, dtype="float32"),
+            "bfloat16": dataclasses.replace(eager, dtype="bfloat16", attention_fp32=False),
+            "bfloat16" + FP32_ATTENTION: dataclasses.replace(eager, dtype="bfloat16", attention_fp32=True)}
+
+
 def _measure(cfg: TrainConfig, make_probe: MakeProbe) -> Choice:
     times: dict[str, float] = {}
+    attention_fp32 = None
     if cfg.dtype != "auto":
         dtype = cfg.dtype
     elif not native_low_precision_matmul(torch.bfloat16):
         dtype = "float32"
     else:
+        candidates = _candidates(cfg)
         for _ in range(ROUNDS):  # interleaved: a burst of other work slows one round, not one candidate
-            for candidate in ("float32", "bfloat16"):
-                ms = _ms_per_step(make_probe, dataclasses.replace(cfg, dtype=candidate, compile=False))
-                times[candidate] = min(times.get(candidate, ms), ms)
-        dtype = min(times, key=times.__getitem__)
+            for name, candidate in candidates.items():
+                ms = _ms_per_step(make_probe, candidate)
+                times[name] = min(times.get(name, ms), ms)
+        fastest = min(times, key=times.__getitem__)
+        dtype = candidates[fastest].dtype
+        if dtype == "bfloat16" and cfg.attention_fp32 == "auto":
+            attention_fp32 = candidates[fastest].attention_fp32
     why = "bf16 is emulated on this CPU" if cfg.dtype == "auto" and not times else ""
+    # the recipe a compile is timed in: the chosen dtype, and the attention's where it was measured
+    chosen_cfg = dataclasses.replace(cfg, dtype=dtype, compile=False,
+                                     **({} if attention_fp32 is None else {"attention_fp32": attention_fp32}))
+
+    def chosen(compiled: bool, reason: str) -> Choice:
+        return Choice(dtype, compiled, times, reason, attention_fp32)
+
     if cfg.compile != "auto":
-        return Choice(dtype, bool(cfg.compile), times, why or "compile as the recipe sets it")
+        return chosen(bool(cfg.compile), why or "compile as the recipe sets it")
     if not _may_be_long(cfg):
-        return Choice(dtype, False, times, _join(why, "a run this short does not pay back a compile"))
-    eager = times.get(dtype)
+        return chosen(False, _join(why, "a run this short does not pay back a compile"))
+    eager_name = dtype + (FP32_ATTENTION if attention_fp32 else "")
+    eager = times.get(eager_name)
     if eager is None:
-        eager = times[dtype] = _ms_per_step(make_probe, dataclasses.replace(cfg, dtype=dtype, compile=False))
+        eager = times[eager_name] = _ms_per_step(make_probe, chosen_cfg)
     run_seconds = min(cfg.max_steps * eager / 1000, cfg.max_time or float("inf"))
     if run_seconds < COMPILE_PAYBACK_SECONDS:
-        return Choice(dtype, False, times, _join(why, f"a compile does not pay back in a run of ~{run_seconds:.0f} s"))
-    compiled = f"{dtype}+compile"
+        return chosen(False, _join(why, f"a compile does not pay back in a run of ~{run_seconds:.0f} s"))
+    compiled = f"{eager_name}+compile"
     try:
-        times[compiled] = _ms_per_step(make_probe, dataclasses.replace(cfg, dtype=dtype, compile=True), warmup=3)
+        times[compiled] = _ms_per_step(make_probe, dataclasses.replace(chosen_cfg, compile=True), warmup=3)
     except Exception as e:  # noqa: BLE001 - a model torch.compile cannot take trains eagerly, saying why
-        return Choice(dtype, False, times, _join(why, f"torch.compile failed here ({type(e).__name__})"))
+        return chosen(False, _join(why, f"torch.compile failed here ({type(e).__name__})"))
     faster = times[compiled] <= COMPILE_MARGIN * eager
-    return Choice(dtype, faster, times, _join(why, "the faster step" if faster else "compiling does not pay here"))
+    return chosen(faster, _join(why, "the faster step" if faster else "compiling does not pay here"))
 
 
 def _ms_per_step(make_probe: MakeProbe, cfg: TrainConfig, warmup: int = 2) -> float:
@@ -154,6 +189,7 @@ def _cache_key(cfg: TrainConfig, shapes: dict[str, Any]) -> str:
 
 def _valid(choice: Choice) -> bool:
     return (choice.dtype in ("float32", "bfloat16") and isinstance(choice.compile, bool)
+            and choice.attention_fp32 in (None, True, False)
             and isinstance(choice.why, str) and isinstance(choice.ms_per_step, dict)
             and all(isinstance(v, float | int) and not isinstance(v, bool) for v in choice.ms_per_step.values()))
 
@@ -175,7 +211,10 @@ def resolve_auto_switches(cfg: TrainConfig, device: str, world: int, saved: dict
         choice = choose(cfg, make_probe, shapes)
         if not quiet:
             print(f"auto: {choice.describe()}")
-        return dataclasses.replace(cfg, dtype=choice.dtype, compile=choice.compile)
+        cfg = dataclasses.replace(cfg, dtype=choice.dtype, compile=choice.compile)
+        if choice.attention_fp32 is not None and cfg.attention_fp32 == "auto":
+            cfg = dataclasses.replace(cfg, attention_fp32=choice.attention_fp32)
+        return cfg
     if cfg.dtype == "auto":
         cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
         if not quiet:

@@ -114,9 +114,10 @@ class TrainConfig:
     # "auto": on a GPU bfloat16 where it has bf16 units (else float16, or float32); on a CPU float32 where bf16 is
     # emulated (no AVX512-BF16 or AMX), else the faster of the two at this run's shapes, measured (`autotune`)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    # under bf16/fp16, compute attention in fp32: "auto" = on a CPU for heads narrower than 64 (its bf16 flash
-    # attention backward is slower there; from 64 on bf16 is faster: README, "Training"), not on a GPU, where
-    # flash / cuDNN attention need bf16/fp16 inputs (and fp32 GQA attention has no fused kernel at all)
+    # under bf16/fp16, compute attention in fp32: "auto" = where `autotune` measures the dtype on a CPU, whichever
+    # made bf16's step faster there; else on a CPU for heads narrower than 64 (its bf16 flash attention backward is
+    # slower there; from 64 on bf16 is faster: README, "Training"), not on a GPU, where flash / cuDNN attention need
+    # bf16/fp16 inputs (and fp32 GQA attention has no fused kernel at all)
     attention_fp32: bool | Literal["auto"] = "auto"
     # torch.compile the model: "auto" = on CUDA; on a CPU where a long run's measured compiled step is faster
     compile: bool | Literal["auto"] = "auto"
@@ -259,7 +260,9 @@ def validate(cfg: TrainConfig) -> None:
     cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read
 
 
-# the narrowest head whose attention runs faster in bf16 than in fp32 on a CPU through PyTorch's flash attention
+# the narrowest head whose attention runs faster in bf16 than in fp32 on a CPU through PyTorch's flash attention: the
+# rule for "auto" where `autotune` has not timed both (several processes, an explicit dtype, a resumed run's saved
+# choice aside)
 # (forward + backward, the fp32 path's casts included, measured by process time: 0.6-0.7x at head sizes 32 and 48,
 # 1.3-1.7x at 64 and 128). gptlab's own bf16 backward (`gptlab.causal_attention`) is faster than fp32 flash at 32
 # too: 1.4x (AVX512-BF16) and 1.7x (AMX) at 32 x 2 heads x 64 x 32 on an AMX Xeon, forward included.

@@ -15,8 +15,9 @@ The optimizer always owns fp32 master weights (the model passed in). Five modes:
 - frozen:    (LoRA, any device) the frozen base is cast to bf16/fp16 in place (it never changes, so it needs
              no master) and the adapters stay fp32: they are their own masters and compute in fp32 on the
              side (`gptlab.lora.LoRALinear`), as peft does. No copy of the model, no autocast.
-In the low-precision modes attention runs in fp32 on a CPU for heads narrower than 64 (`attention_fp32` "auto",
-`config.BF16_ATTENTION_MIN_HEAD`): PyTorch's CPU bf16 flash attention backward is slower than fp32 there, and
+In the low-precision modes attention runs in fp32 on a CPU where `attention_fp32` says so: "auto" is decided by
+timing bf16's step both ways where `train.autotune` measures the dtype, and elsewhere means heads narrower than 64
+(`config.BF16_ATTENTION_MIN_HEAD`): PyTorch's CPU bf16 flash attention backward is slower than fp32 there, and
 faster than fp32 with its casts from 64 on. Where gptlab's bf16 attention backward serves the model's heads
 (`gptlab.causal_attention.serves`: AVX512-BF16 or AMX, heads and rows in multiples of 32) narrow heads run in bf16
 too. On a GPU it runs in the compute dtype: flash and cuDNN attention take only bf16/fp16 inputs.
