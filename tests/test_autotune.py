@@ -112,6 +112,12 @@ def test_the_choice_is_cached_per_shape_and_a_damaged_entry_is_measured_again(cl
     path.write_text(json.dumps(cached))
     assert autotune.choose(_cfg(), runs, {"vocab_size": 65}).attention_fp32 is False
     assert len(runs.made) == 4 * measured
+    cached = json.loads(path.read_text())
+    for entry in cached.values():  # a number where a bool belongs: measured again, never trained as 1
+        entry["attention_fp32"] = 1
+    path.write_text(json.dumps(cached))
+    assert autotune.choose(_cfg(), runs, {"vocab_size": 65}).attention_fp32 is False
+    assert len(runs.made) == 5 * measured
 
 
 def test_a_choice_measured_on_a_busy_machine_is_kept_until_a_run_finds_it_quiet(

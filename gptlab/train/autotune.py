@@ -189,7 +189,7 @@ def _cache_key(cfg: TrainConfig, shapes: dict[str, Any]) -> str:
 
 def _valid(choice: Choice) -> bool:
     return (choice.dtype in ("float32", "bfloat16") and isinstance(choice.compile, bool)
-            and choice.attention_fp32 in (None, True, False)
+            and (choice.attention_fp32 is None or isinstance(choice.attention_fp32, bool))  # (not 0 or 1)
             and isinstance(choice.why, str) and isinstance(choice.ms_per_step, dict)
             and all(isinstance(v, float | int) and not isinstance(v, bool) for v in choice.ms_per_step.values()))
 
