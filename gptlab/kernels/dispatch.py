@@ -17,7 +17,8 @@ weight-only kernels" lost 1.3-2.5x at batch 1; at batch 32 oneDNN's bf16 product
 (benchmarks/kernel_throughput.py prints each path's speed on any machine).
 
 `GPTLAB_KERNEL=torch|avx2|avxvnni|avx512|amx` overrides the choice (for comparisons and tests: a build the CPU cannot
-run falls back to the probe's choice); `GPTLAB_NO_KERNELS=1` keeps PyTorch's paths everywhere.
+run falls back to the probe's choice; `lanes16` too, with GPTLAB_KERNEL_LANES16=1); `GPTLAB_NO_KERNELS=1` keeps
+PyTorch's paths everywhere.
 """
 
 from __future__ import annotations
