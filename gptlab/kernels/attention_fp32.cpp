@@ -25,7 +25,6 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -147,7 +146,6 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_fp32(const at::Tensor& q, co
   float* l_data = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const Vec lanes = simd::lane_index();
-  const float minus_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
     thread_local Scratch w;
@@ -164,10 +162,10 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_fp32(const at::Tensor& q, co
         float m[kRows], l[kRows];
         for (int r = 0; r < nr; ++r) {
           float* s = w.p.data() + r * ld;
-          Vec mx = splat(minus_inf);
+          Vec mx = splat(-simd::kInf);
           for (int64_t c = 0; c < nv * kLanes; c += kLanes) {
             const Vec x = load(s + c) * sc;
-            const Vec masked = simd::causal_lanes(lanes, c, i0 + r) > 0.0f ? x : splat(minus_inf);
+            const Vec masked = simd::causal_lanes(lanes, c, i0 + r) > 0.0f ? x : splat(-simd::kInf);
             store(s + c, masked);
             mx = masked > mx ? masked : mx;
           }
