@@ -260,12 +260,11 @@ def validate(cfg: TrainConfig) -> None:
     cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read
 
 
-# the narrowest head whose attention runs faster in bf16 than in fp32 on a CPU through PyTorch's flash attention: the
-# rule for "auto" where `autotune` has not timed both (several processes, an explicit dtype, a resumed run's saved
-# choice aside)
+# the narrowest head whose attention runs faster in bf16 than in fp32 on a CPU through PyTorch's flash attention
 # (forward + backward, the fp32 path's casts included, measured by process time: 0.6-0.7x at head sizes 32 and 48,
 # 1.3-1.7x at 64 and 128). gptlab's own bf16 backward (`gptlab.causal_attention`) is faster than fp32 flash at 32
-# too: 1.4x (AVX512-BF16) and 1.7x (AMX) at 32 x 2 heads x 64 x 32 on an AMX Xeon, forward included.
+# too: 1.4x (AVX512-BF16) and 1.7x (AMX) at 32 x 2 heads x 64 x 32 on an AMX Xeon, forward included. The rule for
+# "auto" where `autotune` did not time both (several processes, an explicit dtype); a resumed run keeps its choice.
 BF16_ATTENTION_MIN_HEAD = 64
 
 
