@@ -6,7 +6,6 @@ import atexit
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -73,21 +72,17 @@ def one_thread():  # noqa: ANN201
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module",
-                params=["avx2", "avxvnni", "avx512", "amx", pytest.param("lanes16", marks=pytest.mark.slow)])
-def build_name(request: pytest.FixtureRequest) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["avx2", "avxvnni", "avx512", "amx"])
+def build_name(request: pytest.FixtureRequest) -> str:
     """Each of gptlab's kernel builds this machine runs (built once per machine, cached); a skip saying why where
-    a build is not there. "lanes16" (slow: `pytest -m slow -k lanes16`) is the AVX2 build with AVX-512's 16 lanes in
-    its vector loops: the 16-lane logic tested where the AVX-512 build cannot run."""
-    from gptlab.kernels import LANES16_ENV, kernel_builds
+    a build is not there. Under GPTLAB_KERNEL_EMULATE=1 the builds the CPU lacks run emulated (slow: `pytest -k
+    "avxvnni or avx512 or amx"`), so an AVX2 machine tests every build's code."""
+    from gptlab.kernels import kernel_builds
 
-    with pytest.MonkeyPatch.context() as mp:
-        if request.param == "lanes16":
-            mp.setenv(LANES16_ENV, "1")  # (for the module's tests: kernel_builds() lists the build while it is set)
-        if request.param not in kernel_builds():
-            pytest.skip(f"gptlab's {request.param} kernels do not run here (the CPU lacks them, no C++ compiler, or "
-                        "the build failed: see the warning)")
-        yield request.param
+    if request.param not in kernel_builds():
+        pytest.skip(f"gptlab's {request.param} kernels do not run here (the CPU lacks them, no C++ compiler, or "
+                    "the build failed: see the warning; GPTLAB_KERNEL_EMULATE=1 emulates them)")
+    return request.param
 
 
 @pytest.fixture

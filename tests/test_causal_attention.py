@@ -98,14 +98,13 @@ def _model(n_kv_head: int) -> GPT:
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2])
-def test_a_models_loss_and_gradients_match_torchs_attention(n_kv_head: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bf16 model (GPT-2-like heads, and grouped kv heads) trained through gptlab's backward against the same
-    model through F.scaled_dot_product_attention: the same loss to the bit (PyTorch's forward), every gradient
-    within bf16 rounding."""
-    from gptlab.kernels import amx_ops, avx512_ops
-
-    if (amx_ops() or avx512_ops()) is None:
-        pytest.skip("this CPU's gptlab kernels have no bf16 dot products")
+def test_a_models_loss_and_gradients_match_torchs_attention(build_name: str, n_kv_head: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model (GPT-2-like heads, and grouped kv heads) trained through gptlab's backward on each build with
+    bf16 dot products against the same model through F.scaled_dot_product_attention: the same loss to the bit
+    (PyTorch's forward), every gradient within bf16 rounding."""
+    ops = _with_backward(build_name)
+    monkeypatch.setattr(causal_attention, "_bf16_dot_ops", lambda: ops)
     rows = torch.randint(0, 300, (3, 65), generator=torch.Generator().manual_seed(1))
     calls = []
     real = causal_attention._CausalAttention.apply

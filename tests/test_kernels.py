@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gptlab.integer_weights import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-from gptlab.kernels import avx512_ops, cpu_has_avx512, kernel_builds
+from gptlab.kernels import avx512_ops, cpu_has_avx512, emulated_builds, kernel_builds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BUILDS = ["avx2", "avxvnni", "avx512", "amx"]
@@ -68,9 +68,27 @@ def two(builds):  # noqa: ANN001, ANN201
     return list(builds.values())
 
 
+def test_the_emulated_builds_are_those_the_cpu_lacks_and_need_simde(monkeypatch) -> None:  # noqa: ANN001
+    import gptlab.kernels as kernels
+
+    monkeypatch.delenv(kernels.EMULATE_ENV, raising=False)
+    assert kernels.emulated_builds() == frozenset()  # none unless asked for
+    monkeypatch.setenv(kernels.EMULATE_ENV, "1")
+    monkeypatch.setattr(kernels, "cpu_has_avxvnni", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
+    assert kernels.emulated_builds() == {"avx512", "amx"}
+    monkeypatch.setattr(kernels, "simde_found", lambda: False)
+    monkeypatch.setattr(kernels, "cpu_has_avx2", lambda: True)
+    kernels.emulated_ops.cache_clear()
+    with pytest.warns(UserWarning, match="libsimde-dev"):
+        assert kernels.emulated_ops("avx512") is None
+    kernels.emulated_ops.cache_clear()
+
+
 def test_builds_are_named_and_share_one_layout(builds) -> None:  # noqa: ANN001
     assert set(builds) <= set(BUILDS)
-    if "avx512" in builds:
+    if "avx512" in builds and "avx512" not in emulated_builds():
         assert cpu_has_avx512() and avx512_ops() is builds["avx512"]
     W = torch.randn(37, 31)
     q, scale, zero = quantize_int4(torch.randn(37, 64), 32)
@@ -435,6 +453,7 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
     monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A", "avx512": "B"})
+    monkeypatch.setattr(dispatch, "emulated_builds", frozenset)
     monkeypatch.setattr(dispatch, "busy", lambda: False)
     calls = []
     times = {"torch": 2.0, "avx2": 3.0, "avx512": 1.0}
@@ -458,6 +477,29 @@ def test_dispatch_picks_the_fastest_candidate_and_caches_it(tmp_path, monkeypatc
     dispatch._measured.cache_clear()
 
 
+def test_the_dispatch_chooses_an_emulated_build_only_when_told_to(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Under GPTLAB_KERNEL_EMULATE=1 the builds the CPU lacks are there emulated, for the tests that force them;
+    the probe never times one, and with nothing else built PyTorch's path runs."""
+    from gptlab.kernels import dispatch
+
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A", "avx512": "B"})
+    monkeypatch.setattr(dispatch, "emulated_builds", lambda: frozenset({"avx512"}))
+    monkeypatch.setattr(dispatch, "busy", lambda: False)
+    probed = []
+    monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: probed.append(names) or
+                        {"torch": 2.0, "avx2": 1.0, "avx512": 0.1})
+    dispatch._measured.cache_clear()
+    assert dispatch.choice("int8") == "avx2" and probed == [("avx2",)]
+    monkeypatch.setenv("GPTLAB_KERNEL", "avx512")
+    assert dispatch.choice("int8") == "avx512" and dispatch.chosen_ops("int8") == "B"
+    monkeypatch.delenv("GPTLAB_KERNEL")
+    monkeypatch.setattr(dispatch, "emulated_builds", lambda: frozenset({"avx2", "avx512"}))
+    assert dispatch.choice("int8") == "torch"
+    dispatch._measured.cache_clear()
+
+
 def test_a_probe_on_a_busy_machine_is_kept_until_a_run_finds_it_quiet(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """Other work on the cores makes a probe measure the contention: its choice is kept as provisional, serves the
     runs that follow while the machine stays busy (none probes again), and the first run on a quiet machine probes
@@ -470,6 +512,7 @@ def test_a_probe_on_a_busy_machine_is_kept_until_a_run_finds_it_quiet(tmp_path, 
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
     monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A"})
+    monkeypatch.setattr(dispatch, "emulated_builds", frozenset)
     calls = []
     monkeypatch.setattr(dispatch, "probe", lambda kind, names, rows: calls.append(kind) or {"torch": 2.0, "avx2": 1.0})
     for load, probes, provisional in ((64.0, 1, True), (64.0, 1, True), (0.1, 2, False), (0.1, 2, False),
@@ -492,6 +535,7 @@ def test_a_cpu_of_the_same_name_with_other_flags_is_measured_again(tmp_path, mon
     monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
     monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"avx2": "A"})
+    monkeypatch.setattr(dispatch, "emulated_builds", frozenset)
     monkeypatch.setattr(dispatch, "busy", lambda: False)
     monkeypatch.setattr(hardware, "cpu_name", lambda: "AMD EPYC")
     calls = []
@@ -520,6 +564,7 @@ def test_a_candidate_far_behind_after_the_first_round_sits_out_the_others(monkey
     from gptlab.kernels import dispatch
 
     monkeypatch.setattr(dispatch, "kernel_builds", lambda: {"near": "near", "far": "far"})
+    monkeypatch.setattr(dispatch, "emulated_builds", frozenset)
     monkeypatch.setattr(dispatch, "_working_set", lambda: 1)  # one copy of each shape
     seconds = {"torch": 0.01, "near": 0.01, "far": 0.05}  # (sleeps: level ones stay level under load)
     calls = collections.Counter()
@@ -599,8 +644,8 @@ def test_the_sources_are_dealt_to_unity_files_once_each_and_not_rewritten(tmp_pa
     assert len(unity_sources(SOURCES, tmp_path / "one", 1)) == 1
 
 
-@pytest.mark.slow  # five compiler passes over every source: ~50 s
-@pytest.mark.parametrize("build", [*BUILDS, "lanes16"])
+@pytest.mark.slow  # four compiler passes over every source: ~40 s
+@pytest.mark.parametrize("build", BUILDS)
 def test_every_builds_sources_compile_as_one_unity_file(build: str, tmp_path) -> None:  # noqa: ANN001
     """Every build's sources compile together in one translation unit, whichever CPU runs the test: the code under
     an AVX-512 or AMX guard too, which only such a CPU builds (names at namespace scope must differ between
@@ -616,7 +661,7 @@ def test_every_builds_sources_compile_as_one_unity_file(build: str, tmp_path) ->
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
     flags = {"avx2": kernels.AVX2_FLAGS, "avxvnni": kernels.AVXVNNI_FLAGS, "avx512": kernels.AVX512_FLAGS,
-             "amx": kernels.AMX_FLAGS, "lanes16": kernels.LANES16_FLAGS}[build]
+             "amx": kernels.AMX_FLAGS}[build]
     (unity,) = unity_sources(kernels.SOURCES, tmp_path, 1)
     includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
     done = subprocess.run(["c++", "-std=c++20", "-fsyntax-only", "-fPIC", "-DTORCH_EXTENSION_NAME=gptlab_unity",

@@ -30,6 +30,9 @@ def _ops(name: str):  # noqa: ANN202 - a kernel build's ops
 
 
 def _through(ops, g: torch.Tensor, monkeypatch: pytest.MonkeyPatch, steps: int = 5) -> torch.Tensor:  # noqa: ANN001
+    """The bf16 iteration through `ops` (None: ATen's products), whether or not this CPU multiplies bf16 natively
+    (an emulated build runs where it does not)."""
+    monkeypatch.setattr(muon, "native_low_precision_matmul", lambda dtype: True)
     monkeypatch.setattr(muon, "_native_ops", lambda x: ops)
     return muon.newton_schulz(g, steps, COEFFICIENTS, 1e-7)
 

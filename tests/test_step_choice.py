@@ -23,6 +23,7 @@ def scripted(tmp_path, monkeypatch: pytest.MonkeyPatch) -> dict:  # noqa: ANN001
     monkeypatch.delenv("GPTLAB_KERNEL", raising=False)
     state = {"times": {"avx2": 3.0, "avx512": 2.0, "torch": 4.0}, "calls": [], "busy": False}
     monkeypatch.setattr(step_choice, "kernel_builds", lambda: {"avx2": "A", "avx512": "B"})
+    monkeypatch.setattr(step_choice, "emulated_builds", frozenset)
     monkeypatch.setattr(step_choice, "busy", lambda: state["busy"])
     monkeypatch.setattr(step_choice, "_TIMED", {})  # this process's answers: none yet
 

@@ -32,7 +32,7 @@ from gptlab.generation import native_decode
 from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.generation.packed_linear import PackedLinears, packable
 from gptlab.hardware import available_memory, busy, cached_measurement, cpu_id
-from gptlab.kernels import kernel_builds, source_digest
+from gptlab.kernels import emulated_builds, kernel_builds, source_digest
 from gptlab.kernels.dispatch import CACHE_FILE, TORCH
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
@@ -55,7 +55,7 @@ def decode_path(model: GPT, rows: int, cache_dtype: torch.dtype | None = None) -
         return None
     if weight.dtype not in (torch.float32, torch.bfloat16) or not lean_step_exact(model):
         return None
-    builds = tuple(sorted(kernel_builds()))
+    builds = tuple(sorted(set(kernel_builds()) - emulated_builds()))
     if not builds or os.environ.get("GPTLAB_KERNEL"):
         return None
     paths = builds + ((TORCH,) if _room_for_a_second_pack(model) else ())

@@ -30,10 +30,11 @@ runs on any; int8/int4 outputs are equal to the bit across the first three, bf16
 the AMX build's tiles multiply int4 weights widened to bf16 by x in bf16, and int8 weights by the other builds'
 16-bit fixed-point x on their byte products, whose integer sums they keep exact to the end (see amx_tiles.h).
 Which build (or PyTorch) serves each kind of weight is measured once per machine by `gptlab.kernels.dispatch`.
-For kernel work on a machine without AVX-512, `GPTLAB_KERNEL_LANES16=1` adds a fifth, `lanes16_ops()`: the AVX2
-build whose vector loops (`simd.h`) have AVX-512's 16 lanes, each vector two AVX2 registers. It is slower than
-either and serves nothing by choice; it lets the kernel tests (`pytest -m slow -k lanes16`) run the 16-lane loops'
-tiling and tails on any AVX2 CPU, where the AVX-512 build cannot run.
+For kernel work on a machine without them, `GPTLAB_KERNEL_EMULATE=1` puts the AVX-VNNI, AVX-512 and AMX builds
+the CPU lacks into `kernel_builds()` emulated (`emulated_ops()`): their code, 16-lane vector loops and intrinsics
+included, compiled for AVX2 with the intrinsics from SIMDe's headers and AMX's tiles in memory (`emulation.h`).
+Many times slower and never chosen by the dispatch; it lets the kernel tests (`GPTLAB_KERNEL_EMULATE=1 pytest -k
+"avxvnni or avx512 or amx"`) run every build's code on any AVX2 CPU.
 
 The build (`torch.utils.cpp_extension.load` of a unity file per core: a C++ compiler, ~22 s on 2 cores) runs once
 per machine and torch version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`)
@@ -76,12 +77,17 @@ AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # F16C: int4's fp16 scales (every AV
 # server with BF16 (Cooper Lake), Sapphire Rapids and later have all of them
 AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
 AVXVNNI_FLAGS = [*AVX2_FLAGS, "-mavxvnni"]
-LANES16_FLAGS = [*AVX2_FLAGS, "-DGPTLAB_LANES16"]
-LANES16_ENV = "GPTLAB_KERNEL_LANES16"
 AMX_FLAGS = [*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # the AVX-512 build plus the tile unit
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})  # every AMX CPU so far has all three
 AVX512_CPU_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
                               "avx512_bf16"})
+# the emulated builds (tests only, under GPTLAB_KERNEL_EMULATE=1): a build's code for a CPU that lacks it, compiled
+# for AVX2 with its intrinsics from SIMDe's headers and AMX's tiles in memory (emulation.h)
+EMULATE_ENV = "GPTLAB_KERNEL_EMULATE"
+EMULATED_FLAGS = {"avxvnni": [*AVX2_FLAGS, "-DGPTLAB_EMULATE_AVXVNNI"],
+                  "avx512": [*AVX2_FLAGS, "-DGPTLAB_EMULATE_AVX512"],
+                  "amx": [*AVX2_FLAGS, "-DGPTLAB_EMULATE_AVX512", "-DGPTLAB_EMULATE_AMX"]}
+SIMDE_HEADER = "simde/x86/avx512.h"
 
 
 def _x86() -> bool:
@@ -242,22 +248,46 @@ def amx_ops() -> Any | None:
     return _build("gptlab_amx", "AMX", AMX_FLAGS)
 
 
+def simde_found() -> bool:
+    """Whether the C++ compiler finds SIMDe's headers (libsimde-dev; elsewhere a checkout named by CPATH), which
+    the emulated builds need."""
+    dirs = [*os.environ.get("CPATH", "").split(os.pathsep), *os.environ.get("CPLUS_INCLUDE_PATH", "").split(os.pathsep),
+            "/usr/local/include", "/usr/include"]
+    return any(d and (Path(d) / SIMDE_HEADER).is_file() for d in dirs)
+
+
 @functools.cache
-def lanes16_ops() -> Any | None:
-    """torch.ops.gptlab_lanes16: the AVX2 build with AVX-512's 16 lanes in `simd.h`'s vector loops (two registers
-    a vector), for testing those loops on AVX2 CPUs; None as `avx2_ops()`."""
+def emulated_ops(build: str) -> Any | None:
+    """torch.ops.gptlab_<build>_emulated: the "avxvnni", "avx512" or "amx" build's code compiled for this AVX2 CPU
+    (emulation.h), for testing it where the CPU cannot run it; many times slower. None (after one warning) without
+    SIMDe's headers, or as `avx2_ops()`."""
     if os.environ.get("GPTLAB_NO_KERNELS") or not cpu_has_avx2():
         return None
-    return _build("gptlab_lanes16", "16-lane AVX2", LANES16_FLAGS)
+    if not simde_found():
+        warnings.warn(f"gptlab: the emulated {build} kernels need SIMDe's headers ({SIMDE_HEADER}): apt install "
+                      "libsimde-dev, or point CPATH at a SIMDe checkout", stacklevel=2)
+        return None
+    return _build(f"gptlab_{build}_emulated", f"emulated {build}", EMULATED_FLAGS[build])
 
 
 def kernel_builds() -> dict[str, Any]:
-    """Every build of the kernels this machine can execute, by name ("avx2", "avxvnni", "avx512", "amx"; and
-    "lanes16" under GPTLAB_KERNEL_LANES16=1), each built on first use. A weight packed by any build's
-    `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout)."""
-    builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops(), "amx": amx_ops(),
-              "lanes16": lanes16_ops() if os.environ.get(LANES16_ENV) else None}
+    """Every build of the kernels this machine can execute, by name ("avx2", "avxvnni", "avx512", "amx"), each built
+    on first use. A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout).
+    Under GPTLAB_KERNEL_EMULATE=1 (tests) a build the CPU lacks is there emulated (`emulated_ops`;
+    `emulated_builds()` names them), so that the tests of every build run on any AVX2 machine."""
+    builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops(), "amx": amx_ops()}
+    for name in emulated_builds():
+        builds[name] = emulated_ops(name)
     return {name: ops for name, ops in builds.items() if ops is not None}
+
+
+def emulated_builds() -> frozenset[str]:
+    """The builds that `kernel_builds()` emulates here: under GPTLAB_KERNEL_EMULATE=1 those the CPU cannot run
+    itself (on an AVX2 CPU); else none. The dispatch never chooses one."""
+    if not os.environ.get(EMULATE_ENV):
+        return frozenset()
+    native = {"avxvnni": cpu_has_avxvnni(), "avx512": cpu_has_avx512(), "amx": cpu_has_amx()}
+    return frozenset(name for name, runs in native.items() if not runs)
 
 
 def training_ops(*tensors: torch.Tensor | None) -> Any | None:

@@ -17,8 +17,8 @@ weight-only kernels" lost 1.3-2.5x at batch 1; at batch 32 oneDNN's bf16 product
 (benchmarks/kernel_throughput.py prints each path's speed on any machine).
 
 `GPTLAB_KERNEL=torch|avx2|avxvnni|avx512|amx` overrides the choice (for comparisons and tests: a build the CPU cannot
-run falls back to the probe's choice; `lanes16` too, with GPTLAB_KERNEL_LANES16=1); `GPTLAB_NO_KERNELS=1` keeps
-PyTorch's paths everywhere.
+run falls back to the probe's choice; an emulated build, under GPTLAB_KERNEL_EMULATE=1, is chosen only so);
+`GPTLAB_NO_KERNELS=1` keeps PyTorch's paths everywhere.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.hardware import busy, cached_measurement, cpu_id
-from gptlab.kernels import kernel_builds, source_digest
+from gptlab.kernels import emulated_builds, kernel_builds, source_digest
 
 KINDS = ("bfloat16", "float32", "int8", "int4")
 TORCH = "torch"
@@ -66,7 +66,10 @@ def choice(kind: str, rows: int = 1) -> str:
         return TORCH
     if forced in builds:
         return forced
-    return _measured(kind, tuple(sorted(builds)), BATCH if rows >= SMALL_BATCH else 1, torch.get_num_threads())
+    candidates = tuple(sorted(set(builds) - emulated_builds()))
+    if not candidates:
+        return TORCH
+    return _measured(kind, candidates, BATCH if rows >= SMALL_BATCH else 1, torch.get_num_threads())
 
 
 def chosen_ops(kind: str, rows: int = 1) -> Any | None:

@@ -6,7 +6,8 @@
 // AVX-VNNI, with AVX-512 (F/BW/VL/DQ + VNNI + BF16), and with AVX-512 + AMX. The compiler's own macros pick the
 // build: the AVX-512 one registers its operators as torch.ops.gptlab_avx512 and keeps its C++ in namespace
 // gptlab_avx512 (GPTLAB_NS), so all the libraries can be loaded in one process without sharing a symbol. All read
-// the same packed weights (one `pack`).
+// the same packed weights (one `pack`). For tests, GPTLAB_EMULATE_* compiles the AVX-VNNI, AVX-512 or AMX build's
+// code for AVX2 (emulation.h), as gptlab_avx512_emulated and so on.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,20 +17,29 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-#define GPTLAB_AVX512 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
-#define GPTLAB_AMX 1  // the AVX-512 build with the tile unit's bf16 and byte products for many rows (amx_tiles.h)
-#define GPTLAB_NS gptlab_amx
+#if defined(GPTLAB_EMULATE_AVX512) || defined(GPTLAB_EMULATE_AVXVNNI)
+#include "emulation.h"  // a test build: AVX-512's, AMX's or AVX-VNNI's code on an AVX2 CPU
+#define GPTLAB_EMULATED_OR(name) name##_emulated  // its own library and namespace: gptlab_avx512_emulated, ...
 #else
-#define GPTLAB_NS gptlab_avx512
+#define GPTLAB_EMULATED_OR(name) name
 #endif
-#elif defined(GPTLAB_LANES16)
-#define GPTLAB_NS gptlab_lanes16  // the AVX2 build with 16-lane generic vectors (simd.h), for tests only
-#elif defined(__AVXVNNI__)
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+     defined(__AVX512VNNI__) && defined(__AVX512BF16__)) || defined(GPTLAB_EMULATE_AVX512)
+#define GPTLAB_AVX512 1
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)) || defined(GPTLAB_EMULATE_AMX)
+#define GPTLAB_AMX 1  // the AVX-512 build with the tile unit's bf16 and byte products for many rows (amx_tiles.h)
+#endif
+#elif defined(__AVXVNNI__) || defined(GPTLAB_EMULATE_AVXVNNI)
 #define GPTLAB_AVXVNNI 1  // the AVX2 build with AVX-VNNI's 256-bit byte dot products (int4's vpdpbusd)
-#define GPTLAB_NS gptlab_avxvnni
+#endif
+
+#if defined(GPTLAB_AMX)
+#define GPTLAB_NS GPTLAB_EMULATED_OR(gptlab_amx)
+#elif defined(GPTLAB_AVX512)
+#define GPTLAB_NS GPTLAB_EMULATED_OR(gptlab_avx512)
+#elif defined(GPTLAB_AVXVNNI)
+#define GPTLAB_NS GPTLAB_EMULATED_OR(gptlab_avxvnni)
 #else
 #define GPTLAB_NS gptlab_avx2
 #endif

@@ -18,9 +18,8 @@
 namespace GPTLAB_NS::simd {
 
 // lanes per vector: one register of the build (a 16-lane vector split over two AVX2 registers ran slower than
-// scalar code). GPTLAB_LANES16 gives an AVX2 build AVX-512's 16 lanes anyway (the `lanes16` build): slow, and only
-// so that an AVX2 machine runs the 16-lane loops' logic in the kernel tests (`pytest -m slow -k lanes16`)
-#if defined(__AVX512F__) || defined(GPTLAB_LANES16)
+// scalar code; the emulated AVX-512 builds, for tests, have 16 lanes on AVX2 all the same)
+#if defined(GPTLAB_AVX512)
 #define GPTLAB_SIMD16 1
 constexpr int kLanes = 16;
 #else
@@ -163,15 +162,8 @@ inline float lane_sum(Vec v) {
 }
 
 inline Vec sqrt(Vec v) {  // correctly rounded, as std::sqrt
-#if defined(__AVX512F__)
+#if defined(GPTLAB_AVX512)
   return reinterpret_cast<Vec>(_mm512_sqrt_ps(reinterpret_cast<__m512>(v)));
-#elif defined(GPTLAB_SIMD16)  // the lanes16 build: each half in its own register
-  using V8 = float __attribute__((vector_size(32)));
-  const V8 lo = reinterpret_cast<V8>(_mm256_sqrt_ps(reinterpret_cast<__m256>(
-      __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7))));
-  const V8 hi = reinterpret_cast<V8>(_mm256_sqrt_ps(reinterpret_cast<__m256>(
-      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15))));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
   return reinterpret_cast<Vec>(_mm256_sqrt_ps(reinterpret_cast<__m256>(v)));
 #endif
