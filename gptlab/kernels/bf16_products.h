@@ -23,30 +23,27 @@ using Pair = uint32_t;  // two bf16 values, the first in the low half: one step 
 using simd::bf16_bits;
 
 // C (M x N fp32, ldc apart) (+)= A (M x K bf16, lda apart) times B given as pairs: b[p * ldb + n] holds B's rows
-// 2p and 2p + 1 at column n. M and N are multiples of 16, K of 32.
+// 2p and 2p + 1 at column n. M, N and K are multiples of 32 (the callers' blocks and zero-padded matrices).
 #if defined(GPTLAB_AMX)
 // C tile t (t = 2 i + j: 16 rows by i, 16 columns by j) loaded or zeroed, and stored (tile numbers are immediates)
-#define GPTLAB_C_TILE(t, i, j)                                                            \
-  if ((i) < MT && (j) < NT) {                                                             \
-    if (accumulate) _tile_loadd(t, c + 16 * (i) * ldc + 16 * (j), ldc * 4);               \
-    else _tile_zero(t);                                                                   \
-  }
-#define GPTLAB_C_STORE(t, i, j) \
-  if ((i) < MT && (j) < NT) _tile_stored(t, c + 16 * (i) * ldc + 16 * (j), ldc * 4);
+#define GPTLAB_C_TILE(t, i, j)                                          \
+  if (accumulate) _tile_loadd(t, c + 16 * (i) * ldc + 16 * (j), ldc * 4); \
+  else _tile_zero(t);
+#define GPTLAB_C_STORE(t, i, j) _tile_stored(t, c + 16 * (i) * ldc + 16 * (j), ldc * 4);
 
-template <int MT, int NT>  // 16 rows by MT and 16 columns by NT: C tiles 0-3, A 4-5, B 6-7
+// 32 rows by 32 columns of C: tiles 0-3, A 4-5 (16 rows each), B 6-7 (16 columns each)
 inline void tiles(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t K,
                   bool accumulate) {
   GPTLAB_C_TILE(0, 0, 0) GPTLAB_C_TILE(1, 0, 1) GPTLAB_C_TILE(2, 1, 0) GPTLAB_C_TILE(3, 1, 1)
   for (int64_t k = 0; k < K; k += 32) {
     _tile_loadd(4, a + k, lda * 2);
-    if constexpr (MT == 2) _tile_loadd(5, a + 16 * lda + k, lda * 2);
+    _tile_loadd(5, a + 16 * lda + k, lda * 2);
     _tile_loadd(6, b + (k / 2) * ldb, ldb * 4);
-    if constexpr (NT == 2) _tile_loadd(7, b + (k / 2) * ldb + 16, ldb * 4);
+    _tile_loadd(7, b + (k / 2) * ldb + 16, ldb * 4);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MT == 2) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
   GPTLAB_C_STORE(0, 0, 0) GPTLAB_C_STORE(1, 0, 1) GPTLAB_C_STORE(2, 1, 0) GPTLAB_C_STORE(3, 1, 1)
 }
@@ -56,15 +53,7 @@ inline void tiles(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, fl
 inline void gemm(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t M,
                  int64_t N, int64_t K, bool accumulate) {
   for (int64_t m = 0; m < M; m += 32)
-    for (int64_t n = 0; n < N; n += 32) {
-      const bool two_m = m + 32 <= M, two_n = n + 32 <= N;
-      const uint16_t* am = a + m * lda;
-      float* cm = c + m * ldc + n;
-      if (two_m && two_n) tiles<2, 2>(am, lda, b + n, ldb, cm, ldc, K, accumulate);
-      else if (two_m) tiles<2, 1>(am, lda, b + n, ldb, cm, ldc, K, accumulate);
-      else if (two_n) tiles<1, 2>(am, lda, b + n, ldb, cm, ldc, K, accumulate);
-      else tiles<1, 1>(am, lda, b + n, ldb, cm, ldc, K, accumulate);
-    }
+    for (int64_t n = 0; n < N; n += 32) tiles(a + m * lda, lda, b + n, ldb, c + m * ldc + n, ldc, K, accumulate);
 }
 #else
 template <int R>  // R rows of C by 32 columns in registers
@@ -87,29 +76,10 @@ inline void rows(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, flo
     for (int j = 0; j < 2; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
 }
 
-template <int R>  // R rows by 16 columns (an N that is an odd multiple of 16)
-inline void rows16(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t K,
-                   bool accumulate) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
-  for (int64_t p = 0; p < K / 2; ++p) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * ldb);
-    for (int r = 0; r < R; ++r) {
-      Pair pair;
-      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), b0);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * ldc, acc[r]);
-}
-
 inline void gemm(const uint16_t* a, int64_t lda, const Pair* b, int64_t ldb, float* c, int64_t ldc, int64_t M,
                  int64_t N, int64_t K, bool accumulate) {
-  for (int64_t m = 0; m < M; m += 8)  // M is a multiple of 16
-    for (int64_t n = 0; n < N; n += 32) {
-      if (n + 32 <= N) rows<8>(a + m * lda, lda, b + n, ldb, c + m * ldc + n, ldc, K, accumulate);
-      else rows16<8>(a + m * lda, lda, b + n, ldb, c + m * ldc + n, ldc, K, accumulate);
-    }
+  for (int64_t m = 0; m < M; m += 8)
+    for (int64_t n = 0; n < N; n += 32) rows<8>(a + m * lda, lda, b + n, ldb, c + m * ldc + n, ldc, K, accumulate);
 }
 #endif
 
