@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
-from families import ALL_FAMILIES, gpt2_like, model_of
+from families import ALL_FAMILIES, build, gpt2_like, model_of
 from helpers import decode_rows_beside, within_step_rounding
 
 import gptlab.generation.engine as engine_module
@@ -102,6 +102,25 @@ def test_native_step_equals_the_lean_one(on_kernel, family: str, dtype: torch.dt
             want = _steps(model, lean, lengths)
             assert native_decode.weights(model, KVCache(model.config, 1, 8)) is not None  # the C++ step runs
             assert _close(want, _steps(model, decode_hidden, lengths), dtype), lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
+@pytest.mark.parametrize("n_embd", [36, 40])
+def test_native_step_at_widths_that_are_not_whole_vectors(on_kernel, family: str, n_embd: int,  # noqa: ANN001
+                                                         dtype: torch.dtype) -> None:
+    """Widths off the builds' vectors (36: not a multiple of AVX2's 8 lanes; 40: of AVX-512's 16), heads of 18 or
+    20, an MLP of 106 or 118: the norms', activations' and products' tails, against the lean step."""
+    shape = dict(n_embd=n_embd, n_head=2, mlp_hidden=n_embd * 3 - 2)
+    if family == "gpt2":
+        model = gpt2_like(**shape).to(dtype)
+    else:
+        model = build(family, **shape, n_kv_head=1, head_dim=n_embd // 2).to(dtype)
+    packed = PackedLinears(model)
+    with packed.active():
+        for lengths in ([5], [7, 2, 12]):
+            assert native_decode.weights(model, KVCache(model.config, 1, 8)) is not None  # the C++ step runs
+            assert _close(_steps(model, lean, lengths), _steps(model, decode_hidden, lengths), dtype), lengths
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
