@@ -75,8 +75,8 @@ def one_thread():  # noqa: ANN201
 @pytest.fixture(scope="module", params=["avx2", "avxvnni", "avx512", "amx"])
 def build_name(request: pytest.FixtureRequest) -> str:
     """Each of gptlab's kernel builds this machine runs (built once per machine, cached); a skip saying why where
-    a build is not there. Under GPTLAB_KERNEL_EMULATE=1 the builds the CPU lacks run emulated (slow: `pytest -k
-    "avxvnni or avx512 or amx"`), so an AVX2 machine tests every build's code."""
+    a build is not there. Under GPTLAB_KERNEL_EMULATE=1 the builds the CPU lacks run emulated (slower), so an AVX2
+    machine tests every build's code."""
     from gptlab.kernels import kernel_builds
 
     if request.param not in kernel_builds():

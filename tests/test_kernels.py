@@ -669,6 +669,29 @@ def test_every_builds_sources_compile_as_one_unity_file(build: str, tmp_path) ->
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_extra_flags_reach_the_compiler_and_the_linker_and_name_another_build(monkeypatch) -> None:  # noqa: ANN001
+    """GPTLAB_KERNEL_CFLAGS (coverage, sanitizers) goes to both and into the build's name: the usual build stays."""
+    import gptlab.kernels as kernels
+
+    seen = []
+
+    def load(name: str, sources: list, cflags: list[str], ldflags: list[str]) -> None:
+        seen.append((name, cflags, ldflags))
+        raise RuntimeError("no build in this test")
+
+    monkeypatch.setattr(kernels, "load_library", load)
+    monkeypatch.setattr(kernels.shutil, "which", lambda _: "/usr/bin/c++")
+    monkeypatch.delenv(kernels.EXTRA_FLAGS_ENV, raising=False)
+    with pytest.warns(UserWarning, match="no build in this test"):
+        assert kernels._build("gptlab_avx2", "AVX2", kernels.AVX2_FLAGS) is None
+    monkeypatch.setenv(kernels.EXTRA_FLAGS_ENV, "--coverage  -O1")
+    with pytest.warns(UserWarning, match="no build in this test"):
+        kernels._build("gptlab_avx2", "AVX2", kernels.AVX2_FLAGS)
+    (usual, usual_cflags, usual_ldflags), (covered, cflags, ldflags) = seen
+    assert usual != covered and cflags == [*usual_cflags, "--coverage", "-O1"]
+    assert ldflags == [*usual_ldflags, "--coverage", "-O1"]
+
+
 def test_a_stale_build_lock_is_removed_and_the_library_checksummed(tmp_path, fake_build) -> None:  # noqa: ANN001
     from gptlab.kernels.build import CHECKSUM, load_library
 

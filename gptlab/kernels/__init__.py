@@ -33,14 +33,15 @@ Which build (or PyTorch) serves each kind of weight is measured once per machine
 For kernel work on a machine without them, `GPTLAB_KERNEL_EMULATE=1` puts the AVX-VNNI, AVX-512 and AMX builds
 the CPU lacks into `kernel_builds()` emulated (`emulated_ops()`): their code, 16-lane vector loops and intrinsics
 included, compiled for AVX2 with the intrinsics from SIMDe's headers and AMX's tiles in memory (`emulation.h`).
-Many times slower and never chosen by the dispatch; it lets the kernel tests (`GPTLAB_KERNEL_EMULATE=1 pytest -k
-"avxvnni or avx512 or amx"`) run every build's code on any AVX2 CPU.
+Many times slower and never chosen by the dispatch; it lets the kernel tests (`GPTLAB_KERNEL_EMULATE=1 python -m
+pytest`) run every build's code on any AVX2 CPU.
 
 The build (`torch.utils.cpp_extension.load` of a unity file per core: a C++ compiler, ~22 s on 2 cores) runs once
 per machine and torch version; the library is cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`)
 and loaded from there next time. Where no compiler is present or the build fails, `avx2_ops()` / `avx512_ops()`
 return None after one warning, and callers keep their pure-PyTorch path. `GPTLAB_NO_KERNELS=1` turns the kernels
-off (for comparisons).
+off (for comparisons); `GPTLAB_KERNEL_CFLAGS` adds compiler and linker flags to every build (coverage,
+sanitizers), each then a build of its own.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -88,6 +90,10 @@ EMULATED_FLAGS = {"avxvnni": [*AVX2_FLAGS, "-DGPTLAB_EMULATE_AVXVNNI"],
                   "avx512": [*AVX2_FLAGS, "-DGPTLAB_EMULATE_AVX512"],
                   "amx": [*AVX2_FLAGS, "-DGPTLAB_EMULATE_AVX512", "-DGPTLAB_EMULATE_AMX"]}
 SIMDE_HEADER = "simde/x86/avx512.h"
+# more flags for every build, for kernel work: "--coverage -O1" (which lines the tests reach, with gcovr), "-g
+# -fsanitize=undefined -fno-sanitize-recover=undefined" (UBSan: undefined behaviour aborts the process). They go into
+# the builds' names, so the usual builds stay as they are
+EXTRA_FLAGS_ENV = "GPTLAB_KERNEL_CFLAGS"
 
 
 def _x86() -> bool:
@@ -147,8 +153,9 @@ def _build(library: str, what: str, flags: list[str]) -> Any | None:
                       f"(install g++ to build gptlab's {what} kernels once)", stacklevel=3)
         return None
     try:
-        cflags = [*_COMMON_FLAGS, *flags]
-        load_library(_build_name(library, cflags), SOURCES, cflags, ["-fopenmp"])
+        extra = shlex.split(os.environ.get(EXTRA_FLAGS_ENV, ""))  # compiler and linker both take them
+        cflags = [*_COMMON_FLAGS, *flags, *extra]
+        load_library(_build_name(library, cflags), SOURCES, cflags, ["-fopenmp", *extra])
         # the output's shape and dtype without running it (Meta kernels, which fake tensors run): torch.compile then
         # traces a model through `linear` (an opaque call in its graph) instead of failing there. Registered through
         # a Library rather than torch.library.register_fake, which looks up each caller's source (~10 ms of
