@@ -108,7 +108,7 @@ void update(float* p, const G* g, float* m, float* v, W* w, int64_t begin, int64
   const auto step = [&](Vec pv, Vec gv, Vec mv, Vec vv, Vec& p_out, Vec& m_out, Vec& v_out) {
     gv = gv * scale;
     pv = pv * c.decay;
-    m_out = (small ? mv : gv) + coeff * (gv - mv);
+    m_out = simd::fma(splat(coeff), gv - mv, small ? mv : gv);  // fused, as ATen's lerp
     v_out = vv * beta2 + one_minus_beta2 * gv * gv;
     const Vec denom = simd::sqrt(v_out) / c.bc2_sqrt + eps;
     p_out = pv - c.step_size * m_out / denom;

@@ -169,6 +169,18 @@ inline Vec sqrt(Vec v) {  // correctly rounded, as std::sqrt
 #endif
 }
 
+// a * b + c rounded once, where ATen's vectorized code calls fmadd (lerp): the same bits whether or not the compiler
+// would have contracted a * b + c itself
+inline Vec fma(Vec a, Vec b, Vec c) {
+#if defined(GPTLAB_AVX512)
+  return reinterpret_cast<Vec>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+#else
+  return reinterpret_cast<Vec>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                               reinterpret_cast<__m256>(c)));
+#endif
+}
+
 inline float lane_max(Vec v) {
   float m = v[0];
   for (int j = 1; j < kLanes; ++j) m = v[j] > m ? v[j] : m;

@@ -189,13 +189,14 @@ inline Vec gelu_erf(Vec v) {
 }
 
 // out = torch.lerp(h, previous, mix) over n values, ATen's form: the weight's side nearer to the result's end taken
-// as the base (h + mix (previous - h) for |mix| < 1/2, else previous + (mix - 1)(previous - h)), rounded to bf16
+// as the base (h + mix (previous - h) for |mix| < 1/2, else previous + (mix - 1)(previous - h)), one fused
+// multiply-add as ATen's, rounded to bf16
 inline void lerp_row(const float* h, const float* previous, const float* mix, float* out, int64_t n, bool bf16) {
   for_lanes(0, n, [&](int64_t i, int64_t k) {
     const Vec start = load_n(h + i, k), end = load_n(previous + i, k), weight = load_n(mix + i, k);
     const auto small = abs_of(weight) < 0.5f;
     const Vec coeff = small ? weight : weight - 1.0f, base = small ? start : end;
-    store_n(out + i, round_to(coeff * (end - start) + base, bf16), k);
+    store_n(out + i, round_to(simd::fma(coeff, end - start, base), bf16), k);
   });
 }
 
