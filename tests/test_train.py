@@ -951,16 +951,20 @@ def test_newton_schulz_on_a_cpu_without_bf16_units_runs_in_fp32(monkeypatch: pyt
 def test_both_forms_of_the_fp32_iteration_are_the_exact_one(stack: int, rows: int, cols: int, steps: int,
                                                             seed: int) -> None:
     """`newton_schulz_fp32`'s Gram form (the iteration on r x r matrices) and the standard one, on any shape
-    and number of steps: the fp64 iteration's values within fp32 rounding."""
+    and number of steps: the fp64 iteration's values within fp32 rounding; the Gram form's on the wide matrices
+    "auto" gives it (cols > 1.5 rows). Elsewhere within the bf16 rounding the result gets: A = X X^T squares the
+    condition number, and a nearly square matrix after 6 steps was ~3e-4 off (2 of 3,000 random cases)."""
     from gptlab.train.muon import newton_schulz_fp32
 
     coefficients = (3.4445, -4.775, 2.0315)
     g = torch.randn(stack, min(rows, cols), max(rows, cols), generator=torch.Generator().manual_seed(seed))
     exact = _exact_newton_schulz(g, steps, coefficients)
     x = g / g.norm(dim=(-2, -1), keepdim=True)
+    wide = 2 * max(rows, cols) > 3 * min(rows, cols)
     for form in ("gram", "standard", "auto"):
+        fp32 = form != "gram" or wide
         torch.testing.assert_close(newton_schulz_fp32(x, steps, coefficients, form).double(), exact,
-                                   atol=2e-5, rtol=1e-4)
+                                   atol=2e-5 if fp32 else 2 ** -9, rtol=1e-4 if fp32 else 2 ** -8)
 
 
 def test_dtype_auto_takes_bf16_only_where_the_cpu_multiplies_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
