@@ -4,8 +4,9 @@
 //
 // The AVX-512 and VNNI intrinsics come from SIMDe (libsimde-dev: portable definitions of Intel's intrinsics, GCC
 // vectors underneath), through its native aliases: the kernels' own `_mm512_*` calls compile unchanged. What SIMDe
-// 0.7 lacks is defined below from Intel's descriptions of the instructions, as are the AMX tiles: eight 1 KiB
-// registers per thread in memory, each instruction a loop over their rows.
+// 0.7 lacks is defined below from Intel's descriptions of the instructions, as is the bf16 dot product (SIMDe's adds
+// the pair in the other order and keeps denormals), and the AMX tiles: eight 1 KiB registers per thread in memory,
+// each instruction a loop over their rows.
 #pragma once
 
 #include <immintrin.h>
@@ -77,6 +78,22 @@ inline __m512bh cvtne2ps_pbh(__m512 a, __m512 b) {  // b's 16 lanes first, then 
   return bits<__m512bh>(out);
 }
 
+// bf16 dot products as Intel defines them: each bf16 product exact in fp32 and added to the sum, denormal inputs
+// read as zero and denormal sums flushed to zero
+inline float denormal_as_zero(float v) { return (bits<uint32_t>(v) & 0x7F800000u) == 0 ? std::copysign(0.0f, v) : v; }
+inline float add_product(float sum, uint16_t x, uint16_t w) {
+  return denormal_as_zero(denormal_as_zero(sum) + denormal_as_zero(from_bf16(x)) * denormal_as_zero(from_bf16(w)));
+}
+// VDPBF16PS: lane j adds the odd pair's product first, then the even one's (the SDM's order)
+inline __m512 dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
+  float sum[16];
+  uint16_t x[32], w[32];
+  std::memcpy(sum, &src, sizeof sum), std::memcpy(x, &a, sizeof x), std::memcpy(w, &b, sizeof w);
+  for (int j = 0; j < 16; ++j)
+    sum[j] = add_product(add_product(sum[j], x[2 * j + 1], w[2 * j + 1]), x[2 * j], w[2 * j]);
+  return bits<__m512>(sum);
+}
+
 // the aligned load and store fault on an address off 64 bytes, as the instructions do (SIMDe's accept any)
 inline __m512i load_si512(const void* p) {
   if (reinterpret_cast<uintptr_t>(p) % 64) __builtin_trap();
@@ -113,7 +130,7 @@ inline void tile_stored(int t, void* base, int64_t stride) {
     std::memcpy(static_cast<uint8_t*>(base) + r * stride, tiles.data[t][r], tiles.config.colsb[t]);
 }
 // TDPBF16PS: c's fp32 (m, n) += a's bf16 pair k of row m times b's pair n of row k, the pair's two products added
-// in turn
+// in turn (the even one first, the SDM's order here)
 inline void tile_dpbf16ps(int c, int a, int b) {
   for (int m = 0; m < tiles.config.rows[c]; ++m)
     for (int k = 0; k < tiles.config.colsb[a] / 4; ++k)
@@ -123,8 +140,7 @@ inline void tile_dpbf16ps(int c, int a, int b) {
         std::memcpy(x, &tiles.data[a][m][4 * k], 4);
         std::memcpy(w, &tiles.data[b][k][4 * n], 4);
         std::memcpy(&sum, &tiles.data[c][m][4 * n], 4);
-        sum += from_bf16(x[0]) * from_bf16(w[0]);
-        sum += from_bf16(x[1]) * from_bf16(w[1]);
+        sum = add_product(add_product(sum, x[0], w[0]), x[1], w[1]);
         std::memcpy(&tiles.data[c][m][4 * n], &sum, 4);
       }
 }
@@ -148,6 +164,8 @@ inline void tile_dpb_sd(int c, int a, int b) {
 
 }  // namespace gptlab_emulation
 
+#undef _mm512_dpbf16_ps
+#define _mm512_dpbf16_ps gptlab_emulation::dpbf16_ps
 #undef _mm512_load_si512
 #define _mm512_load_si512 gptlab_emulation::load_si512
 #undef _mm512_store_si512
