@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace gptlab_emulation {
+namespace GPTLAB_NS::emulation {  // the build's own: no symbol shared between the libraries
 
 template <typename To, typename From>
 inline To bits(const From& v) {
@@ -162,30 +162,30 @@ inline void tile_dpb_sd(int c, int a, int b) {
       }
 }
 
-}  // namespace gptlab_emulation
+}  // namespace GPTLAB_NS::emulation
 
 #undef _mm512_dpbf16_ps
-#define _mm512_dpbf16_ps gptlab_emulation::dpbf16_ps
+#define _mm512_dpbf16_ps GPTLAB_NS::emulation::dpbf16_ps
 #undef _mm512_load_si512
-#define _mm512_load_si512 gptlab_emulation::load_si512
+#define _mm512_load_si512 GPTLAB_NS::emulation::load_si512
 #undef _mm512_store_si512
-#define _mm512_store_si512 gptlab_emulation::store_si512
+#define _mm512_store_si512 GPTLAB_NS::emulation::store_si512
 #undef _mm512_cvtepu8_epi32
-#define _mm512_cvtepu8_epi32 gptlab_emulation::cvtepu8_epi32
+#define _mm512_cvtepu8_epi32 GPTLAB_NS::emulation::cvtepu8_epi32
 #undef _mm512_cvtepu16_epi32
-#define _mm512_cvtepu16_epi32 gptlab_emulation::cvtepu16_epi32
+#define _mm512_cvtepu16_epi32 GPTLAB_NS::emulation::cvtepu16_epi32
 #undef _mm512_cvtepi32_ps
-#define _mm512_cvtepi32_ps gptlab_emulation::cvtepi32_ps
+#define _mm512_cvtepi32_ps GPTLAB_NS::emulation::cvtepi32_ps
 #undef _mm512_cvtepi32_pd
-#define _mm512_cvtepi32_pd gptlab_emulation::cvtepi32_pd
+#define _mm512_cvtepi32_pd GPTLAB_NS::emulation::cvtepi32_pd
 #undef _mm512_cvtpd_ps
-#define _mm512_cvtpd_ps gptlab_emulation::cvtpd_ps
+#define _mm512_cvtpd_ps GPTLAB_NS::emulation::cvtpd_ps
 #undef _mm512_cvtph_ps
-#define _mm512_cvtph_ps gptlab_emulation::cvtph_ps
+#define _mm512_cvtph_ps GPTLAB_NS::emulation::cvtph_ps
 #undef _mm512_cvtneps_pbh
-#define _mm512_cvtneps_pbh gptlab_emulation::cvtneps_pbh
+#define _mm512_cvtneps_pbh GPTLAB_NS::emulation::cvtneps_pbh
 #undef _mm512_cvtne2ps_pbh
-#define _mm512_cvtne2ps_pbh gptlab_emulation::cvtne2ps_pbh
+#define _mm512_cvtne2ps_pbh GPTLAB_NS::emulation::cvtne2ps_pbh
 // AVX-VNNI's VEX-encoded byte and word dot products: the same operations as AVX512-VL's 256-bit ones
 #undef _mm256_dpbusd_avx_epi32
 #define _mm256_dpbusd_avx_epi32 _mm256_dpbusd_epi32
@@ -193,18 +193,18 @@ inline void tile_dpb_sd(int c, int a, int b) {
 #define _mm256_dpwssd_avx_epi32 _mm256_dpwssd_epi32
 
 #undef _tile_loadconfig
-#define _tile_loadconfig gptlab_emulation::tile_loadconfig
+#define _tile_loadconfig GPTLAB_NS::emulation::tile_loadconfig
 #undef _tile_release
-#define _tile_release gptlab_emulation::tile_release
+#define _tile_release GPTLAB_NS::emulation::tile_release
 #undef _tile_zero
-#define _tile_zero gptlab_emulation::tile_zero
+#define _tile_zero GPTLAB_NS::emulation::tile_zero
 #undef _tile_loadd
-#define _tile_loadd gptlab_emulation::tile_loadd
+#define _tile_loadd GPTLAB_NS::emulation::tile_loadd
 #undef _tile_stored
-#define _tile_stored gptlab_emulation::tile_stored
+#define _tile_stored GPTLAB_NS::emulation::tile_stored
 #undef _tile_dpbf16ps
-#define _tile_dpbf16ps gptlab_emulation::tile_dpbf16ps
+#define _tile_dpbf16ps GPTLAB_NS::emulation::tile_dpbf16ps
 #undef _tile_dpbssd
-#define _tile_dpbssd gptlab_emulation::tile_dpb_sd<true>
+#define _tile_dpbssd GPTLAB_NS::emulation::tile_dpb_sd<true>
 #undef _tile_dpbusd
-#define _tile_dpbusd gptlab_emulation::tile_dpb_sd<false>
+#define _tile_dpbusd GPTLAB_NS::emulation::tile_dpb_sd<false>

@@ -17,8 +17,7 @@
 
 #include <cstdint>
 
-#if defined(GPTLAB_EMULATE_AVX512) || defined(GPTLAB_EMULATE_AVXVNNI)
-#include "emulation.h"  // a test build: AVX-512's, AMX's or AVX-VNNI's code on an AVX2 CPU
+#if defined(GPTLAB_EMULATE_AVX512) || defined(GPTLAB_EMULATE_AVXVNNI)  // a test build (emulation.h, below)
 #define GPTLAB_EMULATED_OR(name) name##_emulated  // its own library and namespace: gptlab_avx512_emulated, ...
 #else
 #define GPTLAB_EMULATED_OR(name) name
@@ -43,6 +42,11 @@
 #else
 #define GPTLAB_NS gptlab_avx2
 #endif
+
+#if defined(GPTLAB_EMULATE_AVX512) || defined(GPTLAB_EMULATE_AVXVNNI)
+#include "emulation.h"  // AVX-512's, AMX's or AVX-VNNI's intrinsics on an AVX2 CPU
+#endif
+
 // TORCH_LIBRARY pastes its argument unexpanded: one more level expands GPTLAB_NS first
 #define GPTLAB_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 #define GPTLAB_LIBRARY_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
