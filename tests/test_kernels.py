@@ -74,9 +74,9 @@ def test_the_emulated_builds_are_those_the_cpu_lacks_and_need_simde(monkeypatch)
     monkeypatch.delenv(kernels.EMULATE_ENV, raising=False)
     assert kernels.emulated_builds() == frozenset()  # none unless asked for
     monkeypatch.setenv(kernels.EMULATE_ENV, "1")
-    monkeypatch.setattr(kernels, "cpu_has_avxvnni", lambda: True)
-    monkeypatch.setattr(kernels, "cpu_has_avx512", lambda: False)
-    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(kernels, "avxvnni_ops", lambda: "the native build")
+    monkeypatch.setattr(kernels, "avx512_ops", lambda: None)
+    monkeypatch.setattr(kernels, "amx_ops", lambda: None)
     assert kernels.emulated_builds() == {"avx512", "amx"}
     monkeypatch.setattr(kernels, "simde_found", lambda: False)
     monkeypatch.setattr(kernels, "cpu_has_avx2", lambda: True)

@@ -280,21 +280,26 @@ def emulated_ops(build: str) -> Any | None:
 def kernel_builds() -> dict[str, Any]:
     """Every build of the kernels this machine can execute, by name ("avx2", "avxvnni", "avx512", "amx"), each built
     on first use. A weight packed by any build's `pack`/`pack_int8`/`pack_int4` runs on all of them (one layout).
-    Under GPTLAB_KERNEL_EMULATE=1 (tests) a build the CPU lacks is there emulated (`emulated_ops`;
+    Under GPTLAB_KERNEL_EMULATE=1 (tests) a build that is not there natively is there emulated (`emulated_ops`;
     `emulated_builds()` names them), so that the tests of every build run on any AVX2 machine."""
-    builds = {"avx2": avx2_ops(), "avxvnni": avxvnni_ops(), "avx512": avx512_ops(), "amx": amx_ops()}
+    builds = {"avx2": avx2_ops(), **_native_builds()}
     for name in emulated_builds():
         builds[name] = emulated_ops(name)
     return {name: ops for name, ops in builds.items() if ops is not None}
 
 
+def _native_builds() -> dict[str, Any]:
+    """The builds that can be emulated, as this machine builds them natively (None where the CPU lacks one or its
+    build failed)."""
+    return {"avxvnni": avxvnni_ops(), "avx512": avx512_ops(), "amx": amx_ops()}
+
+
 def emulated_builds() -> frozenset[str]:
-    """The builds that `kernel_builds()` emulates here: under GPTLAB_KERNEL_EMULATE=1 those the CPU cannot run
-    itself (on an AVX2 CPU); else none. The dispatch never chooses one."""
+    """The builds that `kernel_builds()` emulates here: under GPTLAB_KERNEL_EMULATE=1 those not built natively
+    (the CPU lacks them, or their build failed); else none. The dispatch never chooses one."""
     if not os.environ.get(EMULATE_ENV):
         return frozenset()
-    native = {"avxvnni": cpu_has_avxvnni(), "avx512": cpu_has_avx512(), "amx": cpu_has_amx()}
-    return frozenset(name for name, runs in native.items() if not runs)
+    return frozenset(name for name, ops in _native_builds().items() if ops is None)
 
 
 def training_ops(*tensors: torch.Tensor | None) -> Any | None:

@@ -14,23 +14,16 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace GPTLAB_NS::emulation {  // the build's own: no symbol shared between the libraries
 
-template <typename To, typename From>
-inline To bits(const From& v) {
-  static_assert(sizeof(To) == sizeof(From));
-  To out;
-  std::memcpy(&out, &v, sizeof out);
-  return out;
-}
-
-inline float from_bf16(uint16_t h) { return bits<float>(static_cast<uint32_t>(h) << 16); }
+inline float from_bf16(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
 inline uint16_t to_bf16(float f) {  // VCVTNEPS2BF16: nearest, ties to even; denormals as zero; NaN stays NaN
-  const uint32_t u = bits<uint32_t>(f);
+  const uint32_t u = std::bit_cast<uint32_t>(f);
   if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
   if ((u & 0x7F800000u) == 0) return static_cast<uint16_t>((u >> 16) & 0x8000);
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
@@ -44,7 +37,7 @@ inline Out convert(const In& a, F f) {
   static_assert(sizeof in <= sizeof(In) && sizeof out == sizeof(Out));
   std::memcpy(in, &a, sizeof in);
   for (int i = 0; i < n; ++i) out[i] = f(in[i]);
-  return bits<Out>(out);
+  return std::bit_cast<Out>(out);
 }
 
 inline __m512i cvtepu8_epi32(__m128i a) {
@@ -75,12 +68,14 @@ inline __m512bh cvtne2ps_pbh(__m512 a, __m512 b) {  // b's 16 lanes first, then 
   const __m256bh lo = cvtneps_pbh(b), hi = cvtneps_pbh(a);
   std::memcpy(out, &lo, 32);
   std::memcpy(out + 16, &hi, 32);
-  return bits<__m512bh>(out);
+  return std::bit_cast<__m512bh>(out);
 }
 
 // bf16 dot products as Intel defines them: each bf16 product exact in fp32 and added to the sum, denormal inputs
 // read as zero and denormal sums flushed to zero
-inline float denormal_as_zero(float v) { return (bits<uint32_t>(v) & 0x7F800000u) == 0 ? std::copysign(0.0f, v) : v; }
+inline float denormal_as_zero(float v) {
+  return (std::bit_cast<uint32_t>(v) & 0x7F800000u) == 0 ? std::copysign(0.0f, v) : v;
+}
 inline float add_product(float sum, uint16_t x, uint16_t w) {
   return denormal_as_zero(denormal_as_zero(sum) + denormal_as_zero(from_bf16(x)) * denormal_as_zero(from_bf16(w)));
 }
@@ -91,7 +86,7 @@ inline __m512 dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
   std::memcpy(sum, &src, sizeof sum), std::memcpy(x, &a, sizeof x), std::memcpy(w, &b, sizeof w);
   for (int j = 0; j < 16; ++j)
     sum[j] = add_product(add_product(sum[j], x[2 * j + 1], w[2 * j + 1]), x[2 * j], w[2 * j]);
-  return bits<__m512>(sum);
+  return std::bit_cast<__m512>(sum);
 }
 
 // the aligned load and store fault on an address off 64 bytes, as the instructions do (SIMDe's accept any)
