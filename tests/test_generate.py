@@ -703,6 +703,29 @@ def test_logprobs_equal_log_softmax_of_full_forwards(temperature):
             assert entry.logprob == pytest.approx(float(ref[t, prompt[t + 1]]), abs=1e-4)
 
 
+def test_a_prompt_is_scored_with_no_new_tokens():
+    # max_new_tokens 0 with prompt_logprobs: the prompt scored and nothing generated (OpenAI's echo + max_tokens 0)
+    model, prompt = tiny_model(), [3, 1, 4, 1, 5, 9, 2, 6]
+    (ref,) = generate_batch(model, [prompt], SamplingParams(max_new_tokens=6, temperature=0, logprobs=2,
+                                                            prompt_logprobs=True))
+    scored = SamplingParams(max_new_tokens=0, logprobs=2, prompt_logprobs=True)
+    expected = [e.logprob for e in ref.prompt_logprobs[1:]]
+    (g,) = generate_batch(model, [prompt], scored)
+    assert g.token_ids == [] and g.finish_reason == "length"
+    assert g.prompt_logprobs[0] is None and [e.logprob for e in g.prompt_logprobs[1:]] == pytest.approx(expected)
+    # in chunks, joining rows that decode
+    engine = Engine(model, max_batch=2, prefill_chunk=3)
+    other = engine.prepare([7, 7], SamplingParams(max_new_tokens=10, temperature=0))
+    engine.add([other])
+    engine.step()
+    g = engine.prepare(prompt, scored)
+    engine.add([g])
+    while engine.running:
+        engine.step()
+    assert g.token_ids == [] and g.finish_reason == "length" and len(other.token_ids) == 10
+    assert [e.logprob for e in g.prompt_logprobs[1:]] == pytest.approx(expected, abs=1e-5)
+
+
 def test_logprobs_are_off_by_default_and_bounded():
     (g,) = generate_batch(tiny_model(), [[1, 2]], SamplingParams(max_new_tokens=3, temperature=0))
     assert g.logprobs == [] and g.prompt_logprobs == []

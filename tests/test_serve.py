@@ -186,6 +186,10 @@ def test_completion_logprobs_and_echo_equal_the_engine(served, client):
     # echo without logprobs: the prompt comes back, nothing is scored
     plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, echo=True)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    # max_tokens 0: the prompt alone, scored (how a client scores a text with the legacy API)
+    scored = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, logprobs=2, echo=True)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(prompt)]
 
 
 def test_chat_logprobs_equal_the_engine(served, client):

@@ -111,7 +111,8 @@ class PromptPrefill:
         return done, self.model.logits(torch.stack(last)) if done else None
 
     def _done_before_start(self: Engine, g: Generation) -> bool:
-        if g.params.max_new_tokens == 0:
+        # (a prompt to be scored is prefilled all the same: `_accept` then finishes it with no token)
+        if g.params.max_new_tokens == 0 and not g.params.prompt_logprobs:
             g._finish(FINISH_LENGTH)
             return True
         return False
