@@ -183,6 +183,7 @@ def test_completion_logprobs_and_echo_equal_the_engine(served, client):
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == lp.tokens
     assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == lp.token_logprobs
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == lp.text_offset  # into the whole text
     # echo without logprobs: the prompt comes back, nothing is scored
     plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, echo=True)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None

@@ -33,6 +33,7 @@ async def create_completion(server: ServedModel, req: CompletionRequest, request
     )
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     sent = [0] * len(job.gens)  # tokens of each choice whose logprobs went out
+    offsets = [0] * len(job.gens)  # and their text's length: where the next chunk's text_offset starts
     started: set[int] = set()  # choices whose first chunk (which carries the echoed prompt) went out
 
     def choice(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
@@ -45,7 +46,8 @@ async def create_completion(server: ServedModel, req: CompletionRequest, request
         logprobs = None
         if scored:
             ids, entries = ids + g.token_ids[sent[i] : tokens], entries + g.logprobs[sent[i] : tokens]
-            logprobs, sent[i] = completion_logprobs(tokenizer, ids, entries), max(sent[i], tokens)
+            logprobs, sent[i] = completion_logprobs(tokenizer, ids, entries, offsets[i]), max(sent[i], tokens)
+            offsets[i] += sum(len(t) for t in logprobs["tokens"])
         return {"index": i, "text": prefix + text, "logprobs": logprobs, "finish_reason": finish}
 
     def chunk(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:

@@ -355,11 +355,12 @@ def _token(tokenizer: TextTokenizer, token_id: int) -> tuple[str, bytes]:
     return raw.decode("utf-8", errors="replace"), raw
 
 
-def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries: list[Any]) -> dict[str, list]:
-    """The legacy completions object: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset;
-    `entries` align with `token_ids` (None: not scored, e.g. the first token of an echoed prompt)."""
+def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], entries: list[Any],
+                        offset: int = 0) -> dict[str, list]:
+    """The legacy completions object: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset (from
+    `offset`: a streamed chunk's tokens are placed in the whole text); `entries` align with `token_ids` (None: not
+    scored, e.g. the first token of an echoed prompt)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
     for token_id, e in zip(token_ids, entries, strict=True):
         text, _ = _token(tokenizer, token_id)
         out["tokens"].append(text)
