@@ -276,6 +276,10 @@ def test_bad_requests_get_openai_errors(served, client):
                   param="max_completion_tokens")
     _assert_error(post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}), 400,
                   param="top_logprobs")
+    # a chat's rendered prompt, refused: the request's field is messages (it has no prompt)
+    for content, code in [("caf\u00e9", None), ("x" * 60, "context_length_exceeded")]:
+        body = {**chat, "messages": [{"role": "user", "content": content}]}
+        _assert_error(post(server, "/v1/chat/completions", body), 400, param="messages", code=code)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt="Hi", max_tokens=-5)
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens == 2

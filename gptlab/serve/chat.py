@@ -69,11 +69,11 @@ async def create_chat_completion(server: ServedModel, req: ChatRequest, request:
                                                      plan.tools)
     if req.json_schema() is not None or plan.forced:  # the grammar ends the reply: only the caller's stops
         stops = tuple(req.stop_list())
-    prompts = await server.encode([text], special=templated)
+    prompts = await server.encode([text], special=templated, param="messages")
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     job = server.start(
         prompts, req, max_tokens=getattr(req, limit), stops=stops, logprobs=n_top, grammar=plan.grammar,
-        param_names={"max_new_tokens": limit, "logprobs": "top_logprobs", "grammar": "tools"},
+        param_names={"max_new_tokens": limit, "logprobs": "top_logprobs", "grammar": "tools", "prompt": "messages"},
     )
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     started: set[int] = set()  # choices whose first chunk (which names the role) went out

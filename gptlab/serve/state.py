@@ -91,16 +91,17 @@ class ServedModel:
                 f"{self.scheduler.max_queue}.", type="rate_limit_error", code="rate_limit_exceeded",
             )
 
-    async def encode(self, texts: list[str], *, special: bool = False) -> list[list[int]]:
-        """Each text's token ids, tokenized in a worker thread (the event loop goes on serving others)."""
+    async def encode(self, texts: list[str], *, special: bool = False, param: str = "prompt") -> list[list[int]]:
+        """Each text's token ids, tokenized in a worker thread (the event loop goes on serving others); `param`:
+        the request's field the texts came from, for errors."""
         for text in texts:
-            self.check_prompt_chars(len(text))
+            self.check_prompt_chars(len(text), param)
         try:
             return await asyncio.to_thread(lambda: [self.tokenizer.encode(t, allow_special=special) for t in texts])
         except GptlabError as e:  # e.g. characters outside a char vocabulary
-            raise ApiError(400, str(e), param="prompt") from e
+            raise ApiError(400, str(e), param=param) from e
         except UnicodeError as e:  # JSON can spell a lone surrogate ("\ud800"): not text any tokenizer reads
-            raise ApiError(400, f"the prompt is not valid Unicode text: {e}", param="prompt") from e
+            raise ApiError(400, f"the {param} is not valid Unicode text: {e}", param=param) from e
 
     def start(
         self,
@@ -116,7 +117,7 @@ class ServedModel:
     ) -> Job:
         """Queue `req.n` generations of each prompt (max_tokens None: as many as the context leaves room for);
         `grammar`: a llguidance grammar the output must match (tool calls'). `param_names` maps SamplingParams
-        fields to the request's own names where they differ, for errors."""
+        fields (and "prompt") to the request's own names where they differ, for errors."""
         if req.model is not None and req.model != self.model_name:
             raise ApiError(
                 404,
@@ -129,7 +130,7 @@ class ServedModel:
         steering = self.steering.vectors(req.steering)
         gens = []
         for ids in prompts:
-            ids = self._check_prompt(ids)
+            ids = self._check_prompt(ids, names.get("prompt", "prompt"))
             room = self.context_length - len(ids)
             try:
                 params = SamplingParams.from_fields(
@@ -155,20 +156,21 @@ class ServedModel:
             ) from e
         return job
 
-    def _check_prompt(self, ids: list[int]) -> list[int]:
-        """The prompt's token ids (an empty prompt starts from end-of-text), if they fit the model."""
+    def _check_prompt(self, ids: list[int], param: str) -> list[int]:
+        """The prompt's token ids (an empty prompt starts from end-of-text), if they fit the model (else a 400
+        naming `param`, the request's field the prompt came from)."""
         try:
             ids = start_ids(ids, self.tokenizer.eot_id)
         except EmptyPromptError as e:
-            raise ApiError(400, str(e), param="prompt") from e
+            raise ApiError(400, str(e), param=param) from e
         if any(not 0 <= t < self.engine.config.vocab_size for t in ids):
-            raise ApiError(400, "prompt token ids must be in [0, vocab_size)", param="prompt")
+            raise ApiError(400, "prompt token ids must be in [0, vocab_size)", param=param)
         if len(ids) >= self.context_length:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {self.context_length} tokens; the prompt has {len(ids)} "
                 "tokens, leaving no room for a completion.",
-                param="prompt",
+                param=param,
                 code="context_length_exceeded",
             )
         return ids
