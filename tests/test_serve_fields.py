@@ -75,6 +75,21 @@ def test_an_unknown_field_is_refused_as_openai_refuses_it_and_user_tags_are_take
         assert _post(server, route, {**body, "user": "u-1", "safety_identifier": "s"}).status_code == 200
 
 
+def test_null_is_a_fields_default_as_openai_takes_it(served) -> None:
+    # OpenAI's spec marks its optional fields nullable; clients that spell every field send null for "unset"
+    server, _ = served
+    nulls = ["temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream", "seed", "stop",
+             "logit_bias", "stream_options", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos"]
+    for route, body in ROUTES.items():
+        extra = ["echo"] if route == "/v1/completions" else ["logprobs", "top_logprobs", "tools", "tool_choice"]
+        want = _post(server, route, {**body, "seed": 3})
+        got = _post(server, route, {**body, **dict.fromkeys(nulls + extra), "seed": 3})
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == want.json()["choices"]
+    r = _post(server, "/v1/completions", {"prompt": None})  # a required field is still required
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_logit_bias_params_are_checked_and_normalized() -> None:
     assert SamplingParams(logit_bias={5: -100, 2: 1.5}).logit_bias == ((2, 1.5), (5, -100))
     assert SamplingParams(logit_bias=[(3, 2)]).logit_bias == ((3, 2),)

@@ -19,9 +19,9 @@ An integer field takes a whole float too ("n": 1.0): JSON Schema's "integer" is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from gptlab.generation.params import (  # torch-free
     INT64_MAX,
@@ -235,6 +235,17 @@ class SamplingFields(BaseModel):
 
     response_format: ResponseFormat | None = None
     steering: Annotated[list[SteeringEntry], Field(max_length=MAX_STEERING)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An optional field sent as null takes its default, as OpenAI's API does (its spec marks them nullable,
+        and clients that spell out every field send null for unset ones)."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for name, f in cls.model_fields.items()
+                     if not f.is_required() and type(None) not in get_args(f.annotation)}
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
