@@ -90,6 +90,15 @@ def test_null_is_a_fields_default_as_openai_takes_it(served) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+def test_stream_options_without_stream_is_refused_as_openai_refuses_it(served) -> None:
+    server, _ = served
+    for route, body in ROUTES.items():
+        r = _post(server, route, {**body, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        assert _post(server, route, streamed).status_code == 200
+
+
 def test_logit_bias_params_are_checked_and_normalized() -> None:
     assert SamplingParams(logit_bias={5: -100, 2: 1.5}).logit_bias == ((2, 1.5), (5, -100))
     assert SamplingParams(logit_bias=[(3, 2)]).logit_bias == ((3, 2),)

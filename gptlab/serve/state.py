@@ -118,6 +118,9 @@ class ServedModel:
         """Queue `req.n` generations of each prompt (max_tokens None: as many as the context leaves room for);
         `grammar`: a llguidance grammar the output must match (tool calls'). `param_names` maps SamplingParams
         fields (and "prompt") to the request's own names where they differ, for errors."""
+        if req.stream_options is not None and not req.stream:  # never silently ignored (OpenAI's 400 too)
+            raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                           param="stream_options")
         if req.model is not None and req.model != self.model_name:
             raise ApiError(
                 404,
