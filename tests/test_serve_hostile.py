@@ -191,6 +191,14 @@ def test_a_prompt_over_the_context_is_refused_before_it_is_tokenized(hostile, mo
     assert_openai_error(lone_surrogate, 400, param="prompt")
 
 
+def test_an_empty_prompt_counts_the_end_of_text_it_starts_from(hostile):
+    server, _ = hostile
+    for prompt in ["", [], [""]]:
+        body = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 0}).json()
+        # the prompt the model read, as echo shows it
+        assert body["usage"]["prompt_tokens"] == 1 == len(body["choices"][0]["logprobs"]["tokens"]) - 2, body
+
+
 def test_openapi_documents_400_and_the_bounds_and_there_is_no_cdn_page(hostile):
     server, _ = hostile
     schema = httpx.get(server.url + "/openapi.json", timeout=TIMEOUT).json()

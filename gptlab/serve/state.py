@@ -216,7 +216,9 @@ async def _disconnected(request: Request) -> None:
 
 
 def usage(job: Job, prompts: list[list[int]]) -> dict[str, int]:
-    """OpenAI's usage object: prompt, completion and total tokens."""
-    prompt_tokens = sum(len(p) for p in prompts)
+    """OpenAI's usage object: prompt, completion and total tokens. A prompt counts as the model read it (an empty
+    one as the end-of-text it starts from), once for its n generations."""
+    n = len(job.gens) // len(prompts)
+    prompt_tokens = sum(len(g.prompt_ids) for g in job.gens[::n])
     completion = sum(len(g.token_ids) for g in job.gens)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
