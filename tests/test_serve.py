@@ -70,6 +70,9 @@ def post(server, path: str, body, key: str | None = KEY, raw: bytes | None = Non
 def test_models_and_health(served, client):
     server = served[0]
     assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+    other = httpx.get(server.url + "/v1/models/org/other", headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT)
+    _assert_error(other, 404, param="model", code="model_not_found")
     health = httpx.get(server.url + "/health", timeout=TIMEOUT)  # no key needed
     assert health.status_code == 200 and health.json()["status"] == "ok"
 

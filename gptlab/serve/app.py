@@ -1,9 +1,9 @@
 """`gptlab serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the generation engine.
 
-Endpoints: POST /v1/completions (`completions`), POST /v1/chat/completions (`chat`), GET /v1/models, GET
-/health, GET /metrics (Prometheus' text format, `metrics`). Streaming answers are server-sent events in OpenAI's
-chunk format, ending with `data: [DONE]` (`streaming`). Concurrent requests share decoding steps (continuous
-batching, `scheduler`).
+Endpoints: POST /v1/completions (`completions`), POST /v1/chat/completions (`chat`), GET /v1/models and
+/v1/models/{name}, GET /health, GET /metrics (Prometheus' text format, `metrics`). Streaming answers are server-sent
+events in OpenAI's chunk format, ending with `data: [DONE]` (`streaming`). Concurrent requests share decoding steps
+(continuous batching, `scheduler`).
 
 Behaviour worth knowing:
 * Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON,
@@ -153,12 +153,18 @@ def create_app(
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "gptlab"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": server.created, "owned_by": "gptlab"}],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}", responses={404: RESPONSES[404]})  # (`:path`: a name may hold a slash)
+    async def model_card(model: str) -> dict[str, Any]:
+        if model != model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+        return card
 
     @app.post("/v1/completions", responses=RESPONSES)
     async def completions(req: CompletionRequest, request: Request) -> Any:
