@@ -255,6 +255,11 @@ def test_bad_requests_get_openai_errors(served, client):
     server = served[0]
     ok = {"prompt": "Hi", "max_tokens": 2}
     _assert_error(post(server, "/v1/completions", None, raw=b'{"prompt": "Hi", '), 400, code="invalid_json")
+    form = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "Hi"}', timeout=TIMEOUT,  # as `curl -d`
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/x-www-form-urlencoded"})
+    _assert_error(form, 400, code="invalid_json")
+    assert "application/x-www-form-urlencoded" in form.json()["error"]["message"]
+    _assert_error(post(server, "/v1/completions", [ok]), 400, code="invalid_json")  # JSON, not an object
     _assert_error(post(server, "/v1/completions", {**ok, "max_tokens": "ten"}), 400, param="max_tokens")
     _assert_error(post(server, "/v1/completions", {**ok, "max_tokens": -1}), 400, param="max_tokens")
     _assert_error(post(server, "/v1/completions", {**ok, "temperature": 2.5}), 400, param="temperature")

@@ -131,7 +131,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(list(exc.errors()))
+        err = validation_error(list(exc.errors()), request.headers.get("content-type"))
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)

@@ -113,9 +113,16 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def validation_error(errors: list[dict[str, Any]]) -> ApiError:
-    """FastAPI's validation errors as one OpenAI-style 400 whose `param` is the first bad field."""
+def validation_error(errors: list[dict[str, Any]], content_type: str | None = None) -> ApiError:
+    """FastAPI's validation errors as one OpenAI-style 400 whose `param` is the first bad field (`content_type`:
+    the request's header, named when the body as a whole is not an object)."""
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "model_attributes_type":
+        # FastAPI reads a body as JSON only when it is sent as JSON (or with no content type): `curl -d` sends
+        # application/x-www-form-urlencoded, and the body arrives here as bytes
+        sent = "" if content_type is None else f" (it was sent as Content-Type: {content_type[:100]})"
+        return ApiError(400, f"The request body must be a JSON object sent as Content-Type: application/json{sent}.",
+                        code="invalid_json")
     if first.get("type") == "json_invalid":
         return ApiError(
             400,
