@@ -210,6 +210,41 @@ def test_a_damaged_gguf_file_is_one_line_naming_it(good_gguf: Path, tmp_path: Pa
     assert len(lines) == 1 and str(path) in lines[0], (how, lines)
 
 
+@pytest.mark.parametrize("scaled_by", ["metadata", "rope_freqs", "rope_factors_long"])
+def test_a_scaled_rope_gguf_file_is_refused_not_run_as_plain_rope(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 scaled_by: str) -> None:
+    """llama.cpp's converter writes a scaled RoPE as rope.scaling.* keys (linear, yarn) or as a tensor of frequency
+    factors (Llama 3.1's rope_freqs, Phi-3 128k's rope_factors_*): neither may be dropped, leaving plain RoPE."""
+    import gptlab.interop.gguf as export
+
+    write_hparams, gguf_tensors = export.write_hparams, export.gguf_tensors
+
+    def hparams(w: object, cfg: GPTConfig, arch: object) -> None:
+        write_hparams(w, cfg, arch)
+        if scaled_by == "metadata":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(4.0)
+
+    def tensors(cfg: GPTConfig, arch: object, s: dict) -> dict:
+        out = gguf_tensors(cfg, arch, s)
+        if scaled_by != "metadata":
+            out[f"{scaled_by}.weight"] = np.full(cfg.rotary_dim // 2, 8.0, dtype=np.float32)
+        return out
+
+    monkeypatch.setattr(export, "write_hparams", hparams)
+    monkeypatch.setattr(export, "gguf_tensors", tensors)
+    tok = CharTokenizer.from_text(TEXT)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32, norm="rmsnorm",
+                          bias=False, position="rope", mlp="swiglu", tie_embeddings=False))
+    export.save_gguf(model, tmp_path / "scaled.gguf", tok, dtype="f32")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["sample", str(tmp_path / "scaled.gguf"), "--max-new-tokens", "2"]) == 2
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert len(lines) == 1 and str(tmp_path / "scaled.gguf") in lines[0], lines
+    assert ("rope.scaling.type=linear" if scaled_by == "metadata" else f"{scaled_by}.weight") in lines[0], lines
+
+
 def test_training_starts_from_a_gguf_file_and_lora_asks_for_a_checkpoint(tmp_path: Path, good_gguf: Path) -> None:
     from gptlab.loading import base_reference
 

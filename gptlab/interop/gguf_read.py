@@ -156,6 +156,7 @@ class _Tensors:
 
     def __init__(self, path: Path, reader: Any) -> None:
         self.path, self.by_name = path, {t.name: t for t in reader.tensors}
+        self.taken: set[str] = set()  # the names `take` was asked for: what the model reads
         for t in reader.tensors:  # GGUF aligns every tensor's data: an offset off the grid is a damaged entry
             if (t.data_offset - reader.data_offset) % reader.alignment:
                 raise GptlabError(f"{path}: tensor {t.name}'s data offset is not a multiple of the file's "
@@ -170,6 +171,7 @@ class _Tensors:
         return None if t is None else tuple(reversed([int(d) for d in t.shape]))
 
     def take(self, name: str, rows: int | None = None) -> np.ndarray | None:
+        self.taken.add(name)
         t = self.by_name.get(name)
         if t is None:
             return None
@@ -201,6 +203,7 @@ def gguf_config(path: Path, meta: _Metadata, tensors: _Tensors) -> tuple[GPTConf
         raise GptlabError(f"{path}: general.architecture {name!r} is not one gptlab reads: it reads "
                           f"{', '.join(sorted(_FAMILY))}")
     family, arch = BY_ARCHITECTURE[_FAMILY[name]], ARCHES[_FAMILY[name]]
+    _refuse_rope_scaling(meta, name)
     hf = _hf_config(name, meta, tensors)
     hf["architectures"], hf["model_type"] = [family.ARCHITECTURE], family.MODEL_TYPE
     try:
@@ -210,6 +213,27 @@ def gguf_config(path: Path, meta: _Metadata, tensors: _Tensors) -> tuple[GPTConf
         raise GptlabError(f"{path}: its metadata does not describe a valid {name} model: "
                           f"{_one_line(e).replace('config.json', 'the metadata')}") from None
     return config, arch
+
+
+def _refuse_rope_scaling(meta: _Metadata, arch: str) -> None:
+    """llama.cpp's converter writes a scaled RoPE as `{arch}.rope.scaling.*` keys, which the config does not read:
+    refused by name rather than run as plain RoPE (llama.cpp applies the factor whatever the type)."""
+    kind = meta.get(f"{arch}.rope.scaling.type", str, "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor", (int, float), 1.0)
+    if kind not in ("none", "linear") or factor not in (0, 1):
+        raise GptlabError(f"{meta.path}: its RoPE is scaled ({arch}.rope.scaling.type={kind}, factor {factor}), "
+                          "which gptlab's GGUF import does not read yet: load the model's Hugging Face directory")
+
+
+def _refuse_unread(path: Path, tensors: _Tensors, tied: bool) -> None:
+    """A tensor the model has no place for would be dropped (llama.cpp's rope_freqs and rope_factors_* scale RoPE:
+    Llama 3.1's and Phi-3 128k's files): refused by name, as Hugging Face import refuses one. A tied head's
+    output.weight is the embedding (checked equal when the config was read)."""
+    unread = [name for name in tensors.by_name if name not in tensors.taken and not (tied and name == "output.weight")]
+    if unread:
+        why = " (it scales RoPE, which gptlab's GGUF import does not read yet)" if unread[0].startswith("rope_") else ""
+        more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
+        raise GptlabError(f"{path}: tensor {unread[0]}{more} has no place in the model gptlab reads{why}")
 
 
 def _hf_config(arch: str, meta: _Metadata, tensors: _Tensors) -> dict[str, Any]:
@@ -263,6 +287,7 @@ def load_gguf(path: str | Path, device: str | torch.device = "cpu",
     except GptlabError as e:
         message = str(e)
         raise GptlabError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+    _refuse_unread(path, tensors, config.tie_embeddings)
     expected = plain_shapes(config)
     dtype = dtype or {"F16": torch.float16, "BF16": torch.bfloat16}.get(
         tensors.by_name["token_embd.weight"].tensor_type.name, torch.float32)
