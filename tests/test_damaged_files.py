@@ -212,3 +212,25 @@ def test_a_token_file_of_any_size_is_one_line(originals, tmp_path: Path, split: 
         path.write_bytes({"empty": b"", "odd": data[:-1], "short": data[:2],
                           "longer": data + np.zeros(3, np.uint16).tobytes()}[size])
     assert_one_line_or_loads(load_data_dir, d, f"{split}.bin")
+
+
+# --- well-formed weights of the wrong kind ----------------------------------------------------------------------
+@pytest.mark.parametrize(("kind", "name"), [("ckpt", "model.safetensors"), ("lora", "lora.safetensors"),
+                                            ("hf", "model.safetensors")])
+@pytest.mark.parametrize("dtype", ["int8", "int32", "bool"])
+def test_integer_weights_are_one_line(originals, tmp_path: Path, kind: str, name: str, dtype: str) -> None:
+    """A whole, readable file whose weights (one of them, or all) are integers: a quantized or foreign file. It is
+    refused naming the file, not cast to other numbers nor left to torch's page-long load_state_dict error."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for which in ("one", "all"):
+        d = damaged_copy(originals, tmp_path / which, kind)
+        state = load_file(d / name)
+        first = sorted(k for k, t in state.items() if t.dim() == 2 and ".0." in k)[0]  # a block's: always read
+        state = {k: (t * 100).to(getattr(torch, dtype)) if which == "all" or k == first else t
+                 for k, t in state.items()}
+        save_file(state, d / name, metadata={"format": "pt"})
+        with pytest.raises(GptlabError, match=f"holds {dtype} values") as e:
+            load_model_dir(d)
+        assert "\n" not in str(e.value) and str(d) in str(e.value), str(e.value)

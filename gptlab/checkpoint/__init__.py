@@ -56,6 +56,7 @@ from gptlab.checkpoint.layout import (
 )
 from gptlab.checkpoint.reading import (
     assign_weights,
+    check_floating,
     check_plain_shapes,
     load_adapter_tensors,
     load_gptlab_model,
@@ -85,9 +86,9 @@ from gptlab.checkpoint.writing import (
 __all__ = [
     "BEST_NAME", "CHECKPOINTS_DIR", "CONFIG_FILE", "LORA_CONFIG", "LORA_FILE", "LORA_FORMAT", "MODEL_FILE",
     "OPTIMIZER_FILE", "RESOLVED_CONFIG", "STATE_FILE", "STEP_NAME", "TOKENIZER_FILES", "assign_weights",
-    "check_plain_shapes", "has_weights", "list_step_checkpoints", "load_adapter_tensors", "load_gptlab_model",
-    "load_training_checkpoint", "load_weights", "model_state_dict", "optimizer_from_flat", "optimizer_to_flat",
-    "plain_shapes", "prune_checkpoints", "read_config", "read_lora_config", "read_tensors", "read_training_state",
-    "recorded_data_dir", "save_checkpoint", "save_model", "save_tensors", "step_dir_name", "stream_tensors",
-    "unwrap_model", "weights_sha256", "whole", "with_tied_head", "write_model",
+    "check_floating", "check_plain_shapes", "has_weights", "list_step_checkpoints", "load_adapter_tensors",
+    "load_gptlab_model", "load_training_checkpoint", "load_weights", "model_state_dict", "optimizer_from_flat",
+    "optimizer_to_flat", "plain_shapes", "prune_checkpoints", "read_config", "read_lora_config", "read_tensors",
+    "read_training_state", "recorded_data_dir", "save_checkpoint", "save_model", "save_tensors", "step_dir_name",
+    "stream_tensors", "unwrap_model", "weights_sha256", "whole", "with_tied_head", "write_model",
 ]

@@ -68,6 +68,7 @@ def load_weights(
     expected = plain_shapes(model.config)
     state = with_tied_head(dict(state), model.config)
     check_plain_shapes(expected, {name: tuple(t.shape) for name, t in state.items()}, where)
+    check_floating(state, where)
     extra = sorted(set(model.state_dict()) - set(expected))
     if extra and not keep_extra:
         raise GptlabError(f"the model has tensors a plain GPT checkpoint cannot fill ({extra[0]!r}"
@@ -93,6 +94,15 @@ def check_plain_shapes(expected: dict[str, tuple[int, ...]], shapes: dict[str, t
     for name, shape in expected.items():
         if tuple(shapes[name]) != shape:
             raise GptlabError(f"{where}: {name} has shape {tuple(shapes[name])}, the model's config implies {shape}")
+
+
+def check_floating(state: dict[str, torch.Tensor], where: str) -> None:
+    """Weights are floating point: an integer tensor (a quantized or damaged file) would be cast to other numbers,
+    or fail in torch's load_state_dict with a page of text."""
+    for name, t in state.items():
+        if not t.is_floating_point():
+            raise GptlabError(f"{where}: {name} holds {str(t.dtype).removeprefix('torch.')} values, not "
+                              "floating-point weights")
 
 
 def stream_tensors(path: Path) -> tuple[dict[str, tuple[int, ...]], Iterator[tuple[str, torch.Tensor]]]:
@@ -337,4 +347,5 @@ def load_adapter_tensors(
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
         raise GptlabError(f"{path} has an adapter this model has no place for: {unknown[0]!r}")
+    check_floating(tensors, str(path))
     return tensors

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gptlab.checkpoint import assign_weights, model_state_dict, save_tensors, unwrap_model
+from gptlab.checkpoint import assign_weights, check_floating, model_state_dict, save_tensors, unwrap_model
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir
@@ -136,6 +136,9 @@ def from_hf(
         raise GptlabError(message.replace("config.json", str(path), 1) if message.startswith("config.json")
                           else f"{path}: {message}") from None
     tensors = family.normalize(read_hf_weights(directory))
+    # before fusing (torch.cat promotes) and the cast below, either of which would turn integers into weights; old
+    # checkpoints' causal-mask buffers (IGNORE) may be bool
+    check_floating({name: t for name, t in tensors.items() if not family.IGNORE.search(name)}, str(directory))
     state = to_ours(family.rules(config), tensors, family.IGNORE, directory)
     del tensors
     if isinstance(dtype, str):
