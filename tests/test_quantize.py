@@ -292,6 +292,25 @@ def test_lora_kept_unmerged_is_refused() -> None:
         quantize_model(model.eval(), "int8")
 
 
+@pytest.mark.parametrize("save", ["save_model", "save_hf", "save_gguf"])
+def test_a_quantized_model_is_not_saved_as_a_model_without_its_weights(save, tmp_path) -> None:
+    """Checkpoints, the Hugging Face export and GGUF hold full-precision weights: a quantized model's integers
+    have no place there. It was written without its block Linears (save_model, save_gguf: files no loader takes)
+    or failed on an AssertionError (save_hf)."""
+    from gptlab.interop import save_hf
+    from gptlab.interop.gguf import save_gguf
+    from gptlab.tokenizer import CharTokenizer
+
+    tok = CharTokenizer.from_text(corpus_text(2000))
+    model = quantize_model(tiny_model(vocab_size=tok.vocab_size), "int8")
+    call = {"save_model": lambda: gptlab.save_model(tmp_path / "out", model),
+            "save_hf": lambda: save_hf(model, tmp_path / "out"),
+            "save_gguf": lambda: save_gguf(model, tmp_path / "out.gguf", tok)}[save]
+    with pytest.raises(GptlabError, match="quantized"):
+        call()
+    assert not list(tmp_path.iterdir())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # load_model and the command line
 # ---------------------------------------------------------------------------------------------------------------------
