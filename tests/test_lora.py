@@ -90,6 +90,23 @@ def test_merged_equals_unmerged(rank: int, targets: set[str], seed: int) -> None
     torch.testing.assert_close(merged(ids)[0], model(ids)[0], rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("export", ["hf", "gguf"])
+def test_exporting_unmerged_adapters_whole_is_a_one_line_error(export: str, tmp_path: Path) -> None:
+    """save_hf and save_gguf write whole models: a model with adapters kept apart is refused naming the ways out,
+    not a KeyError ('transformer.wte.weight': its saved state is the adapters alone)."""
+    from gptlab.interop import save_hf
+    from gptlab.interop.gguf import save_gguf
+    from gptlab.tokenizer import CharTokenizer
+
+    tok = CharTokenizer.from_text("".join(chr(32 + i) for i in range(VOCAB)))
+    model = add_lora(GPT(_config(vocab_size=tok.vocab_size)), LoRASpec(rank=2))
+    with pytest.raises(GptlabError, match="unmerged LoRA adapters.*merge_lora.*save_peft_adapter"):
+        save_hf(model, tmp_path / "out") if export == "hf" else save_gguf(model, tmp_path / "out.gguf", tok)
+    assert not list(tmp_path.iterdir())
+    merged = merge_lora(model)
+    save_hf(merged, tmp_path / "out") if export == "hf" else save_gguf(merged, tmp_path / "out.gguf", tok)
+
+
 def test_targets_by_name() -> None:
     assert parse_targets("q_proj, v") == ("q", "v")
     assert parse_targets(["all-linear", "q"]) == ("all-linear",)

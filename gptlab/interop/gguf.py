@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gptlab.checkpoint import model_state_dict, unwrap_model
+from gptlab.checkpoint import unwrap_model
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_file
 from gptlab.interop.gguf_arch import gguf_architecture, gguf_tensors, interleave_rope_rows, write_hparams
 from gptlab.interop.gguf_vocab import gguf_vocabulary, pre_tokenizer_name
+from gptlab.interop.hf import whole_model_state
 from gptlab.tokenizer.chat_template import chat_template_for, reply_stops
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def save_gguf(model: torch.nn.Module, path: str | Path, tokenizer: TextTokenizer
     if tokenizer is None:
         raise GptlabError("GGUF export needs the model's tokenizer (llama.cpp keeps it in the file), and SRC has none")
     tokens, merges, types = gguf_vocabulary(tokenizer, cfg.vocab_size)
-    state = {name: t.detach().float().cpu().numpy() for name, t in model_state_dict(plain).items()}
+    state = {name: t.detach().float().cpu().numpy() for name, t in whole_model_state(plain).items()}
     tensors = gguf_tensors(cfg, arch, state)
 
     def write(tmp: Path) -> None:

@@ -23,6 +23,7 @@ from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir
 from gptlab.interop.common import CARRIED, SAFETENSORS_FILE, read_hf_config, read_hf_weights, to_ours, to_theirs
 from gptlab.interop.registry import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, SUPPORTED_ARCHITECTURES
+from gptlab.lora import has_lora
 from gptlab.model import GPT
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ def save_hf(model: torch.nn.Module, path: str | Path, tokenizer: TextTokenizer |
     plain = unwrap_model(model)
     config: GPTConfig = plain.config
     family = export_family(config)  # fail before touching the disk
-    state = model_state_dict(plain)
+    state = whole_model_state(plain)
     dtype = state["transformer.wte.weight"].dtype
     tensors = to_theirs(family.rules(config), state)
     hf_config = config_to_hf(config, dtype, tokenizer)
@@ -185,6 +186,14 @@ def save_hf(model: torch.nn.Module, path: str | Path, tokenizer: TextTokenizer |
             write_tokenizer(tmp, tokenizer)
 
     return atomic_write_dir(path, write, needed=sum(t.nbytes for t in tensors.values()))
+
+
+def whole_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of the model, for an export of the whole model (a LoRA model's saved state is its adapters)."""
+    if has_lora(model):
+        raise GptlabError("the model has unmerged LoRA adapters: merge them into its weights first "
+                          "(gptlab.lora.merge_lora), or write them as a peft adapter (save_peft_adapter)")
+    return model_state_dict(model)
 
 
 def write_tokenizer(directory: Path, tokenizer: TextTokenizer) -> bool:
