@@ -339,6 +339,28 @@ def test_missing_and_broken_weights(tmp_path: Path) -> None:
         from_hf(src)
 
 
+class _Payload:
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (Path("ran"),))
+
+
+def test_a_pickled_bin_with_code_or_junk_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A .bin holding more than tensors is refused in one line naming what it holds, never run, and without torch's
+    paragraphs (which suggest loading it again with weights_only=False); a file that is no torch file says why."""
+    monkeypatch.chdir(tmp_path)
+    src = _save(_hf_model("llama"), tmp_path / "hf", "bin")
+    torch.save({"model.embed_tokens.weight": torch.zeros(1), "x": _Payload()}, src / "pytorch_model.bin")
+    with pytest.raises(GptlabError) as e:
+        from_hf(src)
+    message = str(e.value)
+    assert "\n" not in message and "pytorch_model.bin" in message and "weights_only" not in message, message
+    assert "GLOBAL getattr" in message, message  # what torch refused: Path.touch is pickled as getattr(Path, ...)
+    assert not (tmp_path / "ran").exists()
+    (src / "pytorch_model.bin").write_bytes(b"hello")
+    with pytest.raises(GptlabError, match=r"pytorch_model.bin as a weights-only torch file \(KeyError"):
+        from_hf(src)
+
+
 def test_unknown_weights_are_refused(tmp_path: Path) -> None:
     src = _save(_hf_model("llama"), tmp_path / "hf", "safetensors")
     from safetensors.torch import load_file, save_file

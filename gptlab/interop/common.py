@@ -8,6 +8,7 @@ files, which are read with `weights_only=True`, never unpickled).
 
 from __future__ import annotations
 
+import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -251,8 +252,14 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     try:  # weights_only: tensors and plain containers only, so a malicious pickle cannot run code
         state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as e:
-        raise GptlabError(f"cannot read {path} as a weights-only torch file: {e}") from None
+    except pickle.UnpicklingError as e:  # torch's text spans paragraphs and suggests weights_only=False: not ours
+        found = re.search(r"GLOBAL [\w.]+", str(e))
+        what = found.group(0) if found else "pickled code"
+        raise GptlabError(f"{path} holds Python objects other than tensors ({what}), which gptlab never loads: "
+                          "convert it to safetensors where you trust it") from None
+    except Exception as e:  # torch's reasons may be a bare key ("101": not a torch file at all)
+        raise GptlabError(f"cannot read {path} as a weights-only torch file ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise GptlabError(f"{path} does not hold a flat state dict of tensors")
     return state
