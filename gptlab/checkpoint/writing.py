@@ -43,7 +43,6 @@ from gptlab.checkpoint.layout import (
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir
 from gptlab.lora import has_lora, lora_state_dict
-from gptlab.quantize import QuantizedLinear
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -74,11 +73,13 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model = unwrap_model(model)
     if has_lora(model):  # the base is frozen and lives elsewhere: only the adapters are the run's
         return lora_state_dict(model)
-    if any(isinstance(m, QuantizedLinear) for m in model.modules()):  # its Linears hold integers, no weight
+    state = model.state_dict()
+    # a quantized model's Linears hold integers and no weight (found by its state: importing gptlab.quantize here
+    # would cost every run's start-up)
+    if any(not t.is_floating_point() for t in state.values()):
         raise GptlabError("cannot save a quantized model: checkpoints and the Hugging Face export hold "
                           "full-precision weights (save the model before quantize_model, and quantize it when "
                           "loading: load_model(..., quantize=...)); GGUF quantizes itself: --dtype q8_0 or q4_0")
-    state = model.state_dict()
     if getattr(model, "config", None) is not None and model.config.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as transformer.wte.weight
     return state
