@@ -299,6 +299,10 @@ def test_gpt2_ids_only_for_the_gpt2_vocabulary() -> None:
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(architectures=["FalconForCausalLM"], model_type="falcon"), "FalconForCausalLM"),
     (dict(hidden_size="64"), "LlamaForCausalLM"),
+    (dict(tie_word_embeddings="false"), "'tie_word_embeddings' should be true or false"),  # bool("false") is True
+    (dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", use_parallel_residual=0),
+     "use_parallel_residual"),
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window="no"), "use_sliding_window"),
 ])
 def test_config_errors(change: dict, message: str) -> None:
     with pytest.raises(GptlabError, match=message):

@@ -59,6 +59,15 @@ def hf_value(config: dict[str, Any], *keys: str, default: Any = _MISSING) -> Any
     return default
 
 
+def hf_flag(config: dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false switch of config.json: JSON's true or false only, since Python reads the string "false" as
+    true (a head silently tied, its weights dropped)."""
+    value = hf_value(config, key, default=default)
+    if not isinstance(value, bool):
+        raise GptlabError(f"config.json's {key!r} should be true or false, got {value!r}")
+    return value
+
+
 def rope_settings(config: dict[str, Any]) -> tuple[float, float | None, RopeScaling | None]:
     """(rope_theta, partial_rotary_factor or None, scaling or None) from either config schema.
 
@@ -103,7 +112,7 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
     if kind == "yarn":
         fields.update(attention_factor=_yarn_attention_factor(params, float(factor or 1.0)),
                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                      truncate=bool(params.get("truncate", True)))
+                      truncate=hf_flag(params, "truncate", True))
     elif kind == "llama3":
         fields.update(low_freq_factor=float(hf_value(params, "low_freq_factor", default=1.0)),
                       high_freq_factor=float(hf_value(params, "high_freq_factor", default=4.0)))

@@ -16,6 +16,7 @@ from gptlab.interop.common import (
     attention_layers,
     context_from_hf,
     gelu_approximate,
+    hf_flag,
     hf_value,
     keep,
     layer_types_to_hf,
@@ -41,7 +42,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("layer_types") is None:  # before 5.x: even layers slide, odd ones are global
         hf = {**hf, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]}
     window, every = attention_layers(hf, n_layer, hf_value(hf, "sliding_window", default=None))
-    attention_bias = bool(hf_value(hf, "attention_bias", default=False))
+    attention_bias = hf_flag(hf, "attention_bias", False)
     return dict(
         vocab_size=hf_value(hf, "vocab_size"),
         block_size=context_from_hf(hf_value(hf, "max_position_embeddings", default=8192), scaling),
@@ -69,7 +70,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         logit_softcap=hf.get("final_logit_softcapping"),
         sliding_window=window,
         global_layer_every=every,
-        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=True)),
+        tie_embeddings=hf_flag(hf, "tie_word_embeddings", True),
         dropout=hf_value(hf, "attention_dropout", default=0.0),
         init_std=hf_value(hf, "initializer_range", default=0.02),
     )

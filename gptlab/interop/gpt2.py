@@ -13,7 +13,7 @@ import torch
 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.interop.common import Rule, check_multi_head, gelu_approximate, hf_value, same, transposed
+from gptlab.interop.common import Rule, check_multi_head, gelu_approximate, hf_flag, hf_value, same, transposed
 
 NAME = "GPT-2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -48,7 +48,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         mlp="gelu",
         gelu_approximate=gelu_approximate(hf_value(hf, "activation_function", default="gelu_new")),
         block="pre",
-        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=True)),
+        tie_embeddings=hf_flag(hf, "tie_word_embeddings", True),
         dropout=hf_value(hf, "resid_pdrop", default=0.1),
         init_std=hf_value(hf, "initializer_range", default=0.02),
     )

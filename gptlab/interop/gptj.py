@@ -18,6 +18,7 @@ from gptlab.interop.common import (
     check_multi_head,
     concatenated,
     gelu_approximate,
+    hf_flag,
     hf_value,
     keep,
     same,
@@ -62,7 +63,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         gelu_approximate=gelu_approximate(hf_value(hf, "activation_function", default="gelu_new")),
         block="parallel",
         shared_norm=True,
-        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=False)),
+        tie_embeddings=hf_flag(hf, "tie_word_embeddings", False),
         dropout=hf_value(hf, "attn_pdrop", default=0.0),
         init_std=hf_value(hf, "initializer_range", default=0.02),
     )

@@ -20,6 +20,7 @@ from gptlab.interop.common import (
     Rule,
     concatenated,
     context_from_hf,
+    hf_flag,
     hf_value,
     keep,
     max_positions_to_hf,
@@ -69,15 +70,15 @@ def llama_config(hf: dict[str, Any], family: str, attention_bias: bool, partial_
         rope_scaling=scaling,
         mlp="swiglu",
         block="pre",
-        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=False)),
+        tie_embeddings=hf_flag(hf, "tie_word_embeddings", False),
         dropout=hf_value(hf, "attention_dropout", default=0.0),
         init_std=hf_value(hf, "initializer_range", default=0.02),
     )
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    fields = llama_config(hf, NAME, bool(hf_value(hf, "attention_bias", default=False)))
-    fields["bias"] = bool(hf_value(hf, "mlp_bias", default=False))
+    fields = llama_config(hf, NAME, hf_flag(hf, "attention_bias", False))
+    fields["bias"] = hf_flag(hf, "mlp_bias", False)
     return fields
 
 

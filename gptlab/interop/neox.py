@@ -21,6 +21,7 @@ from gptlab.interop.common import (
     check_multi_head,
     context_from_hf,
     gelu_approximate,
+    hf_flag,
     hf_value,
     max_positions_to_hf,
     regrouped,
@@ -40,7 +41,7 @@ IGNORE = re.compile(r"\.attention\.(bias|masked_bias)$|rotary_emb\.inv_freq$|^em
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    if not hf_value(hf, "attention_bias", default=True):
+    if not hf_flag(hf, "attention_bias", True):
         raise GptlabError("GPT-NeoX with attention_bias=false is not supported: its MLP and LayerNorms keep "
                           "their biases, and gptlab's single `bias` switch covers all of them")
     n_embd, n_head = hf_value(hf, "hidden_size"), hf_value(hf, "num_attention_heads")
@@ -67,8 +68,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         rope_scaling=scaling,
         mlp="gelu",
         gelu_approximate=gelu_approximate(hf_value(hf, "hidden_act", default="gelu")),
-        block="parallel" if hf_value(hf, "use_parallel_residual", default=True) else "pre",
-        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings", default=False)),
+        block="parallel" if hf_flag(hf, "use_parallel_residual", True) else "pre",
+        tie_embeddings=hf_flag(hf, "tie_word_embeddings", False),
         dropout=hf_value(hf, "hidden_dropout", default=0.0),
         init_std=hf_value(hf, "initializer_range", default=0.02),
     )

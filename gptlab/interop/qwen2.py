@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gptlab.config import GPTConfig
-from gptlab.interop.common import ANY, attention_layers, hf_value, keep, layer_types_to_hf
+from gptlab.interop.common import ANY, attention_layers, hf_flag, hf_value, keep, layer_types_to_hf
 from gptlab.interop.llama import IGNORE, check_llama_export, llama_config, llama_config_to_hf, llama_rules
 
 NAME = "Qwen2"
@@ -24,7 +24,7 @@ normalize = keep
 def qwen_window(hf: dict[str, Any], n_layer: int) -> tuple[int | None, int | None]:
     """(sliding_window, global_layer_every): Qwen's window applies only with use_sliding_window, on the layers
     from max_window_layers up (what 5.x's layer_types spells out)."""
-    if not hf.get("use_sliding_window"):
+    if not hf_flag(hf, "use_sliding_window", False):
         return None, None
     if hf.get("layer_types") is None:
         first = hf_value(hf, "max_window_layers", default=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gptlab.config import GPTConfig
-from gptlab.interop.common import ANY, hf_value, keep
+from gptlab.interop.common import ANY, hf_flag, keep
 from gptlab.interop.llama import IGNORE, check_llama_export, llama_config, llama_config_to_hf, llama_rules
 from gptlab.interop.qwen2 import qwen_window, qwen_window_to_hf
 
@@ -21,7 +21,7 @@ normalize = keep
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    fields = llama_config(hf, NAME, attention_bias=bool(hf_value(hf, "attention_bias", default=False)))
+    fields = llama_config(hf, NAME, attention_bias=hf_flag(hf, "attention_bias", False))
     window, every = qwen_window(hf, fields["n_layer"])
     return {**fields, "qk_norm": True, "qk_norm_weight": True, "sliding_window": window, "global_layer_every": every}
 
