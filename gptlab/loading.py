@@ -165,6 +165,7 @@ def load_frozen_base(path: str | Path, dtype: torch.dtype, quantize: str | None 
     neither its file nor the model in fp32 is ever in memory whole, so the peak is about the base as it trains
     (a QLoRA int4 base: about a quarter of its bf16 bytes) plus one tensor. Other models load whole, then convert."""
     directory = resolve_checkpoint(path, prefer="best")
+    _refuse_gguf_base(path, directory)  # before its config.json is looked for
     if is_hf_dir(directory) or (directory / LORA_FILE).is_file():  # quantizing widens each weight to fp32 itself
         model, _ = load_model(path, prefer="best", dtype=None if quantize else dtype)
         if quantize:
@@ -199,12 +200,17 @@ def _frozen(model: GPT, dtype: torch.dtype, device: str | torch.device) -> GPT:
     return model.to(device).eval()
 
 
+def _refuse_gguf_base(path: str | Path, directory: Path) -> None:
+    """A LoRA base must be safetensors weights (its run records their sha256): a GGUF file is converted first."""
+    if directory.is_file():  # a GGUF file: the only file resolve_checkpoint lets through
+        raise GptlabError(f"{path} is a GGUF file: a LoRA run records its base's safetensors weights; convert it "
+                          f"first (`gptlab convert {path} BASE`) and adapt BASE")
+
+
 def base_reference(path: str | Path) -> dict[str, str]:
     """{"path", "sha256"} of the model a LoRA run adapts: the checkpoint or Hugging Face directory `path` means."""
     directory = resolve_checkpoint(path).resolve()
-    if directory.is_file():
-        raise GptlabError(f"{path} is a GGUF file: a LoRA run records its base's safetensors weights; convert it "
-                          f"first (`gptlab convert {path} BASE`) and adapt BASE")
+    _refuse_gguf_base(path, directory)
     if (directory / LORA_FILE).is_file():
         raise GptlabError(f"{path} holds LoRA adapters, not a whole model: merge them first (`gptlab convert "
                           f"{path} OUT --to gptlab`) and adapt that")

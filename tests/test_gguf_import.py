@@ -261,3 +261,11 @@ def test_training_starts_from_a_gguf_file_and_lora_asks_for_a_checkpoint(tmp_pat
                  str(tmp_path / "run"), "--quiet"]) == 0
     with pytest.raises(Exception, match="is a GGUF file: a LoRA run records"):
         base_reference(good_gguf)
+    # through the command line too: the frozen base is read before base_reference is asked (it looked for
+    # good.gguf/config.json: "Not a directory")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["train", str(recipe), "--init-from", str(good_gguf), "--lora-rank", "2", "--data", str(data),
+                   "--out", str(tmp_path / "lora"), "--quiet"])
+    assert rc == 2 and err.getvalue().startswith(f"error: {good_gguf} is a GGUF file: a LoRA run records"), \
+        err.getvalue()
