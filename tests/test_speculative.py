@@ -322,6 +322,8 @@ def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, t
     assert "--draft-tokens must be at least 1" in capsys.readouterr().err
     assert main(["sample", str(target_path), "--speculate", "ngram", "--draft-quantize", "int8"]) == 2
     assert "--draft-quantize needs --draft" in capsys.readouterr().err
+    assert main(["sample", str(target_path), "--draft-tokens", "3", "--max-new-tokens", "2"]) == 2  # not ignored
+    assert "--draft-tokens needs --draft or --speculate" in capsys.readouterr().err
 
 
 def test_server_with_a_draft_answers_as_the_target_alone(char_models):

@@ -83,6 +83,8 @@ def speculation_options(args: argparse.Namespace, device: Any, dtype: Any) -> di
     tokens = {} if args.draft_tokens is None else {"draft_tokens": args.draft_tokens}
     if args.draft_tokens is not None and args.draft_tokens < 1:
         raise GptlabError(f"--draft-tokens must be at least 1, got {args.draft_tokens}")
+    if args.draft_tokens is not None and not (args.draft or args.speculate):  # else it would be ignored
+        raise GptlabError("--draft-tokens needs --draft or --speculate (the drafter whose guesses it counts)")
     if args.draft_quantize and not args.draft:
         raise GptlabError("--draft-quantize needs --draft (the draft model it quantizes)")
     if args.speculate:
