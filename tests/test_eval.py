@@ -112,6 +112,22 @@ def test_eval_cli_errors_are_one_line(setup, tmp_path: Path, capsys) -> None:
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
 
 
+def test_eval_refuses_data_of_another_tokenizer(setup, tmp_path: Path, capsys) -> None:
+    """A model whose vocabulary holds the data's ids but means other text by them: one line, not a score of
+    nonsense (a GPT-2 model scored char data before). With the data's own tokenizer it scores as without one."""
+    from gptlab.tokenizer import CharTokenizer, load_tokenizer
+
+    data_dir, _, model, (expected, _) = setup
+    ours = save_model(tmp_path / "ours", model, load_tokenizer(data_dir))
+    assert main(["eval", str(ours), "--data", str(data_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] == pytest.approx(expected, abs=1e-5)
+    vocab = model.config.vocab_size
+    other = save_model(tmp_path / "other", model, CharTokenizer([chr(0x4E00 + i) for i in range(vocab)]))
+    assert main(["eval", str(other), "--data", str(data_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was tokenized with another tokenizer" in err, err
+
+
 def test_eval_of_a_run_without_data_scores_the_data_it_trained_on(setup, tmp_path: Path, capsys) -> None:
     """`gptlab eval RUN` (or a checkpoint inside it) without --data or --tasks scores the data directory the run's
     config.resolved.json records, as --data would, and says so; where there is none to score, one line naming why."""

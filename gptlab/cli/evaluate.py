@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gptlab.cli.options import add_device, add_dtype, add_quantize, quantize_options, torch_dtype
 from gptlab.errors import GptlabError
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer import Tokenizer
 
 NO_LM_EVAL = "lm-eval is not installed: pip install 'gptlab[eval]'"
 
@@ -62,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     read_meta(args.data)  # a bad data directory fails before the model is loaded
     device = resolve_device(args.device)
-    model, _ = load_model(args.checkpoint, device=device, **quantize_options(args))
+    model, tokenizer = load_model(args.checkpoint, device=device, **quantize_options(args))
+    _check_same_tokenizer(args.checkpoint, tokenizer, args.data)
     if args.batch_size is not None:
         check_batch_memory(model.config, args.batch_size, args.block_size or model.config.block_size, device,
                            "--batch-size")
@@ -76,6 +80,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.split} loss {out[f'{args.split}_loss']:.4f}  perplexity {out['perplexity']:.3f}  bits/byte "
           f"{bpb_text}  ({out['tokens']:,} tokens, block_size {out['block_size']})")
     return 0
+
+
+def _check_same_tokenizer(checkpoint: str, model_tok: Tokenizer | None, data: str) -> None:
+    """Refuse data whose ids mean other text than the model's (char data for a GPT-2 model): its vocabulary fits,
+    so it would score, as nonsense. Either tokenizer unknown (a model saved without one): nothing to compare."""
+    from gptlab.tokenizer import fingerprint, optional_tokenizer
+
+    data_tok = optional_tokenizer(data)[0]
+    if model_tok is None or data_tok is None or fingerprint(model_tok) == fingerprint(data_tok):
+        return
+    raise GptlabError(f"--data {data} was tokenized with another tokenizer ({data_tok.kind}, {data_tok.vocab_size} "
+                      f"ids) than {checkpoint} ({model_tok.kind}, {model_tok.vocab_size} ids): prepare the data with "
+                      f"--tokenizer-from {checkpoint}")
 
 
 def _run_data(checkpoint: str) -> str:
