@@ -209,6 +209,8 @@ ROWS = [
     ("sample-prompt-not-utf8", ["sample", "{ckpt}", "--prompt-file", "{latin1_prompt}"], 2, "not UTF-8"),
     ("eval-block-size-negative", ["eval", "{ckpt}", "--data", "{data}", "--block-size", "-1"], 2,
      "--block-size must be at least 1"),
+    ("eval-block-size-past-context", ["eval", "{ckpt}", "--data", "{data}", "--block-size", "1000"], 2,
+     "--block-size 1000 is more than the model's context of 32 tokens"),
     ("eval-block-size-zero", ["eval", "{ckpt}", "--data", "{data}", "--block-size", "0"], 2, "--block-size"),
     ("eval-batch-size-huge", ["eval", "{ckpt}", "--data", "{data}", "--batch-size", "100000000"], 2,
      "--batch-size 100000000 x block_size 32 needs at least"),

@@ -67,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.checkpoint, device=device, **quantize_options(args))
     _check_same_tokenizer(args.checkpoint, tokenizer, args.data)
+    # (past the context, the model's own error named the split's length, not the flag)
+    if args.block_size is not None and args.block_size > model.config.block_size:
+        raise GptlabError(f"--block-size {args.block_size} is more than the model's context of "
+                          f"{model.config.block_size} tokens")
     if args.batch_size is not None:
         check_batch_memory(model.config, args.batch_size, args.block_size or model.config.block_size, device,
                            "--batch-size")
