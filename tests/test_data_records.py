@@ -341,6 +341,20 @@ def test_missing_split_and_empty_val(tmp_path: Path) -> None:
         prepare([path], tmp_path / "d", tokenizer="gpt2", block_size=32)
 
 
+def test_replies_cut_off_by_the_window_ask_for_a_larger_block_size(tmp_path: Path) -> None:
+    """Records whose replies lie past --block-size are not records without replies: the error says what to raise
+    (it said "no assistant reply, or empty text; check the records")."""
+    chats = [{"messages": [{"role": "user", "content": f"a question of some length {i}"},
+                           {"role": "assistant", "content": "yes"}]} for i in range(4)]
+    pairs = [{"prompt": f"a question of some length {i}", "chosen": "yes", "rejected": "no"} for i in range(4)]
+    for name, rows in (("chats", chats), ("pairs", pairs)):
+        path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        with pytest.raises(GptlabError, match=r"the train split has no example left: 3 of its 3 record\(s\) have "
+                           r"their target tokens only past --block-size 8, which cuts them off; raise --block-size"):
+            prepare([path], tmp_path / name, tokenizer="char", block_size=8)
+        assert prepare([path], tmp_path / name, tokenizer="char", block_size=64)["dropped"] == 0
+
+
 # --- the read side ----------------------------------------------------------------------------------------------
 
 

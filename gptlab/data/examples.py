@@ -163,13 +163,15 @@ class WindowWriter:
         self.ids = np.full(window, pad_id, dtype=dtype)
         self.mask = np.zeros(window, np.uint8)
         self.fill = self.windows = self.examples = self.truncated = self.dropped = 0
+        self.cut_off = 0  # of the dropped: targets only past the window's end
 
     def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
         cut = len(ids) > self.window
-        ids, mask = ids[: self.window], mask[: self.window]
-        if not mask[1:].any():  # no target a window row could train on
+        if not mask[1 : self.window].any():  # no target a window row could train on
             self.dropped += 1
+            self.cut_off += bool(mask[self.window :].any())
             return
+        ids, mask = ids[: self.window], mask[: self.window]
         if self.fill and (not self.pack or self.fill + len(ids) > self.window):
             self.flush()
         self.ids[self.fill : self.fill + len(ids)] = ids
@@ -184,6 +186,7 @@ class WindowWriter:
         cut = [(ids[: self.window], mask[: self.window]) for ids, mask in (chosen, rejected)]
         if not all(mask[1:].any() for _, mask in cut):
             self.dropped += 1
+            self.cut_off += any(mask[self.window :].any() for _, mask in (chosen, rejected))
             return
         self.flush()
         for ids, mask in cut:
@@ -343,6 +346,11 @@ def _write_windows(
         for s in SPLITS:
             if not writers[s].windows:
                 w = writers[s]
+                if w.cut_off:  # the records are fine: the window is too short for them
+                    raise GptlabError(
+                        f"the {s} split has no example left: {w.cut_off} of its {w.dropped} record(s) have their "
+                        f"target tokens only past --block-size {window - 1}, which cuts them off; raise --block-size"
+                    )
                 raise GptlabError(
                     f"the {s} split has no example left: its {w.dropped} record(s) have no target token (no "
                     "assistant reply, or empty text); "
