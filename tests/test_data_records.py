@@ -273,6 +273,10 @@ ERRORS = [
     ("chats.jsonl", [GOOD, '{"messages": [{"role": "user", "content": ["a", "b"]}]}'], [],
      r"line 2: messages\[0\]: content must be a string, got list"),
     ("chats.jsonl", [GOOD, '{"text": 5}'], [], r"line 2: field 'text' must be a string, got int"),
+    ("chats.jsonl", [GOOD, GOOD.replace('"content": "', '"content": "\\ud83d', 1)], [],
+     r"chats\.jsonl line 2: a \\u escape gives the unpaired surrogate '\\ud83d', which is not text"),
+    ("chats.json", ["[" + GOOD + ", " + GOOD.replace('"content": "', '"content": "\\ude00', 1) + "]"], [],
+     r"chats\.json record 2 \(line 1\): a \\u escape gives the unpaired surrogate '\\ude00'"),
     ("chats.jsonl", [GOOD, "[1, 2]"], [], r"line 2: expected a JSON object, got list"),
     ("chats.jsonl", [GOOD, '{"text": "plain"}'], [], r"line 2: a text record, but .*line 1 is chat: one input"),
     ("chats.jsonl", [GOOD, GOOD], ["--text-field", "body"], r"line 1: no field 'body' \(--text-field"),
@@ -339,6 +343,20 @@ def test_missing_split_and_empty_val(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [CHATS[0], CHATS[1], CHATS[2]])
     with pytest.raises(GptlabError, match="the val split has no example left: its 1 record"):
         prepare([path], tmp_path / "d", tokenizer="gpt2", block_size=32)
+
+
+def test_escaped_surrogate_pairs_are_text_and_lone_ones_are_refused(tmp_path: Path) -> None:
+    """A char vocabulary took a lone surrogate in as a character (and GPT-2's BPE failed on it naming no file);
+    a pair, as json.dumps writes an emoji, is the one character it stands for."""
+    pair = tmp_path / "pair.jsonl"
+    pair.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("smile \U0001F600", "ok", "more")))
+    assert "\\ud83d\\ude00" in pair.read_text()
+    prepare([pair], tmp_path / "d", tokenizer="char", block_size=8)
+    assert "\U0001F600" in load_tokenizer(tmp_path / "d").chars
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text('{"text": "ok"}\n{"text": "cut \\ud83d"}\n{"text": "more"}\n')
+    with pytest.raises(GptlabError, match=r"lone\.jsonl line 2: a \\u escape gives the unpaired surrogate"):
+        prepare([lone], tmp_path / "d2", tokenizer="char", block_size=8)
 
 
 def test_replies_cut_off_by_the_window_ask_for_a_larger_block_size(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": 
 _SAVED_DATASET = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
 _READ = 1 << 20
 _BATCH_ROWS = 1024
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # JSON's \uD800-\uDFFF: text only as a high-low pair
 
 
 def record_format(path: Path) -> str | None:
@@ -95,7 +97,19 @@ def _jsonl_rows(path: Path, hint: str = "") -> Iterator[tuple[str, Any]]:
                 raise GptlabError(f"{where}: invalid JSON: {e.msg} (column {e.colno}){hint}") from None
             except RecursionError:
                 raise GptlabError(f"{where}: JSON nested too deeply to be a record") from None
-            yield where, row
+            yield where, _text_only(row, line, where)
+
+
+def _text_only(row: Any, raw: str, where: str) -> Any:
+    """`row`, refused when a \\u escape of `raw` left an unpaired surrogate in it: no text holds one (a tokenizer
+    failed on it without naming the record, a char vocabulary took it in)."""
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then is the row walked
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise GptlabError(f"{where}: a \\u escape gives the unpaired surrogate {e.object[e.start]!r}, which is "
+                              "not text (a UTF-16 pair cut in two?)") from None
+    return row
 
 
 class _Text:
@@ -164,7 +178,8 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
                         raise GptlabError(f"{path} line {text.line(e.pos)}: invalid JSON: {e.msg}") from None
                     failed = error
             n += 1
-            yield f"{path} record {n} (line {start_line})", obj
+            where = f"{path} record {n} (line {start_line})"
+            yield where, _text_only(obj, text.buf[text.pos : end], where)
             text.pos = end
         if c != "]":
             raise GptlabError(f"{path} line {text.line()}: invalid JSON: the list is not closed (truncated file?)")
