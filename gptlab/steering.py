@@ -11,6 +11,7 @@ vectors)` applies them for the length of a `with`; `gptlab.generate(..., steerin
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,10 @@ class SteeringVector:
                               f"{tuple(self.direction.shape)}")
         if not bool(torch.isfinite(self.direction).all()):
             raise GptlabError("a steering direction holds a NaN or an infinity")
+        # a NaN or infinite scale (or one that overflows the direction) would turn every logit into NaN
+        if not math.isfinite(self.scale) or not bool(torch.isfinite(self.scale * self.direction.float()).all()):
+            raise GptlabError(f"steering scale {self.scale} is not finite, or makes the direction overflow: pass "
+                              "a finite scale")
 
 
 def load_direction(path: str | Path) -> torch.Tensor:

@@ -108,7 +108,8 @@ def test_sample_steer_flag(checkpoint, tmp_path, capsys) -> None:  # noqa: ANN00
     assert main([*args, "--steer", f"{direction}:1:3.0"]) == 0
     assert capsys.readouterr().out != plain
     for bad, message in [(f"{direction}:x:1", "FILE:LAYER:SCALE"), (f"{direction}:9:1", "out of range"),
-                         (f"{tmp_path}/none.safetensors:0:1", "missing")]:
+                         (f"{tmp_path}/none.safetensors:0:1", "missing"), (f"{direction}:0:nan", "not finite"),
+                         (f"{direction}:0:inf", "not finite"), (f"{direction}:0:1e39", "overflow")]:
         assert main([*args, "--steer", bad]) == 2
         assert message in one_line_error(2, capsys.readouterr().err)
 
