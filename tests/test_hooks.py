@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from families import ALL_FAMILIES, model_of
 from helpers import char_checkpoint, one_line_error, tiny_model
 
+from gptlab.checkpoint import save_model
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import generate
@@ -283,6 +284,24 @@ def test_patch_cli_table_json_and_png(checkpoint, tmp_path, capsys) -> None:  # 
 def test_patch_cli_bad_input(checkpoint, capsys, extra, message) -> None:  # noqa: ANN001
     assert main(["patch", str(checkpoint), "--clean", "the cat sat", *extra]) == 2
     assert message in one_line_error(2, capsys.readouterr().err)
+
+
+def test_patching_a_point_a_parallel_block_lacks_names_the_point(tmp_path, capsys) -> None:  # noqa: ANN001
+    """GPT-J's parallel blocks have no resid_mid: `gptlab patch` says so in its own flag's terms, and the page's
+    /ui/patch answers a 400 naming "point" (not "clean")."""
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz ")
+    path = save_model(tmp_path / "gptj", model_of("gptj"), tok)
+    assert main(["patch", str(path), "--clean", "the cat", "--corrupt", "the dog", "--point", "resid_mid"]) == 2
+    line = one_line_error(2, capsys.readouterr().err)
+    assert line.startswith("error: --point resid_mid:") and "resid_pre, resid_post" in line
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from gptlab.serve import ServerThread, create_app
+
+    with ServerThread(create_app(*load_model(path))) as server:
+        r = httpx.post(server.url + "/ui/patch", json={"clean": "the cat", "corrupt": "the dog", "point": "resid_mid"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "point"
 
 
 def test_every_families_hook_points_are_in_the_readme_table() -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.hooks import HookFn, as_batch, check_names, run_with_cache, run_with_hooks
+from gptlab.hooks import HookFn, as_batch, check_names, hook_point_names, run_with_cache, run_with_hooks
 from gptlab.inspection.attention import encode_prompt, token_labels
 from gptlab.model import GPT
 from gptlab.tokenizer.base import token_text
@@ -193,6 +193,12 @@ class PatchingMap:
                 "values": [[round(v, digits) for v in row] for row in self.values.tolist()]}
 
 
+def _points(model: GPT) -> list[str]:
+    """The PATCH_POINTS names this model has."""
+    names = set(hook_point_names(model))
+    return [short for short, point in PATCH_POINTS.items() if f"blocks.0.{point}" in names]
+
+
 def single_token(tokenizer: TextTokenizer, text: str, flag: str) -> int:
     """The one token `text` encodes to (after any start token the tokenizer always adds), else a one-line error."""
     start = len(tokenizer.encode(""))
@@ -221,6 +227,9 @@ def patch_prompts(
     `point`, a name of PATCH_POINTS. The metric's tokens default to each prompt's likeliest next token."""
     if point not in PATCH_POINTS:
         raise GptlabError(f"--point {point!r} is not one of {', '.join(PATCH_POINTS)}")
+    if point not in (have := _points(model)):  # a parallel block has no resid_mid
+        raise GptlabError(f"--point {point}: this model's blocks have no such point (its blocks are "
+                          f"{model.config.block}); choose one of {', '.join(have)}")
     point = PATCH_POINTS[point]
     limit = max_tokens or model.config.block_size
     clean_ids = _encode(tokenizer, clean, limit, "--clean")
