@@ -43,11 +43,18 @@ def served():
 
 
 @pytest.fixture(scope="module")
-def page_on_server(served):
+def browser():
+    with sync_api.sync_playwright() as pw:  # one per process: a second one inside it refuses to start
+        browser = pw.chromium.launch(executable_path=shutil.which(CHROMIUM) or CHROMIUM, args=ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def page_on_server(served, browser):
     model, tok = served
     app = create_app(model, tok, model_name="tiny")
-    with ServerThread(app) as server, sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=shutil.which(CHROMIUM) or CHROMIUM, args=ARGS)
+    with ServerThread(app) as server:
         page = browser.new_page()
         page.set_default_timeout(TIMEOUT_MS)
         errors: list[str] = []
@@ -58,7 +65,7 @@ def page_on_server(served):
         page.goto(server.url + "/")
         page.wait_for_selector("body[data-ready=true]")
         yield server, page, errors, outside
-        browser.close()
+        page.close()
 
 
 def test_page_loads_without_console_errors_or_outside_requests(page_on_server):
@@ -97,6 +104,7 @@ def test_hovering_a_token_shows_the_endpoints_weights(page_on_server):
         assert shown[i + 1:] == [None] * (len(text) - i - 1)  # nothing after the token: causal
         assert page.locator("#lens tr").count() == 1 + 3  # header + embeddings and two layers
     assert errors == []
+
 
 
 PAINT = "(h) => { const c = document.querySelectorAll('#head-grid canvas')[h];" \
@@ -157,3 +165,20 @@ def test_patching_view_draws_the_routes_values_with_token_labels(page_on_server,
     page.wait_for_function("document.querySelectorAll('#patch-map thead th').length === 5")
     assert page.locator("#patch-map thead th").all_inner_texts() == ["layer", "head 0", "head 1", "head 2", "head 3"]
     assert errors == []
+
+
+def test_a_non_ascii_api_key_typed_into_the_page_is_sent_as_utf8(served, browser):
+    """The server compares the key as UTF-8 bytes (`serve.access`); the page sends those bytes, where a header
+    holding the typed string itself fails in fetch (a character past U+00FF) or sends Latin-1 bytes."""
+    model, tok = served
+    key = "clé-ключ"
+    with ServerThread(create_app(model, tok, model_name="tiny", api_key=key)) as server:
+        page = browser.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(server.url + "/")
+        page.wait_for_selector("#key-form:not([hidden])")
+        page.fill("#key", key)
+        page.click("#key-form button")
+        page.wait_for_selector("body[data-ready=true]")
+        assert page.inner_text("#model-name") == "tiny" and page.inner_text("#error") == ""
+        page.close()

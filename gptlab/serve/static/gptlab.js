@@ -9,7 +9,8 @@ const state = { info: null, history: [], tokens: [], weights: null, heads: null,
 function headers() {
   const h = { "Content-Type": "application/json" };
   const key = sessionStorage.getItem("gptlab-key");
-  if (key) h.Authorization = "Bearer " + key;
+  // a header value is bytes as Latin-1 characters: send the key's UTF-8 bytes, which the server compares
+  if (key) h.Authorization = "Bearer " + String.fromCharCode(...new TextEncoder().encode(key));
   return h;
 }
 
