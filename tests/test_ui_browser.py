@@ -107,6 +107,26 @@ def test_hovering_a_token_shows_the_endpoints_weights(page_on_server):
 
 
 
+def test_switching_layer_after_editing_the_text_keeps_tokens_and_lens_together(page_on_server):
+    """The layer or head select after an edit of the text (without pressing look) shows the new text's tokens:
+    its lens must be the new text's too, not the old one's (whose positions run out: a page error on hover)."""
+    server, page, errors, _ = page_on_server
+    page.fill("#explore-input", "abc")
+    page.click("#analyze")
+    page.wait_for_selector("#tokens[data-ready=true]")
+    text = "abcdefgh"
+    page.fill("#explore-input", text)
+    page.select_option("#layer", "0")
+    page.select_option("#layer", "1")
+    page.wait_for_function(f"document.querySelectorAll('#tokens .tok').length === {len(text)}")
+    page.locator("#tokens .tok").nth(6).hover()
+    lens = httpx.post(server.url + "/ui/lens", json={"text": text, "top_k": 3}).json()
+    rows = page.locator("#lens tr")
+    assert rows.count() == 1 + 3
+    first = lens["top"][0][6][0]
+    assert rows.nth(1).inner_text().split("\t")[1].startswith(f'"{first["token"]}" {first["prob"]:.2f}')
+    assert errors == []
+
 PAINT = "(h) => { const c = document.querySelectorAll('#head-grid canvas')[h];" \
         " return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data); }"
 

@@ -296,24 +296,14 @@ async function onAnalyze(event) {
   }
 }
 
-async function onSelect() {
-  showError("");
-  try {
-    await loadAttention();
-    drawTokens();
-    drawHeadGrid();
-  } catch (e) {
-    showError(e.message);
-  }
-}
-
 // --- start ------------------------------------------------------------------------------------------------------
 async function start() {
   $("chat-form").addEventListener("submit", onSend);
   $("clear").addEventListener("click", () => { state.history = []; $("messages").innerHTML = ""; });
   $("explore-form").addEventListener("submit", onAnalyze);
-  $("layer").addEventListener("change", onSelect);
-  $("head").addEventListener("change", onSelect);
+  // the lens too: the text may have changed since the last look, and tokens and lens must be of one text
+  $("layer").addEventListener("change", onAnalyze);
+  $("head").addEventListener("change", onAnalyze);
   $("head-large").addEventListener("mousemove", readHead);
   $("patch-form").addEventListener("submit", onPatch);
   $("key-form").addEventListener("submit", (event) => {
