@@ -187,6 +187,21 @@ def test_patching_view_draws_the_routes_values_with_token_labels(page_on_server,
     assert errors == []
 
 
+def test_a_message_the_server_refuses_leaves_the_conversation_as_it_was(page_on_server):
+    """A 400 (a message too long for the context) shows the error, and the message goes back to the input: the
+    page does not keep showing a turn that the next request will not send."""
+    _, page, errors, _ = page_on_server
+    shown, history = page.locator(".msg").count(), page.evaluate("JSON.stringify(state.history)")
+    text = "a" * 200  # 200 characters: more than the context of 128
+    page.fill("#chat-input", text)
+    page.click("#send")
+    page.wait_for_function("document.querySelector('#error').textContent.includes('context')")
+    page.wait_for_function("!document.querySelector('#send').disabled")
+    assert page.locator(".msg").count() == shown and page.evaluate("JSON.stringify(state.history)") == history
+    assert page.input_value("#chat-input") == text
+    assert all("status of 400" in e for e in errors)  # the browser's own note of the refused request
+    errors.clear()
+
 def test_a_non_ascii_api_key_typed_into_the_page_is_sent_as_utf8(served, browser):
     """The server compares the key as UTF-8 bytes (`serve.access`); the page sends those bytes, where a header
     holding the typed string itself fails in fetch (a character past U+00FF) or sends Latin-1 bytes."""

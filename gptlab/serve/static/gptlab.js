@@ -76,14 +76,17 @@ async function onSend(event) {
   showError("");
   $("chat-input").value = "";
   state.history.push({ role: "user", content });
-  addMessage("user", content);
+  const asked = addMessage("user", content);
   const out = addMessage("assistant", "");
   $("send").disabled = true;
   try {
     state.history.push({ role: "assistant", content: await streamChat(out) });
   } catch (e) {
+    // the turn is not in the conversation: nor on the page, and its text goes back to the input to edit
     state.history.pop();
+    asked.remove();
     out.remove();
+    if (!$("chat-input").value) $("chat-input").value = content;  // unless the next one is being typed
     showError(e.message);
   } finally {
     $("send").disabled = false;
