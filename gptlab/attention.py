@@ -57,8 +57,8 @@ class CausalSelfAttention(nn.Module):
     # dtype than the surrounding matmuls: fp32 attention under bf16 is faster on CPUs, whose bf16 attention backward
     # is slow. None: the dtype the projections produce.
     attention_dtype: torch.dtype | None = None
-    # hook points (q/k/v, scores, pattern, z), set by `gptlab.hooks` while a caller looks inside; `needs_pattern`:
-    # a hook reads the scores or the pattern, which only the manual path computes
+    # hook points (q/k/v, scores, pattern, z), set by `gptlab.hooks` while a caller looks inside; `needs_pattern`
+    # (true on the threads whose hooks read the scores or the pattern, which only the manual path computes)
     hooks: Hook | None = None
     needs_pattern: bool = False
 

@@ -9,7 +9,8 @@ them a model has follows from its config (`hook_point_names`).
 The model's modules each carry a `hooks` attribute, None unless `hooked` sets it for the length of a `with`:
 a forward with none set runs exactly as before (fused attention, the lean and native decode steps, CUDA graphs).
 Only a hook on the attention scores or pattern sends that layer through the manual attention path, which
-computes them. A hook runs only on the thread that set it (a server's other requests use the same model).
+computes them. A hook runs only on the thread that set it (a server's other requests use the same model), and
+another thread's forwards and decode steps take their fast paths as if none were set (`hooked_here`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,6 @@ class _Registry:
                 del model.__dict__["_hook_registry"]
 
     def _update(self) -> None:
-        wanted = {name for stack in self.frames.values() for fns in stack for name in fns}
         for prefix, module in _modules(self.model):
             if not self.frames:
                 module.__dict__.pop("hooks", None)
@@ -111,8 +111,24 @@ class _Registry:
                 continue
             if "hooks" not in module.__dict__:
                 module.hooks = _Points(prefix, self)
-            if prefix.endswith("attn."):
-                module.needs_pattern = any(prefix + p in wanted for p in PATTERN_POINTS)
+            if prefix.endswith("attn.") and "needs_pattern" not in module.__dict__:
+                module.needs_pattern = _PatternWanted(prefix, self)
+
+    def wanted_here(self) -> set[str]:
+        """The hook point names the calling thread's frames set."""
+        return {name for fns in self.frames.get(threading.get_ident(), ()) for name in fns}
+
+
+class _PatternWanted:
+    """An attention module's `needs_pattern`, true on the threads whose hooks read its scores or pattern: another
+    thread's forwards keep the fused attention, and its numbers."""
+
+    def __init__(self, prefix: str, registry: _Registry) -> None:
+        self.prefix, self.registry = prefix, registry
+
+    def __bool__(self) -> bool:
+        wanted = self.registry.wanted_here()
+        return any(self.prefix + p in wanted for p in PATTERN_POINTS)
 
 
 class _Points:
@@ -135,6 +151,13 @@ class _Points:
                                   f"activation's shape {tuple(x.shape)}")
             x = out
         return x
+
+
+def hooked_here(model: nn.Module) -> bool:
+    """Whether the calling thread has hooks set on `model` (then its forwards take the plain path, where they run;
+    another thread's hooks leave this one's fast paths as they are)."""
+    registry = model.__dict__.get("_hook_registry")
+    return registry is not None and bool(registry.frames.get(threading.get_ident()))
 
 
 def _modules(model: GPT) -> Iterator[tuple[str, nn.Module]]:

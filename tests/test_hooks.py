@@ -12,11 +12,13 @@ import torch.nn.functional as F
 from families import ALL_FAMILIES, model_of
 from helpers import char_checkpoint, one_line_error, tiny_model
 
+from gptlab.attention import CausalSelfAttention
 from gptlab.checkpoint import save_model
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import generate
-from gptlab.hooks import hook_point_names, hooked, run_with_cache, run_with_hooks
+from gptlab.generation.fast_decode import lean_step_exact
+from gptlab.hooks import hook_point_names, hooked, hooked_here, run_with_cache, run_with_hooks
 from gptlab.inspection.attention import attention_map
 from gptlab.inspection.patching import ablate, ablation_hooks, activation_patching, logit_difference
 from gptlab.loading import load_model
@@ -137,6 +139,42 @@ def test_a_hook_runs_only_on_its_thread() -> None:
         assert seen == []
         model(IDX)
     assert seen == [threading.get_ident()]
+
+
+def test_another_threads_hooks_leave_this_threads_fast_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook on one thread (the server's page reading a pattern) sends only that thread through the manual
+    attention and the plain forward: the engine's thread keeps the fused attention and the lean decode step."""
+    model = model_of("llama")
+    manual = []
+    plain_manual = CausalSelfAttention._manual_attention
+    monkeypatch.setattr(CausalSelfAttention, "_manual_attention",
+                        lambda self, *a: manual.append(threading.get_ident()) or plain_manual(self, *a))
+    with torch.no_grad():
+        expected, _ = model(IDX)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with hooked(model, {"blocks.0.attn.hook_pattern": lambda x: None}):
+            inside.set()
+            leave.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert inside.wait(30)
+        with torch.no_grad():
+            logits, _ = model(IDX)
+        assert torch.equal(logits, expected) and manual == []
+        assert not hooked_here(model) and lean_step_exact(model)
+        with hooked(model, {"blocks.1.attn.hook_pattern": lambda x: None}):
+            assert hooked_here(model) and not lean_step_exact(model)
+            with torch.no_grad():
+                model(IDX)
+        assert manual == [threading.get_ident()]  # layer 1's, on this thread; never layer 0's for the other's hook
+    finally:
+        leave.set()
+        holder.join()
+    assert no_hooks_left(model)
 
 
 def test_nested_hooks_compose_and_threads_overlap() -> None:

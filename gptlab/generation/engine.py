@@ -60,6 +60,7 @@ from gptlab.generation.sampling import TokenCounts
 from gptlab.generation.speculative import DRAFT_TOKENS, Speculate, Speculator
 from gptlab.generation.step_choice import decode_path, step_cache_dtype
 from gptlab.hardware import available_memory
+from gptlab.hooks import hooked_here
 from gptlab.kernels.dispatch import BATCH
 from gptlab.kv_cache import KVCache, cache_bytes, default_cache_dtype
 from gptlab.model import GPT
@@ -245,7 +246,7 @@ class Engine(PromptPrefill):
                 self._slide(g)
         hi = max(g.row.slot for g in running + prefilling) + 1  # rows past the last busy one are left out
         # hook points set (`gptlab.hooks`), or a steered row's: they run in the plain forward
-        hooked = self.model.hooks is not None or any_steered(self.slots[:hi])
+        hooked = hooked_here(self.model) or any_steered(self.slots[:hi])
         static = self._static is not None and not self.model.training and not hooked
         if static:
             hi = self._static.rows_for(hi)
@@ -287,7 +288,8 @@ class Engine(PromptPrefill):
         view = self.cache.rows(slot, slot + 1)
         idx = torch.tensor([tokens], device=self.device)
         with steering_rows(self.model, self.slots, first=slot):
-            lean = len(tokens) == 1 and self._lean_step_exact and not self.model.training and self.model.hooks is None
+            lean = (len(tokens) == 1 and self._lean_step_exact and not self.model.training
+                    and not hooked_here(self.model))
             rows = not lean and self._rows_call_serves(len(tokens))  # several tokens in the C++ step's one call
             with self._kernels(head_only=(lean or rows) and bool(self._native)):
                 if lean:
@@ -302,7 +304,7 @@ class Engine(PromptPrefill):
         fed in turn), in one C++ call (`decode_greedy`: a draft model's guesses); None where that call cannot run
         (the caller then steps one token at a time)."""
         if (self.cache.batch_size != 1 or not self._lean_step_exact or self.model.training
-                or self.model.hooks is not None or any_steered(self.slots)):
+                or hooked_here(self.model) or any_steered(self.slots)):
             return None
         with self._kernels(head_only=bool(self._native)):
             weights = self._native_weights()

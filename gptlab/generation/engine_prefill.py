@@ -26,6 +26,7 @@ from gptlab.generation.prefix_cache import keep_row, restore_prompt
 from gptlab.generation.request import FINISH_ERROR, FINISH_LENGTH, Generation
 from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.generation.sampling import TokenCounts
+from gptlab.hooks import hooked_here
 from gptlab.kernels.dispatch import BATCH, chosen_ops, kind_of
 from gptlab.quantize import QuantizedLinear
 from gptlab.rope import LENGTH_DEPENDENT
@@ -123,7 +124,7 @@ class PromptPrefill:
         and the C++ step's weights not known to be missing."""
         scaling = self.config.rope_scaling
         return (self._lean_step_exact and self._static is None and not self.model.training
-                and self.model.hooks is None and not any_steered(self.slots) and self._native is not False
+                and not hooked_here(self.model) and not any_steered(self.slots) and self._native is not False
                 and (scaling is None or scaling.kind not in LENGTH_DEPENDENT))
 
     def _rows_call_serves(self: Engine, n: int) -> bool:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from gptlab.attention import CausalSelfAttention, sdpa
 from gptlab.config import GPTConfig
 from gptlab.generation import native_decode
+from gptlab.hooks import hooked_here
 from gptlab.kernels.dispatch import BATCH
 from gptlab.kv_cache import KVCache, Masks
 from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
@@ -71,7 +72,7 @@ def lean_step_exact(model: GPT) -> bool:
     classes (a replaced block, attention or norm may compute something else), and no hook point is set on it
     (`gptlab.hooks`: the hooks run in the plain forward)."""
     cfg = model.config
-    if unknown_switches(cfg) or (cfg.dropout and model.training) or model.hooks is not None:
+    if unknown_switches(cfg) or (cfg.dropout and model.training) or hooked_here(model):
         return False
     t = model.transformer
     norms = [t.ln_f, *([t.ln_emb] if cfg.embedding_norm else [])]
