@@ -180,6 +180,23 @@ def test_sample_with_a_bad_schema_file_is_one_line_exit_2(json_checkpoint, tmp_p
     assert err.startswith("error:") and message in err and err.count("\n") == 1
 
 
+def test_sample_json_on_a_vocabulary_without_braces_names_the_flag_given(tmp_path, capsys) -> None:
+    from gptlab.checkpoint import save_model
+    from gptlab.cli import main
+
+    tok = CharTokenizer.from_text("abc 123")  # a char model trained on text without '{'
+    ckpt = save_model(tmp_path / "ckpt", tiny_model(vocab_size=tok.vocab_size), tok)
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    for flags, want in ((["--json"], "--json: this model's vocabulary cannot spell JSON"),
+                        (["--json-schema", str(schema)], f"cannot be written in this model's vocabulary: no token "
+                                                         f"starts an output it allows (the schema in {schema})")):
+        assert main(["sample", str(ckpt), "--prompt", "a", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # (after a first run's kernel-build note)
+        assert err.startswith("error: ") and want in err, err
+        assert "grammars" not in err and ("--json-schema" in err) == (flags[0] == "--json-schema"), err
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The server: response_format json_object / json_schema, rows with and without grammars in one batch
 # ---------------------------------------------------------------------------------------------------------

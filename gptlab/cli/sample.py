@@ -96,12 +96,26 @@ def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParam
     try:
         return SamplingParams.from_fields(vars(args), **{"logit_bias": _logit_bias(args.logit_bias), **overrides})
     except InvalidSamplingParam as e:
-        raise flag_error(e) from None
+        raise form_error(e, args) from None
 
 
 def flag_error(e: InvalidSamplingParam) -> GptlabError:
     """A sampling setting's error named as its flag."""
     return GptlabError(f"--{e.field.replace('_', '-')} {e.requirement}, got {e.value!r}")
+
+
+def form_error(e: InvalidSamplingParam, args: argparse.Namespace) -> GptlabError:
+    """An error of the output's form named as the flag the user gave: the library names its field, json_schema,
+    and shows the grammar it compiled, which the user never wrote."""
+    json_flag, schema_file = getattr(args, "json", False), getattr(args, "json_schema", None)  # (chat has neither)
+    if e.field != "json_schema" or not (json_flag or schema_file):
+        return flag_error(e)
+    if json_flag and "vocabulary" in e.requirement:  # (JSON_OBJECT itself always compiles)
+        return GptlabError("--json: this model's vocabulary cannot spell JSON: no token of it starts or continues a "
+                           "JSON object (a character vocabulary made from text without '{', '\"' or '}')")
+    flag = "--json" if json_flag else "--json-schema"
+    where = "" if json_flag else f" (the schema in {schema_file})"
+    return GptlabError(f"{flag} {e.requirement}{where}")
 
 
 def check_biased_tokens(params: SamplingParams, vocab_size: int) -> None:
@@ -217,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
             gen = engine.prepare(ids, params, sample_index=i, truncate_prompt=args.truncate_prompt,
                                  steering=steering)
         except InvalidSamplingParam as e:
-            raise flag_error(e) from None
+            raise form_error(e, args) from None
         out.write(prompt)
         out.flush()
         for delta in stream_deltas(engine, gen):
