@@ -257,19 +257,26 @@ def test_the_template_flag_lists_the_built_in_templates():
 @pytest.mark.parametrize("args, message", [
     (["--top-p", "2"], "--top-p must be in (0, 1]"),
     (["--max-new-tokens", "200"], "leaves no room for the conversation"),
-    (["--chat-template", "chatml"], "not in the char tokenizer's vocabulary"),
     (["--prefix-cache-mb", "-1"], "--prefix-cache-mb must be 0 (off) or a size in MB"),
+    # text from flags, known before the first line: refused once, not at every message
+    (["--chat-template", "chatml"], "--chat-template chatml writes 4 character(s) not in the model's char "
+                                    "vocabulary: '<', '>', '_', '|'"),
+    (["--system", "Be <brief>"], "--system has 2 character(s) not in the model's char vocabulary: '<', '>'"),
 ])
 def test_chat_errors_are_one_line(chat_dirs, monkeypatch, capsys, args, message):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nbye\n"))
     rc = main(["chat", str(chat_dirs[0]), *args])
     out, err = capsys.readouterr()
-    if "vocabulary" in message:  # a message that cannot be encoded: the session goes on, the status says so
-        assert rc == 1 and out == "\n" and message in err and err.count("\n") == 1
-    else:
-        assert message in one_line_error(rc, err)
+    assert message in one_line_error(rc, err) and out == ""
     assert main(["chat", str(chat_dirs[1])]) == 2
     assert "no tokenizer" in one_line_error(2, capsys.readouterr().err)
+
+
+def test_a_piped_line_the_vocabulary_cannot_encode_fails_alone(chat_dirs, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("caf\u00e9\nhi\n"))
+    assert main(["chat", str(chat_dirs[0]), "--max-new-tokens", "16"]) == 1  # the session goes on
+    out, err = capsys.readouterr()
+    assert out == "\nok\n" and "not in the char tokenizer's vocabulary: 'é'" in err and err.count("\n") == 1
 
 
 def test_interactive_chat_in_a_terminal(chat_dirs):

@@ -9,7 +9,8 @@ this module is only the terminal around it. Two ways in:
 * stdin is a pipe or a file: one user message per line, one reply printed per line (no prompt, no notes on
   stdout), so `printf 'hi\\nbye\\n' | gptlab chat RUN` prints two replies. Blank lines are skipped; a message
   that cannot be answered (too long for the context, characters outside a char vocabulary) prints an empty
-  line, its error goes to stderr, and the exit status is 1 at the end.
+  line, its error goes to stderr, and the exit status is 1 at the end. A --system message or chat template the
+  vocabulary cannot write is refused before the first line is read (every message would fail).
 
 In both, a line that is one word starting with "/" is a command: /reset forgets the conversation (the system
 message stays), /exit ends. Notes (turns dropped to fit the context, a stopped reply) go to stderr.
@@ -84,9 +85,30 @@ def run(args: argparse.Namespace) -> int:
         params = dataclasses.replace(params, max_new_tokens=default_max_new_tokens(model.config.block_size))
     session = ChatSession(model, tokenizer, params, system=args.system, template=args.chat_template,
                           on_notice=_note, **prefix_cache)
+    _check_flag_text(session, args.chat_template)
     if sys.stdin.isatty():
         return _interactive(session, args.model)
     return _piped(session, sys.stdin)
+
+
+def _check_flag_text(session: ChatSession, template_flag: str | None) -> None:
+    """The system message and the template's own text come from flags, known before the first line: text the
+    vocabulary cannot encode is refused once, now, instead of failing every message (the user's lines still fail
+    one by one)."""
+    from gptlab.tokenizer import UnknownCharacters
+
+    if session.system:
+        try:
+            session.tokenizer.encode(session.system)
+        except UnknownCharacters as e:
+            raise GptlabError(f"--system has {e.count} character(s) not in the model's char vocabulary: "
+                              f"{e.shown}") from None
+    try:
+        session.prompt_ids(session.messages + [{"role": "user", "content": ""}])
+    except UnknownCharacters as e:
+        name = f"--chat-template {template_flag}" if template_flag else f"{session.template.label} (the default)"
+        raise GptlabError(f"{name} writes {e.count} character(s) not in the model's char vocabulary: {e.shown}"
+                          + ("" if template_flag else "; choose another with --chat-template")) from None
 
 
 def _note(message: str) -> None:

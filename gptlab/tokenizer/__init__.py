@@ -37,6 +37,7 @@ from gptlab.tokenizer.base import (
     GPT2Tokenizer,
     TextTokenizer,
     Tokenizer,
+    UnknownCharacters,
     fingerprint,
     token_text,
 )
@@ -44,6 +45,5 @@ from gptlab.tokenizer.huggingface import HFTokenizer
 from gptlab.tokenizer.loading import load_tokenizer, optional_tokenizer
 
 __all__ = ["EOT_TEXT", "HF_FILE", "KINDS", "META_FILE", "MAX_BPE_VOCAB", "MIN_BPE_VOCAB", "CharTokenizer",
-           "DamagedTokenizer", "GPT2Tokenizer", "HFTokenizer", "TextTokenizer", "Tokenizer", "fingerprint",
-           "load_tokenizer",
-           "optional_tokenizer", "token_text"]
+           "DamagedTokenizer", "GPT2Tokenizer", "HFTokenizer", "TextTokenizer", "Tokenizer", "UnknownCharacters",
+           "fingerprint", "load_tokenizer", "optional_tokenizer", "token_text"]

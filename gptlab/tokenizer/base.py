@@ -147,6 +147,17 @@ def fingerprint(tok: Tokenizer, samples: int = 4096) -> str:
 # --- char -------------------------------------------------------------------------------------------------------
 
 
+class UnknownCharacters(GptlabError):
+    """Text with characters a char vocabulary lacks; `shown` lists them as the message does, for callers that name
+    where the text came from (a flag) in their own words."""
+
+    def __init__(self, unknown: Sequence[str]) -> None:
+        self.count = len(unknown)
+        self.shown = ", ".join(repr(c) for c in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+        super().__init__(f"text has {self.count} character(s) not in the char tokenizer's vocabulary: {self.shown}; "
+                         "prepare the data from text that contains them, or use --tokenizer gpt2 or bpe")
+
+
 class CharTokenizer(Tokenizer):
     """One id per distinct character of the training text, sorted by code point (as in nanoGPT)."""
 
@@ -179,12 +190,7 @@ class CharTokenizer(Tokenizer):
         idx_clipped = np.minimum(idx, self.vocab_size - 1)
         bad = self._codepoints[idx_clipped] != cps
         if bad.any():
-            unknown = sorted({chr(c) for c in cps[bad].tolist()})
-            shown = ", ".join(repr(c) for c in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
-            raise GptlabError(
-                f"text has {len(unknown)} character(s) not in the char tokenizer's vocabulary: {shown}; "
-                "prepare the data from text that contains them, or use --tokenizer gpt2 or bpe"
-            )
+            raise UnknownCharacters(sorted({chr(c) for c in cps[bad].tolist()}))
         return idx.astype(np.int64)
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
