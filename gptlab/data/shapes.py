@@ -55,7 +55,12 @@ def _sharegpt(turns: Any, where: str) -> Any:
             if role is None:
                 raise GptlabError(f"{where}: conversations[{i}]: unknown speaker {t['from']!r} (expected human, gpt "
                                   "or system)")
-            t = {"role": role, "content": t.get("value")}
+            if "value" not in t:  # named here: check_messages would name 'content', a field the record lacks
+                raise GptlabError(f"{where}: conversations[{i}]: has 'from' but no 'value'")
+            if not isinstance(t["value"], str):
+                raise GptlabError(f"{where}: conversations[{i}]: field 'value' must be a string, got "
+                                  f"{type(t['value']).__name__}")
+            t = {"role": role, "content": t["value"]}
         out.append(t)
     return out
 
