@@ -132,6 +132,10 @@ def test_existing_run_needs_resume_and_resume_checks_the_config(tmp_path: Path, 
     assert train(recipe, data, run, "--max-steps", "12", "--lr", "1e-2", "--resume") == 2
     err = capsys.readouterr().err.strip()
     assert "lr" in err and "\n" not in err
+    assert train(recipe, data, run, "--max-steps", "12", "--n-layer", "3", "--resume") == 2
+    err = capsys.readouterr().err.strip()  # the override is named, not the run's intact config.json
+    assert "recipe and flags give n_layer=3, the run was trained with n_layer=2" in err and "damaged" not in err
+    assert "\n" not in err
     assert (
         train(recipe, data, run, "--max-steps", "12", "--eval-interval", "0", "--resume") == 0
     )  # whitelisted

@@ -16,6 +16,7 @@ is really there.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import sys
 from pathlib import Path
@@ -157,14 +158,26 @@ def check_checkpoint_matches(directory: Path, model: Any, cfg: TrainConfig, data
     ours = model.config.to_dict()
     differ = [k for k, v in saved.to_dict().items() if ours.get(k) != v]
     if differ:
-        k = differ[0]
-        raise GptlabError(f"cannot resume {directory}: its {ckpt.CONFIG_FILE} says {k}={saved.to_dict()[k]!r}, "
+        k, was = differ[0], saved.to_dict()[differ[0]]
+        if _model_keys_changed(directory, cfg):  # the user's recipe or flags, not the file
+            raise GptlabError(f"cannot resume {directory}: this run's recipe and flags give {k}={ours.get(k)!r}, "
+                              f"the run was trained with {k}={was!r}, and a run's model cannot change on resume: "
+                              f"drop the change (--{k.replace('_', '-')} or the recipe's {k}), or start a new --out")
+        raise GptlabError(f"cannot resume {directory}: its {ckpt.CONFIG_FILE} says {k}={was!r}, "
                           f"this run's model has {ours.get(k)!r} (a damaged or edited file?)")
     if (directory / ckpt.LORA_CONFIG).is_file():
         _, base = ckpt.read_lora_config(directory)
         if base["sha256"] != model.lora_base["sha256"]:
             raise GptlabError(f"cannot resume {directory}: its adapters were trained on a base with other weights "
                               f"({base['path']}) than init_from {cfg.init_from} has now")
+
+
+def _model_keys_changed(directory: Path, cfg: TrainConfig) -> bool:
+    """Whether `cfg` asks for another model than the recipe the checkpoint's run was trained with (its preset or
+    model keys)."""
+    trained = ckpt.read_training_state(directory, {"config": dict})["config"]
+    now = json.loads(json.dumps(cfg.to_dict()))  # as state.json reads back
+    return any(trained.get(key) != now[key] for key in ("model", "model_overrides"))
 
 
 def check_state_matches(directory: Path, state: dict[str, Any], cfg: TrainConfig,
