@@ -298,7 +298,8 @@ ERRORS = [
     ("p.parquet", "pairs", ["--text-field", "body"], r"p\.parquet has no column 'body' \(--text-field; columns: "
      r"prompt, completion\)"),
     ("p.parquet", "pairs", ["--no-pyarrow"], r"reading \.parquet needs pyarrow: pip install 'gptlab\[data\]'"),
-    ("in.txt", "text", ["--block-size", "8"], r"--block-size only apply to record inputs"),
+    ("in.txt", "text", ["--block-size", "8"], r"--block-size only applies to record inputs"),
+    ("in.txt", "text", ["--block-size", "8", "--no-pack"], r"--block-size, --no-pack only apply to record inputs"),
     ("in.txt", "text+jsonl", [], r"in\.txt is text and .*chats\.jsonl holds records"),
 ]
 

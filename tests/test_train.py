@@ -338,6 +338,22 @@ def test_cli_errors_are_one_line(tmp_path: Path, data: Path, capsys, recipe_text
     assert expect in one_line_error(rc, capsys.readouterr().err)
 
 
+def test_a_directory_given_as_the_recipe_says_where_it_belongs(tmp_path: Path, data: Path, capsys) -> None:
+    run, ckpt, other = tmp_path / "run", tmp_path / "ckpt", tmp_path / "other"
+    for d in (run, ckpt, other):
+        d.mkdir()
+    (run / "config.resolved.json").write_text("{}")  # what a run directory holds (a run that trained)
+    (ckpt / "model.safetensors").write_bytes(b"")
+    for path, hint in [(data, f"it looks like prepared data, which goes to --data {data}"),
+                       (run, f"it looks like a run directory; continue it with its recipe: gptlab train RECIPE.toml "
+                             f"--out {run} --resume"),
+                       (ckpt, f"it looks like a checkpoint; fine-tune from it with --init-from {ckpt}"),
+                       (other, "(recipes live in configs/*.toml)")]:
+        err = one_line_error(train(path, data, tmp_path / "out"), capsys.readouterr().err)
+        assert f"config file {path} is a directory, not a TOML recipe" in err and hint in err, err
+        assert "not found" not in err
+
+
 def test_missing_data_dir_is_a_one_line_error_in_a_real_process(tmp_path: Path) -> None:
     proc = cli_subprocess(
         "train",

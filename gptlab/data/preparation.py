@@ -254,7 +254,8 @@ def prepare(
         return prepare_records(inputs, out, options, tokenizer=tokenizer, vocab_size=vocab_size,
                                val_fraction=val_fraction, tokenizer_from=tokenizer_from)
     if given := options.given():
-        raise GptlabError(f"{', '.join(given)} only apply to record inputs ({RECORD_INPUTS}); text files are "
+        verb = "applies" if len(given) == 1 else "apply"
+        raise GptlabError(f"{', '.join(given)} only {verb} to record inputs ({RECORD_INPUTS}); text files are "
                           "tokenized as one stream")
     tok = early_tokenizer(tokenizer, tokenizer_from)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gptlab.config import GPTConfig
-from gptlab.data.dataset import DATA_TABLE
+from gptlab.data.dataset import DATA_TABLE, META
 from gptlab.errors import GptlabError
 from gptlab.fileio import read_toml
 from gptlab.train.config import TrainConfig, validate
@@ -131,9 +131,26 @@ def _unknown_key(key: str, where: str) -> GptlabError:
 # Loading a recipe
 # ------------------------------------------------------------------------------------------------------------
 def _load_toml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise GptlabError(f"config file {path} is a directory, not a TOML recipe{_directory_hint(path)}")
     if not path.is_file():
         raise GptlabError(f"config file {path} not found (recipes live in configs/*.toml)")
     return read_toml(path)
+
+
+def _directory_hint(path: Path) -> str:
+    """Where a directory given as the recipe belongs, by what it holds: prepared data, a run, a checkpoint."""
+    from gptlab.checkpoint import RESOLVED_CONFIG, has_weights, list_step_checkpoints  # (torch: on this error only)
+
+    recipes = "(recipes live in configs/*.toml)"
+    if (path / META).is_file():
+        return f": it looks like prepared data, which goes to --data {path} {recipes}"
+    if (path / RESOLVED_CONFIG).is_file() or list_step_checkpoints(path):
+        return (f": it looks like a run directory; continue it with its recipe: gptlab train RECIPE.toml --out "
+                f"{path} --resume")
+    if has_weights(path):
+        return f": it looks like a checkpoint; fine-tune from it with --init-from {path} {recipes}"
+    return f" {recipes}"
 
 
 def build_train_config(
