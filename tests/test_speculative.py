@@ -326,6 +326,28 @@ def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, t
     assert "--draft-tokens needs --draft or --speculate" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["sample", "serve"])
+def test_a_bad_draft_is_refused_before_the_model_loads(char_models, capsys, tmp_path, monkeypatch, command):
+    import gptlab.loading
+    from gptlab.cli import main
+
+    def no_load(*a, **kw):  # noqa: ANN002, ANN003
+        raise AssertionError("the model was loaded before --draft was checked")
+
+    monkeypatch.setattr(gptlab.loading, "load_model", no_load)
+    target_path = char_models[0]
+    (tmp_path / "empty").mkdir()
+    port = [] if command == "sample" else ["--port", "0"]
+    for draft, message in [(tmp_path / "nowhere", "does not exist"), (tmp_path / "empty", "no checkpoint found in"),
+                           (target_path / "config.json", "is a file")]:
+        assert main([command, str(target_path), *port, "--draft", str(draft)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --draft: ") and message in err and str(draft) in err, err
+        assert err.count("\n") == 1, err
+    assert main([command, str(target_path), *port, "--speculate", "ngram", "--draft-tokens", "0"]) == 2
+    assert "--draft-tokens must be at least 1" in capsys.readouterr().err
+
+
 def test_server_with_a_draft_answers_as_the_target_alone(char_models):
     openai = pytest.importorskip("openai")
     import httpx

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from gptlab.errors import GptlabError
@@ -77,23 +78,37 @@ def add_speculation(p: argparse.ArgumentParser) -> None:
                         "int8 makes guessing cheaper, and the model checks every guess all the same")
 
 
-def speculation_options(args: argparse.Namespace, device: Any, dtype: Any) -> dict[str, Any]:
-    """The engine's `speculate` and `draft_tokens` from the flags: the draft model loaded (on the model's device,
-    in its dtype, quantized as --draft-quantize, by default as the model), or "ngram"; nothing without either flag."""
-    tokens = {} if args.draft_tokens is None else {"draft_tokens": args.draft_tokens}
+def check_speculation(args: argparse.Namespace) -> Path | None:
+    """The speculation flags checked before the model loads, so that a bad one costs no model load first: --draft
+    resolved to its checkpoint from the files alone (no weights read); None without --draft."""
     if args.draft_tokens is not None and args.draft_tokens < 1:
         raise GptlabError(f"--draft-tokens must be at least 1, got {args.draft_tokens}")
     if args.draft_tokens is not None and not (args.draft or args.speculate):  # else it would be ignored
         raise GptlabError("--draft-tokens needs --draft or --speculate (the drafter whose guesses it counts)")
     if args.draft_quantize and not args.draft:
         raise GptlabError("--draft-quantize needs --draft (the draft model it quantizes)")
+    if not args.draft:
+        return None
+    from gptlab.loading import resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(args.draft)
+    except GptlabError as e:
+        raise GptlabError(f"--draft: {e}") from None
+
+
+def speculation_options(args: argparse.Namespace, draft: Path | None, device: Any, dtype: Any) -> dict[str, Any]:
+    """The engine's `speculate` and `draft_tokens` from the flags (checked by `check_speculation`, which gave
+    `draft`): the draft model loaded (on the model's device, in its dtype, quantized as --draft-quantize, by default
+    as the model), or "ngram"; nothing without either flag."""
+    tokens = {} if args.draft_tokens is None else {"draft_tokens": args.draft_tokens}
     if args.speculate:
         return {"speculate": args.speculate, **tokens}
-    if not args.draft:
+    if draft is None:
         return {}
     from gptlab.loading import load_model
 
     quantize = args.quantize if args.draft_quantize is None else args.draft_quantize
     quantized = {"quantize": quantize, "group_size": args.group_size} if quantize not in (None, "none") else {}
-    draft, _ = load_model(args.draft, device=device, dtype=dtype, **quantized)
-    return {"speculate": draft, **tokens}
+    model, _ = load_model(draft, device=device, dtype=dtype, **quantized)
+    return {"speculate": model, **tokens}

@@ -19,6 +19,7 @@ from gptlab.cli.options import (
     add_dtype,
     add_quantize,
     add_speculation,
+    check_speculation,
     quantize_options,
     speculation_options,
     torch_dtype,
@@ -210,10 +211,11 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args, json_schema=_json_schema(args))
     prompt = _read_prompt(args)
     steering = steering_vectors(args.steer)
+    draft = check_speculation(args)
     device = resolve_device(args.device)
     dtype = torch_dtype(args.dtype, device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=dtype, **quantize_options(args))
-    speculation = speculation_options(args, device, dtype)
+    speculation = speculation_options(args, draft, device, dtype)
     check_biased_tokens(params, model.config.vocab_size)
     if tokenizer is None:
         raise GptlabError(

@@ -17,6 +17,7 @@ from gptlab.cli.options import (
     add_prefix_cache,
     add_quantize,
     add_speculation,
+    check_speculation,
     prefix_cache_options,
     quantize_options,
     speculation_options,
@@ -92,13 +93,14 @@ def run(args: argparse.Namespace) -> int:
         raise GptlabError("--api-key is empty: give a key, or leave the flag out to serve without one")
     prefix_cache = prefix_cache_options(args)
     steering = steering_files(args.allow_steering)
+    draft = check_speculation(args)
     device = resolve_device(args.device)
     dtype = torch_dtype(args.dtype, device)
     model, tokenizer = load_model(args.checkpoint, device=device, dtype=dtype, **quantize_options(args))
     context = model.config.block_size
     if args.max_model_len is not None and not 2 <= args.max_model_len <= context:
         raise GptlabError(f"--max-model-len must be in 2..{context} (this model's context), got {args.max_model_len}")
-    speculation = speculation_options(args, device, dtype)
+    speculation = speculation_options(args, draft, device, dtype)
     if tokenizer is None:
         raise GptlabError(f"{args.checkpoint} has no tokenizer: the server needs one to read prompts")
     name = args.model_name or resolve_checkpoint(args.checkpoint).resolve().name
