@@ -110,6 +110,29 @@ def test_a_killed_prepare_resumes_at_its_shard(tmp_path: Path, text: Path, monke
         assert np.array_equal(_split(out, split), _split(tmp_path / "ref", split))
 
 
+def test_the_saved_state_never_counts_bytes_a_kill_would_lose(tmp_path: Path) -> None:
+    """A SIGKILL loses what sits in Python's write buffers (no `finally` runs): when progress.json is written, the
+    other split's open shard must already hold on disk every token the state counts, else the rerun finds it short
+    and starts over (documents interleave val with train; text keeps train's last shard open while val is written)."""
+    writer = ShardWriter(tmp_path, 10, np.dtype("<u2"), {})
+    saved: list[dict[str, int]] = []
+    original = writer._save_progress
+
+    def save() -> None:
+        original()
+        saved.append({s: writer._partial(s).stat().st_size // 2 if writer._partial(s).is_file() else 0
+                      for s in ("train", "val")})
+
+    writer._save_progress = save  # type: ignore[method-assign]
+    writer.write("val", np.arange(3))
+    writer.write("train", np.arange(10))  # closes a train shard: the state counts val's 3 open tokens
+    assert saved == [{"train": 0, "val": 3}] and writer.open_tokens == {"train": 0, "val": 3}
+    writer.write("train", np.arange(4))
+    writer.write("val", np.arange(7))  # closes a val shard: train's 4 open tokens counted
+    assert saved[1] == {"train": 4, "val": 0}
+    writer.close()
+
+
 def test_a_changed_input_starts_the_shards_over(tmp_path: Path, text: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
     with monkeypatch.context() as m:

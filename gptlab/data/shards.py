@@ -185,6 +185,8 @@ class ShardWriter:
         return self.build / f".{shard_file(split, len(self.manifest[split]))}.partial"
 
     def _save_progress(self) -> None:
+        for f in self._files.values():  # the other split's open shard: a kill loses what Python's buffer holds
+            f.flush()
         atomic_write_json(self.build / PROGRESS, {
             "fingerprint": self.fingerprint, "shards": self.manifest, "open_tokens": self.open_tokens,
             "pieces": self.pieces, "piece_offset": self.piece_offset, "chars": self.chars})
