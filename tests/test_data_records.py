@@ -192,6 +192,18 @@ def test_text_records_end_with_eot_and_text_field(tmp_path: Path, gpt2) -> None:
     assert sum(mask) == 4 * len(one) - 1 and meta["separator"] == "eot"
 
 
+def test_chats_are_not_documents_ended_by_eot(tmp_path: Path, qwen_dir: Path) -> None:
+    """Chat examples are not ended by end-of-text, and their eos (ChatML's <|im_end|>) ends every turn: meta.json
+    must not claim an end-of-text separator, or `document_mask = true` would cut each reply off from its prompt."""
+    from gptlab.train.batches import document_eot
+
+    path = write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    meta = prepare([path], tmp_path / "d", tokenizer_from=qwen_dir, block_size=63)
+    assert meta["eot_id"] is not None and meta["separator"] == "none"
+    with pytest.raises(GptlabError, match="needs documents ended by end-of-text"):
+        document_eot(True, meta, tmp_path / "d")
+
+
 # --- formats ----------------------------------------------------------------------------------------------------
 
 

@@ -295,8 +295,9 @@ def prepare_records(
             for src, f in zip(sources, files, strict=True):
                 src["bytes"], src["sha256"] = f.fingerprint()
             meta.update({
+                # only text examples end with end-of-text; a chat's eos may end every turn (document_mask reads this)
                 **base_meta(tok, {split: writers[split].windows * window for split in SPLITS}, chars, val_fraction,
-                            tok.eot_id is not None),
+                            tok.eot_id is not None and not chat),
                 "sources": sources,
                 "mask": True,
                 "window_tokens": window,
