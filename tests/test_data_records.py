@@ -201,7 +201,7 @@ def test_chats_are_not_documents_ended_by_eot(tmp_path: Path, qwen_dir: Path) ->
     meta = prepare([path], tmp_path / "d", tokenizer_from=qwen_dir, block_size=63)
     assert meta["eot_id"] is not None and meta["separator"] == "none"
     with pytest.raises(GptlabError, match="needs documents ended by end-of-text"):
-        document_eot(True, meta, tmp_path / "d")
+        document_eot(True, [(tmp_path / "d", 1.0)])
 
 
 # --- formats ----------------------------------------------------------------------------------------------------

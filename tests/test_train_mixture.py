@@ -212,3 +212,19 @@ def test_training_with_a_document_mask(tmp_path: Path, dirs: dict[str, Path], ca
     capsys.readouterr()
     rc = _train(recipe, str(dirs["plain"]), tmp_path / "run2")  # char data: no end-of-text between documents
     assert "document_mask = true needs documents ended by end-of-text" in one_line_error(rc, capsys.readouterr().err)
+
+
+def test_a_document_mask_checks_every_source_of_a_mixture(tmp_path: Path, capsys) -> None:
+    from helpers import hf_tokenizer_dir, write_jsonl
+
+    tok = hf_tokenizer_dir(tmp_path / "tok", {})
+    docs = [{"text": corpus_text(20_000)[i * 300 : i * 300 + 200]} for i in range(60)]
+    prepare([write_jsonl(tmp_path / "d.jsonl", docs)], tmp_path / "docs", tokenizer=None, tokenizer_from=tok)
+    chats = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}."}]}
+             for i in range(40)]
+    prepare([write_jsonl(tmp_path / "c.jsonl", chats)], tmp_path / "chats", tokenizer=None, tokenizer_from=tok,
+            block_size=32)  # examples not ended by end-of-text: no documents to mask
+    recipe = write_recipe(tmp_path, max_steps=10, eval_interval=0, document_mask=True)
+    rc = _train(recipe, f"{tmp_path / 'docs'}:0.5,{tmp_path / 'chats'}:0.5", tmp_path / "run")
+    err = one_line_error(rc, capsys.readouterr().err)
+    assert "document_mask = true needs documents ended by end-of-text" in err and str(tmp_path / "chats") in err

@@ -87,14 +87,17 @@ def load_train_data(sources: list[tuple[Path, float]], block_size: int) -> tuple
     return Mixture(splits, weights / weights.sum()), seq_len
 
 
-def document_eot(document_mask: bool, meta: dict, data_dir: Path) -> int | None:
-    """The end-of-text id that ends documents, when the recipe's document_mask asks for one (None when not)."""
+def document_eot(document_mask: bool, sources: list[tuple[Path, float]]) -> int | None:
+    """The end-of-text id that ends documents, when the recipe's document_mask asks for one (None when not); every
+    source of a mixture must end its documents with it (one of chats would have its turns cut apart)."""
     if not document_mask:
         return None
-    if meta.get("eot_id") is None or meta.get("separator") != "eot":
-        raise GptlabError(f"document_mask = true needs documents ended by end-of-text tokens; {data_dir} has none "
-                          "(prepare it with a tokenizer that has one: gpt2, bpe, --tokenizer-from)")
-    return int(meta["eot_id"])
+    for data_dir, _ in sources:
+        meta = read_meta(data_dir)
+        if meta.get("eot_id") is None or meta.get("separator") != "eot":
+            raise GptlabError(f"document_mask = true needs documents ended by end-of-text tokens; {data_dir} has "
+                              "none (prepare it with a tokenizer that has one: gpt2, bpe, --tokenizer-from)")
+    return int(read_meta(sources[0][0])["eot_id"])  # the sources share one tokenizer (`load_train_data`)
 
 
 def mixture_batch(mix: Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:

@@ -148,7 +148,7 @@ class Trainer:
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
                              rank=self.procs.rank, world=self.procs.world, grad_accum=cfg.grad_accum,
                              vocab_size=self.model.config.vocab_size, device=self.device,
-                             document_eot=document_eot(cfg.document_mask, meta, self.data_dir))
+                             document_eot=document_eot(cfg.document_mask, self.sources))
         self.losses = DeviceLosses(self.procs.world)
         return resume_from
 
