@@ -12,6 +12,7 @@ from families import model_of
 
 from gptlab.generation import native_decode, step_choice
 from gptlab.generation.packed_linear import PackedLinears, kernel_packed
+from gptlab.hooks import hooked
 from gptlab.kv_cache import KVCache
 from gptlab.quantize import quantize_model
 
@@ -75,8 +76,8 @@ def test_nothing_is_timed_where_the_native_step_cannot_run_or_a_path_is_forced(s
     assert step_choice.decode_path(model, 16, torch.float16) is None  # the C++ step reads fp32 or a bf16 model's
     quantized = quantize_model(model_of("llama", torch.bfloat16), "int8")  # no plain Linear in the blocks
     assert step_choice.decode_path(quantized, 16, torch.float32) is None
-    model.hooks = object()  # hook points set: the plain forward runs
-    assert step_choice.decode_path(model, 16, torch.float32) is None
+    with hooked(model, {"hook_embed": lambda x: None}):  # hook points set (on this thread): the plain forward runs
+        assert step_choice.decode_path(model, 16, torch.float32) is None
     monkeypatch.setenv("GPTLAB_KERNEL", "avx2")
     assert step_choice.decode_path(model_of("llama", torch.bfloat16), 16, torch.float32) is None
     monkeypatch.delenv("GPTLAB_KERNEL")
