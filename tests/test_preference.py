@@ -49,6 +49,27 @@ def test_pairs_are_two_windows_with_targets_on_the_replies_only(tmp_path: Path) 
     assert x.shape == y.shape and x.shape[1] < window - 1 and (y[:, -1] != -1).any()
 
 
+def test_tokens_per_sec_counts_the_tokens_of_pairs_rows_as_cut(tmp_path: Path) -> None:
+    """A pair's rows run only to the micro-step's longest reply: tokens/s (and MFU) count those tokens, not the
+    whole windows (which had put MFU over 1)."""
+    from gptlab.train.batches import StepFeed
+
+    data = pairs_data(tmp_path)
+    split = TokenSplit.load(data, "train")
+    window = split.window_tokens
+    batch = step_batch(split, seed=1, step=0, batch_size=4, block_size=window - 1)
+    for world, accum in [(1, 1), (1, 2), (2, 2)]:
+        held = sum(batch.micro(r, world, m, accum)[0].numel() for r in range(world) for m in range(accum))
+        assert batch.tokens(world, accum) == held < 8 * (window - 1)
+    feed = StepFeed(split, seed=1, batch_size=4, seq_len=window - 1, rank=0, world=1, grad_accum=2,
+                    vocab_size=10_000, device="cpu")
+    feed.prefetch(0)
+    steps = [feed.get(0), feed.get(1)]  # one made ahead, one made when asked: both counted once
+    assert feed.take_tokens() == sum(x.numel() for s in steps for x, _ in s.micro) and feed.take_tokens() == 0
+    text = step_batch(TokenSplit.load(make_data(tmp_path / "text", chars=2_000), "train"), 1, 0, 4, 16)
+    assert text.tokens(2, 2) == 4 * 16
+
+
 @pytest.mark.parametrize(("row", "expected"), [
     ({"prompt": "p", "chosen": "c"}, "line 1: a preference pair needs 'chosen' and 'rejected', has no 'rejected'"),
     ({"chosen": "c", "rejected": "r"}, "line 1: has no 'prompt'"),

@@ -146,6 +146,15 @@ class StepBatch:
             y = y.masked_fill(~keep, -1)
         return x, y
 
+    def tokens(self, world: int, grad_accum: int) -> int:
+        """The input tokens of every process's micro-steps together: what tokens/s counts. Pairs' rows are cut
+        after each micro-step's last counted target, so they hold fewer than their windows."""
+        if not self.pairs:
+            return self.windows.shape[0] * (self.windows.shape[1] - 1)
+        assert self.mask is not None
+        cuts = (micro_batch(self.mask, r, world, m, grad_accum) for r in range(world) for m in range(grad_accum))
+        return sum(len(rows) * _cut_length(rows) for rows in cuts)
+
 
 def step_batch(split: TokenSplit | Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
     """The windows of optimizer step `step`: a pure function of (seed, step), the same on every process."""
@@ -162,10 +171,15 @@ def step_batch(split: TokenSplit | Mixture, seed: int, step: int, batch_size: in
 def targets_of(rows: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of (N, W) rows, targets that do not count -1, cut after the last counted one."""
     counted = mask[:, 1:] != 0
-    length = int(np.flatnonzero(counted.any(axis=0)).max(initial=0)) + 1
+    length = _cut_length(mask)
     x = torch.from_numpy(np.ascontiguousarray(rows[:, :length]))
     y = torch.from_numpy(np.where(counted, rows[:, 1:], -1)[:, :length])
     return x, y
+
+
+def _cut_length(mask: np.ndarray) -> int:
+    """How many positions `targets_of` keeps of (N, W) rows with this mask: up to the last counted target."""
+    return int(np.flatnonzero((mask[:, 1:] != 0).any(axis=0)).max(initial=0)) + 1
 
 
 def rows_of_pairs(pairs: list[dict[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,6 +220,7 @@ class DeviceStep:
     micro: list[tuple[torch.Tensor, torch.Tensor]]
     n_targets: int
     documents: list[torch.Tensor | None]  # per micro-step, with a document mask: each input's document
+    tokens: int = 0  # the input tokens of the step over all processes (`StepBatch.tokens`)
 
 
 def document_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
@@ -232,16 +247,22 @@ class StepFeed:
         self._ahead: DeviceStep | None = None
         # seconds a step waited for batches not made ahead, and seconds the host spent making them ahead
         self.wait_sec, self.host_sec = 0.0, 0.0
+        self.fed_tokens = 0  # input tokens of the steps handed out since `take_tokens`
 
     def get(self, step: int) -> DeviceStep:
         """The batches of `step`: those prepared ahead when they are this step's, else made now."""
         ready, self._ahead = self._ahead, None
-        if ready is not None and ready.step == step:
-            return ready
-        t0 = time.perf_counter()
-        made = self._prepare(step)
-        self.wait_sec += time.perf_counter() - t0
-        return made
+        if ready is None or ready.step != step:
+            t0 = time.perf_counter()
+            ready = self._prepare(step)
+            self.wait_sec += time.perf_counter() - t0
+        self.fed_tokens += ready.tokens
+        return ready
+
+    def take_tokens(self) -> int:
+        """The input tokens of the steps handed out since the last call (over all processes)."""
+        tokens, self.fed_tokens = self.fed_tokens, 0
+        return tokens
 
     def prefetch(self, step: int) -> None:
         """Prepare `step`'s batches now, for the coming `get(step)`."""
@@ -262,7 +283,7 @@ class StepFeed:
         documents = [None if self.document_eot is None else self._to_device(document_ids(x, self.document_eot))
                      for x, _ in micro]
         micro = [(self._to_device(x), self._to_device(y)) for x, y in micro]
-        return DeviceStep(step, micro, batch.n_targets, documents)
+        return DeviceStep(step, micro, batch.n_targets, documents, batch.tokens(self.world, self.grad_accum))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":  # nothing to overlap on a CPU: the tensor as `micro` made it

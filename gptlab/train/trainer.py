@@ -321,7 +321,7 @@ class Trainer:
             do_tasks = self.benchmarks is not None and self.benchmarks.due(self.step) and self.step < cfg.max_steps
             if self.step % cfg.log_interval == 0 or do_eval or do_tasks:
                 loss = self.read_loss()  # the losses' only read between checkpoints: it waits for the device
-                tps = (self.step - window_step) * self.tokens_per_step / max(time.perf_counter() - window_t0, 1e-9)
+                tps = self.feed.take_tokens() / max(time.perf_counter() - window_t0, 1e-9)  # what the rows held
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
                        "tokens_per_sec": tps, "elapsed_sec": self.elapsed, **log.utilization(tps),
                        "loader_ms": self.feed.per_step_ms(self.step - window_step),
