@@ -51,6 +51,13 @@ def masks_for(pos: torch.Tensor, n_keys: int, full: torch.Tensor | None, window:
     return Masks(full, causal_mask(pos, n_keys, window))
 
 
+def document_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """Which document of its row each token is in: the count of end-of-text tokens before it (an end-of-text
+    belongs to the document it ends)."""
+    ends = (x == eot_id).to(torch.int32)
+    return ends.cumsum(dim=1) - ends
+
+
 def document_masks(documents: torch.Tensor, window: int | None) -> tuple[torch.Tensor, Masks]:
     """Packed documents (a (B, T) id per token: which document of its row it belongs to) attended to one by one:
     each token sees only the earlier tokens of its own document (block-diagonal and causal), and its position

@@ -209,6 +209,23 @@ def test_training_with_a_document_mask(tmp_path: Path, dirs: dict[str, Path], ca
     losses = [json.loads(r)["train_loss"] for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
               if "train_loss" in r]
     assert losses and all(np.isfinite(losses))
+    # validation scores the documents as training computes them, each alone: the val loss is the one of the
+    # model fed each window with its documents' ids (it was the plain causal model's, across documents)
+    from gptlab import load_model
+    from gptlab.train.batches import TokenSplit, document_ids
+
+    model, _ = load_model(tmp_path / "run" / "checkpoints" / "step-0000010")
+    val, T = TokenSplit.load(data, "val").tokens, model.config.block_size
+    ids = torch.from_numpy(np.asarray(val[: len(val)]).astype(np.int64))
+    eot = json.loads((data / "meta.json").read_text())["eot_id"]
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, T):
+            x, y = ids[start : start + T][None], ids[start + 1 : start + T + 1][None]
+            x = x[:, : y.shape[1]]
+            total += float(model(x, y, reduction="sum", documents=document_ids(x, eot))[1])
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+    assert logged == pytest.approx(total / (len(ids) - 1), rel=1e-5)
     capsys.readouterr()
     rc = _train(recipe, str(dirs["plain"]), tmp_path / "run2")  # char data: no end-of-text between documents
     assert "document_mask = true needs documents ended by end-of-text" in one_line_error(rc, capsys.readouterr().err)

@@ -33,6 +33,7 @@ from gptlab.fileio import human_bytes
 from gptlab.hardware import available_memory
 from gptlab.hooks import eval_mode
 from gptlab.kernels import scoring
+from gptlab.kv_cache import document_ids
 from gptlab.tokenizer import optional_tokenizer
 
 
@@ -60,6 +61,7 @@ def evaluate_loss(
     *,
     rank: int = 0,
     world: int = 1,
+    document_eot: int | None = None,
 ) -> EvalResult:
     """Mean loss of `model` over `data` (1-D token ids), scoring each target once; `max_tokens` scores a
     prefix. With `mask` (1 = the target counts) and `window_tokens`, data is scored in its packed windows.
@@ -69,6 +71,8 @@ def evaluate_loss(
     one must call this together): each scores its own share of the windows (`window_share`) and one all-reduce
     sums the losses and their counts, so each returns the loss over all of them, as one process would (up to the
     order of fp32 sums). The losses stay on the device until that sum: one host read per evaluation.
+    `document_eot`: a model trained with a document mask (this end-of-text id ends documents) scores each window's
+    documents each alone, as it trained.
     """
     for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_tokens", max_tokens)):
         if value is not None and value < 1:  # a window of 0 tokens scores nothing and reports a loss of 0
@@ -101,7 +105,8 @@ def evaluate_loss(
     with eval_mode(model), autocast or contextlib.nullcontext(), scoring():
         for windows in batches:
             x, y, counted = rows(windows)
-            _, loss = model(x.to(device), y.to(device), reduction="sum")
+            kw = {} if document_eot is None else {"documents": document_ids(x, document_eot).to(device)}
+            _, loss = model(x.to(device), y.to(device), reduction="sum", **kw)
             parts.append(loss)
             count += counted
         for _ in range(passes - len(batches)):

@@ -21,6 +21,7 @@ import torch
 from gptlab.data import batch_starts, check_split_fits, load_mask, load_split, micro_batch, read_meta, windows
 from gptlab.data.dataset import tokenizer_identity
 from gptlab.errors import GptlabError
+from gptlab.kv_cache import document_ids
 
 
 def sequence_length(data_dir: str | Path, block_size: int) -> int:
@@ -221,13 +222,6 @@ class DeviceStep:
     n_targets: int
     documents: list[torch.Tensor | None]  # per micro-step, with a document mask: each input's document
     tokens: int = 0  # the input tokens of the step over all processes (`StepBatch.tokens`)
-
-
-def document_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
-    """Which document of its row each token is in: the count of end-of-text tokens before it (an end-of-text
-    belongs to the document it ends)."""
-    ends = (x == eot_id).to(torch.int32)
-    return ends.cumsum(dim=1) - ends
 
 
 class StepFeed:

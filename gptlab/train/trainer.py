@@ -220,7 +220,7 @@ class Trainer:
             self.precision.eval_module, val.tokens, self.seq_len,
             batch_size=self.cfg.eval_batch_size, max_tokens=self.cfg.eval_tokens, device=self.device,
             autocast=self.precision.autocast(), mask=val.mask, window_tokens=val.window_tokens, rank=procs.rank,
-            world=procs.world,
+            world=procs.world, document_eot=self.feed.document_eot,  # documents alone, as they train
         ).loss
 
     def _eval_and_track(self) -> float:
