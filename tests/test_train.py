@@ -142,6 +142,18 @@ def test_existing_run_needs_resume_and_resume_checks_the_config(tmp_path: Path, 
     assert [p.name for p in list_step_checkpoints(run)] == ["step-0000010", "step-0000012"]
 
 
+def test_a_finished_run_resumed_as_it_was_evaluates_and_logs_nothing_again(tmp_path: Path, data: Path) -> None:
+    """A requeued job (README's Slurm script resumes whenever checkpoints exist) that had already ended: its last
+    checkpoint was written after the final evaluation, so the run's metrics stay as they were."""
+    recipe, run = write_recipe(tmp_path), tmp_path / "run"
+    assert train(recipe, data, run, "--max-steps", "10", "--eval-interval", "5") == 0
+    before = (run / "metrics.jsonl").read_text()
+    assert train(recipe, data, run, "--max-steps", "10", "--eval-interval", "5", "--resume") == 0
+    assert (run / "metrics.jsonl").read_text() == before  # it had its final row twice
+    assert train(recipe, data, run, "--max-steps", "12", "--eval-interval", "5", "--resume") == 0
+    assert [r["step"] for r in metrics(run) if "val_loss" in r] == [5, 10, 12]
+
+
 def test_non_finite_loss_stops_with_the_step_named(tmp_path: Path, data: Path, capsys) -> None:
     rc = train(
         write_recipe(tmp_path),

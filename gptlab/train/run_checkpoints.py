@@ -28,6 +28,7 @@ def run_state(t: Trainer, rng: dict[str, Any]) -> dict[str, Any]:
         "elapsed_sec": t.elapsed,
         "best_val_loss": t.best_val if math.isfinite(t.best_val) else None,
         "warmup_elapsed_sec": t.warmup_elapsed,
+        "ended_at_step": t.ended_at,  # the step the run last ended at, its final evaluation done (-1: none yet)
         "tokens_seen": t.step * t.tokens_per_step,
         "rng": rng,
         "config_hash": t.cfg.hash(RESUMABLE_CHANGES),
@@ -68,6 +69,7 @@ def load_run_checkpoint(t: Trainer, directory: Path) -> None:
     t.step, t.elapsed = state["step"], state["elapsed_sec"]
     t.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
     t.warmup_elapsed = state.get("warmup_elapsed_sec", t.warmup_elapsed)
+    t.ended_at = state.get("ended_at_step", -1)
     if t.warmup_elapsed is None and t.step >= t.cfg.warmup_steps:  # a checkpoint from before the key
         t.warmup_elapsed = t.elapsed * t.cfg.warmup_steps / t.step  # steps of about equal time
     restore_rng_state(state["rng"], t.procs, t.cfg.seed, t.step)

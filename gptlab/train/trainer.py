@@ -177,7 +177,7 @@ class Trainer:
         # DDP replicas split Muon's Newton-Schulz between them; FSDP's shards are no whole matrices (no Muon there)
         self.optimizers = build_optimizers(self.model, self.opt_spec, rank=self.procs.rank,
                                            world=1 if self.fsdp else self.procs.world)
-        self.step, self.elapsed, self.best_val = 0, 0.0, math.inf
+        self.step, self.elapsed, self.best_val, self.ended_at = 0, 0.0, math.inf, -1  # ended_at: `_train`'s end
         # before a checkpoint loads: a preference objective's reference is the starting weights
         self.objective = build_objective(cfg, self.precision.train_module, self.data_dir)
         self.step_stats: torch.Tensor | None = None  # the latest step's objective statistics, summed
@@ -303,7 +303,8 @@ class Trainer:
 
     def _train(self, log: RunLog, bar: Any) -> int:
         cfg = self.cfg
-        last_eval_step = scored_step = -1
+        # a resumed run that had ended here (a requeued job) evaluated this step already
+        last_eval_step = scored_step = self.step if self.ended_at == self.step else -1
         window_t0, window_step = time.perf_counter(), self.step  # tokens/s over the steps since the last row
         while self.step < cfg.max_steps and not self._time_up():
             t0 = time.perf_counter()
@@ -359,6 +360,7 @@ class Trainer:
             raise
         if len(final) > 1:
             log.write({**final, "elapsed_sec": self.elapsed})
+        self.ended_at = self.step
         path = self.save_checkpoint()
         log.say(f"done: step {self.step}, val loss {self.best_val:.4f} (best), {self.elapsed:.1f}s of training; "
                 f"checkpoint {path}")
