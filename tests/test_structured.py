@@ -377,6 +377,26 @@ def test_only_rows_that_drew_a_forbidden_token_are_masked_and_greedy_rows_take_t
     assert sample_next(logits[:1], params[:1], gens[:1], grammars=[_Allowed(allowed, 0)]) == [10] and asked == [2]
 
 
+def test_a_seeded_constrained_row_draws_the_same_token_whether_or_not_another_row_filters(monkeypatch) -> None:
+    """A constrained row that does not filter draws as it does alone (free draw, then the mask where forbidden)
+    beside a row that filters, constrained or not: its seed gives the same token whatever shares the batch."""
+    from gptlab.generation.sampling import sample_next
+
+    V = 300
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V, generator=g) * 2
+    allowed = torch.rand(2, V, generator=g) > 0.5
+    _patch_masks(monkeypatch, allowed)
+    own = SamplingParams(temperature=0.9)
+    for seed in range(40):
+        alone = sample_next(logits[:1], [own], [torch.Generator().manual_seed(seed)],
+                            grammars=[_Allowed(allowed, 0)])
+        for other, grammar in ((SamplingParams(top_k=5), None), (SamplingParams(top_p=0.5), _Allowed(allowed, 1))):
+            both = sample_next(logits[:2], [own, other], [torch.Generator().manual_seed(seed), None],
+                               grammars=[_Allowed(allowed, 0), grammar])
+            assert both[0] == alone[0], (seed, other)
+
+
 @settings(max_examples=15, deadline=None)
 @given(schema=_schemas, seed=st.integers(0, 2**31))
 def test_a_grammar_allows_one_token_exactly_where_its_mask_does(schema, seed) -> None:

@@ -113,8 +113,8 @@ def sample_next(
     row's cumulative distribution (`inverse_cdf`), batched over the rows: on a CPU with gptlab's kernels and no row
     filtering, in one C++ op (`native_sampler`) that reads each row once, greedy rows' argmax included.
 
-    A row with a grammar (structured outputs) samples only among the tokens it allows. Where some row filters
-    (top-k, top-p, min-p), which act within the mask, every constrained row masks its logits first. Else its
+    A row with a grammar (structured outputs) samples only among the tokens it allows. Where it filters (top-k,
+    top-p, min-p), which act within the mask, it masks its logits first. Else its
     token is drawn as if it had no grammar, kept where the grammar allows it, and drawn again under the mask
     where not (`_draw_allowed`): a draw from p kept when it falls in the allowed set A, else a draw from p
     restricted to A, is a draw from p restricted to A; a greedy row's argmax, where allowed, is the allowed
@@ -125,10 +125,13 @@ def sample_next(
     logits = logits.float()  # (also for greedy: torch's bf16 argmax on CPU is 3x slower than cast + argmax)
     dev = logits.device
     constrained = any(g is not None for g in grammars)
-    filtered = any(_filters(sp) for sp in params)
-    masks = grammar_masks(grammars, logits.shape[-1], dev) if constrained and filtered else None
+    # masked first: the constrained rows that filter themselves, never because another row does (a seeded row's
+    # tokens would then depend on what shares its batch)
+    first = [g if g is not None and _filters(sp) else None
+             for g, sp in zip(grammars, params, strict=True)] if constrained else []
+    masks = grammar_masks(first, logits.shape[-1], dev) if any(g is not None for g in first) else None
     if masks is not None:
-        logits = apply_grammars(logits, grammars, masks)
+        logits = apply_grammars(logits, first, masks)
     if any(sp.logit_bias for sp in params):
         logits = apply_logit_bias(logits, params)
     if any(sp.penalized for sp in params):
@@ -136,9 +139,9 @@ def sample_next(
         logits = apply_penalties(logits, counts, seen, rep, freq, pres)
     tokens, probs = _draw(logits, params, generators)
     if masks is not None:
-        return _within(tokens, logits, masks)
+        tokens = _within(tokens, logits, masks)
     if constrained:
-        redo = [i for i, g in enumerate(grammars) if g is not None and not g.allows(tokens[i])]
+        redo = [i for i, g in enumerate(grammars) if g is not None and first[i] is None and not g.allows(tokens[i])]
         if redo:
             return _draw_allowed(tokens, logits, probs, redo, params, generators, grammars)
     return tokens
