@@ -149,3 +149,22 @@ def test_sample_next_draws_the_same_tokens_with_and_without_the_kernel(monkeypat
     monkeypatch.setattr(sampling, "native_sampler", lambda logits: called.append(1))
     sample_next(torch.randn(2, vocab), [SamplingParams(temperature=1.0, top_k=5)] * 2, [None, None])
     assert not called
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_temperature_past_fp32s_range_samples_its_limit(monkeypatch, native) -> None:
+    """Any T > 0 is a temperature: one whose logits / T (the kernel's 1 / T) overflows fp32 draws the argmax, with
+    or without a filter (not the last token, as a NaN softmax draws); one whose 1 / T underflows is no greedy row:
+    it draws from the (nearly) uniform distribution."""
+    if not native:
+        monkeypatch.setattr(sampling, "native_sampler", lambda logits: None)
+    torch.manual_seed(0)
+    logits = torch.randn(8, 300) * 3
+    best = logits.argmax(-1).tolist()
+    for t in (1e-39, 1e-300, 5e-324):
+        for extra in ({}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}):
+            gens = [torch.Generator().manual_seed(i) for i in range(8)]
+            assert sample_next(logits, [SamplingParams(temperature=t, **extra)] * 8, gens) == best, (t, extra)
+    gens = [torch.Generator().manual_seed(i) for i in range(64)]
+    hot = sample_next(logits[:1].expand(64, -1), [SamplingParams(temperature=1e300)] * 64, gens)
+    assert len(set(hot)) > 30  # ~57 distinct tokens of 300 expected; a greedy row would give 1

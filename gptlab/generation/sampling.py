@@ -195,9 +195,18 @@ def _filters(sp: SamplingParams) -> bool:
     return sp.top_k > 0 or sp.top_p < 1 or sp.min_p > 0
 
 
+def _fp32_range(x: float) -> float:
+    """x (> 0) within fp32's positive normal numbers: a temperature or its inverse past them would be inf or 0."""
+    return min(max(x, _FP32.tiny), _FP32.max)
+
+
+_FP32 = torch.finfo(torch.float32)
+
+
 def _scales(params: Sequence[SamplingParams]) -> torch.Tensor:
     """Each row's 1 / temperature for the kernel; 0 for a greedy row (its argmax)."""
-    return torch.tensor([0.0 if sp.greedy else 1.0 / (sp.temperature or 1.0) for sp in params], dtype=torch.float32)
+    return torch.tensor([0.0 if sp.greedy else _fp32_range(1.0 / (sp.temperature or 1.0)) for sp in params],
+                        dtype=torch.float32)
 
 
 def _draw_allowed(tokens: list[int], logits: torch.Tensor, probs: torch.Tensor | None, rows: list[int],
@@ -315,9 +324,12 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     min-p (a greedy row is divided by 1: its token is the argmax, which no filter removes). Speculative decoding
     reads it for its accept/reject rule, so both draw from the one distribution."""
     dev = logits.device
-    temps = [sp.temperature or 1.0 for sp in params]
+    temps = [_fp32_range(sp.temperature or 1.0) for sp in params]
     if any(t != 1.0 for t in temps):  # (temperature 1, the API's default, divides by nothing: a pass saved)
-        logits = logits / torch.tensor(temps, dtype=logits.dtype, device=dev)[:, None]
+        # less the row's max first, as the kernel does: a tiny temperature's quotient then never overflows to inf
+        # (whose softmax is NaN, and draws the last token) but goes to -inf beside the top token's 0
+        top = logits.amax(dim=-1, keepdim=True)
+        logits = (logits - top) / torch.tensor(temps, dtype=logits.dtype, device=dev)[:, None]
     # each filter runs only when some row uses it (sorting the vocabulary for top-p is not free); the rows that
     # don't pass their "off" value, which keeps every token
     if any(sp.top_k > 0 for sp in params):
