@@ -227,6 +227,9 @@ def test_training_with_a_document_mask(tmp_path: Path, dirs: dict[str, Path], ca
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
     assert logged == pytest.approx(total / (len(ids) - 1), rel=1e-5)
     capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--json"]) == 0  # `gptlab eval` scores the run as it trained
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["document_mask"] and scored["val_loss"] == pytest.approx(logged, rel=1e-5)
     rc = _train(recipe, str(dirs["plain"]), tmp_path / "run2")  # char data: no end-of-text between documents
     assert "document_mask = true needs documents ended by end-of-text" in one_line_error(rc, capsys.readouterr().err)
 

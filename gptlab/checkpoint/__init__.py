@@ -51,6 +51,7 @@ from gptlab.checkpoint.layout import (
     has_weights,
     list_step_checkpoints,
     recorded_data_dir,
+    recorded_setting,
     step_dir_name,
     unwrap_model,
 )
@@ -89,6 +90,6 @@ __all__ = [
     "check_floating", "check_plain_shapes", "has_weights", "list_step_checkpoints", "load_adapter_tensors",
     "load_gptlab_model", "load_training_checkpoint", "load_weights", "model_state_dict", "optimizer_from_flat",
     "optimizer_to_flat", "plain_shapes", "prune_checkpoints", "read_config", "read_lora_config", "read_tensors",
-    "read_training_state", "recorded_data_dir", "save_checkpoint", "save_model", "save_tensors", "step_dir_name",
-    "stream_tensors", "unwrap_model", "weights_sha256", "whole", "with_tied_head", "write_model",
+    "read_training_state", "recorded_data_dir", "recorded_setting", "save_checkpoint", "save_model", "save_tensors",
+    "step_dir_name", "stream_tensors", "unwrap_model", "weights_sha256", "whole", "with_tied_head", "write_model",
 ]

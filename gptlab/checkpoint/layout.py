@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,12 +56,18 @@ def recorded_data_dir(path: str | Path) -> Path | None:
     """The data directory a run trained on (`gptlab train --data`, as its config.resolved.json records it), for a
     run directory or a checkpoint inside one (RUN/checkpoints/NAME); None where no such file records one. A
     damaged file is a GptlabError naming it."""
+    data = recorded_setting(path, "data")
+    return Path(data) if isinstance(data, str) and data else None
+
+
+def recorded_setting(path: str | Path, key: str) -> Any:
+    """The value of `key` in the recipe a run trained with (its config.resolved.json), for a run directory or a
+    checkpoint inside one; None where no such file records one (a model from elsewhere)."""
     path = Path(path)
     run = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else path
     if not (run / RESOLVED_CONFIG).exists():
         return None
-    data = read_json_object(run / RESOLVED_CONFIG).get("data")
-    return Path(data) if isinstance(data, str) and data else None
+    return read_json_object(run / RESOLVED_CONFIG).get(key)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -75,15 +75,28 @@ def run(args: argparse.Namespace) -> int:
         check_batch_memory(model.config, args.batch_size, args.block_size or model.config.block_size, device,
                            "--batch-size")
     out = evaluate_split(model, args.data, args.split, block_size=args.block_size, batch_size=args.batch_size,
-                         dtype=torch_dtype(args.dtype, device), device=device)
+                         dtype=torch_dtype(args.dtype, device), device=device,
+                         document_eot=_trained_document_eot(args.checkpoint, read_meta(args.data)))
     if args.json:
         print(json.dumps(out))
         return 0
     bpb = out["bits_per_byte"]
     bpb_text = f"{bpb:.4f}" if bpb is not None else "n/a (no tokenizer in the data directory)"
+    masked = ", documents scored alone as the run trained them" if out["document_mask"] else ""
     print(f"{args.split} loss {out[f'{args.split}_loss']:.4f}  perplexity {out['perplexity']:.3f}  bits/byte "
-          f"{bpb_text}  ({out['tokens']:,} tokens, block_size {out['block_size']})")
+          f"{bpb_text}  ({out['tokens']:,} tokens, block_size {out['block_size']}{masked})")
     return 0
+
+
+def _trained_document_eot(checkpoint: str, meta: dict[str, Any]) -> int | None:
+    """The end-of-text id that ends the data's documents, where the run trained with `document_mask` (each packed
+    document attending only within itself): scored the same way, as its own evaluations were; else None."""
+    from gptlab.checkpoint import recorded_setting
+
+    recipe = recorded_setting(checkpoint, "train")
+    if not isinstance(recipe, dict) or recipe.get("document_mask") is not True:
+        return None
+    return int(meta["eot_id"]) if meta.get("separator") == "eot" and meta.get("eot_id") is not None else None
 
 
 def _check_same_tokenizer(checkpoint: str, model_tok: Tokenizer | None, data: str) -> None:

@@ -236,11 +236,14 @@ def evaluate_split(
     batch_size: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    document_eot: int | None = None,
 ) -> dict[str, Any]:
     """`gptlab eval`: loss, perplexity and bits per byte of a model over a whole split of a data directory.
 
     Returns {"<split>_loss", "perplexity", "bits_per_byte" (None without a tokenizer), "tokens", "bytes",
-    "block_size", "split"}. A low-precision `dtype` runs the matmuls under autocast, attention in fp32."""
+    "block_size", "split", "document_mask"}. A low-precision `dtype` runs the matmuls under autocast, attention in
+    fp32. `document_eot`: each window's documents (ended by this id) scored alone, as a run with a document mask
+    trained them (`evaluate_loss`)."""
     meta = read_meta(data_dir)
     data, mask = load_split(data_dir, split), load_mask(data_dir, split)
     window_tokens = int(meta["window_tokens"]) if meta.get("window_tokens") else None
@@ -255,7 +258,7 @@ def evaluate_split(
         model.set_attention_dtype(torch.float32)
     block_size = model.config.block_size if block_size is None else block_size
     result = evaluate_loss(model, data, block_size, batch_size=batch_size, device=device, autocast=autocast,
-                           mask=mask, window_tokens=window_tokens)
+                           mask=mask, window_tokens=window_tokens, document_eot=document_eot)
     if window_tokens:  # the scored targets: each window's tokens 1..block_size that the mask counts
         n = len(data) // window_tokens
         scored = _window_rows(data, n, window_tokens)[:, 1 : block_size + 1]
@@ -273,4 +276,5 @@ def evaluate_split(
         "bytes": n_bytes,
         "block_size": block_size,
         "split": split,
+        "document_mask": document_eot is not None,
     }
