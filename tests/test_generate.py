@@ -26,7 +26,8 @@ from gptlab.generation import (
     generate_stream,
     sample_next,
 )
-from gptlab.generation.sampling import apply_min_p, apply_penalties, apply_top_k, apply_top_p, inverse_cdf
+from gptlab.generation.logit_filters import apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from gptlab.generation.sampling import inverse_cdf
 from gptlab.linear import plain_linear
 from gptlab.tokenizer import CharTokenizer
 

@@ -281,7 +281,7 @@ def test_grammar_masks_set_forbidden_logits_to_minus_infinity_and_leave_the_rest
     """apply_grammars against masked_fill: allowed logits unchanged to the bit, forbidden ones -inf (a +inf one
     too, not NaN), rows without a grammar untouched, the caller's logits not written."""
     import gptlab.generation.grammar as grammar
-    from gptlab.generation.sampling import apply_grammars
+    from gptlab.generation.logit_filters import apply_grammars
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 300, generator=g) * 5

@@ -45,6 +45,7 @@ from gptlab.generation.accept import finish_rows, record_logprobs, sample_rows
 from gptlab.generation.engine_prefill import PromptPrefill
 from gptlab.generation.fast_decode import decode_greedy, decode_logits, lean_step_exact
 from gptlab.generation.graph_decode import StaticDecode, usable
+from gptlab.generation.logit_filters import TokenCounts
 from gptlab.generation.packed_linear import kernel_name, pack_where_it_helps
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.prefill import prefill_rows
@@ -56,7 +57,6 @@ from gptlab.generation.request import (
     prepare_generation,
 )
 from gptlab.generation.row_steering import any_steered, steering_rows
-from gptlab.generation.sampling import TokenCounts
 from gptlab.generation.speculative import DRAFT_TOKENS, Speculate, Speculator
 from gptlab.generation.step_choice import decode_path, step_cache_dtype
 from gptlab.hardware import available_memory

@@ -21,11 +21,11 @@ import torch.nn as nn
 from gptlab.errors import GptlabError
 from gptlab.generation.accept import score_prompt
 from gptlab.generation.fast_decode import decode_rows
+from gptlab.generation.logit_filters import TokenCounts
 from gptlab.generation.prefill import padded_groups, prefill_rows
 from gptlab.generation.prefix_cache import keep_row, restore_prompt
 from gptlab.generation.request import FINISH_ERROR, FINISH_LENGTH, Generation
 from gptlab.generation.row_steering import any_steered, steering_rows
-from gptlab.generation.sampling import TokenCounts
 from gptlab.hooks import hooked_here
 from gptlab.kernels.dispatch import BATCH, chosen_ops, kind_of
 from gptlab.quantize import QuantizedLinear

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from gptlab.errors import GptlabError
+from gptlab.generation.logit_filters import apply_logit_bias
 from gptlab.generation.params import SamplingParams
-from gptlab.generation.sampling import apply_logit_bias, filtered_probs, inverse_cdf
+from gptlab.generation.sampling import filtered_probs, inverse_cdf
 from gptlab.model import GPT
 
 if TYPE_CHECKING:
