@@ -6,7 +6,8 @@
 - MFU (model FLOPs utilization) against this machine's measured matmul peak (`gptlab.hardware.peak_flops`),
   which is honest on a laptop CPU where a datasheet number would not be; on a GPU the datasheet knows (an H100's
   989 TFLOP/s dense bf16) also `mfu_datasheet` against that: what nanoGPT, nanochat and Lightning report.
-  Both count the model's matmul FLOPs as `gptlab.flops` does (causal attention at half the T x T products).
+  Both count the model's matmul FLOPs as `gptlab.flops` does (causal attention at half the T x T products; under
+  LoRA no weight gradient of the frozen weights, and the adapters' products).
 
 Only one process of a distributed run writes: the others get `enabled=False`.
 """

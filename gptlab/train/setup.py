@@ -9,6 +9,7 @@ import torch
 
 from gptlab.checkpoint import CONFIG_FILE, LORA_FILE, MODEL_FILE, load_weights, read_config, read_tensors
 from gptlab.errors import GptlabError
+from gptlab.flops import FULL_TRAINING, TrainedWeights
 from gptlab.hardware import gpu_has_bf16
 from gptlab.lora import LoRASpec, add_lora, has_lora
 from gptlab.model import GPT
@@ -75,6 +76,19 @@ def build_model(
         add_lora(model, spec, base=base_reference(cfg.init_from))
     model.activation_checkpointing = cfg.activation_checkpointing
     return model
+
+
+def trained_weights(model: GPT) -> TrainedWeights:
+    """Which of `model`'s matmul weights train, for MFU's FLOPs (`flops_per_token`): all of a plain model; under
+    (Q)LoRA its adapters alone, beside a frozen base and a head that trains only if its weight takes gradients.
+    The adapters are counted as `add_lora` shapes them, on the meta device: the same under FSDP's shards."""
+    spec: LoRASpec | None = getattr(model, "lora_spec", None)
+    if spec is None:
+        return FULL_TRAINING
+    with torch.device("meta"):
+        adapted = add_lora(GPT(model.config), LoRASpec(rank=spec.rank, targets=spec.targets))
+    adapters = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    return TrainedWeights(blocks=False, head=model.lm_head.weight.requires_grad, adapters=adapters)
 
 
 def shard(model: GPT, cfg: TrainConfig, device: str) -> None:

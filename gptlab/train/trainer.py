@@ -58,7 +58,7 @@ from gptlab.train.rundir import (
     prepare_run_dir,
 )
 from gptlab.train.runlog import RunLog, progress_bar
-from gptlab.train.setup import build_model, check_dtype, shard
+from gptlab.train.setup import build_model, check_dtype, shard, trained_weights
 from gptlab.train.stopping import StopRequest
 from gptlab.train.trackers import check_trackers, open_trackers
 
@@ -284,7 +284,7 @@ class Trainer:
             raise
         log = RunLog(
             self.run_dir, enabled=self.procs.is_master, quiet=self.quiet, trackers=trackers,
-            flops_per_token=flops_per_token(model_cfg, self.seq_len),
+            flops_per_token=flops_per_token(model_cfg, self.seq_len, trained=trained_weights(self.model)),
             device=self.device, world_size=self.procs.world, dtype=self.cfg.dtype,
         )
         bar = progress_bar(self.cfg.max_steps, self.step, show=not self.quiet and self.procs.is_master)
