@@ -1,18 +1,23 @@
 """Training curves from runs' metrics.jsonl (`gptlab.train.runlog`): train and val loss and the learning rate,
 against the step, the tokens seen or the training time.
 
-A logged row carries step, train_loss, lr, elapsed_sec (and val_loss when it evaluated; a preference run's rows
-reward_margin and reward_accuracy too); the final evaluation is a
-row of its own with only step, val_loss and elapsed_sec (and the benchmarks' "eval/..." scores when the recipe
-has eval_tasks). Tokens are steps x batch_size x block_size, from the run's
-config.resolved.json (batch_size counts sequences per optimizer step over all processes). A run may have no val
-rows (eval_interval 0 and killed early): its val curve is empty.
+A logged row carries step, train_loss, lr, tokens_seen, elapsed_sec (and val_loss when it evaluated; a preference
+run's rows reward_margin and reward_accuracy too); the final evaluation is a row of its own with only step,
+val_loss, elapsed_sec and tokens_seen (and the benchmarks' "eval/..." scores when the recipe has eval_tasks).
+Tokens are the row's tokens_seen: the input tokens the run's steps fed so far, as the trainer summed them (packed
+windows at their length, a preference pair's two rows cut after their longest reply). Rows of runs older than that
+field have none: theirs are estimated as steps x batch_size x block_size, from the run's config.resolved.json
+(batch_size counts sequences per optimizer step over all processes), which counts a pair as one window and whole
+model contexts where windows are shorter. A run may have no val rows (eval_interval 0 and killed early): its val
+curve is empty.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 from gptlab.errors import GptlabError
@@ -44,16 +49,21 @@ class Curve:
     evals: dict[str, Series] = field(default_factory=dict)
 
 
-def _x(row: dict, axis: str, tokens_per_step: int | None) -> float:
+def _x(row: dict, axis: str, tokens_per_step: Callable[[], int]) -> float:
     if axis == "time":
         return float(row["elapsed_sec"])
-    return float(row["step"]) * (tokens_per_step if axis == "tokens" else 1)
+    if axis == "step":
+        return float(row["step"])
+    if _plottable(row.get("tokens_seen")):  # what the trainer counted; older rows: the estimate
+        return float(row["tokens_seen"])
+    return float(row["step"]) * tokens_per_step()
 
 
 def _tokens_per_step(run: Path) -> int:
     path = run / RESOLVED_CONFIG
     if not path.is_file():
-        raise GptlabError(f"{path} is missing: --x tokens needs the run's batch_size and block_size")
+        raise GptlabError(f"{path} is missing: --x tokens needs the run's batch_size and block_size (its metrics "
+                          "rows predate tokens_seen)")
     cfg = read_json_object(path)
     try:
         return int(cfg["train"]["batch_size"]) * int(cfg["model"]["block_size"])
@@ -78,7 +88,7 @@ def read_curves(run: str | Path, x: str = "step", name: str | None = None) -> Cu
     if not text.strip():
         raise GptlabError(f"{run} has no metrics yet: {METRICS_FILE} is written at the first log step "
                           "(log_interval)")
-    tokens = _tokens_per_step(run) if x == "tokens" else None
+    tokens = cache(lambda: _tokens_per_step(run))  # read only for rows without tokens_seen
     curve = Curve(name or run.resolve().name, Series(), Series(), Series())
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():

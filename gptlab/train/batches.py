@@ -242,6 +242,10 @@ class StepFeed:
         # seconds a step waited for batches not made ahead, and seconds the host spent making them ahead
         self.wait_sec, self.host_sec = 0.0, 0.0
         self.fed_tokens = 0  # input tokens of the steps handed out since `take_tokens`
+        # input tokens of every step of the run (state.json's and metrics.jsonl's tokens_seen): a sum kept, not
+        # steps x a window's tokens, which pairs' cut rows do not fill; a resumed run sets its checkpoint's. GRPO
+        # counts its prompts' windows here, not the rollouts it trains on (made later, per process)
+        self.seen_tokens = 0
 
     def get(self, step: int) -> DeviceStep:
         """The batches of `step`: those prepared ahead when they are this step's, else made now."""
@@ -251,6 +255,7 @@ class StepFeed:
             ready = self._prepare(step)
             self.wait_sec += time.perf_counter() - t0
         self.fed_tokens += ready.tokens
+        self.seen_tokens += ready.tokens
         return ready
 
     def take_tokens(self) -> int:

@@ -29,13 +29,22 @@ def run_state(t: Trainer, rng: dict[str, Any]) -> dict[str, Any]:
         "best_val_loss": t.best_val if math.isfinite(t.best_val) else None,
         "warmup_elapsed_sec": t.warmup_elapsed,
         "ended_at_step": t.ended_at,  # the step the run last ended at, its final evaluation done (-1: none yet)
-        "tokens_seen": t.step * t.tokens_per_step,
+        "tokens_seen": t.feed.seen_tokens,  # the input tokens the steps fed (`StepBatch.tokens`), summed
         "rng": rng,
         "config_hash": t.cfg.hash(RESUMABLE_CHANGES),
         "config": t.cfg.to_dict(),
         "data_dir": str(t.data_dir),
         "data_sources": [[str(d), w] for d, w in t.sources],  # the loader's position in each is the step
     }
+
+
+def tokens_seen(state: dict[str, Any], t: Trainer) -> int:
+    """The tokens a checkpoint's steps fed, as it stored them (a sum over steps that resuming cannot redo cheaply);
+    a checkpoint without the number: steps x their whole windows (a pair's two), which cut rows do not fill."""
+    stored = state.get("tokens_seen")
+    if isinstance(stored, int) and not isinstance(stored, bool) and stored >= 0:
+        return stored
+    return t.step * t.cfg.batch_size * t.seq_len * (2 if t.train_data.pairs else 1)
 
 
 def save_step_checkpoint(t: Trainer, gather: bool) -> Path | None:
@@ -70,6 +79,7 @@ def load_run_checkpoint(t: Trainer, directory: Path) -> None:
     t.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
     t.warmup_elapsed = state.get("warmup_elapsed_sec", t.warmup_elapsed)
     t.ended_at = state.get("ended_at_step", -1)
+    t.feed.seen_tokens = tokens_seen(state, t)
     if t.warmup_elapsed is None and t.step >= t.cfg.warmup_steps:  # a checkpoint from before the key
         t.warmup_elapsed = t.elapsed * t.cfg.warmup_steps / t.step  # steps of about equal time
     restore_rng_state(state["rng"], t.procs, t.cfg.seed, t.step)

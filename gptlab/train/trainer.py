@@ -143,8 +143,6 @@ class Trainer:
                               quiet=quiet or not self.procs.is_master)
         check_split_fits(self.data_dir, "val", self.seq_len)
         self.val_data = TokenSplit.load(self.data_dir, "val")
-        # the tokens of a step's windows (a preference pair is two; its rows run only to the batch's longest reply)
-        self.tokens_per_step = cfg.batch_size * self.seq_len * (2 if self.train_data.pairs else 1)
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
                              rank=self.procs.rank, world=self.procs.world, grad_accum=cfg.grad_accum,
                              vocab_size=self.model.config.vocab_size, device=self.device,
@@ -324,7 +322,8 @@ class Trainer:
                 loss = self.read_loss()  # the losses' only read between checkpoints: it waits for the device
                 tps = self.feed.take_tokens() / max(time.perf_counter() - window_t0, 1e-9)  # what the rows held
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
-                       "tokens_per_sec": tps, "elapsed_sec": self.elapsed, **log.utilization(tps),
+                       "tokens_per_sec": tps, "tokens_seen": self.feed.seen_tokens, "elapsed_sec": self.elapsed,
+                       **log.utilization(tps),
                        "loader_ms": self.feed.per_step_ms(self.step - window_step),
                        **self.objective.stats_row(self.step_stats)}
                 if do_eval:
@@ -359,7 +358,7 @@ class Trainer:
             log.say(f"the final evaluation failed; the weights of step {self.step} are saved in {path}")
             raise
         if len(final) > 1:
-            log.write({**final, "elapsed_sec": self.elapsed})
+            log.write({**final, "elapsed_sec": self.elapsed, "tokens_seen": self.feed.seen_tokens})
         self.ended_at = self.step
         path = self.save_checkpoint()
         log.say(f"done: step {self.step}, val loss {self.best_val:.4f} (best), {self.elapsed:.1f}s of training; "
