@@ -119,6 +119,34 @@ def test_each_family_writes_its_llama_cpp_architecture(tmp_path: Path, family: s
         assert "blk.0.attn_qkv.weight" in names and "blk.0.attn_q.weight" not in names
 
 
+
+def test_added_tokens_that_are_not_special_go_in_as_user_defined(tmp_path: Path) -> None:
+    """A tokenizer.json's added token with special=false (Qwen2.5's <tool_call>) is matched whole in any text, by
+    `tokenizers` and by llama.cpp for a user-defined token (type 4); written as a normal token, llama.cpp (and the
+    file read back) would split it into pieces."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    from gptlab.conversion import convert
+    from gptlab.loading import load_model
+
+    src = tmp_path / "hf"
+    _tokenizer(src, "qwen2")
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
+    tok.save(str(src / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = transformers.Qwen2Config(vocab_size=tok.get_vocab_size(), bos_token_id=eos, eos_token_id=eos,
+                                   **FAMILIES["qwen2"][1])
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    done = convert(src, tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
+    r = gguf.GGUFReader(tmp_path / "m.gguf")
+    tokens, types = r.fields["tokenizer.ggml.tokens"].contents(), r.fields["tokenizer.ggml.token_type"].contents()
+    assert types[tokens.index("<tool_call>")] == 4 and types[tokens.index("<|im_end|>")] == 3
+    text = "call <tool_call> now"
+    assert tok.token_to_id("<tool_call>") in done.tokenizer.encode(text)
+    assert load_model(tmp_path / "m.gguf")[1].encode(text) == done.tokenizer.encode(text)
+
 def test_models_llama_cpp_cannot_run_are_refused_in_gguf_terms(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture) -> None:
     """The CPU speedrun's model (LayerNorm, RoPE, q/k norms, capped logits) has no llama.cpp architecture: the

@@ -46,20 +46,19 @@ def gguf_vocabulary(tokenizer: TextTokenizer, vocab_size: int) -> tuple[list[str
     """(tokens, merges, token types) of a tokenizer as byte-level BPE, padded to the model's vocab_size."""
     kind = getattr(tokenizer, "kind", None)
     if kind == "gpt2":
-        tokens, merges, special = _tiktoken_vocabulary(tokenizer)
+        tokens, merges, kinds = _tiktoken_vocabulary(tokenizer)
     elif kind in ("hf", "bpe"):  # a Hugging Face tokenizer.json (loaded, or trained by `gptlab prepare`)
-        tokens, merges, special = _hf_vocabulary(tokenizer)
+        tokens, merges, kinds = _hf_vocabulary(tokenizer)
     elif kind == "char":
-        tokens, merges, special = _char_vocabulary(tokenizer)
+        tokens, merges, kinds = _char_vocabulary(tokenizer)
     else:
         raise GptlabError(f"GGUF export cannot write a {kind!r} tokenizer")
     if len(tokens) > vocab_size:
         raise GptlabError(f"the tokenizer has {len(tokens)} tokens but the model only {vocab_size} embeddings")
-    normal, control, unused = 1, 3, 5  # llama.cpp's token types
-    types = [control if i in special else normal for i in range(len(tokens))]
+    types = [kinds.get(i, NORMAL) for i in range(len(tokens))]
     for i in range(len(tokens), vocab_size):  # rows the model has beyond the tokenizer (padded vocabularies)
         tokens.append(f"[PAD{i}]")
-        types.append(unused)
+        types.append(UNUSED)
     return tokens, merges, types
 
 
@@ -85,7 +84,7 @@ def pre_tokenizer_name(tokenizer: TextTokenizer) -> str:
                       "not know: export --to hf instead")
 
 
-def _tiktoken_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
+def _tiktoken_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], dict[int, int]]:
     """GPT-2's tokens from tiktoken's ranks; each merge is recovered by running BPE on the token's bytes with
     only the ranks below its own, which leaves exactly the two parts it was merged from."""
     encoding = tokenizer._enc  # tiktoken.Encoding
@@ -99,7 +98,7 @@ def _tiktoken_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str]
             merges.append(f"{_spell(left)} {_spell(right)}")
     for text, i in encoding._special_tokens.items():
         tokens[i] = text
-    return tokens, merges, set(encoding._special_tokens.values())
+    return tokens, merges, {i: CONTROL for i in encoding._special_tokens.values()}
 
 
 def _split_by_rank(ranks: dict[bytes, int], token: bytes, rank: int) -> tuple[bytes, bytes]:
@@ -114,24 +113,25 @@ def _split_by_rank(ranks: dict[bytes, int], token: bytes, rank: int) -> tuple[by
     return parts[0], parts[1]
 
 
-def _hf_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
-    """A tokenizer.json's byte-level BPE, once its split is one llama.cpp knows (`pre_tokenizer_name`)."""
+def _hf_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], dict[int, int]]:
+    """A tokenizer.json's byte-level BPE, once its split is one llama.cpp knows (`pre_tokenizer_name`). Added
+    tokens go in as control tokens when special, else as user-defined ones: llama.cpp, like `tokenizers`, matches
+    those in any text before BPE runs (as normal tokens they would be split into pieces)."""
     data = json.loads(tokenizer._json)
     model = data.get("model", {})
     if model.get("type") != "BPE":
         raise GptlabError(f"GGUF export writes BPE tokenizers; this one is {model.get('type')!r}")
     pre_tokenizer_name(tokenizer)
     vocab: dict[str, int] = dict(model["vocab"])
-    special = set()
+    kinds = {}
     for added in data.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
-        if added.get("special"):
-            special.add(added["id"])
+        kinds[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
     tokens = [""] * (max(vocab.values()) + 1)
     for text, i in vocab.items():
         tokens[i] = text
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return tokens, merges, special
+    return tokens, merges, kinds
 
 
 # llama.cpp refuses a BPE vocabulary without merges, and `gguf` writes no empty array: a character vocabulary gets
@@ -139,13 +139,13 @@ def _hf_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[
 NEVER_MERGES = "ĠĠ ĠĠ"
 
 
-def _char_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], set[int]]:
+def _char_vocabulary(tokenizer: TextTokenizer) -> tuple[list[str], list[str], dict[int, int]]:
     """Single-byte characters spelled as byte-level BPE tokens: each character its own token, nothing merged."""
     chars = tokenizer.chars
     wide = [c for c in chars if len(c.encode("utf-8")) != 1]
     if wide:
         raise GptlabError(f"GGUF export of a character tokenizer needs single-byte characters; {wide[0]!r} is not")
-    return [_spell(c.encode("utf-8")) for c in chars], [NEVER_MERGES], set()
+    return [_spell(c.encode("utf-8")) for c in chars], [NEVER_MERGES], {}
 
 
 # --- import: the file's vocabulary as a `tokenizers` BPE ----------------------------------------------------------
