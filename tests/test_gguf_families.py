@@ -166,6 +166,18 @@ def test_models_llama_cpp_cannot_run_are_refused_in_gguf_terms(tmp_path: Path,
     assert "reads no attention.sliding_window" in capsys.readouterr().err
 
 
+
+def test_a_gemma2_without_soft_caps_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """llama.cpp's gemma2 soft-caps scores and logits whatever the file says, at 50 and 30 where it names no cap:
+    a Gemma 2 without them would run there as a different model."""
+    src = hf_family_dir(tmp_path / "hf", "gemma2")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": None}))
+    assert main(["convert", str(src), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "llama.cpp's gemma2 always soft-caps" in err and "logit_softcap=None" in err, err
+    assert "attn_softcap" not in err and not (tmp_path / "m.gguf").exists()
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: str) -> None:

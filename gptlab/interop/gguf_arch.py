@@ -36,6 +36,7 @@ class GgufArch:
     sliding: str = "none"  # which layers read attention.sliding_window: none, all, or alternate (even ones)
     output: bool = True  # reads an output tensor (Gemma 2's head is always the embedding)
     biases: tuple[str, ...] = ()  # bias tensors it requires: a model without them gets zeros, which add nothing
+    softcaps: bool = False  # always soft-caps scores and logits (at 50 and 30 where the file names no cap)
 
 
 # llama.cpp's architecture for each Hugging Face family, as its convert_hf_to_gguf.py writes it. GPT-J is the
@@ -48,7 +49,7 @@ ARCHES = {
     "MistralForCausalLM": GgufArch("llama", adjacent_rope=True),
     "Qwen2ForCausalLM": GgufArch("qwen2"),
     "Qwen3ForCausalLM": GgufArch("qwen3"),
-    "Gemma2ForCausalLM": GgufArch("gemma2", sliding="alternate", output=False),
+    "Gemma2ForCausalLM": GgufArch("gemma2", sliding="alternate", output=False, softcaps=True),
     "Phi3ForCausalLM": GgufArch("phi3", fused_qkv=True, fused_gate_up=True, sliding="all"),
     "GPTNeoXForCausalLM": GgufArch("gptneox", fused_qkv=True),
     "GPTJForCausalLM": GgufArch("phi2", fused_qkv=True, biases=("attn_qkv", "attn_output")),
@@ -80,6 +81,10 @@ def gguf_architecture(cfg: GPTConfig) -> GgufArch:
     if not arch.output and not cfg.tie_embeddings:
         raise GptlabError(f"llama.cpp's {arch.name} has no output tensor (its head is token_embd): "
                           "tie_embeddings=False")
+    uncapped = [f"{name}=None" for name in ("attn_softcap", "logit_softcap") if getattr(cfg, name) is None]
+    if arch.softcaps and uncapped:
+        raise GptlabError(f"llama.cpp's {arch.name} always soft-caps attention scores and logits (at 50 and 30 "
+                          f"where attn_logit_softcapping / final_logit_softcapping are missing): {', '.join(uncapped)}")
     window = cfg.sliding_window
     if window is not None and window < cfg.block_size and arch.sliding == "none":
         raise GptlabError(f"llama.cpp's {arch.name} attends to the whole context (it reads no "
