@@ -178,6 +178,21 @@ def test_a_gemma2_without_soft_caps_is_refused(tmp_path: Path, capsys: pytest.Ca
     assert "llama.cpp's gemma2 always soft-caps" in err and "logit_softcap=None" in err, err
     assert "attn_softcap" not in err and not (tmp_path / "m.gguf").exists()
 
+
+def test_gemma2s_sliding_layers_are_llama_cpps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """llama.cpp's gemma2 slides its even layers, at 4096 where the file names no window: a Gemma 2 without a
+    window gets its whole context as the window, and one whose every layer slides is refused."""
+    src = hf_family_dir(tmp_path / "hf", "gemma2")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "sliding_window": None, "layer_types": None,
+                                                 "max_position_embeddings": 8192}))
+    assert main(["convert", str(src), str(tmp_path / "m.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
+    r = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert r.fields["gemma2.attention.sliding_window"].contents() == 8192
+    (src / "config.json").write_text(json.dumps({**config, "layer_types": ["sliding_attention"] * 4}))
+    assert main(["convert", str(src), str(tmp_path / "s.gguf"), "--to", "gguf"]) == 2
+    assert "slides even layers only" in capsys.readouterr().err and not (tmp_path / "s.gguf").exists()
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: str) -> None:
