@@ -65,6 +65,32 @@ def test_each_family_comes_back_from_gguf_with_the_same_logits_tokens_and_templa
     assert tok.encode(rendered, allow_special=True) == done.tokenizer.encode(rendered, allow_special=True)
 
 
+
+def test_gemma2_27bs_score_scale_is_llama_cpps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """llama.cpp scales a 46-layer gemma2's scores (Gemma 2 27B's) by 1/sqrt(embedding_length / head_count), not
+    1/sqrt(key_length): such a model exports with that scale and comes back with it; one scaled by its head width
+    is refused."""
+    import json
+
+    import transformers
+    from test_gguf_families import _small, _tokenizer
+
+    vocab, eos = _tokenizer(tmp_path / "hf", None)
+    kwargs = _small(num_hidden_layers=46, head_dim=8, query_pre_attn_scalar=16, sliding_window=8,
+                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0)  # 32 wide / 2 heads = 16
+    cfg = transformers.Gemma2Config(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos, **kwargs)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    done = convert(tmp_path / "hf", tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
+    model, _ = load_model(tmp_path / "m.gguf")
+    assert model.config.attn_scale == pytest.approx(16 ** -0.5)
+    ids = done.tokenizer.encode(PROBES[0])
+    torch.testing.assert_close(_logits(model, ids), _logits(done.model, ids), rtol=0, atol=1e-5)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": 8}))
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "w.gguf"), "--to", "gguf"]) == 2
+    assert "1/sqrt(embedding_length / head_count) = 0.25" in capsys.readouterr().err
+
 def test_a_character_gpt2_round_trips_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """gptlab -> GGUF -> gptlab checkpoint -> GGUF again, and `sample` / `eval`-style loading straight from the file."""
     ckpt = _char_gpt2(tmp_path)

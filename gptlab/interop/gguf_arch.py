@@ -93,10 +93,18 @@ def gguf_architecture(cfg: GPTConfig) -> GgufArch:
         raise GptlabError(f"llama.cpp's {arch.name} slides even layers only and has no "
                           f"attention.sliding_window_pattern: global_layer_every={cfg.global_layer_every}")
     scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_size ** -0.5
-    if abs(scale * cfg.head_size ** 0.5 - 1) > 1e-6:
-        raise GptlabError(f"llama.cpp's {arch.name} scales attention scores by 1/sqrt(attention.key_length) "
-                          f"= {cfg.head_size ** -0.5:.6g} and reads no other scale: attn_scale={scale:.6g}")
+    scalar = score_scalar(arch.name, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_size)
+    if abs(scale * scalar ** 0.5 - 1) > 1e-6:
+        what = "embedding_length / head_count" if scalar != cfg.head_size else "attention.key_length"
+        raise GptlabError(f"llama.cpp's {arch.name} scales attention scores by 1/sqrt({what}) "
+                          f"= {scalar ** -0.5:.6g} and reads no other scale: attn_scale={scale:.6g}")
     return arch
+
+
+def score_scalar(name: str, n_layer: int, n_embd: int, n_head: int, head_size: int) -> int:
+    """The d in llama.cpp's 1/sqrt(d) score scale: the head width, but for gemma2 with 46 layers (Gemma 2 27B,
+    whose query_pre_attn_scalar is hidden_size / heads), where llama.cpp takes embedding_length / head_count."""
+    return n_embd // n_head if name == "gemma2" and n_layer == 46 else head_size
 
 
 def _no_architecture(cfg: GPTConfig) -> str:

@@ -24,7 +24,7 @@ import torch
 from gptlab.checkpoint import assign_weights, plain_shapes
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.interop.gguf_arch import ARCHES, GgufArch, gptlab_tensors
+from gptlab.interop.gguf_arch import ARCHES, GgufArch, gptlab_tensors, score_scalar
 from gptlab.interop.gguf_vocab import tokenizer_from_gguf
 from gptlab.interop.registry import BY_ARCHITECTURE
 from gptlab.model import GPT
@@ -264,7 +264,8 @@ def _hf_config(arch: str, meta: _Metadata, tensors: _Tensors) -> dict[str, Any]:
         "sliding_window": window, "use_sliding_window": window is not None, "max_window_layers": 0,
         "attn_logit_softcapping": key("attn_logit_softcapping", number, None),
         "final_logit_softcapping": key("final_logit_softcapping", number, None),
-        "use_parallel_residual": key("use_parallel_residual", bool, True), "query_pre_attn_scalar": head_dim,
+        "use_parallel_residual": key("use_parallel_residual", bool, True),
+        "query_pre_attn_scalar": score_scalar(arch, n_layer, n_embd, n_head, head_dim) if n_head > 0 else head_dim,
         "attention_bias": "blk.0.attn_output.bias" in tensors, "mlp_bias": "blk.0.ffn_down.bias" in tensors,
         "tie_word_embeddings": tied,
         # llama.cpp runs GELU as its tanh approximation in every architecture, and SwiGLU with silu
