@@ -193,6 +193,16 @@ def test_gemma2s_sliding_layers_are_llama_cpps(tmp_path: Path, capsys: pytest.Ca
     assert main(["convert", str(src), str(tmp_path / "s.gguf"), "--to", "gguf"]) == 2
     assert "slides even layers only" in capsys.readouterr().err and not (tmp_path / "s.gguf").exists()
 
+
+def test_phi3s_window_is_written_as_llama_cpps_converter_writes_it(tmp_path: Path) -> None:
+    """Phi-3-mini-4k's window (2,047 of 4,096) goes in the file as llama.cpp's converter writes it (llama.cpp's phi3
+    then attends to the whole context: the same logits up to the window); the export is not refused."""
+    src = hf_family_dir(tmp_path / "hf", "phi3")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "sliding_window": 15, "max_position_embeddings": 64}))
+    assert main(["convert", str(src), str(tmp_path / "m.gguf"), "--to", "gguf", "--dtype", "f32"]) == 0
+    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["phi3.attention.sliding_window"].contents() == 15
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_llama_cpp_greedy_tokens_and_chat_equal_gptlabs(tmp_path: Path, family: str) -> None:

@@ -33,7 +33,7 @@ class GgufArch:
     fused_qkv: bool = False  # one attn_qkv tensor ([q | k | v] rows), else attn_q, attn_k, attn_v
     fused_gate_up: bool = False  # ffn_up holds [gate | up] (Phi-3), else ffn_gate and ffn_up
     adjacent_rope: bool = False  # RoPE rotates dims (2i, 2i + 1) (llama.cpp's "norm" RoPE), not (i, i + d/2)
-    sliding: str = "none"  # which layers read attention.sliding_window: none, or alternate (even ones)
+    sliding: str = "none"  # which layers the file's attention.sliding_window is for: none, all, alternate (even ones)
     output: bool = True  # reads an output tensor (Gemma 2's head is always the embedding)
     biases: tuple[str, ...] = ()  # bias tensors it requires: a model without them gets zeros, which add nothing
     softcaps: bool = False  # always soft-caps scores and logits (at 50 and 30 where the file names no cap)
@@ -89,9 +89,11 @@ def gguf_architecture(cfg: GPTConfig) -> GgufArch:
     if window is not None and window < cfg.block_size and arch.sliding == "none":
         raise GptlabError(f"llama.cpp's {arch.name} attends to the whole context (it reads no "
                           f"attention.sliding_window): sliding_window={window} is below the context {cfg.block_size}")
-    if window is not None and window < cfg.block_size and cfg.global_layer_every != 2:
-        raise GptlabError(f"llama.cpp's {arch.name} slides even layers only and has no "
-                          f"attention.sliding_window_pattern: global_layer_every={cfg.global_layer_every}")
+    pattern = 2 if arch.sliding == "alternate" else None  # every second layer global, or none
+    if window is not None and window < cfg.block_size and cfg.global_layer_every != pattern:
+        slides = "even layers only" if arch.sliding == "alternate" else "every layer"
+        raise GptlabError(f"llama.cpp's {arch.name} slides {slides} and has no attention.sliding_window_pattern: "
+                          f"global_layer_every={cfg.global_layer_every}")
     scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_size ** -0.5
     scalar = score_scalar(arch.name, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_size)
     if abs(scale * scalar ** 0.5 - 1) > 1e-6:
