@@ -194,6 +194,19 @@ def test_gemma2s_sliding_layers_are_llama_cpps(tmp_path: Path, capsys: pytest.Ca
     assert "slides even layers only" in capsys.readouterr().err and not (tmp_path / "s.gguf").exists()
 
 
+def test_a_gemma2_with_biases_is_refused(tmp_path: Path) -> None:
+    """llama.cpp's gemma2 reads no bias tensor (its graph has plain matmuls): a Gemma 2 with attention_bias would
+    not load there."""
+    from gptlab.errors import GptlabError
+    from gptlab.interop.gguf_arch import gguf_architecture
+    from gptlab.interop.hf import config_from_hf
+
+    config = json.loads((hf_family_dir(tmp_path / "hf", "gemma2") / "config.json").read_text())
+    gguf_architecture(config_from_hf(config))  # as transformers made it: no biases
+    with pytest.raises(GptlabError, match="llama.cpp.s gemma2 reads no bias tensors: qkv_bias=True"):
+        gguf_architecture(config_from_hf({**config, "attention_bias": True}))
+
+
 def test_phi3s_window_is_written_as_llama_cpps_converter_writes_it(tmp_path: Path) -> None:
     """Phi-3-mini-4k's window (2,047 of 4,096) goes in the file as llama.cpp's converter writes it (llama.cpp's phi3
     then attends to the whole context: the same logits up to the window); the export is not refused."""

@@ -37,6 +37,7 @@ class GgufArch:
     output: bool = True  # reads an output tensor (Gemma 2's head is always the embedding)
     biases: tuple[str, ...] = ()  # bias tensors it requires: a model without them gets zeros, which add nothing
     softcaps: bool = False  # always soft-caps scores and logits (at 50 and 30 where the file names no cap)
+    unbiased: bool = False  # reads no bias tensor: a model with biases would fail to load (a tensor count off)
 
 
 # llama.cpp's architecture for each Hugging Face family, as its convert_hf_to_gguf.py writes it. GPT-J is the
@@ -49,7 +50,7 @@ ARCHES = {
     "MistralForCausalLM": GgufArch("llama", adjacent_rope=True),
     "Qwen2ForCausalLM": GgufArch("qwen2"),
     "Qwen3ForCausalLM": GgufArch("qwen3"),
-    "Gemma2ForCausalLM": GgufArch("gemma2", sliding="alternate", output=False, softcaps=True),
+    "Gemma2ForCausalLM": GgufArch("gemma2", sliding="alternate", output=False, softcaps=True, unbiased=True),
     "Phi3ForCausalLM": GgufArch("phi3", fused_qkv=True, fused_gate_up=True, sliding="all"),
     "GPTNeoXForCausalLM": GgufArch("gptneox", fused_qkv=True),
     "GPTJForCausalLM": GgufArch("phi2", fused_qkv=True, biases=("attn_qkv", "attn_output")),
@@ -81,6 +82,9 @@ def gguf_architecture(cfg: GPTConfig) -> GgufArch:
     if not arch.output and not cfg.tie_embeddings:
         raise GptlabError(f"llama.cpp's {arch.name} has no output tensor (its head is token_embd): "
                           "tie_embeddings=False")
+    biased = [f"{name}=True" for name in ("bias", "qkv_bias", "attn_proj_bias", "head_bias") if getattr(cfg, name)]
+    if arch.unbiased and biased:
+        raise GptlabError(f"llama.cpp's {arch.name} reads no bias tensors: {', '.join(biased)}")
     uncapped = [f"{name}=None" for name in ("attn_softcap", "logit_softcap") if getattr(cfg, name) is None]
     if arch.softcaps and uncapped:
         raise GptlabError(f"llama.cpp's {arch.name} always soft-caps attention scores and logits (at 50 and 30 "
