@@ -106,7 +106,7 @@ def test_chunk_sizes_and_fallbacks() -> None:
     solid = "x" * 1000
     assert [len(c) for c in chunk_text([solid], 100)] == [100] * 7 + [300]  # hard cuts bound memory
     assert list(chunk_text([solid], 100, hard=False)) == [solid]
-    assert [len(c) for c in chunk_text(["abcdefg"], 3, safe=False)] == [3, 3, 1]
+    assert [len(c) for c in chunk_text(["abcdefg"], 3, cut="any")] == [3, 3, 1]
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bpe", "char"])

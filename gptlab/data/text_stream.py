@@ -9,12 +9,18 @@
 * The split is by characters over the whole concatenation, like nanoGPT: train = the first
   ``int(N * (1 - val_fraction))`` characters, val = the rest (`iter_split_pieces`, which also marks where an
   end-of-text token goes between documents).
-* Chunking never changes the ids (`chunk_text`): for char any cut is exact; for gpt2/bpe chunks are cut right
-  after a ``"\\n"`` that sits between two non-whitespace characters. The GPT-2 pre-tokenizer regex (and the
-  cl100k/Llama-3 style one) always ends a pre-token there and nothing before it depends on what follows, so
-  encoding chunk by chunk equals encoding the whole text (tests check this on tiny Shakespeare and on random
-  text). Only a stretch of 4 MiB characters without such a newline falls back to a cut before a space
-  (also exact for these regexes), and one without any space to a plain cut (may differ there).
+* Chunking never changes the ids (`chunk_text`): each tokenizer says where its text may be cut (its `seams`,
+  see `gptlab.tokenizer.seams`). For char any cut is exact. For gpt2, trained bpe and regex pre-tokenizers
+  (cl100k / Llama-3 style) chunks are cut right after a ``"\\n"`` that sits between two non-whitespace
+  characters: the regex always ends a pre-token there and nothing before it depends on what follows. For
+  tokenizers that treat the start of a text specially (SentencePiece-style Metaspace, Llama 2's
+  ``Prepend("▁")`` normalizer, byte-level with add_prefix_space) they are cut right before a space that follows
+  a non-space: the space starts a pre-token (or no token spans it) and a chunk starting with one gets no
+  prefix of its own; a chunk after the first is marked `Continued` so that a normalizer that prepends "▁"
+  regardless is undone. Tests check chunked == whole on random text for each kind. Only a stretch of 4 chunks'
+  characters without such a newline falls back to a cut before a space (also exact for the regexes), and one
+  without any space to a plain cut (may differ there); a tokenizer whose seams are not known to be exact
+  (`Seams.exact`) is cut at spaces and `prepare` says so.
   The one real difference is the train/val boundary itself, which cuts mid-word as nanoGPT does: tiny
   Shakespeare with gpt2 gives 301,966 + 36,059 = 338,025 ids, the same total as encoding it whole.
 """
@@ -33,12 +39,13 @@ from pathlib import Path
 from gptlab.data.common import progress as _progress
 from gptlab.data.corpora import fetch_shakespeare
 from gptlab.errors import GptlabError
+from gptlab.tokenizer.seams import Continued, Cut
 
 READ_BYTES = 1 << 20  # file read size
 CHUNK_CHARS = 1 << 20  # characters per encoding task
 
 _SAFE_NL = re.compile(r"(?<=\S)\n(?=\S)")  # cut after this newline: see the module docstring
-_SAFE_SPACE = re.compile(r"(?<=\S)(?= )")  # fallback: cut before a space that follows a non-space
+_SAFE_SPACE = re.compile(r"(?<=[^\s\u2581])(?= )")  # before a space after a non-space (not "▁": see seams)
 
 # --- inputs -----------------------------------------------------------------------------------------------------
 
@@ -114,35 +121,38 @@ def iter_file_text(path: str | os.PathLike[str], read_bytes: int = READ_BYTES) -
 
 
 def chunk_text(
-    pieces: Iterable[str], chunk_chars: int = CHUNK_CHARS, *, safe: bool = True, hard: bool = True
+    pieces: Iterable[str], chunk_chars: int = CHUNK_CHARS, *, cut: Cut = "newline", hard: bool = True
 ) -> Iterator[str]:
-    """Re-cut a stream of text into chunks of about `chunk_chars` characters.
+    """Re-cut a stream of text into chunks of about `chunk_chars` characters; every chunk after the first is a
+    `Continued` (it continues the text, it does not start one).
 
-    safe=False cuts at exactly chunk_chars (fine for char tokenizers). safe=True cuts only where BPE
-    pre-tokenization ends a pre-token regardless of what follows (see the module docstring), so that
-    encoding the chunks one by one gives the same ids as encoding the whole text -- except, with hard=True,
-    for a plain cut after 4 * chunk_chars characters without any whitespace (bounded memory wins there).
+    cut="any" cuts at exactly chunk_chars (fine for char tokenizers). "newline" and "space" cut only where the
+    tokenizer's `seams` say (see the module docstring), so that encoding the chunks one by one gives the same ids
+    as encoding the whole text -- except, with hard=True, for a plain cut after 4 * chunk_chars characters
+    without a place to cut (bounded memory wins there).
     """
-    buf = ""
+    buf, first = "", True
     for piece in pieces:
         buf += piece
         while len(buf) >= chunk_chars:
-            if not safe:
-                cut = chunk_chars
-            elif m := _SAFE_NL.search(buf, chunk_chars - 1):
-                cut = m.end()
+            if cut == "any":
+                at = chunk_chars
+            elif cut == "newline" and (m := _SAFE_NL.search(buf, chunk_chars - 1)):
+                at = m.end()
+            elif cut == "space" and (m := _SAFE_SPACE.search(buf, chunk_chars)):
+                at = m.start()
             elif len(buf) < 4 * chunk_chars:
-                break  # wait for more text: a good newline will probably come
+                break  # wait for more text: a good place to cut will probably come
             elif m := _SAFE_SPACE.search(buf, chunk_chars):
-                cut = m.start()
+                at = m.start()
             elif hard:
-                cut = chunk_chars  # no whitespace at all for 4 chunks: memory matters more here
+                at = chunk_chars  # no whitespace at all for 4 chunks: memory matters more here
             else:
                 break
-            yield buf[:cut]
-            buf = buf[cut:]
+            yield buf[:at] if first else Continued(buf[:at])
+            buf, first = buf[at:], False
     if buf:
-        yield buf
+        yield buf if first else Continued(buf)
 
 
 # --- scanning ---------------------------------------------------------------------------------------------------
@@ -175,22 +185,23 @@ def scan_sources(paths: Sequence[Path], collect_chars: bool = False) -> tuple[li
 
 
 def iter_split_pieces(
-    sources: Sequence[Source], split_at: int, eot: bool, safe: bool, chunk_chars: int
+    sources: Sequence[Source], split_at: int, eot: bool, cut: Cut, chunk_chars: int
 ) -> Iterator[tuple[str, str | None]]:
-    """Yield ("train" | "val", text) in order; text None stands for an end-of-text token."""
+    """Yield ("train" | "val", text) in order; text None stands for an end-of-text token. Each file's first
+    chunk and val's first piece start a text; the other chunks are `Continued`."""
     docs = [s for s in sources if s.chars]
     pos = 0
     for k, src in enumerate(docs):
-        for chunk in chunk_text(iter_file_text(src.path), chunk_chars, safe=safe):
+        for chunk in chunk_text(iter_file_text(src.path), chunk_chars, cut=cut):
             end = pos + len(chunk)
             if end <= split_at:
                 yield "train", chunk
             elif pos >= split_at:
-                yield "val", chunk
-            else:  # the chunk straddles the split: cut it where nanoGPT would
-                yield "train", chunk[: split_at - pos]
+                yield "val", str(chunk) if pos == split_at else chunk  # val's first chunk starts its text
+            else:  # the chunk straddles the split: cut it where nanoGPT would; val starts a text there
+                head = chunk[: split_at - pos]
+                yield "train", Continued(head) if isinstance(chunk, Continued) else head
                 yield "val", chunk[split_at - pos :]
             pos = end
         if eot and k < len(docs) - 1:
             yield ("train" if pos <= split_at else "val"), None
-

@@ -17,6 +17,7 @@ import numpy as np
 
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_text
+from gptlab.tokenizer.seams import CHAR, REGEX, Seams
 
 META_FILE = "tokenizer_meta.json"
 HF_FILE = "tokenizer.json"
@@ -111,6 +112,15 @@ class Tokenizer:
     def encode_np(self, text: str) -> np.ndarray:
         """Encode plain text to an integer array (used by data preparation)."""
         return np.asarray(self.encode(text), dtype=np.int64)
+
+    @property
+    def seams(self) -> Seams:
+        """Where text may be cut so that its pieces encode to the ids of the whole (`gptlab.tokenizer.seams`)."""
+        return REGEX
+
+    def encode_chunks(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode_batch`, with each `Continued` text (cut at one of `seams`) encoded as the rest of a text."""
+        return self.encode_batch(texts)  # here the start of a text is nothing special
 
     def _meta(self) -> dict[str, Any]:
         return {
@@ -208,6 +218,10 @@ class CharTokenizer(Tokenizer):
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         n, table = self.vocab_size, self._bytes
         return b"".join(table[i] if 0 <= i < n else _REPLACEMENT for i in _as_int_list(ids))
+
+    @property
+    def seams(self) -> Seams:
+        return CHAR
 
     def _meta(self) -> dict[str, Any]:
         return {**super()._meta(), "chars": self.chars}

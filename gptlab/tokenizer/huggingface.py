@@ -27,6 +27,7 @@ from gptlab.tokenizer.base import (
     _as_int_list,
     checked_ids,
 )
+from gptlab.tokenizer.seams import CONTEXT, Continued, Seams, hf_seams
 
 # --- Hugging Face tokenizers (trained byte-level BPE, and imported models) --------------------------------------
 
@@ -139,9 +140,29 @@ class HFTokenizer(Tokenizer):
 
     @property
     def byte_level(self) -> bool:
-        """GPT-2-style byte-level BPE (its decoder reads tokens as bytes): text cut where
-        `gptlab.data.text_stream.chunk_text` cuts encodes to the ids of the whole."""
+        """GPT-2-style byte-level BPE (its decoder reads tokens as bytes). Where text may be cut is `seams`:
+        with add_prefix_space it is not where other byte-level BPEs may be cut."""
         return self._byte_level
+
+    @functools.cached_property
+    def seams(self) -> Seams:
+        return hf_seams(self._tok)
+
+    @functools.cached_property
+    def _context_ids(self) -> int:
+        return len(self.encode_batch([CONTEXT])[0])
+
+    def encode_chunks(self, texts: Sequence[str]) -> list[list[int]]:
+        if not self.seams.prepend or not any(isinstance(t, Continued) for t in texts):
+            return self.encode_batch(texts)
+        # the normalizer prepends "▁" to every text, also to a chunk that continues one: encode it after a
+        # context character instead, which takes the "▁", and drop the context's ids (the seam's space starts a
+        # pre-token, or no token spans it: see `gptlab.tokenizer.seams`). Only after a space: a hard cut elsewhere
+        # could merge the context into the chunk's first token
+        k = self._context_ids
+        after = [isinstance(t, Continued) and t.startswith(" ") for t in texts]
+        ids = self.encode_batch([CONTEXT + t if a else t for t, a in zip(texts, after, strict=True)])
+        return [x[k:] if a else x for a, x in zip(after, ids, strict=True)]
 
     def _token_table(self) -> list[bytes]:
         if self._table is None:
