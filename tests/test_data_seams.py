@@ -96,7 +96,7 @@ def test_seams_of_each_kind(tokenizers: dict[str, Tokenizer]) -> None:
         assert cuts["gpt2"] == ("newline", False, True)
 
 
-def test_a_one_word_tokenizer_whose_tokens_span_spaces_is_inexact() -> None:
+def test_a_one_word_tokenizer_whose_tokens_span_spaces_is_inexact(tmp_path: Path, capsys) -> None:
     """Trained with no pre-tokenizer, BPE merges across spaces: no cut is known to be exact, and prepare says so."""
     from tokenizers import Tokenizer as HFTok
     from tokenizers import models, normalizers, trainers
@@ -104,8 +104,13 @@ def test_a_one_word_tokenizer_whose_tokens_span_spaces_is_inexact() -> None:
     tok = HFTok(models.BPE(unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     tok.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"]))
-    seams = HFTokenizer(tok).seams
-    assert (seams.cut, seams.exact) == ("space", False) and "across a space" in seams.why
+    hf = HFTokenizer(tok, eot_id=0)
+    assert (hf.seams.cut, hf.seams.exact) == ("space", False) and "across a space" in hf.seams.why
+    hf.save(tmp_path / "tok")
+    (tmp_path / "a.txt").write_text(CORPUS[:2000], encoding="utf-8")
+    prepare([tmp_path / "a.txt"], tmp_path / "d", tokenizer=None, tokenizer_from=tmp_path / "tok", workers=1)
+    err = capsys.readouterr().err
+    assert "may differ from encoding each file whole: its vocabulary has tokens across a space" in err
 
 
 @settings(max_examples=60, deadline=None)

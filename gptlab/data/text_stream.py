@@ -18,9 +18,9 @@
   a non-space: the space starts a pre-token (or no token spans it) and a chunk starting with one gets no
   prefix of its own; a chunk after the first is marked `Continued` so that a normalizer that prepends "▁"
   regardless is undone. Tests check chunked == whole on random text for each kind. Only a stretch of 4 chunks'
-  characters without such a newline falls back to a cut before a space (also exact for the regexes), and one
-  without any space to a plain cut (may differ there); a tokenizer whose seams are not known to be exact
-  (`Seams.exact`) is cut at spaces and `prepare` says so.
+  characters without such a place falls back: to a cut before a space (exact for the regexes too), and without
+  any space to a plain cut (may differ there: e.g. long unspaced CJK text with the SentencePiece-style ones).
+  A tokenizer whose seams are not known to be exact (`Seams.exact`) is cut at spaces and `prepare` says so.
   The one real difference is the train/val boundary itself, which cuts mid-word as nanoGPT does: tiny
   Shakespeare with gpt2 gives 301,966 + 36,059 = 338,025 ids, the same total as encoding it whole.
 """
