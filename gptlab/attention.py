@@ -76,6 +76,10 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # the attention weights' dropout, applied inside SDPA (or the manual path): never called, its p read in
+        # forward, so that whatever sets every nn.Dropout's p (an init_from dropout override, disable_dropout)
+        # reaches it too without touching the config a checkpoint saves
+        self.attn_dropout = nn.Dropout(config.dropout)
 
     def forward(
         self,
@@ -99,7 +103,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
         mask = masks.window if self.sliding else masks.full
-        dropout_p = cfg.dropout if self.training else 0.0
+        dropout_p = self.attn_dropout.p if self.training else 0.0
         # autocast would cast SDPA's inputs back to its low-precision dtype: switch it off for an explicit dtype
         no_autocast = self.attention_dtype is not None and torch.is_autocast_enabled(x.device.type)
         with torch.autocast(x.device.type, enabled=False) if no_autocast else contextlib.nullcontext():

@@ -1,7 +1,9 @@
 """Preference tuning: pairs in `prepare` (masks on the replies, a pair in two consecutive windows, bad records named),
 DPO and IPO equal to trl's DPOTrainer (loss and gradients, fp32, within 1e-5), label smoothing, SimPO and ORPO against
-their formulas, the LoRA reference (adapters off) equal to the base model, and `train --objective dpo` end to end:
-reward metrics in metrics.jsonl and `gptlab plot`, `gptlab chat` on the result, DDP equal to one process."""
+their formulas, the LoRA reference (adapters off) equal to the base model, dropout off while training
+(disable_dropout: the step of a model with dropout equal to the one without, trl's, and exact resume), and
+`train --objective dpo` end to end: reward metrics in metrics.jsonl and `gptlab plot`, `gptlab chat` on the result,
+DDP equal to one process."""
 
 from __future__ import annotations
 
@@ -177,18 +179,22 @@ def test_dpo_and_ipo_equal_trl_loss_and_gradients(llama: tuple[Path, Path], tmp_
     loss, stats = objective.loss(model, x, y, scale=1 / len(pairs))
     loss.backward()
     assert abs(float(loss) - want_loss) < 1e-5
-    grads = dict(model.named_parameters())
-    n = model.config.n_layer
+    assert_grads_equal_trl({n: p.grad for n, p in model.named_parameters()}, want, model.config.n_layer)
+    assert abs(want_loss - math.log(2)) > 1e-3  # the policy is not the reference
+    assert stats.shape == (3,) and 0 <= float(stats[2]) <= len(pairs)
+
+
+def assert_grads_equal_trl(grads: dict[str, torch.Tensor], want: dict[str, torch.Tensor], n: int) -> None:
+    """gptlab's gradients of a Llama equal transformers' (trl's) under their names, fp32 within 1e-5."""
     same = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight",
             "lm_head.weight": "lm_head.weight",
             **{f"transformer.h.{i}.attn.c_proj.weight": f"model.layers.{i}.self_attn.o_proj.weight" for i in range(n)},
             **{f"transformer.h.{i}.mlp.c_proj.weight": f"model.layers.{i}.mlp.down_proj.weight" for i in range(n)},
             **{f"transformer.h.{i}.ln_1.weight": f"model.layers.{i}.input_layernorm.weight" for i in range(n)}}
     compared = [ours for ours in same if ours in grads]  # a tied head has one gradient, under the embedding's name
-    assert len(compared) >= 3 * n + 2 and abs(want_loss - math.log(2)) > 1e-3  # the policy is not the reference
+    assert len(compared) >= 3 * n + 2
     for ours in compared:
-        torch.testing.assert_close(grads[ours].grad, want[same[ours]], atol=1e-5, rtol=1e-4, msg=ours)
-    assert stats.shape == (3,) and 0 <= float(stats[2]) <= len(pairs)
+        torch.testing.assert_close(grads[ours], want[same[ours]], atol=1e-5, rtol=1e-4, msg=ours)
 
 
 def test_label_smoothing_is_conservative_dpo_and_rewards_are_beta_log_ratios() -> None:
@@ -225,6 +231,104 @@ def test_lora_reference_is_the_base_with_adapters_off(llama: tuple[Path, Path]) 
     loss, _ = objective.loss(base, x, y, 0.5)
     loss.backward()
     assert all((p.grad is not None) == ("lora_" in n) for n, p in base.named_parameters())
+
+
+# --- dropout off while training (disable_dropout, trl's default) ---------------------------------------------------
+def dpo_step(init_from: Path, reference: torch.nn.Module | None, pairs: list, seed: int = 0, **keys: object
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One DPO step (beta 0.3) of the model a run of recipe `keys` starts from (`build_model`), against `reference`
+    (None: the model's own, LoRA's base with its adapters off): the loss and the gradients. `seed`: the dropout
+    stream the step draws from."""
+    from gptlab.train import build_train_config
+    from gptlab.train.setup import build_model
+
+    cfg = build_train_config({"init_from": str(init_from), "objective": "dpo", "beta": 0.3, **keys})
+    model = build_model(cfg, 0, "cpu")
+    objective = Preference("dpo", 0.3, 0.0, model if reference is None else reference)
+    torch.manual_seed(seed)
+    x, y = rows_of_pairs(pairs)
+    loss, _ = objective.loss(model, x, y, scale=1 / len(pairs))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(a: tuple[torch.Tensor, dict], b: tuple[torch.Tensor, dict]) -> None:
+    """The same loss and gradients, to the bit."""
+    assert torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys()
+    assert all(torch.equal(a[1][k], b[1][k]) for k in a[1]), [k for k in a[1] if not torch.equal(a[1][k], b[1][k])]
+
+
+def test_dpo_turns_dropout_off_by_default_and_equals_trl(llama: tuple[Path, Path], tmp_path: Path) -> None:
+    """A model whose config has dropout 0.1 (attention weights, residual, embeddings) takes, under disable_dropout's
+    default, exactly the step of the same model with dropout 0; that step is trl's DPOTrainer's (which turns
+    dropout off by default too). With disable_dropout = false the dropout runs: the step depends on its stream."""
+    from gptlab import from_hf
+
+    base, policy = llama
+    reference = from_hf(base).float()
+    pairs = id_pairs(reference.config.vocab_size)
+    off = dpo_step(policy, reference, pairs, dropout=0.1)
+    assert_same_step(off, dpo_step(policy, reference, pairs, dropout=0.0))
+    want_loss, want = trl_loss_and_grads(base, policy, pairs, "sigmoid", 0.3, tmp_path)
+    assert abs(float(off[0]) - want_loss) < 1e-5
+    assert_grads_equal_trl(off[1], want, reference.config.n_layer)
+    on = [float(dpo_step(policy, reference, pairs, seed=s, dropout=0.1, disable_dropout=False)[0]) for s in (1, 2)]
+    assert on[0] != on[1] and float(off[0]) not in on
+
+
+def test_lora_dpo_turns_the_adapters_dropout_off_too(llama: tuple[Path, Path]) -> None:
+    """configs/lora.toml's lora_dropout 0.05 and the model's dropout: off by default, the step is the one without
+    either. At the start the policy is the reference (B = 0): the loss is log 2 exactly, which the policy's dropout,
+    absent from the reference's forward, would move (the bias trl's default avoids)."""
+    policy = llama[1]
+    pairs = id_pairs(json.loads((policy / "config.json").read_text())["vocab_size"])
+    lora = {"lora_rank": 4, "lora_alpha": 8.0}
+    off = dpo_step(policy, None, pairs, dropout=0.1, lora_dropout=0.05, **lora)
+    assert_same_step(off, dpo_step(policy, None, pairs, dropout=0.0, lora_dropout=0.0, **lora))
+    assert float(off[0]) == pytest.approx(math.log(2), abs=1e-6)
+    on = [float(dpo_step(policy, None, pairs, seed=s, dropout=0.1, lora_dropout=0.05, disable_dropout=False,
+                         **lora)[0]) for s in (1, 2)]
+    assert on[0] != on[1] and abs(on[0] - math.log(2)) > 1e-4
+    # the adapters' dropout alone (the output unchanged while B = 0): B's gradients follow its masks
+    grads = [dpo_step(policy, None, pairs, seed=s, lora_dropout=0.05, disable_dropout=False, **lora)[1]
+             for s in (1, 2)]
+    assert any(not torch.equal(grads[0][k], grads[1][k]) for k in grads[0] if "lora_B" in k)
+
+
+def test_disable_dropout_follows_the_objective_is_refused_for_lm_and_kept_on_resume() -> None:
+    import dataclasses
+
+    from gptlab.train import build_train_config
+    from gptlab.train.config import resolve_disable_dropout, resume_differences
+
+    objectives = ("lm", "dpo", "ipo", "simpo", "orpo", "grpo")
+    assert {o: resolve_disable_dropout(build_train_config({"objective": o})).disable_dropout for o in objectives} \
+        == {"lm": False, "dpo": True, "ipo": True, "simpo": True, "orpo": True, "grpo": False}  # trl's defaults
+    assert build_train_config({"objective": "grpo"}, {"disable_dropout": "true"}).disable_dropout is True
+    assert build_train_config({"objective": "dpo"}, {"disable_dropout": "off"}).disable_dropout is False
+    assert build_train_config({"disable_dropout": False}).disable_dropout is False  # lm's own behaviour, restated
+    with pytest.raises(GptlabError, match=r"disable_dropout applies to objectives .*not lm.*set dropout = 0"):
+        build_train_config({"disable_dropout": True})
+    with pytest.raises(GptlabError, match=r"disable_dropout = 'sometimes': expected bool \| 'auto'"):
+        build_train_config({"objective": "dpo", "disable_dropout": "sometimes"})
+    # what a run builds: every nn.Dropout's p (attention's included) 0 where it resolves true, the config as it was
+    from gptlab.train.setup import build_model
+
+    def dropouts(**keys: object) -> tuple[set[float], float]:
+        model = build_model(build_train_config({"objective": "grpo", "dropout": 0.1, **keys}), 65, "cpu")
+        ps = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+        assert len([m for m in model.modules() if isinstance(m, torch.nn.Dropout)]) > 3 * model.config.n_layer
+        return ps, model.config.dropout
+
+    assert dropouts() == ({0.1}, 0.1) and dropouts(disable_dropout=True) == ({0.0}, 0.1)
+    # resumed: as the checkpoint ran; one from before the key ran its dropout, and resumes so
+    dpo = build_train_config({"objective": "dpo"})
+    assert resolve_disable_dropout(dpo, {"disable_dropout": False}).disable_dropout is False
+    assert resolve_disable_dropout(dpo, {"disable_dropout": True}).disable_dropout is True
+    old = {k: v for k, v in dpo.to_dict().items() if k != "disable_dropout"}
+    assert resolve_disable_dropout(dpo, old).disable_dropout is False
+    assert resume_differences(old, resolve_disable_dropout(dpo, old)) == []
+    assert resume_differences(old, dataclasses.replace(dpo, disable_dropout=True)) == ["disable_dropout"]
 
 
 # --- a run ----------------------------------------------------------------------------------------------------------
@@ -270,6 +374,63 @@ def test_lora_dpo_on_a_hugging_face_base_then_chat(llama: tuple[Path, Path], tmp
     capsys.readouterr()
     assert main(["chat", str(run), "--max-new-tokens", "2", "--temperature", "0"]) == 0  # the context is 64
     assert capsys.readouterr().out.strip()
+
+
+def test_dpo_run_without_dropout_resumes_exactly_and_its_checkpoint_keeps_the_dropout(tmp_path: Path,
+                                                                                       capsys) -> None:
+    """A DPO run of a model with dropout 0.1: trains as with dropout 0 (the same losses), records disable_dropout
+    true, saves dropout 0.1 in its checkpoints' model config, and resumes bit-identically. With disable_dropout =
+    false the dropout runs; a checkpoint from before the key (its state.json without it) resumes with its dropout
+    on, bit-identically to that run, and refuses disable_dropout = true."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    data = pairs_data(tmp_path, PAIRS * 4)
+    recipe = tmp_path / "dpo.toml"
+    recipe.write_text('model = "tiny"\nobjective = "dpo"\nbatch_size = 4\nmax_steps = 6\nwarmup_steps = 1\n'
+                      "log_interval = 1\nlr = 3e-3\nblock_size = 96\ntensorboard = false\nthreads = 1\n"
+                      "dropout = 0.1\ncheckpoint_interval = 3\neval_interval = 0\n")
+
+    def train(run: str, *extra: str) -> int:
+        return main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / run), "--quiet", *extra])
+
+    def losses(run: str) -> list[float]:
+        rows = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["train_loss"] for line in rows if "train_loss" in line]
+
+    def weights(run: str) -> dict[str, torch.Tensor]:
+        return load_file(tmp_path / run / "checkpoints" / "step-0000006" / "model.safetensors")
+
+    def from_step_3(run: str, copy: str) -> Path:
+        shutil.copytree(tmp_path / run, tmp_path / copy)
+        shutil.rmtree(tmp_path / copy / "checkpoints" / "step-0000006")
+        return tmp_path / copy / "checkpoints" / "step-0000003" / "state.json"
+
+    assert train("off") == 0 and train("zero", "--dropout", "0.0") == 0
+    assert losses("off") == losses("zero")
+    assert json.loads((tmp_path / "off" / "config.resolved.json").read_text())["train"]["disable_dropout"] is True
+    saved = json.loads((tmp_path / "off" / "checkpoints" / "step-0000006" / "config.json").read_text())
+    assert saved["dropout"] == 0.1  # a fine-tune of the result has the model's own dropout
+    from_step_3("off", "off_resumed")
+    assert train("off_resumed", "--resume") == 0
+    assert losses("off_resumed") == losses("off")
+    assert all(torch.equal(a, weights("off")[k]) for k, a in weights("off_resumed").items())
+
+    assert train("on", "--disable-dropout", "false") == 0
+    # the first step's policy is the reference: log 2 without dropout, moved by it (the bias it is off for)
+    assert losses("off")[0] == pytest.approx(math.log(2), abs=1e-6) and abs(losses("on")[0] - math.log(2)) > 1e-4
+    state_path = from_step_3("on", "old")
+    state = json.loads(state_path.read_text())
+    del state["config"]["disable_dropout"]
+    state["config_hash"] = "0123456789abcdef"
+    state_path.write_text(json.dumps(state))
+    capsys.readouterr()
+    assert train("old", "--resume", "--disable-dropout", "true") == 2
+    assert "disable_dropout" in capsys.readouterr().err
+    assert train("old", "--resume") == 0
+    assert losses("old") == losses("on")
+    assert all(torch.equal(a, weights("on")[k]) for k, a in weights("old").items())
 
 
 def test_dpo_under_torchrun_ddp_matches_one_process(tmp_path: Path) -> None:

@@ -51,6 +51,12 @@ class TrainConfig:
     label_smoothing: float = bounded(0.0, low=0, high=0.5, high_open=True)
     # simpo: the reward margin the chosen reply must win by (trl's simpo_gamma)
     simpo_gamma: float = bounded(0.5, low=0)
+    # every dropout off while training (the model's attention, residual and embedding dropout, LoRA's adapter
+    # dropout; the checkpoint's config keeps them): "auto" = true for dpo / ipo / simpo / orpo (trl's DPO, CPO and
+    # ORPO configs' default: the policy's log-probabilities are compared with the reference's, computed without
+    # dropout), false for grpo (trl's GRPOConfig's: its ratio's old policy is the same forward pass); lm refuses
+    # true (dropout is its regularizer: set dropout = 0 there)
+    disable_dropout: bool | Literal["auto"] = "auto"
     # --- grpo: batch_size prompts a step, group_size sampled completions each, scored by `reward` (train/rewards) ---
     reward: str = "gptlab.train.rewards:exact_match"  # module:function(prompt, completion, reference) -> float
     group_size: int = bounded(8, int, low=2)  # advantages compare completions of one prompt
@@ -186,11 +192,30 @@ RESUMABLE_CHANGES = frozenset(
 )
 
 
+# What a run from before a key existed trained with, where that is not the key's default: such a checkpoint
+# counts as this value (and a resumed "auto" resolves to it), so that it resumes as it trained.
+PREDATED = {"disable_dropout": False}  # dropout ran in every objective before the key
+# the objectives whose disable_dropout = "auto" means true (trl's DPOConfig, CPOConfig, ORPOConfig)
+DROPOUT_OFF_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+
+
 def resume_differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     """The keys outside RESUMABLE_CHANGES whose value in a checkpoint's saved config differs from `cfg`'s. A key
-    the checkpoint predates counts as its default, so adding a key leaves older runs resumable."""
-    defaults, now = TrainConfig().to_dict(), cfg.to_dict()
+    the checkpoint predates counts as its PREDATED value or else its default, so adding a key leaves older runs
+    resumable."""
+    defaults, now = {**TrainConfig().to_dict(), **PREDATED}, cfg.to_dict()
     return [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != now[k]]
+
+
+def resolve_disable_dropout(cfg: TrainConfig, saved: dict[str, Any] | None = None) -> TrainConfig:
+    """`cfg` with disable_dropout "auto" decided, as the run records it: a resumed run's as its checkpoint's
+    `saved` config has it (one from before the key: false, its dropout ran), else by the objective."""
+    if cfg.disable_dropout != "auto":
+        return cfg
+    value = saved.get("disable_dropout", PREDATED["disable_dropout"]) if saved is not None else None
+    if not isinstance(value, bool):
+        value = cfg.objective in DROPOUT_OFF_OBJECTIVES
+    return dataclasses.replace(cfg, disable_dropout=value)
 
 
 def micro_steps(cfg: TrainConfig, world: int) -> int:
@@ -248,6 +273,10 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError(f"quantize = {cfg.quantize} quantizes a frozen base under LoRA adapters: set lora_rank")
     if cfg.document_mask and cfg.objective != "lm":
         raise GptlabError(f"document_mask applies to objective lm (packed documents), not {cfg.objective}")
+    if cfg.disable_dropout is True and cfg.objective == "lm":  # nothing there compares two forward passes
+        raise GptlabError("disable_dropout applies to objectives dpo, ipo, simpo, orpo and grpo, not lm, where "
+                          "dropout is the model's regularizer: set dropout = 0 (and lora_dropout = 0) to train "
+                          "without it")
     if cfg.label_smoothing and cfg.objective not in ("dpo", "simpo"):
         raise GptlabError(f"label_smoothing applies to objectives dpo and simpo, not {cfg.objective}")
     if cfg.objective != "lm" and cfg.distributed == "fsdp":

@@ -15,7 +15,7 @@ from gptlab.lora import LoRASpec, add_lora, has_lora
 from gptlab.model import GPT
 from gptlab.ops import native_low_precision_matmul
 from gptlab.tokenizer import Tokenizer, fingerprint, optional_tokenizer
-from gptlab.train.config import TrainConfig
+from gptlab.train.config import TrainConfig, resolve_disable_dropout
 from gptlab.train.distributed import shard_model
 from gptlab.train.memory import lora_spec
 from gptlab.train.precision import sharding_dtype
@@ -55,7 +55,8 @@ def build_model(
     fresh model stays on the meta device (`shard` materializes only this process's shards), and so does a
     pretrained gptlab checkpoint (`shard` reads this process's rows of each weight from its file); other
     pretrained models (Hugging Face directories, LoRA bases) are loaded into host memory (`shard` moves them to the
-    device one block at a time)."""
+    device one block at a time). With disable_dropout (resolved: `resolve_disable_dropout`) its dropouts are
+    off (`disable_dropout`)."""
     torch.manual_seed(cfg.seed)  # the same adapters (LoRA's init) and dropout stream of rank 0 on every process
     spec = lora_spec(cfg)
     if not cfg.init_from:
@@ -74,8 +75,20 @@ def build_model(
         if spec.quantize and not any(isinstance(m, FrozenQuantizedLinear) for m in model.modules()):
             quantize_base(model, spec.quantize, spec.group_size)
         add_lora(model, spec, base=base_reference(cfg.init_from))
+    if resolve_disable_dropout(cfg).disable_dropout:  # after add_lora: its adapters' dropout too
+        disable_dropout(model)
     model.activation_checkpointing = cfg.activation_checkpointing
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout of `model` off, in place, as trl's `disable_dropout_in_model`: each nn.Dropout's p set to 0
+    (gptlab's attention takes SDPA's dropout_p from one, so it is covered, unlike a transformers model's attention
+    dropout, which is a float in its config). The model's config keeps its dropout: a checkpoint saves that, and
+    a fine-tune of it has its own. A dropout of p 0 draws no random numbers: the step is the one without it."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
 
 
 def trained_weights(model: GPT) -> TrainedWeights:

@@ -39,11 +39,7 @@ from gptlab.tokenizer import optional_tokenizer
 from gptlab.train.autotune import resolve_auto_switches
 from gptlab.train.batches import StepFeed, TokenSplit, document_eot, load_train_data, pair_rows, sequence_length
 from gptlab.train.benchmarks import Benchmarks, LmEvalScorer
-from gptlab.train.config import (
-    TrainConfig,
-    micro_steps,
-    resolve_device_switches,
-)
+from gptlab.train.config import TrainConfig, micro_steps, resolve_device_switches, resolve_disable_dropout
 from gptlab.train.distributed import gradient_sync, init_distributed, wrap_ddp
 from gptlab.train.losses import DeviceLosses
 from gptlab.train.memory import check_step_memory
@@ -111,6 +107,7 @@ class Trainer:
         # --- how it runs: "auto" switches decided (by timing this run's step on a CPU), the micro-steps
         meta = read_meta(self.data_dir)
         saved = ckpt.read_training_state(resume_from, {"config": dict})["config"] if resume_from else None
+        cfg = resolve_disable_dropout(cfg, saved)  # a resumed run keeps its dropout (on, if it predates the key)
         cfg = self.cfg = resolve_auto_switches(cfg, device, self.procs.world, saved, self._probe_run,
                                                {"vocab_size": meta.get("vocab_size")}, quiet)
         check_dtype(cfg.dtype, device)
