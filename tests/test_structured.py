@@ -111,6 +111,35 @@ def test_mixed_batch_rows_are_independent_and_length_cuts_mid_json(model) -> Non
     assert gens[2].text == gens[1].text[:3] and not _valid(gens[2].text, schema)
 
 
+def test_a_grammar_that_fails_mid_answer_ends_its_row_alone(model, monkeypatch) -> None:
+    """A grammar past llguidance's limits only mid-answer (its advance raising) ends its own row with that error;
+    the batch's other rows answer as they do alone (the scheduler would otherwise fail every request)."""
+    from gptlab.generation.grammar import RowGrammar
+
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 3}}, "required": ["word"]}
+    real = RowGrammar.advance
+    calls = []
+
+    def failing(self, token: int) -> bool:  # noqa: ANN001
+        calls.append(token)
+        if len(calls) == 3:
+            raise InvalidSamplingParam("json_schema", f"(token {token})", "is too large for the grammar engine")
+        return real(self, token)
+
+    monkeypatch.setattr(RowGrammar, "advance", failing)
+    free = SamplingParams(max_new_tokens=12, temperature=0)
+    engine = Engine(model, max_batch=2, tokenizer=TOK)
+    gens = [engine.prepare(list(b"ab"), p) for p in (free, SamplingParams(max_new_tokens=40, temperature=0,
+                                                                          json_schema=schema))]
+    engine.add(gens)
+    while engine.running:  # (`run` raises a row's error at the end: the steps go on here as a server's do)
+        engine.step()
+    assert gens[1].finish_reason == "error" and isinstance(gens[1].error, InvalidSamplingParam)
+    assert len(gens[1].token_ids) == 3 and engine.slots[1] is None
+    (alone,) = generate_batch(model, [list(b"ab")], free, tokenizer=TOK)
+    assert gens[0].token_ids == alone.token_ids and gens[0].finish_reason == alone.finish_reason
+
+
 def test_grammar_state_survives_chunked_prefill_stop_strings_and_streaming(model) -> None:
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "maxItems": 6}
     params = SamplingParams(max_new_tokens=60, temperature=0.9, seed=3, json_schema=schema, stop=["never"])

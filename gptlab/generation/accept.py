@@ -68,7 +68,13 @@ def finish_rows(gens: list[Generation], new: list[int], config: GPTConfig, max_l
             if g.text_state is not None:
                 stopped = g.text_state.push(tok)
             if g.grammar is not None:  # a complete JSON output ends the row, whether or not the model has an EOS
-                stopped = g.grammar.advance(tok) or stopped
+                try:
+                    stopped = g.grammar.advance(tok) or stopped
+                except Exception as e:  # noqa: BLE001 - past llguidance's limits mid-answer: this row ends alone
+                    g.error = e
+                    g._finish(FINISH_ERROR)
+                    release(g)
+                    continue
         if stopped:
             g._finish(FINISH_STOP)
         elif len(g.token_ids) >= g.params.max_new_tokens:
