@@ -236,6 +236,33 @@ def _schedule(engine: Engine, prompts: list[list[int]], loop=None) -> list:  # n
     return jobs
 
 
+def test_rows_whose_event_loop_closed_are_freed():
+    """A job whose event loop is gone (a server shutting down) has nobody to answer: its rows are freed at the
+    next step instead of decoding to their end."""
+    import asyncio
+    import time
+
+    from helpers import ByteTokenizer
+
+    from gptlab.serve.scheduler import Job, Scheduler
+
+    engine = Engine(_MODELS["rope"], max_batch=2, tokenizer=ByteTokenizer())  # text: each step has events
+    loop = asyncio.new_event_loop()
+    loop.close()
+    job = Job([engine.prepare(tokens(3, 4), SamplingParams(max_new_tokens=40, temperature=0))], loop=loop)
+    scheduler = Scheduler(engine)
+    scheduler.submit(job)
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 60
+        while (scheduler.steps == 0 or engine.running) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert job.cancelled and not engine.running and all(s is None for s in engine.slots)
+    assert len(job.gens[0].token_ids) < 40 and scheduler.steps < 39
+
+
 def test_the_scheduler_admits_waiting_requests_in_one_prefill():
     """Requests waiting when the server's scheduler looks are prefilled by one `Engine.add`, and each answers
     as alone."""

@@ -258,9 +258,10 @@ class Scheduler:
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                for job, _ in items:
-                    job.cancelled = True
+            except RuntimeError:  # the event loop is closed: nobody is listening any more, so its rows are freed
+                for job in {id(job): job for job, _ in items}.values():
+                    if not job.cancelled:
+                        self.cancel(job)
 
     def _fail(self, gen: Generation, error: BaseException | None) -> None:
         """End the job `gen` belongs to with `error`: its client is told, and its other rows are freed."""
