@@ -51,7 +51,6 @@ from gptlab.generation.params import SamplingParams
 from gptlab.generation.prefill import prefill_rows
 from gptlab.generation.prefix_cache import PrefixCache, keep_row
 from gptlab.generation.request import (
-    FINISH_LENGTH,
     FINISH_STOP,
     Generation,
     prepare_generation,
@@ -334,15 +333,6 @@ class Engine(PromptPrefill):
 
     def _accept(self, gens: list[Generation], logits: torch.Tensor) -> None:
         """Sample one token per row, record it, and finish / free the rows that are done (`accept`'s jobs)."""
-        if any(g.params.max_new_tokens == 0 for g in gens):  # prompts prefilled only to be scored: no token
-            for g in gens:
-                if g.params.max_new_tokens == 0:
-                    g._finish(FINISH_LENGTH)
-                    self.release(g)
-            keep = [i for i, g in enumerate(gens) if not g.finished]
-            gens, logits = [gens[i] for i in keep], logits[keep]
-            if not gens:
-                return
         counts = self._penalties
         slots = torch.tensor([g.row.slot for g in gens], device=self.device) if counts is not None else None
         new = sample_rows(gens, logits, *(counts.rows(slots) if counts is not None else (None, None)), self.release)

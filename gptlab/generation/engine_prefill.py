@@ -100,19 +100,23 @@ class PromptPrefill:
                     hidden: torch.Tensor | list[torch.Tensor]) -> tuple[list[Generation], torch.Tensor | None]:
         """After a prefill forward (inside `_kernels`; hidden[i]: row i's (T, C), T >= its part): the parts' prompt
         logprobs scored; the rows whose prompt is now whole, kept by the prefix cache, and the logits after their
-        last token."""
+        last token (a row asked for no token, there only to be scored, finishes here instead)."""
         done, last = [], []
         for i, (g, part) in enumerate(zip(gens, parts, strict=True)):
             score_prompt(self.model, g, hidden[i][: len(part)], len(g.prompt_ids) - len(g.row.pending))
             g.row.pending = g.row.pending[len(part) :]
             if not g.row.pending:
+                keep_row(self.prefix_cache, self.model, self.cache, g)
+                if g.params.max_new_tokens == 0:  # prefilled only to be scored (`_done_before_start`): no token
+                    g._finish(FINISH_LENGTH)
+                    self.release(g)
+                    continue
                 done.append(g)
                 last.append(hidden[i][len(part) - 1])
-                keep_row(self.prefix_cache, self.model, self.cache, g)
         return done, self.model.logits(torch.stack(last)) if done else None
 
     def _done_before_start(self: Engine, g: Generation) -> bool:
-        # (a prompt to be scored is prefilled all the same: `_accept` then finishes it with no token)
+        # (a prompt to be scored is prefilled all the same: `_prompts_in` then finishes it with no token)
         if g.params.max_new_tokens == 0 and not g.params.prompt_logprobs:
             g._finish(FINISH_LENGTH)
             return True
