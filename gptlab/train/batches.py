@@ -93,12 +93,12 @@ def document_eot(document_mask: bool, sources: list[tuple[Path, float]]) -> int 
     source of a mixture must end its documents with it (one of chats would have its turns cut apart)."""
     if not document_mask:
         return None
-    for data_dir, _ in sources:
-        meta = read_meta(data_dir)
+    metas = [read_meta(data_dir) for data_dir, _ in sources]
+    for (data_dir, _), meta in zip(sources, metas, strict=True):
         if meta.get("eot_id") is None or meta.get("separator") != "eot":
             raise GptlabError(f"document_mask = true needs documents ended by end-of-text tokens; {data_dir} has "
                               "none (prepare it with a tokenizer that has one: gpt2, bpe, --tokenizer-from)")
-    return int(read_meta(sources[0][0])["eot_id"])  # the sources share one tokenizer (`load_train_data`)
+    return int(metas[0]["eot_id"])  # the sources share one tokenizer (`load_train_data`)
 
 
 def mixture_batch(mix: Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
@@ -241,10 +241,10 @@ class StepFeed:
         self._ahead: DeviceStep | None = None
         # seconds a step waited for batches not made ahead, and seconds the host spent making them ahead
         self.wait_sec, self.host_sec = 0.0, 0.0
-        self.fed_tokens = 0  # input tokens of the steps handed out since `take_tokens`
-        # input tokens of every step of the run (state.json's and metrics.jsonl's tokens_seen): a sum kept, not
-        # steps x a window's tokens, which pairs' cut rows do not fill; a resumed run sets its checkpoint's. GRPO
-        # counts its prompts' windows here, not the rollouts it trains on (made later, per process)
+        # input tokens of every step of the run (state.json's and metrics.jsonl's tokens_seen, and tokens/s over
+        # the steps between two rows): a sum kept, not steps x a window's tokens, which pairs' cut rows do not
+        # fill; a resumed run sets its checkpoint's. GRPO counts its prompts' windows here, not the rollouts it
+        # trains on (made later, per process)
         self.seen_tokens = 0
 
     def get(self, step: int) -> DeviceStep:
@@ -254,14 +254,8 @@ class StepFeed:
             t0 = time.perf_counter()
             ready = self._prepare(step)
             self.wait_sec += time.perf_counter() - t0
-        self.fed_tokens += ready.tokens
         self.seen_tokens += ready.tokens
         return ready
-
-    def take_tokens(self) -> int:
-        """The input tokens of the steps handed out since the last call (over all processes)."""
-        tokens, self.fed_tokens = self.fed_tokens, 0
-        return tokens
 
     def prefetch(self, step: int) -> None:
         """Prepare `step`'s batches now, for the coming `get(step)`."""

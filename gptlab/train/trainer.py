@@ -300,7 +300,7 @@ class Trainer:
         cfg = self.cfg
         # a resumed run that had ended here (a requeued job) evaluated this step already
         last_eval_step = scored_step = self.step if self.ended_at == self.step else -1
-        window_t0, window_step = time.perf_counter(), self.step  # tokens/s over the steps since the last row
+        window_t0, window_step, window_tokens = time.perf_counter(), self.step, self.feed.seen_tokens  # since a row
         while self.step < cfg.max_steps and not self._time_up():
             t0 = time.perf_counter()
             multiplier = self._lr_multiplier()
@@ -317,7 +317,7 @@ class Trainer:
             do_tasks = self.benchmarks is not None and self.benchmarks.due(self.step) and self.step < cfg.max_steps
             if self.step % cfg.log_interval == 0 or do_eval or do_tasks:
                 loss = self.read_loss()  # the losses' only read between checkpoints: it waits for the device
-                tps = self.feed.take_tokens() / max(time.perf_counter() - window_t0, 1e-9)  # what the rows held
+                tps = (self.feed.seen_tokens - window_tokens) / max(time.perf_counter() - window_t0, 1e-9)
                 row = {"step": self.step, "train_loss": loss, "lr": self.opt_spec.lr * multiplier,
                        "tokens_per_sec": tps, "tokens_seen": self.feed.seen_tokens, "elapsed_sec": self.elapsed,
                        **log.utilization(tps),
@@ -334,7 +334,7 @@ class Trainer:
                 log.write(row)
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=True)
-                window_t0, window_step = time.perf_counter(), self.step
+                window_t0, window_step, window_tokens = time.perf_counter(), self.step, self.feed.seen_tokens
             if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                 self.read_loss()  # never a checkpoint of a step that a non-finite loss skipped
                 self.save_checkpoint()
