@@ -92,11 +92,12 @@ def _trained_document_eot(checkpoint: str, meta: dict[str, Any]) -> int | None:
     """The end-of-text id that ends the data's documents, where the run trained with `document_mask` (each packed
     document attending only within itself): scored the same way, as its own evaluations were; else None."""
     from gptlab.checkpoint import recorded_setting
+    from gptlab.data import document_end_id
 
     recipe = recorded_setting(checkpoint, "train")
     if not isinstance(recipe, dict) or recipe.get("document_mask") is not True:
         return None
-    return int(meta["eot_id"]) if meta.get("separator") == "eot" and meta.get("eot_id") is not None else None
+    return document_end_id(meta)
 
 
 def _check_same_tokenizer(checkpoint: str, model_tok: Tokenizer | None, data: str) -> None:

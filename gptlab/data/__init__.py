@@ -9,6 +9,7 @@ pool, the record readers or an HTTP client.
 from gptlab.data.dataset import (
     batch_starts,
     check_split_fits,
+    document_end_id,
     global_batch,
     load_mask,
     load_split,
@@ -21,5 +22,5 @@ from gptlab.lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(__name__, {"fetch_shakespeare": "gptlab.data.corpora",
                                                "prepare": "gptlab.data.preparation"})
 
-__all__ = ["batch_starts", "check_split_fits", "fetch_shakespeare", "global_batch", "load_mask", "load_split",
-           "micro_batch", "prepare", "read_meta", "windows"]
+__all__ = ["batch_starts", "check_split_fits", "document_end_id", "fetch_shakespeare", "global_batch", "load_mask",
+           "load_split", "micro_batch", "prepare", "read_meta", "windows"]

@@ -53,6 +53,12 @@ def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
+def document_end_id(meta: dict[str, Any]) -> int | None:
+    """The end-of-text id that ends the documents of a DATA_DIR's meta.json (its separator "eot"); None where its
+    documents are not ended by one (a char vocabulary, chat records)."""
+    return int(meta["eot_id"]) if meta.get("separator") == "eot" and meta.get("eot_id") is not None else None
+
+
 def parse_sources(spec: str) -> list[tuple[Path, float]]:
     """``DIR`` or a mixture ``A:0.7,B:0.3`` (weights relative, > 0; a DIR without one weighs 1) as (directory,
     weight) pairs. A directory whose own name ends in ``:number`` is taken whole when it exists."""

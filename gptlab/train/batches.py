@@ -18,7 +18,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptlab.data import batch_starts, check_split_fits, load_mask, load_split, micro_batch, read_meta, windows
+from gptlab.data import (
+    batch_starts,
+    check_split_fits,
+    document_end_id,
+    load_mask,
+    load_split,
+    micro_batch,
+    read_meta,
+    windows,
+)
 from gptlab.data.dataset import tokenizer_identity
 from gptlab.errors import GptlabError
 from gptlab.kv_cache import document_ids
@@ -93,12 +102,12 @@ def document_eot(document_mask: bool, sources: list[tuple[Path, float]]) -> int 
     source of a mixture must end its documents with it (one of chats would have its turns cut apart)."""
     if not document_mask:
         return None
-    metas = [read_meta(data_dir) for data_dir, _ in sources]
-    for (data_dir, _), meta in zip(sources, metas, strict=True):
-        if meta.get("eot_id") is None or meta.get("separator") != "eot":
+    ends = [document_end_id(read_meta(data_dir)) for data_dir, _ in sources]
+    for (data_dir, _), end in zip(sources, ends, strict=True):
+        if end is None:
             raise GptlabError(f"document_mask = true needs documents ended by end-of-text tokens; {data_dir} has "
                               "none (prepare it with a tokenizer that has one: gpt2, bpe, --tokenizer-from)")
-    return int(metas[0]["eot_id"])  # the sources share one tokenizer (`load_train_data`)
+    return ends[0]  # the sources share one tokenizer (`load_train_data`)
 
 
 def mixture_batch(mix: Mixture, seed: int, step: int, batch_size: int, block_size: int) -> StepBatch:
