@@ -295,3 +295,77 @@ def test_training_starts_from_a_gguf_file_and_lora_asks_for_a_checkpoint(tmp_pat
                    "--out", str(tmp_path / "lora"), "--quiet"])
     assert rc == 2 and err.getvalue().startswith(f"error: {good_gguf} is a GGUF file: a LoRA run records"), \
         err.getvalue()
+
+
+class _Omitting:
+    """A GGUF writer that leaves out the metadata the given `add_*` calls would write, and can add some."""
+
+    def __init__(self, writer: object, omit: tuple[str, ...], extra: dict[str, object]) -> None:
+        self._writer, self._omit, self._extra = writer, omit, extra
+
+    def __getattr__(self, name: str) -> object:
+        if name in self._omit:
+            return lambda *args, **kwargs: None
+        return getattr(self._writer, name)
+
+    def add_extra(self) -> None:
+        for name, value in self._extra.items():
+            getattr(self._writer, name)(value)
+
+
+def _gemma2_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, omit: tuple[str, ...] = (),
+                 **extra: object) -> tuple[Path, object]:
+    """A gemma2 GGUF of a random Gemma 2 (caps 50 and 30, a window as long as the context), written without the
+    metadata `omit` names and with the `extra` add_* calls."""
+    import transformers
+    from test_gguf_families import _small, _tokenizer
+
+    import gptlab.interop.gguf as export
+
+    vocab, eos = _tokenizer(tmp_path / "hf", None)
+    cfg = transformers.Gemma2Config(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos, **_small(
+        num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=64, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, initializer_range=1.0))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    write_hparams = export.write_hparams
+
+    def hparams(w: object, config: GPTConfig, arch: object) -> None:
+        writer = _Omitting(w, omit, extra)
+        write_hparams(writer, config, arch)
+        writer.add_extra()
+
+    monkeypatch.setattr(export, "write_hparams", hparams)
+    done = convert(tmp_path / "hf", tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
+    return tmp_path / "m.gguf", done
+
+
+def test_a_gemma2_file_without_caps_or_window_reads_them_as_llama_cpp_does(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's gemma2 soft-caps at 50 and 30 and slides at 4096 where the file names no cap or window (files
+    from older converters): gptlab reads the same model, not an uncapped one."""
+    path, done = _gemma2_gguf(tmp_path, monkeypatch, omit=("add_attn_logit_softcapping",
+                                                           "add_final_logit_softcapping", "add_sliding_window"))
+    fields = gguf.GGUFReader(path).fields
+    assert not any(k.endswith(("softcapping", "sliding_window")) for k in fields), list(fields)
+    model, tok = load_model(path)
+    assert (model.config.attn_softcap, model.config.logit_softcap) == (50.0, 30.0)
+    assert model.config.sliding_window in (4096, None)  # 4096 covers this model's 64 positions
+    ids = tok.encode(TEXT)[:60]
+    torch.testing.assert_close(_logits(model, ids), _logits(done.model, ids), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", [2, 3])
+def test_only_gemma2s_own_sliding_window_pattern_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture, pattern: int) -> None:
+    """llama.cpp reads gemma2.attention.sliding_window_pattern (2 where absent); another pattern is refused by name
+    rather than run as Gemma 2's alternation."""
+    path, _ = _gemma2_gguf(tmp_path, monkeypatch, add_sliding_window_pattern=pattern)
+    capsys.readouterr()  # the export's progress
+    code = main(["sample", str(path), "--max-new-tokens", "1", "--temperature", "0"])
+    err = capsys.readouterr().err
+    if pattern == 2:
+        assert code == 0, err
+    else:
+        assert code == 2 and "gemma2.attention.sliding_window_pattern=3" in err and str(path) in err, err
+        assert len(err.strip().splitlines()) == 1, err

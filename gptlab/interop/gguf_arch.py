@@ -36,9 +36,13 @@ class GgufArch:
     sliding: str = "none"  # which layers the file's attention.sliding_window is for: none, all, alternate (even ones)
     output: bool = True  # reads an output tensor (Gemma 2's head is always the embedding)
     biases: tuple[str, ...] = ()  # bias tensors it requires: a model without them gets zeros, which add nothing
-    softcaps: bool = False  # always soft-caps scores and logits (at 50 and 30 where the file names no cap)
+    softcaps: bool = False  # always soft-caps scores and logits (at DEFAULT_SOFTCAPS where the file names no cap)
+    default_window: int | None = None  # the window its sliding layers take where the file names none
     unbiased: bool = False  # reads no bias tensor: a model with biases would fail to load (a tensor count off)
 
+
+# (attention scores, final logits): llama.cpp's caps where a soft-capping architecture's file names none
+DEFAULT_SOFTCAPS = (50.0, 30.0)
 
 # llama.cpp's architecture for each Hugging Face family, as its convert_hf_to_gguf.py writes it. GPT-J is the
 # exception: llama.cpp names a gptj architecture but does not load it, so GPT-J goes in as phi2, the same block
@@ -50,7 +54,8 @@ ARCHES = {
     "MistralForCausalLM": GgufArch("llama", adjacent_rope=True),
     "Qwen2ForCausalLM": GgufArch("qwen2"),
     "Qwen3ForCausalLM": GgufArch("qwen3"),
-    "Gemma2ForCausalLM": GgufArch("gemma2", sliding="alternate", output=False, softcaps=True, unbiased=True),
+    "Gemma2ForCausalLM": GgufArch("gemma2", sliding="alternate", output=False, softcaps=True, unbiased=True,
+                                  default_window=4096),
     "Phi3ForCausalLM": GgufArch("phi3", fused_qkv=True, fused_gate_up=True, sliding="all"),
     "GPTNeoXForCausalLM": GgufArch("gptneox", fused_qkv=True),
     "GPTJForCausalLM": GgufArch("phi2", fused_qkv=True, biases=("attn_qkv", "attn_output")),

@@ -24,7 +24,7 @@ import torch
 from gptlab.checkpoint import assign_weights, plain_shapes
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
-from gptlab.interop.gguf_arch import ARCHES, GgufArch, gptlab_tensors, score_scalar
+from gptlab.interop.gguf_arch import ARCHES, DEFAULT_SOFTCAPS, GgufArch, gptlab_tensors, score_scalar
 from gptlab.interop.gguf_vocab import tokenizer_from_gguf
 from gptlab.interop.registry import BY_ARCHITECTURE
 from gptlab.model import GPT
@@ -204,7 +204,8 @@ def gguf_config(path: Path, meta: _Metadata, tensors: _Tensors) -> tuple[GPTConf
                           f"{', '.join(sorted(_FAMILY))}")
     family, arch = BY_ARCHITECTURE[_FAMILY[name]], ARCHES[_FAMILY[name]]
     _refuse_rope_scaling(meta, name)
-    hf = _hf_config(name, meta, tensors)
+    _refuse_window_pattern(meta, name, arch)
+    hf = _hf_config(name, arch, meta, tensors)
     hf["architectures"], hf["model_type"] = [family.ARCHITECTURE], family.MODEL_TYPE
     try:
         fields = family.config_from_hf(hf)
@@ -225,6 +226,15 @@ def _refuse_rope_scaling(meta: _Metadata, arch: str) -> None:
                           "which gptlab's GGUF import does not read yet: load the model's Hugging Face directory")
 
 
+def _refuse_window_pattern(meta: _Metadata, name: str, arch: GgufArch) -> None:
+    """llama.cpp reads gemma2's `attention.sliding_window_pattern` (one global layer every N, 2 where absent); gptlab
+    reads Gemma 2's alternation only, so another pattern is refused rather than run as a different model."""
+    key = f"{name}.attention.sliding_window_pattern"
+    if arch.sliding == "alternate" and key in meta.fields and (pattern := meta.get(key, int)) != 2:
+        raise GptlabError(f"{meta.path}: {key}={pattern}: gptlab reads {name}'s alternate sliding layers only "
+                          "(a pattern of 2)")
+
+
 def _refuse_unread(path: Path, tensors: _Tensors, tied: bool) -> None:
     """A tensor the model has no place for would be dropped (llama.cpp's rope_freqs and rope_factors_* scale RoPE:
     Llama 3.1's and Phi-3 128k's files): refused by name, as Hugging Face import refuses one. A tied head's
@@ -236,8 +246,9 @@ def _refuse_unread(path: Path, tensors: _Tensors, tied: bool) -> None:
         raise GptlabError(f"{path}: tensor {unread[0]}{more} has no place in the model gptlab reads{why}")
 
 
-def _hf_config(arch: str, meta: _Metadata, tensors: _Tensors) -> dict[str, Any]:
-    """The file's `{arch}.*` keys under every name the families' config readers look for."""
+def _hf_config(arch: str, reads: GgufArch, meta: _Metadata, tensors: _Tensors) -> dict[str, Any]:
+    """The file's `{arch}.*` keys under every name the families' config readers look for; a key the file leaves
+    out takes the value llama.cpp's loader gives it (Gemma 2's caps and window), so both run the same model."""
     def key(suffix: str, kind: type | tuple[type, ...] = int, default: Any = ...) -> Any:
         return meta.get(f"{arch}.{suffix}", kind, default)
 
@@ -246,7 +257,8 @@ def _hf_config(arch: str, meta: _Metadata, tensors: _Tensors) -> dict[str, Any]:
     head_dim = key("attention.key_length", default=n_embd // n_head if n_head > 0 else n_embd)
     eps = key("attention.layer_norm_epsilon", number, None) or key("attention.layer_norm_rms_epsilon", number, None)
     rotary = key("rope.dimension_count", default=head_dim)
-    window = key("attention.sliding_window", default=None)
+    window = key("attention.sliding_window", default=reads.default_window)
+    caps = DEFAULT_SOFTCAPS if reads.softcaps else (None, None)
     ff, ctx, n_layer = key("feed_forward_length"), key("context_length"), key("block_count")
     embedding = tensors.shape("token_embd.weight")
     if embedding is None or len(embedding) != 2 or embedding[1] != n_embd:
@@ -262,8 +274,8 @@ def _hf_config(arch: str, meta: _Metadata, tensors: _Tensors) -> dict[str, Any]:
         "rope_theta": key("rope.freq_base", number, 10000.0),
         "partial_rotary_factor": rotary_fraction, "rotary_pct": rotary_fraction, "rotary_dim": rotary,
         "sliding_window": window, "use_sliding_window": window is not None, "max_window_layers": 0,
-        "attn_logit_softcapping": key("attn_logit_softcapping", number, None),
-        "final_logit_softcapping": key("final_logit_softcapping", number, None),
+        "attn_logit_softcapping": key("attn_logit_softcapping", number, caps[0]),
+        "final_logit_softcapping": key("final_logit_softcapping", number, caps[1]),
         "use_parallel_residual": key("use_parallel_residual", bool, True),
         "query_pre_attn_scalar": score_scalar(arch, n_layer, n_embd, n_head, head_dim) if n_head > 0 else head_dim,
         "attention_bias": "blk.0.attn_output.bias" in tensors, "mlp_bias": "blk.0.ffn_down.bias" in tensors,
