@@ -1,6 +1,6 @@
 """One configurable GPT: the GPT-2 family and the modern (Llama / NeoX) family, switched by `GPTConfig`.
 
-Reads top to bottom: norms, feed-forward, block, the model. Attention (fused and manual paths) is in
+Reads top to bottom: feed-forward, block, the model. Attention (fused and manual paths) is in
 `gptlab.attention`, rotary embeddings in `gptlab.rope`, and the KV cache for incremental decoding is an object of
 its own (`gptlab.kv_cache`) whose methods the forward calls.
 Shapes: B batch, T sequence, C n_embd, nh query heads, nkv key/value heads, hs head size.
@@ -22,32 +22,10 @@ from gptlab.config import GPTConfig
 from gptlab.head_loss import TiedGradient, head_cross_entropy, tied_embedding, tied_gradient
 from gptlab.kv_cache import KVCache, document_masks, masks_for
 from gptlab.linear import Linear
-from gptlab.norms import LayerNorm, RMSNorm
+from gptlab.norms import UnitOffsetRMSNorm, make_norm
 from gptlab.ops import assert_in_range_on_device, cross_entropy, gelu, reduce_losses, upcasting_linear
 from gptlab.rope import rope_tables
 from gptlab.token_shift import Shifts, TokenShift
-
-
-class UnitOffsetRMSNorm(nn.Module):
-    """RMSNorm scaled by (1 + weight), computed in fp32, the weight starting at 0 (Gemma)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
-
-
-def make_norm(config: GPTConfig) -> nn.Module:
-    if config.norm_unit_offset:
-        return UnitOffsetRMSNorm(config.n_embd, config.norm_eps)
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight)
-    return LayerNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight,
-                     bias=config.has_bias("norm"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

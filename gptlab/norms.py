@@ -6,6 +6,7 @@ within fp32 rounding of ATen's values (tests/test_norms.py checks values and gra
 fp64). The modules are nn.LayerNorm / nn.RMSNorm (same parameters, state-dict names and checks); only the forward
 differs, and only where the kernel is used: training (a gradient is wanted), a CPU, fp32 or bf16 rows, outside
 torch.compile. Inference keeps ATen's bits, which the Hugging Face parity tests and the decode steps follow.
+Gemma's RMSNorm, scaled by (1 + weight), is a module of its own; `make_norm` builds the one a config names.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from gptlab.config import GPTConfig
 
 
 class _NormRows(torch.autograd.Function):
@@ -84,3 +87,26 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class UnitOffsetRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), computed in fp32, the weight starting at 0 (Gemma)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    """The norm the config names, as the blocks and the final norm use it."""
+    if config.norm_unit_offset:
+        return UnitOffsetRMSNorm(config.n_embd, config.norm_eps)
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight)
+    return LayerNorm(config.n_embd, eps=config.norm_eps, elementwise_affine=config.norm_weight,
+                     bias=config.has_bias("norm"))

@@ -38,8 +38,8 @@ from gptlab.generation import native_decode
 from gptlab.hooks import hooked_here
 from gptlab.kernels.dispatch import BATCH
 from gptlab.kv_cache import KVCache, Masks
-from gptlab.model import GPT, MLP, Block, UnitOffsetRMSNorm
-from gptlab.norms import LayerNorm, RMSNorm
+from gptlab.model import GPT, MLP, Block
+from gptlab.norms import LayerNorm, RMSNorm, UnitOffsetRMSNorm
 from gptlab.rope import apply_rope, rope_at
 from gptlab.token_shift import TokenShift
 
