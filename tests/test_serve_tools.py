@@ -257,6 +257,37 @@ def test_streamed_deltas_add_up_to_the_unstreamed_answer(templated, choice) -> N
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_forced_call_cut_by_max_tokens_is_a_cut_call_never_its_marker_as_content(templated, choice) -> None:
+    """As OpenAI answers a call cut by max_tokens: finish_reason "length", content null, and the calls whose name
+    was written, the last one's arguments cut short. Under tool_choice "required" or a named function the reply can
+    only be calls, so a reply cut inside the call's opening (Qwen's `<tool_call>\\n{"name": "`) is a call cut
+    before its name: no content (it used to come back as content, "<"), no call; streamed alike."""
+    server, tok, _ = templated
+    client = _client(server)
+    syntax = tool_syntax(chat_template_for(tok))
+    name_end = len(syntax.prefix) + len("add") + len(syntax.middle)  # (bytes: one token each)
+    for max_tokens in (1, len(syntax.prefix) - 1, name_end + 3):
+        body = dict(model="m", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=max_tokens)
+        out = client.chat.completions.create(**body)
+        (answer,) = out.choices
+        assert answer.finish_reason == "length" and answer.message.content is None, (max_tokens, answer)
+        assert out.usage.completion_tokens == max_tokens
+        calls = answer.message.tool_calls or []
+        if max_tokens < len(syntax.prefix):
+            assert calls == []
+        elif choice != "required":  # (the name "required" picks is the model's)
+            (call,) = calls
+            assert call.function.name == "add" and call.function.arguments == '{"a'  # cut short
+        streamed = list(client.chat.completions.create(**body, stream=True))
+        assert all(not c.choices[0].delta.content for c in streamed)
+        names = [d.function.name for c in streamed for d in c.choices[0].delta.tool_calls or [] if d.function.name]
+        assert names == [c.function.name for c in calls] and streamed[-1].choices[0].finish_reason == "length"
+    reply, gen = generate_tool_reply(tiny_model(vocab_size=257, block_size=2048), tok, ASK, TOOLS,
+                                     tool_choice="required", params=SamplingParams(temperature=0, max_new_tokens=1))
+    assert (reply.content, reply.calls, gen.finish_reason) == ("", [], "length") and gen.text == syntax.prefix[0]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Bad requests: a 400 naming the field
 # ---------------------------------------------------------------------------------------------------------

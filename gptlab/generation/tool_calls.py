@@ -113,4 +113,4 @@ def generate_tool_reply(
     text = template.render(messages, add_generation_prompt=True, tools=tools)
     ids = tokenizer.encode(text, allow_special=template.name == "tokenizer")
     (gen,) = generate_batch(model, [ids], params, tokenizer=tokenizer)
-    return (Reply(content=gen.text) if tool_choice == "none" else final_reply(gen.text, syntax)), gen
+    return (Reply(content=gen.text) if tool_choice == "none" else final_reply(gen.text, syntax, forced)), gen

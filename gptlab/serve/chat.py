@@ -85,7 +85,7 @@ async def create_chat_completion(server: ServedModel, req: ChatRequest, request:
         entries, sent[i] = job.gens[i].logprobs[sent[i] : tokens], max(sent[i], tokens)
         return chat_logprobs(tokenizer, entries)
 
-    streams = [ToolDeltas(plan.syntax) for _ in job.gens] if plan.syntax is not None else None
+    streams = [ToolDeltas(plan.syntax, plan.forced) for _ in job.gens] if plan.syntax is not None else None
 
     def chunk(i: int, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": text} if text or finish is None else {}

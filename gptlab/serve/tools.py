@@ -125,12 +125,16 @@ def reply_message(plan: ToolPlan, text: str, finish: str | None) -> tuple[dict[s
     """The answer's message and finish reason, for a finished reply `text`."""
     if plan.syntax is None:
         return {"role": "assistant", "content": text}, finish
-    reply = final_reply(text, plan.syntax)
-    if not reply.calls:
+    reply = final_reply(text, plan.syntax, forced=plan.forced)
+    if reply.content or not text:
         return {"role": "assistant", "content": reply.content}, finish
-    calls = [{"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-             for name, arguments in reply.calls]
-    return {"role": "assistant", "content": reply.content or None, "tool_calls": calls}, finish_reason(reply, finish)
+    # calls, as OpenAI answers them: no content, and where max_tokens cut the reply short the calls whose name was
+    # written (the last one's arguments cut), never the call syntax as text
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    if reply.calls:
+        message["tool_calls"] = [{"id": _call_id(), "type": "function", "function": {
+            "name": name, "arguments": arguments}} for name, arguments in reply.calls]
+    return message, finish_reason(reply, finish)
 
 
 @dataclass
@@ -139,6 +143,7 @@ class ToolDeltas:
     a new call's id, type and name with its arguments so far, then its arguments' new text)."""
 
     syntax: ToolSyntax
+    forced: bool = False  # the reply can only be calls (ToolPlan.forced)
     text: str = ""
     sent: Reply = field(default_factory=Reply)
     ids: list[str] = field(default_factory=list)
@@ -148,7 +153,7 @@ class ToolDeltas:
         if self.finished:  # (the usage chunk after the end asks again)
             return {}
         self.text, self.finished = self.text + text, finished
-        reply = (final_reply if finished else split_reply)(self.text, self.syntax)
+        reply = final_reply(self.text, self.syntax, self.forced) if finished else split_reply(self.text, self.syntax)
         out: dict[str, Any] = {}
         if len(reply.content) > len(self.sent.content):
             out["content"] = reply.content[len(self.sent.content):]

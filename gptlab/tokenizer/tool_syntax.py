@@ -159,8 +159,9 @@ def split_reply(text: str, syntax: ToolSyntax) -> Reply:
     return reply
 
 
-def final_reply(text: str, syntax: ToolSyntax) -> Reply:
-    """A finished reply read back: text that was still undecided is content."""
+def final_reply(text: str, syntax: ToolSyntax, forced: bool = False) -> Reply:
+    """A finished reply read back: text that was still undecided is content, unless the reply could only be calls
+    (`forced`: tool_choice "required" or a function's name), where it is a call cut short before its name."""
     reply = split_reply(text, syntax)
-    return Reply(content=text) if not reply.calls and not text.startswith(syntax.prefix) else reply
+    return Reply(content=text) if not (forced or reply.calls or text.startswith(syntax.prefix)) else reply
 
