@@ -114,10 +114,13 @@ def test_every_beginning_of_a_reply_reads_as_a_beginning_of_the_whole(calls, tex
              else text if not text.startswith(syntax.prefix) else "")
     want = final_reply(whole, syntax)
     assert want.calls == [(n, json.dumps(a)) for n, a in calls] and want.content == ("" if calls else whole)
+    assert not want.cut  # whole calls (or text)
     for end in range(len(whole) + 1):
         part = split_reply(whole[:end], syntax)
         assert want.content.startswith(part.content) and len(part.calls) <= len(want.calls)
         assert all(w[0] == p[0] and w[1].startswith(p[1]) for p, w in zip(part.calls, want.calls, strict=False))
+        if part.calls and part.calls[-1] != want.calls[len(part.calls) - 1]:
+            assert part.cut  # arguments cut short
 
 
 def _allowed(grammar, text: str) -> set[str]:  # noqa: ANN001
@@ -286,6 +289,28 @@ def test_a_forced_call_cut_by_max_tokens_is_a_cut_call_never_its_marker_as_conte
     reply, gen = generate_tool_reply(tiny_model(vocab_size=257, block_size=2048), tok, ASK, TOOLS,
                                      tool_choice="required", params=SamplingParams(temperature=0, max_new_tokens=1))
     assert (reply.content, reply.calls, gen.finish_reason) == ("", [], "length") and gen.text == syntax.prefix[0]
+
+
+def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(templated) -> None:
+    """finish_reason "tool_calls" says the calls are whole: a stop string met inside a call's arguments ends the
+    reply with "stop" and the call cut short (it used to say "tool_calls" over arguments that are not JSON, which
+    a client then runs); one met after the arguments (in Qwen's `</tool_call>`) leaves the call whole."""
+    server, _, template = templated
+    client = _client(server)
+    named = {"type": "function", "function": {"name": "add"}}
+    stops = {'"b"': "stop"} | ({"</tool_call>": "tool_calls"} if template == "qwen_tools" else {})
+    for stop, finish in stops.items():
+        body = dict(model="m", messages=ASK, tools=TOOLS, tool_choice=named, stop=[stop], temperature=1.0, seed=2,
+                    max_tokens=300)
+        (answer,) = client.chat.completions.create(**body).choices
+        (call,) = answer.message.tool_calls
+        assert answer.finish_reason == finish and answer.message.content is None, (stop, answer)
+        if finish == "stop":
+            assert call.function.arguments.startswith('{"a": ') and call.function.arguments.endswith(", ")
+        else:
+            assert _valid_calls([call])
+        streamed = list(client.chat.completions.create(**body, stream=True))
+        assert streamed[-1].choices[0].finish_reason == finish
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -117,8 +117,9 @@ def _call_id() -> str:
 
 
 def finish_reason(reply: Reply, finish: str | None) -> str | None:
-    """A reply that made calls and ended where its grammar did finishes with "tool_calls"."""
-    return FINISH_TOOL_CALLS if finish == "stop" and reply.calls else finish
+    """A reply that made calls and stopped between whole calls finishes with "tool_calls" (one a stop string cut
+    inside a call stays "stop": its last call's arguments are not whole)."""
+    return FINISH_TOOL_CALLS if finish == "stop" and reply.calls and not reply.cut else finish
 
 
 def reply_message(plan: ToolPlan, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:

@@ -58,6 +58,7 @@ class Reply:
 
     content: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)
+    cut: bool = False  # the text ends inside a call (its name or arguments unfinished), not between whole calls
 
 
 def _probe_tool(name: str) -> dict[str, Any]:
@@ -147,15 +148,18 @@ def split_reply(text: str, syntax: ToolSyntax) -> Reply:
         name_at = at + len(syntax.prefix)
         middle = text.find(syntax.middle, name_at)
         if middle < 0:
-            break  # the name is still being written
+            reply.cut = True  # the name is still being written
+            break
         args_at = middle + len(syntax.middle)
         try:
             _, args_end = _JSON.raw_decode(text, args_at)
         except json.JSONDecodeError:  # unfinished: the arguments so far
             reply.calls.append((text[name_at:middle], text[args_at:]))
+            reply.cut = True
             break
         reply.calls.append((text[name_at:middle], text[args_at:args_end]))
         at = args_end + len(syntax.suffix) + len(syntax.separator)
+    reply.cut = reply.cut or at < len(text)  # (past the last whole call: the beginning of the next one's prefix)
     return reply
 
 
