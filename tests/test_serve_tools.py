@@ -313,6 +313,20 @@ def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(templated) ->
         assert streamed[-1].choices[0].finish_reason == finish
 
 
+@pytest.mark.parametrize("tools", [TOOLS, None])
+def test_a_developer_message_reaches_the_template_as_the_system_message(templated, tools) -> None:
+    """OpenAI's `developer` role is its newer name for `system`; a template that does not know it (Qwen's, Llama
+    3.1's) dropped the message (Qwen's writes only system, user, assistant and tool turns) or, with tools, took it
+    for the first user turn (Llama 3.1's). It goes to the template as a system message: the prompt is the
+    reference rendering of the same messages with role "system"."""
+    server, tok, _ = templated
+    said = [{"role": "developer", "content": "Answer in French."}, *ASK]
+    out = _client(server).chat.completions.create(model="m", messages=said, max_tokens=1, **(
+        {"tools": tools} if tools else {}))
+    want = _reference_prompt(tok, [{**said[0], "role": "system"}, *ASK], tools)
+    assert "Answer in French." in want and out.usage.prompt_tokens == len(want.encode())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Bad requests: a 400 naming the field
 # ---------------------------------------------------------------------------------------------------------

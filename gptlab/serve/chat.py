@@ -58,7 +58,7 @@ def _render(template: ChatTemplate, messages: list[dict[str, Any]], user_stops: 
 async def create_chat_completion(server: ServedModel, req: ChatRequest, request: Request) -> Any:
     tokenizer = server.tokenizer
     n_top = req.logprobs_count()
-    messages = template_messages(req)
+    messages = template_messages(req, server.chat_template)
     server.check_prompt_chars(sum(len(m["content"]) for m in messages), param="messages")
     server.check_queue(req.n)
     # Jinja, off the event loop

@@ -84,13 +84,16 @@ def plan_tools(template: ChatTemplate, req: ChatRequest) -> ToolPlan:
     return ToolPlan(tools, grammar, None if choice == "none" else syntax, forced=choice not in ("none", "auto"))
 
 
-def template_messages(req: ChatRequest) -> list[dict[str, Any]]:
+def template_messages(req: ChatRequest, template: ChatTemplate) -> list[dict[str, Any]]:
     """The request's messages as the template reads them: an assistant's calls with their arguments as objects, a
-    tool message with the name of the function whose call it answers."""
+    tool message with the name of the function whose call it answers, and a developer message (OpenAI's newer name
+    for the system message) as a system message unless the template names that role itself: Qwen's drops a role
+    it does not know, and Llama 3.1's takes it for the user's first turn."""
+    developer = "developer" if "developer" in template.source else "system"
     called: dict[str, str] = {}  # call id -> function name
     out = []
     for i, m in enumerate(req.messages):
-        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        message: dict[str, Any] = {"role": developer if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
             message["tool_calls"] = [_call_for_template(c, i) for c in m.tool_calls]
             called.update({c.id: c.function.name for c in m.tool_calls})
