@@ -25,7 +25,7 @@ pytest.importorskip("llguidance")
 
 from gptlab.generation import InvalidSamplingParam, SamplingParams  # noqa: E402
 from gptlab.generation.grammar import allowed_tokens, row_grammar  # noqa: E402
-from gptlab.generation.tool_calls import generate_tool_reply, tool_grammar  # noqa: E402
+from gptlab.generation.tool_calls import ContentLooksLikeCalls, generate_tool_reply, tool_grammar  # noqa: E402
 from gptlab.serve import ServerThread, create_app  # noqa: E402
 from gptlab.tokenizer.chat_template import chat_template_for  # noqa: E402
 from gptlab.tokenizer.tool_syntax import (  # noqa: E402
@@ -49,6 +49,9 @@ SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n}.", "parameters": s}}
          for n, s in SCHEMAS.items()]
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+# an agent's output type (the OpenAI Agents SDK sends it as response_format beside the tools)
+REPORT = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}, "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module", params=["qwen_tools", "llama3_tools", None])
@@ -152,6 +155,24 @@ def test_each_tool_choice_allows_exactly_its_replies() -> None:
     assert _allowed(several, call) == {"\n"} and several.accepting  # another call, or the end
     assert _allowed(one, call) == set() and one.done
     assert _allowed(grammar("add"), syntax.prefix + 'add", "arguments": {"a": 1, "b": ') <= set("-0123456789")
+
+
+def test_a_content_schema_makes_text_json_of_it_beside_the_calls() -> None:
+    tok = templated_byte_tokenizer("qwen_tools")
+    syntax = tool_syntax(chat_template_for(tok))
+
+    def grammar(choice: str):  # noqa: ANN202
+        params = SamplingParams(grammar=tool_grammar(syntax, TOOLS, choice, content_schema=REPORT))
+        return row_grammar(params.constraint(), tok, frozenset({tok.eot_id}))
+
+    assert _allowed(grammar("auto"), "") == {"{", "<"}  # the JSON's object, or the call prefix
+    assert _allowed(grammar("auto"), '{"answer":"a","sure":') == {"t", "f"}  # json_schema's compact form
+    assert _allowed(grammar("none"), "") == {"{"}
+    assert _allowed(grammar("required"), "") == {"<"}  # calls have no content
+    llama = tool_syntax(chat_template_for(templated_byte_tokenizer("llama3_tools")))
+    with pytest.raises(ContentLooksLikeCalls, match="writes tool calls as JSON"):
+        tool_grammar(llama, TOOLS, "auto", content_schema=REPORT)
+    tool_grammar(llama, TOOLS, "required", content_schema=REPORT)
 
 
 def test_a_grammar_is_checked_as_a_schema_is() -> None:
@@ -355,8 +376,6 @@ def test_bad_tools_and_tool_choice_are_refused_naming_the_field(templated) -> No
     _refused(_post(server, {"tools": [{"type": "function", "function": {**weather, "parameters": {
         "type": "array"}}}]}), "tools", "object's schema")
     _refused(_post(server, {"tools": [{"type": "retrieval"}]}), "tools", "Invalid value")
-    _refused(_post(server, {"tools": TOOLS, "response_format": {"type": "json_object"}}), "response_format",
-             "tool_choice")
     _refused(_post(server, {"functions": [weather]}), "functions", "use tools")
     bad_args = [*ASK, {"role": "assistant", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]
@@ -365,6 +384,36 @@ def test_bad_tools_and_tool_choice_are_refused_naming_the_field(templated) -> No
                                                                 "content": "1"}]}), "messages", "tool_call_id")
     if template == "llama3_tools":  # one call per turn: parallel calls cannot be honoured
         _refused(_post(server, {"tools": TOOLS, "parallel_tool_calls": True}), "parallel_tool_calls", "one tool call")
+
+
+def test_response_format_beside_tools_makes_the_content_json_of_its_schema(templated) -> None:
+    """As an agent with an output type asks (the OpenAI Agents SDK): under "auto" each reply is valid calls or JSON
+    content of the schema, under "required" calls, under "none" that JSON; the Python API alike. A template that
+    writes calls as bare JSON (Llama 3.1's) cannot tell such content from calls: "auto" is a 400 naming
+    response_format there."""
+    server, tok, template = templated
+    client = _client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "report", "schema": REPORT, "strict": True}}
+    ask = dict(model="m", messages=ASK, tools=TOOLS, response_format=fmt, max_tokens=200, parallel_tool_calls=False)
+    if template == "llama3_tools":
+        _refused(_post(server, {"tools": TOOLS, "response_format": fmt}), "response_format", "tool_choice")
+    else:
+        for seed in range(4):
+            out = client.chat.completions.create(**ask, seed=seed, temperature=1.0)
+            message, finish = out.choices[0].message, out.choices[0].finish_reason
+            if message.tool_calls:
+                assert message.content is None and _valid_calls(message.tool_calls) and finish == "tool_calls"
+            else:
+                jsonschema.validate(json.loads(message.content), REPORT)
+                assert finish == "stop", out
+    required = client.chat.completions.create(**ask, tool_choice="required", temperature=0)
+    assert _valid_calls(required.choices[0].message.tool_calls) and required.choices[0].message.content is None
+    none = client.chat.completions.create(**ask, tool_choice="none", temperature=0)
+    jsonschema.validate(json.loads(none.choices[0].message.content), REPORT)
+    model = tiny_model(vocab_size=257, block_size=2048)  # the served model's weights (same seed)
+    reply, _ = generate_tool_reply(model, tok, ASK, TOOLS, tool_choice="none", json_schema=REPORT,
+                                   params=SamplingParams(temperature=0, max_new_tokens=200))
+    assert reply.content == none.choices[0].message.content and not reply.calls
 
 
 def test_a_template_without_tools_is_a_clear_400(served) -> None:

@@ -144,6 +144,15 @@ def _check_schema(schema: Any) -> None:
     _check_compiles("json_schema", shown, lambda: json_grammar(schema), "a schema")
 
 
+def checked_json_schema(schema: Mapping[str, Any] | str) -> dict[str, Any]:
+    """`schema` (a mapping or its JSON text) checked as SamplingParams checks json_schema, parsed: for a grammar
+    that holds it beside other alternatives (a tool-calling reply's content); InvalidSamplingParam naming
+    json_schema otherwise."""
+    text = _schema_text(schema)
+    _check_schema(text)
+    return json.loads(text)
+
+
 def _check_compiles(name: str, shown: Any, grammar: Any, what: str) -> None:
     """That llguidance compiles `grammar()` (a grammar's text), else InvalidSamplingParam naming field `name`."""
     try:

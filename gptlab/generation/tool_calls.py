@@ -8,6 +8,11 @@ OpenAI's `tool_choice`:
 * "none": text only (never the call prefix), the tools still shown to the model by the template;
 * "required": one or more calls; a function's name: exactly one call, to it.
 
+A `content_schema` (response_format's JSON schema) makes the text JSON of that schema: the reply is that JSON or
+calls under "auto", that JSON under "none"; calls have no content, so "required" and a name ignore it. Under
+"auto" a reply is read as calls when it starts with the call prefix, so a template whose calls are bare JSON
+(Llama 3.1's `{"name": ...`) cannot tell the two apart: `ContentLooksLikeCalls`.
+
 Calls of one turn are joined by the template's separator; one at most where `parallel` is False or the template
 renders only one per turn. A call's arguments are the function's `parameters` schema (an object) through
 llguidance's JSON schema support, with the separators `tojson` writes (", " and ": "), as the template renders
@@ -21,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gptlab.errors import GptlabError
 from gptlab.generation.api import generate_batch
-from gptlab.generation.params import SamplingParams
+from gptlab.generation.params import SamplingParams, checked_json_schema
 from gptlab.tokenizer.chat_template import ChatTemplate, chat_template_for, reply_stops
 from gptlab.tokenizer.tool_syntax import Reply, ToolSyntax, final_reply, tool_syntax
 
@@ -42,6 +47,15 @@ _SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 class InvalidToolError(GptlabError):
     """A function's schema that cannot constrain its arguments (not an object's), or a choice of no given tool."""
+
+
+class ContentLooksLikeCalls(GptlabError):
+    """JSON content and calls under "auto" where the template's calls are written as JSON: no reader tells them
+    apart."""
+
+
+# what compact JSON may start with: a reply read as calls when it starts with the call prefix
+_JSON_STARTS = frozenset('{["-0123456789tfn')
 
 
 def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
@@ -65,9 +79,15 @@ def _excluded(prefix: str) -> str:
     return f"/(?s:.*)/ & ~/(?s:{escaped}.*)/"
 
 
-def tool_grammar(syntax: ToolSyntax, tools: Sequence[dict[str, Any]], choice: str, parallel: bool = True) -> str:
-    """The Lark grammar of a reply under `choice` ("none", "auto", "required" or a function's name; see the module
-    docstring); InvalidToolError for a name no tool has or parameters that are no object's schema."""
+def tool_grammar(syntax: ToolSyntax, tools: Sequence[dict[str, Any]], choice: str, parallel: bool = True,
+                 content_schema: dict[str, Any] | None = None) -> str:
+    """The Lark grammar of a reply under `choice` ("none", "auto", "required" or a function's name) whose text, if
+    `content_schema` is given, is JSON of that (checked) schema (see the module docstring); InvalidToolError for a
+    name no tool has or parameters that are no object's schema, ContentLooksLikeCalls (above)."""
+    if content_schema is not None and choice == "auto" and syntax.prefix[:1] in _JSON_STARTS:
+        raise ContentLooksLikeCalls(f"this chat template writes tool calls as JSON ({syntax.prefix!r}...), which "
+                                    "JSON content could begin like: under tool_choice 'auto' a reply could not be "
+                                    "read as the one or the other")
     functions = [t["function"] for t in tools]
     names = [f["name"] for f in functions]
     if choice not in CHOICES and choice not in names:
@@ -76,7 +96,11 @@ def tool_grammar(syntax: ToolSyntax, tools: Sequence[dict[str, Any]], choice: st
     rules = [f"call_{i}: {_literal(syntax.prefix)} {_literal(f['name'])} {_literal(syntax.middle)} "
              f"%json {json.dumps(arguments_schema(f))} {_literal(syntax.suffix)}" for i, f in enumerate(functions)]
     several = parallel and syntax.parallel
-    top = {"none": "start: TEXT", "auto": "start: TEXT | calls", "required": "start: calls"}.get(choice) or \
+    text = "TEXT"
+    if content_schema is not None:  # with the separators json_schema's grammar writes
+        rules.append(f"content: %json {json.dumps({**content_schema, 'x-guidance': {'whitespace_flexible': False}})}")
+        text = "content"
+    top = {"none": f"start: {text}", "auto": f"start: {text} | calls", "required": "start: calls"}.get(choice) or \
         f"start: call_{names.index(choice)}"
     lines = [
         "%llguidance {}",
@@ -84,8 +108,9 @@ def tool_grammar(syntax: ToolSyntax, tools: Sequence[dict[str, Any]], choice: st
         f"calls: call ({_literal(syntax.separator)} call)*" if several else "calls: call",
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
         *rules,
-        f"TEXT: {_excluded(syntax.prefix)}",
     ]
+    if text == "TEXT":
+        lines.append(f"TEXT: {_excluded(syntax.prefix)}")
     return "\n".join(lines) + "\n"
 
 
@@ -99,17 +124,22 @@ def generate_tool_reply(
     parallel: bool = True,
     params: SamplingParams | None = None,
     template: ChatTemplate | str | None = None,
+    json_schema: Mapping[str, Any] | str | None = None,
 ) -> tuple[Reply, Generation]:
     """The assistant's next turn after `messages`, able to call `tools` (OpenAI's function tools): the reply read
     back (content, or calls as (name, arguments' JSON text)) and its generation (finish reason, tokens).
     `messages` are as transformers' templates read them: an assistant's `tool_calls` with arguments as objects,
-    `role: tool` messages with the result. `template`: a built-in's name or a ChatTemplate (None: the tokenizer's)."""
+    `role: tool` messages with the result. `template`: a built-in's name or a ChatTemplate (None: the tokenizer's).
+    `json_schema`: the form of the reply's content (response_format's), see `tool_grammar`."""
     template = template if isinstance(template, ChatTemplate) else chat_template_for(tokenizer, template)
     syntax = tool_syntax(template)
     params = params or SamplingParams()
     forced = tool_choice not in ("none", "auto")  # calls only: the grammar ends the reply, as a JSON schema does
-    params = dataclasses.replace(params, grammar=tool_grammar(syntax, tools, tool_choice, parallel),
-                                 stop=params.stop if forced else reply_stops(template, params.stop))
+    content = None if json_schema is None else checked_json_schema(json_schema)
+    grammar = tool_grammar(syntax, tools, tool_choice, parallel, content)
+    ends = forced or content is not None  # the grammar ends the reply: only the caller's stops
+    params = dataclasses.replace(params, grammar=grammar, stop=params.stop if ends else reply_stops(template,
+                                                                                                   params.stop))
     text = template.render(messages, add_generation_prompt=True, tools=tools)
     ids = tokenizer.encode(text, allow_special=template.name == "tokenizer")
     (gen,) = generate_batch(model, [ids], params, tokenizer=tokenizer)

@@ -144,7 +144,7 @@ class ServedModel:
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
                     logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
-                    json_schema=req.json_schema(),
+                    json_schema=req.json_schema() if grammar is None else None,  # else the grammar holds it
                     grammar=grammar,
                 )
                 gens += [self.engine.prepare(ids, params, sample_index=j, steering=steering) for j in range(req.n)]

@@ -7,9 +7,11 @@ Earlier turns go back through the template as transformers passes them: an assis
 arguments as objects, a `role: tool` message with its `tool_call_id` and the called function's `name`.
 
 The rules a request must keep (a 400 naming the field otherwise): `tool_choice` and `parallel_tool_calls` only
-with `tools`; a named choice among the tools; function names unique; `response_format` only with tool_choice
-"none" (a reply is calls or text, not JSON of a schema); parallel_tool_calls true only where the template renders
-several calls in a turn (Llama 3.1's renders one); a template that takes no tools is a 400 naming `tools`.
+with `tools`; a named choice among the tools; function names unique; parallel_tool_calls true only where the
+template renders several calls in a turn (Llama 3.1's renders one); a template that takes no tools is a 400 naming
+`tools`. `response_format` with tools makes the reply's content JSON of its schema (`tool_grammar`: that JSON or
+calls under "auto", as the OpenAI Agents SDK asks for an agent with an output type); under "auto" it is a 400
+where the template writes its calls as bare JSON, which such content could begin like.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptlab.generation.tool_calls import InvalidToolError, tool_grammar
+from gptlab.generation.params import InvalidSamplingParam, checked_json_schema
+from gptlab.generation.tool_calls import ContentLooksLikeCalls, InvalidToolError, tool_grammar
 from gptlab.serve.schemas import ApiError, ChatRequest, NamedToolChoice
+from gptlab.serve.state import invalid_field
 from gptlab.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from gptlab.tokenizer.tool_syntax import Reply, ToolSyntax, final_reply, split_reply, tool_syntax
 
@@ -56,9 +60,6 @@ def _check_fields(req: ChatRequest) -> None:
     choice = _choice(req)
     if isinstance(req.tool_choice, NamedToolChoice) and choice not in names:
         raise ApiError(400, f"tool_choice names function '{choice}', which is not among the tools", param="tool_choice")
-    if choice != "none" and req.json_schema() is not None:
-        raise ApiError(400, "response_format cannot be combined with tool calls (a reply is calls or text): set "
-                       "tool_choice to 'none'", param="response_format")
 
 
 def plan_tools(template: ChatTemplate, req: ChatRequest) -> ToolPlan:
@@ -75,12 +76,16 @@ def plan_tools(template: ChatTemplate, req: ChatRequest) -> ToolPlan:
         raise ApiError(400, "this model's chat template renders one tool call per turn: set parallel_tool_calls "
                        "to false", param="parallel_tool_calls")
     choice = _choice(req)
-    if choice == "none" and req.json_schema() is not None:
-        return ToolPlan(tools)  # the reply is response_format's JSON, read as content
     try:
-        grammar = tool_grammar(syntax, tools, choice, parallel=req.parallel_tool_calls is not False)
+        content = None if req.json_schema() is None else checked_json_schema(req.json_schema())
+    except InvalidSamplingParam as e:
+        raise invalid_field(e, {"json_schema": "response_format"}) from e
+    try:
+        grammar = tool_grammar(syntax, tools, choice, req.parallel_tool_calls is not False, content)
     except InvalidToolError as e:
         raise ApiError(400, str(e), param="tools") from e
+    except ContentLooksLikeCalls as e:
+        raise ApiError(400, f"{e}: set tool_choice to 'none' or 'required'", param="response_format") from e
     return ToolPlan(tools, grammar, None if choice == "none" else syntax, forced=choice not in ("none", "auto"))
 
 
