@@ -382,8 +382,23 @@ def test_bad_tools_and_tool_choice_are_refused_naming_the_field(templated) -> No
     _refused(_post(server, {"tools": TOOLS, "messages": bad_args}), "messages", "not JSON")
     _refused(_post(server, {"tools": TOOLS, "messages": [*ASK, {"role": "tool", "tool_call_id": "x",
                                                                 "content": "1"}]}), "messages", "tool_call_id")
-    if template == "llama3_tools":  # one call per turn: parallel calls cannot be honoured
-        _refused(_post(server, {"tools": TOOLS, "parallel_tool_calls": True}), "parallel_tool_calls", "one tool call")
+
+
+def test_parallel_tool_calls_true_allows_several_calls_where_the_template_renders_them(templated) -> None:
+    """parallel_tool_calls true permits several calls in a turn, as OpenAI's default does: a template that renders
+    one call per turn (Llama 3.1's) makes one, as llama.cpp's server does, rather than refusing what clients send
+    by default; elsewhere a turn may hold several."""
+    server, tok, template = templated
+    syntax = tool_syntax(chat_template_for(tok))
+    out = _client(server).chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                  parallel_tool_calls=True, temperature=0, max_tokens=300)
+    calls, finish = out.choices[0].message.tool_calls, out.choices[0].finish_reason
+    whole = calls[:-1] if finish == "length" else calls  # (max_tokens may cut the last call's arguments)
+    assert calls and _valid_calls(whole) and (len(calls) == 1 or template != "llama3_tools")
+    assert finish == "tool_calls" or template != "llama3_tools"
+    one, several = tool_grammar(syntax, TOOLS, "required", parallel=True), tool_grammar(syntax, TOOLS, "required",
+                                                                                        parallel=False)
+    assert (one == several) == (template == "llama3_tools")
 
 
 def test_response_format_beside_tools_makes_the_content_json_of_its_schema(templated) -> None:

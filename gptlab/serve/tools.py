@@ -7,11 +7,12 @@ Earlier turns go back through the template as transformers passes them: an assis
 arguments as objects, a `role: tool` message with its `tool_call_id` and the called function's `name`.
 
 The rules a request must keep (a 400 naming the field otherwise): `tool_choice` and `parallel_tool_calls` only
-with `tools`; a named choice among the tools; function names unique; parallel_tool_calls true only where the
-template renders several calls in a turn (Llama 3.1's renders one); a template that takes no tools is a 400 naming
-`tools`. `response_format` with tools makes the reply's content JSON of its schema (`tool_grammar`: that JSON or
-calls under "auto", as the OpenAI Agents SDK asks for an agent with an output type); under "auto" it is a 400
-where the template writes its calls as bare JSON, which such content could begin like.
+with `tools`; a named choice among the tools; function names unique; a template that takes no tools is a 400
+naming `tools`. parallel_tool_calls true permits several calls a turn (OpenAI's default): one where the template
+renders only one (Llama 3.1's), as llama.cpp's server does. `response_format` with tools makes the reply's content
+JSON of its schema (`tool_grammar`: that JSON or calls under "auto", as the OpenAI Agents SDK asks for an agent
+with an output type); under "auto" it is a 400 where the template writes its calls as bare JSON, which such
+content could begin like.
 """
 
 from __future__ import annotations
@@ -72,9 +73,6 @@ def plan_tools(template: ChatTemplate, req: ChatRequest) -> ToolPlan:
         syntax = tool_syntax(template)
     except ChatTemplateError as e:  # one that takes no tools, or a broken one (as `messages` would find it)
         raise ApiError(400, f"tools cannot be used with this model: {e}", param="tools") from e
-    if req.parallel_tool_calls and not syntax.parallel:
-        raise ApiError(400, "this model's chat template renders one tool call per turn: set parallel_tool_calls "
-                       "to false", param="parallel_tool_calls")
     choice = _choice(req)
     try:
         content = None if req.json_schema() is None else checked_json_schema(req.json_schema())
