@@ -384,6 +384,26 @@ def test_bad_tools_and_tool_choice_are_refused_naming_the_field(templated) -> No
                                                                 "content": "1"}]}), "messages", "tool_call_id")
 
 
+def test_a_call_fed_back_with_empty_arguments_reads_as_no_arguments(templated) -> None:
+    """Some APIs write "" as the arguments of a function that takes none; fed back, it is the empty object, as the
+    template would render "{}"."""
+    from gptlab.serve.schemas import ChatRequest
+    from gptlab.serve.tools import template_messages
+
+    server, tok, _ = templated
+    def fed(arguments: str) -> list[dict]:
+        return [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "now", "arguments": arguments}}]}, {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+
+    tools = [*TOOLS, {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    template = chat_template_for(tok)
+    empty, braces = (template_messages(ChatRequest.model_validate({"messages": fed(a), "tools": tools}), template)
+                     for a in ("", "{}"))
+    assert empty == braces and empty[1]["tool_calls"][0]["function"]["arguments"] == {}
+    r = _post(server, {"tools": tools, "messages": fed("  ")})
+    assert r.status_code == 200, r.text
+
+
 def test_parallel_tool_calls_true_allows_several_calls_where_the_template_renders_them(templated) -> None:
     """parallel_tool_calls true permits several calls in a turn, as OpenAI's default does: a template that renders
     one call per turn (Llama 3.1's) makes one, as llama.cpp's server does, rather than refusing what clients send

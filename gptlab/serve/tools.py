@@ -110,8 +110,10 @@ def template_messages(req: ChatRequest, template: ChatTemplate) -> list[dict[str
 
 
 def _call_for_template(call: Any, index: int) -> dict[str, Any]:
+    """A call fed back, its arguments as an object; empty arguments (some APIs write "" for a function that takes
+    none) as {}."""
     try:
-        arguments = json.loads(call.function.arguments)
+        arguments = json.loads(call.function.arguments.strip() or "{}")
     except ValueError as e:
         raise ApiError(400, f"messages[{index}]: the arguments of call '{call.id}' are not JSON ({e})",
                        param="messages") from e
