@@ -8,7 +8,8 @@ rotary_dim dims of each head turn; the rest pass through.
 Scalings (`GPTConfig.rope_scaling`) change inv_freq, and yarn / longrope also multiply cos and sin by an
 attention factor. Two of them depend on the forward's last position (dynamic NTK and longrope switch frequencies
 once it passes the pretraining context), as transformers computes them per forward; so under those two, keys
-cached before the switch keep their old rotation, exactly as in transformers.
+cached before the switch keep their old rotation, exactly as in transformers. Rows of positions of their own (the
+engine's batch of separate requests) each take their own last position, so no row depends on the others' lengths.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, tor
     """
     # only dynamic and longrope scaling depend on the sequence's length: reading it stalls a GPU's queue
     scaling = config.rope_scaling
+    if scaling is not None and scaling.kind in LENGTH_DEPENDENT and pos.shape[0] > 1:
+        return _rows_rope_tables(config, pos)
     seq_len = int(pos.max()) + 1 if scaling is not None and scaling.kind in LENGTH_DEPENDENT else 0
     inv_freq, attention_factor = inv_frequencies(config, seq_len)
     if pos.is_cuda and not torch.compiler.is_compiling():
@@ -132,6 +135,18 @@ def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, tor
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
     return cos, sin
+
+
+def _rows_rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_tables` of a length-dependent scaling for rows (B, T) of their own positions, each row's frequencies
+    from its own last position: a batch's rows are separate sequences (the engine's requests), so a row's result
+    must not depend on how long the others are."""
+    ends = (pos.amax(dim=1) + 1).tolist()  # (read back, as one sequence's length is)
+    found = {n: inv_frequencies(config, n) for n in set(ends)}  # one per distinct length, not per row
+    inv_freq = torch.stack([found[n][0] for n in ends]).to(pos.device)  # (B, rot/2)
+    factor = torch.tensor([found[n][1] for n in ends], device=pos.device)[:, None, None, None]
+    angles = pos.to(torch.float32)[..., None] * inv_freq[:, None, :]  # (B, T, rot/2)
+    return angles.cos()[:, None] * factor, angles.sin()[:, None] * factor
 
 
 def rope_at(config: GPTConfig, pos: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:

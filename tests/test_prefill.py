@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import VOCAB
+from families import build as family_model
 from helpers import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gptlab.generation.engine as engine_module
 import gptlab.generation.engine_prefill as prefill_module
+from gptlab.config import RopeScaling
 from gptlab.generation import Engine, SamplingParams, generate_batch
 from gptlab.generation.prefill import PADDING_WASTE, padded_groups, prefill_rows
 from gptlab.generation.prefix_cache import PrefixCache
 from gptlab.kv_cache import KVCache
+from gptlab.rope import rope_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,12 +76,70 @@ def test_a_cache_stored_narrower_than_it_is_attended_in_gives_the_wide_caches_bi
 def test_padded_groups_take_each_row_once_and_bound_the_padding(parts, data):
     held = data.draw(st.lists(st.integers(0, 200), min_size=len(parts), max_size=len(parts)))
     max_len = max(h + p for h, p in zip(held, parts, strict=True))
-    groups = padded_groups(parts, held, max_len)
+    unpadded = data.draw(st.booleans())
+    groups = padded_groups(parts, held, max_len, unpadded=unpadded)
     assert sorted(i for g in groups for i in g) == list(range(len(parts)))
     for g in groups:
         longest = max(parts[i] for i in g)
+        assert not unpadded or all(parts[i] == longest for i in g)
         assert len(g) == 1 or len(g) * longest <= PADDING_WASTE * sum(parts[i] for i in g)
         assert max(held[i] for i in g) + longest <= max_len
+
+
+def test_padded_groups_unpadded_puts_only_parts_of_one_length_together():
+    groups = padded_groups([5, 3, 5, 3, 4], [0, 2, 1, 0, 0], 20, unpadded=True)
+    assert sorted(sorted(g) for g in groups) == [[0, 2], [1, 3], [4]]
+
+
+LENGTH_DEPENDENT_SCALINGS = {
+    "dynamic": RopeScaling("dynamic", factor=2.0, original_context=16),
+    "longrope": RopeScaling("longrope", original_context=16, short_factor=(1.0,) * 8,
+                            long_factor=(2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)),
+}
+
+
+@pytest.mark.parametrize("scaling", sorted(LENGTH_DEPENDENT_SCALINGS))
+def test_length_dependent_rope_tables_of_rows_are_each_rows_own(scaling):
+    """Rows of their own positions (a batch of separate sequences): each row's cos and sin are those of that row
+    alone, whatever the other rows' lengths."""
+    config = family_model("llama", rope_scaling=LENGTH_DEPENDENT_SCALINGS[scaling]).config
+    pos = torch.tensor([[3], [40], [15]])
+    cos, sin = rope_tables(config, pos)
+    for b in range(3):
+        alone = rope_tables(config, pos[b : b + 1])
+        assert torch.equal(cos[b : b + 1], alone[0]) and torch.equal(sin[b : b + 1], alone[1])
+
+
+@pytest.mark.parametrize("step", ["plain", "lean"])
+@pytest.mark.parametrize("scaling", sorted(LENGTH_DEPENDENT_SCALINGS))
+def test_a_row_of_a_length_dependent_rope_model_answers_as_alone_beside_longer_rows(monkeypatch, scaling, step):
+    """Dynamic NTK and longrope switch frequencies once a sequence passes the pretraining context (16 here). A row
+    that stays within it, prefilled in one forward with a row past it and decoding beside it, keeps the
+    frequencies it has alone: its tokens are the full forwards' argmax; the longer row's are its own alone."""
+    monkeypatch.setenv("GPTLAB_KERNEL", "torch")
+    if step == "plain":
+        monkeypatch.setattr(engine_module, "lean_step_exact", lambda m: False)
+    model = family_model("llama", rope_scaling=LENGTH_DEPENDENT_SCALINGS[scaling])
+    short, long = ([t % VOCAB for t in tokens(seed, n)] for seed, n in ((3, 4), (4, 30)))
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    for staggered in (False, True):
+        engine = Engine(model, max_batch=2)
+        assert engine.kernels()["decode step"] == step
+        gens = [engine.prepare(long, params), engine.prepare(short, params)]
+        if staggered:  # the short row prefilled alone, then decoding beside the long one
+            engine.add(gens[1:])
+            engine.add(gens[:1])
+        else:  # both prefilled in one forward
+            engine.add(gens)
+        while engine.running:
+            engine.step()
+        context, want = list(short), []
+        with torch.no_grad():
+            for _ in range(10):
+                want.append(int(model(torch.tensor([context])).logits[0, -1].argmax()))
+                context.append(want[-1])
+        assert gens[1].token_ids == want
+        assert gens[0].token_ids == generate_batch(model, [long], params)[0].token_ids
 
 
 def test_rows_that_join_together_in_scattered_slots_answer_as_alone(monkeypatch):

@@ -73,7 +73,9 @@ class PromptPrefill:
         tried again row by row, and a row that fails alone finishes with its error (the others go on)."""
         parts = [g.row.pending[: self.prefill_chunk or len(g.row.pending)] for g in gens]
         held = [len(g.prompt_ids) - len(g.row.pending) for g in gens]
-        for group in padded_groups([len(p) for p in parts], held, self.max_len):
+        scaling = self.config.rope_scaling
+        unpadded = scaling is not None and scaling.kind in LENGTH_DEPENDENT  # (a row's frequencies: its own length)
+        for group in padded_groups([len(p) for p in parts], held, self.max_len, unpadded=unpadded):
             rows, error = [gens[i] for i in group], None
             tokens = len(group) * max(len(parts[i]) for i in group)  # padded
             with self._kernels(refresh=True, rows=tokens), steering_rows(self.model, rows):

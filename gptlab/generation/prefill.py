@@ -22,10 +22,12 @@ PADDING_WASTE = 2.0  # a forward may compute at most this many times its real to
 
 
 def padded_groups(parts: Sequence[int], held: Sequence[int], max_len: int,
-                  waste: float = PADDING_WASTE) -> list[list[int]]:
+                  waste: float = PADDING_WASTE, unpadded: bool = False) -> list[list[int]]:
     """Indices of rows that each feed `parts[i]` tokens after the `held[i]` their cache row holds, grouped into
     forwards: the longest first, a group padded to its longest part computes at most `waste` x its real tokens,
-    and every padded row fits the cache (its longest held + its longest part <= max_len)."""
+    and every padded row fits the cache (its longest held + its longest part <= max_len). `unpadded`: only parts
+    of one length share a forward (RoPE scalings that depend on the length read it off each row's last position,
+    which padding would move)."""
     order = sorted(range(len(parts)), key=lambda i: -parts[i])
     groups: list[list[int]] = []
     for i in order:
@@ -33,7 +35,8 @@ def padded_groups(parts: Sequence[int], held: Sequence[int], max_len: int,
         if group is not None:
             longest, total = parts[group[0]], sum(parts[j] for j in group) + parts[i]
             fits = max(held[j] for j in [*group, i]) + longest <= max_len
-            if fits and (len(group) + 1) * longest <= waste * total:
+            padding = parts[i] != longest
+            if fits and (len(group) + 1) * longest <= waste * total and not (unpadded and padding):
                 group.append(i)
                 continue
         groups.append([i])
