@@ -142,6 +142,32 @@ def test_a_row_of_a_length_dependent_rope_model_answers_as_alone_beside_longer_r
         assert gens[0].token_ids == generate_batch(model, [long], params)[0].token_ids
 
 
+@pytest.mark.parametrize("scaling", sorted(LENGTH_DEPENDENT_SCALINGS))
+def test_chunked_prefill_of_a_length_dependent_rope_model_equals_whole_prefill(scaling):
+    """A prompt past the pretraining context (30 tokens, 16) with prefill_chunk 7, alone and while another row
+    decodes: the tokens and logprobs (prompt's too) of its one whole forward; one within it is still chunked."""
+    model = family_model("llama", rope_scaling=LENGTH_DEPENDENT_SCALINGS[scaling])
+    params = SamplingParams(temperature=0, max_new_tokens=8, logprobs=1, prompt_logprobs=True)
+    short, long = ([t % VOCAB for t in tokens(seed, n)] for seed, n in ((5, 12), (6, 30)))
+    whole = [generate_batch(model, [p], params)[0] for p in (short, long)]
+    for beside in (False, True):
+        engine = Engine(model, max_batch=3, prefill_chunk=7)
+        if beside:
+            engine.add([engine.prepare([1, 2, 3], params)])
+        gens = [engine.prepare(p, params) for p in (short, long)]
+        for g in gens:
+            engine.add([g])
+            assert len(g.row.pending) == (12 - 7 if g is gens[0] else 0)  # its first chunk; the long one whole
+            while not g.token_ids:
+                engine.step()
+        while engine.running:
+            engine.step()
+        for a, b in zip(whole, gens, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor([e.logprob for e in b.logprobs + b.prompt_logprobs[1:]]),
+                                       torch.tensor([e.logprob for e in a.logprobs + a.prompt_logprobs[1:]]))
+
+
 def test_rows_that_join_together_in_scattered_slots_answer_as_alone(monkeypatch):
     """Rows freed here and there are filled by one prefill forward (where the decode step does not take them); every
     row answers as it would alone."""

@@ -6,7 +6,9 @@
   `step` feeds every running row its last token and samples the next. Rows finish on their own
   ("stop" or "length") and free their slot, so new requests can join between steps (continuous batching).
   With `prefill_chunk`, a longer prompt is prefilled that many tokens per step, alongside the other rows'
-  decoding, so one long prompt does not stall everybody else for a whole prefill (chunked prefill).
+  decoding, so one long prompt does not stall everybody else for a whole prefill (chunked prefill); but a prompt
+  past the pretraining context of a RoPE scaling that depends on the length (dynamic, longrope) goes in whole,
+  since its chunks would be rotated otherwise than its one forward.
 * With a `PrefixCache` (`prefix_cache`), a prompt's longest kept beginning is copied into its row and only the
   rest is prefilled; each row's tokens are kept when its prompt is in and when it ends (so the next chat turn or
   request that repeats them reuses them).

@@ -71,7 +71,7 @@ class PromptPrefill:
         """Each row's next prompt part (its pending tokens, up to prefill_chunk) in as few forwards as padding
         allows; rows whose prompt is then in sample their first token. With `isolate`, a forward that fails is
         tried again row by row, and a row that fails alone finishes with its error (the others go on)."""
-        parts = [g.row.pending[: self.prefill_chunk or len(g.row.pending)] for g in gens]
+        parts = [self._next_part(g) for g in gens]
         held = [len(g.prompt_ids) - len(g.row.pending) for g in gens]
         scaling = self.config.rope_scaling
         unpadded = scaling is not None and scaling.kind in LENGTH_DEPENDENT  # (a row's frequencies: its own length)
@@ -117,6 +117,16 @@ class PromptPrefill:
                 last.append(hidden[i][len(part) - 1])
         return done, self.model.logits(torch.stack(last)) if done else None
 
+    def _next_part(self: Engine, g: Generation) -> list[int]:
+        """g's next prompt part: its pending tokens, up to prefill_chunk. All of them for a prompt past the
+        pretraining context of a RoPE scaling that depends on the length: a forward's frequencies follow its last
+        position, so chunks would rotate the prompt's first keys otherwise than the whole prompt's one forward."""
+        scaling = self.config.rope_scaling
+        if (self.prefill_chunk is None or (scaling is not None and scaling.kind in LENGTH_DEPENDENT
+                                           and len(g.prompt_ids) > scaling.original_context)):
+            return g.row.pending
+        return g.row.pending[: self.prefill_chunk]
+
     def _done_before_start(self: Engine, g: Generation) -> bool:
         # (a prompt to be scored is prefilled all the same: `_prompts_in` then finishes it with no token)
         if g.params.max_new_tokens == 0 and not g.params.prompt_logprobs:
@@ -161,7 +171,7 @@ class PromptPrefill:
     def _step_rows(self: Engine, running: list[Generation], prefilling: list[Generation]) -> bool:
         """The running rows' next tokens and the prefilling rows' next prompt parts in one C++ call (`decode_rows`);
         False where that call cannot run, before any row got a token (the separate forwards then do the step)."""
-        parts = [g.row.pending[: self.prefill_chunk or len(g.row.pending)] for g in prefilling]
+        parts = [self._next_part(g) for g in prefilling]
         if not self._rows_step_ready() or max(len(p) for p in parts) > ROWS_STEP_PART:
             return False
         if len(running) + sum(len(p) for p in parts) >= BATCH and not self._many_rows_on_kernel():
