@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 import gptlab.generation.engine as engine_module
 from gptlab.config import RopeScaling
 from gptlab.generation import Engine, Generation, PrefixCache, SamplingParams
+from gptlab.hooks import hooked
 from gptlab.kv_cache import KVCache
+from gptlab.steering import SteeringVector, steered
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -227,6 +229,25 @@ def test_length_dependent_rope_reuses_only_within_the_pretraining_context() -> N
         before = cache.stats().hit_tokens
         assert_same(engine.run([engine.prepare(prompt + [1], GREEDY)])[0], alone(model, prompt + [1]))
         assert cache.stats().hit_tokens - before == (8 if prompt is short else 0)
+
+
+def test_a_steered_or_hooked_model_neither_reuses_nor_leaves_blocks() -> None:
+    """A whole model `steered` (hook points set) computes other keys than the plain model: a prompt run under it
+    reuses none of the plain run's blocks, and a plain run afterwards none of its own."""
+    model = family_model("llama")
+    vector = SteeringVector(torch.randn(model.config.n_embd, generator=torch.Generator().manual_seed(0)) * 3, 1)
+    cache = big_cache()
+    engine = Engine(model, prefix_cache=cache)
+    engine.run([engine.prepare(PREFIX + [0], GREEDY)])
+    with steered(model, [vector]):
+        got = engine.run([engine.prepare(PREFIX + [1], GREEDY)])[0]
+        want = alone(model, PREFIX + [1])
+        with hooked(model, {"blocks.0.hook_resid_post": lambda x: x}):
+            engine.run([engine.prepare(PREFIX + [2], GREEDY)])
+    assert_same(got, want)
+    assert cache.stats().hit_tokens == 0
+    assert_same(engine.run([engine.prepare(PREFIX + [1], GREEDY)])[0], alone(model, PREFIX + [1]))
+    assert cache.stats().hit_tokens == 20  # the first, plain run's blocks
 
 
 def test_changed_weights_drop_every_block() -> None:

@@ -26,6 +26,8 @@ sums do. Reuse is refused where it would not be exact:
 * RoPE scalings whose frequencies depend on the forward's last position (dynamic NTK, longrope): blocks are kept
   and reused only for sequences that stay within the pretraining context, where every forward uses the same ones;
 * a model in training mode (dropout);
+* a model with hook points set (`gptlab.hooks`: a whole model `steered`, a patch): its keys are not the plain
+  model's, so none are kept or restored while they are set (a row's own steering: `restore_prompt`);
 * weights written since a block was kept (each parameter's version counter; writes through `.data` are not
   seen, as for the packed CPU weights): every block is dropped;
 * a KV cache of another shape, dtype or device, or another model: every block is dropped.
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from gptlab.hooks import hooked_here
 from gptlab.kv_cache import KVCache
 from gptlab.rope import LENGTH_DEPENDENT
 
@@ -157,7 +160,7 @@ class PrefixCache:
     def _usable(self, model: nn.Module, kv: KVCache, length: int) -> bool:
         """Whether blocks of a sequence of `length` tokens are exact for this model (dropping every block kept for
         another model, cache layout or version of the weights)."""
-        if model.training:
+        if model.training or hooked_here(model):
             return False
         scaling = model.config.rope_scaling
         if scaling is not None and scaling.kind in LENGTH_DEPENDENT and length > scaling.original_context:
