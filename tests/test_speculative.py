@@ -8,11 +8,13 @@ import itertools
 
 import pytest
 import torch
+from families import build as family_model
 from helpers import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from gptlab.config import RopeScaling
 from gptlab.errors import GptlabError
 from gptlab.generation import Engine, SamplingParams, generate, generate_batch
 from gptlab.generation.speculative import MAX_NGRAM, NgramDrafter, accept
@@ -90,6 +92,25 @@ def test_greedy_past_the_context_slides_as_the_target_does(draft):
     assert gen.token_ids == plain.token_ids
     if draft == "itself":  # every guess right: all but the tokens of the steps around the slide came from checks
         assert stats.accepted == stats.proposed and stats.accepted + stats.forwards >= 80
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_a_length_dependent_rope_target_decodes_past_its_pretraining_context_as_alone(kind):
+    """Dynamic NTK and longrope frequencies follow a forward's last position: a verify forward reaching past the
+    pretraining context (16) would rotate its tokens otherwise than decoding them one by one. The row speculates
+    only within it, and its tokens and logprobs are the target's own."""
+    scaling = {"dynamic": RopeScaling("dynamic", factor=2.0, original_context=16),
+               "longrope": RopeScaling("longrope", original_context=16, short_factor=(1.0,) * 8,
+                                       long_factor=(2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0))}[kind]
+    target = family_model("llama", rope_scaling=scaling)
+    params = SamplingParams(temperature=0, max_new_tokens=20, logprobs=1)
+    for prompt in ([5, 9, 13, 22, 7, 41, 5, 9], [5, 9, 13, 22, 7, 41, 5, 9] * 3):
+        (plain,) = generate_batch(target, [prompt], params)
+        gen, stats = speculative_run(target, prompt, params, target)  # the target's guesses: every one right
+        assert gen.token_ids == plain.token_ids
+        assert [e.logprob for e in gen.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-4)
+        # 8 tokens held: 4 guesses, then 2 (the forward's last position 15), then none; 24: none
+        assert stats.accepted == stats.proposed == (6 if len(prompt) == 8 else 0)
 
 
 def test_a_draft_of_a_shorter_context_reads_its_latest_half():

@@ -17,7 +17,8 @@ longest run of guesses its own sampling accepts, plus one token of its own: 1 to
 
 In the continuous batch, speculation runs while one row decodes alone (batch 1): with several rows the batched
 step already amortizes the weights' reads. A row with a grammar or penalties decodes normally (both change its
-distribution token by token).
+distribution token by token), and so does a row past the pretraining context of a RoPE scaling that depends on the
+length (dynamic, longrope: a verify forward's frequencies would follow its last guess's position).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gptlab.generation.logit_filters import apply_logit_bias
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.sampling import filtered_probs, inverse_cdf
 from gptlab.model import GPT
+from gptlab.rope import LENGTH_DEPENDENT
 
 if TYPE_CHECKING:
     from gptlab.generation.engine import Engine
@@ -237,6 +239,11 @@ class Speculator:
             return False
         engine, window = self.engine, g.row.window
         room = engine.max_len - len(window) - 1  # the verify forward feeds 1 + k tokens
+        scaling = engine.config.rope_scaling
+        if scaling is not None and scaling.kind in LENGTH_DEPENDENT:
+            # its frequencies follow the forward's last position: one verify forward rotates its tokens as a
+            # token at a time would only while they stay within the pretraining context
+            room = min(room, scaling.original_context - len(window) - 1)
         k = min(self.draft_tokens, room, g.params.max_new_tokens - len(g.token_ids))
         if k < 1:
             return False
