@@ -111,6 +111,21 @@ def test_a_message_too_long_for_the_context_is_refused_and_not_stored(ok_model):
         ChatSession(ok_model, TOK, greedy(96))
 
 
+def test_a_message_longer_than_any_context_is_refused_before_it_is_tokenized(ok_model, monkeypatch):
+    """A text of more characters than the context can hold whatever its tokens (`prompts.prompt_char_limit`) is
+    refused as the sample command and the server refuse it: not tokenized, once per turn it would drop."""
+    session = ChatSession(ok_model, TOK, greedy())
+    for _ in range(3):
+        session.ask("hi")
+    before = session.messages
+    encoded, encode = [], TOK.encode
+    monkeypatch.setattr(TOK, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+    with pytest.raises(MessageTooLongError, match=r"the message has 98,305 characters, more than the model's "
+                                                  r"context of 96 tokens can hold; it was dropped"):
+        session.send("x" * (96 * 1024 + 1))
+    assert encoded == [] and session.messages == before
+
+
 def test_a_reply_equals_generate_on_the_rendered_prompt():
     model = tiny_model(vocab_size=TOK.vocab_size, block_size=128)
     session = ChatSession(model, TOK, greedy(24), system="You are terse.")

@@ -7,7 +7,7 @@ A chat model reads the whole conversation every turn, rendered by its chat templ
   (`max_new_tokens`) must fit the model's `block_size`. When it does not, the oldest user/assistant turns are
   dropped (for good, and never the system message) and the caller is told through `on_notice`; when the new
   user message does not fit even after the system message alone, it is refused (`MessageTooLongError`) and not
-  stored.
+  stored (one longer than `prompts.prompt_char_limit` characters before it is tokenized).
 * **Knowing where a reply ends.** At the tokenizer's end-of-turn token (`eot_id`, which the engine stops at), at
   the built-in template's stop strings ("\\nUser:" for "plain", "<|im_end|>" for "chatml"), and at the text a
   template writes after an assistant message (its end-of-turn marker, e.g. "<|eot_id|>" or "<end_of_turn>",
@@ -38,6 +38,7 @@ from gptlab.generation.api import PACK_MIN_TOKENS, stream_deltas
 from gptlab.generation.engine import Engine
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
+from gptlab.generation.prompts import prompt_char_limit
 from gptlab.generation.request import Generation
 from gptlab.model import GPT
 from gptlab.tokenizer.chat_template import ChatTemplate, chat_template_for, reply_stops
@@ -118,6 +119,11 @@ class ChatSession:
         """The prompt for the conversation so far plus the user message `text`, after dropping the oldest turns
         until it leaves `max_new_tokens` of the context free. Raises MessageTooLongError (dropping nothing)
         when `text` does not fit even alone."""
+        if len(text) > prompt_char_limit(self.block_size):  # (`prompts`: never tokenized, once per dropped turn)
+            raise MessageTooLongError(
+                f"the message has {len(text):,} characters, more than the model's context of {self.block_size} "
+                "tokens can hold; it was dropped"
+            )
         budget = self.block_size - self.params.max_new_tokens
         user = {"role": "user", "content": text}
         head = self.messages[: 1 if self.system else 0]
