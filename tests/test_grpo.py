@@ -218,3 +218,36 @@ def test_grpo_needs_prompts_one_per_window(sft: tuple[Path, Path], tmp_path: Pat
     recipe.write_text(f'init_from = "{sft[1]}"\n{GRPO_RECIPE}')
     rc = main(["train", str(recipe), "--data", str(packed), "--out", str(tmp_path / "run"), "--quiet"])
     assert "prepare the records with --no-pack" in one_line_error(rc, capsys.readouterr().err)
+
+
+def test_grpo_counts_the_rollout_rows_it_trained_on(sft: tuple[Path, Path], tmp_path: Path, monkeypatch) -> None:
+    """tokens_seen and tokens/s are the rollouts' rows (prompt + completion, group_size per prompt, as the loss's
+    forward runs them: padded to the micro-step's longest, its last token a target only), not the prompt windows."""
+    from gptlab.checkpoint import list_step_checkpoints
+    from gptlab.train.grpo import Grpo
+
+    made: list[int] = []  # each micro-step's input tokens, from what the rollouts returned
+    rollout = Grpo.rollout
+
+    def recorded(self: Grpo, prompts: list[list[int]]) -> list[list[int]]:
+        completions = rollout(self, prompts)
+        lengths = [len(p) + len(c) for p, c in zip([p for p in prompts for _ in range(self.group)], completions,
+                                                   strict=True)]
+        made.append(len(lengths) * (max(lengths) - 1))
+        return completions
+
+    monkeypatch.setattr(Grpo, "rollout", recorded)
+    data, start = sft
+    recipe = tmp_path / "grpo.toml"
+    recipe.write_text(f'init_from = "{start}"\n{GRPO_RECIPE}grad_accum = 2\ncompile = false\n')
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--quiet", "--max-steps", "3"]) == 0
+    assert len(made) == 3 * 2
+    per_step = [made[2 * s] + made[2 * s + 1] for s in range(3)]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "train_loss" in r]
+    assert [r["tokens_seen"] for r in logged] == [sum(per_step[: r["step"]]) for r in logged]
+    assert all(r["tokens_per_sec"] > 0 for r in logged)
+    assert json.loads((list_step_checkpoints(run)[-1] / "state.json").read_text())["tokens_seen"] == sum(per_step)
+    window = 24  # the prompt windows fed: 4 a step, 24 inputs each
+    assert sum(per_step) != 3 * 4 * window

@@ -242,7 +242,8 @@ class StepFeed:
     (seed, step): preparing them early changes nothing."""
 
     def __init__(self, split: TokenSplit, *, seed: int, batch_size: int, seq_len: int, rank: int, world: int,
-                 grad_accum: int, vocab_size: int, device: str, document_eot: int | None = None) -> None:
+                 grad_accum: int, vocab_size: int, device: str, document_eot: int | None = None,
+                 count_tokens: bool = True) -> None:
         self.split, self.seed, self.batch_size, self.seq_len = split, seed, batch_size, seq_len
         self.rank, self.world, self.grad_accum = rank, world, grad_accum
         self.vocab_size, self.device = vocab_size, torch.device(device)
@@ -252,9 +253,9 @@ class StepFeed:
         self.wait_sec, self.host_sec = 0.0, 0.0
         # input tokens of every step of the run (state.json's and metrics.jsonl's tokens_seen, and tokens/s over
         # the steps between two rows): a sum kept, not steps x a window's tokens, which pairs' cut rows do not
-        # fill; a resumed run sets its checkpoint's. GRPO counts its prompts' windows here, not the rollouts it
-        # trains on (made later, per process)
-        self.seen_tokens = 0
+        # fill; a resumed run sets its checkpoint's. `count_tokens` False: the rows trained on are made later, per
+        # process (GRPO's rollouts), and the trainer adds those instead of the prompt windows fed here
+        self.seen_tokens, self.count_tokens = 0, count_tokens
 
     def get(self, step: int) -> DeviceStep:
         """The batches of `step`: those prepared ahead when they are this step's, else made now."""
@@ -263,7 +264,8 @@ class StepFeed:
             t0 = time.perf_counter()
             ready = self._prepare(step)
             self.wait_sec += time.perf_counter() - t0
-        self.seen_tokens += ready.tokens
+        if self.count_tokens:
+            self.seen_tokens += ready.tokens
         return ready
 
     def prefetch(self, step: int) -> None:

@@ -113,6 +113,13 @@ class Grpo:
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                      stop=list(self.stops))
         self._reference = frozen_reference(model) if cfg.kl_beta > 0 else None
+        self._made_tokens = 0  # the input tokens of the rollout rows trained on since `take_made_tokens`
+
+    def take_made_tokens(self) -> int:
+        """The input tokens of the rows trained on since the last call, on this process: each rollout's prompt and
+        completion as the loss's forward ran them (`group` per prompt), not the prompt windows the feed gave."""
+        made, self._made_tokens = self._made_tokens, 0
+        return made
 
     def step_count(self, n_targets: int) -> int:
         """A step's loss and statistics are means over its completions."""
@@ -146,6 +153,7 @@ class Grpo:
         rewards = self.score(list(prompts), list(replies), completions)
         advantages = group_advantages(rewards, self.group).to(x.device)
         cx, cy = completion_rows([p for p in prompts for _ in range(self.group)], completions)
+        self._made_tokens += cx.numel()
         cx, cy = cx.to(x.device), cy.to(x.device)
         _, losses = net(cx, cy, reduction="none", check_ids=False)
         logps = -losses.view(cy.shape)

@@ -68,6 +68,11 @@ class LanguageModeling:
         """What a step's loss and statistics are the mean over: its counted targets (pairs, for `Preference`)."""
         return n_targets
 
+    def take_made_tokens(self) -> int | None:
+        """The input tokens of rows the objective made itself since the last call (GRPO's rollouts), on this
+        process; None: it trains on the feed's rows, which the feed counts."""
+        return None
+
     def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,
              documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`documents`: with document_mask, which packed document each input token is in (see GPT.forward)."""
@@ -81,6 +86,7 @@ class Preference:
 
     stats = REWARD_STATS
     step_count = LanguageModeling.step_count  # the feed counts a batch of pairs in pairs
+    take_made_tokens = LanguageModeling.take_made_tokens  # it trains on the feed's rows
 
     def __init__(self, name: str, beta: float, label_smoothing: float, model: torch.nn.Module,
                  simpo_gamma: float = 0.5) -> None:

@@ -143,7 +143,8 @@ class Trainer:
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
                              rank=self.procs.rank, world=self.procs.world, grad_accum=cfg.grad_accum,
                              vocab_size=self.model.config.vocab_size, device=self.device,
-                             document_eot=document_eot(cfg.document_mask, self.sources))
+                             document_eot=document_eot(cfg.document_mask, self.sources),
+                             count_tokens=cfg.objective != "grpo")  # GRPO's rows are its rollouts: counted below
         self.losses = DeviceLosses(self.procs.world)
         return resume_from
 
@@ -248,8 +249,12 @@ class Trainer:
             sums += torch.cat([loss.detach().float().reshape(1), stats])
         if self.step + 1 < cfg.max_steps:
             self.feed.prefetch(self.step + 1)  # the host's share of the next step, while the device runs this one
+        made = self.objective.take_made_tokens()  # GRPO's rollout rows' tokens: summed over processes below
+        sums = sums if made is None else torch.cat([sums, sums.new_tensor([made])])
         # all processes stop at the same step: a signal seen by one (torchrun forwards it to all) stops every one
         sums, any_stop = procs.sum_and_any(sums, self.stop.seen)
+        if made is not None:  # a host read, where the rollouts' sampling read the device all step anyway
+            self.feed.seen_tokens, sums = self.feed.seen_tokens + int(sums[-1]), sums[:-1]
         total, self.step_stats = sums[0], sums[1:] / count  # statistics: sums over all pairs (completions)
         self.precision.step(self.optimizers, cfg.grad_clip, skip=self.losses.add(self.step, total))
         self.step += 1
