@@ -24,6 +24,7 @@ from gptlab.train.grpo import (
     group_advantages,
     prompts_and_replies,
     reply_ends,
+    token_logps,
 )
 from gptlab.train.recipe import build_train_config
 from gptlab.train.rewards import arithmetic_records, exact_match, load_reward
@@ -46,7 +47,7 @@ def rollouts(vocab: int, prompts: int = 2, group: int = 3) -> tuple[list[list[in
 
 
 def trl_loss_and_grads(model_dir: Path, prompts: list, completions: list, advantages: torch.Tensor,
-                       old: torch.Tensor, ref: torch.Tensor, beta: float, out: Path
+                       old: torch.Tensor, ref: torch.Tensor, beta: float, out: Path, temperature: float = 1.0
                        ) -> tuple[float, dict[str, torch.Tensor]]:
     """trl's GRPOTrainer._compute_loss (loss_type "grpo") on the rollouts, old and reference per-token logps given."""
     trl = pytest.importorskip("trl")
@@ -56,7 +57,8 @@ def trl_loss_and_grads(model_dir: Path, prompts: list, completions: list, advant
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     tok.pad_token = tok.eos_token
     args = trl.GRPOConfig(output_dir=str(out), beta=beta, epsilon=0.2, loss_type="grpo", report_to=[], use_cpu=True,
-                          per_device_train_batch_size=len(prompts), num_generations=3, bf16=False, fp16=False)
+                          per_device_train_batch_size=len(prompts), num_generations=3, bf16=False, fp16=False,
+                          temperature=temperature)
     trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions),
                               args=args, processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "a"}] * 6))
     width = max(map(len, completions))
@@ -72,8 +74,9 @@ def trl_loss_and_grads(model_dir: Path, prompts: list, completions: list, advant
     return loss.item(), {n: p.grad for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_grpo_loss_and_gradients_equal_trls(llama: Path, tmp_path: Path, beta: float) -> None:
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.04, 1.0), (0.04, 0.7)])
+def test_grpo_loss_and_gradients_equal_trls(llama: Path, tmp_path: Path, beta: float, temperature: float) -> None:
+    """At a temperature other than 1 both score the completions under softmax(logits / T), what they sampled."""
     from gptlab import from_hf
 
     model = from_hf(llama).float().train()
@@ -83,14 +86,15 @@ def test_grpo_loss_and_gradients_equal_trls(llama: Path, tmp_path: Path, beta: f
     g = torch.Generator().manual_seed(3)
     # old and reference log-probabilities apart from the policy's: ratios on both sides of the clip, a KL to count
     x, y = completion_rows(prompts, completions)
-    logps = -model(x, y, reduction="none", check_ids=False)[1].view(y.shape)
+    logps = token_logps(model, x, y, temperature)
     mask = y != -1
     old_dense = (logps.detach() + 0.3 * torch.randn(logps.shape, generator=g)) * mask
     ref_dense = (logps.detach() + 0.2 * torch.randn(logps.shape, generator=g)) * mask
     old, ref = torch.zeros(len(prompts), width), torch.zeros(len(prompts), width)  # trl's (N, completion) layout
     for i, c in enumerate(completions):
         old[i, : len(c)], ref[i, : len(c)] = old_dense[i][mask[i]], ref_dense[i][mask[i]]
-    want_loss, want = trl_loss_and_grads(llama, prompts, completions, advantages, old, ref, beta, tmp_path)
+    want_loss, want = trl_loss_and_grads(llama, prompts, completions, advantages, old, ref, beta, tmp_path,
+                                         temperature)
 
     losses, kl = completion_losses(logps, old_dense, ref_dense if beta else None, advantages, mask, 0.2, beta)
     loss = losses.mean()
@@ -239,7 +243,8 @@ def test_grpo_counts_the_rollout_rows_it_trained_on(sft: tuple[Path, Path], tmp_
     monkeypatch.setattr(Grpo, "rollout", recorded)
     data, start = sft
     recipe = tmp_path / "grpo.toml"
-    recipe.write_text(f'init_from = "{start}"\n{GRPO_RECIPE}grad_accum = 2\ncompile = false\n')
+    recipe.write_text(f'init_from = "{start}"\n{GRPO_RECIPE}grad_accum = 2\ncompile = false\n'
+                      "temperature = 0.8\nkl_beta = 0.05\n")  # the scoring at a temperature, its reference too
     run = tmp_path / "run"
     assert main(["train", str(recipe), "--data", str(data), "--out", str(run), "--quiet", "--max-steps", "3"]) == 0
     assert len(made) == 3 * 2

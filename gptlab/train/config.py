@@ -61,7 +61,8 @@ class TrainConfig:
     reward: str = "gptlab.train.rewards:exact_match"  # module:function(prompt, completion, reference) -> float
     group_size: int = bounded(8, int, low=2)  # advantages compare completions of one prompt
     max_new_tokens: int = bounded(16, int, low=1)  # per completion
-    temperature: float = bounded(1.0, low=0, low_open=True)  # the rollouts' sampling temperature
+    # the rollouts' sampling temperature, and the one their log-probabilities are scored at (trl's)
+    temperature: float = bounded(1.0, low=0, low_open=True)
     # the policy ratio's clip range (trl's epsilon)
     clip_eps: float = bounded(0.2, low=0, high=1, low_open=True, high_open=True)
     # the weight of the KL to the starting weights (trl's beta; 0: no reference)
