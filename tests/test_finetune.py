@@ -152,6 +152,19 @@ def test_lora_needs_its_base_unchanged(tmp_path: Path, data: Path, base: Path) -
         Trainer(load_train_config(recipe), data, tmp_path / "bad", quiet=True)
 
 
+@pytest.mark.parametrize("change, named", [(["--lora-rank", "8"], "lora_rank (4 -> 8)"),
+                                           (["--lora-targets", "q,v"], "lora_targets ('all-linear' -> 'q,v')")])
+def test_a_resume_that_changes_the_adapters_names_the_key(tmp_path: Path, data: Path, base: Path, capsys,
+                                                          change: list[str], named: str) -> None:
+    """A resume with other adapters is refused naming the recipe key that changed, not a tensor of another shape
+    (or one too many) in the checkpoint's files."""
+    recipe = write_finetune_recipe(tmp_path, init_from=str(base), lora_rank=4, max_steps=2, warmup_steps=1)
+    assert train(recipe, data, tmp_path / "run") == 0
+    capsys.readouterr()
+    rc = train(recipe, data, tmp_path / "run", "--resume", "--max-steps", "4", *change)
+    assert f"the config differs in {named}" in one_line_error(rc, capsys.readouterr().err)
+
+
 def test_lora_sigkill_then_resume_is_bit_identical(tmp_path: Path, data: Path, base: Path) -> None:
     recipe = write_finetune_recipe(tmp_path, init_from=str(base), lora_rank=4, lora_dropout=0.1, max_steps=60,
                                    checkpoint_interval=5, keep_last=1)

@@ -73,8 +73,11 @@ def save_best_weights(t: Trainer) -> None:
 def load_run_checkpoint(t: Trainer, directory: Path) -> None:
     """Resume `t` from the step checkpoint `directory`, checked first to be this run's (model, recipe, data)."""
     check_checkpoint_matches(directory, t.model, t.cfg, t.data_dir)
+    # the recipe before the tensors: a changed lora_rank, lora_targets or optimizer is named as such, not as a
+    # tensor of the wrong shape
+    check_state_matches(directory, ckpt.read_training_state(directory, {"config_hash": str, "config": dict}), t.cfg,
+                        t.sources)
     state = ckpt.load_training_checkpoint(directory, t.model, t.optimizers)
-    check_state_matches(directory, state, t.cfg, t.sources)
     t.step, t.elapsed = state["step"], state["elapsed_sec"]
     t.best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
     t.warmup_elapsed = state.get("warmup_elapsed_sec", t.warmup_elapsed)
