@@ -105,6 +105,23 @@ def test_objective_and_data_must_match(tmp_path: Path) -> None:
         build_train_config({"objective": "dpo", "beta": 0.0})
 
 
+@pytest.mark.parametrize("key, value, objective, owner, message", [
+    ("beta", 0.04, "grpo", "dpo", "beta applies to objectives dpo, ipo, simpo and orpo, not grpo: GRPO's KL weight is "
+                                  "kl_beta"),
+    ("kl_beta", 0.1, "dpo", "grpo", "kl_beta applies to objective grpo, not dpo"),
+    ("simpo_gamma", 1.0, "dpo", "simpo", "simpo_gamma applies to objective simpo, not dpo"),
+    ("temperature", 0.7, "lm", "grpo", "temperature applies to objective grpo, not lm"),
+    ("group_size", 4, "orpo", "grpo", "group_size applies to objective grpo, not orpo")])
+def test_a_key_the_objective_does_not_read_is_refused_not_ignored(key: str, value: float, objective: str, owner: str,
+                                                                 message: str) -> None:
+    from gptlab.train import build_train_config
+
+    with pytest.raises(GptlabError, match=message):
+        build_train_config({"objective": objective, key: value})
+    assert getattr(build_train_config({"objective": owner, key: value}), key) == value
+    assert build_train_config({"objective": objective})  # at its default the key is no one's concern
+
+
 def test_the_memory_check_counts_the_frozen_reference_copy_but_not_under_lora() -> None:
     from gptlab.flops import parameter_counts
     from gptlab.train import build_train_config

@@ -278,8 +278,7 @@ def validate(cfg: TrainConfig) -> None:
         raise GptlabError("disable_dropout applies to objectives dpo, ipo, simpo, orpo and grpo, not lm, where "
                           "dropout is the model's regularizer: set dropout = 0 (and lora_dropout = 0) to train "
                           "without it")
-    if cfg.label_smoothing and cfg.objective not in ("dpo", "simpo"):
-        raise GptlabError(f"label_smoothing applies to objectives dpo and simpo, not {cfg.objective}")
+    check_objective_keys(cfg)
     if cfg.objective != "lm" and cfg.distributed == "fsdp":
         raise GptlabError(f"objective {cfg.objective} runs on one process or under distributed = \"ddp\", not fsdp "
                           "(its reference model is not sharded)")
@@ -288,6 +287,24 @@ def validate(cfg: TrainConfig) -> None:
                           "optimizer adamw, or distributed ddp")
     check_rollout_settings(cfg)
     cfg.model_config()  # an unknown preset or inconsistent model fields fail now, before any data is read
+
+
+# keys that only some objectives read (trl's GRPOConfig calls its KL weight beta: here kl_beta)
+OBJECTIVE_KEYS = {"beta": ("dpo", "ipo", "simpo", "orpo"), "label_smoothing": ("dpo", "simpo"),
+                  "simpo_gamma": ("simpo",),
+                  **dict.fromkeys(("reward", "group_size", "max_new_tokens", "temperature", "clip_eps", "kl_beta"),
+                                  ("grpo",))}
+
+
+def check_objective_keys(cfg: TrainConfig) -> None:
+    """A key set away from its default under an objective that does not read it is refused, not ignored."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for key, objectives in OBJECTIVE_KEYS.items():
+        if cfg.objective not in objectives and getattr(cfg, key) != defaults[key]:
+            names = " and ".join([", ".join(objectives[:-1]), objectives[-1]] if len(objectives) > 1 else objectives)
+            hint = ": GRPO's KL weight is kl_beta" if key == "beta" and cfg.objective == "grpo" else ""
+            raise GptlabError(f"{key} applies to objective{'s' if len(objectives) > 1 else ''} {names}, not "
+                              f"{cfg.objective}{hint}")
 
 
 # the narrowest head whose attention runs faster in bf16 than in fp32 on a CPU through PyTorch's flash attention
