@@ -15,6 +15,7 @@ import torch
 from helpers import hf_llama_dir, one_line_error, write_jsonl
 
 from gptlab.cli import main
+from gptlab.errors import GptlabError
 from gptlab.tokenizer import CharTokenizer
 from gptlab.tokenizer.chat_template import chat_template_for
 from gptlab.train.grpo import (
@@ -27,7 +28,7 @@ from gptlab.train.grpo import (
     token_logps,
 )
 from gptlab.train.recipe import build_train_config
-from gptlab.train.rewards import arithmetic_records, exact_match, load_reward
+from gptlab.train.rewards import arithmetic_records, exact_match, load_reward, reward_value
 
 
 # --- the loss against trl ---------------------------------------------------------------------------------------
@@ -256,3 +257,21 @@ def test_grpo_counts_the_rollout_rows_it_trained_on(sft: tuple[Path, Path], tmp_
     assert json.loads((list_step_checkpoints(run)[-1] / "state.json").read_text())["tokens_seen"] == sum(per_step)
     window = 24  # the prompt windows fed: 4 a step, 24 inputs each
     assert sum(per_step) != 3 * 4 * window
+
+
+def test_a_reward_that_is_no_finite_number_is_one_line_naming_the_function(sft: tuple[Path, Path], tmp_path: Path,
+                                                                        monkeypatch, capsys) -> None:
+    """A nan reward would make its group's advantages nan and stop the run on a nan loss, blamed on the lr."""
+    assert reward_value("m:f", 1) == 1.0 and reward_value("m:f", np.float32(0.5)) == 0.5
+    for bad in (None, "1.0", math.inf, [1.0]):
+        with pytest.raises(GptlabError, match=r"reward = 'm:f' returned .* a reward must be a finite number"):
+            reward_value("m:f", bad)
+    (tmp_path / "nan_reward.py").write_text("def score(prompt, completion, reference):\n    return float('nan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data, start = sft
+    recipe = tmp_path / "grpo.toml"
+    recipe.write_text(f'init_from = "{start}"\n{GRPO_RECIPE}reward = "nan_reward:score"\ncompile = false\n')
+    capsys.readouterr()
+    rc = main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "run"), "--quiet"])
+    assert "reward = 'nan_reward:score' returned 'nan' for a completion" in one_line_error(rc, capsys.readouterr().err)
+

@@ -36,7 +36,7 @@ from gptlab.tokenizer.chat_template import BUILTIN_TEMPLATES, ChatTemplate, chat
 from gptlab.train.batches import targets_of
 from gptlab.train.config import TrainConfig
 from gptlab.train.reference import frozen_reference
-from gptlab.train.rewards import load_reward
+from gptlab.train.rewards import load_reward, reward_value
 
 GRPO_STATS = ("reward", "completion_tokens", "kl")
 _PROBE = "GPTLAB-GRPO-REPLY-PROBE"
@@ -121,7 +121,7 @@ class Grpo:
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, data_dir: Path) -> None:
         self.model, self.group, self.prompts_per_step = model, cfg.group_size, cfg.batch_size
         self.clip_eps, self.kl_beta, self.temperature = cfg.clip_eps, cfg.kl_beta, cfg.temperature
-        self.reward = load_reward(cfg.reward)
+        self.reward, self.reward_name = load_reward(cfg.reward), cfg.reward
         self.tokenizer = load_tokenizer(data_dir)
         name = read_meta(data_dir).get("chat_template")
         template = chat_template_for(self.tokenizer, name if name in BUILTIN_TEMPLATES else None)
@@ -157,7 +157,8 @@ class Grpo:
         """The reward of each completion (`group` per prompt) against its prompt's reply."""
         decode = self.tokenizer.decode
         texts = [(decode(p), cut_at(decode(r), self.stops)) for p, r in zip(prompts, replies, strict=True)]
-        return torch.tensor([float(self.reward(*texts[i // self.group], cut_at(decode(c), self.stops)))
+        return torch.tensor([reward_value(self.reward_name, self.reward(*texts[i // self.group],
+                                                                       cut_at(decode(c), self.stops)))
                              for i, c in enumerate(completions)], dtype=torch.float32)
 
     def loss(self, net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float,

@@ -7,7 +7,8 @@ A reward function has the signature
 `prompt` is the prompt's text as the model saw it (the chat template's rendering), `completion` the sampled reply
 without its stop string, `reference` the record's own completion (the reply `gptlab prepare` stored, cut where a
 reply stops). A recipe names it as `reward = "package.module:function"` (importable from where `gptlab train`
-runs); `load_reward` resolves it before the first step, with a one-line error for a name that does not import.
+runs); `load_reward` resolves it before the first step, with a one-line error for a name that does not import, and
+`reward_value` stops the run with one naming it when it returns anything but a finite number.
 
 Built in: `exact_match`, 1.0 when the completion's first line equals the reference's (whitespace around them
 ignored), else 0.0; and `arithmetic_records`, an endless supply of sums ("12+7=" -> "19") written as
@@ -19,6 +20,7 @@ No torch here: the recipe is checked (`check_rollout_settings`) before anything 
 from __future__ import annotations
 
 import importlib
+import math
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,6 +53,19 @@ def load_reward(spec: str) -> RewardFunction:
     if not callable(function):
         raise GptlabError(f"reward = {spec!r}: {module_name} has no function {name}")
     return function
+
+
+def reward_value(spec: str, value: Any) -> float:
+    """A reward function's return as a finite float; a GptlabError naming the function for anything else (a None
+    or a nan would otherwise make its group's advantages nan, and the run stop on a nan loss)."""
+    try:
+        number = math.nan if isinstance(value, (str, bytes)) else float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise GptlabError(f"reward = {spec!r} returned {str(value)[:40]!r} for a completion: a reward must be a "
+                          "finite number")
+    return number
 
 
 def arithmetic_records(n: int, seed: int, digits: int = 2) -> Iterator[dict[str, str]]:
