@@ -34,7 +34,7 @@ from gptlab.integer_weights import pack_nibbles, quantize_int4_low, quantize_int
 from gptlab.linear import plain_linear
 from gptlab.model import GPT
 from gptlab.ops import row_chunks, upcasting_linear
-from gptlab.quantize import DEFAULT_GROUP_SIZE, QuantizedLinear, check_options
+from gptlab.quantize import DEFAULT_GROUP_SIZE, QuantizedLinear, check_options, group_sizes_dividing
 
 
 class FrozenQuantizedLinear(QuantizedLinear):
@@ -210,8 +210,8 @@ def quantize_layer(model: GPT, name: str, mode: str, group_size: int | None = No
     layer = model.get_submodule(name)
     group = (group_size or DEFAULT_GROUP_SIZE) if mode == "int4" else 0
     if group and layer.in_features % group:
-        raise GptlabError(f"int4 group size {group} does not divide {name}'s input width {layer.in_features}:"
-                          " choose another group size, or int8")
+        raise GptlabError(f"int4 group size {group} does not divide {name}'s input width {layer.in_features}: "
+                          f"choose one of {group_sizes_dividing(layer.in_features)}")
     with torch.no_grad():
         quantized = FrozenQuantizedLinear(layer, mode, group)
     parent, _, attr = name.rpartition(".")

@@ -367,7 +367,7 @@ def quantize_model(model: nn.Module, mode: Mode, group_size: int | None = None) 
         for name, m in targets:
             if m.in_features % group_size:
                 raise GptlabError(f"group size {group_size} does not divide {name}'s input width "
-                                  f"{m.in_features}: choose one of {_dividing(m.in_features)}")
+                                  f"{m.in_features}: choose one of {group_sizes_dividing(m.in_features)}")
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         with torch.no_grad():
@@ -375,6 +375,7 @@ def quantize_model(model: nn.Module, mode: Mode, group_size: int | None = None) 
     return model
 
 
-def _dividing(width: int) -> str:
+def group_sizes_dividing(width: int) -> str:
+    """The int4 group sizes that divide an input width, as an error message offers them."""
     sizes = [str(g) for g in GROUP_SIZES if width % g == 0]
     return ", ".join(sizes) if sizes else "none (quantize to int8 instead)"

@@ -17,6 +17,7 @@ from torch import nn
 
 from gptlab import qlora
 from gptlab.cli import main
+from gptlab.errors import GptlabError
 from gptlab.integer_weights import pack_nibbles, quantize_int4_low
 from gptlab.linear import plain_linear
 from gptlab.lora import LoRALinear, LoRASpec, add_lora, merge_lora
@@ -228,6 +229,23 @@ def test_quantize_needs_lora(tmp_path: Path, capsys) -> None:
     recipe = write_recipe(tmp_path, quantize="int4")
     rc = main(["train", str(recipe), "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--quiet"])
     assert "set lora_rank" in one_line_error(rc, capsys.readouterr().err)
+
+
+def test_a_width_no_int4_group_divides_is_one_line_offering_int8() -> None:
+    """QLoRA's groups are 32 inputs unless its lora.json says otherwise; when no group size divides a layer's width
+    the error offers int8, not another group size (the smallest one failed, and a recipe has no key for it)."""
+    from gptlab import GPT, GPTConfig
+
+    model = GPT(GPTConfig(norm="rmsnorm", bias=False, position="rope", mlp="swiglu", mlp_hidden=64, n_layer=1,
+                          n_head=2, n_embd=40, vocab_size=50, block_size=16))
+    with pytest.raises(GptlabError, match="int4 group size 32 does not divide transformer.h.0.attn.c_attn's input "
+                                          r"width 40: choose one of none \(quantize to int8 instead\)"):
+        quantize_base(model, "int4")
+    wide = GPT(GPTConfig(norm="rmsnorm", bias=False, position="rope", mlp="swiglu", mlp_hidden=96, n_layer=1,
+                         n_head=2, n_embd=64, vocab_size=50, block_size=16))
+    with pytest.raises(GptlabError, match="int4 group size 64 does not divide transformer.h.0.mlp.c_proj's input "
+                                          "width 96: choose one of 32$"):
+        quantize_base(wide, "int4", 64)
 
 
 # --- the memory: the base read as it trains, and the check's count of it -------------------------------------------
