@@ -275,3 +275,29 @@ def test_a_reward_that_is_no_finite_number_is_one_line_naming_the_function(sft: 
     rc = main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "run"), "--quiet"])
     assert "reward = 'nan_reward:score' returned 'nan' for a completion" in one_line_error(rc, capsys.readouterr().err)
 
+
+
+def test_rollouts_end_where_the_models_context_does(tmp_path: Path) -> None:
+    """A RoPE model's generation slides on past block_size; a completion that did would make prompt + completion
+    longer than the loss's forward takes: each is cut where the context ends, and the step trains."""
+    from gptlab import GPT, GPTConfig
+    from gptlab.data import read_meta
+    from gptlab.train.batches import TokenSplit, targets_of
+    from gptlab.train.grpo import Grpo
+
+    data = arithmetic_data(tmp_path)
+    split = TokenSplit.load(data, "train")
+    window = split.window_tokens
+    rows = np.asarray(split.tokens[: 4 * window], np.int64).reshape(4, window)
+    x, y = targets_of(rows, np.asarray(split.mask[: 4 * window]).reshape(4, window))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(norm="rmsnorm", bias=False, position="rope", mlp="swiglu", mlp_hidden=64, n_layer=1,
+                          n_head=2, n_embd=32, vocab_size=int(read_meta(data)["vocab_size"]), block_size=32))
+    cfg = build_train_config({"objective": "grpo", "group_size": 4, "max_new_tokens": 40, "batch_size": 4})
+    grpo = Grpo(cfg, model, data)
+    prompts = [p for p, _ in prompts_and_replies(x, y)]
+    completions = grpo.rollout(prompts)
+    lengths = [len(p) + len(c) for p, c in zip([p for p in prompts for _ in range(4)], completions, strict=True)]
+    assert max(lengths) == 32 and all(len(c) >= 1 for c in completions)  # some ran into the context's end
+    loss, stats = grpo.loss(model.train(), x, y, 1.0)
+    assert torch.isfinite(loss) and stats.shape == (3,)

@@ -23,6 +23,7 @@ completion is one line) and its stop strings, or the end-of-text token.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -147,10 +148,20 @@ class Grpo:
 
     @torch.no_grad()
     def rollout(self, prompts: list[list[int]]) -> list[list[int]]:
-        """`group` sampled completions of each prompt (token ids, the stop token or string's tokens kept)."""
+        """`group` sampled completions of each prompt (token ids, the stop token or string's tokens kept), each
+        ending where the model's context does: the loss's forward takes prompt + completion whole, and RoPE's
+        generation would otherwise slide on past block_size."""
         repeated = [p for p in prompts for _ in range(self.group)]
-        gens = generate_batch(self.model, repeated, self.params, tokenizer=self.tokenizer)
-        return [g.token_ids for g in gens]
+        context, most = self.model.config.block_size, self.params.max_new_tokens
+        budgets = [max(1, min(most, context - len(p))) for p in repeated]
+        completions: list[list[int]] = [[] for _ in repeated]
+        for budget in sorted(set(budgets), reverse=True):  # usually one batch: every prompt leaves room for all
+            rows = [i for i, b in enumerate(budgets) if b == budget]
+            params = dataclasses.replace(self.params, max_new_tokens=budget)
+            gens = generate_batch(self.model, [repeated[i] for i in rows], params, tokenizer=self.tokenizer)
+            for i, g in zip(rows, gens, strict=True):
+                completions[i] = g.token_ids
+        return completions
 
     def score(self, prompts: list[list[int]], replies: list[list[int]], completions: list[list[int]]
               ) -> torch.Tensor:
