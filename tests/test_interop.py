@@ -122,6 +122,10 @@ CASES = {
                      "safetensors"),
     "llama-dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 2.0},
                                     max_position_embeddings=16), "safetensors"),
+    # transformers' dynamic NTK starts at max_position_embeddings and ignores an original_max_position_embeddings
+    "llama-dynamic-original-key": ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5000.0,
+                                                                  "factor": 2.0, "original_max_position_embeddings": 8},
+                                                 max_position_embeddings=16), "safetensors"),
     "llama-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
                                                   "original_max_position_embeddings": 16}), "safetensors"),
     "llama-yarn-mscale": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,

@@ -101,6 +101,8 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
     kind = _ROPE_KINDS[kind]
     max_pos = config.get("max_position_embeddings")
     original = hf_value({**config, **params}, "original_max_position_embeddings", default=max_pos)
+    if kind == "dynamic" and max_pos is not None:  # transformers' dynamic NTK reads max_position_embeddings only
+        original = max_pos
     factor = params.get("factor")
     if factor is None and kind in ("yarn", "longrope") and original and max_pos:
         factor = max_pos / original  # transformers' rule for both when factor is absent
