@@ -389,7 +389,7 @@ def test_unknown_weights_are_refused(tmp_path: Path) -> None:
     (dict(mlp="gelu"), "mlp=gelu"),
     (dict(position="none"), "position=none"),
     (dict(n_kv_head=2, position="learned", norm="layernorm", mlp="gelu", bias=True), "n_kv_head=2"),
-    (dict(rotary_fraction=0.5), "rotary_fraction"),
+    (dict(rotary_fraction=0.5, qkv_bias=True), "rotary_fraction"),  # Phi-3 takes partial rotary, not biases
     (dict(norm="layernorm", mlp="gelu", bias=False), "bias=False"),
 ])
 def test_export_refuses_switches_without_equivalent(change: dict, switch: str, tmp_path: Path) -> None:
@@ -399,15 +399,41 @@ def test_export_refuses_switches_without_equivalent(change: dict, switch: str, t
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("preset", ["gemma-2-2b", "qwen3-0.6b", "tinyllama-1.1b"])
+@pytest.mark.parametrize("preset", ["gemma-2-2b", "qwen3-0.6b"])
 def test_one_attention_bias_flag_refuses_biases_on_qkv_alone(preset: str, tmp_path: Path) -> None:
     """Gemma 2, Qwen3 and Llama have one attention_bias flag for q, k, v and o: q/k/v biases without an output
-    bias are refused (written as attention_bias=true, transformers would add a random o_proj bias)."""
+    bias are refused (written as attention_bias=true, transformers would add a random o_proj bias). A Llama's go
+    to Qwen2, which has exactly those (test_a_config_the_first_fitting_family_refuses_goes_to_the_next)."""
     cfg = GPTConfig.preset(preset, n_layer=1, n_embd=64, n_head=4, n_kv_head=2, head_dim=16, mlp_hidden=96,
                            vocab_size=VOCAB, block_size=32, qkv_bias=True, attn_proj_bias=False)
     with pytest.raises(GptlabError, match="attention_bias covers q, k, v and o together"):
         save_hf(GPT(cfg), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_the_first_fitting_family_refuses_goes_to_the_next(tmp_path: Path) -> None:
+    """Llama's switches fit partial rotary but Llama rotates whole heads; Phi-3 takes it (partial_rotary_factor),
+    so a model born in gptlab with it exports as a Phi-3 with transformers' logits."""
+    cfg = GPTConfig.preset("tiny", n_layer=2, n_embd=64, n_head=4, n_kv_head=2, mlp_hidden=96, vocab_size=VOCAB,
+                           block_size=32, rotary_fraction=0.5, dropout=0.0)
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    save_hf(model, tmp_path / "out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == "Phi3ForCausalLM"
+    assert _max_diff(model, hf) <= TOL
+
+    # Llama's one attention_bias flag cannot bias q, k, v without o; Qwen2's q, k, v biases are exactly that
+    cfg = GPTConfig.preset("tinyllama-1.1b", n_layer=1, n_embd=64, n_head=4, n_kv_head=2, mlp_hidden=96,
+                           vocab_size=VOCAB, block_size=32, qkv_bias=True, attn_proj_bias=False)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)  # biases off zero
+    save_hf(model, tmp_path / "qkv-bias")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qkv-bias").eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    assert _max_diff(model, hf) <= TOL
 
 
 def test_a_switch_no_family_lists_is_refused_until_one_does(tmp_path: Path) -> None:

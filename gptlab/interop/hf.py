@@ -2,9 +2,10 @@
 switches can express exactly (`registry.FAMILIES`). The per-family knowledge lives in one module per family;
 this module picks the family and moves the tensors.
 
-Export picks the family whose switches (its EXPRESSES) take every switch of the config; a switch no family lists
-must be at GPTConfig's default. So a config gptlab can build but no family can hold (a new position scheme, a
-new switch) is refused with its name, never written as a different model.
+Export picks the family whose switches (its EXPRESSES) take every switch of the config and whose `check_export`
+takes what they cannot say; a switch no family lists must be at GPTConfig's default. So a config gptlab can build
+but no family can hold (a new position scheme, a new switch) is refused with its name, never written as a
+different model.
 """
 
 from __future__ import annotations
@@ -83,9 +84,17 @@ def export_family(cfg: GPTConfig) -> ModuleType:
         near = f"the nearest, {nearest.NAME}, also lacks {', '.join(rest)}" if rest else f"nearest: {nearest.NAME}"
         raise GptlabError(f"cannot export to Hugging Face: {first} has no equivalent in any family gptlab writes "
                           f"({names}); {near}")
-    family = fitting[0]
-    family.check_export(cfg)
-    return family
+    # a family can fit every switch and still refuse a relation between them (Llama: partial rotary), which the
+    # next family may hold (Phi-3): the first that takes the config wins, else the first one's reason
+    refusals = []
+    for family in fitting:
+        try:
+            family.check_export(cfg)
+        except GptlabError as e:
+            refusals.append(e)
+        else:
+            return family
+    raise refusals[0]
 
 
 def config_to_hf(
