@@ -436,6 +436,22 @@ def test_a_config_the_first_fitting_family_refuses_goes_to_the_next(tmp_path: Pa
     assert _max_diff(model, hf) <= TOL
 
 
+def test_phi3_exports_only_the_scaling_transformers_runs_for_it(tmp_path: Path) -> None:
+    """transformers' Phi3 refuses every rope_type but longrope: a Phi-3 with linear scaling (full rotary) is
+    written as the Llama it equals; with partial rotary, which Llama lacks, it is refused naming the scaling."""
+    hf = _hf_model("phi3", num_key_value_heads=2)
+    ours = from_hf(_save(hf, tmp_path / "hf", "safetensors"))
+    linear = GPT(ours.config.replace(rope_scaling={"kind": "linear", "factor": 2.0})).eval()
+    linear.load_state_dict(ours.state_dict())
+    save_hf(linear, tmp_path / "linear")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "linear").eval()
+    assert type(back).__name__ == "LlamaForCausalLM"
+    assert _max_diff(linear, back) <= TOL
+    partial = GPT(ours.config.replace(rotary_fraction=0.5, rope_scaling={"kind": "linear", "factor": 2.0}))
+    with pytest.raises(GptlabError, match=r"rope_scaling kind linear has no equivalent in Phi-3"):
+        save_hf(partial, tmp_path / "partial")
+
+
 def test_a_switch_no_family_lists_is_refused_until_one_does(tmp_path: Path) -> None:
     """The seam for new switches: a GPTConfig field that no family's EXPRESSES names exports only at its
     default, so a model gptlab can build but no family can hold is never written as a different model."""

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from gptlab.config import GPTConfig
-from gptlab.interop.common import ANY, Rule, hf_value, keep, rope_to_hf, same
+from gptlab.interop.common import ANY, Rule, hf_value, keep, rope_to_hf, same, unsupported_export
 from gptlab.interop.llama import llama_config, llama_config_to_hf
 
 NAME = "Phi-3"
@@ -26,7 +26,11 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_export(cfg: GPTConfig) -> None:
-    """Nothing beyond EXPRESSES: Phi-3 takes partial rotary as partial_rotary_factor."""
+    """Phi-3 takes partial rotary (partial_rotary_factor), but of the scalings only longrope: transformers' Phi3
+    refuses any other rope_type."""
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.kind != "longrope":
+        raise unsupported_export(NAME, f"rope_scaling kind {scaling.kind}", "transformers' Phi3 runs longrope only")
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
