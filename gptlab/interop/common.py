@@ -81,9 +81,20 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, float | None, RopeScal
     if params and all(isinstance(v, dict) for v in params.values()):
         raise GptlabError("per-layer-type rope parameters are not supported: gptlab has one RoPE for all layers")
     merged = {**config, **params}
-    theta = hf_value(merged, "rope_theta", "rotary_emb_base", default=10000.0)
-    fraction = hf_value(merged, "partial_rotary_factor", "rotary_pct", default=None)
-    return float(theta), None if fraction is None else float(fraction), _rope_scaling(params, config)
+    theta = _rope_number(merged, "rope_theta", "rotary_emb_base", default=10000.0)
+    fraction = _rope_number(merged, "partial_rotary_factor", "rotary_pct")
+    return theta, fraction, _rope_scaling(params, config)
+
+
+def _rope_number(params: dict[str, Any], *keys: str, default: float | None = None) -> float | None:
+    """The first of `keys` set (not null), as a float, else `default`; anything but a number is refused naming its
+    key (float() would take "2" and True, and its own error names no key)."""
+    for key in (key for key in keys if params.get(key) is not None):
+        value = params[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise GptlabError(f"config.json's rope parameter {key!r} should be a number, got {value!r}")
+        return float(value)
+    return default
 
 
 # rope_type names -> gptlab's; "su" is Phi-3's first name for longrope
@@ -103,23 +114,23 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
     original = hf_value({**config, **params}, "original_max_position_embeddings", default=max_pos)
     if kind == "dynamic" and max_pos is not None:  # transformers' dynamic NTK reads max_position_embeddings only
         original = max_pos
-    factor = params.get("factor")
+    factor = _rope_number(params, "factor")
     if factor is None and kind in ("yarn", "longrope") and original and max_pos:
         factor = max_pos / original  # transformers' rule for both when factor is absent
     fields: dict[str, Any] = {"kind": kind}
     if kind != "longrope":
-        fields["factor"] = float(hf_value(params, "factor", default=1.0) if factor is None else factor)
+        fields["factor"] = 1.0 if factor is None else float(factor)
     if kind != "linear":
         fields["original_context"] = original
     if kind == "yarn":
         fields.update(attention_factor=_yarn_attention_factor(params, float(factor or 1.0)),
-                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                      truncate=hf_flag(params, "truncate", True))
+                      beta_fast=_rope_number(params, "beta_fast") or 32.0,
+                      beta_slow=_rope_number(params, "beta_slow") or 1.0, truncate=hf_flag(params, "truncate", True))
     elif kind == "llama3":
-        fields.update(low_freq_factor=float(hf_value(params, "low_freq_factor", default=1.0)),
-                      high_freq_factor=float(hf_value(params, "high_freq_factor", default=4.0)))
+        fields.update(low_freq_factor=_rope_number(params, "low_freq_factor", default=1.0),
+                      high_freq_factor=_rope_number(params, "high_freq_factor", default=4.0))
     elif kind == "longrope":
-        attention = params.get("attention_factor")
+        attention = _rope_number(params, "attention_factor")
         if attention is None:  # the paper's rule, on the stretch of the context
             attention = longrope_mscale(float(factor or 1.0), original)
         fields.update(attention_factor=float(attention), short_factor=hf_value(params, "short_factor"),
@@ -132,10 +143,12 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
 
 def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
     """YaRN's cos/sin factor: given, or 0.1 ln(factor) + 1, or its ratio form with mscale / mscale_all_dim."""
-    if params.get("attention_factor") is not None:
-        return float(params["attention_factor"])
-    if params.get("mscale") and params.get("mscale_all_dim"):
-        return yarn_mscale(factor, params["mscale"]) / yarn_mscale(factor, params["mscale_all_dim"])
+    attention, mscale, mscale_all_dim = (_rope_number(params, key)
+                                         for key in ("attention_factor", "mscale", "mscale_all_dim"))
+    if attention is not None:
+        return attention
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     return yarn_mscale(factor)
 
 
