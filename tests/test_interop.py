@@ -310,6 +310,11 @@ def test_gpt2_ids_only_for_the_gpt2_vocabulary() -> None:
           rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "factor": "x"}),
      "'factor' should be a number"),
     (dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", rotary_pct=True), "'rotary_pct' should be"),
+    # transformers refuses these too: without a factor the scaling would silently be none
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 5e5}), "rope_type 'linear' but no 'factor'"),
+    (dict(rope_scaling={"type": "dynamic"}), "rope_type 'dynamic' but no 'factor'"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "original_max_position_embeddings": 64}),
+     "rope_type 'llama3' but no 'factor'"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(architectures=["FalconForCausalLM"], model_type="falcon"), "FalconForCausalLM"),
     (dict(hidden_size="64"), "LlamaForCausalLM"),

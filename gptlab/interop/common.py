@@ -117,9 +117,11 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
     factor = _rope_number(params, "factor")
     if factor is None and kind in ("yarn", "longrope") and original and max_pos:
         factor = max_pos / original  # transformers' rule for both when factor is absent
+    if factor is None and kind != "longrope":  # transformers refuses it too; a factor of 1 would scale nothing
+        raise GptlabError(f"config.json's rope parameters have rope_type {kind!r} but no 'factor', which it needs")
     fields: dict[str, Any] = {"kind": kind}
     if kind != "longrope":
-        fields["factor"] = 1.0 if factor is None else float(factor)
+        fields["factor"] = factor
     if kind != "linear":
         fields["original_context"] = original
     if kind == "yarn":
