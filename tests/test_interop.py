@@ -258,6 +258,21 @@ def test_config_schemas_4x_and_5x_agree() -> None:
     assert config_from_hf(_NEOX_BASE).rotary_fraction == 0.25  # NeoX's default rotary_pct
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("max_window_layers", [None, 0, 2, 40])
+def test_qwen_sliding_layers_are_transformers(family: str, max_window_layers: int | None) -> None:
+    """use_sliding_window slides the layers from max_window_layers up, and without that key transformers takes
+    28: a config.json that leaves it out slides no layer of a model of 28 layers or fewer."""
+    hf = dict(_LLAMA_BASE, architectures=[f"{family.capitalize()}ForCausalLM"], model_type=family, head_dim=16,
+              use_sliding_window=True, sliding_window=8)
+    if max_window_layers is not None:
+        hf["max_window_layers"] = max_window_layers
+    theirs = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
+    ours = config_from_hf(hf)
+    assert [ours.sliding_layer(i) for i in range(ours.n_layer)] == [
+        t == "sliding_attention" for t in theirs.layer_types]
+
+
 @pytest.mark.parametrize("cfg", [
     GPTConfig.preset("tiny"), GPTConfig.preset("pythia-70m", n_layer=1), GPTConfig.preset("gpt2", n_layer=1),
     GPTConfig.preset("pythia-70m", rotary_fraction=0.3, n_head=4, block="pre"),  # 38 of 128 dims rotate

@@ -27,7 +27,7 @@ def qwen_window(hf: dict[str, Any], n_layer: int) -> tuple[int | None, int | Non
     if not hf_flag(hf, "use_sliding_window", False):
         return None, None
     if hf.get("layer_types") is None:
-        first = hf_value(hf, "max_window_layers", default=0)
+        first = hf_value(hf, "max_window_layers", default=28)  # transformers' default for Qwen2 and Qwen3
         hf = {**hf, "layer_types": ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]}
     return attention_layers(hf, n_layer, hf.get("sliding_window"))
 
