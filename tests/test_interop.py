@@ -330,6 +330,9 @@ def test_gpt2_ids_only_for_the_gpt2_vocabulary() -> None:
     (dict(rope_scaling={"type": "dynamic"}), "rope_type 'dynamic' but no 'factor'"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "original_max_position_embeddings": 64}),
      "rope_type 'llama3' but no 'factor'"),
+    # a 4.x Qwen config has no layer_types: the error names the key it does have
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=8,
+          max_window_layers=1), r"max_window_layers=1 \(full attention on the first 1 of 2 layers"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(architectures=["FalconForCausalLM"], model_type="falcon"), "FalconForCausalLM"),
     (dict(hidden_size="64"), "LlamaForCausalLM"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gptlab.config import GPTConfig
+from gptlab.errors import GptlabError
 from gptlab.interop.common import ANY, attention_layers, hf_flag, hf_value, keep, layer_types_to_hf
 from gptlab.interop.llama import IGNORE, check_llama_export, llama_config, llama_config_to_hf, llama_rules
 
@@ -28,6 +29,11 @@ def qwen_window(hf: dict[str, Any], n_layer: int) -> tuple[int | None, int | Non
         return None, None
     if hf.get("layer_types") is None:
         first = hf_value(hf, "max_window_layers", default=28)  # transformers' default for Qwen2 and Qwen3
+        if isinstance(first, int) and 0 < first < n_layer and hf.get("sliding_window") is not None:
+            # layer 0 attends fully and a later one slides: not all, none, nor every k-th layer global
+            raise GptlabError(f"use_sliding_window with max_window_layers={first} (full attention on the first "
+                              f"{first} of {n_layer} layers, the window above) is not expressible: gptlab's "
+                              "sliding-window layers are all layers, none, or all but every k-th")
         hf = {**hf, "layer_types": ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]}
     return attention_layers(hf, n_layer, hf.get("sliding_window"))
 
