@@ -258,6 +258,28 @@ def test_config_schemas_4x_and_5x_agree() -> None:
     assert config_from_hf(_NEOX_BASE).rotary_fraction == 0.25  # NeoX's default rotary_pct
 
 
+@pytest.mark.parametrize("architecture", ["MistralForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM"])
+def test_keys_a_config_leaves_out_take_transformers_defaults(architecture: str) -> None:
+    """A hand-written config.json may leave out keys whose transformers default changes the logits (Gemma 2's
+    soft-caps and score scale, Mistral's and Gemma 2's window, Phi-3's norm epsilon); a null stays a null."""
+    model_type = {"MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2", "Phi3ForCausalLM": "phi3"}
+    base = dict(architectures=[architecture], model_type=model_type[architecture], vocab_size=VOCAB, hidden_size=64,
+                intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    for hf in (base, {**base, "sliding_window": None, "attn_logit_softcapping": None,
+                      "final_logit_softcapping": None}):
+        theirs = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
+        ours = config_from_hf(hf)
+        assert ours.norm_eps == theirs.rms_norm_eps
+        assert ours.sliding_window == theirs.sliding_window
+        layer_types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * 4
+        assert [ours.sliding_layer(i) for i in range(4)] == [
+            theirs.sliding_window is not None and t == "sliding_attention" for t in layer_types]
+        assert ours.attn_softcap == getattr(theirs, "attn_logit_softcapping", None)
+        assert ours.logit_softcap == getattr(theirs, "final_logit_softcapping", None)
+        scalar = getattr(theirs, "query_pre_attn_scalar", None)
+        assert ours.attn_scale == (None if scalar is None else pytest.approx(scalar ** -0.5))
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("max_window_layers", [None, 0, 2, 40])
 def test_qwen_sliding_layers_are_transformers(family: str, max_window_layers: int | None) -> None:

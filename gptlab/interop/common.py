@@ -59,6 +59,12 @@ def hf_value(config: dict[str, Any], *keys: str, default: Any = _MISSING) -> Any
     return default
 
 
+def hf_key(config: dict[str, Any], key: str, absent: Any) -> Any:
+    """config.json's value for `key` with a null kept as None (a switch turned off), or `absent` where the file
+    leaves the key out: transformers' default for it, which may be on (Gemma 2's soft-caps, Mistral's window)."""
+    return config[key] if key in config else absent
+
+
 def hf_flag(config: dict[str, Any], key: str, default: bool) -> bool:
     """A true/false switch of config.json: JSON's true or false only, since Python reads the string "false" as
     true (a head silently tied, its weights dropped)."""

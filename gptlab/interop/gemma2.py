@@ -17,6 +17,7 @@ from gptlab.interop.common import (
     context_from_hf,
     gelu_approximate,
     hf_flag,
+    hf_key,
     hf_value,
     keep,
     layer_types_to_hf,
@@ -41,7 +42,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     head_dim = hf_value(hf, "head_dim", default=256)
     if hf.get("layer_types") is None:  # before 5.x: even layers slide, odd ones are global
         hf = {**hf, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]}
-    window, every = attention_layers(hf, n_layer, hf_value(hf, "sliding_window", default=None))
+    # a key the file leaves out takes Gemma2Config's default (a null turns the window or a cap off)
+    window, every = attention_layers(hf, n_layer, hf_key(hf, "sliding_window", absent=4096))
     attention_bias = hf_flag(hf, "attention_bias", False)
     return dict(
         vocab_size=hf_value(hf, "vocab_size"),
@@ -65,9 +67,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         mlp="geglu",
         gelu_approximate=gelu_approximate(hf_value(hf, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")),
         block="sandwich",
-        attn_scale=float(hf_value(hf, "query_pre_attn_scalar", default=head_dim)) ** -0.5,
-        attn_softcap=hf.get("attn_logit_softcapping"),
-        logit_softcap=hf.get("final_logit_softcapping"),
+        attn_scale=float(hf_value(hf, "query_pre_attn_scalar", default=256)) ** -0.5,
+        attn_softcap=hf_key(hf, "attn_logit_softcapping", absent=50.0),
+        logit_softcap=hf_key(hf, "final_logit_softcapping", absent=30.0),
         sliding_window=window,
         global_layer_every=every,
         tie_embeddings=hf_flag(hf, "tie_word_embeddings", True),

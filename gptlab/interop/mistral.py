@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gptlab.config import GPTConfig
-from gptlab.interop.common import ANY, hf_value, keep
+from gptlab.interop.common import ANY, hf_key, keep
 from gptlab.interop.llama import IGNORE, check_llama_export, llama_config, llama_config_to_hf, llama_rules
 
 NAME = "Mistral"
@@ -19,7 +19,7 @@ normalize = keep
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    window = hf_value(hf, "sliding_window", default=None)
+    window = hf_key(hf, "sliding_window", absent=4096)  # transformers' MistralConfig default
     return {**llama_config(hf, NAME, attention_bias=False), "sliding_window": window}
 
 

@@ -22,7 +22,8 @@ normalize = keep
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     fields = llama_config(hf, NAME, attention_bias=False, partial_rotary=True)
-    return {**fields, "sliding_window": hf_value(hf, "sliding_window", default=None)}
+    return {**fields, "norm_eps": hf_value(hf, "rms_norm_eps", default=1e-5),  # Phi3Config's, not Llama's 1e-6
+            "sliding_window": hf_value(hf, "sliding_window", default=None)}
 
 
 def check_export(cfg: GPTConfig) -> None:
