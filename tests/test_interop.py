@@ -280,6 +280,21 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(architecture: str) 
         assert ours.attn_scale == (None if scalar is None else pytest.approx(scalar ** -0.5))
 
 
+def test_gptj_without_rotary_dim_rotates_what_transformers_rotates(tmp_path: Path) -> None:
+    """GPTJConfig's rotary_dim defaults to 64: a config.json without the key rotates 64 dims of each head."""
+    torch.manual_seed(0)  # heads of 128 dims, 64 of them rotating
+    hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=256, n_layer=1, n_head=2, n_positions=64, rotary_dim=64, bos_token_id=None,
+        eos_token_id=None)).eval()
+    src = _save(hf, tmp_path / "hf", "safetensors")
+    config = json.loads((src / "config.json").read_text())
+    del config["rotary_dim"]
+    (src / "config.json").write_text(json.dumps(config))
+    ours = from_hf(src)
+    assert ours.config.rotary_dim == transformers.AutoConfig.from_pretrained(src).rotary_dim == 64
+    assert _max_diff(ours, hf) <= TOL
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("max_window_layers", [None, 0, 2, 40])
 def test_qwen_sliding_layers_are_transformers(family: str, max_window_layers: int | None) -> None:

@@ -19,6 +19,7 @@ from gptlab.interop.common import (
     concatenated,
     gelu_approximate,
     hf_flag,
+    hf_key,
     hf_value,
     keep,
     same,
@@ -39,7 +40,8 @@ normalize = keep
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     n_embd, n_head = hf_value(hf, "n_embd"), hf_value(hf, "n_head")
     head = n_embd // n_head if isinstance(n_embd, int) and isinstance(n_head, int) and n_head > 0 else 1
-    rotary_dim = hf_value(hf, "rotary_dim", default=None) or head
+    # GPTJConfig's default when the key is left out is 64; a null rotates the whole head
+    rotary_dim = hf_key(hf, "rotary_dim", absent=64) or head
     if not isinstance(rotary_dim, int) or rotary_dim % 2 or not 2 <= rotary_dim <= head:
         raise GptlabError(f"rotary_dim={rotary_dim!r} should be an even number of dims within a head of {head}")
     return dict(
