@@ -370,6 +370,11 @@ def test_gpt2_ids_only_for_the_gpt2_vocabulary() -> None:
     # a 4.x Qwen config has no layer_types: the error names the key it does have
     (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=8,
           max_window_layers=1), r"max_window_layers=1 \(full attention on the first 1 of 2 layers"),
+    # YaRN added as a model card says (rope_scaling) to a config that transformers 5.x saved (rope_parameters):
+    # transformers takes rope_scaling (and loses rope_parameters' theta), gptlab would take rope_parameters
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+          rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+     "rope_scaling and rope_parameters disagree on 'rope_type' .'yarn' against 'default'."),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(architectures=["FalconForCausalLM"], model_type="falcon"), "FalconForCausalLM"),
     (dict(hidden_size="64"), "LlamaForCausalLM"),

@@ -86,6 +86,14 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, float | None, RopeScal
         raise GptlabError(f"config.json's rope parameters should be an object, got {params!r}")
     if params and all(isinstance(v, dict) for v in params.values()):
         raise GptlabError("per-layer-type rope parameters are not supported: gptlab has one RoPE for all layers")
+    scaling = config.get("rope_scaling")
+    # both schemas (rope_scaling added, as model cards say, to a config 5.x wrote): transformers reads rope_scaling
+    # (and drops rope_parameters' theta), gptlab rope_parameters; where they disagree neither reading is safe
+    for key, value in (scaling.items() if isinstance(scaling, dict) and scaling is not params else ()):
+        key = "rope_type" if key == "type" else key
+        if params.get(key) != value:
+            raise GptlabError(f"config.json's rope_scaling and rope_parameters disagree on {key!r} ({value!r} against "
+                              f"{params.get(key)!r}): keep one of them")
     merged = {**config, **params}
     theta = _rope_number(merged, "rope_theta", "rotary_emb_base", default=10000.0)
     fraction = _rope_number(merged, "partial_rotary_factor", "rotary_pct")
