@@ -585,6 +585,44 @@ def test_torchrun_evaluates_the_whole_split_in_shares(tmp_path: Path, data: Path
     assert len(val_one) == 2 and val_two == pytest.approx(val_one, abs=1e-4)
 
 
+# rank 1's clock runs 1.5x fast (a busy process, a slower evaluation): then each process prints its step and a
+# digest of its weights
+_SKEWED_CLOCK = """
+import hashlib, os, sys, time, types
+import gptlab.train.trainer as trainer
+if os.environ["RANK"] == "1":
+    trainer.time = types.SimpleNamespace(perf_counter=lambda: 1.5 * time.perf_counter())
+run = trainer.Trainer._train
+def _train(self, log, bar):
+    code = run(self, log, bar)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in self.model.parameters())).hexdigest()
+    print(f"rank {os.environ['RANK']}: step {self.step} weights {digest}", file=sys.stderr)
+    return code
+trainer.Trainer._train = _train
+from gptlab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_under_a_time_budget_every_process_takes_rank_0s_clock(tmp_path: Path, data: Path) -> None:
+    """max_time under DDP: the clock sets each step's lr (the decay ends on time) and when the run stops, so every
+    process must read the same one, rank 0's, even when their own clocks differ (rank 1's runs fast here) or their
+    evaluations take different times (rank 0 alone writes best/). Else the replicas step with different lrs and
+    drift apart, or one process stops while the other waits in the next step's collectives."""
+    script = tmp_path / "skewed.py"
+    script.write_text(_SKEWED_CLOCK)
+    recipe = write_recipe(tmp_path, max_steps=10_000, max_time=1.5, eval_interval=3, eval_tokens=256, log_interval=1,
+                          distributed_timeout=30)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "train",
+           str(recipe), "--data", str(data), "--out", str(tmp_path / "run"), "--quiet"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ends = sorted(line.split(": ", 1)[1] for line in proc.stderr.splitlines() if line.startswith("rank "))
+    assert len(ends) == 2 and ends[0] == ends[1], ends
+    (last,) = list_step_checkpoints(tmp_path / "run")
+    assert json.loads((last / "state.json").read_text())["elapsed_sec"] >= 1.5  # it ended on the clock
+
+
 def _from_step_5(run: Path, copy: Path) -> Path:
     shutil.copytree(run, copy)
     shutil.rmtree(copy / "checkpoints" / "step-0000010")

@@ -52,15 +52,15 @@ class Processes:
         dist.all_reduce(t)
         return t[:-1].reshape(value.shape), t[-1] > 0
 
-    def from_rank0(self, value: float) -> float:
-        """Rank 0's value on every process."""
+    def from_rank0(self, *values: float) -> tuple[float, ...]:
+        """Rank 0's values on every process (one broadcast)."""
         if self.world == 1:
-            return value
+            return values
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.broadcast(t, src=0)
-        return float(t[0])
+        return tuple(t.tolist())
 
     @contextlib.contextmanager
     def all_or_none(self, what: str) -> Iterator[None]:

@@ -222,7 +222,7 @@ class Trainer:
     def _eval_and_track(self) -> float:
         # every process has the all-reduced loss; rank 0's, to be sure they decide alike (under FSDP saving a best
         # is collective)
-        val = self.procs.from_rank0(self.evaluate())
+        (val,) = self.procs.from_rank0(self.evaluate())
         if val < self.best_val:
             self.best_val = val
             self.save_best()
@@ -312,10 +312,7 @@ class Trainer:
             set_lr(self.optimizers, multiplier)
             self.train_step()
             self._last_step_time = time.perf_counter() - t0
-            # under a time budget every process must stop at the same step: all take rank 0's clock
             self.elapsed += self._last_step_time
-            if cfg.max_time is not None:
-                self.elapsed = self.procs.from_rank0(self.elapsed)
             if bar is not None:
                 bar.update(1)
             do_eval = cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.max_steps
@@ -346,6 +343,11 @@ class Trainer:
             if self.stop.due:
                 self.read_loss()
                 return self._stop_on_signal(bar)
+            if cfg.max_time is not None:
+                # under a time budget the clock sets the next step's lr and whether there is one: every process
+                # takes rank 0's (each one's own, with its own evaluation time, would differ: DDP replicas drifting
+                # apart, or one process stopping while another waits in the next step's collectives)
+                self.elapsed, self._last_step_time = self.procs.from_rank0(self.elapsed, self._last_step_time)
         self.read_loss()  # the end: a final evaluation (unless this step just had one) and checkpoint
         if bar is not None:
             bar.close()
