@@ -241,6 +241,28 @@ def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path: Path, data:
     assert str(ckpt) in err
 
 
+@pytest.mark.parametrize(("env", "launch"), [
+    ({}, "gptlab train"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"},
+     "torchrun --standalone --nproc-per-node 2 -m gptlab.cli train"),
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2"},
+     "torchrun [this run's torchrun options, on every machine] -m gptlab.cli train"),
+])
+def test_the_resume_command_launches_as_many_processes_as_the_run(monkeypatch, env: dict, launch: str) -> None:
+    """A run stopped under torchrun prints a torchrun command to resume it, not `gptlab train` (one process: an
+    FSDP run's model may not fit there, and every rank's dropout stream but rank 0's would be lost)."""
+    from gptlab.cli import build_parser
+    from gptlab.cli.train import resume_command
+
+    for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args, extra = build_parser().parse_known_args(["train", "r.toml", "--data", "d", "--out", "my run", "--lr", "1"])
+    args.extra = extra
+    assert resume_command(args) == f"{launch} r.toml --data d --out 'my run' --lr 1 --resume"
+
+
 # --- batches ------------------------------------------------------------------------------------------------
 def test_global_batch_is_a_pure_function_of_seed_and_step() -> None:
     data = np.arange(1000, dtype=np.uint16)

@@ -8,6 +8,7 @@ key -> text, and the library parses each text by its field's type.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from typing import TYPE_CHECKING
 
@@ -54,11 +55,17 @@ def parse_overrides(tokens: list[str]) -> dict[str, str]:
 
 
 def resume_command(args: argparse.Namespace) -> str:
-    """The command that continues this run: the same flags and overrides, plus --resume."""
-    argv = ["gptlab", "train", args.config, *(["--data", args.data] if args.data is not None else []), "--out",
-            args.out]
-    argv += (["--quiet"] if args.quiet else []) + list(args.extra) + ["--resume"]
-    return shlex.join(argv)
+    """The command that continues this run: the same flags and overrides, plus --resume; under torchrun, launched
+    by torchrun again on as many processes (its variables say how many, on how many machines)."""
+    argv = [args.config, *(["--data", args.data] if args.data is not None else []), "--out", args.out]
+    argv = shlex.join(argv + (["--quiet"] if args.quiet else []) + list(args.extra) + ["--resume"])
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        return f"gptlab train {argv}"
+    if os.environ.get("GROUP_WORLD_SIZE") == "1" and "LOCAL_WORLD_SIZE" in os.environ:  # one machine
+        launch = shlex.join(["torchrun", "--standalone", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"]])
+    else:  # each machine's rendezvous options are its own
+        launch = "torchrun [this run's torchrun options, on every machine]"
+    return f"{launch} -m gptlab.cli train {argv}"
 
 
 def _lm_eval_tasks(cfg: TrainConfig) -> LmEvalScorer | None:
