@@ -382,3 +382,21 @@ def test_own_state_reads_only_this_process_gpu(gpus) -> None:
     gpus.count, gpus.states = 2, {0: bytes([1]) * 16, 1: bytes([2]) * 16}
     assert own_state("cuda:1")["cuda"] == _b64(bytes([2]) * 16)
     assert "cuda" not in own_state("cpu")
+
+
+def test_only_a_collective_that_lost_its_peers_becomes_a_one_line_error() -> None:
+    """gloo's words for a peer gone (its socket closed, the timeout) and torch's DistError become one line saying
+    another process ended; any other RuntimeError, and any error of a process alone, stays what it is (a bug)."""
+    two, one = Processes(1, 2, "cpu"), Processes(0, 1, "cpu")
+    gone = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:7089. This is typically caused by a remote worker crashing. GLHF!")
+    with pytest.raises(GptlabError) as e, two.peers_lost_as_errors():
+        raise gone
+    assert str(e.value) == ("process 1 of 2: another process of this run ended or stopped answering (Connection "
+                            "closed by peer [127.0.0.1]:7089): its own error says why; this one stops too")
+    with pytest.raises(GptlabError, match=r"answering \(NCCL watchdog timeout\)"), two.peers_lost_as_errors():
+        raise dist.DistBackendError("NCCL watchdog timeout")
+    for procs, error in ((two, RuntimeError("shape mismatch")), (one, gone)):
+        with pytest.raises(RuntimeError) as raised, procs.peers_lost_as_errors():
+            raise error
+        assert raised.value is error

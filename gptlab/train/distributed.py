@@ -10,6 +10,8 @@ Everything that needs more than one process lives here, so the trainer reads the
   through `Processes.sum_and_any` and `Processes.from_rank0`, or a process would wait forever in a
   collective its peers never enter; so do the checks before training (`Processes.all_or_none`): a process
   that fails one (its own files, its GPU's free memory) stops its peers too;
+- a collective that fails because a peer ended or stopped answering is a one-line error saying so
+  (`Processes.peers_lost_as_errors`), not gloo's or NCCL's own words as if this process had a bug;
 - `Processes.close` leaves together: a rank that exits while a peer still writes a checkpoint can abort gloo's
   teardown ("terminate called ...").
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +104,19 @@ class Processes:
         dist.all_gather_object(values, value)
         return values
 
+    @contextlib.contextmanager
+    def peers_lost_as_errors(self) -> Iterator[None]:
+        """A collective that failed because a peer ended or stopped answering (its socket closed, the timeout)
+        becomes a one-line GptlabError saying so: the peer's own error says why, and this is no bug here."""
+        try:
+            yield
+        except RuntimeError as e:
+            said = _peer_lost(e) if self.world > 1 else None
+            if said is None:
+                raise
+            raise GptlabError(f"process {self.rank} of {self.world}: another process of this run ended or stopped "
+                              f"answering ({said}): its own error says why; this one stops too") from None
+
     def close(self, clean: bool) -> None:
         """Leave the process group; after a clean run, first wait for every peer to get here."""
         if self.world == 1:
@@ -138,6 +154,18 @@ def init_distributed(device: str, timeout: float | None = None) -> Processes:
         options["device_id"] = torch.device(device)  # binds NCCL's communicator to this GPU at once
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **options)
     return Processes(rank, world, device)
+
+
+def _peer_lost(e: RuntimeError) -> str | None:
+    """What a collective's error says, in a few words, when it is about the other processes (torch's DistError,
+    NCCL's among them; gloo's transport: a socket closed, a timeout); None for any other error."""
+    import torch.distributed as dist
+
+    text = " ".join(str(e).split())
+    if not (isinstance(e, dist.DistError) or "gloo/transport" in text):
+        return None
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's source file and line
+    return text.split(". ", 1)[0]
 
 
 def _env_int(name: str, default: str | None = None) -> int:

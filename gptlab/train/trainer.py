@@ -290,7 +290,8 @@ class Trainer:
         bar = progress_bar(self.cfg.max_steps, self.step, show=not self.quiet and self.procs.is_master)
         clean = False
         try:
-            with self.stop.handling():  # a stop signal checkpoints after the current step
+            # a stop signal checkpoints after the current step; a peer lost is a one-line error
+            with self.stop.handling(), self.procs.peers_lost_as_errors():
                 code = self._train(log, bar)
             clean = True
             return code
