@@ -9,7 +9,7 @@ as a scorer (`gptlab.evaluation.harness.LmEvalTasks`) handed to the trainer: `gp
 Scoring leaves training as it found it: the model goes back to its mode even when a task raises, and the random
 streams (torch's on the model's device, Python's and numpy's) are set aside and restored, so a run's weights
 are the same with or without benchmarks. Only the master process scores (under DDP the others wait at the next
-step's all-reduce); FSDP's sharded model cannot be scored by one process.
+step's all-reduce, for at most `distributed_timeout`); FSDP's sharded model cannot be scored by one process.
 """
 
 from __future__ import annotations
