@@ -18,6 +18,7 @@ import torch.distributed as dist
 from helpers import make_data, run_metric, write_recipe
 
 from gptlab.config import GPTConfig
+from gptlab.errors import GptlabError
 from gptlab.flops import parameter_counts
 from gptlab.model import GPT
 from gptlab.train import build_train_config
@@ -67,6 +68,23 @@ def test_the_memory_check_of_one_process_is_unchanged_in_kind() -> None:
     assert bf16 == 18 * params + activations // 2
     recomputed = _step_memory("gpt2", 1024, 1, dtype="bfloat16", activation_checkpointing=True)
     assert recomputed == 18 * params + 2 * 1024 * (2 * 50257 + 12 * 768 + 16 * 768)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:1"])
+def test_processes_of_one_machine_share_its_memory_in_the_check(monkeypatch, device: str) -> None:
+    """2 torchrun processes on one CPU machine each need their step's memory from the same RAM: the check refuses
+    what fits once but not twice. On GPUs each process has its own device's memory: what fits once fits."""
+    import gptlab.train.memory as memory
+
+    cfg = dataclasses.replace(build_train_config({"model": "gpt2", "block_size": 1024, "batch_size": 2}), grad_accum=1)
+    need = memory.step_memory(cfg, cfg.model_config(), 2, True, device).to_come
+    monkeypatch.setattr(memory, "available_memory", lambda device: int(need * 1.5))
+    memory.check_step_memory(cfg, cfg.model_config(), 2, device)  # one process alone would fit
+    if device == "cpu":
+        with pytest.raises(GptlabError, match=r"per process, x 2 processes on this machine: [0-9.]+ GiB"):
+            memory.check_step_memory(cfg, cfg.model_config(), 2, device, processes_here=2)
+    else:
+        memory.check_step_memory(cfg, cfg.model_config(), 2, device, processes_here=2)
 
 
 # --- fake ranks ----------------------------------------------------------------------------------------------------

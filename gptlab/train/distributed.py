@@ -33,11 +33,13 @@ from gptlab.errors import GptlabError
 
 @dataclass(frozen=True)
 class Processes:
-    """This process's place in the run: rank, how many processes there are, and its device."""
+    """This process's place in the run: rank, how many processes there are, and its device; `local_world`: how many
+    of them run on this machine (torchrun's LOCAL_WORLD_SIZE)."""
 
     rank: int
     world: int
     device: str
+    local_world: int = 1
 
     @property
     def is_master(self) -> bool:
@@ -153,7 +155,7 @@ def init_distributed(device: str, timeout: float | None = None) -> Processes:
         torch.cuda.set_device(device)
         options["device_id"] = torch.device(device)  # binds NCCL's communicator to this GPU at once
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **options)
-    return Processes(rank, world, device)
+    return Processes(rank, world, device, _env_int("LOCAL_WORLD_SIZE", "1"))
 
 
 def _peer_lost(e: RuntimeError) -> str | None:

@@ -122,17 +122,22 @@ def adapted_weights(cfg: TrainConfig, config: GPTConfig, elt: int, device: torch
 
 
 def check_step_memory(cfg: TrainConfig, config: GPTConfig, world: int, device: str, fresh: bool = True,
-                      quiet: bool = True) -> StepMemory:
+                      quiet: bool = True, processes_here: int = 1) -> StepMemory:
     """Print the estimate (unless `quiet`) and refuse before any work a batch (or model) that cannot fit in the
-    device's free memory; returns the estimate."""
+    device's free memory; returns the estimate. `processes_here`: the run's processes on this machine, which on a
+    CPU all take their steps' memory from the same RAM (each GPU has its own)."""
     need, have = step_memory(cfg, config, world, fresh, device), available_memory(device)
+    sharing = processes_here if torch.device(device).type == "cpu" else 1
     if not quiet:
         print(need.describe() + ("" if have is None else f"; {human_bytes(have)} free on {device}"))
-    if have is not None and need.to_come > have:
+    if have is not None and need.to_come * sharing > have:
         params = parameter_counts(config)[0]
         more = "" if cfg.activation_checkpointing else ", set activation_checkpointing = true"
+        shared = (f" per process, x {sharing} processes on this machine: {human_bytes(need.to_come * sharing)}"
+                  if sharing > 1 else "")
         raise GptlabError(f"training this model ({params:,} parameters) at batch_size {cfg.batch_size} x block_size "
                           f"{config.block_size} needs at least {human_bytes(need.to_come)} of memory per step"
-                          f"{' beyond its loaded weights' if need.loaded else ''}, {device} has {human_bytes(have)} "
-                          f"free: lower batch_size or micro_batch_size{more}, or choose a smaller model")
+                          f"{' beyond its loaded weights' if need.loaded else ''}{shared}, {device} has "
+                          f"{human_bytes(have)} free: lower batch_size or micro_batch_size{more}, or choose a smaller "
+                          "model")
     return need

@@ -123,7 +123,7 @@ class Trainer:
                 check_split_fits(self.data_dir, split,
                                  sequence_length(self.data_dir, cfg.model_config().block_size))
             check_step_memory(cfg, cfg.model_config(int(meta["vocab_size"])), self.procs.world, self.device,
-                              quiet=quiet or not self.procs.is_master)
+                              quiet=quiet or not self.procs.is_master, processes_here=self.procs.local_world)
         self.fsdp = cfg.distributed == "fsdp" and self.procs.world > 1  # one process has nothing to shard
         self.benchmarks = Benchmarks(cfg, self.data_dir, lm_eval_tasks, self.fsdp) if cfg.eval_tasks else None
         self.model = build_model(cfg, int(meta["vocab_size"]), self.device, self.data_dir, sharded=self.fsdp)
@@ -137,7 +137,7 @@ class Trainer:
         seed_dropout(cfg.seed, self.procs)  # the same init on every process, then a dropout stream for each
         if cfg.init_from:
             check_step_memory(cfg, self.model.config, self.procs.world, self.device, fresh=False,
-                              quiet=quiet or not self.procs.is_master)
+                              quiet=quiet or not self.procs.is_master, processes_here=self.procs.local_world)
         check_split_fits(self.data_dir, "val", self.seq_len)
         self.val_data = TokenSplit.load(self.data_dir, "val")
         self.feed = StepFeed(self.train_data, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=self.seq_len,
