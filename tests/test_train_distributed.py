@@ -393,10 +393,33 @@ def test_only_a_collective_that_lost_its_peers_becomes_a_one_line_error() -> Non
     with pytest.raises(GptlabError) as e, two.peers_lost_as_errors():
         raise gone
     assert str(e.value) == ("process 1 of 2: another process of this run ended or stopped answering (Connection "
-                            "closed by peer [127.0.0.1]:7089): its own error says why; this one stops too")
+                            "closed by peer [127.0.0.1]:7089); this one stops too (the other's own error, if any, "
+                            "says why)")
     with pytest.raises(GptlabError, match=r"answering \(NCCL watchdog timeout\)"), two.peers_lost_as_errors():
         raise dist.DistBackendError("NCCL watchdog timeout")
     for procs, error in ((two, RuntimeError("shape mismatch")), (one, gone)):
         with pytest.raises(RuntimeError) as raised, procs.peers_lost_as_errors():
             raise error
         assert raised.value is error
+
+
+def test_processes_that_do_not_meet_in_time_stop_with_one_line(monkeypatch) -> None:
+    """A peer that starts later than distributed_timeout after the others (a node still building its kernels) or
+    cannot be reached: joining the group fails with one line naming the timeout, not an internal error."""
+    for key, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(key, value)
+    errors = [dist.DistStoreError("wait timeout after 1000ms, keys: /default_pg/0//cpu//0/1"),
+              RuntimeError("Gloo connectFullMesh failed with [/x/gloo/transport/tcp/pair.cc:152] timed out "
+                           "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:19876")]
+    for error in errors:
+        def init(backend: str, _error: Exception = error, **options) -> None:
+            raise _error
+
+        monkeypatch.setattr(dist, "init_process_group", init)
+        with pytest.raises(GptlabError, match=r"^process 0 of 2 did not meet the others within distributed_timeout "
+                                              r"\(1 s\) \((wait timeout|Gloo connectFullMesh)"):
+            init_distributed("cpu", 1.0)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **options: (_ for _ in ()).throw(
+        RuntimeError("something else")))
+    with pytest.raises(RuntimeError, match="something else"):
+        init_distributed("cpu", 1.0)

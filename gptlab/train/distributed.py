@@ -117,7 +117,8 @@ class Processes:
             if said is None:
                 raise
             raise GptlabError(f"process {self.rank} of {self.world}: another process of this run ended or stopped "
-                              f"answering ({said}): its own error says why; this one stops too") from None
+                              f"answering ({said}); this one stops too (the other's own error, if any, says why)"
+                              ) from None
 
     def close(self, clean: bool) -> None:
         """Leave the process group; after a clean run, first wait for every peer to get here."""
@@ -154,7 +155,16 @@ def init_distributed(device: str, timeout: float | None = None) -> Processes:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
         options["device_id"] = torch.device(device)  # binds NCCL's communicator to this GPU at once
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **options)
+    try:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **options)
+    except RuntimeError as e:  # a peer that started too late, or that this process cannot reach
+        said = _peer_lost(e)
+        if said is None:
+            raise
+        within = "torch's default timeout" if timeout is None else f"distributed_timeout ({timeout:g} s)"
+        raise GptlabError(f"process {rank} of {world} did not meet the others within {within} ({said}): start every "
+                          "process within it of the first, and check that each reaches MASTER_ADDR:MASTER_PORT"
+                          ) from None
     return Processes(rank, world, device, _env_int("LOCAL_WORLD_SIZE", "1"))
 
 

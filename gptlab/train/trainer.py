@@ -86,9 +86,10 @@ class Trainer:
         try:
             # a check that fails on one process only (its files, its GPU's free memory) stops every process, each
             # with a one-line error, before the first collective: else the others would wait for it until a timeout
-            with self.procs.all_or_none("the checks before training"):
-                resume_from = self._setup(resume, lm_eval_tasks)
-            self._setup_steps(resume_from)
+            with self.procs.peers_lost_as_errors():
+                with self.procs.all_or_none("the checks before training"):
+                    resume_from = self._setup(resume, lm_eval_tasks)
+                self._setup_steps(resume_from)
         except BaseException:
             self.release()
             raise
