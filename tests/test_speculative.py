@@ -347,6 +347,45 @@ def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, t
     assert "--draft-tokens needs --draft or --speculate" in capsys.readouterr().err
 
 
+def test_group_size_is_the_int4_models_not_an_int8_drafts(char_models, capsys, monkeypatch):
+    """--group-size goes with --quantize int4: an int8 draft takes none. It was handed to the draft as well, whose
+    load then refused "--quantize int4 --group-size 32 --draft D --draft-quantize int8" (after the model's load) as
+    "int8 quantization ... takes no group size"."""
+    from gptlab.cli import main
+    from gptlab.generation.speculative import Speculator
+    from gptlab.loading import load_model
+    from gptlab.quantize import QuantizedLinear
+
+    target_path, draft_path, _, tok = char_models
+    prompt = "Hello Hello Hello"
+    model, _ = load_model(target_path, quantize="int4", group_size=32)
+    (ref,) = generate_batch(model, [tok.encode(prompt)], SamplingParams(temperature=0, max_new_tokens=20),
+                            tokenizer=tok)
+    drafts = []
+    real = Speculator.__init__
+    monkeypatch.setattr(Speculator, "__init__", lambda self, engine, speculate, *a: drafts.append(speculate)
+                        or real(self, engine, speculate, *a))
+    assert main(["sample", str(target_path), "--prompt", prompt, "--max-new-tokens", "20", "--temperature", "0",
+                 "--quantize", "int4", "--group-size", "32", "--draft", str(draft_path),
+                 "--draft-quantize", "int8"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == prompt + ref.text + "\n---------------\n"
+    modes = {m.mode for m in drafts[0].modules() if isinstance(m, QuantizedLinear)}
+    assert modes == {"int8"}
+
+
+def test_a_draft_that_cannot_be_quantized_so_is_named(char_models, capsys, tmp_path):
+    """A draft whose widths the int4 group size does not divide: the one-line error says it is the draft's."""
+    from gptlab.checkpoint import save_model
+    from gptlab.cli import main
+
+    target_path, _, _, tok = char_models
+    draft = save_model(tmp_path / "draft48", tiny_model(vocab_size=tok.vocab_size, n_embd=48), tok)
+    assert main(["sample", str(target_path), "--max-new-tokens", "2", "--draft", str(draft),
+                 "--draft-quantize", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --draft: ") and "does not divide" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("command", ["sample", "serve"])
 def test_a_bad_draft_is_refused_before_the_model_loads(char_models, capsys, tmp_path, monkeypatch, command):
     import gptlab.loading

@@ -109,6 +109,11 @@ def speculation_options(args: argparse.Namespace, draft: Path | None, device: An
     from gptlab.loading import load_model
 
     quantize = args.quantize if args.draft_quantize is None else args.draft_quantize
-    quantized = {"quantize": quantize, "group_size": args.group_size} if quantize not in (None, "none") else {}
-    model, _ = load_model(draft, device=device, dtype=dtype, **quantized)
+    # --group-size belongs to --quantize int4: an int8 draft takes none
+    group = {"group_size": args.group_size} if quantize == "int4" else {}
+    quantized = {"quantize": quantize, **group} if quantize not in (None, "none") else {}
+    try:
+        model, _ = load_model(draft, device=device, dtype=dtype, **quantized)
+    except GptlabError as e:  # the model itself loaded: what failed is the draft's
+        raise GptlabError(f"--draft: {e}") from None
     return {"speculate": model, **tokens}
