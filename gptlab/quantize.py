@@ -46,6 +46,9 @@ kernel where one runs:
 
 The kernels' copies of the weights (packed layouts, scales in the activations' dtype) are made on first use per
 device and dtype and kept beside the buffers, not in `state_dict`; `.to()` and `load_state_dict` drop them.
+
+None of the kernels has a backward: where a gradient is wanted, the input's is computed through the dequantized
+weight (`_InputGradient`); the integers themselves are buffers and never trained.
 """
 
 from __future__ import annotations
@@ -146,6 +149,8 @@ class QuantizedLinear(nn.Module):
         run = self._runs.get(key)
         if run is None:
             run = self._runs[key] = self._prepare(x.device, x.dtype, autocast, rows)
+        if x.requires_grad and torch.is_grad_enabled():  # the kernels have no backward of their own
+            return _InputGradient.apply(x, run, self)
         return run(x)
 
     def forget_kernels(self) -> None:
@@ -233,6 +238,22 @@ class QuantizedLinear(nn.Module):
         except (RuntimeError, NotImplementedError) as e:  # a shape or build the kernel refuses: the plain path
             log.debug("%s kernel refused a %s weight: %s", self.mode, (self.out_features, self.in_features), e)
             return None
+
+
+class _InputGradient(torch.autograd.Function):
+    """A kernel's forward with the input's gradient through the dequantized weight, grad @ W: the integers are not
+    trained, but a loss behind the layer still reaches what lies before it (the embeddings, an earlier layer's
+    adapters). Nothing is saved: the weight is dequantized again in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, run, layer):  # noqa: ANN001, ANN205
+        ctx.layer, ctx.dtype = layer, x.dtype
+        return run(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        weight = ctx.layer.dequantize().to(grad.device)
+        return (grad.float() @ weight).to(ctx.dtype), None, None
 
 
 def _kernel_cpu(ops: Any, weights: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None, n: int,

@@ -198,6 +198,35 @@ def test_the_kernel_copies_follow_the_buffers() -> None:
     assert set(layer.state_dict()) == {"qweight", "scale"}  # the kernels' copies are not saved
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_gradients_reach_the_input_through_every_kernel(mode, cpu_path) -> None:
+    """The integers are not trained, but a gradient through the layer reaches its input as through the dequantized
+    weight, whichever kernel ran the forward: gptlab's builds have no backward (x.grad was silently None, and the
+    embeddings of a quantized model got no gradient from any block), and PyTorch's int8/int4 kernels raised
+    "derivative ... is not implemented"."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear(nn.Linear(64, 24), mode)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 64, dtype=dtype, requires_grad=True)
+        c = torch.randn(3, 24)
+        (layer(x).float() * c).sum().backward()
+        want = c.double() @ layer.dequantize().double()  # d/dx of sum(c * (x W^T + b)), by hand
+        assert x.grad is not None and x.grad.dtype == dtype
+        assert torch.allclose(x.grad.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    model = tiny_model(vocab_size=40)
+    with torch.no_grad():  # weights a third of tiny_model's: a tame model, whose gradients the kernels' rounding
+        for p in model.parameters():  # of the activations moves little
+            p.mul_(0.3)
+    quantize_model(model, mode)
+    idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(idx, idx).loss.backward()
+    reference = reference_model(model)
+    reference.zero_grad()
+    reference(idx, idx).loss.backward()
+    got, want = model.transformer.wte.weight.grad, reference.transformer.wte.weight.grad
+    assert got is not None and float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------------------------
