@@ -529,6 +529,24 @@ def test_models_of_odd_widths_keep_their_loss(width, mode, cpu_path) -> None:
     assert float(loss) == pytest.approx(float(want_loss), rel=0.02) and got.shape == want.shape
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_an_fp16_model_decodes_quantized_on_every_path(mode, cpu_path) -> None:
+    """gptlab's kernels run an fp16 model's quantized Linears one at a time (fp16 in and out), but the one-call C++
+    decode step computes in bf16 or fp32 only: it was chosen all the same, and `gptlab sample --dtype float16
+    --quantize int8` failed at its first decode step ("decode_step: bf16 or fp32")."""
+    model = quantize_model(tiny_model(vocab_size=40).half(), mode)
+    prompt = torch.randint(0, 40, (1, 7), generator=torch.Generator().manual_seed(0))
+    with each_layer_checked(model):
+        out = gptlab.generate(model, prompt, max_new_tokens=6, temperature=0.0)
+    want = prompt
+    with torch.no_grad():  # greedy by hand: the whole sequence through the plain forward at each step
+        for _ in range(6):
+            want = torch.cat([want, model(want)[0][:, -1].float().argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, want)
+    (gen,) = generate_batch(model, [prompt[0].tolist(), [1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=6))[:1]
+    assert gen.token_ids == out[0, 7:].tolist()
+
+
 def test_int4_beyond_fp16_takes_pytorchs_path(monkeypatch) -> None:  # noqa: ANN001
     """gptlab's kernel stores int4's scale and low end in fp16: weights beyond its range (1e5) keep fp32 ones and
     run on PyTorch's path, still equal to the reference."""

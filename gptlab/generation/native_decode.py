@@ -86,6 +86,8 @@ def weights(model: GPT, cache: KVCache) -> NativeWeights | None:
     attribute lookup is slow for a walk over every Linear."""
     if not kernel_builds() or cache.k.dtype not in (torch.float32, cache_dtype(model)):
         return None
+    if model.transformer.wte.weight.dtype not in (torch.float32, torch.bfloat16):
+        return None  # the step computes in bf16 or fp32; an fp16 model's quantized Linears still run on the kernel
     cfg, rows = model.config, cache.batch_size
     eps = cfg.norm_eps
     out: list[torch.Tensor | None] = []
