@@ -210,8 +210,12 @@ def quantize_layer(model: GPT, name: str, mode: str, group_size: int | None = No
     layer = model.get_submodule(name)
     group = (group_size or DEFAULT_GROUP_SIZE) if mode == "int4" else 0
     if group and layer.in_features % group:
-        raise GptlabError(f"int4 group size {group} does not divide {name}'s input width {layer.in_features}: "
-                          f"choose one of {group_sizes_dividing(layer.in_features)}")
+        width = layer.in_features
+        if group_size is None:  # the default: a training recipe has no group size to choose
+            raise GptlabError(f"int4 quantizes in groups of {group} inputs, which do not divide {name}'s input "
+                              f"width {width}: quantize to int8 instead")
+        raise GptlabError(f"int4 group size {group} does not divide {name}'s input width {width}: "
+                          f"choose one of {group_sizes_dividing(width)}")
     with torch.no_grad():
         quantized = FrozenQuantizedLinear(layer, mode, group)
     parent, _, attr = name.rpartition(".")

@@ -240,12 +240,33 @@ def test_a_width_no_int4_group_divides_is_one_line_offering_int8() -> None:
                           n_head=2, n_embd=40, vocab_size=50, block_size=16))
     with pytest.raises(GptlabError, match="int4 group size 32 does not divide transformer.h.0.attn.c_attn's input "
                                           r"width 40: choose one of none \(quantize to int8 instead\)"):
-        quantize_base(model, "int4")
+        quantize_base(model, "int4", 32)
+    with pytest.raises(GptlabError, match="int4 quantizes in groups of 32 inputs, which do not divide "
+                                          "transformer.h.0.attn.c_attn's input width 40: quantize to int8 instead"):
+        quantize_base(model, "int4")  # a recipe's default: no group size to choose
     wide = GPT(GPTConfig(norm="rmsnorm", bias=False, position="rope", mlp="swiglu", mlp_hidden=96, n_layer=1,
                          n_head=2, n_embd=64, vocab_size=50, block_size=16))
     with pytest.raises(GptlabError, match="int4 group size 64 does not divide transformer.h.0.mlp.c_proj's input "
                                           "width 96: choose one of 32$"):
         quantize_base(wide, "int4", 64)
+
+
+def test_an_int4_base_of_widths_its_groups_do_not_divide_is_refused_in_terms_training_takes(tmp_path: Path,
+                                                                                            capsys) -> None:
+    """A recipe has no group size (QLoRA's int4 base is in groups of 32): a base of width 48 was refused with
+    "choose another group size, or int8", a choice no recipe key or flag offers."""
+    data = make_data(tmp_path, chars=5_000)
+    base_recipe = write_recipe(tmp_path, "base.toml", max_steps=2, warmup_steps=1, eval_interval=0, n_embd=48)
+    assert main(["train", str(base_recipe), "--data", str(data), "--out", str(tmp_path / "base"), "--quiet"]) == 0
+    recipe = write_recipe(tmp_path, "qlora.toml", max_steps=2, warmup_steps=1, eval_interval=0)
+    recipe.write_text("\n".join(line for line in recipe.read_text().splitlines()
+                                if line.split(" =")[0] not in ("model", "n_embd", "n_head", "n_kv_head", "block_size")))
+    rc = main(["train", str(recipe), "--data", str(data), "--out", str(tmp_path / "run"), "--quiet", "--init-from",
+               str(tmp_path / "base"), "--lora-rank", "4", "--quantize", "int4"])
+    err = one_line_error(rc, capsys.readouterr().err)
+    assert "input width 48" in err and "quantize to int8 instead" in err and "group size" not in err, err
+    with pytest.raises(GptlabError, match="input width 96: choose one of 32$"):
+        quantize_base(tiny_model(n_embd=96), "int4", 64)  # a caller that chose the size is told which divide
 
 
 # --- the memory: the base read as it trains, and the check's count of it -------------------------------------------
