@@ -222,7 +222,7 @@ class QuantizedLinear(nn.Module):
         k, n = self.in_features, self.out_features
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            y = matmul(x.reshape(-1, k).to(compute))
+            y = matmul(x.reshape(-1, k).to(compute).contiguous())  # PyTorch's kernels take dense rows only
             if bias is not None:
                 y += bias
             return y.view(*x.shape[:-1], n).to(out_dtype)

@@ -501,6 +501,24 @@ def test_sample_int8_on_an_imported_gpt2(hf_dirs, capsys) -> None:
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_inputs_of_any_strides_match_the_reference_on_every_path(mode, cpu_path) -> None:
+    """A QuantizedLinear takes what nn.Linear takes: PyTorch's int8/int4 kernels refuse an input whose rows are
+    not dense ("A must be contiguous on the last dimension", "expect A to be contiguous"), e.g. a transposed
+    activation or the last position of each row of a batch, h[:, -1]."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear(nn.Linear(64, 24), mode)
+    for dtype in (torch.float32, torch.bfloat16):
+        transposed = torch.randn(64, 5, dtype=dtype).t()
+        last = torch.randn(3, 4, 64, dtype=dtype)[:, -1]
+        rows = torch.randn(3, 4, 128, dtype=dtype)[:, :, ::2]  # every other input
+        for x in (transposed, last, rows):
+            assert not x.is_contiguous()
+            got = layer(x)
+            assert got.shape == (*x.shape[:-1], 24) and got.dtype == dtype
+            assert bool(((got.float() - layer.reference(x.float())).abs() <= kernel_tolerance(x, layer)).all())
+
+
 @pytest.mark.parametrize("width", [33, 40, 48, 72, 96, 132, 264])
 def test_int8_rows_of_any_width_match_the_reference_on_every_path(width, cpu_path) -> None:
     """PyTorch's CPU int8 kernel reads the input width in blocks of 16: at 33 it crashed (SIGSEGV) and at 40, 72
