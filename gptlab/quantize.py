@@ -45,10 +45,8 @@ kernel where one runs:
 * Anywhere else (another device, float64 inputs, a kernel that refuses a shape): the reference.
 
 The kernels' copies of the weights (packed layouts, scales in the activations' dtype) are made on first use per
-device and dtype and kept beside the buffers, not in `state_dict`; `.to()` and `load_state_dict` drop them.
-
-None of the kernels has a backward: where a gradient is wanted, the input's is computed through the dequantized
-weight (`_InputGradient`); the integers themselves are buffers and never trained.
+device and dtype and kept beside the buffers, not in `state_dict`; `.to()` and `load_state_dict` drop them. No
+kernel has a backward: an input's gradient goes through the dequantized weight (`_InputGradient`).
 """
 
 from __future__ import annotations
@@ -195,7 +193,13 @@ class QuantizedLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's: .to(), .cuda(), .half(), ...
         self.forget_kernels()
-        return super()._apply(fn, recurse)
+        # scales and zero points move but keep their dtype: in a bf16 model's, every weight would move
+        kept = {name: t for name, t in self._buffers.items() if t is not None and t.is_floating_point()}
+        out = super()._apply(fn, recurse)
+        for name, before in kept.items():
+            if self._buffers[name].dtype != before.dtype:
+                self._buffers[name] = before.to(self._buffers[name].device)
+        return out
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         self.forget_kernels()
@@ -241,9 +245,8 @@ class QuantizedLinear(nn.Module):
 
 
 class _InputGradient(torch.autograd.Function):
-    """A kernel's forward with the input's gradient through the dequantized weight, grad @ W: the integers are not
-    trained, but a loss behind the layer still reaches what lies before it (the embeddings, an earlier layer's
-    adapters). Nothing is saved: the weight is dequantized again in the backward."""
+    """A kernel's forward, and the input's gradient grad @ W (W dequantized again: nothing saved); the integers
+    are not trained, but a loss still reaches what lies before the layer (embeddings, earlier adapters)."""
 
     @staticmethod
     def forward(ctx, x, run, layer):  # noqa: ANN001, ANN205

@@ -16,6 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gptlab
+from gptlab import qlora
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.generation import SamplingParams, generate_batch
@@ -354,6 +355,31 @@ def test_load_model_quantizes(trained) -> None:
     assert torch.equal(q8.transformer.wte.weight, model.transformer.wte.weight)
     with pytest.raises(GptlabError, match="LoRA adapters are kept unmerged"):
         gptlab.load_model(path, quantize="int8", merge_adapters=False)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_cast_to_the_models_dtype_leaves_the_quantized_weights_as_they_are(mode, trained) -> None:
+    """`.to(bfloat16)` (load_model's dtype, after quantizing: `--dtype bfloat16 --quantize ...`) cast the scales
+    and zero points too: every weight moved by up to 2^-9 of its group's zero point, more than int4's whole step
+    for a group far from zero, and the int8 rows' error grew by half."""
+    linear = nn.Linear(256, 48)
+    with torch.no_grad():
+        linear.weight.add_(3.0)  # groups far from zero: zero points many steps wide
+    layer = QuantizedLinear(linear, mode)
+    want = layer.dequantize()
+    layer.to(torch.bfloat16)
+    assert layer.bias.dtype == torch.bfloat16  # the rest of the layer takes the dtype
+    assert torch.equal(layer.dequantize(), want)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    assert bool(((layer(x).float() - layer.reference(x.float())).abs() <= kernel_tolerance(x, layer)).all())
+    path, _ = trained
+    plain, _ = gptlab.load_model(path, quantize=mode)
+    cast, _ = gptlab.load_model(path, quantize=mode, dtype=torch.bfloat16)
+    for name, m in plain.named_modules():
+        if isinstance(m, QuantizedLinear):
+            assert torch.equal(cast.get_submodule(name).dequantize(), m.dequantize()), name
+    frozen = qlora.FrozenQuantizedLinear(linear, "int4", 32).to(torch.bfloat16)  # QLoRA's fp16 scales stay fp16
+    assert frozen.scale.dtype == frozen.low.dtype == torch.float16
 
 
 def test_sample_with_quantize_flags(trained, capsys) -> None:
