@@ -438,7 +438,7 @@ def test_lm_eval_model_args_quantize(trained) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Every CPU kernel path, on imported models and at odd widths
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.fixture(params=["torch", "avx2", "avxvnni", "avx512"])
+@pytest.fixture(params=["torch", "avx2", "avxvnni", "avx512", "amx"])
 def cpu_path(request, monkeypatch):  # noqa: ANN001, ANN201
     """Each CPU kernel this machine runs, whatever the dispatch would pick: PyTorch's int8/int4 kernels and each
     of gptlab's builds that runs here (GPTLAB_KERNEL)."""
