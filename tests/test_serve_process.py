@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-from helpers import tiny_model  # noqa: E402
+from helpers import char_checkpoint, tiny_model  # noqa: E402
 
 from gptlab.checkpoint import save_model  # noqa: E402
 from gptlab.tokenizer import CharTokenizer  # noqa: E402
@@ -81,3 +81,19 @@ def test_a_port_in_use_is_one_line(checkpoint: str) -> None:
                              capture_output=True, text=True, timeout=START_TIMEOUT)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and str(port) in out.stderr
+
+
+def test_a_run_is_served_under_its_own_name(tmp_path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """`gptlab serve runs/shakespeare` answers to model "shakespeare" (README's `gptlab serve out/run` with
+    `model="run"`), not to the name of the checkpoint it picked inside the run ("best", "step-0000120")."""
+    import gptlab.cli.serve as serve_cli
+    from gptlab.cli import main
+
+    run = tmp_path / "shakespeare"
+    char_checkpoint(run / "checkpoints" / "best")
+    monkeypatch.setattr(serve_cli, "serve_on_main_thread", lambda *a: None)  # everything but listening
+    monkeypatch.setenv("GPTLAB_NO_KERNELS", "1")
+    assert main(["serve", str(run), "--port", "0", "--no-ui"]) == 0
+    assert "serving shakespeare on " in capsys.readouterr().out
+    assert main(["serve", str(run / "checkpoints" / "best" / "model.safetensors"), "--port", "0", "--no-ui"]) == 0
+    assert "serving best on " in capsys.readouterr().out  # a checkpoint given as itself keeps its own name

@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from gptlab.cli.collector import freeze_heap
@@ -53,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="milliseconds a stream waits after each write but the first, its tokens meanwhile sent in "
                    f"one chunk: fewer wake-ups of the HTTP thread, which shares the cores with the engine (default "
                    f"{STREAM_INTERVAL_MS:g}; 0: a write per decoding step)")
-    p.add_argument("--model-name", help="the model id clients use (default: the checkpoint directory's name)")
+    p.add_argument("--model-name", help="the model id clients use (default: the name of the run, checkpoint or "
+                   "directory given, e.g. `run` for out/run)")
     p.add_argument("--max-body-mb", type=float, default=8.0,
                    help="the largest request body in MB; larger ones are answered 413 (default 8)")
     add_device(p)
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gptlab.hardware import resolve_device
-    from gptlab.loading import load_model, resolve_checkpoint
+    from gptlab.loading import load_model
     from gptlab.serve import create_app
 
     # the flags are checked before the (slow) model load; the engine would reject these too, but only after it
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     speculation = speculation_options(args, draft, device, dtype)
     if tokenizer is None:
         raise GptlabError(f"{args.checkpoint} has no tokenizer: the server needs one to read prompts")
-    name = args.model_name or resolve_checkpoint(args.checkpoint).resolve().name
+    name = args.model_name or served_name(args.checkpoint)
     api_key = args.api_key or os.environ.get("GPTLAB_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it")
@@ -117,6 +119,15 @@ def run(args: argparse.Namespace) -> int:
     serve_on_main_thread(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")),
                          app.state.server.scheduler)
     return 0
+
+
+def served_name(path: str) -> str:
+    """The model id a server answers to by default: the name the user gave, so `gptlab serve runs/shakespeare` is
+    "shakespeare" (not the name of the checkpoint picked inside the run, "best" for every run)."""
+    from gptlab.checkpoint import MODEL_FILE
+
+    given = Path(path).resolve()
+    return (given.parent if given.name == MODEL_FILE else given).name
 
 
 # freed memory a server keeps for reuse before glibc trims its heap: a decoding step's logits-sized tensors reuse
