@@ -164,3 +164,21 @@ def test_a_failing_evaluation_gives_the_model_back_in_training_mode() -> None:
     with eval_mode(model):
         pass
     assert not model.training
+
+
+@pytest.mark.parametrize("flags", [["--limit", "5"], ["--num-fewshot", "3"], ["--include-path", "tasks"]])
+def test_task_flags_without_tasks_are_refused(setup, flags: list[str], capsys) -> None:
+    """--limit, --num-fewshot and --include-path shape lm-eval tasks: on a split's loss they used to be ignored,
+    and the whole split scored as if they had not been given."""
+    data_dir, ckpt, _, _ = setup
+    assert main(["eval", str(ckpt), "--data", str(data_dir), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flags[0]} needs --tasks" in err, err
+
+
+def test_split_with_tasks_is_refused(setup, capsys) -> None:
+    """--split picks a prepared split; lm-eval tasks have their own, so it used to be ignored with --tasks."""
+    _, ckpt, _, _ = setup
+    assert main(["eval", str(ckpt), "--tasks", "hellaswag", "--split", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--split" in err and "--tasks" in err, err

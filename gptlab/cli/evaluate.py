@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "--tasks: the one a gptlab run trained on)")
     p.add_argument("--tasks", metavar="T1,T2", help="lm-eval task (or group) names, comma-separated (needs "
                    "gptlab[eval])")
-    p.add_argument("--split", default="val", choices=["train", "val"], help="with --data")
+    p.add_argument("--split", choices=["train", "val"], help="with --data (default val)")
     p.add_argument("--include-path", metavar="DIR", help="with --tasks: a directory of task YAML files")
     p.add_argument("--limit", type=float, metavar="N", help="with --tasks: the first N examples of each task "
                    "(a fraction when below 1)")
@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.data is not None and args.tasks is not None:
         raise GptlabError("give one of --data DATA_DIR (a prepared split) or --tasks T1,T2 (lm-eval tasks), not both")
+    _check_mode_flags(args)
     if args.data is None and args.tasks is None:
         args.data = _run_data(args.checkpoint)
     for flag, value in (("--block-size", args.block_size), ("--batch-size", args.batch_size)):
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             raise GptlabError(f"{flag} must be at least 1, got {value}")
     if args.tasks is not None:
         return _run_tasks(args)
+    args.split = args.split or "val"
     from gptlab.data import read_meta
     from gptlab.evaluation.loss import check_batch_memory, evaluate_split
     from gptlab.hardware import resolve_device
@@ -86,6 +88,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.split} loss {out[f'{args.split}_loss']:.4f}  perplexity {out['perplexity']:.3f}  bits/byte "
           f"{bpb_text}  ({out['tokens']:,} tokens, block_size {out['block_size']}{masked})")
     return 0
+
+
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag of the other mode (a split's loss, or lm-eval tasks), which would change nothing."""
+    if args.tasks is None:
+        for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                            ("--include-path", args.include_path)):
+            if value is not None:
+                raise GptlabError(f"{flag} needs --tasks T1,T2 (it shapes lm-eval tasks, not a split's loss)")
+    elif args.split is not None:
+        raise GptlabError("--split picks a prepared split (--data), not a split of --tasks: lm-eval tasks score "
+                          "their own")
 
 
 def _trained_document_eot(checkpoint: str, meta: dict[str, Any]) -> int | None:
