@@ -234,6 +234,9 @@ def test_a_killed_document_stream_resumes(tmp_path: Path, tok_dir: Path, monkeyp
     (["'nothing-*.txt'", "--tokenizer", "char"], r"input pattern nothing-\*\.txt matches no file"),
     (["a.txt", "--tokenizer", "char", "--shard-tokens", "1"], r"--shard-tokens must be at least 2, got 1"),
     (["--tokenizer", "char"], r"no input given"),
+    # records packed as examples are written whole with their loss masks: the flag used to be ignored
+    (["chats.jsonl", "--tokenizer-from", "TOK", "--block-size", "16", "--shard-tokens", "8"],
+     r"--shard-tokens applies to text files and streamed documents"),
     (["hf://datasets/lonely", "--tokenizer-from", "TOK"], r"hf://datasets/lonely: name a dataset as OWNER/NAME"),
 ])
 def test_shard_and_stream_errors_are_one_line(tmp_path: Path, tok_dir: Path, capsys, monkeypatch, args,

@@ -55,9 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="the split of a saved DatasetDict or a streamed dataset to read (default: train)")
     big = p.add_argument_group("large data")
     big.add_argument("--shard-tokens", type=int, metavar="N",
-                     help="write each split as shards of N tokens (train-000000.bin, ...) with a manifest in "
-                     "meta.json; a killed prepare run again resumes at the shard it was writing. Default: shards "
-                     "of 100M tokens for text over 1 GiB and for streamed documents, else train.bin / val.bin")
+                     help="write each split of text files or streamed documents as shards of N tokens "
+                     "(train-000000.bin, ...) with a manifest in meta.json; a killed prepare run again resumes at "
+                     "the shard it was writing. Default: shards of 100M tokens for text over 1 GiB and for "
+                     "streamed documents, else train.bin / val.bin")
     big.add_argument("--hf-dataset", metavar="OWNER/NAME[/CONFIG]", action="append", default=[],
                      help="stream a Hugging Face dataset's --text-field (default: text), like the INPUT "
                      "hf://datasets/OWNER/NAME[/CONFIG]; record inputs without --block-size are streamed the same "

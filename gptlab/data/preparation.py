@@ -257,6 +257,9 @@ def prepare(
         if documents:
             raise GptlabError(f"{documents[0]} is read as a stream of text documents: --block-size and the chat "
                               "options apply to record files")
+        if shard_tokens is not None:  # examples and their loss masks are written whole, as train.bin / val.bin
+            raise GptlabError("--shard-tokens applies to text files and streamed documents, not to records packed "
+                              "as examples (--block-size): those are written as train.bin / val.bin")
         return prepare_records(inputs, out, options, tokenizer=tokenizer, vocab_size=vocab_size,
                                val_fraction=val_fraction, tokenizer_from=tokenizer_from)
     if given := options.given():
