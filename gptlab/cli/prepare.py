@@ -41,8 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokenizer processes for big text inputs (default: min(4, CPUs); records use one)")
     rec = p.add_argument_group("record inputs")
     rec.add_argument("--block-size", type=int, metavar="N",
-                     help="required for records: the block_size of the model to train; examples are placed in "
-                     "windows of N+1 tokens, longer ones cut (and counted)")
+                     help="the block_size of the model to train; examples are placed in windows of N+1 tokens, "
+                     "longer ones cut (and counted). Required for chat, prompt/completion and preference records; "
+                     "text records without it are streamed as documents")
     rec.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
                      help="pack several examples into each window (default); --no-pack: one example per window, "
                      "padded")
