@@ -182,3 +182,17 @@ def test_split_with_tasks_is_refused(setup, capsys) -> None:
     assert main(["eval", str(ckpt), "--tasks", "hellaswag", "--split", "train"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--split" in err and "--tasks" in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit", "0"], "--limit must be"), (["--limit", "-3"], "--limit must be"),
+    (["--limit", "nan"], "--limit must be"), (["--limit", "1e999"], "--limit must be"),
+    (["--limit", "2.5"], "--limit must be"), (["--num-fewshot", "-1"], "--num-fewshot must be"),
+])
+def test_task_limits_out_of_range_are_refused(setup, flags: list[str], message: str, capsys) -> None:
+    """--limit is a count of examples (a whole number from 1) or a fraction in (0, 1): 2.5 used to become 2, and 0,
+    negatives and nan went on to lm-eval as they were."""
+    _, ckpt, _, _ = setup
+    assert main(["eval", str(ckpt), "--tasks", "hellaswag", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err

@@ -91,15 +91,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_mode_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag of the other mode (a split's loss, or lm-eval tasks), which would change nothing."""
+    """Refuse a flag of the other mode (a split's loss, or lm-eval tasks), which would change nothing, and task
+    limits lm-eval would misread."""
     if args.tasks is None:
         for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
                             ("--include-path", args.include_path)):
             if value is not None:
                 raise GptlabError(f"{flag} needs --tasks T1,T2 (it shapes lm-eval tasks, not a split's loss)")
-    elif args.split is not None:
+        return
+    if args.split is not None:
         raise GptlabError("--split picks a prepared split (--data), not a split of --tasks: lm-eval tasks score "
                           "their own")
+    # (written so that nan and inf fail too)
+    if args.limit is not None and not (0 < args.limit < 1 or args.limit >= 1 and args.limit.is_integer()):
+        raise GptlabError(f"--limit must be a number of examples (a whole number, 1 or more) or a fraction in (0, 1), "
+                          f"got {args.limit:g}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise GptlabError(f"--num-fewshot must be 0 or more, got {args.num_fewshot}")
 
 
 def _trained_document_eot(checkpoint: str, meta: dict[str, Any]) -> int | None:
