@@ -651,7 +651,8 @@ def test_logprobs_show_a_token_holding_part_of_a_character_as_its_replacement():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--prompt", "caf\u00e9"], "not in the char tokenizer"),
+    # named as the flag, without prepare's advice (pick another --tokenizer), which sampling cannot take
+    (["--prompt", "caf\u00e9"], "error: --prompt has 1 character(s) not in the model's char vocabulary: 'é'\n"),
     (["--prompt", ""], "no end-of-text token"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be an integer in [0, "),
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),

@@ -149,9 +149,15 @@ def _json_schema(args: argparse.Namespace) -> dict[str, Any] | None:
     return read_json_object(args.json_schema, hint="--json-schema takes a file holding a JSON schema")
 
 
-def _prompt_ids(prompt: str, tokenizer: TextTokenizer) -> list[int]:
-    """The prompt's token ids; an empty prompt starts from the end-of-text token."""
-    ids = tokenizer.encode(prompt) if prompt else []  # a char vocabulary raises GptlabError naming unknown chars
+def _prompt_ids(prompt: str, tokenizer: TextTokenizer, flag: str = "--prompt") -> list[int]:
+    """The prompt's token ids; an empty prompt starts from the end-of-text token. `flag` names where the prompt
+    came from in an error."""
+    from gptlab.tokenizer import UnknownCharacters
+
+    try:
+        ids = tokenizer.encode(prompt) if prompt else []
+    except UnknownCharacters as e:  # its own message advises prepare's --tokenizer, which sampling cannot take
+        raise GptlabError(f"{flag} has {e.count} character(s) not in the model's char vocabulary: {e.shown}") from None
     try:
         return start_ids(ids, getattr(tokenizer, "eot_id", None))
     except EmptyPromptError as e:
@@ -223,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             "(save the checkpoint with its tokenizer)"
         )
     prompt = bound_prompt(prompt, model.config.block_size, args.truncate_prompt)
-    ids = _prompt_ids(prompt, tokenizer)
+    ids = _prompt_ids(prompt, tokenizer, "--prompt-file" if args.prompt_file is not None else "--prompt")
     # one cache, reused by every sample
     engine = Engine(model, max_batch=1, tokenizer=tokenizer, max_len=cache_length([ids], params.max_new_tokens),
                     pack_weights=params.max_new_tokens * args.num_samples >= PACK_MIN_TOKENS, **speculation)
