@@ -262,6 +262,12 @@ def test_cli_bad_input(checkpoint, tmp_path, capsys):
     assert "empty" in bad(capsys, "lens", ck, "--prompt", "")
     assert "--top-k must be at least 1" in bad(capsys, "lens", ck, "--prompt", "a", "--top-k", "0")
     assert "at most 64 fit" in bad(capsys, "lens", ck, "--prompt", "a" * 65)
+    # a character the model's vocabulary lacks: said of the prompt, without prepare's advice to pick a tokenizer
+    for command in ("lens", "attention"):
+        line = bad(capsys, command, ck, "--prompt", "a\u03a9")
+        assert line == "error: the prompt has 1 character(s) not in the model's char vocabulary: '\u03a9'", line
+    line = bad(capsys, "patch", ck, "--clean", "a\u03a9", "--corrupt", "ab")
+    assert line == "error: --clean: the prompt has 1 character(s) not in the model's char vocabulary: '\u03a9'"
     assert "--seq-len 99 is out of range" in bad(capsys, "trace", ck, "--seq-len", "99")
     assert "neither a preset" in bad(capsys, "trace", "gpt-7")
     assert "has no metrics yet" in bad(capsys, "plot", str(tmp_path), "-o", str(tmp_path / "c.png"))

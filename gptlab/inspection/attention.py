@@ -20,7 +20,7 @@ import torch
 from gptlab.errors import GptlabError
 from gptlab.hooks import run_with_cache
 from gptlab.model import GPT
-from gptlab.tokenizer.base import token_text
+from gptlab.tokenizer.base import UnknownCharacters, token_text
 
 if TYPE_CHECKING:
     from gptlab.tokenizer.base import TextTokenizer
@@ -30,7 +30,11 @@ def encode_prompt(tokenizer: TextTokenizer, text: str, max_tokens: int) -> list[
     """The prompt's token ids, checked to be 1..max_tokens long (the model's context, or a server's bound)."""
     if not text:
         raise GptlabError("the prompt is empty: pass some text to look at")
-    ids = tokenizer.encode(text)  # a char vocabulary raises GptlabError naming unknown characters
+    try:
+        ids = tokenizer.encode(text)
+    except UnknownCharacters as e:  # its own message advises prepare's --tokenizer, which a trained model cannot take
+        raise GptlabError(f"the prompt has {e.count} character(s) not in the model's char vocabulary: "
+                          f"{e.shown}") from None
     if not ids:
         raise GptlabError("the prompt encodes to no tokens: pass some text to look at")
     if len(ids) > max_tokens:
