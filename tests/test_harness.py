@@ -259,6 +259,21 @@ def test_eval_cli_without_lm_eval(ckpt_dir: Path, monkeypatch: pytest.MonkeyPatc
     assert one_line_error(rc, capsys.readouterr().err) == "error: lm-eval is not installed: pip install 'gptlab[eval]'"
 
 
+def test_a_task_whose_data_cannot_be_fetched_says_what_to_do_offline(
+    ckpt_dir: Path, tasks_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Offline, datasets' "Couldn't reach 'Rowan/hellaswag' on the Hub" was the whole line: nothing on what to do."""
+
+    def offline(**kwargs):  # noqa: ANN003, ANN202 - as datasets raises it with no network
+        raise ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(TaskManager, include_defaults=False))
+    rc = main(["eval", str(ckpt_dir), "--include-path", str(tasks_dir), "--tasks", "tiny_mc"])
+    line = one_line_error(rc, capsys.readouterr().err)
+    assert "Couldn't reach 'Rowan/hellaswag'" in line and "offline" in line and "--include-path" in line, line
+
+
 @pytest.mark.slow  # lm-eval's own command line indexes all of its ~15k built-in tasks first (~10 s)
 def test_lm_eval_command_line_with_the_gptlab_model(ckpt_dir: Path, tasks_dir: Path) -> None:
     run = subprocess.run(

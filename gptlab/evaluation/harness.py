@@ -26,9 +26,10 @@ registered, and `gptlab eval MODEL --tasks ...` calls `run_tasks`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -303,9 +304,23 @@ def run_tasks(
     manager = _task_manager(tasks, include_path)
     lm = GptlabLM(model_path, device=device, dtype=dtype, batch_size=batch_size, max_length=max_length,
                   quantize=quantize, group_size=group_size)
-    results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                              task_manager=manager, log_samples=log_samples)
+    with _fetching_task_data():
+        results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                  task_manager=manager, log_samples=log_samples)
     return dict(results or {})
+
+
+@contextlib.contextmanager
+def _fetching_task_data() -> Iterator[None]:
+    """lm-eval's tasks download their data through datasets on first use: unreachable (offline), datasets'
+    ConnectionError named the dataset but not what to do instead."""
+    try:
+        yield
+    except ConnectionError as e:
+        raise GptlabError(f"{' '.join(str(e).split())}: lm-eval tasks fetch their data from the Hugging Face Hub; "
+                          "offline, run them once where it is reachable (datasets keeps the data in its cache; "
+                          "then set HF_DATASETS_OFFLINE=1), or use a task YAML that reads local files "
+                          "(dataset_path: json) from --include-path DIR or a recipe's eval_tasks") from None
 
 
 class LmEvalTasks:
@@ -326,9 +341,10 @@ class LmEvalTasks:
 
         lm = GptlabLM.of_model(model, tokenizer, name, batch_size=self.batch_size)
         # no global seeds set: the caller's random streams are its own (fewshot sampling has its own seed)
-        results = simple_evaluate(model=lm, tasks=self.tasks, limit=self.limit, task_manager=self.manager,
-                                  random_seed=None, numpy_random_seed=None, torch_random_seed=None,
-                                  log_samples=False, verbosity="WARNING")
+        with _fetching_task_data():
+            results = simple_evaluate(model=lm, tasks=self.tasks, limit=self.limit, task_manager=self.manager,
+                                      random_seed=None, numpy_random_seed=None, torch_random_seed=None,
+                                      log_samples=False, verbosity="WARNING")
         return flat_metrics(results or {})
 
 
