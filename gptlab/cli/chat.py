@@ -134,6 +134,8 @@ def _command(line: str, session: ChatSession) -> str | None:
 def _answer(session: ChatSession, text: str, out: TextIO, piped: bool) -> bool:
     """Stream the reply to `text` to `out`, then a newline; False when it could not be answered (an error line
     on stderr, and from a pipe an empty reply line). Ctrl-C stops the reply, not the session."""
+    from gptlab.tokenizer import UnknownCharacters
+
     reply = None
     try:
         reply = session.send(text)
@@ -141,7 +143,10 @@ def _answer(session: ChatSession, text: str, out: TextIO, piped: bool) -> bool:
             out.write(delta)
             out.flush()  # stream: the reader sees each piece as soon as it is decoded
     except GptlabError as e:  # too long for the context, or characters the tokenizer cannot encode
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        message = str(e)
+        if isinstance(e, UnknownCharacters):  # its own message advises prepare's --tokenizer: no use here
+            message = f"the message has {e.count} character(s) not in the model's char vocabulary: {e.shown}"
+        print(f"error: {message}", file=sys.stderr, flush=True)
         if piped:  # the replies stay one per message line
             out.write("\n")
             out.flush()
