@@ -292,7 +292,10 @@ def test_shakespeare_offline_is_a_one_line_error(tmp_path: Path, monkeypatch, ca
     monkeypatch.setattr(corpora, "_download", offline)
     rc, _, err = cli(capsys, "shakespeare", "--tokenizer", "char", "--out", str(tmp_path / "d"))
     assert err.startswith("downloading tiny Shakespeare to ")
-    assert "gptlab prepare path/to/input.txt" in one_line_error(rc, err, notes=1)
+    line = one_line_error(rc, err, notes=1)
+    assert "gptlab prepare path/to/input.txt" in line
+    # README's other offline way: a folder holding the file, named by GPTLAB_DATA_DIR
+    assert f"put tinyshakespeare.txt in {tmp_path / 'cache'} (GPTLAB_DATA_DIR names another folder)" in line, line
     assert list((tmp_path / "cache").iterdir()) == []  # no partial file left behind
 
 

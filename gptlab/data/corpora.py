@@ -1,7 +1,7 @@
 """Public corpora gptlab fetches by name: tiny Shakespeare, downloaded once into a cache and sha256-checked.
 
 `gptlab prepare shakespeare` reads it from the cache (GPTLAB_DATA_DIR, else ~/.cache/gptlab/data) and downloads
-it only when it is missing or wrong; offline, a one-line error says to pass a local file instead.
+it only when it is missing or wrong; offline, a one-line error says where to put the file, or to pass a local one.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 SHAKESPEARE_BYTES = 1_115_394
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
+DATA_DIR_ENV = "GPTLAB_DATA_DIR"
 BLOCK_BYTES = 1 << 20  # read and download size
 
 
 def data_cache_dir() -> Path:
     """Where downloaded corpora live: $GPTLAB_DATA_DIR, else ~/.cache/gptlab/data."""
-    env = os.environ.get("GPTLAB_DATA_DIR")
+    env = os.environ.get(DATA_DIR_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "gptlab" / "data"
 
 
@@ -59,7 +60,8 @@ def fetch_shakespeare(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         except (OSError, http.client.HTTPException, ValueError) as e:  # URLError is an OSError
             reason = getattr(e, "reason", None) or e
             raise GptlabError(
-                f"could not download tiny Shakespeare ({reason}); offline? pass a local text file instead, "
+                f"could not download tiny Shakespeare ({reason}); offline? put {SHAKESPEARE_FILE} in {cache} "
+                f"({DATA_DIR_ENV} names another folder), or pass a local text file instead, "
                 "e.g. `gptlab prepare path/to/input.txt --tokenizer char --out data/shakespeare`"
             ) from e
         digest = _sha256_file(tmp)
