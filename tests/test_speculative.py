@@ -305,6 +305,8 @@ def char_models(tmp_path_factory):
     (["--draft", "{draft}", "--quantize", "int8"], True),  # the draft quantized as the model, by default
     (["--draft", "{draft}", "--quantize", "int8", "--draft-quantize", "none"], False),
     (["--speculate", "ngram", "--draft-tokens", "2"], None),
+    # --group-size is the int4 model's: an int8 draft takes none (it was handed the size, and its load refused it)
+    (["--draft", "{draft}", "--quantize", "int4", "--group-size", "32", "--draft-quantize", "int8"], "int8"),
 ])
 def test_sample_with_a_drafter_prints_the_targets_greedy_text(char_models, capsys, flags, draft_quantized,
                                                                monkeypatch):
@@ -317,7 +319,8 @@ def test_sample_with_a_drafter_prints_the_targets_greedy_text(char_models, capsy
     prompt = "Hello Hello Hello"
     flags = [f.format(draft=draft_path) for f in flags]
     if "--quantize" in flags:  # the output is the quantized model's own
-        model, _ = load_model(target_path, quantize="int8")
+        group = int(flags[flags.index("--group-size") + 1]) if "--group-size" in flags else None
+        model, _ = load_model(target_path, quantize=flags[flags.index("--quantize") + 1], group_size=group)
     (ref,) = generate_batch(model, [tok.encode(prompt)], SamplingParams(temperature=0, max_new_tokens=30),
                             tokenizer=tok)
     drafts = []
@@ -325,10 +328,12 @@ def test_sample_with_a_drafter_prints_the_targets_greedy_text(char_models, capsy
     monkeypatch.setattr(Speculator, "__init__", lambda self, engine, speculate, *a: drafts.append(speculate)
                         or real(self, engine, speculate, *a))
     assert main(["sample", str(target_path), "--prompt", prompt, "--max-new-tokens", "30", "--temperature", "0",
-                 *flags]) == 0
+                 *flags]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out == prompt + ref.text + "\n---------------\n"
     if draft_quantized is not None:
-        assert any(isinstance(m, QuantizedLinear) for m in drafts[0].modules()) == draft_quantized
+        modes = {m.mode for m in drafts[0].modules() if isinstance(m, QuantizedLinear)}
+        assert modes == ({draft_quantized} if isinstance(draft_quantized, str) else {"int8"} if draft_quantized
+                         else set())
 
 
 def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, tmp_path):
@@ -345,32 +350,6 @@ def test_sample_refuses_bad_speculation_flags_in_one_line(char_models, capsys, t
     assert "--draft-quantize needs --draft" in capsys.readouterr().err
     assert main(["sample", str(target_path), "--draft-tokens", "3", "--max-new-tokens", "2"]) == 2  # not ignored
     assert "--draft-tokens needs --draft or --speculate" in capsys.readouterr().err
-
-
-def test_group_size_is_the_int4_models_not_an_int8_drafts(char_models, capsys, monkeypatch):
-    """--group-size goes with --quantize int4: an int8 draft takes none. It was handed to the draft as well, whose
-    load then refused "--quantize int4 --group-size 32 --draft D --draft-quantize int8" (after the model's load) as
-    "int8 quantization ... takes no group size"."""
-    from gptlab.cli import main
-    from gptlab.generation.speculative import Speculator
-    from gptlab.loading import load_model
-    from gptlab.quantize import QuantizedLinear
-
-    target_path, draft_path, _, tok = char_models
-    prompt = "Hello Hello Hello"
-    model, _ = load_model(target_path, quantize="int4", group_size=32)
-    (ref,) = generate_batch(model, [tok.encode(prompt)], SamplingParams(temperature=0, max_new_tokens=20),
-                            tokenizer=tok)
-    drafts = []
-    real = Speculator.__init__
-    monkeypatch.setattr(Speculator, "__init__", lambda self, engine, speculate, *a: drafts.append(speculate)
-                        or real(self, engine, speculate, *a))
-    assert main(["sample", str(target_path), "--prompt", prompt, "--max-new-tokens", "20", "--temperature", "0",
-                 "--quantize", "int4", "--group-size", "32", "--draft", str(draft_path),
-                 "--draft-quantize", "int8"]) == 0, capsys.readouterr().err
-    assert capsys.readouterr().out == prompt + ref.text + "\n---------------\n"
-    modes = {m.mode for m in drafts[0].modules() if isinstance(m, QuantizedLinear)}
-    assert modes == {"int8"}
 
 
 def test_a_draft_that_cannot_be_quantized_so_is_named(char_models, capsys, tmp_path):
