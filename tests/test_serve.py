@@ -268,7 +268,10 @@ def test_bad_requests_get_openai_errors(served, client):
     _assert_error(post(server, "/v1/completions", {**ok, "model": "gpt-9"}), 404, code="model_not_found")
     _assert_error(post(server, "/v1/completions", {**ok, "prompt": "x" * 64}), 400,
                   code="context_length_exceeded")
-    _assert_error(post(server, "/v1/completions", {**ok, "prompt": "caf\u00e9"}), 400, param="prompt")
+    unknown = post(server, "/v1/completions", {**ok, "prompt": "caf\u00e9"})
+    _assert_error(unknown, 400, param="prompt")  # said of the prompt, without the advice to prepare other data
+    message = unknown.json()["error"]["message"]
+    assert "'prompt' has 1 character(s) not in the model's char vocabulary" in message and "prepare" not in message
     _assert_error(post(server, "/v1/completions", {**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, param="stop")
     _assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, param="messages")
     _assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}), 400)
@@ -287,7 +290,9 @@ def test_bad_requests_get_openai_errors(served, client):
     # a chat's rendered prompt, refused: the request's field is messages (it has no prompt)
     for content, code in [("caf\u00e9", None), ("x" * 60, "context_length_exceeded")]:
         body = {**chat, "messages": [{"role": "user", "content": content}]}
-        _assert_error(post(server, "/v1/chat/completions", body), 400, param="messages", code=code)
+        refused = post(server, "/v1/chat/completions", body)
+        _assert_error(refused, 400, param="messages", code=code)
+        assert code or "'messages' has 1 character(s)" in refused.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt="Hi", max_tokens=-5)
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens == 2

@@ -101,8 +101,7 @@ def _check_flag_text(session: ChatSession, template_flag: str | None) -> None:
         try:
             session.tokenizer.encode(session.system)
         except UnknownCharacters as e:
-            raise GptlabError(f"--system has {e.count} character(s) not in the model's char vocabulary: "
-                              f"{e.shown}") from None
+            raise GptlabError(e.of("--system")) from None
     try:
         session.prompt_ids(session.messages + [{"role": "user", "content": ""}])
     except UnknownCharacters as e:
@@ -145,7 +144,7 @@ def _answer(session: ChatSession, text: str, out: TextIO, piped: bool) -> bool:
     except GptlabError as e:  # too long for the context, or characters the tokenizer cannot encode
         message = str(e)
         if isinstance(e, UnknownCharacters):  # its own message advises prepare's --tokenizer: no use here
-            message = f"the message has {e.count} character(s) not in the model's char vocabulary: {e.shown}"
+            message = e.of("the message")
         print(f"error: {message}", file=sys.stderr, flush=True)
         if piped:  # the replies stay one per message line
             out.write("\n")

@@ -157,7 +157,7 @@ def _prompt_ids(prompt: str, tokenizer: TextTokenizer, flag: str = "--prompt") -
     try:
         ids = tokenizer.encode(prompt) if prompt else []
     except UnknownCharacters as e:  # its own message advises prepare's --tokenizer, which sampling cannot take
-        raise GptlabError(f"{flag} has {e.count} character(s) not in the model's char vocabulary: {e.shown}") from None
+        raise GptlabError(e.of(flag)) from None
     try:
         return start_ids(ids, getattr(tokenizer, "eot_id", None))
     except EmptyPromptError as e:

@@ -33,8 +33,7 @@ def encode_prompt(tokenizer: TextTokenizer, text: str, max_tokens: int) -> list[
     try:
         ids = tokenizer.encode(text)
     except UnknownCharacters as e:  # its own message advises prepare's --tokenizer, which a trained model cannot take
-        raise GptlabError(f"the prompt has {e.count} character(s) not in the model's char vocabulary: "
-                          f"{e.shown}") from None
+        raise GptlabError(e.of("the prompt")) from None
     if not ids:
         raise GptlabError("the prompt encodes to no tokens: pass some text to look at")
     if len(ids) > max_tokens:

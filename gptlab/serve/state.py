@@ -30,6 +30,7 @@ from gptlab.serve.metrics import ServerMetrics
 from gptlab.serve.scheduler import Job, QueueFull, Scheduler
 from gptlab.serve.schemas import ApiError, SamplingFields
 from gptlab.serve.steering import Direction, SteeringDirections
+from gptlab.tokenizer import UnknownCharacters
 from gptlab.tokenizer.chat_template import chat_template_for
 
 if TYPE_CHECKING:
@@ -98,7 +99,9 @@ class ServedModel:
             self.check_prompt_chars(len(text), param)
         try:
             return await asyncio.to_thread(lambda: [self.tokenizer.encode(t, allow_special=special) for t in texts])
-        except GptlabError as e:  # e.g. characters outside a char vocabulary
+        except UnknownCharacters as e:  # said of the field, without the advice to prepare other data
+            raise ApiError(400, e.of(f"'{param}'"), param=param) from e
+        except GptlabError as e:
             raise ApiError(400, str(e), param=param) from e
         except UnicodeError as e:  # JSON can spell a lone surrogate ("\ud800"): not text any tokenizer reads
             raise ApiError(400, f"the {param} is not valid Unicode text: {e}", param=param) from e

@@ -167,6 +167,11 @@ class UnknownCharacters(GptlabError):
         super().__init__(f"text has {self.count} character(s) not in the char tokenizer's vocabulary: {self.shown}; "
                          "prepare the data from text that contains them, or use --tokenizer gpt2 or bpe")
 
+    def of(self, where: str) -> str:
+        """The message said of where the text came from (a flag, a request's field, "the message"), without the
+        advice to prepare other data, which a user of a trained model cannot take."""
+        return f"{where} has {self.count} character(s) not in the model's char vocabulary: {self.shown}"
+
 
 class CharTokenizer(Tokenizer):
     """One id per distinct character of the training text, sorted by code point (as in nanoGPT)."""
