@@ -98,7 +98,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's config/train_shakespeare_char.py (its GPU recipe).
     "shakespeare-char": dict(_GPT2, n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, vocab_size=65,
                              bias=False),
-    # The CPU speedrun shape (shared/notes/cpu-training-findings.md found width 96 on an AMX CPU; without AMX,
+    # The CPU speedrun shape (a search on an AMX CPU found width 96 best; without AMX,
     # width 64 for 300 steps reaches the same loss in about 0.8x the time): 102,976 parameters at vocab 65.
     # Logits soft-capped at 15: about -0.02 whole-split val at 225-250 steps (4 seeds), so ~13% fewer steps.
     # Token shift (embeddings and MLP inputs): the same loss on about half the tokens (32 x 120 rows against 48 x
