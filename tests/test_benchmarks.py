@@ -92,9 +92,10 @@ def test_core_is_the_mean_centered_accuracy(task_files: Path) -> None:
     assert out["words/acc"] == score_choice_task(model, tok, tasks[0], limit=5)["acc"]
 
 
-def test_split_pair_moves_the_context_s_trailing_spaces_as_lm_eval_does() -> None:
-    tok = CharTokenizer.from_text("ab c")
+def test_split_pair_moves_the_context_s_trailing_whitespace_as_lm_eval_does() -> None:
+    tok = CharTokenizer.from_text("ab c\n")
     assert split_pair(tok, "a b ", "c", None) == (tok.encode("a b"), tok.encode(" c"))
+    assert split_pair(tok, "a b\n", "c", None) == (tok.encode("a b"), tok.encode("\nc"))
     assert split_pair(tok, "", "ab", 3) == ([3], tok.encode("ab"))
     with pytest.raises(GptlabError, match="empty context"):
         split_pair(tok, "", "ab", None)

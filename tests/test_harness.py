@@ -173,6 +173,24 @@ def test_single_requests_match_the_hf_backend(hf_dir: Path) -> None:
         assert a == pytest.approx(b, rel=1e-6, abs=1e-5)
 
 
+def test_jsonl_choice_tasks_score_as_the_hf_backend(hf_dir: Path) -> None:
+    """A training run's .jsonl multiple-choice tasks (`evaluation.tasks`) on a tokenizer that puts BOS first: each
+    choice's log-likelihood is the hf backend's for the same (context, choice), the context after BOS, an empty
+    one as BOS, trailing whitespace (a newline too) moved to the choice."""
+    from lm_eval.models.huggingface import HFLM
+
+    from gptlab.evaluation.tasks import continuation_scores, split_pair, start_token
+
+    theirs = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=2)
+    ours = GptlabLM(hf_dir, device="cpu")
+    pairs = [("", "First Citizen"), ("Before we proceed\n", "any further"), ("Speak, speak. ", "All"),
+             ("First Citizen:", " You are all resolved")]
+    expected = [s for s, _ in theirs.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])]
+    start = start_token(ours.tok)
+    scores = continuation_scores(ours.model, [split_pair(ours.tok, c, x, start) for c, x in pairs], BLOCK)
+    assert [s for s, _ in scores] == pytest.approx(expected, abs=1e-5)
+
+
 # --- errors ---------------------------------------------------------------------------------------------------
 def test_model_errors(tmp_path: Path, hf_dir: Path) -> None:
     save_model(tmp_path / "bare", tiny_model())

@@ -3,8 +3,9 @@ files, cheap enough to score during training.
 
 A task is a JSON Lines file, one example a line: {"context": "...", "choices": ["...", ...], "answer": i}. Each
 choice is scored as lm-eval scores a multiple-choice request: the sum of the log-probabilities of the choice's
-tokens after the context, the pair split as lm-eval splits it (trailing spaces of the context go to the
-continuation; the continuation's tokens are those the joined text holds past the context's). Per task:
+tokens after the context, the pair split as lm-eval splits it (trailing whitespace of the context goes to the
+continuation; the continuation's tokens are those the joined text holds past the context's; a tokenizer that puts
+BOS first, as Llama's does, gets it before the context; an empty context is BOS, else end-of-text). Per task:
 
     acc          the share of examples whose highest-scoring choice is the answer
     acc_norm     the same with each score divided by the choice's length in characters (lm-eval's acc_norm)
@@ -105,17 +106,25 @@ def load_choice_task(path: str | Path) -> ChoiceTask:
     return ChoiceTask(path.stem, tuple(examples))
 
 
+def start_token(tokenizer: TextTokenizer) -> int | None:
+    """The token an empty context becomes: BOS, else end-of-text (lm-eval's prefix token); None with neither."""
+    return tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eot_id
+
+
 def split_pair(tokenizer: TextTokenizer, context: str, continuation: str, prefix_token: int | None) -> Pair:
-    """Context and continuation tokens as lm-eval splits them; an empty context becomes `prefix_token`."""
-    spaces = len(context) - len(context.rstrip(" "))
+    """Context and continuation tokens as lm-eval's `TemplateLM` splits them: the context's trailing whitespace
+    moves to the continuation, BOS starts the context where the tokenizer adds it (as transformers encodes), and
+    an empty context becomes `prefix_token`."""
+    spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     if not context:
         if prefix_token is None:
-            raise GptlabError("an example with an empty context needs a start token (end-of-text), which this "
+            raise GptlabError("an example with an empty context needs a start token (BOS or end-of-text), which this "
                               "tokenizer lacks")
         return [prefix_token], tokenizer.encode(continuation)
-    whole, ctx = tokenizer.encode(context + continuation), tokenizer.encode(context)
+    bos = [tokenizer.bos_id] if tokenizer.adds_bos and tokenizer.bos_id is not None else []
+    whole, ctx = bos + tokenizer.encode(context + continuation), bos + tokenizer.encode(context)
     return ctx, whole[len(ctx):]
 
 
@@ -123,7 +132,8 @@ def score_choice_task(model: Any, tokenizer: TextTokenizer, task: ChoiceTask, *,
                       batch_size: int = 16) -> dict[str, float]:
     """{acc, acc_norm, centered} of `task` (its first `limit` examples) on `model` (in eval mode)."""
     examples = task.examples[:limit]
-    pairs = [split_pair(tokenizer, ex.context, choice, tokenizer.eot_id) for ex in examples for choice in ex.choices]
+    start = start_token(tokenizer)
+    pairs = [split_pair(tokenizer, ex.context, choice, start) for ex in examples for choice in ex.choices]
     max_length = model.config.block_size
     scores = []
     for i in range(0, len(pairs), batch_size):
