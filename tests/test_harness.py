@@ -214,6 +214,9 @@ def test_a_char_model_scores_contexts_but_needs_a_start_token_for_documents(tmp_
     assert len(text) <= 5 and "\n" not in text
     with pytest.raises(GptlabError, match="neither a BOS nor an end-of-text token"):
         lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("First Citizen",), 0)])
+    with pytest.raises(GptlabError, match="add_bos_token: .* has no BOS token"):  # not a None id in the rows
+        GptlabLM(tmp_path / "char", add_bos_token=True)
+    assert GptlabLM(tmp_path / "char", add_bos_token=False).tok_encode("First") == lm.tok_encode("First")
 
 
 # --- run_tasks and `gptlab eval --tasks` --------------------------------------------------------------------------

@@ -132,6 +132,8 @@ class GptlabLM(TemplateLM):
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks, DEFAULT_MAX_GEN_TOKS)
         self.batch_size = _positive_int("batch_size", batch_size, 1)
         self.add_bos = tokenizer.adds_bos if add_bos_token is None else bool(add_bos_token)
+        if self.add_bos and tokenizer.bos_id is None:  # else every request would hold a None id
+            raise GptlabError(f"add_bos_token: {name}'s tokenizer has no BOS token to put first")
         self._special = {t for t in (tokenizer.eot_id, tokenizer.bos_id) if t is not None}
 
     # --- what TemplateLM and lm-eval ask of a model ---------------------------------------------------------
