@@ -252,6 +252,16 @@ def test_eval_cli_errors_are_one_line(args: list[str], message: str, ckpt_dir: P
     assert message in one_line_error(rc, capsys.readouterr().err)
 
 
+def test_a_task_file_that_is_not_yaml_is_named(ckpt_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A training run's .jsonl multiple-choice file given to --tasks: lm-eval reads task files as YAML, so it failed
+    as an 'internal error' of YAML's parser."""
+    task = tmp_path / "words.jsonl"
+    _jsonl(task, [{"context": "First", "choices": [" Citizen", " king"], "answer": 0}])
+    rc = main(["eval", str(ckpt_dir), "--tasks", str(task), "--include-path", str(tmp_path)])
+    err = one_line_error(rc, capsys.readouterr().err)
+    assert f"{task}: not a task YAML file" in err and "internal error" not in err
+
+
 def test_the_builtin_task_index_is_built_once_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Indexing lm-eval's built-in tasks takes ~10 s; every later check of a name (and run) reuses the index."""
     from gptlab.evaluation import harness

@@ -259,6 +259,10 @@ def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
     names are a GptlabError naming them."""
     from lm_eval.tasks import TaskManager
 
+    for task in tasks:  # lm-eval reads any file named as a task as YAML: a .jsonl one failed in YAML's parser
+        if Path(task).is_file() and Path(task).suffix not in (".yaml", ".yml"):
+            raise GptlabError(f"{task}: not a task YAML file (lm-eval reads a task file as YAML; a .jsonl file of "
+                              "context / choices / answer lines is a training run's eval_tasks)")
     if include_path is not None:
         if not Path(include_path).is_dir():
             raise GptlabError(f"--include-path {include_path} is not a directory")
