@@ -196,3 +196,29 @@ def test_task_limits_out_of_range_are_refused(setup, flags: list[str], message: 
     assert main(["eval", str(ckpt), "--tasks", "hellaswag", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_bits_per_byte_counts_the_text_s_bytes_not_the_end_of_text_marker(tmp_path: Path) -> None:
+    """Documents are joined by the end-of-text token, which holds none of their text: a split over two documents
+    has the bytes of its text (less the first token's, which is not scored), not 13 more for "<|endoftext|>"."""
+    from helpers import hf_tokenizer_dir
+
+    from gptlab.data import prepare
+    from gptlab.evaluation.loss import evaluate_split
+    from gptlab.tokenizer import load_tokenizer
+
+    hf = hf_tokenizer_dir(tmp_path / "hf", {})
+    first, second = "hello world " * 20, "world, hello " * 20
+    (tmp_path / "a.txt").write_text(first)
+    (tmp_path / "b.txt").write_text(second)
+    meta = prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "d", tokenizer=None, tokenizer_from=hf,
+                   val_fraction=0.25)
+    tok, train = load_tokenizer(tmp_path / "d"), load_split(tmp_path / "d", "train")
+    assert meta["separator"] == "eot" and tok.eot_id in train.tolist()
+    text = first + second[: len(first) + len(second) - round((len(first) + len(second)) * 0.25) - len(first)]
+    assert tok.decode(train) == first + "<|endoftext|>" + text[len(first):]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=tok.vocab_size))
+    out = evaluate_split(model.eval(), tmp_path / "d", "train")
+    assert out["bytes"] == len(text.encode()) - len(tok.decode_bytes(train[:1].tolist()))
+    assert out["bits_per_byte"] == pytest.approx(out["train_loss"] * out["tokens"] / (math.log(2) * out["bytes"]))

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptlab.data import load_mask, load_split, read_meta
+from gptlab.data import document_end_id, load_mask, load_split, read_meta
 from gptlab.errors import GptlabError
 from gptlab.fileio import human_bytes
 from gptlab.hardware import available_memory
@@ -219,12 +219,17 @@ def check_batch_memory(config: Any, batch_size: int, block_size: int, device: st
                           f"memory per forward pass, {device} has {human_bytes(have)} free: lower {name}")
 
 
-def split_bytes(data_dir: str | Path, data: np.ndarray) -> int | None:
-    """UTF-8 bytes of a split's scored targets (tokens 1..N-1), by decoding them; None without a tokenizer."""
+def split_bytes(data_dir: str | Path, data: np.ndarray, separator: int | None = None) -> int | None:
+    """UTF-8 bytes of a split's scored targets (tokens 1..N-1), by decoding them; None without a tokenizer. The
+    `separator` token that preparation put between documents holds none of their text (decoded, it would add
+    "<|endoftext|>"'s 13 bytes per document), so it counts no bytes; its loss still counts."""
     tok, _ = optional_tokenizer(data_dir)
     if tok is None:
         return None
-    return len(tok.decode_bytes(np.asarray(data[1:]).tolist()))
+    targets = np.asarray(data[1:])
+    if separator is not None:
+        targets = targets[targets != separator]
+    return len(tok.decode_bytes(targets.tolist()))
 
 
 def evaluate_split(
@@ -264,9 +269,9 @@ def evaluate_split(
         scored = _window_rows(data, n, window_tokens)[:, 1 : block_size + 1]
         if mask is not None:
             scored = scored[_window_rows(mask, n, window_tokens)[:, 1 : block_size + 1] != 0]
-        n_bytes = split_bytes(data_dir, np.concatenate([[0], scored.ravel()]))
+        n_bytes = split_bytes(data_dir, np.concatenate([[0], scored.ravel()]), document_end_id(meta))
     else:
-        n_bytes = split_bytes(data_dir, data)
+        n_bytes = split_bytes(data_dir, data, document_end_id(meta))
     bpb = result.loss * result.tokens / (math.log(2) * n_bytes) if n_bytes else None
     return {
         f"{split}_loss": result.loss,
