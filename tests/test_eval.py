@@ -222,3 +222,20 @@ def test_bits_per_byte_counts_the_text_s_bytes_not_the_end_of_text_marker(tmp_pa
     out = evaluate_split(model.eval(), tmp_path / "d", "train")
     assert out["bytes"] == len(text.encode()) - len(tok.decode_bytes(train[:1].tolist()))
     assert out["bits_per_byte"] == pytest.approx(out["train_loss"] * out["tokens"] / (math.log(2) * out["bytes"]))
+
+
+def test_a_loss_past_exp_s_range_reports_an_infinite_perplexity(tmp_path: Path, capsys) -> None:
+    """A diverged model (here every logit scaled up) can score over 709 nats a token, past where exp overflows a
+    float: perplexity is then infinite (null in JSON, which has no infinity), not an OverflowError."""
+    data = make_data(tmp_path, chars=3000)
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_embd=32, n_head=2, n_kv_head=2, block_size=16, vocab_size=vocab))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3000)
+    save_model(tmp_path / "ckpt", model.eval())
+    assert main(["eval", str(tmp_path / "ckpt"), "--data", str(data), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert out["val_loss"] > 709 and out["perplexity"] is None
+    assert main(["eval", str(tmp_path / "ckpt"), "--data", str(data)]) == 0
+    assert "perplexity inf" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -79,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     out = evaluate_split(model, args.data, args.split, block_size=args.block_size, batch_size=args.batch_size,
                          dtype=torch_dtype(args.dtype, device), device=device,
                          document_eot=_trained_document_eot(args.checkpoint, read_meta(args.data)))
-    if args.json:
-        print(json.dumps(out))
+    if args.json:  # JSON has no infinity: an overflowed perplexity is null
+        print(json.dumps({**out, "perplexity": out["perplexity"] if math.isfinite(out["perplexity"]) else None}))
         return 0
     bpb = out["bits_per_byte"]
     bpb_text = f"{bpb:.4f}" if bpb is not None else "n/a (no tokenizer in the data directory)"

@@ -44,7 +44,11 @@ class EvalResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss)
+        """exp(loss); infinite past a float's range (a loss over ~709 nats: a diverged model), as exp in floats."""
+        try:
+            return math.exp(self.loss)
+        except OverflowError:
+            return math.inf
 
 
 @torch.no_grad()
