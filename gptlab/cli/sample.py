@@ -31,7 +31,7 @@ from gptlab.generation.params import (  # torch-free: `gptlab --help` stays fast
     InvalidSamplingParam,
     SamplingParams,
 )
-from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, start_ids
+from gptlab.generation.prompts import EmptyPromptError, prompt_char_limit, text_prompt_ids
 
 if TYPE_CHECKING:
     from gptlab.generation.sampling import TokenLogprob
@@ -150,8 +150,8 @@ def _json_schema(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _prompt_ids(prompt: str, tokenizer: TextTokenizer, flag: str = "--prompt") -> list[int]:
-    """The prompt's token ids; an empty prompt starts from the end-of-text token. `flag` names where the prompt
-    came from in an error."""
+    """The prompt's token ids, BOS first where the model's tokenizer puts it first; an empty prompt starts from
+    BOS there, else from the end-of-text token. `flag` names where the prompt came from in an error."""
     from gptlab.tokenizer import UnknownCharacters
 
     try:
@@ -159,7 +159,7 @@ def _prompt_ids(prompt: str, tokenizer: TextTokenizer, flag: str = "--prompt") -
     except UnknownCharacters as e:  # its own message advises prepare's --tokenizer, which sampling cannot take
         raise GptlabError(e.of(flag)) from None
     try:
-        return start_ids(ids, getattr(tokenizer, "eot_id", None))
+        return text_prompt_ids(ids, tokenizer)
     except EmptyPromptError as e:
         raise GptlabError(f"{e}: pass --prompt TEXT") from None
 

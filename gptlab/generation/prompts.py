@@ -7,13 +7,20 @@ written once. Torch-free: the command line reads it before torch is imported.
   refused). The engine then checks the tokens against the context exactly.
 * An empty prompt starts from the end-of-text token (`start_ids`), as nanoGPT's sample.py does; a tokenizer without
   one cannot start from nothing (`EmptyPromptError`).
+* A text prompt gets BOS first where the model's own tokenizer puts it before every text (`text_prompt_ids`:
+  Llama's post-processor, `Tokenizer.adds_bos`), as transformers encodes `tokenizer(prompt)`; an empty one is then
+  BOS alone. Token ids a caller gives are left as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gptlab.errors import GptlabError
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer.base import TextTokenizer
 
 MAX_CHARS_PER_TOKEN = 1024
 
@@ -34,3 +41,12 @@ def start_ids(ids: Sequence[int], eot_id: int | None) -> list[int]:
     if eot_id is None:
         raise EmptyPromptError("the prompt is empty and this tokenizer has no end-of-text token to start from")
     return [eot_id]
+
+
+def text_prompt_ids(ids: Sequence[int], tokenizer: TextTokenizer) -> list[int]:
+    """The ids of a text prompt (`ids`: its `encode`) as the model's own tokenizer encodes it: BOS first where that
+    puts it first (a prompt that already starts with it keeps one), then as `start_ids`."""
+    bos = getattr(tokenizer, "bos_id", None)
+    if bos is not None and getattr(tokenizer, "adds_bos", False) and not (ids and ids[0] == bos):
+        ids = [bos, *ids]
+    return start_ids(ids, getattr(tokenizer, "eot_id", None))
