@@ -57,3 +57,24 @@ def test_start_ids_adds_bos_once_and_only_where_the_tokenizer_does(llama: Path) 
     assert text_prompt_ids([], tok) == [tok.bos_id]  # an empty prompt starts from BOS, not from end-of-text
     char = CharTokenizer("ab")
     assert text_prompt_ids([0, 1], char) == [0, 1]
+
+
+def test_served_completion_puts_bos_first_but_not_before_given_token_ids(llama: Path) -> None:
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from gptlab.loading import load_model
+    from gptlab.serve import ServerThread, create_app
+
+    model, tokenizer = load_model(llama, dtype="float32")
+    prompt, n = "To be, or not", 8
+    with ServerThread(create_app(model, tokenizer, max_batch=2)) as server:
+        def complete(given: str | list[int]) -> dict:
+            body = {"model": "gptlab", "prompt": given, "max_tokens": n, "temperature": 0}
+            return httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+
+        text = complete(prompt)
+        assert text["choices"][0]["text"] == _greedy_text(llama, prompt, n)
+        ids = tokenizer.encode(prompt)
+        assert text["usage"]["prompt_tokens"] == len(ids) + 1  # BOS counted, as the model read it
+        assert complete(ids)["usage"]["prompt_tokens"] == len(ids)  # token ids are the caller's: left as they are

@@ -43,10 +43,15 @@ def start_ids(ids: Sequence[int], eot_id: int | None) -> list[int]:
     return [eot_id]
 
 
-def text_prompt_ids(ids: Sequence[int], tokenizer: TextTokenizer) -> list[int]:
-    """The ids of a text prompt (`ids`: its `encode`) as the model's own tokenizer encodes it: BOS first where that
-    puts it first (a prompt that already starts with it keeps one), then as `start_ids`."""
+def with_bos(ids: Sequence[int], tokenizer: TextTokenizer) -> list[int]:
+    """A text prompt's ids (its `encode`) as the model's own tokenizer encodes it: BOS first where that puts it
+    first (a prompt that already starts with it keeps one)."""
     bos = getattr(tokenizer, "bos_id", None)
     if bos is not None and getattr(tokenizer, "adds_bos", False) and not (ids and ids[0] == bos):
-        ids = [bos, *ids]
-    return start_ids(ids, getattr(tokenizer, "eot_id", None))
+        return [bos, *ids]
+    return list(ids)
+
+
+def text_prompt_ids(ids: Sequence[int], tokenizer: TextTokenizer) -> list[int]:
+    """A text prompt's ids `with_bos`, then as `start_ids` (an empty prompt from end-of-text where no BOS comes)."""
+    return start_ids(with_bos(ids, tokenizer), getattr(tokenizer, "eot_id", None))

@@ -1,9 +1,10 @@
 """POST /v1/completions: continue a prompt (text, a list of texts, or token ids).
 
-Answers in OpenAI's legacy completions format, streamed or whole. max_tokens defaults to 16 and is capped by
-the room the context leaves. `logprobs` = N reports each token's log-probability and its N likeliest
-alternatives; `echo` returns the prompt before the completion, its tokens scored too when logprobs are asked
-(the first one, which nothing predicts, as null).
+Answers in OpenAI's legacy completions format, streamed or whole. A text prompt is encoded as the model's own
+tokenizer encodes it (Llama's BOS first, `generation.prompts.with_bos`); token ids are the caller's. max_tokens
+defaults to 16 and is capped by the room the context leaves. `logprobs` = N reports each token's log-probability
+and its N likeliest alternatives; `echo` returns the prompt (as the engine saw it: with that BOS) before the
+completion, its tokens scored too when logprobs are asked (the first one, which nothing predicts, as null).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
+from gptlab.generation.prompts import with_bos
 from gptlab.serve.schemas import CompletionRequest, completion_logprobs
 from gptlab.serve.state import ServedModel, usage
 from gptlab.serve.streaming import event_stream
@@ -25,7 +27,10 @@ async def create_completion(server: ServedModel, req: CompletionRequest, request
     tokenizer = server.tokenizer
     texts = req.texts()
     server.check_queue(len(texts or [()]) * req.n)  # before tokenizing what could never be queued
-    prompts = [list(req.prompt)] if texts is None else (await server.encode(texts) or [[]])
+    if texts is None:  # token ids: the caller's, left as they are
+        prompts = [list(req.prompt)]
+    else:  # text: as the model's own tokenizer encodes it (Llama's BOS first)
+        prompts = [with_bos(ids, tokenizer) for ids in (await server.encode(texts) or [[]])]
     scored = req.logprobs is not None
     job = server.start(
         prompts, req, max_tokens=req.max_tokens, stops=req.stop_list(), logprobs=req.logprobs,
