@@ -207,6 +207,43 @@ def test_ids_outside_the_vocabulary_raise_unless_replaced(name: str, request: py
         assert tok.decode_bytes(ids) == "To be\ufffd".encode()
 
 
+@pytest.fixture(scope="module")
+def wordpiece() -> HFTokenizer:
+    """A tokenizer whose decoder is not byte- or piece-wise (WordPiece's joins words with spaces): decoded by
+    `tokenizers` itself."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTok(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator([corpus_text(5000)], trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"],
+                                                                          show_progress=False))
+    return HFTokenizer(tok)
+
+
+def test_wordpiece_ids_outside_the_vocabulary_are_replaced_and_stream(wordpiece: HFTokenizer) -> None:
+    """As every other kind: errors="replace" shows U+FFFD for an id past the vocabulary (it used to vanish), and
+    decode_bytes, which streaming calls per token, keeps it (it used to raise)."""
+    from gptlab.generation.detokenize import TextState
+
+    tok, n = wordpiece, wordpiece.vocab_size
+    first, second = tok.encode("To be"), tok.encode("or not")
+    ids = [*first, n + 3, *second, n]
+    expected = tok._tok.decode(first) + "\ufffd" + tok._tok.decode(second) + "\ufffd"
+    with pytest.raises(ValueError, match=f"token id {n + 3} is outside"):
+        tok.decode(ids)
+    assert tok.decode(ids, errors="replace") == expected
+    assert tok.decode_bytes(ids) == expected.encode()
+    state = TextState(tok)
+    streamed = ""
+    for i in ids:
+        state.push(i)
+        streamed += state.pop_delta()
+    state.close()
+    assert streamed + state.pop_delta(final=True) == expected
+
+
 def test_bpe_saved_file_is_plain_hugging_face(bpe: HFTokenizer, tmp_path) -> None:
     from tokenizers import Tokenizer as HFTok
 

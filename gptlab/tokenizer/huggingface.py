@@ -190,7 +190,7 @@ class HFTokenizer(Tokenizer):
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         ids = _as_int_list(ids)
         if not self._simple:  # e.g. WordPiece: tokens are whole characters, so text -> bytes is exact enough
-            return self.decode(ids).encode("utf-8")
+            return self.decode(ids, errors="replace").encode("utf-8")
         table, n = self._token_table(), self.vocab_size
         out = b"".join(table[i] if 0 <= i < n else _REPLACEMENT for i in ids)
         if self._strip_first_space and not self._byte_level and out.startswith(b" "):
@@ -209,8 +209,16 @@ class HFTokenizer(Tokenizer):
         ids = checked_ids(ids, self.vocab_size, errors)
         if self._simple:
             return self.decode_bytes(ids).decode("utf-8", errors="replace")
-        n = self.vocab_size
-        return self._tok.decode([i for i in ids if 0 <= i < n], skip_special_tokens=False)
+        # the ids between those past the vocabulary decoded by `tokenizers` (its decoder joins words), each id past
+        # it U+FFFD, as every other kind shows one
+        n, pieces, run = self.vocab_size, [], []
+        for i in ids:
+            if 0 <= i < n:
+                run.append(i)
+                continue
+            pieces += [self._tok.decode(run, skip_special_tokens=False), "\ufffd"]
+            run = []
+        return "".join(pieces) + self._tok.decode(run, skip_special_tokens=False)
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         d = Path(directory)
