@@ -667,6 +667,21 @@ def test_sample_errors_are_one_line(char_checkpoint, capsys, extra, message):
     assert err.startswith("error:") and message in err and err.count("\n") == 1
 
 
+def test_a_prompt_flag_with_bytes_that_are_not_utf8_is_one_line(corpus_bpe, tmp_path, capsys):
+    """Python reads an argument's non-UTF-8 bytes as lone surrogates, which a Hugging Face tokenizer cannot take: an
+    error naming the flag and the byte (it used to be an internal TypeError)."""
+    from gptlab.checkpoint import save_model
+    from gptlab.cli import main
+
+    path = save_model(tmp_path / "bpe", tiny_model(vocab_size=corpus_bpe.vocab_size), corpus_bpe)
+    argv_bytes = b"ab\xff".decode("utf-8", "surrogateescape")  # as sys.argv holds `--prompt $'ab\xff'`
+    assert main(["sample", str(path), "--prompt", argv_bytes, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --prompt is not UTF-8 text: byte 0xff at character 2\n"
+    assert main(["attention", str(path), "--prompt", argv_bytes]) == 2
+    assert capsys.readouterr().err == "error: --prompt is not UTF-8 text: byte 0xff at character 2\n"
+
+
 def test_sample_needs_a_checkpoint_with_a_tokenizer(char_checkpoint, tmp_path, capsys):
     from gptlab.cli import main
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gptlab.cli.options import add_device
+from gptlab.cli.options import add_device, check_text
 from gptlab.errors import GptlabError
 
 
@@ -42,6 +42,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     from gptlab.hardware import resolve_device
     from gptlab.loading import load_model
 
+    check_text(args, "--prompt", "--clean", "--corrupt", "--answer", "--wrong")  # before the (slow) load
     model, tokenizer = load_model(args.model, device=resolve_device(args.device))
     if tokenizer is None:
         raise GptlabError(f"{args.model} has no tokenizer: looking at a prompt needs one to turn text into tokens")

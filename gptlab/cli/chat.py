@@ -28,6 +28,7 @@ from gptlab.cli.options import (
     add_dtype,
     add_prefix_cache,
     add_quantize,
+    check_text,
     prefix_cache_options,
     quantize_options,
     torch_dtype,
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     # every flag is checked before the (slow) model load; the default reply length needs the model's context
     params = sampling_params(args, **({} if args.max_new_tokens is not None else {"max_new_tokens": 1}))
     prefix_cache = prefix_cache_options(args)
+    check_text(args, "--system")
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, device=device, dtype=torch_dtype(args.dtype, device),
                                   **quantize_options(args))

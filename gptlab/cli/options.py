@@ -12,6 +12,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_PREFIX_CACHE_MB = 2**24  # 16 TiB: beyond any machine's memory
 
 
+def check_text(args: argparse.Namespace, *flags: str) -> None:
+    """Each of `flags` given as text holds only UTF-8: Python reads an argument's other bytes as lone surrogates,
+    which no tokenizer reads (a Hugging Face one raises a TypeError); flags the command lacks are skipped."""
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        bad = next((i for i, c in enumerate(value) if "\ud800" <= c <= "\udfff"), None) if isinstance(value, str) \
+            else None
+        if bad is not None:
+            code = ord(value[bad])
+            what = f"byte 0x{code - 0xDC00:02x}" if code >= 0xDC80 else f"a lone surrogate U+{code:04X}"
+            raise GptlabError(f"{flag} is not UTF-8 text: {what} at character {bad}")
+
+
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="cpu, cuda, cuda:1, mps, ... (default: cuda when available, else mps on a Mac, else cpu)")

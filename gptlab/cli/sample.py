@@ -20,6 +20,7 @@ from gptlab.cli.options import (
     add_quantize,
     add_speculation,
     check_speculation,
+    check_text,
     quantize_options,
     speculation_options,
     torch_dtype,
@@ -215,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_samples < 1:
         raise GptlabError(f"--num-samples must be at least 1, got {args.num_samples}")
     params = sampling_params(args, json_schema=_json_schema(args))
+    check_text(args, "--prompt")
     prompt = _read_prompt(args)
     steering = steering_vectors(args.steer)
     draft = check_speculation(args)
