@@ -525,6 +525,14 @@ def test_emoji_split_over_byte_tokens_streams_intact():
     assert all("\ufffd" not in d for d in deltas) and "\U0001f600" in deltas
 
 
+def test_a_stop_string_the_rows_last_broken_character_completes_ends_it_as_stop():
+    tok = ByteTokenizer()
+    model = scripted_model(chain(tok.encode("A") + [0xF0, 0x9F]), vocab_size=256)  # half an emoji after "A"
+    params = SamplingParams(temperature=0, max_new_tokens=2, stop=["\ufffd"])
+    (gen,) = generate_batch(model, [tok.encode("A")], params, tokenizer=tok)
+    assert gen.token_ids == [0xF0, 0x9F] and gen.text == "" and gen.finish_reason == "stop"
+
+
 def test_text_state_unit():
     tok = ByteTokenizer()
     state = TextState(tok, context_ids=tok.encode("x"), stop=["\U0001f600!"])
@@ -539,6 +547,32 @@ def test_text_state_unit():
     cut.push(0xF0)  # a truncated character becomes U+FFFD once the row ends
     cut.close()
     assert cut.pop_delta() == "\ufffd"
+
+
+# ASCII, a two-, three- and four-byte character's bytes, and a byte no UTF-8 text holds: valid and broken sequences
+_BYTES = st.lists(st.sampled_from([0x61, 0x21, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, 0xFF]),
+                  max_size=14)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_streamed_text_is_the_whole_decode_cut_at_the_stop_string(data: st.DataObject):
+    """Whatever the bytes (half characters, invalid ones), the deltas joined are the decode of all the tokens at
+    once, cut before the first stop string (one drawn from that text, U+FFFD included) where it has one."""
+    tok = ByteTokenizer()
+    ids = data.draw(_BYTES)
+    whole = tok.decode(ids)
+    start = data.draw(st.integers(0, len(whole)))
+    stop = whole[start : data.draw(st.integers(start, len(whole)))]
+    state = TextState(tok, stop=[stop] if stop else [])
+    out = ""
+    for i in ids:
+        if state.push(i):
+            break
+        out += state.pop_delta()
+    state.close()
+    out += state.pop_delta(final=True)
+    assert out == (whole[: whole.find(stop)] if stop else whole)
 
 
 # ---------------------------------------------------------------------------------------------------------

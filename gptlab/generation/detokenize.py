@@ -52,8 +52,13 @@ class TextState:
             self._context_bytes = len(self.tokenizer.decode_bytes(self._ids))
         else:
             self._context_bytes = len(raw)
+        self._add(self._decoder.decode(new_bytes))
+        return self.stopped
+
+    def _add(self, text: str) -> None:
+        """Append decoded text; cut the text at a stop string that ends in it, and close."""
         before = len(self.text)
-        self.text += self._decoder.decode(new_bytes)
+        self.text += text
         if self.stop:
             # a stop string that ends in the new text starts at most longest_stop - 1 characters before it
             start = max(0, before - self._longest_stop + 1)
@@ -61,13 +66,13 @@ class TextState:
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
-                self.close()
-        return self.stopped
+                self.closed = True
 
     def close(self) -> None:
-        """No more tokens: flush an incomplete last character (as U+FFFD) unless a stop string ended it."""
+        """No more tokens: flush an incomplete last character (as U+FFFD, which may complete a stop string) unless
+        a stop string ended the text."""
         if not self.closed and not self.stopped:
-            self.text += self._decoder.decode(b"", final=True)
+            self._add(self._decoder.decode(b"", final=True))
         self.closed = True
 
     def pop_delta(self, final: bool = False) -> str:

@@ -83,9 +83,11 @@ class Generation:
         return "" if self.text_state is None else self.text_state.pop_delta(final=self.finished)
 
     def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
         if self.text_state is not None:
             self.text_state.close()
+            if self.text_state.stopped:  # a broken last character, flushed as U+FFFD, completed a stop string
+                reason = FINISH_STOP if reason == FINISH_LENGTH else reason
+        self.finish_reason = reason
 
 
 def prompt_token_ids(prompt_ids: Any) -> list[int]:
