@@ -124,6 +124,63 @@ def test_gpt2_merges_recovered_from_tiktoken_equal_openais_vocab_bpe() -> None:
     assert tokens[50256] == "<|endoftext|>" and types[50256] == 3 and tokens[220] == "Ġ"
 
 
+def test_a_tokenizer_without_end_of_text_names_a_spare_row_as_llama_cpps_end(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """llama.cpp takes token 11 as BOS and EOS where a BPE file names none, and ends generation there: for a
+    character vocabulary (no end-of-text) a real character. A padded vocabulary's first spare row is named
+    instead (and read back as no end-of-text); without one, the export says which character llama.cpp stops at."""
+    from gptlab.loading import load_model
+
+    tok = CharTokenizer.from_text(TEXT)
+    for name, vocab_size in [("padded", tok.vocab_size + 3), ("exact", tok.vocab_size)]:
+        model = GPT(GPTConfig.preset("tiny", n_layer=1, vocab_size=vocab_size, hf_architecture=None))
+        save_model(tmp_path / name, model, tok)
+        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}.gguf"), "--to", "gguf"]) == 0
+        fields = gguf.GGUFReader(tmp_path / f"{name}.gguf").fields
+        err = capsys.readouterr().err
+        if name == "padded":
+            assert fields["tokenizer.ggml.eos_token_id"].contents() == tok.vocab_size
+            assert fields["tokenizer.ggml.bos_token_id"].contents() == tok.vocab_size
+            assert "note:" not in err
+            back = load_model(tmp_path / f"{name}.gguf")[1]
+            assert back.eot_id is None and back.bos_id is None and not back.adds_bos
+        else:
+            assert "tokenizer.ggml.eos_token_id" not in fields
+            assert f"llama.cpp ends generation at its default, token 11 ({tok.decode([11])!r})" in err, err
+    # a beginning-of-text token of its own stays the file's BOS
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from gptlab.interop.gguf import save_gguf
+    from gptlab.tokenizer.huggingface import HFTokenizer
+
+    bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.add_special_tokens(["<s>"])
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 256)])
+    model = GPT(GPTConfig.preset("tiny", n_layer=1, vocab_size=260, hf_architecture=None))
+    save_gguf(model, tmp_path / "bos.gguf", HFTokenizer(bpe, bos_id=256), dtype="f32")
+    fields = gguf.GGUFReader(tmp_path / "bos.gguf").fields
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 256
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 257
+
+
+@pytest.mark.slow
+def test_llama_cpp_ends_a_character_models_text_at_no_character(tmp_path: Path) -> None:
+    """The padded character model's file as llama.cpp reads it: no character ends generation, the spare row does."""
+    from helpers import open_llama_cpp
+
+    tok = CharTokenizer.from_text(TEXT)
+    model = GPT(GPTConfig.preset("tiny", n_layer=1, vocab_size=tok.vocab_size + 3, hf_architecture=None))
+    save_model(tmp_path / "ckpt", model, tok)
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 0
+    llm = open_llama_cpp(tmp_path / "m.gguf")
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+    assert [i for i in range(tok.vocab_size + 3) if llama_cpp.llama_vocab_is_eog(vocab, i)] == [tok.vocab_size]
+    assert llm.tokenize(b"To be", add_bos=True) == tok.encode("To be")  # nor is a BOS added
+
+
 def test_gguf_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _, _, ckpt = _char_gpt2(tmp_path)
     (tmp_path / "dir").mkdir()

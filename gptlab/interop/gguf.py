@@ -15,6 +15,7 @@ biases) stay f32, as llama.cpp's own converter writes them.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_file
 from gptlab.interop.gguf_arch import gguf_architecture, gguf_tensors, interleave_rope_rows, write_hparams
-from gptlab.interop.gguf_vocab import gguf_vocabulary, pre_tokenizer_name
+from gptlab.interop.gguf_vocab import UNUSED, gguf_vocabulary, pre_tokenizer_name
 from gptlab.interop.hf import whole_model_state
 from gptlab.tokenizer.chat_template import chat_template_for, reply_stops
 
@@ -70,7 +71,7 @@ def save_gguf(model: torch.nn.Module, path: str | Path, tokenizer: TextTokenizer
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)
-        _write_special_tokens(writer, tokenizer)
+        _write_special_tokens(writer, tokenizer, types)
         for name, array in tensors.items():
             data, qtype = _encode(gguf, array, dtype)
             writer.add_tensor(name, data, raw_dtype=qtype)
@@ -79,24 +80,46 @@ def save_gguf(model: torch.nn.Module, path: str | Path, tokenizer: TextTokenizer
         writer.write_tensors_to_file()
         writer.close()
 
-    return atomic_write_file(path, write)
+    written = atomic_write_file(path, write)
+    if tokenizer.eot_id is None and UNUSED not in types and LLAMA_CPP_DEFAULT_EOS < len(types):
+        print(f"note: the tokenizer has no end-of-text token and the model no spare vocabulary row to name as one: "
+              f"llama.cpp ends generation at its default, token {LLAMA_CPP_DEFAULT_EOS} "
+              f"({tokenizer.decode([LLAMA_CPP_DEFAULT_EOS])!r}); a model whose vocab_size is larger than the "
+              "tokenizer's gets a spare row", file=sys.stderr)
+    return written
 
 
 _FILE_TYPES = {"f32": lambda t: t.ALL_F32, "f16": lambda t: t.MOSTLY_F16, "bf16": lambda t: t.MOSTLY_BF16,
                "q8_0": lambda t: t.MOSTLY_Q8_0, "q4_0": lambda t: t.MOSTLY_Q4_0}
 
 
-def _write_special_tokens(writer: Any, tokenizer: TextTokenizer) -> None:
+def _write_special_tokens(writer: Any, tokenizer: TextTokenizer, types: list[int]) -> None:
     """End of text, beginning of text, the chat template and the token that ends an assistant's turn."""
     if tokenizer.eot_id is not None:
         writer.add_eos_token_id(tokenizer.eot_id)
         writer.add_bos_token_id(tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eot_id)
+    else:
+        _write_no_end_of_text(writer, tokenizer, types)
     writer.add_add_bos_token(bool(tokenizer.adds_bos))
     template = chat_template_for(tokenizer)
     writer.add_chat_template(template.source)
     turn_end = turn_end_token(tokenizer)
     if turn_end is not None and turn_end != tokenizer.eot_id:
         writer.add_eot_token_id(turn_end)
+
+
+def _write_no_end_of_text(writer: Any, tokenizer: TextTokenizer, types: list[int]) -> None:
+    """A tokenizer without end-of-text (a character vocabulary): llama.cpp, given no eos_token_id, ends generation
+    at token 11, a real character there. A padded vocabulary's first spare row, which no text spells, is named as
+    the end instead; without one, any id names a token, so `save_gguf` says which one llama.cpp stops at."""
+    spare = next((i for i, kind in enumerate(types) if kind == UNUSED), None)
+    if tokenizer.bos_id is not None or spare is not None:
+        writer.add_bos_token_id(tokenizer.bos_id if tokenizer.bos_id is not None else spare)
+    if spare is not None:
+        writer.add_eos_token_id(spare)
+
+
+LLAMA_CPP_DEFAULT_EOS = 11  # llama.cpp's BOS and EOS for a BPE vocabulary whose file names none
 
 
 def turn_end_token(tokenizer: TextTokenizer) -> int | None:

@@ -188,6 +188,9 @@ def tokenizer_from_gguf(meta: Any, vocab_size: int) -> HFTokenizer:
                             for i, kind in enumerate(types) if kind == CONTROL])
     tok.add_tokens([AddedToken(tokens[i], normalized=False) for i, kind in enumerate(types) if kind == USER_DEFINED])
     eos, bos = (_token_id(meta, f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("eos", "bos"))
+    # a spare row named as the end only so that llama.cpp's default (token 11) is not (export's, for a tokenizer
+    # without end-of-text): no text spells it, so the tokenizer has none
+    eos, bos = (None if i is not None and types[i] == UNUSED else i for i in (eos, bos))
     adds_bos = bos is not None and meta.get("tokenizer.ggml.add_bos_token", bool, False)
     if adds_bos:
         tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
