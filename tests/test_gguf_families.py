@@ -30,7 +30,8 @@ SPLITS = {"llama-bpe": _WORDS + r"\p{N}{1,3}" + _TAIL, "qwen2": _WORDS + r"\p{N}
 
 
 def _tokenizer(directory: Path, split: str | None) -> tuple[int, int]:
-    """A byte-level BPE trained on TEXT with ChatML's tokens, split as GPT-2 (None) or by a named regex."""
+    """A byte-level BPE trained on TEXT with ChatML's tokens, split as GPT-2 (None) or by a named regex (llama-bpe's
+    taking words the vocabulary holds whole, as Llama 3's does)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -44,6 +45,7 @@ def _tokenizer(directory: Path, split: str | None) -> tuple[int, int]:
     trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TEXT * 5], trainer)
+    tok.model.ignore_merges = split == "llama-bpe"  # as Llama 3's tokenizer.json (llama.cpp's llama-bpe does)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
@@ -146,6 +148,65 @@ def test_added_tokens_that_are_not_special_go_in_as_user_defined(tmp_path: Path)
     text = "call <tool_call> now"
     assert tok.token_to_id("<tool_call>") in done.tokenizer.encode(text)
     assert load_model(tmp_path / "m.gguf")[1].encode(text) == done.tokenizer.encode(text)
+
+def _merge_test_dir(directory: Path, ignore_merges: bool) -> Path:
+    """A Llama whose byte-level BPE under Llama 3's split holds "abc" whole, though merging "abc" gives a + bc
+    (b c merges first, and nothing joins a and bc): ignore_merges decides which."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    for text in ["<|endoftext|>", "bc", "ab", "abc"]:
+        vocab[text] = len(vocab)
+    merges = [("b", "c"), ("a", "b"), ("ab", "c")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLITS["llama-bpe"]), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    directory.mkdir(parents=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    eos = vocab["<|endoftext|>"]
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), bos_token_id=eos, eos_token_id=eos, **_small())
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
+    return directory
+
+
+def test_llama_3s_split_keeps_the_tokenizers_ignore_merges(tmp_path: Path) -> None:
+    """llama.cpp's llama-bpe takes a word its vocabulary holds whole (ignore_merges, as Llama 3's tokenizer.json
+    says); a BPE under the same split that merges every word goes in as smaug-bpe, and each reads back so."""
+    from tokenizers import Tokenizer
+
+    from gptlab.conversion import convert
+    from gptlab.loading import load_model
+
+    for ignore, name, ids in [(True, "llama-bpe", ["abc"]), (False, "smaug-bpe", ["a", "bc"])]:
+        src = _merge_test_dir(tmp_path / name, ignore)
+        hf = Tokenizer.from_file(str(src / "tokenizer.json"))
+        assert hf.encode("abc").tokens == ids
+        convert(src, tmp_path / f"{name}.gguf", to="gguf", gguf_dtype="f32")
+        assert gguf.GGUFReader(tmp_path / f"{name}.gguf").fields["tokenizer.ggml.pre"].contents() == name
+        back = load_model(tmp_path / f"{name}.gguf")[1]
+        assert back.encode("abc xabc") == hf.encode("abc xabc").ids, name
+
+
+@pytest.mark.slow
+def test_llama_cpp_splits_words_as_the_tokenizers_ignore_merges_says(tmp_path: Path) -> None:
+    from helpers import open_llama_cpp
+    from tokenizers import Tokenizer
+
+    from gptlab.conversion import convert
+
+    for ignore, name in [(True, "llama-bpe"), (False, "smaug-bpe")]:
+        src = _merge_test_dir(tmp_path / name, ignore)
+        convert(src, tmp_path / f"{name}.gguf", to="gguf", gguf_dtype="f32")
+        llm = open_llama_cpp(tmp_path / f"{name}.gguf", vocab_only=True)
+        ids = Tokenizer.from_file(str(src / "tokenizer.json")).encode("abc xabc").ids
+        assert llm.tokenize(b"abc xabc", add_bos=False, special=False) == ids, name
+
 
 def test_models_llama_cpp_cannot_run_are_refused_in_gguf_terms(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture) -> None:

@@ -26,6 +26,9 @@ PRE_TOKENIZERS = {
     _LLAMA3_WORDS + r"\p{N}{1,3}" + _LLAMA3_TAIL: "llama-bpe",  # Llama 3: digits in groups of up to three
     _LLAMA3_WORDS + r"\p{N}" + _LLAMA3_TAIL: "qwen2",  # Qwen2 and Qwen3: each digit alone
 }
+# llama.cpp's llama-bpe also takes a word the vocabulary holds whole before any merge (Llama 3's tokenizer.json
+# says "ignore_merges": true); its smaug-bpe is the same split with every word merged, as other BPEs are
+IGNORES_MERGES = {"llama-bpe": "smaug-bpe"}
 
 
 @functools.cache
@@ -75,6 +78,8 @@ def pre_tokenizer_name(tokenizer: TextTokenizer) -> str:
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True) \
             and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
         name = PRE_TOKENIZERS.get((steps[0].get("pattern") or {}).get("Regex"))
+        if name in IGNORES_MERGES and not json.loads(tokenizer._json).get("model", {}).get("ignore_merges"):
+            return IGNORES_MERGES[name]
         if name is not None:
             return name
     what = "a Split regex" if kinds[:1] == ["Split"] else repr(pre.get("type") or kinds)
@@ -164,10 +169,12 @@ def tokenizer_from_gguf(meta: Any, vocab_size: int) -> HFTokenizer:
         raise GptlabError(f"{where}: tokenizer.ggml.model is {model!r}; gptlab reads byte-level BPE ('gpt2') "
                           "vocabularies: load the model's Hugging Face directory instead")
     split = meta.get("tokenizer.ggml.pre", str, "gpt-2")
-    regex = {name: pattern for pattern, name in PRE_TOKENIZERS.items()}.get(split)
+    regexes = {name: pattern for pattern, name in PRE_TOKENIZERS.items()}
+    regexes.update({merged: regexes[name] for name, merged in IGNORES_MERGES.items()})
+    regex = regexes.get(split)
     if regex is None:
         raise GptlabError(f"{where}: tokenizer.ggml.pre {split!r} is a split gptlab does not know; it reads "
-                          f"{', '.join(sorted(set(PRE_TOKENIZERS.values())))}")
+                          f"{', '.join(sorted(regexes))}")
     tokens = meta.get("tokenizer.ggml.tokens", list)
     types = meta.get("tokenizer.ggml.token_type", list, [NORMAL] * len(tokens))
     if len(types) != len(tokens) or not 0 < len(tokens) <= vocab_size:
@@ -176,7 +183,7 @@ def tokenizer_from_gguf(meta: Any, vocab_size: int) -> HFTokenizer:
     vocab = {text: i for i, (text, kind) in enumerate(zip(tokens, types, strict=True)) if kind != UNUSED}
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", list, []) if isinstance(m, str)]
     merges = [(a, b) for a, b in merges if a in vocab and b in vocab and a + b in vocab]  # others never fire
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=split in IGNORES_MERGES))
     if split == "gpt-2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
