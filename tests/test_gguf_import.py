@@ -66,6 +66,33 @@ def test_each_family_comes_back_from_gguf_with_the_same_logits_tokens_and_templa
 
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_file_without_add_bos_token_starts_text_as_llama_cpp_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   family: str) -> None:
+    """Where tokenizer.ggml.add_bos_token is absent (files of older converters), llama.cpp starts text with BOS
+    under the llama-bpe split (Llama 3's), not under gpt-2's or qwen2's: gptlab reads the file as llama.cpp does."""
+    monkeypatch.setattr(gguf.GGUFWriter, "add_add_bos_token", lambda self, value: None)
+    convert(hf_family_dir(tmp_path / "hf", family), tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert "tokenizer.ggml.add_bos_token" not in fields
+    tok = load_model(tmp_path / "m.gguf")[1]
+    bos = fields["tokenizer.ggml.bos_token_id"].contents()
+    assert (tok.adds_bos, tok.bos_id) == ((True, bos) if family == "llama" else (False, None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_cpp_adds_bos_to_such_a_file_as_gptlab_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             family: str) -> None:
+    from helpers import open_llama_cpp
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_add_bos_token", lambda self, value: None)
+    convert(hf_family_dir(tmp_path / "hf", family), tmp_path / "m.gguf", to="gguf", gguf_dtype="f32")
+    tok = load_model(tmp_path / "m.gguf")[1]
+    ids = open_llama_cpp(tmp_path / "m.gguf", vocab_only=True).tokenize(b"To be", add_bos=True)
+    assert ids == ([tok.bos_id] if tok.adds_bos else []) + tok.encode("To be")
+
+
 def test_gemma2_27bs_score_scale_is_llama_cpps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """llama.cpp scales a 46-layer gemma2's scores (Gemma 2 27B's) by 1/sqrt(embedding_length / head_count), not
     1/sqrt(key_length): such a model exports with that scale and comes back with it; one scaled by its head width

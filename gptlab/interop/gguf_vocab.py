@@ -29,6 +29,7 @@ PRE_TOKENIZERS = {
 # llama.cpp's llama-bpe also takes a word the vocabulary holds whole before any merge (Llama 3's tokenizer.json
 # says "ignore_merges": true); its smaug-bpe is the same split with every word merged, as other BPEs are
 IGNORES_MERGES = {"llama-bpe": "smaug-bpe"}
+ADDS_BOS_BY_DEFAULT = {"llama-bpe"}  # llama.cpp's split that starts text with BOS where add_bos_token is absent
 
 
 @functools.cache
@@ -198,7 +199,8 @@ def tokenizer_from_gguf(meta: Any, vocab_size: int) -> HFTokenizer:
     # a spare row named as the end only so that llama.cpp's default (token 11) is not (export's, for a tokenizer
     # without end-of-text): no text spells it, so the tokenizer has none
     eos, bos = (None if i is not None and types[i] == UNUSED else i for i in (eos, bos))
-    adds_bos = bos is not None and meta.get("tokenizer.ggml.add_bos_token", bool, False)
+    # a file that does not say starts text with BOS as llama.cpp then does: by the split's default
+    adds_bos = bos is not None and meta.get("tokenizer.ggml.add_bos_token", bool, split in ADDS_BOS_BY_DEFAULT)
     if adds_bos:
         tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
                                                            special_tokens=[(tokens[bos], bos)])
