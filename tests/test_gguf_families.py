@@ -208,6 +208,21 @@ def test_llama_cpp_splits_words_as_the_tokenizers_ignore_merges_says(tmp_path: P
         assert llm.tokenize(b"abc xabc", add_bos=False, special=False) == ids, name
 
 
+def test_a_tokenizer_that_adds_a_prefix_space_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """ByteLevel's add_prefix_space makes "hello" "Ġhello" in `tokenizers`; llama.cpp's BPE has no such step and
+    would split every text's first word differently, so the export is refused in one line."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    src = hf_family_dir(tmp_path / "hf", "mistral")
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.save(str(src / "tokenizer.json"))
+    assert main(["convert", str(src), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "puts a space before the text (add_prefix_space)" in err and "Traceback" not in err, err
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def test_models_llama_cpp_cannot_run_are_refused_in_gguf_terms(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture) -> None:
     """The CPU speedrun's model (LayerNorm, RoPE, q/k norms, capped logits) has no llama.cpp architecture: the

@@ -72,6 +72,11 @@ def pre_tokenizer_name(tokenizer: TextTokenizer) -> str:
     if getattr(tokenizer, "kind", None) not in ("hf", "bpe"):
         return "gpt-2"
     pre = json.loads(tokenizer._json).get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if any(step.get("type") == "ByteLevel" and step.get("add_prefix_space") for step in steps):
+        raise GptlabError("GGUF export: this tokenizer's ByteLevel pre-tokenizer puts a space before the text "
+                          "(add_prefix_space), which llama.cpp's byte-level BPE never does, so it would tokenize "
+                          "text differently: export --to hf instead")
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         return "gpt-2"  # ByteLevel's own regex is GPT-2's
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
