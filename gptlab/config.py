@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gptlab.checked import bounded, check_fields
+from gptlab.checked import InvalidField, bounded, check_fields
 from gptlab.fileio import atomic_write_json, read_json_object
 
 NormKind = Literal["layernorm", "rmsnorm"]
@@ -197,7 +197,7 @@ class GPTConfig:
             raise ValueError(f"rope_scaling must be an object with a kind, or null; got {self.rope_scaling!r}")
         # one spelling per model: an override equal to what it overrides is stored as None
         for key in ("qkv_bias", "attn_proj_bias", "norm_bias"):
-            if getattr(self, key) == self.bias:
+            if getattr(self, key) is self.bias:  # "is": only a bool equal to it, not 1 or 0
                 setattr(self, key, None)
         if (self.head_dim is not None and isinstance(self.n_head, int) and self.n_head > 0
                 and self.head_dim * self.n_head == self.n_embd):
@@ -210,6 +210,11 @@ class GPTConfig:
         for key, choices in choices_of(type(self)).items():
             if getattr(self, key) not in choices:
                 raise ValueError(f"{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
+        # a switch read from JSON as "false" is truthy: it would build the other model without a word
+        for key, optional in switches_of(type(self)).items():
+            value = getattr(self, key)
+            if not (isinstance(value, bool) or (optional and value is None)):
+                raise InvalidField(key, value, "must be true or false" + (" (or null)" if optional else ""))
         check_fields(self)  # each number's range, written beside its field
         if self.head_dim is None and self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head} (set head_dim for "
@@ -357,3 +362,11 @@ def choices_of(cls: type) -> dict[str, tuple[Any, ...]]:
     hints = typing.get_type_hints(cls)
     return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
             if typing.get_origin(hints[f.name]) is Literal}
+
+
+@functools.cache
+def switches_of(cls: type) -> dict[str, bool]:
+    """The bool-typed fields of a dataclass, each with whether it may also be None, read from its type hints."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] is not bool for f in dataclasses.fields(cls)
+            if hints[f.name] in (bool, bool | None)}

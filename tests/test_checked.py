@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gptlab.checked import Bound, InvalidField, bounded, bounds_of, check_fields
-from gptlab.config import GPTConfig
+from gptlab.config import GPTConfig, switches_of
 from gptlab.generation.params import InvalidSamplingParam, SamplingParams
 from gptlab.train.config import TrainConfig
 
@@ -85,6 +85,15 @@ def test_gptconfig_refuses_each_number_out_of_range_naming_it(name: str) -> None
         with pytest.raises(InvalidField) as e:
             GPTConfig(**{name: bad})
         assert e.value.field == name, e.value
+
+
+@pytest.mark.parametrize("name", sorted(switches_of(GPTConfig)))
+def test_gptconfig_refuses_a_switch_that_is_not_a_bool_naming_it(name: str) -> None:
+    # "false" from a hand-written JSON config is truthy: taken as given, it built the other model
+    for bad in ("false", "true", 0, 1, [], *([] if switches_of(GPTConfig)[name] else [None])):
+        with pytest.raises(InvalidField) as e:
+            GPTConfig(**{name: bad})
+        assert e.value.field == name and "true or false" in str(e.value), e.value
 
 
 @pytest.mark.parametrize("name", sorted(bounds_of(SamplingParams)))
