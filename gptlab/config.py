@@ -317,6 +317,10 @@ class GPTConfig:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> GPTConfig:
+        """A copy with `changes`. An n_kv_head equal to n_head (every head its own keys and values, the default)
+        follows a new n_head, as in a config built with it, rather than making the model grouped-query."""
+        if "n_head" in changes and "n_kv_head" not in changes and self.n_kv_head == self.n_head:
+            changes["n_kv_head"] = None
         return dataclasses.replace(self, **changes)
 
     def save(self, path: str | Path) -> None:

@@ -445,6 +445,18 @@ def test_presets_and_overrides():
     assert GPTConfig.from_dict(config.to_dict()) == config
 
 
+def test_replacing_n_head_keeps_every_head_its_own_keys_unless_told():
+    config = small()  # n_kv_head defaults to n_head
+    assert config.n_kv_head == config.n_head == 4
+    wider = config.replace(n_head=8)
+    assert (wider.n_head, wider.n_kv_head) == (8, 8)  # was 4: grouped-query without a word
+    assert wider == small(n_head=8)
+    assert config.replace(n_head=2).n_kv_head == 2  # was refused: 2 is not divisible by 4
+    assert config.replace(n_head=8, n_kv_head=2).n_kv_head == 2
+    grouped = small(n_kv_head=2)
+    assert grouped.replace(n_head=8).n_kv_head == 2  # a chosen grouping stays
+
+
 def test_info_command(capsys):
     from gptlab.cli import main
 
