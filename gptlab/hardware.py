@@ -97,6 +97,19 @@ def inference_dtype(name: str, device: str | torch.device) -> torch.dtype:
     return torch.float32
 
 
+def weights_dtype(dtype: torch.dtype | str | None, what: str = "dtype") -> torch.dtype | None:
+    """A Python argument naming the weights' dtype (a torch.dtype or its name, "bfloat16"; None: as stored),
+    checked before any weight is read: a one-line GptlabError naming `what` instead of torch's TypeError from
+    deep in a cast, after the whole checkpoint was read."""
+    if dtype is None:
+        return None
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise GptlabError(f"{what} must be a floating-point torch.dtype or its name (float32, bfloat16, float16), "
+                          f"got {dtype!r}")
+    return resolved
+
+
 def _mps_works() -> bool:
     """Apple's Metal device is there and runs a small matmul (it can be listed yet unusable, e.g. in a VM)."""
     if not torch.backends.mps.is_available():

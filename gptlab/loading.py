@@ -43,6 +43,7 @@ from gptlab.checkpoint import (
 )
 from gptlab.errors import GptlabError
 from gptlab.fileio import parse_json
+from gptlab.hardware import resolve_device, weights_dtype
 from gptlab.interop import from_hf
 from gptlab.interop.gguf_read import is_gguf_file, load_gguf
 from gptlab.lora import LoRAError, add_lora, merge_lora
@@ -118,13 +119,14 @@ def _had_best(step_dir: Path) -> bool:
 def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     prefer: str = "best",
     merge_adapters: bool = True,
     quantize: str | None = None,
     group_size: int | None = None,
 ) -> tuple[GPT, Tokenizer | None]:
     """Load (model, tokenizer) from a run, checkpoint or Hugging Face directory (tokenizer: None if none).
+    `device`: cpu, cuda, cuda:N, mps or auto; `dtype`: a floating-point dtype or its name (None: as stored).
 
     A LoRA checkpoint comes back as its base with the adapters merged into the weights (a plain GPT, as fast as
     the base), or with `merge_adapters=False` with LoRA layers computing the update on the side.
@@ -132,6 +134,10 @@ def load_model(
     `quantize` ("int8" or "int4", with `group_size` for int4) quantizes the weights of its Linear layers for
     inference (`gptlab.quantize`), from the fp32 weights; the rest of the model then takes `dtype`."""
     check_quantize_options(quantize, group_size)
+    # checked before reading anything: a device this machine lacks failed inside safetensors (CUDA as
+    # "pin_memory=True requires a CUDA ... backend"), a dtype's name as a TypeError from Module.to
+    device = resolve_device(str(device), flag="device")
+    dtype = weights_dtype(dtype)
     if quantize is not None and not merge_adapters:
         raise GptlabError("cannot quantize a model whose LoRA adapters are kept unmerged: merge them (the default)")
     directory = resolve_checkpoint(path, prefer=prefer)

@@ -87,3 +87,20 @@ def test_every_kind_of_path_resolves(tmp_path: Path) -> None:
                          (run / "checkpoints" / "best" / "config.json", "is a file")):
         with pytest.raises(GptlabError, match=message):
             resolve_checkpoint(bad)
+
+
+def test_a_device_or_dtype_that_cannot_be_is_named_before_any_weight_is_read(tmp_path: Path) -> None:
+    model = _model(0)
+    save_model(tmp_path / "ck", model)
+    cases = [({"device": "foo"}, "device 'foo' is not a device"),
+             ({"device": "xla"}, "device 'xla' cannot run a model"),
+             ({"dtype": "float99"}, "dtype must be a floating-point torch.dtype"),
+             ({"dtype": torch.int64}, "dtype must be a floating-point torch.dtype")]
+    if not torch.cuda.is_available():  # failed inside safetensors: "pin_memory=True requires a CUDA ... backend"
+        cases.append(({"device": "cuda"}, "CUDA is not available here"))
+    for kwargs, message in cases:
+        with pytest.raises(GptlabError, match=message):
+            load_model(tmp_path / "ck", **kwargs)
+    half, _ = load_model(tmp_path / "ck", dtype="bfloat16")  # a name, as from_hf takes it (was a TypeError)
+    assert half.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(half.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
