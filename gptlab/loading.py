@@ -72,6 +72,8 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     For a run directory, `prefer="best"` picks the best-validation checkpoint when there is one, else the
     latest; `prefer="latest"` picks the latest step.
     """
+    if prefer not in ("best", "latest"):  # anything else silently meant "latest"
+        raise GptlabError(f"prefer must be 'best' or 'latest', got {prefer!r}")
     path = Path(path)
     if path.is_symlink() and not path.exists():
         raise GptlabError(f"{path} is a symbolic link that leads nowhere (a loop, or its target is gone)")

@@ -80,6 +80,9 @@ def test_every_kind_of_path_resolves(tmp_path: Path) -> None:
     save_model(run / "checkpoints" / "best", model)
     assert resolve_checkpoint(run).name == "best"
     assert resolve_checkpoint(run, prefer="latest").name == "step-0000010"
+    for misspelt in ("last", "Best"):  # silently meant the latest step, a model the caller did not ask for
+        with pytest.raises(GptlabError, match=f"prefer must be 'best' or 'latest', got '{misspelt}'"):
+            load_model(run, prefer=misspelt)
     assert resolve_checkpoint(run / "checkpoints" / "best" / "model.safetensors").name == "best"
     loaded, tokenizer = load_model(run)
     assert tokenizer is None and loaded.config == model.config
