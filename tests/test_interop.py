@@ -233,6 +233,20 @@ def test_import_needs_no_transformers(tmp_path: Path, monkeypatch: pytest.Monkey
     assert from_hf(tmp_path / "out").config == model.config
 
 
+def test_a_device_or_dtype_that_cannot_be_is_named_before_the_weights_are_read(tmp_path: Path) -> None:
+    gptlab.save_hf(GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=16)), tmp_path)
+    cases = [({"device": "foo"}, "device 'foo' is not a device"),
+             ({"dtype": "int8"}, "dtype must be a floating-point torch.dtype"),  # weights cast to integers
+             ({"dtype": torch.int64}, "dtype must be a floating-point torch.dtype"),
+             ({"dtype": "float99"}, "dtype must be a floating-point torch.dtype")]
+    if not torch.cuda.is_available():  # was an AssertionError from torch's CUDA
+        cases.append(({"device": "cuda"}, "CUDA is not available here"))
+    for kwargs, message in cases:
+        with pytest.raises(GptlabError, match=message):
+            from_hf(tmp_path, **kwargs)
+    assert from_hf(tmp_path, dtype=torch.float16).lm_head.weight.dtype == torch.float16
+
+
 # --- config schemas -----------------------------------------------------------------------------------------
 _LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=300, hidden_size=64,
                    intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -22,6 +22,7 @@ from gptlab.checkpoint import assign_weights, check_floating, model_state_dict, 
 from gptlab.config import GPTConfig
 from gptlab.errors import GptlabError
 from gptlab.fileio import atomic_write_dir
+from gptlab.hardware import resolve_device, weights_dtype
 from gptlab.interop.common import CARRIED, SAFETENSORS_FILE, read_hf_config, read_hf_weights, to_ours, to_theirs
 from gptlab.interop.registry import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, SUPPORTED_ARCHITECTURES
 from gptlab.lora import has_lora
@@ -134,6 +135,9 @@ def from_hf(
     Reads config.json and the weights itself, so `transformers` need not be installed. `dtype=None` keeps the
     checkpoint's dtype (that of its token embedding).
     """
+    # checked before the weights are read: a device this machine lacks was an AssertionError from torch's CUDA
+    device = resolve_device(str(device), flag="device")
+    dtype = weights_dtype(dtype)
     directory = Path(path)
     if not directory.is_dir():
         raise GptlabError(f"{directory} is not a directory: pass a Hugging Face model directory")
@@ -151,8 +155,6 @@ def from_hf(
     check_floating({name: t for name, t in tensors.items() if not family.IGNORE.search(name)}, str(directory))
     state = to_ours(family.rules(config), tensors, family.IGNORE, directory)
     del tensors
-    if isinstance(dtype, str):
-        dtype = _dtype(dtype)
     dtype = dtype or state["transformer.wte.weight"].dtype
     with torch.device("meta"):
         model = GPT(config)
@@ -161,13 +163,6 @@ def from_hf(
         state["lm_head.weight"] = state["transformer.wte.weight"]
     # a config.json that disagrees with its weights is named here, before torch would fail on a shape
     return assign_weights(model, state, where=f"{directory} (against its config.json)")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise GptlabError(f"unknown dtype {name!r}: use float32, bfloat16 or float16")
-    return dtype
 
 
 # ------------------------------------------------------------------------------------------------------------
