@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from gptlab.errors import GptlabError
+from gptlab.hardware import resolve_device, weights_dtype
 from gptlab.model import GPT
 
 M = TypeVar("M", bound=nn.Module)
@@ -216,12 +217,15 @@ def run_with_cache(
     idx: torch.Tensor | Sequence[int],
     names: Iterable[str] | None = None,
     device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(logits, cache): one forward's activations at `names` (default every hook point), each moved to `device`
-    / cast to `dtype` when given. Shapes: residual points (B, T, C); q/k/v/z (B, T, heads, hs); scores and
-    pattern (B, nh, T, T_k); MLP points (B, T, hidden)."""
+    / cast to `dtype` (a floating-point dtype or its name) when given. Shapes: residual points (B, T, C); q/k/v/z
+    (B, T, heads, hs); scores and pattern (B, nh, T, T_k); MLP points (B, T, hidden)."""
     names = hook_point_names(model) if names is None else check_names(model, names)
+    # checked before the forward: else torch's own error from inside the first hook, CUDA's an AssertionError
+    device = None if device is None else resolve_device(str(device), flag="device")
+    dtype = weights_dtype(dtype)
     cache: dict[str, torch.Tensor] = {}
 
     def keep(name: str) -> HookFn:

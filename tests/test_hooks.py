@@ -219,6 +219,19 @@ def test_cache_device_and_dtype() -> None:
     model = model_of("gpt2")
     _, cache = run_with_cache(model, IDX, ["blocks.0.hook_resid_pre"], device="cpu", dtype=torch.float16)
     assert cache["blocks.0.hook_resid_pre"].dtype == torch.float16
+    _, by_name = run_with_cache(model, IDX, ["blocks.0.hook_resid_pre"], dtype="bfloat16")
+    assert by_name["blocks.0.hook_resid_pre"].dtype == torch.bfloat16
+    # each was torch's own error from inside the first hook (a TypeError, a RuntimeError listing device types,
+    # CUDA's AssertionError on a machine without it), after the forward had begun
+    cases = [({"device": "foo"}, "device 'foo' is not a device"),
+             ({"dtype": "half-ish"}, "dtype must be a floating-point torch.dtype"),
+             ({"dtype": torch.int32}, "dtype must be a floating-point torch.dtype")]
+    if not torch.cuda.is_available():
+        cases.append(({"device": "cuda"}, "CUDA is not available here"))
+    for kwargs, message in cases:
+        with pytest.raises(GptlabError, match=message):
+            run_with_cache(model, IDX, ["blocks.0.hook_resid_pre"], **kwargs)
+        assert no_hooks_left(model)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
