@@ -23,7 +23,14 @@ from gptlab.head_loss import TiedGradient, head_cross_entropy, tied_embedding, t
 from gptlab.kv_cache import KVCache, document_masks, masks_for
 from gptlab.linear import Linear
 from gptlab.norms import UnitOffsetRMSNorm, make_norm
-from gptlab.ops import assert_in_range_on_device, cross_entropy, gelu, reduce_losses, upcasting_linear
+from gptlab.ops import (
+    assert_in_range_on_device,
+    check_targets_like,
+    cross_entropy,
+    gelu,
+    reduce_losses,
+    upcasting_linear,
+)
 from gptlab.rope import rope_tables
 from gptlab.token_shift import Shifts, TokenShift
 
@@ -231,6 +238,8 @@ class GPT(nn.Module):
         `documents` (B, T): which packed document each token belongs to; each attends only within its own, from
         position 0 (`kv_cache.document_masks`).
         """
+        if targets is not None and isinstance(idx, torch.Tensor):  # idx itself is checked with the forward
+            check_targets_like(idx, targets)
         if check_ids and targets is not None and targets.numel():
             message = (f"a target is outside the vocabulary: targets must be in [0, {self.config.vocab_size}) or -1 "
                        "(ignored)")

@@ -378,3 +378,15 @@ def assert_in_range_on_device(t: torch.Tensor, low: int, high: int, message: str
     lo, hi = torch.aminmax(t)
     torch._assert_async((lo >= low) & (hi < high), message)
     return True
+
+
+def check_targets_like(idx: torch.Tensor, targets: torch.Tensor) -> None:
+    """A ValueError unless targets are integer ids shaped as idx (read from the tensors' metadata, nothing from the
+    device): the loss would otherwise fail as "softmax_xent: targets must be (N,) int64", pair a reshaped target
+    with the wrong position, or truncate float targets without a word."""
+    if not isinstance(targets, torch.Tensor):
+        raise ValueError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+    if targets.shape != idx.shape:
+        raise ValueError(f"targets must have the token ids' shape {tuple(idx.shape)}, got {tuple(targets.shape)}")

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gptlab import GPT, GPTConfig, KVCache, parameter_breakdown
+from gptlab.hooks import hooked
 from gptlab.kv_cache import Masks
 
 SMALL = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32)
@@ -101,6 +102,23 @@ def test_loss_ignores_minus_one_targets():
     logits, loss = model(idx, targets)
     expected = F.cross_entropy(logits[:, 4:].reshape(-1, 97), targets[:, 4:].reshape(-1))
     assert torch.allclose(loss, expected, atol=1e-6)
+
+
+def test_targets_not_shaped_as_the_ids_or_not_integers_are_refused_by_name():
+    model = build()
+    idx = torch.randint(0, 97, (2, 6))
+    # were: "softmax_xent: targets must be (N,) int64" from the kernel; a (3, 4) reshape or the flattened ids
+    # paired each target with another position's logits; float targets were truncated (2.7 taken as 2)
+    for targets, message in ((idx[:, :3], r"targets must have the token ids' shape \(2, 6\), got \(2, 3\)"),
+                             (idx.reshape(3, 4), r"shape \(2, 6\), got \(3, 4\)"),
+                             (idx.flatten(), r"shape \(2, 6\), got \(12,\)"),
+                             (idx.float() + 0.7, "targets must be an integer tensor, got dtype torch.float32"),
+                             (idx.tolist(), "targets must be a torch.Tensor, got list")):
+        for hooks in ({}, {"hook_logits": lambda x: None}):  # the fused loss and the plain one
+            with pytest.raises(ValueError, match=message), hooked(model, hooks):
+                model(idx, targets)
+    expected = F.cross_entropy(model(idx).logits.flatten(0, 1), idx.int().flatten().long())
+    torch.testing.assert_close(model(idx, idx.int()).loss, expected)  # int32 targets, as int32 ids, are taken
 
 
 @pytest.mark.parametrize("n_kv_head", [1, 2, 4])
