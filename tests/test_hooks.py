@@ -276,6 +276,21 @@ def test_patching_refuses_prompts_of_different_lengths() -> None:
         activation_patching(model, [1, 2], [2, 1], logit_difference(1, 2), heads=True)
 
 
+def test_logit_difference_names_a_token_or_position_the_logits_lack() -> None:
+    model = model_of("gpt2")
+    vocab = model.config.vocab_size
+    clean, corrupt = IDX[:1, :4], IDX[1:, :4]
+    # were an IndexError from inside the patching loop; a negative id read a logit from the vocabulary's end
+    for metric, message in ((logit_difference(vocab, 2), f"answer token {vocab} is outside the vocabulary"),
+                            (logit_difference(1, -1), "wrong token -1 is outside the vocabulary"),
+                            (logit_difference(1, 2, position=4), "position 4 is outside the prompt's 4 tokens")):
+        with pytest.raises(GptlabError, match=message):
+            activation_patching(model, clean, corrupt, metric)
+        assert no_hooks_left(model)
+    logits = run_with_hooks(model, clean, {})
+    assert float(logit_difference(1, 2, position=-4)(logits)) == float(logits[0, 0, 1] - logits[0, 0, 2])
+
+
 def test_ablation_against_the_maths() -> None:
     model = model_of("llama")
     _, cache = run_with_cache(model, IDX)

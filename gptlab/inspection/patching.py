@@ -36,6 +36,14 @@ POSITION_AXIS = {"attn.hook_pattern": 2, "attn.hook_attn_scores": 2}  # the quer
 def logit_difference(answer: int, wrong: int, position: int = -1) -> Metric:
     """The metric logits[:, position, answer] - logits[:, position, wrong], averaged over the batch."""
     def metric(logits: torch.Tensor) -> torch.Tensor:
+        # named here: else an IndexError from inside the patching loop, or for a negative token id a logit
+        # counted from the vocabulary's end without a word
+        vocab, length = logits.shape[-1], logits.shape[1]
+        for what, token in (("answer", answer), ("wrong", wrong)):
+            if not 0 <= token < vocab:
+                raise GptlabError(f"logit_difference's {what} token {token} is outside the vocabulary [0, {vocab})")
+        if not -length <= position < length:
+            raise GptlabError(f"logit_difference's position {position} is outside the prompt's {length} tokens")
         return (logits[:, position, answer] - logits[:, position, wrong]).mean()
     return metric
 
