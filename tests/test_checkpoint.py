@@ -89,6 +89,17 @@ def test_a_checkpoint_without_optimizers_is_a_model_with_its_tokenizer(tmp_path:
     assert not (tmp_path / "other").exists()
 
 
+def test_save_model_with_its_arguments_swapped_says_so(tmp_path: Path) -> None:
+    model = tiny_model()
+    # was "'PosixPath' object has no attribute 'modules'" from inside the state dict's reading
+    with pytest.raises(GptlabError, match=r"model must be a torch.nn.Module, got PosixPath \(the path comes first"):
+        ckpt.save_model(model, tmp_path / "ck")
+    with pytest.raises(GptlabError, match="model must be a torch.nn.Module, got OrderedDict$"):
+        ckpt.save_model(tmp_path / "ck", model.state_dict())
+    assert not (tmp_path / "ck").exists()
+    assert load_model(ckpt.save_model(tmp_path / "ck", model))[0].config == model.config
+
+
 def test_a_crash_midway_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
     run = tmp_path / "run"
     model, opts = trained("adamw")

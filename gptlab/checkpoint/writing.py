@@ -132,6 +132,10 @@ def weights_file(model: torch.nn.Module) -> str:
 
 def save_model(path: str | Path, model: torch.nn.Module, tokenizer: TextTokenizer | None = None) -> Path:
     """Save a model (and tokenizer) as a checkpoint directory, atomically."""
+    if not isinstance(model, torch.nn.Module):  # else an AttributeError from deep in the state dict's reading
+        swapped = " (the path comes first: save_model(path, model), unlike save_hf)" if isinstance(
+            path, torch.nn.Module) else ""
+        raise GptlabError(f"save_model's model must be a torch.nn.Module, got {type(model).__name__}{swapped}")
     weights = model_state_dict(model)
     return atomic_write_dir(path, lambda tmp: write_model(tmp, model, tokenizer, weights),
                             needed=sharded.global_nbytes(weights))
