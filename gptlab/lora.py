@@ -313,7 +313,9 @@ def add_lora(
         raise LoRAError(f"lora_rank must be at least 1, got {spec.rank}")
     if has_lora(model):
         raise LoRAError("the model already has LoRA adapters")
-    targets = set(resolve_targets(model.config, spec.targets))
+    # named first: an unknown name (or a bare "q,v" string, iterated by character) was reported by
+    # resolve_targets as a missing gate projection
+    targets = set(resolve_targets(model.config, parse_targets(spec.targets)))
     for p in model.parameters():
         p.requires_grad_(False)
     slices_of = layer_slices(model.config)

@@ -115,6 +115,14 @@ def test_targets_by_name() -> None:
     gpt2 = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16))
     with pytest.raises(GptlabError, match="no gate projection"):
         add_lora(gpt2, LoRASpec(rank=2, targets=("gate",)))
+    # add_lora itself reads names as parse_targets does: an unknown one was "has no gate projection", and a bare
+    # string was iterated by character ("LoRA target 'c'")
+    for targets, message in ((("nope",), "unknown LoRA target 'nope'"), ("c_attn", "unknown LoRA target 'c_attn'")):
+        with pytest.raises(GptlabError, match=message):
+            add_lora(gpt2, LoRASpec(rank=2, targets=targets))
+        assert not has_lora(gpt2) and all(p.requires_grad for p in gpt2.parameters())
+    aliased = add_lora(GPT(gpt2.config), LoRASpec(rank=2, targets=("q_proj", "v_proj")))
+    assert {n.split(".")[-1] for n in lora_state_dict(aliased)} == {"q", "v"}
     add_lora(gpt2, LoRASpec(rank=2))  # all-linear on GPT-2: q, k, v, o, up, down
     assert {n.split(".")[-1] for n in lora_state_dict(gpt2)} == {"q", "k", "v", "o", "up", "down"}
 
