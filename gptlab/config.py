@@ -310,6 +310,8 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        if not isinstance(d, dict):  # a list failed inside the unknown-field check: "sequence item 0: expected str"
+            raise ValueError(f"a GPTConfig is read from a dict of its fields, got {type(d).__name__}")
         check_known_fields(cls, d, "GPTConfig")
         return cls(**d)
 

@@ -463,6 +463,14 @@ def test_presets_and_overrides():
     assert GPTConfig.from_dict(config.to_dict()) == config
 
 
+def test_from_dict_refuses_what_is_not_a_dict_in_one_line():
+    # were a TypeError from inside the unknown-field check ("sequence item 0: expected str instance") or
+    # "unknown GPTConfig field(s): x" for the string "x"
+    for bad in ([1], "x", None, [("n_layer", 2)]):
+        with pytest.raises(ValueError, match=f"read from a dict of its fields, got {type(bad).__name__}$"):
+            GPTConfig.from_dict(bad)
+
+
 def test_replacing_n_head_keeps_every_head_its_own_keys_unless_told():
     config = small()  # n_kv_head defaults to n_head
     assert config.n_kv_head == config.n_head == 4
