@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -555,3 +558,31 @@ def test_one_query_attention_takes_any_memory_order_sdpa_returns(monkeypatch: py
                         lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
     got = attention.sdpa(q, k, v, None, 0.25)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _round_trips(config: GPTConfig, tmp: Path) -> None:
+    again = GPTConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config and again.to_dict() == config.to_dict()
+    config.save(tmp / "config.json")
+    assert GPTConfig.load(tmp / "config.json").to_dict() == config.to_dict()
+    assert config.replace().to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize("name", GPTConfig.presets())
+def test_every_preset_round_trips_through_json(name: str, tmp_path: Path) -> None:
+    _round_trips(GPTConfig.preset(name), tmp_path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_kv=st.sampled_from([None, 1, 2, 4]), head_dim=st.sampled_from([None, 8, 16]),
+       position=st.sampled_from(["learned", "rope", "none"]), norm=st.sampled_from(["layernorm", "rmsnorm"]),
+       bias=st.booleans(), qkv_bias=st.sampled_from([None, True, False]), mlp=st.sampled_from(["gelu", "swiglu"]),
+       block=st.sampled_from(["pre", "post", "parallel", "sandwich"]), window=st.sampled_from([None, 4]),
+       scaling=st.sampled_from([None, {"kind": "linear", "factor": 2.0}]), tie=st.booleans())
+def test_any_config_round_trips_through_json(n_kv, head_dim, position, norm, bias, qkv_bias, mlp, block, window,
+                                             scaling, tie) -> None:
+    config = small(n_kv_head=n_kv, head_dim=head_dim, position=position, norm=norm, bias=bias, qkv_bias=qkv_bias,
+                   mlp=mlp, block=block, sliding_window=window, tie_embeddings=tie,
+                   rope_scaling=scaling if position == "rope" else None)
+    with tempfile.TemporaryDirectory() as tmp:  # hypothesis runs each example again; a fixture's folder would not
+        _round_trips(config, Path(tmp))
