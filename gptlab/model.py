@@ -155,6 +155,9 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        if not isinstance(config, GPTConfig):  # a dict or a preset's name failed as "no attribute 'validate'"
+            raise ValueError(f"GPT takes a GPTConfig (GPTConfig.preset(name), GPTConfig.from_dict(d)), got "
+                             f"{type(config).__name__}")
         config.validate()
         self.config = config
         # Built on the meta device (shapes only, for weights loaded next), nothing is initialized: meta tensors

@@ -474,6 +474,14 @@ def test_from_dict_refuses_what_is_not_a_dict_in_one_line():
             GPTConfig.from_dict(bad)
 
 
+def test_a_model_built_from_anything_but_a_config_says_what_it_takes():
+    # were "'dict' object has no attribute 'validate'", for the model and for parameter_breakdown alike
+    for bad in (small().to_dict(), "gpt2"):
+        for build_it in (GPT, parameter_breakdown):
+            with pytest.raises(ValueError, match=f"GPT takes a GPTConfig .*, got {type(bad).__name__}$"):
+                build_it(bad)
+
+
 def test_replacing_n_head_keeps_every_head_its_own_keys_unless_told():
     config = small()  # n_kv_head defaults to n_head
     assert config.n_kv_head == config.n_head == 4
