@@ -59,10 +59,10 @@ def hook_point_names(model: GPT) -> list[str]:
     return names + list(MODEL_POINTS[2:])
 
 
-def check_names(model: GPT, names: Iterable[str]) -> list[str]:
+def check_names(model: GPT, names: Iterable[str] | str) -> list[str]:
     """`names` as a list, each a hook point of `model`; else a one-line error naming it (and the nearest one)."""
     known = set(hook_point_names(model))
-    names = list(names)
+    names = [names] if isinstance(names, str) else list(names)  # one name, not its characters
     for name in names:
         if name not in known:
             near = difflib.get_close_matches(name, known, n=1)
@@ -215,13 +215,13 @@ def run_with_hooks(model: GPT, idx: torch.Tensor | Sequence[int], fns: Mapping[s
 def run_with_cache(
     model: GPT,
     idx: torch.Tensor | Sequence[int],
-    names: Iterable[str] | None = None,
+    names: Iterable[str] | str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(logits, cache): one forward's activations at `names` (default every hook point), each moved to `device`
-    / cast to `dtype` (a floating-point dtype or its name) when given. Shapes: residual points (B, T, C); q/k/v/z
-    (B, T, heads, hs); scores and pattern (B, nh, T, T_k); MLP points (B, T, hidden)."""
+    """(logits, cache): one forward's activations at `names` (default every hook point; a string is one name),
+    each moved to `device` / cast to `dtype` (a floating-point dtype or its name) when given. Shapes: residual
+    points (B, T, C); q/k/v/z (B, T, heads, hs); scores and pattern (B, nh, T, T_k); MLP points (B, T, hidden)."""
     names = hook_point_names(model) if names is None else check_names(model, names)
     # checked before the forward: else torch's own error from inside the first hook, CUDA's an AssertionError
     device = None if device is None else resolve_device(str(device), flag="device")

@@ -129,6 +129,15 @@ def test_bad_names_get_a_one_line_error() -> None:
     assert no_hooks_left(model)
 
 
+def test_one_name_as_a_string_is_that_hook_point() -> None:
+    model = model_of("gpt2")
+    # was iterated by character: "'h' is not a hook point of this model"
+    logits, cache = run_with_cache(model, IDX, "hook_logits")
+    assert list(cache) == ["hook_logits"] and torch.equal(cache["hook_logits"], logits)
+    with pytest.raises(GptlabError, match="'hook_logit' is not a hook point"):
+        run_with_cache(model, IDX, "hook_logit")
+
+
 def test_a_hook_runs_only_on_its_thread() -> None:
     model = model_of("gpt2")
     seen = []
