@@ -78,7 +78,10 @@ class LoRASpec:
 
 def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
     """"q,v" / ["q_proj", "v_proj"] / "all-linear" -> canonical names, in TARGETS order (LoRAError if unknown)."""
-    names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    given = targets.split(",") if isinstance(targets, str) else list(targets) if isinstance(targets, Iterable) else None
+    if given is None or not all(isinstance(t, str) for t in given):
+        raise LoRAError(f"lora_targets must be names ({', '.join(TARGETS)} or {ALL_LINEAR}), got {targets!r}")
+    names = [t.strip() for t in given if t.strip()]
     if not names:
         raise LoRAError("lora_targets is empty: name some of " + ", ".join(TARGETS) + f" or {ALL_LINEAR}")
     if ALL_LINEAR in names:

@@ -112,6 +112,9 @@ def test_targets_by_name() -> None:
     assert parse_targets(["all-linear", "q"]) == ("all-linear",)
     with pytest.raises(GptlabError, match="unknown LoRA target 'qkv'"):
         parse_targets("qkv")
+    for bad in ([1, 2], 7, ["q", None]):  # (a lora.json's targets = [1, 2]: an AttributeError on int.strip)
+        with pytest.raises(GptlabError, match="lora_targets must be names"):
+            parse_targets(bad)
     gpt2 = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16))
     with pytest.raises(GptlabError, match="no gate projection"):
         add_lora(gpt2, LoRASpec(rank=2, targets=("gate",)))
