@@ -23,6 +23,18 @@ from gptlab.config import GPTConfig, RopeScaling
 LENGTH_DEPENDENT = ("dynamic", "longrope")  # scalings whose frequencies change with the sequence's length
 
 
+def length_dependent(config: GPTConfig) -> bool:
+    """Whether the config's RoPE scaling changes its frequencies with the sequence's length (dynamic NTK, longrope):
+    a forward's rotation then follows its last position."""
+    return config.rope_scaling is not None and config.rope_scaling.kind in LENGTH_DEPENDENT
+
+
+def past_original_context(config: GPTConfig, length: int) -> bool:
+    """Whether a sequence of `length` tokens takes other frequencies than the pretraining context's (a
+    `length_dependent` scaling past its `original_context`)."""
+    return length_dependent(config) and length > config.rope_scaling.original_context
+
+
 def inv_frequencies(config: GPTConfig, seq_len: int) -> tuple[torch.Tensor, float]:
     """(inv_freq (rotary_dim / 2,), attention factor) for a forward whose last position is seq_len - 1. Kept for
     the next forward of the same shape: a decoding step made them again every token (5-10 small ops). The tensor
@@ -122,10 +134,9 @@ def rope_tables(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, tor
     every row of a batch can sit at its own position.
     """
     # only dynamic and longrope scaling depend on the sequence's length: reading it stalls a GPU's queue
-    scaling = config.rope_scaling
-    if scaling is not None and scaling.kind in LENGTH_DEPENDENT and pos.shape[0] > 1:
+    if length_dependent(config) and pos.shape[0] > 1:
         return _rows_rope_tables(config, pos)
-    seq_len = int(pos.max()) + 1 if scaling is not None and scaling.kind in LENGTH_DEPENDENT else 0
+    seq_len = int(pos.max()) + 1 if length_dependent(config) else 0
     inv_freq, attention_factor = inv_frequencies(config, seq_len)
     if pos.is_cuda and not torch.compiler.is_compiling():
         # from pageable memory the copy would wait for the GPU's whole queue, on every forward
@@ -153,9 +164,9 @@ def rope_at(config: GPTConfig, pos: torch.Tensor, end: int) -> tuple[torch.Tenso
     """`rope_tables(config, pos)` for positions below `end`, looked up in a table of every position kept per
     config (a decode step made the angles, their cos and sin again every token: ~8 small ops). On a CPU, where
     the frequencies do not depend on the length; elsewhere it computes them as rope_tables does."""
-    scaling = config.rope_scaling
-    if pos.device.type != "cpu" or (scaling is not None and scaling.kind in LENGTH_DEPENDENT):
+    if pos.device.type != "cpu" or length_dependent(config):
         return rope_tables(config, pos)
+    scaling = config.rope_scaling
     size = 1 << max(config.block_size, end - 1, 1).bit_length()  # room past the block size: a power of two
     key = (config.rotary_dim, config.rope_base, repr(scaling), config.block_size)
     found = _TABLES.get(key)

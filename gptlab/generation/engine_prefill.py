@@ -29,7 +29,7 @@ from gptlab.generation.row_steering import any_steered, steering_rows
 from gptlab.hooks import hooked_here
 from gptlab.kernels.dispatch import BATCH, chosen_ops, kind_of
 from gptlab.quantize import QuantizedLinear
-from gptlab.rope import LENGTH_DEPENDENT
+from gptlab.rope import length_dependent, past_original_context
 
 if TYPE_CHECKING:
     from gptlab.generation.engine import Engine
@@ -73,9 +73,9 @@ class PromptPrefill:
         tried again row by row, and a row that fails alone finishes with its error (the others go on)."""
         parts = [self._next_part(g) for g in gens]
         held = [len(g.prompt_ids) - len(g.row.pending) for g in gens]
-        scaling = self.config.rope_scaling
-        unpadded = scaling is not None and scaling.kind in LENGTH_DEPENDENT  # (a row's frequencies: its own length)
-        for group in padded_groups([len(p) for p in parts], held, self.max_len, unpadded=unpadded):
+        # (a length-dependent scaling's frequencies: each row's own length, which padding would move)
+        for group in padded_groups([len(p) for p in parts], held, self.max_len,
+                                   unpadded=length_dependent(self.config)):
             rows, error = [gens[i] for i in group], None
             tokens = len(group) * max(len(parts[i]) for i in group)  # padded
             with self._kernels(refresh=True, rows=tokens), steering_rows(self.model, rows):
@@ -121,9 +121,7 @@ class PromptPrefill:
         """g's next prompt part: its pending tokens, up to prefill_chunk. All of them for a prompt past the
         pretraining context of a RoPE scaling that depends on the length: a forward's frequencies follow its last
         position, so chunks would rotate the prompt's first keys otherwise than the whole prompt's one forward."""
-        scaling = self.config.rope_scaling
-        if (self.prefill_chunk is None or (scaling is not None and scaling.kind in LENGTH_DEPENDENT
-                                           and len(g.prompt_ids) > scaling.original_context)):
+        if self.prefill_chunk is None or past_original_context(self.config, len(g.prompt_ids)):
             return g.row.pending
         return g.row.pending[: self.prefill_chunk]
 
@@ -138,10 +136,9 @@ class PromptPrefill:
         """Whether prompts can go into the decode step's C++ call: the lean step is exact, nothing hooked or steered
         (those run in the plain forward), no captured step, rotary frequencies that do not change with the length,
         and the C++ step's weights not known to be missing."""
-        scaling = self.config.rope_scaling
         return (self._lean_step_exact and self._static is None and not self.model.training
                 and not hooked_here(self.model) and not any_steered(self.slots) and self._native is not False
-                and (scaling is None or scaling.kind not in LENGTH_DEPENDENT))
+                and not length_dependent(self.config))
 
     def _rows_call_serves(self: Engine, n: int) -> bool:
         """Whether n tokens fed to one row go through the decode step's C++ call (`decode_rows`, as a prompt's

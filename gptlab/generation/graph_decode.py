@@ -24,7 +24,7 @@ import torch
 from gptlab.generation.fast_decode import decode_hidden, lean_step_exact
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
-from gptlab.rope import LENGTH_DEPENDENT
+from gptlab.rope import length_dependent
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,7 @@ MIN_KEYS = 64  # the smallest key bucket: a few more masked keys cost less than 
 
 def usable(model: GPT) -> bool:
     """Whether `StaticDecode` computes exactly what the model's forward does for it (see the module docstring)."""
-    scaling = model.config.rope_scaling
-    return lean_step_exact(model) and (scaling is None or scaling.kind not in LENGTH_DEPENDENT)
+    return lean_step_exact(model) and not length_dependent(model.config)
 
 
 def _power_of_two_at_least(n: int) -> int:

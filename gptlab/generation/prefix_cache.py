@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from gptlab.hooks import hooked_here
 from gptlab.kv_cache import KVCache
-from gptlab.rope import LENGTH_DEPENDENT
+from gptlab.rope import past_original_context
 
 if TYPE_CHECKING:
     from gptlab.generation.request import Generation
@@ -162,8 +162,7 @@ class PrefixCache:
         another model, cache layout or version of the weights)."""
         if model.training or hooked_here(model):
             return False
-        scaling = model.config.rope_scaling
-        if scaling is not None and scaling.kind in LENGTH_DEPENDENT and length > scaling.original_context:
+        if past_original_context(model.config, length):
             return False
         n_layer, _, n_kv_head, _, head_size = kv.k.shape
         owner = (weakref.ref(model), (n_layer, n_kv_head, head_size, kv.k.dtype, kv.k.device),

@@ -34,7 +34,7 @@ from gptlab.generation.logit_filters import apply_logit_bias
 from gptlab.generation.params import SamplingParams
 from gptlab.generation.sampling import filtered_probs, inverse_cdf
 from gptlab.model import GPT
-from gptlab.rope import LENGTH_DEPENDENT
+from gptlab.rope import length_dependent
 
 if TYPE_CHECKING:
     from gptlab.generation.engine import Engine
@@ -239,11 +239,10 @@ class Speculator:
             return False
         engine, window = self.engine, g.row.window
         room = engine.max_len - len(window) - 1  # the verify forward feeds 1 + k tokens
-        scaling = engine.config.rope_scaling
-        if scaling is not None and scaling.kind in LENGTH_DEPENDENT:
+        if length_dependent(engine.config):
             # its frequencies follow the forward's last position: one verify forward rotates its tokens as a
             # token at a time would only while they stay within the pretraining context
-            room = min(room, scaling.original_context - len(window) - 1)
+            room = min(room, engine.config.rope_scaling.original_context - len(window) - 1)
         k = min(self.draft_tokens, room, g.params.max_new_tokens - len(g.token_ids))
         if k < 1:
             return False
