@@ -42,7 +42,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from gptlab.errors import GptlabError
 from gptlab.evaluation.tasks import continuation_scores
 from gptlab.generation import Engine, SamplingParams, cache_length
-from gptlab.hardware import resolve_device
+from gptlab.hardware import resolve_device, weights_dtype
 from gptlab.loading import load_model
 
 if TYPE_CHECKING:
@@ -55,14 +55,7 @@ Request = tuple[Any, list[int], list[int]]  # (cache key, context tokens, contin
 
 def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     """A dtype model_arg ("bfloat16", a torch.dtype); None and "auto" keep the checkpoint's."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if value == "auto":
-        return None
-    dtype = getattr(torch, str(value), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise GptlabError(f"dtype {value!r}: use float32, bfloat16, float16 or auto")
-    return dtype
+    return None if value == "auto" else weights_dtype(value, "dtype (or auto)")
 
 
 def _positive_int(name: str, value: int | str | None, default: int) -> int:
