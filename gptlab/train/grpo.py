@@ -8,8 +8,8 @@ scores them with the recipe's reward function (`rewards`), and turns the scores 
 group: A = (r - mean of the group) / (std of the group + 1e-4), the unbiased std, as trl's GRPOTrainer.
 
 The policy's and the reference's log-probabilities are those of the distribution the completions were sampled
-from, softmax(logits / temperature), as trl's GRPOTrainer scores them (`token_logps`). The loss of a completion is
-trl's "grpo" loss type: per token, -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)
+from, softmax(logits / temperature), as trl's GRPOTrainer scores them (`reference.token_logps`). The loss of a
+completion is trl's "grpo" loss type: per token, -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)
 plus kl_beta times the k3 estimate of KL(policy || reference), exp(ref - logp) - (ref - logp) - 1, weighted by
 the ratio (trl's default use_bias_correction_kl: the estimate is over the old policy's samples); averaged over
 the completion's tokens, then over the step's completions. One optimizer step per batch of rollouts (trl's
@@ -27,16 +27,14 @@ import dataclasses
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from gptlab.data import read_meta
 from gptlab.generation import SamplingParams, generate_batch
-from gptlab.hooks import eval_mode
 from gptlab.tokenizer import load_tokenizer
 from gptlab.tokenizer.chat_template import BUILTIN_TEMPLATES, ChatTemplate, chat_template_for, reply_stops
 from gptlab.train.batches import targets_of
 from gptlab.train.config import TrainConfig
-from gptlab.train.reference import frozen_reference
+from gptlab.train.reference import frozen_reference, reference_forward, token_logps
 from gptlab.train.rewards import load_reward, reward_value
 
 GRPO_STATS = ("reward", "completion_tokens", "kl")
@@ -48,18 +46,6 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     grouped = rewards.view(-1, group)
     advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
     return advantages.view(-1)
-
-
-def token_logps(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The (N, T) log-probabilities of the targets of (x, y) under softmax(logits / temperature), the distribution
-    the rollouts sampled (0 where the target is -1)."""
-    if temperature == 1.0:  # the fused head's loss: no logits kept
-        _, losses = net(x, y, reduction="none", check_ids=False)
-    else:
-        logits = net(x, check_ids=False).logits
-        losses = F.cross_entropy((logits.float() / temperature).flatten(0, 1), y.flatten(), ignore_index=-1,
-                                 reduction="none")
-    return -losses.view(y.shape)
 
 
 def completion_losses(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
@@ -184,17 +170,9 @@ class Grpo:
         self._made_tokens += cx.numel()
         cx, cy = cx.to(x.device), cy.to(x.device)
         logps = token_logps(net, cx, cy, self.temperature)
-        ref = None if self._reference is None else self.reference_logps(cx, cy)
+        ref = None if self._reference is None else -reference_forward(*self._reference, cx, cy, self.temperature)
         mask = cy != -1
         per_completion, kl = completion_losses(logps, logps.detach(), ref, advantages, mask, self.clip_eps,
                                                self.kl_beta)
         stats = torch.stack([rewards.sum(), mask.sum().cpu().float(), kl.sum().cpu().float()])
         return per_completion.sum() * scale, stats.to(x.device)
-
-    @torch.no_grad()
-    def reference_logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The reference's `token_logps` of (x, y), at the rollouts' temperature as the policy's."""
-        assert self._reference is not None
-        reference, context = self._reference
-        with context(), eval_mode(reference):
-            return token_logps(reference, x, y, self.temperature)

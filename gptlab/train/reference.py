@@ -12,6 +12,7 @@ import copy
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from gptlab.hooks import eval_mode
 from gptlab.lora import adapters_disabled, has_lora
@@ -26,9 +27,22 @@ def frozen_reference(model: torch.nn.Module) -> tuple[torch.nn.Module, Context]:
     return copy.deepcopy(model).requires_grad_(False).eval(), contextlib.nullcontext
 
 
+def token_logps(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The (N, T) log-probabilities of the targets of (x, y) under softmax(logits / temperature), the distribution
+    the rollouts sampled (0 where the target is -1)."""
+    if temperature == 1.0:  # the fused head's loss: no logits kept
+        _, losses = net(x, y, reduction="none", check_ids=False)
+    else:
+        logits = net(x, check_ids=False).logits
+        losses = F.cross_entropy((logits.float() / temperature).flatten(0, 1), y.flatten(), ignore_index=-1,
+                                 reduction="none")
+    return -losses.view(y.shape)
+
+
 @torch.no_grad()
-def reference_forward(reference: torch.nn.Module, context: Context, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The reference's -log p of each target of (x, y) (0 where the target is -1), shaped as y, without gradients."""
+def reference_forward(reference: torch.nn.Module, context: Context, x: torch.Tensor, y: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """The reference's -log p of each target of (x, y) under softmax(logits / temperature) (`token_logps`; 0 where
+    the target is -1), shaped as y, without gradients."""
     with context(), eval_mode(reference):
-        _, losses = reference(x, y, reduction="none", check_ids=False)
-    return losses.view(y.shape)
+        return -token_logps(reference, x, y, temperature)
